@@ -1,0 +1,270 @@
+"""The public API: orchestrates capture -> profile -> search -> plan -> codegen -> reports.
+
+This is the only module that writes an output folder, and it writes it atomically: everything goes
+into a temporary sibling folder that is renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autoplan.errors import UserError
+from autoplan.hardware.types import Cluster, HardwareProfile
+from autoplan.plan import ClusterRef, ModelRef, Plan, Training
+from autoplan.profile.types import ModelProfile
+
+log = logging.getLogger("autoplan")
+
+DEFAULT_GPU = "h100-sxm5-80gb"
+PROFILE_BATCH_SIZE = 2
+"""Samples per captured/profiled batch. Costs scale linearly from it; 1 is avoided because export
+may specialize a batch dimension of size 1."""
+DEFAULT_BATCH_PER_GPU = 4
+"""--global-batch defaults to this many samples per GPU."""
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int | float) -> float:
+    """"80GiB", "80 GB", "512MiB", "1.5e9" -> bytes. A bad value raises UserError."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+        unit = match.group(2).lower() if match else None
+        if not match or unit not in _UNITS:
+            raise UserError(f"cannot read memory size {text!r}: write e.g. 80GiB, 40GB or 512MiB")
+        value = float(match.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise UserError(f"memory size must be positive, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """Everything one planning run produced (the Plan plus the data behind the reports)."""
+
+    plan: Plan
+    profile: ModelProfile
+    candidates: tuple[Any, ...]
+    """autoplan.solve.search.Candidate for every layout tried."""
+
+
+def load_cluster(gpus: Any, gpu: str, gpus_per_node: Any, memory_per_gpu: Any, hardware: str | None) -> Cluster:
+    from autoplan.hardware.profiles import load_hardware
+
+    errors = []
+    num_gpus = _positive_int(gpus, "--gpus", errors)
+    per_node = None if gpus_per_node is None else _positive_int(gpus_per_node, "--gpus-per-node", errors)
+    cap = None
+    if memory_per_gpu is not None:
+        try:
+            cap = parse_bytes(memory_per_gpu)
+        except UserError as e:
+            errors.append(str(e))
+    profile: HardwareProfile | None = None
+    try:
+        profile = load_hardware(hardware if hardware else gpu)
+    except UserError as e:
+        errors.append(str(e))
+    if errors:
+        raise UserError("; ".join(errors))
+    per_node = per_node or min(profile.default_gpus_per_node, num_gpus)
+    return Cluster(profile, num_gpus, per_node, cap)
+
+
+def _positive_int(value: Any, flag: str, errors: list[str]) -> int:
+    try:
+        number = int(str(value))
+    except ValueError:
+        number = 0
+    if number <= 0 or str(value).strip() != str(number):
+        errors.append(f"{flag} must be a positive integer, got {value!r}")
+        return 1
+    return number
+
+
+def _source(model: Any, example_batch: Any):
+    from autoplan.source import ModelSource, load_source
+
+    if isinstance(model, (str, os.PathLike)):
+        return load_source(str(model))
+    if isinstance(model, ModelSource):
+        return model
+    if callable(model) and example_batch is not None:
+        return ModelSource(Path("<python>"), "build_model", None, model, example_batch, None)
+    raise UserError("model must be a path to model.py (optionally path.py:factory), or a factory plus example_batch=")
+
+
+def plan_model(
+    model: Any,
+    gpus: int,
+    gpu: str = DEFAULT_GPU,
+    *,
+    gpus_per_node: int | None = None,
+    global_batch: int | None = None,
+    dtype: str | None = None,
+    memory_per_gpu: str | float | None = None,
+    pin: str | None = None,
+    hardware: str | None = None,
+    solver: str = "highs",
+    time_limit: float | None = None,
+    example_batch: Any = None,
+    out: str | os.PathLike | None = None,
+) -> PlanResult:
+    """Plan a model for `gpus` accelerators; with `out`, also write the output folder."""
+    from autoplan.profile import profile_model
+    from autoplan.solve.pins import parse_pins
+    from autoplan.solve.search import search
+
+    started = time.perf_counter()
+    errors = []
+    cluster = None
+    try:
+        cluster = load_cluster(gpus, gpu, gpus_per_node, memory_per_gpu, hardware)
+    except UserError as e:
+        errors.append(str(e))
+    pins = None
+    try:
+        pins = parse_pins(pin or "")
+    except UserError as e:
+        errors.append(str(e))
+    if dtype not in (None, "fp32", "bf16"):
+        errors.append(f"--dtype must be bf16 or fp32, got {dtype!r}")
+    if global_batch is not None:
+        _positive_int(global_batch, "--global-batch", errors)
+    if solver not in ("highs", "cbc"):
+        errors.append(f"--solver must be highs or cbc, got {solver!r}")
+    if time_limit is not None and not float(time_limit) > 0:
+        errors.append(f"--time-limit must be positive seconds, got {time_limit!r}")
+    if errors:
+        raise UserError("; ".join(errors))
+    source = _source(model, example_batch)
+
+    on_cpu = cluster.gpu.name == "cpu"
+    dtype = dtype or ("fp32" if on_cpu else "bf16")
+    batch = int(global_batch) if global_batch is not None else DEFAULT_BATCH_PER_GPU * cluster.num_gpus
+
+    log.info("capture + profile %s at batch %d on %s", source.spec, PROFILE_BATCH_SIZE, cluster.gpu.name)
+    profile = profile_model(source, PROFILE_BATCH_SIZE, cluster.hardware, measure=on_cpu, dtype=dtype)
+    training = Training(global_batch_size=batch, dtype=dtype, tokens_per_sample=profile.tokens_per_sample)
+    log.info("search %d GPUs, %d ops, %d parameters", cluster.num_gpus, len(profile.ops), profile.param_count)
+    result = search(profile, cluster, training, pins, solver=solver, time_limit_s=time_limit)
+
+    best = result.best
+    alternatives = tuple(
+        {
+            "parallelism": c.parallelism.__dict__,
+            "step_time_s": c.predicted.step_time_s if c.predicted else None,
+            "peak_memory_bytes": c.predicted.peak_memory_bytes if c.predicted else None,
+            "fits": c.fits,
+            "why_not": c.reason,
+        }
+        for c in _next_best(result.candidates, best, 5)
+    )
+    plan = Plan(
+        model=ModelRef(path=str(source.path), factory=source.factory_name, param_count=profile.param_count),
+        cluster=ClusterRef(cluster.gpu.name, cluster.num_gpus, cluster.gpus_per_node, cluster.usable_memory_bytes),
+        training=training,
+        parallelism=best.parallelism,
+        stages=best.stages,
+        predicted=best.predicted,
+        solver=result.solver,
+        alternatives=alternatives,
+    )
+    planned = PlanResult(plan, profile, tuple(result.candidates))
+    log.info("planned in %.2f s", time.perf_counter() - started)
+    if out is not None:
+        write_outputs(planned, Path(out), source.path)
+    return planned
+
+
+def _next_best(candidates, best, count: int):
+    others = [c for c in candidates if c is not best and c.predicted is not None]
+    others.sort(key=lambda c: (not c.fits, c.predicted.step_time_s))
+    return others[:count]
+
+
+def write_outputs(result: PlanResult, out: Path, model_file: Path) -> None:
+    """Write plan.json, CSVs, train.py and launchers into `out`, atomically."""
+    from autoplan.codegen import write_program
+    from autoplan.report.csv import write_csvs
+
+    if not model_file.is_file():
+        raise UserError("writing train.py needs the model as a file: pass a path to model.py")
+    out = out.resolve()
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        (staging / "plan.json").write_text(result.plan.to_json())
+        write_csvs(result, staging)
+        write_program(result.plan, staging, model_file)
+        _replace_folder(staging, out)
+    except BaseException:  # KeyboardInterrupt and SIGTERM included: never leave a half-written folder
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _replace_folder(staging: Path, out: Path) -> None:
+    if out.exists():
+        old = out.with_name(f".{out.name}.old.{os.getpid()}")
+        out.rename(old)
+        staging.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        staging.rename(out)
+    out.chmod(0o755)
+
+
+def load_plan(out_dir: str | os.PathLike) -> Plan:
+    path = Path(out_dir) / "plan.json"
+    if not path.is_file():
+        raise UserError(f"no plan.json in {out_dir}")
+    from autoplan.plan import PlanError
+
+    try:
+        return Plan.from_json(path.read_text())
+    except PlanError as e:
+        raise UserError(str(e)) from None
+
+
+def profile_only(model: Any, gpu: str = DEFAULT_GPU, *, hardware: str | None = None, measure: bool | None = None,
+                 batch_size: int = PROFILE_BATCH_SIZE, dtype: str | None = None,
+                 out: str | os.PathLike | None = None) -> ModelProfile:
+    """Capture and profile without planning; with `out`, write ops.csv, modules.csv, profile.json."""
+    from autoplan.hardware.profiles import load_hardware
+    from autoplan.profile import profile_model
+    from autoplan.report.csv import modules_frame, ops_frame
+
+    hw = load_hardware(hardware if hardware else gpu)
+    source = _source(model, None)
+    on_cpu = hw.gpu.name == "cpu"
+    measure = on_cpu if measure is None else measure
+    if measure and not on_cpu:
+        raise UserError(f"--measure times ops on this machine, which has no {hw.gpu.name}: use --gpu cpu")
+    profile = profile_model(source, batch_size, hw, measure=measure, dtype=dtype or ("fp32" if on_cpu else "bf16"))
+    if out is not None:
+        out = Path(out).resolve()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        try:
+            ops = ops_frame(profile)
+            ops.to_csv(staging / "ops.csv", index=False)
+            modules_frame(profile, ops).to_csv(staging / "modules.csv", index=False)
+            (staging / "profile.json").write_text(profile.to_json())
+            _replace_folder(staging, out)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    return profile

@@ -1,0 +1,178 @@
+"""The `autoplan` command: one function per subcommand, thin over autoplan.api.
+
+    autoplan MODEL.py --gpus N [...]        plan (the default subcommand)
+    autoplan plan MODEL.py --gpus N [...]
+    autoplan profile MODEL.py [--gpu NAME] [--measure] [--out DIR]
+    autoplan verify DIR [--nproc K] [--steps S] [--measure]
+
+Exit codes: 0 success, 2 bad input or infeasible (one line on stderr), 1 internal error,
+130 interrupted (Ctrl-C), 143 terminated (SIGTERM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import traceback
+
+from autoplan.errors import UserError
+
+SUBCOMMANDS = ("plan", "profile", "verify")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line (exit 2) instead of usage + message."""
+
+    def error(self, message: str):
+        raise UserError(f"{self.prog}: {message} (see --help)")
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    parser.add_argument("--quiet", action="store_true", help="print only errors")
+
+
+def _plan_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="model.py, or model.py:factory")
+    parser.add_argument("--gpus", required=True, help="number of accelerators")
+    parser.add_argument("--gpu", default="h100-sxm5-80gb", help="hardware profile name, or 'cpu' for this machine")
+    parser.add_argument("--gpus-per-node", default=None)
+    parser.add_argument("--global-batch", default=None, help="samples per optimizer step (default 4 per GPU)")
+    parser.add_argument("--dtype", default=None, help="bf16 or fp32 (default bf16 on GPUs, fp32 on cpu)")
+    parser.add_argument("--memory-per-gpu", default=None, help="cap usable memory per GPU, e.g. 40GiB")
+    parser.add_argument("--pin", default=None, help="fix layout choices, e.g. tp=8,pp=4,dp=2,zero=3")
+    parser.add_argument("--hardware", default=None, help="a hardware profile YAML file (overrides --gpu)")
+    parser.add_argument("--out", default="autoplan_out", help="output folder (default autoplan_out)")
+    parser.add_argument("--solver", default="highs", help="highs (default) or cbc")
+    parser.add_argument("--time-limit", default=None, type=float, help="solver time limit, seconds")
+    parser.add_argument("--json", action="store_true", help="print plan.json to stdout")
+    _common(parser)
+
+
+def build_parser() -> dict[str, argparse.ArgumentParser]:
+    plan = _Parser(prog="autoplan plan", description="Plan a model for N GPUs and write a torchrun program.")
+    _plan_args(plan)
+    profile = _Parser(prog="autoplan profile", description="Capture and profile a model: ops.csv, modules.csv.")
+    profile.add_argument("model")
+    profile.add_argument("--gpu", default="cpu")
+    profile.add_argument("--hardware", default=None)
+    profile.add_argument("--measure", action="store_true", help="time ops on this machine")
+    profile.add_argument("--out", default="autoplan_profile")
+    _common(profile)
+    verify = _Parser(prog="autoplan verify", description="Run a generated program on CPU/gloo and check loss parity.")
+    verify.add_argument("dir")
+    verify.add_argument("--nproc", type=int, default=None)
+    verify.add_argument("--steps", type=int, default=3)
+    verify.add_argument("--timeout", type=float, default=600.0, help="seconds per run before it is killed")
+    verify.add_argument("--measure", action="store_true")
+    _common(verify)
+    return {"plan": plan, "profile": profile, "verify": verify}
+
+
+def cmd_plan(args) -> int:
+    from autoplan.api import plan_model
+
+    result = plan_model(
+        args.model, args.gpus, args.gpu, gpus_per_node=args.gpus_per_node, global_batch=args.global_batch,
+        dtype=args.dtype, memory_per_gpu=args.memory_per_gpu, pin=args.pin, hardware=args.hardware,
+        solver=args.solver, time_limit=args.time_limit, out=args.out,
+    )
+    if args.json:
+        print(result.plan.to_json())
+    elif not args.quiet:
+        print(summary(result.plan, args.out))
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from autoplan.api import profile_only
+
+    profile = profile_only(args.model, args.gpu, hardware=args.hardware, measure=args.measure or None, out=args.out)
+    if not args.quiet:
+        flops = sum(o.flops_fwd + o.flops_bwd for o in profile.ops)
+        print(f"{len(profile.ops)} ops, {profile.param_count:,} parameters, "
+              f"{flops / profile.batch_size:.3g} FLOPs per sample (fwd+bwd), captured by {profile.capture_method}")
+        print(f"wrote {args.out}/ops.csv, modules.csv, profile.json")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from autoplan.verify import verify
+
+    result = verify(args.dir, nproc=args.nproc, steps=args.steps, timeout_s=args.timeout, measure=args.measure)
+    if not args.quiet:
+        print(f"loss parity over {result.steps} steps on {result.nproc} processes: "
+              f"max |diff| = {result.parity_max_abs_diff:.3g} ({'PASS' if result.passed else 'FAIL'}, limit 1e-4)")
+    return 0 if result.passed else 1
+
+
+def summary(plan, out: str | None) -> str:
+    p, pred = plan.parallelism, plan.predicted
+    gib = 2**30
+    lines = [
+        f"layout     dp={p.data_parallel_degree} (replicate {p.data_parallel_replicate_degree} x shard "
+        f"{p.data_parallel_shard_degree}, zero {p.zero_stage})  tp={p.tensor_parallel_degree}  "
+        f"pp={p.pipeline_parallel_degree} ({p.pipeline_parallel_schedule})  micro-batch "
+        f"{p.pipeline_parallel_microbatch_size} x {p.pipeline_parallel_num_microbatches}  "
+        f"recompute {p.activation_checkpoint}",
+        f"predicted  {pred.step_time_s * 1e3:.1f} ms/step, {pred.samples_per_s:,.1f} samples/s"
+        + (f", {pred.tokens_per_s:,.0f} tokens/s" if pred.tokens_per_s else "")
+        + f", MFU {pred.mfu * 100:.1f}%",
+        f"memory     {pred.peak_memory_bytes / gib:.2f} GiB peak of {plan.cluster.memory_per_gpu_bytes / gib:.1f} GiB "
+        f"per {plan.cluster.gpu}",
+    ]
+    for s in plan.stages:
+        lines.append(f"stage {s.index:<4} {s.predicted_time_s * 1e3:8.2f} ms/micro-batch  "
+                     f"{s.predicted_memory_bytes / gib:6.2f} GiB  {s.modules[0]} .. {s.modules[-1]}")
+    lines.append(f"solver     {plan.solver.name} {plan.solver.status} in {plan.solver.time_s:.2f} s, "
+                 f"{plan.solver.candidates_evaluated} candidates")
+    if out:
+        lines.append(f"wrote      {out}/ (plan.json, train.py, launch/, *.csv); check it: autoplan verify {out}")
+    return "\n".join(lines)
+
+
+def _terminate(signum, frame):
+    from autoplan.api import Terminated
+
+    raise Terminated()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    if argv and argv[0] in SUBCOMMANDS:
+        name, rest = argv[0], argv[1:]
+    else:
+        name, rest = "plan", argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        args = build_parser()[name].parse_args(rest)
+        logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING if args.quiet else logging.INFO,
+                            format="autoplan: %(message)s")
+        return {"plan": cmd_plan, "profile": cmd_profile, "verify": cmd_verify}[name](args)
+    except UserError as e:
+        if debug:
+            traceback.print_exc()
+        print(f"autoplan: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        from autoplan.api import Terminated
+
+        print("autoplan: terminated" if isinstance(e, Terminated) else "autoplan: interrupted", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
+    except Exception as e:  # noqa: BLE001 - the last line of defence: one line, exit 1
+        if debug:
+            traceback.print_exc()
+        print(f"autoplan: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""A plan as data: frozen dataclasses and a versioned JSON schema (plan.json).
+
+Field names follow torchtitan's parallelism config so a plan carries over. Loading validates the
+schema version and every field; nothing in an output folder is ever unpickled or executed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+RECOMPUTE = ("none", "selective", "full")
+
+
+class PlanError(ValueError):
+    """plan.json is not a valid plan of this schema version."""
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """How the work is split. Degrees multiply to the number of GPUs."""
+
+    data_parallel_replicate_degree: int = 1
+    """Replicas that all-reduce gradients (DDP; the replicate dimension of HSDP)."""
+    data_parallel_shard_degree: int = 1
+    """Ranks that shard parameters, gradients and optimizer state (FSDP / ZeRO)."""
+    tensor_parallel_degree: int = 1
+    """Ranks that split each layer's matmuls (Megatron-style)."""
+    pipeline_parallel_degree: int = 1
+    """Pipeline stages, one per rank along the pipeline dimension."""
+    pipeline_parallel_schedule: str = "1f1b"
+    """"gpipe", "1f1b" or "interleaved"."""
+    pipeline_parallel_microbatch_size: int = 1
+    """Samples per micro-batch."""
+    pipeline_parallel_num_microbatches: int = 1
+    """Micro-batches per step per data-parallel rank (gradient accumulation when pp = 1)."""
+    activation_checkpoint: str = "none"
+    """"none", "selective" or "full"."""
+    zero_stage: int = 0
+    """0 = replicated (DDP), 1/2 = sharded optimizer state (and gradients), 3 = FSDP."""
+    pipeline_parallel_virtual_stages: int = 1
+    """Stages per pipeline rank (> 1 only for the interleaved schedule)."""
+
+    @property
+    def data_parallel_degree(self) -> int:
+        return self.data_parallel_replicate_degree * self.data_parallel_shard_degree
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel_degree * self.tensor_parallel_degree * self.pipeline_parallel_degree
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: a contiguous run of the model's layers (units)."""
+
+    index: int
+    modules: tuple[str, ...]
+    """FQNs of the modules (units of the layer chain) that run on this stage, in order."""
+    predicted_time_s: float
+    """Forward+backward time of one micro-batch on this stage, seconds."""
+    predicted_memory_bytes: float
+    """Peak memory of a rank of this stage, bytes."""
+    memory_breakdown: dict[str, float] = field(default_factory=dict)
+    """parameters, gradients, optimizer, activations, buffers, ... in bytes."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    step_time_s: float
+    samples_per_s: float
+    tokens_per_s: float | None
+    model_flops_per_step: float
+    """Forward+backward FLOPs of one optimizer step at the global batch, without recomputation."""
+    mfu: float
+    """model_flops_per_step / (step_time_s * num_gpus * peak FLOP/s)."""
+    peak_memory_bytes: float
+    """Peak memory of the most loaded rank, bytes."""
+    memory_breakdown: dict[str, float] = field(default_factory=dict)
+    """Breakdown of the most loaded rank's memory, bytes."""
+    time_breakdown: dict[str, float] = field(default_factory=dict)
+    """compute, bubble, data_parallel_comm, pipeline_comm, ... seconds per step."""
+
+
+@dataclass(frozen=True)
+class SolverInfo:
+    name: str
+    """"highs" or "cbc" (the MILP solver), or "pinned" when every degree was fixed."""
+    status: str
+    """"optimal", "time_limit" (best found, see gap) or "infeasible"."""
+    time_s: float
+    candidates_evaluated: int
+    gap: float = 0.0
+    """Relative MIP gap of the chosen stage split when a time limit stopped the solver."""
+
+
+@dataclass(frozen=True)
+class Training:
+    global_batch_size: int
+    """Samples per optimizer step across all data-parallel ranks."""
+    dtype: str = "fp32"
+    """"fp32" or "bf16" (mixed precision)."""
+    optimizer: str = "adamw"
+    learning_rate: float = 1e-3
+    seed: int = 0
+    tokens_per_sample: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    path: str
+    """Path of the model.py the plan was made for (train.py loads the copy beside it)."""
+    factory: str = "build_model"
+    param_count: int = 0
+
+
+@dataclass(frozen=True)
+class ClusterRef:
+    gpu: str
+    num_gpus: int
+    gpus_per_node: int
+    memory_per_gpu_bytes: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelRef
+    cluster: ClusterRef
+    training: Training
+    parallelism: Parallelism
+    stages: tuple[Stage, ...]
+    predicted: Prediction
+    solver: SolverInfo
+    alternatives: tuple[dict[str, Any], ...] = ()
+    """The next best layouts: parallelism, predicted step time and memory, why each lost."""
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @staticmethod
+    def from_dict(raw: Any) -> "Plan":
+        if not isinstance(raw, dict):
+            raise PlanError("plan.json: top level must be an object")
+        version = raw.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise PlanError(f"plan.json: schema_version {version!r} is not {SCHEMA_VERSION}")
+        parallelism = _build(Parallelism, raw, "parallelism")
+        if parallelism.pipeline_parallel_schedule not in SCHEDULES:
+            raise PlanError(f"plan.json: parallelism.pipeline_parallel_schedule must be one of {SCHEDULES}")
+        if parallelism.activation_checkpoint not in RECOMPUTE:
+            raise PlanError(f"plan.json: parallelism.activation_checkpoint must be one of {RECOMPUTE}")
+        stages_raw = raw.get("stages")
+        if not isinstance(stages_raw, list):
+            raise PlanError("plan.json: stages must be a list")
+        stages = tuple(
+            _build(Stage, {"stage": {**s, "modules": tuple(s.get("modules", ()))}}, "stage")
+            if isinstance(s, dict) else _fail("plan.json: each stage must be an object")
+            for s in stages_raw
+        )
+        alternatives = raw.get("alternatives", [])
+        if not isinstance(alternatives, list):
+            raise PlanError("plan.json: alternatives must be a list")
+        return Plan(
+            model=_build(ModelRef, raw, "model"),
+            cluster=_build(ClusterRef, raw, "cluster"),
+            training=_build(Training, raw, "training"),
+            parallelism=parallelism,
+            stages=stages,
+            predicted=_build(Prediction, raw, "predicted"),
+            solver=_build(SolverInfo, raw, "solver"),
+            alternatives=tuple(alternatives),
+        )
+
+    @staticmethod
+    def from_json(text: str) -> "Plan":
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan.json is not valid JSON: {e}") from None
+        return Plan.from_dict(raw)
+
+
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+
+
+def _fail(message: str):
+    raise PlanError(message)
+
+
+def _build(cls, raw: dict, key: str):
+    """Build dataclass `cls` from raw[key], checking required fields and simple types."""
+    section = raw.get(key)
+    if not isinstance(section, dict):
+        raise PlanError(f"plan.json: '{key}' must be an object")
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in section:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise PlanError(f"plan.json: {key}.{f.name} is missing")
+            continue
+        value = section[f.name]
+        expected = _TYPES.get(str(f.type).split(" |")[0])
+        if expected and value is not None and (not isinstance(value, expected) or isinstance(value, bool) and bool not in expected):
+            raise PlanError(f"plan.json: {key}.{f.name} must be {f.type}, got {value!r}")
+        kwargs[f.name] = value
+    unknown = set(section) - {f.name for f in fields(cls)}
+    if unknown:
+        raise PlanError(f"plan.json: unknown field(s) in '{key}': {', '.join(sorted(unknown))}")
+    return cls(**kwargs)

@@ -1,0 +1,102 @@
+"""The profile of a model as plain data: what capture + profile hand to the cost model and solver.
+
+Nothing here imports torch, so `cost/` and `solve/` can work from a saved profile.
+Every quantity is for ONE forward+backward pass at `ModelProfile.batch_size` samples, in the dtype
+the model was captured in (`ModelProfile.dtype`). The cost model scales activations, FLOPs and times
+linearly to the micro-batch it plans for.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class OpProfile:
+    """One ATen op of the captured forward graph, with what its backward costs."""
+
+    node: str
+    """Name of the FX node in the captured graph (unique within the graph)."""
+    op: str
+    """ATen overload, e.g. "aten.linear.default"."""
+    module: str
+    """Fully qualified name of the innermost nn.Module that ran this op ("" for the root module)."""
+    module_stack: tuple[str, ...]
+    """Every enclosing module's FQN, outermost first, excluding the root; empty for root-level ops."""
+    inputs: tuple[str, ...]
+    """Names of the op nodes whose outputs this op reads (data-flow edges; graph inputs excluded)."""
+    params: tuple[str, ...]
+    """FQNs of the parameters (and buffers) this op reads directly, e.g. "layers.0.weight"."""
+    input_shapes: tuple[tuple[int, ...], ...]
+    """Shapes of the tensor arguments, in argument order."""
+    dtype: str
+    """dtype of the (first) output, e.g. "float32"."""
+    flops_fwd: float
+    """Forward FLOPs (a multiply-add counts 2)."""
+    flops_bwd: float
+    """Backward FLOPs of this op (gradients w.r.t. inputs that need them and parameters)."""
+    input_bytes: int
+    """Bytes of all tensor inputs read (activations and parameters)."""
+    output_bytes: int
+    """Bytes of all tensor outputs."""
+    saved_bytes: int
+    """Bytes this op adds to what autograd keeps for backward, each tensor counted once in the graph."""
+    time_fwd_s: float
+    """Forward time on the profiled device, seconds."""
+    time_bwd_s: float
+    """Backward time on the profiled device, seconds."""
+    source: str
+    """"measured" (timed on the local device) or "estimated" (roofline on a hardware profile)."""
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """A captured and profiled model."""
+
+    model: str
+    """Where the model came from, e.g. "examples/gpt.py:build_model"."""
+    batch_size: int
+    """Samples in the batch the ops were captured and profiled at."""
+    dtype: str
+    """dtype of the model's floating-point parameters at capture, e.g. "float32"."""
+    device: str
+    """"cpu" when timings were measured here, else the hardware profile name used to estimate them."""
+    ops: tuple[OpProfile, ...]
+    """Every op of the forward graph in topological (execution) order."""
+    parameters: dict[str, int] = field(default_factory=dict)
+    """Trainable parameter FQN -> number of elements (tied parameters appear once)."""
+    parameter_bytes_per_element: int = 4
+    """Bytes per parameter element at capture (4 for float32)."""
+    tokens_per_sample: int | None = None
+    """Sequence length when the inputs are integer token ids, else None."""
+    output_nodes: tuple[str, ...] = ()
+    """Op nodes whose values are model outputs."""
+    capture_method: str = "export"
+    """How the graph was captured: "export", "symbolic_trace" or "dispatch"."""
+    unsupported_ops: tuple[str, ...] = ()
+    """ATen ops that have no FLOP formula (counted as 0 FLOPs, timed or estimated by bytes)."""
+
+    @property
+    def param_count(self) -> int:
+        return sum(self.parameters.values())
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> "ModelProfile":
+        raw = json.loads(text)
+        ops = tuple(
+            OpProfile(**{
+                **op,
+                "module_stack": tuple(op["module_stack"]),
+                "inputs": tuple(op["inputs"]),
+                "params": tuple(op["params"]),
+                "input_shapes": tuple(tuple(s) for s in op["input_shapes"]),
+            })
+            for op in raw.pop("ops")
+        )
+        raw["output_nodes"] = tuple(raw.get("output_nodes", ()))
+        raw["unsupported_ops"] = tuple(raw.get("unsupported_ops", ()))
+        return ModelProfile(ops=ops, **raw)

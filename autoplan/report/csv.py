@@ -1,0 +1,97 @@
+"""ops.csv, modules.csv, stages.csv and candidates.csv (pandas)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from autoplan.profile.types import ModelProfile
+
+OPS_COLUMNS = ["node", "op", "module", "input_shapes", "dtype", "flops_fwd", "flops_bwd", "param_bytes",
+               "saved_bytes", "output_bytes", "time_fwd_s", "time_bwd_s", "source"]
+MODULE_COLUMNS = ["module", "depth", "ops", "flops_fwd", "flops_bwd", "param_count", "param_bytes",
+                  "saved_bytes", "time_fwd_s", "time_bwd_s"]
+CANDIDATE_COLUMNS = ["rank", "dp_replicate", "dp_shard", "zero", "tp", "pp", "schedule", "microbatch_size",
+                     "num_microbatches", "recompute", "fits", "step_time_s", "peak_memory_gib", "why_not"]
+
+
+def ops_frame(profile: ModelProfile) -> pd.DataFrame:
+    """One row per op; a parameter's bytes are charged to the first op that reads it."""
+    seen: set[str] = set()
+    rows = []
+    for op in profile.ops:
+        fresh = [p for p in op.params if p not in seen and p in profile.parameters]
+        seen.update(fresh)
+        param_bytes = sum(profile.parameters[p] for p in fresh) * profile.parameter_bytes_per_element
+        rows.append({
+            "node": op.node, "op": op.op, "module": op.module,
+            "input_shapes": " ".join("x".join(map(str, s)) or "scalar" for s in op.input_shapes),
+            "dtype": op.dtype, "flops_fwd": op.flops_fwd, "flops_bwd": op.flops_bwd, "param_bytes": param_bytes,
+            "saved_bytes": op.saved_bytes, "output_bytes": op.output_bytes,
+            "time_fwd_s": op.time_fwd_s, "time_bwd_s": op.time_bwd_s, "source": op.source,
+        })
+    return pd.DataFrame(rows, columns=OPS_COLUMNS)
+
+
+def modules_frame(profile: ModelProfile, ops: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Roll ops up into every enclosing module, at every depth (DeepSpeed-profiler style)."""
+    ops = ops_frame(profile) if ops is None else ops
+    totals: dict[str, dict[str, float]] = {}
+    for op, row in zip(profile.ops, ops.itertuples(index=False)):
+        for module in ("",) + tuple(op.module_stack):
+            t = totals.setdefault(module, {"ops": 0, "flops_fwd": 0.0, "flops_bwd": 0.0, "param_bytes": 0,
+                                           "saved_bytes": 0, "time_fwd_s": 0.0, "time_bwd_s": 0.0})
+            t["ops"] += 1
+            for key in ("flops_fwd", "flops_bwd", "param_bytes", "saved_bytes", "time_fwd_s", "time_bwd_s"):
+                t[key] += getattr(row, key)
+    rows = []
+    for module, t in totals.items():
+        prefix = module + "." if module else ""
+        rows.append({
+            "module": module or "(model)", "depth": module.count(".") + 1 if module else 0, **t,
+            "param_count": sum(n for name, n in profile.parameters.items() if name.startswith(prefix)),
+        })
+    frame = pd.DataFrame(rows, columns=MODULE_COLUMNS)
+    return frame.sort_values(["depth", "module"], kind="stable").reset_index(drop=True)
+
+
+def candidates_frame(candidates: tuple[Any, ...], best: Any) -> pd.DataFrame:
+    """Every layout tried, fastest fitting first, with why it lost."""
+    ordered = sorted(candidates, key=lambda c: (c is not best, not c.fits,
+                                                c.predicted.step_time_s if c.predicted else float("inf")))
+    rows = []
+    for rank, c in enumerate(ordered, start=1):
+        p = c.parallelism
+        rows.append({
+            "rank": rank, "dp_replicate": p.data_parallel_replicate_degree, "dp_shard": p.data_parallel_shard_degree,
+            "zero": p.zero_stage, "tp": p.tensor_parallel_degree, "pp": p.pipeline_parallel_degree,
+            "schedule": p.pipeline_parallel_schedule, "microbatch_size": p.pipeline_parallel_microbatch_size,
+            "num_microbatches": p.pipeline_parallel_num_microbatches, "recompute": p.activation_checkpoint,
+            "fits": c.fits,
+            "step_time_s": c.predicted.step_time_s if c.predicted else None,
+            "peak_memory_gib": c.predicted.peak_memory_bytes / 2**30 if c.predicted else None,
+            "why_not": "chosen" if c is best else c.reason,
+        })
+    return pd.DataFrame(rows, columns=CANDIDATE_COLUMNS)
+
+
+def stages_frame(plan) -> pd.DataFrame:
+    rows = []
+    for s in plan.stages:
+        rows.append({"stage": s.index, "modules": " ".join(s.modules), "predicted_time_s": s.predicted_time_s,
+                     "predicted_memory_gib": s.predicted_memory_bytes / 2**30,
+                     **{f"{k}_gib": v / 2**30 for k, v in s.memory_breakdown.items()}})
+    return pd.DataFrame(rows)
+
+
+def write_csvs(result, out: Path) -> None:
+    """Write the four CSVs of a PlanResult into `out`."""
+    ops = ops_frame(result.profile)
+    ops.to_csv(out / "ops.csv", index=False)
+    modules_frame(result.profile, ops).to_csv(out / "modules.csv", index=False)
+    stages_frame(result.plan).to_csv(out / "stages.csv", index=False)
+    best = next((c for c in result.candidates if c.fits and c.parallelism == result.plan.parallelism
+                 and c.stages == result.plan.stages), None)
+    candidates_frame(result.candidates, best).to_csv(out / "candidates.csv", index=False)

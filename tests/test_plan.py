@@ -1,0 +1,63 @@
+"""plan.json round trip and validation: a plan is data, checked on load."""
+
+import json
+
+import pytest
+
+from autoplan.plan import (ClusterRef, ModelRef, Parallelism, Plan, PlanError, Prediction, SolverInfo, Stage,
+                           Training)
+
+
+def make_plan() -> Plan:
+    return Plan(
+        model=ModelRef("model.py", "build_model", 1000),
+        cluster=ClusterRef("cpu", 4, 4, 2.0**30),
+        training=Training(global_batch_size=8),
+        parallelism=Parallelism(data_parallel_replicate_degree=2, pipeline_parallel_degree=2,
+                                pipeline_parallel_num_microbatches=2),
+        stages=(Stage(0, ("a", "b"), 0.1, 100.0, {"parameters": 50.0}), Stage(1, ("c",), 0.1, 90.0)),
+        predicted=Prediction(0.5, 16.0, None, 1e9, 0.3, 100.0, {"parameters": 50.0}),
+        solver=SolverInfo("highs", "optimal", 0.01, 3),
+    )
+
+
+def test_round_trip_is_identical():
+    plan = make_plan()
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_plan_json_has_the_design_keys():
+    raw = make_plan().to_dict()
+    for key in ("schema_version", "cluster", "training", "parallelism", "stages", "predicted", "solver",
+                "alternatives"):
+        assert key in raw
+    for key in ("data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree",
+                "pipeline_parallel_degree", "pipeline_parallel_schedule", "pipeline_parallel_microbatch_size",
+                "pipeline_parallel_num_microbatches", "activation_checkpoint"):
+        assert key in raw["parallelism"]
+    for key in ("step_time_s", "samples_per_s", "tokens_per_s", "model_flops_per_step", "mfu",
+                "peak_memory_bytes", "memory_breakdown"):
+        assert key in raw["predicted"]
+    assert set(raw["stages"][0]) >= {"index", "modules", "predicted_time_s", "predicted_memory_bytes"}
+    assert set(raw["solver"]) >= {"name", "status", "time_s", "candidates_evaluated"}
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda r: r.update(schema_version=99), "schema_version"),
+    (lambda r: r.pop("parallelism"), "'parallelism' must be an object"),
+    (lambda r: r["parallelism"].update(pipeline_parallel_degree="2"), "pipeline_parallel_degree"),
+    (lambda r: r["parallelism"].update(pipeline_parallel_schedule="zigzag"), "pipeline_parallel_schedule"),
+    (lambda r: r["predicted"].pop("step_time_s"), "predicted.step_time_s is missing"),
+    (lambda r: r["solver"].update(surprise=1), "unknown field"),
+    (lambda r: r.update(stages={}), "stages must be a list"),
+])
+def test_invalid_plans_are_rejected_with_the_field_named(mutate, message):
+    raw = make_plan().to_dict()
+    mutate(raw)
+    with pytest.raises(PlanError, match=message):
+        Plan.from_json(json.dumps(raw))
+
+
+def test_not_json_is_rejected():
+    with pytest.raises(PlanError, match="not valid JSON"):
+        Plan.from_json("\x80\x04 pickle?")
