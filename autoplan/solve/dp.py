@@ -1,0 +1,105 @@
+"""Exact dynamic programs over contiguous stage splits (min-max partition of a chain).
+
+    best[s][b] = min over a of max(best[s-1][a], cost(s, a, b))
+
+where stage s holds units [a, b). O(p n^2): for a fixed end b the start a walks down, so the stage's
+time, linear memory, largest-unit terms and tied groups are all updated incrementally. Stage memory
+only grows as a stage takes more units (for a fixed end), so a walk stops at the first overflow.
+
+solve_dp gives the ILP (ilp.py) its warm start and upper bound and checks it in tests;
+min_peak_memory_split says how far from fitting an infeasible layout is.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autoplan.solve.problem import ChainProblem, Split
+
+
+@dataclass(frozen=True)
+class DpResult:
+    split: Split
+    value: float
+    """The objective: slowest stage time (solve_dp) or largest stage memory (min_peak_memory_split)."""
+
+
+class _StageTables:
+    """Per-stage vectors in plain lists (fast inner loop)."""
+
+    def __init__(self, problem: ChainProblem, stage: int) -> None:
+        model = problem.memory[stage]
+        self.unit = list(model.unit_bytes)
+        self.max_vectors = [list(v) for v in model.max_vectors]
+        self.group = list(model.group_bytes)
+        self.cut = list(model.cut_bytes)
+        self.groups_of_unit: list[list[int]] = [[] for _ in range(problem.num_units)]
+        for g, units in enumerate(model.tied_group_units):
+            for u in units:
+                self.groups_of_unit[u].append(g)
+
+
+def _walk(problem: ChainProblem, tables: _StageTables, end: int):
+    """Yield (start, time, memory) for stages ending at `end`, start descending."""
+    n = problem.num_units
+    time = memory_linear = 0.0
+    maxima = [0.0] * len(tables.max_vectors)
+    seen: set[int] = set()
+    boundary = tables.cut[end - 1] if end < n else 0.0
+    for start in range(end - 1, -1, -1):
+        time += problem.unit_time_s[start]
+        memory_linear += tables.unit[start]
+        for g in tables.groups_of_unit[start]:
+            if g not in seen:
+                seen.add(g)
+                memory_linear += tables.group[g]
+        for k, vec in enumerate(tables.max_vectors):
+            if vec[start] > maxima[k]:
+                maxima[k] = vec[start]
+        yield start, time, memory_linear + sum(maxima) + boundary
+
+
+def _solve(problem: ChainProblem, objective: str) -> DpResult | None:
+    n, p = problem.num_units, problem.num_stages
+    if p > n:
+        return None
+    cap = problem.memory_cap_bytes * (1 + 1e-9)
+    best = [[math.inf] * (n + 1) for _ in range(p)]
+    choice = [[-1] * (n + 1) for _ in range(p)]
+    for s in range(p):
+        tables = _StageTables(problem, s)
+        for end in range(s + 1, n - (p - 1 - s) + 1):
+            for start, time, memory in _walk(problem, tables, end):
+                if start < s:
+                    break
+                if objective == "time":
+                    if memory > cap or time >= best[s][end]:
+                        break  # both only grow as the stage takes more units
+                    cost = time
+                else:
+                    cost = memory
+                previous = 0.0 if s == 0 else best[s - 1][start]
+                if s == 0 and start != 0:
+                    continue
+                value = max(previous, cost)
+                if value < best[s][end]:
+                    best[s][end], choice[s][end] = value, start
+    if math.isinf(best[p - 1][n]):
+        return None
+    bounds, end = [n], n
+    for s in range(p - 1, -1, -1):
+        end = choice[s][end]
+        bounds.append(end)
+    return DpResult(Split(tuple(reversed(bounds))), best[p - 1][n])
+
+
+def solve_dp(problem: ChainProblem) -> DpResult | None:
+    """The split minimizing the slowest stage's time with every stage within the memory cap;
+    None when no split fits (or there are more stages than units)."""
+    return _solve(problem, "time")
+
+
+def min_peak_memory_split(problem: ChainProblem) -> DpResult | None:
+    """The split minimizing the largest stage memory, ignoring time and the cap."""
+    return _solve(problem, "memory")

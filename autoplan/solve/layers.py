@@ -1,0 +1,278 @@
+"""Coarsen a profile's ops into an ordered chain of units (module FQNs) that pipeline stages split.
+
+Starting from the root module's children, the unit holding the largest share of the work is
+expanded into its child modules until no unit exceeds `max_unit_share` of the total (or it is a
+leaf); containers that run no op themselves and whose children are numbered (ModuleList) are always
+expanded. A GPT gives [wte, wpe, blocks.0, ..., blocks.N, ln_f, lm_head].
+
+Contract with codegen: a stage is a contiguous slice of units; an op belongs to the unit whose FQN
+appears in its module_stack. Ops in no unit ("glue", e.g. root-level adds or a block's residual add
+once the block was expanded) are charged, for cost, to the unit of the nearest preceding op that has
+one (or to the first unit).
+
+Every quantity on a Unit is PER SAMPLE (divided by ModelProfile.batch_size) in the capture dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+
+from autoplan.profile.types import ModelProfile, OpProfile
+
+ROOT = ""
+"""Name of the root module in the module tree (module_stack excludes it)."""
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One link of the chain: a module whose ops always run on the same pipeline stage."""
+
+    index: int
+    """Position in the chain."""
+    fqn: str
+    """Fully qualified module name; it appears in the module_stack of every op it owns."""
+    ops: tuple[str, ...]
+    """Node names of the ops charged to this unit (its own ops and attached glue), in graph order."""
+    flops_fwd: float
+    """Forward FLOPs per sample."""
+    flops_bwd: float
+    """Backward FLOPs per sample."""
+    time_fwd_s: float
+    """Forward time per sample on the profiled device, seconds (profile time / batch size)."""
+    time_bwd_s: float
+    """Backward time per sample on the profiled device, seconds."""
+    op_count: int
+    """Number of ops (each launches at least one kernel; not per sample)."""
+    parameter_numel: int
+    """Elements of every parameter the unit's ops read, tied ones included."""
+    exclusive_parameter_numel: int
+    """Elements of the parameters only this unit reads (parameter_numel minus its tied groups)."""
+    saved_bytes: float
+    """Bytes autograd keeps for backward, per sample, capture dtype."""
+    memory_traffic_bytes: float
+    """Bytes the forward reads and writes (inputs + outputs of its ops), per sample."""
+
+
+@dataclass(frozen=True)
+class TiedGroup:
+    """A parameter read by several units (e.g. an embedding tied to the LM head)."""
+
+    parameter: str
+    """FQN of the parameter as named in ModelProfile.parameters."""
+    numel: int
+    """Elements of the parameter."""
+    units: tuple[int, ...]
+    """Indices of the units that read it (two or more), ascending."""
+
+
+@dataclass(frozen=True)
+class LayerChain:
+    """The model as an ordered chain of units."""
+
+    units: tuple[Unit, ...]
+    cut_bytes: tuple[float, ...]
+    """cut_bytes[i]: bytes per sample of op outputs from units <= i read by units > i (each producer
+    once); what a pipeline boundary after unit i sends forward. Length len(units) - 1."""
+    tied_groups: tuple[TiedGroup, ...]
+    profile_batch_size: int
+    """ModelProfile.batch_size the per-sample numbers were divided by."""
+    capture_dtype: str
+    """ModelProfile.dtype."""
+    device: str
+    """ModelProfile.device ("cpu" = measured here, else the hardware profile of the roofline)."""
+    tokens_per_sample: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+    @property
+    def fqns(self) -> tuple[str, ...]:
+        return tuple(u.fqn for u in self.units)
+
+    @property
+    def flops_per_sample(self) -> float:
+        """Forward + backward FLOPs of one sample, no recomputation."""
+        return sum(u.flops_fwd + u.flops_bwd for u in self.units)
+
+    @property
+    def parameter_numel(self) -> int:
+        """Elements of all parameters, tied ones counted once."""
+        return sum(u.exclusive_parameter_numel for u in self.units) + sum(g.numel for g in self.tied_groups)
+
+    def tied_groups_of(self, index: int) -> tuple[TiedGroup, ...]:
+        return tuple(g for g in self.tied_groups if index in g.units)
+
+
+def build_chain(profile: ModelProfile, max_unit_share: float = 1 / 8) -> LayerChain:
+    """The chain of units of `profile`; see the module docstring."""
+    ops = profile.ops
+    if not ops:
+        raise ValueError(f"profile of {profile.model} has no ops")
+    tree = _module_tree(ops)
+    weight = _op_weights(ops)
+    units = _choose_units(ops, tree, weight, max_unit_share)
+    assignment = _assign_ops(ops, units)
+    order = sorted(units, key=lambda u: assignment.first_op[u])
+    index_of = {fqn: i for i, fqn in enumerate(order)}
+    op_unit = [index_of[u] for u in assignment.unit_of_op]
+    batch = profile.batch_size
+    param_units = _parameter_units(profile, op_unit, order)
+    tied = tuple(
+        TiedGroup(name, profile.parameters[name], tuple(sorted(us)))
+        for name, us in sorted(param_units.items()) if len(us) > 1
+    )
+    built = []
+    for i, fqn in enumerate(order):
+        mine = [op for op, u in zip(ops, op_unit) if u == i]
+        params = [name for name, us in param_units.items() if i in us]
+        numel = sum(profile.parameters[p] for p in params)
+        tied_numel = sum(g.numel for g in tied if i in g.units)
+        built.append(Unit(
+            index=i, fqn=fqn, ops=tuple(op.node for op in mine),
+            flops_fwd=sum(op.flops_fwd for op in mine) / batch,
+            flops_bwd=sum(op.flops_bwd for op in mine) / batch,
+            time_fwd_s=sum(op.time_fwd_s for op in mine) / batch,
+            time_bwd_s=sum(op.time_bwd_s for op in mine) / batch,
+            op_count=len(mine),
+            parameter_numel=numel,
+            exclusive_parameter_numel=numel - tied_numel,
+            saved_bytes=sum(op.saved_bytes for op in mine) / batch,
+            memory_traffic_bytes=sum(op.input_bytes + op.output_bytes for op in mine) / batch,
+        ))
+    return LayerChain(
+        units=tuple(built),
+        cut_bytes=tuple(b / batch for b in _cut_bytes(ops, op_unit, len(order))),
+        tied_groups=tied,
+        profile_batch_size=batch,
+        capture_dtype=profile.dtype,
+        device=profile.device,
+        tokens_per_sample=profile.tokens_per_sample,
+    )
+
+
+def _module_tree(ops: tuple[OpProfile, ...]) -> nx.DiGraph:
+    """Parent -> child edges between modules seen in module stacks; node attr `ops`: indices of
+    the ops in its subtree, `own`: ops whose innermost module it is."""
+    tree = nx.DiGraph()
+    tree.add_node(ROOT, ops=[], own=[])
+    for i, op in enumerate(ops):
+        tree.nodes[ROOT]["ops"].append(i)
+        parent = ROOT
+        for fqn in op.module_stack:
+            if fqn not in tree:
+                tree.add_node(fqn, ops=[], own=[], first=i)
+            tree.add_edge(parent, fqn)
+            tree.nodes[fqn]["ops"].append(i)
+            parent = fqn
+        tree.nodes[parent]["own"].append(i)
+    return tree
+
+
+def _op_weights(ops: tuple[OpProfile, ...]) -> list[float]:
+    """What 'share of the work' means: measured/estimated time if any, else FLOPs, else op count."""
+    times = [op.time_fwd_s + op.time_bwd_s for op in ops]
+    if sum(times) > 0:
+        return times
+    flops = [op.flops_fwd + op.flops_bwd for op in ops]
+    if sum(flops) > 0:
+        return flops
+    return [1.0] * len(ops)
+
+
+def _children(tree: nx.DiGraph, fqn: str) -> list[str]:
+    return sorted(tree.successors(fqn), key=lambda c: tree.nodes[c]["first"])
+
+
+def _is_numbered_container(tree: nx.DiGraph, fqn: str) -> bool:
+    """A ModuleList-like container: runs no op itself and its children are fqn.0, fqn.1, ..."""
+    kids = list(tree.successors(fqn))
+    prefix = fqn + "."
+    return bool(kids) and not tree.nodes[fqn]["own"] and all(
+        k.startswith(prefix) and k[len(prefix):].isdigit() for k in kids
+    )
+
+
+def _choose_units(ops, tree: nx.DiGraph, weight: list[float], max_unit_share: float) -> list[str]:
+    units = _children(tree, ROOT)
+    if not units:
+        return [ROOT]  # the root runs every op itself: one unit, a single pipeline stage
+    total = sum(weight) or 1.0
+
+    def share(fqn: str) -> float:
+        return sum(weight[i] for i in tree.nodes[fqn]["ops"]) / total
+
+    while True:
+        expandable = [
+            u for u in units
+            if tree.out_degree(u) > 0 and (share(u) > max_unit_share or _is_numbered_container(tree, u))
+        ]
+        if not expandable:
+            return units
+        containers = [u for u in expandable if _is_numbered_container(tree, u)]
+        target = containers[0] if containers else max(expandable, key=lambda u: (share(u), -units.index(u)))
+        at = units.index(target)
+        units[at:at + 1] = _children(tree, target)
+
+
+@dataclass
+class _Assignment:
+    unit_of_op: list[str]
+    first_op: dict[str, int]
+
+
+def _assign_ops(ops: tuple[OpProfile, ...], units: list[str]) -> _Assignment:
+    """Each op's unit (glue -> the nearest preceding op's unit, else the first unit in order)."""
+    unit_set = set(units)
+    own: list[str | None] = []
+    first: dict[str, int] = {}
+    for i, op in enumerate(ops):
+        found = ROOT if units == [ROOT] else next((m for m in op.module_stack if m in unit_set), None)
+        own.append(found)
+        if found is not None:
+            first.setdefault(found, i)
+    for fqn in units:  # a unit with no op of its own cannot occur: units come from module stacks
+        assert fqn in first, fqn
+    earliest = min(units, key=lambda u: first[u])
+    resolved, previous = [], earliest
+    for found in own:
+        previous = found if found is not None else previous
+        resolved.append(previous)
+    return _Assignment(resolved, first)
+
+
+def _parameter_units(profile: ModelProfile, op_unit: list[int], order: list[str]) -> dict[str, set[int]]:
+    """Parameter FQN -> units whose ops read it; unread parameters go to the unit whose FQN is the
+    longest dotted prefix of their name (else the first unit)."""
+    readers: dict[str, set[int]] = {name: set() for name in profile.parameters}
+    for op, u in zip(profile.ops, op_unit):
+        for name in op.params:
+            if name in readers:
+                readers[name].add(u)
+    for name, us in readers.items():
+        if not us:
+            owners = [i for i, fqn in enumerate(order) if fqn and name.startswith(fqn + ".")]
+            us.add(max(owners, key=lambda i: len(order[i])) if owners else 0)
+    return readers
+
+
+def _cut_bytes(ops: tuple[OpProfile, ...], op_unit: list[int], n_units: int) -> list[float]:
+    """Bytes crossing each boundary, from the data-flow graph (each producer counted once)."""
+    flow = nx.DiGraph()
+    flow.add_nodes_from(range(len(ops)))
+    position = {op.node: i for i, op in enumerate(ops)}
+    flow.add_edges_from((position[src], i) for i, op in enumerate(ops) for src in op.inputs if src in position)
+    crossing = [0.0] * n_units  # difference array over cut indices
+    for producer in flow.nodes:
+        consumers = [op_unit[c] for c in flow.successors(producer)]
+        last = max(consumers, default=op_unit[producer])
+        first_cut = op_unit[producer]
+        if last > first_cut:
+            crossing[first_cut] += ops[producer].output_bytes
+            crossing[last] -= ops[producer].output_bytes
+    cuts, running = [], 0.0
+    for i in range(n_units - 1):
+        running += crossing[i]
+        cuts.append(running)
+    return cuts
