@@ -1,0 +1,22 @@
+"""Profile a captured model: per-op FLOPs, bytes, saved activations and time.
+
+`from autoplan.profile import profile_model` works, but importing this package does not import torch
+(cost/ and solve/ import autoplan.profile.types and must stay torch-free), so the entry points load
+lazily.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_LAZY = {"profile_model": "autoplan.profile.model_profile", "profile_graph": "autoplan.profile.model_profile"}
+
+__all__ = ["profile_model", "profile_graph"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'autoplan.profile' has no attribute {name!r}")

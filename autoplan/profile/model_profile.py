@@ -1,0 +1,141 @@
+"""Turn a captured OpGraph into a ModelProfile: per op FLOPs, bytes, saved activations and time."""
+
+from __future__ import annotations
+
+from autoplan.capture import OpGraph, OpNode, ValueRef, capture_model
+from autoplan.hardware.types import HardwareProfile
+from autoplan.profile.measure import CpuTimer
+from autoplan.profile.replay import FakeReplayer, OpCall, ReplayResult, SavedTensor, op_call
+from autoplan.profile.roofline import backward_bytes, peak_flops, roofline_seconds
+from autoplan.profile.types import ModelProfile, OpProfile
+from autoplan.source import ModelSource
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _new_saved_bytes(graph: OpGraph, node: OpNode, slot_refs: list[ValueRef], saved: tuple[SavedTensor, ...],
+                     kept_roots: set[ValueRef]) -> int:
+    """Bytes of what this op saves that no earlier op already keeps alive.
+
+    A saved input or output is counted as the whole storage it lives in, once for the graph (a view's
+    storage is its base's); parameters, buffers and constants are never counted (kept anyway)."""
+    total = 0
+    for tensor in saved:
+        if tensor.kind == "internal":
+            total += tensor.nbytes
+            continue
+        if tensor.kind == "input":
+            ref = slot_refs[tensor.index]
+        elif tensor.index < len(node.outputs):
+            ref = ValueRef(node.name, tensor.index)
+        else:
+            continue
+        if graph.root_is_state(ref):
+            continue
+        root = graph.storage_root.get(ref, ref)
+        if root not in kept_roots:
+            kept_roots.add(root)
+            total += graph.meta(root).storage_bytes
+    return total
+
+
+def _is_view(graph: OpGraph, node: OpNode) -> bool:
+    """True when every output aliases an input (transpose, view, split): no kernel, no traffic."""
+    if not node.outputs or node.target._schema.is_mutable:
+        return False
+    refs = [ValueRef(node.name, i) for i in range(len(node.outputs))]
+    return all(graph.storage_root.get(ref, ref) != ref for ref in refs)
+
+
+class _Timer:
+    """Op times: measured on this CPU when asked and possible, else a roofline on the hardware."""
+
+    def __init__(self, hardware: HardwareProfile, measure: bool, dtype: str) -> None:
+        peak_flops(hardware.gpu, dtype)  # an unknown dtype is the user's error: say so before any work
+        self.gpu, self.dtype = hardware.gpu, dtype
+        self.cpu_timer = CpuTimer() if measure else None
+
+    def __call__(self, call: OpCall, result: ReplayResult, view: bool, input_bytes: int, output_bytes: int,
+                 grad_input_bytes: int, has_backward: bool) -> tuple[float, float, str]:
+        if self.cpu_timer is not None:
+            timing = self.cpu_timer(call)
+            if timing is not None:
+                return timing.forward_s, timing.backward_s, "measured"
+        if view:
+            return 0.0, 0.0, "estimated"
+        forward = roofline_seconds(result.flops_fwd, input_bytes + output_bytes, self.gpu, self.dtype)
+        backward = 0.0
+        if has_backward:
+            traffic = backward_bytes(input_bytes, output_bytes, grad_input_bytes)
+            backward = roofline_seconds(result.flops_bwd, traffic, self.gpu, self.dtype)
+        return forward, backward, "estimated"
+
+
+def profile_graph(graph: OpGraph, model: str, batch_size: int, hardware: HardwareProfile, measure: bool,
+                  dtype: str = "fp32") -> ModelProfile:
+    """Profile every op of `graph`. `dtype` names the hardware peak the roofline uses ("fp32", "bf16")."""
+    timer = _Timer(hardware, measure, dtype)
+    replayer = FakeReplayer()
+    requires_grad = {ValueRef(name): graph_input.requires_grad for name, graph_input in graph.inputs.items()}
+    kept_roots: set[ValueRef] = set()
+    ops: list[OpProfile] = []
+    unsupported: set[str] = set()
+    for node in graph.nodes:
+        call, slot_refs = op_call(node, graph, requires_grad)
+        result = replayer(call, len(node.outputs))
+        for index, meta in enumerate(node.outputs):
+            differentiable = meta.dtype.is_floating_point or meta.dtype.is_complex
+            replayed = index < len(result.out_requires_grad) and result.out_requires_grad[index]
+            requires_grad[ValueRef(node.name, index)] = differentiable and replayed
+        if result.missing_formula:
+            unsupported.add(str(node.target))
+
+        input_bytes = sum(graph.meta(ref).nbytes for ref in slot_refs)
+        output_bytes = sum(meta.nbytes for meta in node.outputs)
+        grad_input_bytes = sum(graph.meta(ref).nbytes for ref, spec in zip(slot_refs, call.slots) if spec.requires_grad)
+        has_backward = grad_input_bytes > 0 and any(result.out_requires_grad)
+        time_fwd, time_bwd, source = timer(call, result, _is_view(graph, node), input_bytes, output_bytes,
+                                           grad_input_bytes, has_backward)
+        params = [graph.inputs[ref.node].target for ref in slot_refs
+                  if ref.node in graph.inputs and graph.inputs[ref.node].kind in ("parameter", "buffer")]
+        ops.append(OpProfile(
+            node=node.name,
+            op=str(node.target),
+            module=node.module,
+            module_stack=node.module_stack,
+            inputs=tuple(dict.fromkeys(ref.node for ref in slot_refs if ref.node in graph.node_by_name)),
+            params=tuple(dict.fromkeys(params)),
+            input_shapes=tuple(graph.meta(ref).shape for ref in node.input_refs()),
+            dtype=_dtype_name(node.outputs[0].dtype) if node.outputs else "",
+            flops_fwd=result.flops_fwd,
+            flops_bwd=result.flops_bwd,
+            input_bytes=input_bytes,
+            output_bytes=output_bytes,
+            saved_bytes=_new_saved_bytes(graph, node, slot_refs, result.saved, kept_roots),
+            time_fwd_s=time_fwd,
+            time_bwd_s=time_bwd,
+            source=source,
+        ))
+    return ModelProfile(
+        model=model,
+        batch_size=batch_size,
+        dtype=_dtype_name(graph.param_dtype),
+        device="cpu" if measure else hardware.gpu.name,
+        ops=tuple(ops),
+        parameters=dict(graph.parameters),
+        parameter_bytes_per_element=graph.param_dtype.itemsize,
+        tokens_per_sample=graph.tokens_per_sample,
+        output_nodes=tuple(dict.fromkeys(ref.node for ref in graph.outputs if ref.node in graph.node_by_name)),
+        capture_method=graph.method,
+        unsupported_ops=tuple(sorted(unsupported)),
+    )
+
+
+def profile_model(source: ModelSource, batch_size: int, hardware: HardwareProfile, measure: bool,
+                  dtype: str = "fp32", capture_method: str = "auto") -> ModelProfile:
+    """Capture `source`'s model at `batch_size` and profile it: times measured on this CPU when
+    `measure`, else estimated on `hardware` at its `dtype` peak."""
+    graph = capture_model(source, batch_size, capture_method)
+    return profile_graph(graph, source.spec, batch_size, hardware, measure, dtype)
