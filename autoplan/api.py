@@ -198,6 +198,8 @@ def write_outputs(result: PlanResult, out: Path, model_file: Path) -> None:
     """Write plan.json, CSVs, train.py and launchers into `out`, atomically."""
     from autoplan.codegen import write_program
     from autoplan.report.csv import write_csvs
+    from autoplan.report.html import write_report
+    from autoplan.report.trace import write_trace
 
     if not model_file.is_file():
         raise UserError("writing train.py needs the model as a file: pass a path to model.py")
@@ -209,6 +211,8 @@ def write_outputs(result: PlanResult, out: Path, model_file: Path) -> None:
     try:
         (staging / "plan.json").write_text(result.plan.to_json())
         write_csvs(result, staging)
+        write_report(result, staging)
+        write_trace(result.plan, staging)
         write_program(result.plan, staging, model_file)
         _replace_folder(staging, out)
     except BaseException:  # KeyboardInterrupt and SIGTERM included: never leave a half-written folder

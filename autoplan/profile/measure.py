@@ -1,7 +1,8 @@
 """Time one op, forward and backward, on real random tensors on this machine's CPU.
 
-Runs with the thread count the process already has (torch.get_num_threads()), which is what a training
-process launched the same way would use. One measurement per signature, cached.
+Runs with one intra-op thread: `--gpu cpu` plans one training process per core (verify launches the
+ranks with OMP_NUM_THREADS=1), and a single thread is also far less disturbed by a busy machine than a
+team of spinning OpenMP threads. One measurement per signature, cached.
 """
 
 from __future__ import annotations
@@ -67,6 +68,10 @@ def measure_call(call: OpCall) -> Timing:
     return Timing(forward_s, backward_s)
 
 
+THREADS_PER_RANK = 1
+"""Intra-op threads of one CPU training process (see the module docstring)."""
+
+
 class CpuTimer:
     """measure_call with a cache by signature; None for ops that cannot run on random tensors."""
 
@@ -76,10 +81,14 @@ class CpuTimer:
     def __call__(self, call: OpCall) -> Timing | None:
         key = call.key
         if key not in self.cache:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(THREADS_PER_RANK)
             try:
                 self.cache[key] = measure_call(call)
             except Exception as e:  # noqa: BLE001 - e.g. an op that needs meaningful values: estimate it instead
                 log.warning("cannot time %s on random inputs (%s: %s); estimating it", call.target,
                             type(e).__name__, str(e).strip().splitlines()[0] if str(e).strip() else "")
                 self.cache[key] = None
+            finally:
+                torch.set_num_threads(threads)
         return self.cache[key]

@@ -1,0 +1,313 @@
+"""report.html: one self-contained page (inline CSS and SVG, no scripts, no fonts, no network).
+
+Every string that comes from the user's model or the planner (module names, reasons) goes through
+html.escape; charts are drawn by autoplan.report.charts.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from autoplan.report import charts
+from autoplan.report.rollup import (SCHEDULE_NAMES, chosen_candidate, describe_layout, ideal_scaling, plural,
+                                    memory_segments, module_times, ranked_candidates)
+from autoplan.report.schedule import makespan_s, step_schedule
+from autoplan.report.svg import ACCENT, color, esc, fmt_bytes, fmt_number, fmt_seconds
+
+PARITY_TOLERANCE = 1e-4
+"""|loss difference| allowed between the distributed program and the reference, fp32 (DESIGN.md)."""
+TABLE_ROWS = 20
+"""Candidates shown before the rest fold into <details>."""
+VERIFY_BEGIN, VERIFY_END = "<!-- verify:begin -->", "<!-- verify:end -->"
+NOT_VERIFIED = ('<section id="verification"><h2>Verification</h2><p class="lead">Not run yet: '
+                "<code>autoplan verify OUT_DIR</code> runs the generated program on CPU processes and adds "
+                "loss parity (and, with <code>--measure</code>, measured step time) here.</p></section>")
+
+CSS = """
+:root{--ink:#243b53;--muted:#627d98;--line:#e4e9ef;--bg:#f5f7fa;--accent:#4e79a7;--warn:#c0392b;--ok:#2f855a}
+*{box-sizing:border-box}
+body{margin:0;background:var(--bg);color:var(--ink);
+ font:15px/1.55 system-ui,-apple-system,"Segoe UI",Roboto,"Helvetica Neue",Arial,sans-serif}
+main{max-width:1040px;margin:0 auto;padding:28px 24px 64px}
+header{margin:4px 0 18px}
+h1{font-size:26px;margin:0;letter-spacing:-.01em}
+h1 code{font-size:inherit;font-weight:inherit}
+.u{font-size:13px;font-weight:500;color:var(--muted);margin-left:4px}
+h2{font-size:18px;margin:0 0 2px}
+.sub,.lead{color:var(--muted)}
+.lead{margin:0 0 14px;font-size:14px}
+nav{margin-top:10px;font-size:13px}
+nav a{color:var(--accent);text-decoration:none;margin-right:14px}
+section{background:#fff;border:1px solid var(--line);border-radius:10px;padding:20px 24px;margin:18px 0}
+.cards{display:grid;grid-template-columns:repeat(auto-fit,minmax(180px,1fr));gap:12px;margin-bottom:16px}
+.card{border:1px solid var(--line);border-radius:8px;padding:10px 14px}
+.k{font-size:11.5px;text-transform:uppercase;letter-spacing:.05em;color:var(--muted)}
+.v{font-size:22px;font-weight:650;font-variant-numeric:tabular-nums;line-height:1.3}
+.card .sub{font-size:12.5px}
+.layout{font-size:17px;font-weight:600;margin:0 0 14px}
+.gauge{height:8px;background:var(--line);border-radius:4px;overflow:hidden;margin-top:6px}
+.gauge span{display:block;height:100%;background:var(--accent)}
+.gauge span.full{background:var(--warn)}
+svg.chart{max-width:100%;height:auto;display:block;margin:6px 0 4px;font-family:inherit}
+table{border-collapse:collapse;width:100%;font-size:13px;font-variant-numeric:tabular-nums}
+th,td{padding:6px 8px;border-bottom:1px solid var(--line);text-align:left;vertical-align:top}
+th{font-weight:600;color:var(--muted);font-size:11.5px;text-transform:uppercase;letter-spacing:.04em}
+td.n,th.n{text-align:right;white-space:nowrap}
+tr.chosen td{background:#eef4fb;font-weight:600}
+details summary{cursor:pointer;color:var(--accent);margin:8px 0;font-size:13px}
+.badge{display:inline-block;padding:0 8px;border-radius:10px;font-size:12px;font-weight:600}
+.ok{background:#e3f4ea;color:var(--ok)}.bad{background:#fbeaea;color:var(--warn)}
+ol.why{padding-left:20px;margin:0}ol.why li{margin:0 0 10px}
+.why .reason{color:var(--muted);font-size:14px}
+code{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12.5px}
+footer{color:var(--muted);font-size:12.5px;text-align:center;margin-top:28px}
+"""
+
+
+def write_report(result, out_dir: Path, verify: dict | None = None,
+                 scaling: list[tuple[int, float]] | None = None) -> None:
+    """Write out_dir/report.html for a PlanResult (plan, profile, candidates).
+
+    verify is the parsed verify.json (adds loss parity and predicted vs measured); scaling is
+    [(num_gpus, samples_per_s), ...] from re-planning at other GPU counts (adds the scaling curve).
+    """
+    Path(out_dir, "report.html").write_text(render_report(result, verify, scaling), encoding="utf-8")
+
+
+def add_verification(out_dir: Path, verify: dict) -> None:
+    """Put (or replace) the verification section of an existing out_dir/report.html (for `autoplan verify`,
+    which has the output folder but not the profile and candidates the rest of the page needs)."""
+    path = Path(out_dir, "report.html")
+    page = path.read_text(encoding="utf-8")
+    block = f"{VERIFY_BEGIN}{verify_section(verify)}{VERIFY_END}"
+    pattern = re.compile(re.escape(VERIFY_BEGIN) + ".*?" + re.escape(VERIFY_END), re.S)
+    path.write_text(pattern.sub(lambda _: block, page, count=1), encoding="utf-8")
+
+
+def render_report(result, verify: dict | None = None, scaling: list[tuple[int, float]] | None = None) -> str:
+    plan = result.plan
+    candidates = tuple(result.candidates or ())
+    best = chosen_candidate(candidates, plan)
+    sections = [
+        ("summary", "Summary", summary_section(plan)),
+        ("memory", "Memory", memory_section(plan)),
+        ("modules", "Time per module", modules_section(result)),
+        ("schedule", "Schedule", schedule_section(plan)),
+        ("candidates", "Candidates", candidates_section(plan, candidates, best)),
+        ("why-not", "Why not", why_not_section(plan, candidates, best)),
+        ("scaling", "Scaling", scaling_section(scaling) if scaling else ""),
+    ]
+    nav = "".join(f'<a href="#{key}">{title}</a>' for key, title, body in sections if body)
+    body = "".join(f'<section id="{key}">{html}</section>' for key, _, html in sections if html)
+    verify_html = verify_section(verify) if verify else NOT_VERIFIED
+    model = Path(plan.model.path).name or plan.model.path
+    return (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>autoplan · {esc(model)}</title><style>{CSS}</style></head><body><main>"
+        f"<header><h1>autoplan plan for <code>{esc(model)}</code></h1>"
+        f'<div class="sub">{esc(plan.model.path)} · {fmt_number(plan.model.param_count)} parameters · '
+        f"{plan.cluster.num_gpus} × {esc(plan.cluster.gpu)} ({plan.cluster.gpus_per_node} per node) · "
+        f"global batch {plan.training.global_batch_size} · {esc(plan.training.dtype)}</div>"
+        f'<nav>{nav}<a href="#verification">Verification</a></nav></header>'
+        f"{body}{VERIFY_BEGIN}{verify_html}{VERIFY_END}"
+        f"<footer>Predicted by autoplan (solver {esc(plan.solver.name)}, {esc(plan.solver.status)}, "
+        f"{plan.solver.candidates_evaluated} candidates in {plan.solver.time_s:.2f} s). "
+        "Data behind every chart: plan.json, ops.csv, modules.csv, candidates.csv, trace.json.</footer>"
+        "</main></body></html>"
+    )
+
+
+def _card(key: str, value: str, sub: str = "", extra: str = "") -> str:
+    return f'<div class="card"><div class="k">{key}</div><div class="v">{value}</div>' \
+           f'<div class="sub">{sub}</div>{extra}</div>'
+
+
+def summary_section(plan) -> str:
+    pred, cap = plan.predicted, plan.cluster.memory_per_gpu_bytes
+    used = pred.peak_memory_bytes / cap if cap > 0 else 0.0
+    gauge = f'<div class="gauge"><span class="{"full" if used > 1 else ""}" ' \
+            f'style="width:{min(100.0, used * 100):.1f}%"></span></div>'
+    tokens = f"{fmt_number(pred.tokens_per_s)} tokens per second" if pred.tokens_per_s else ""
+    cards = "".join([
+        _card("Step time", fmt_seconds(pred.step_time_s), f"{plan.training.global_batch_size} samples per step"),
+        _card("Throughput", f'{fmt_number(pred.samples_per_s)}<span class="u">samples/s</span>', tokens),
+        _card("MFU", f"{pred.mfu * 100:.1f}%", f"{fmt_number(pred.model_flops_per_step, 'FLOP')} per step"),
+        _card("Memory per GPU", fmt_bytes(pred.peak_memory_bytes),
+              f"{used * 100:.0f}% of {fmt_bytes(cap)} (most loaded rank)", gauge),
+    ])
+    html = (f'<h2>Summary</h2><p class="lead">The chosen layout and what it is predicted to do.</p>'
+            f'<p class="layout">{esc(describe_layout(plan.parallelism))}</p><div class="cards">{cards}</div>')
+    breakdown = [(k, v) for k, v in pred.time_breakdown.items() if v > 0]
+    if breakdown:
+        row = charts.BarRow("one step", tuple(breakdown))
+        html += '<p class="lead">Where the step time goes (hover for values).</p>' + charts.stacked_bars(
+            [row], fmt_seconds, "seconds per optimizer step", "step time breakdown", row_height=34)
+    return html
+
+
+def memory_section(plan) -> str:
+    rows = [charts.BarRow(f"stage {s.index}", memory_segments(s.memory_breakdown, s.predicted_memory_bytes),
+                          note=f"{len(s.modules)} modules: " + ", ".join(s.modules[:6])
+                          + (" …" if len(s.modules) > 6 else ""))
+            for s in sorted(plan.stages, key=lambda s: s.index)]
+    if not rows:
+        return ""
+    cap = plan.cluster.memory_per_gpu_bytes
+    chart = charts.stacked_bars(rows, fmt_bytes, "bytes per GPU", "memory per stage", cap=cap,
+                                cap_label=f"usable memory per GPU {fmt_bytes(cap)}")
+    return ('<h2>Memory per GPU, by pipeline stage</h2><p class="lead">Peak memory of one rank of each stage, '
+            "split into model states and activations, against the usable memory per GPU (red).</p>" + chart)
+
+
+def modules_section(result) -> str:
+    plan, profile = result.plan, result.profile
+    if profile is None or not plan.stages:
+        return ""
+    b = plan.parallelism.pipeline_parallel_microbatch_size
+    times = module_times(profile, plan.stages, b)
+    stage_time = {s.index: s.predicted_time_s for s in plan.stages}
+    rows = [charts.BarRow(t.module, (("forward", t.forward_s), ("backward", t.backward_s)), t.stage,
+                          (f"stage {t.stage} · " if t.stage >= 0 else "") + f"{t.ops} ops"
+                          + (f", {t.glue_ops} of them glue ops outside the module" if t.glue_ops else ""))
+            for t in times]
+    names = {i: f"stage {i} · {fmt_seconds(t)} predicted" for i, t in stage_time.items()}
+    names[-1] = "outside the stages"
+    chart = charts.stacked_bars(rows, fmt_seconds, f"forward + backward seconds per micro-batch of {b} "
+                                f"(profiled on {profile.device})", "time per module", color_by_group=True,
+                                group_names=names, row_height=22 if len(rows) < 40 else 14)
+    return ('<h2>Time per module, with stage boundaries</h2><p class="lead">Profiled time of each unit of the layer '
+            "chain, coloured by the pipeline stage it runs on (dashed lines are stage boundaries): darker is "
+            "forward, lighter backward. Ops outside every unit (residual adds, the loss) count with the "
+            "unit before them. A stage's predicted time also counts parallelism and communication.</p>" + chart)
+
+
+def schedule_section(plan) -> str:
+    events = step_schedule(plan)
+    if not events:
+        return ""
+    par = plan.parallelism
+    ranks = max(e.rank for e in events) + 1
+    schedule = (SCHEDULE_NAMES.get(par.pipeline_parallel_schedule, par.pipeline_parallel_schedule)
+                if par.pipeline_parallel_degree > 1 else "Gradient accumulation")
+    chart = charts.gantt(events, ranks, "pipeline schedule")
+    microbatches = plural(par.pipeline_parallel_num_microbatches, "micro-batch")
+    return (f'<h2>Schedule of one step</h2><p class="lead">{esc(schedule)}, '
+            f"{microbatches} on {plural(ranks, 'pipeline rank')}; numbers are "
+            f"micro-batches. Simulated step: {fmt_seconds(makespan_s(events))} (predicted "
+            f"{fmt_seconds(plan.predicted.step_time_s)}). The same events are in trace.json "
+            "(open it in Perfetto or chrome://tracing).</p>" + chart)
+
+
+def candidates_section(plan, candidates: tuple[Any, ...], best: Any) -> str:
+    if not candidates:
+        return ""
+    cap = plan.cluster.memory_per_gpu_bytes
+    points = [charts.Point(c.predicted.peak_memory_bytes, c.predicted.step_time_s,
+                           f"{describe_layout(c.parallelism)}\n{fmt_seconds(c.predicted.step_time_s)} per step, "
+                           f"{fmt_bytes(c.predicted.peak_memory_bytes)} per GPU"
+                           + ("" if c.fits else f"\ndoes not fit: {c.reason}"), c.fits, c is best)
+              for c in candidates if c.predicted is not None and 0 < c.predicted.step_time_s < math.inf
+              and 0 <= c.predicted.peak_memory_bytes < math.inf]
+    chart = charts.scatter(points, cap, "candidates: step time vs memory") if points else ""
+    rows = [_candidate_row(i, c, best) for i, c in enumerate(ranked_candidates(candidates, best), start=1)]
+    head = ('<tr><th class="n">#</th><th>layout</th><th>fits</th><th class="n">step time</th>'
+            '<th class="n">samples/s</th><th class="n">memory/GPU</th><th>why not</th></tr>')
+    table = f"<table>{head}{''.join(rows[:TABLE_ROWS])}</table>"
+    if len(rows) > TABLE_ROWS:
+        table += (f"<details><summary>{len(rows) - TABLE_ROWS} more candidates</summary>"
+                  f"<table>{head}{''.join(rows[TABLE_ROWS:])}</table></details>")
+    return (f'<h2>Candidates</h2><p class="lead">{len(candidates)} layouts evaluated. Each dot is one; the '
+            "dashed line joins the Pareto front (nothing is both faster and smaller); the shaded area "
+            "does not fit in GPU memory.</p>" + chart + table)
+
+
+def _candidate_row(rank: int, c: Any, best: Any) -> str:
+    pred = c.predicted
+    fits = '<span class="badge ok">yes</span>' if c.fits else '<span class="badge bad">no</span>'
+    cells = [f'<td class="n">{rank}</td>', f"<td>{esc(describe_layout(c.parallelism))}</td>", f"<td>{fits}</td>",
+             f'<td class="n">{fmt_seconds(pred.step_time_s) if pred else "–"}</td>',
+             f'<td class="n">{fmt_number(pred.samples_per_s) if pred else "–"}</td>',
+             f'<td class="n">{fmt_bytes(pred.peak_memory_bytes) if pred else "–"}</td>',
+             f"<td>{'chosen' if c is best else esc(c.reason)}</td>"]
+    return f'<tr class="{"chosen" if c is best else ""}">{"".join(cells)}</tr>'
+
+
+def why_not_section(plan, candidates: tuple[Any, ...], best: Any) -> str:
+    alternatives = list(plan.alternatives)
+    if not alternatives:
+        alternatives = [{"parallelism": c.parallelism, "fits": c.fits, "why_not": c.reason,
+                         "step_time_s": c.predicted.step_time_s if c.predicted else None,
+                         "peak_memory_bytes": c.predicted.peak_memory_bytes if c.predicted else None}
+                        for c in ranked_candidates(candidates, best) if c is not best][:5]
+    if not alternatives:
+        return ""
+    chosen = plan.predicted.step_time_s
+    items = []
+    for alt in alternatives:
+        step, memory = alt.get("step_time_s"), alt.get("peak_memory_bytes")
+        facts = []
+        if isinstance(step, (int, float)) and step > 0 and chosen > 0:
+            facts.append(f"{fmt_seconds(step)} per step ({step / chosen:.2f}× the chosen layout's)")
+        if isinstance(memory, (int, float)):
+            facts.append(f"{fmt_bytes(memory)} per GPU")
+        badge = ('<span class="badge ok">fits</span>' if alt.get("fits")
+                 else '<span class="badge bad">does not fit</span>')
+        items.append(f"<li><strong>{esc(describe_layout(alt.get('parallelism') or {}))}</strong> {badge}"
+                     f"<div>{esc(', '.join(facts))}</div>"
+                     f"<div class=\"reason\">{esc(alt.get('why_not') or '')}</div></li>")
+    return ('<h2>Why not the next best layouts?</h2><p class="lead">The closest runners-up and what ruled them '
+            'out.</p><ol class="why">' + "".join(items) + "</ol>")
+
+
+def scaling_section(points: list[tuple[int, float]]) -> str:
+    points = sorted((int(g), float(r)) for g, r in points)
+    series = [("predicted", ACCENT, [(float(g), r) for g, r in points])]
+    if len(points) > 1:
+        series.append(("linear from fewest GPUs", "#9fb3c8", [(float(g), r) for g, r in ideal_scaling(points)]))
+    chart = charts.line_chart(series, "GPUs", "samples per second", lambda v: f"{v:g}", fmt_number,
+                              "scaling curve", dashed=("linear from fewest GPUs",), zero_based=True, x_log=True)
+    return ('<h2>Scaling</h2><p class="lead">Predicted throughput when planning the same model for other GPU '
+            "counts (each point is a full re-plan).</p>" + chart)
+
+
+def verify_section(verify: dict) -> str:
+    """Loss parity of the generated program against the single-process reference, and measured vs predicted."""
+    reference, losses = _steps(verify.get("reference_losses")), _steps(verify.get("losses"))
+    diff = verify.get("parity_max_abs_diff")
+    if not isinstance(diff, (int, float)) and reference and losses:
+        diff = max(abs(a - b) for (_, a), (_, b) in zip(reference, losses))
+    ok = isinstance(diff, (int, float)) and math.isfinite(diff) and diff <= PARITY_TOLERANCE
+    badge = f'<span class="badge {"ok" if ok else "bad"}">{"parity" if ok else "NO parity"}</span>'
+    detail = f"max |difference| {diff:.2e} (tolerance {PARITY_TOLERANCE:g})" if isinstance(diff, (int, float)) \
+        else "no losses recorded"
+    html = (f'<section id="verification"><h2>Verification {badge}</h2><p class="lead">The generated program on '
+            f"{esc(verify.get('nproc', '?'))} CPU processes (gloo) against the single-process model, same weights and "
+            f"batches: {esc(detail)}.</p>")
+    if reference or losses:
+        html += charts.line_chart(
+            [("single process (reference)", "#a0cbe8", reference), ("generated program", "#1f4e79", losses)],
+            "optimizer step", "loss", lambda v: f"{v:g}", lambda v: f"{v:.4g}", "loss parity",
+            dashed=("generated program",), halo=("single process (reference)",))
+    compared = [(what, verify.get(f"predicted_{key}"), verify.get(f"measured_{key}"), fmt)
+                for what, key, fmt in (("step time", "step_time_s", fmt_seconds),
+                                       ("peak memory", "peak_memory_bytes", fmt_bytes))]
+    for what, predicted, measured, fmt in compared:
+        if isinstance(predicted, (int, float)) and isinstance(measured, (int, float)) and measured > 0:
+            html += (f'<p class="lead">Predicted vs measured {what}: predicted / measured = '
+                     f"{predicted / measured:.2f}.</p>" + charts.compare_bars(
+                         [(f"predicted {what}", float(predicted), color(0)), (f"measured {what}", float(measured),
+                                                                              color(1))],
+                         fmt, what, f"predicted vs measured {what}"))
+    return html + "</section>"
+
+
+def _steps(values: Any) -> list[tuple[int, float]]:
+    """(step, value) for the finite numbers of a JSON list, steps from 1 (a diverged run may log NaN)."""
+    if not isinstance(values, list):
+        return []
+    return [(step, float(v)) for step, v in enumerate(values, start=1)
+            if isinstance(v, (int, float)) and math.isfinite(v)]

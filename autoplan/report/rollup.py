@@ -1,0 +1,126 @@
+"""Numbers the HTML report shows, derived from a plan, its profile and its candidates (no markup)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from autoplan.plan import Parallelism, Stage
+from autoplan.profile.types import ModelProfile
+
+MEMORY_ORDER = ("parameters", "gradients", "optimizer", "activations", "buffers")
+"""Memory categories drawn first, in this order; any others follow as the cost model names them."""
+
+OUTSIDE = "(outside the stage modules)"
+SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B"}
+
+
+@dataclass(frozen=True)
+class ModuleTime:
+    """Profiled time of one stage unit (a module of Stage.modules), scaled to one micro-batch."""
+
+    module: str
+    """Module FQN (OUTSIDE when the stages name no module the ops ran in)."""
+    stage: int
+    """Index of the stage the module runs on (-1 for OUTSIDE)."""
+    forward_s: float
+    """Forward seconds per micro-batch."""
+    backward_s: float
+    """Backward seconds per micro-batch."""
+    ops: int
+    """Number of ops rolled up, glue included."""
+    glue_ops: int = 0
+    """Ops in no unit's module (residual adds, root-level ops) charged to this unit."""
+
+
+def module_times(profile: ModelProfile, stages: tuple[Stage, ...], microbatch_size: int) -> list[ModuleTime]:
+    """Roll the profile's ops up to the stage units, as the layer chain charges them
+    (autoplan.solve.layers): an op belongs to the innermost stage module in its module_stack; glue ops
+    in none go to the unit of the nearest preceding op that has one (or the first unit).
+    Profile times are for profile.batch_size samples and scale linearly to a micro-batch."""
+    owner: dict[str, int] = {}
+    units: list[tuple[str, int]] = []
+    for stage in sorted(stages, key=lambda s: s.index):
+        for module in stage.modules:
+            owner.setdefault(module, len(units))
+            units.append((module, stage.index))
+    totals = [[0.0, 0.0, 0, 0] for _ in units] or [[0.0, 0.0, 0, 0]]
+    scale = microbatch_size / max(1, profile.batch_size)
+    previous = 0
+    for op in profile.ops:
+        unit = next((owner[m] for m in reversed((op.module,) + op.module_stack) if m in owner), None)
+        bucket = totals[previous if unit is None else unit]
+        previous = previous if unit is None else unit
+        bucket[0] += op.time_fwd_s * scale
+        bucket[1] += op.time_bwd_s * scale
+        bucket[2] += 1
+        bucket[3] += unit is None
+    if not units:
+        return [ModuleTime(OUTSIDE, -1, *totals[0])] if profile.ops else []
+    return [ModuleTime(name, stage, *t) for (name, stage), t in zip(units, totals)]
+
+
+def memory_segments(breakdown: dict[str, float], total: float) -> tuple[tuple[str, float], ...]:
+    """A memory breakdown in drawing order; the unexplained rest of `total` as "other"."""
+    keys = [k for k in MEMORY_ORDER if k in breakdown] + sorted(k for k in breakdown if k not in MEMORY_ORDER)
+    segments = [(k, float(breakdown[k])) for k in keys]
+    rest = total - sum(v for _, v in segments)
+    if rest > 1e-6 * max(total, 1.0):
+        segments.append(("other", rest))
+    return tuple(segments)
+
+
+def describe_layout(par: Parallelism | dict[str, Any]) -> str:
+    """A short human name of a layout: "DP 2 × PP 4 (1F1B, 8 micro-batches of 1) · recompute full"."""
+    if isinstance(par, dict):
+        known = {k: v for k, v in par.items() if k in Parallelism.__dataclass_fields__}
+        par = Parallelism(**known)
+    parts = []
+    dp = par.data_parallel_degree
+    if dp > 1:
+        if par.zero_stage == 3 and par.data_parallel_replicate_degree > 1:
+            parts.append(f"HSDP {par.data_parallel_replicate_degree}×{par.data_parallel_shard_degree}")
+        elif par.zero_stage == 3:
+            parts.append(f"FSDP {dp}")
+        else:
+            parts.append(f"DP {dp}" + (f" ZeRO-{par.zero_stage}" if par.zero_stage else ""))
+    if par.tensor_parallel_degree > 1:
+        parts.append(f"TP {par.tensor_parallel_degree}")
+    m, b = par.pipeline_parallel_num_microbatches, par.pipeline_parallel_microbatch_size
+    if par.pipeline_parallel_degree > 1:
+        schedule = SCHEDULE_NAMES.get(par.pipeline_parallel_schedule, par.pipeline_parallel_schedule)
+        if par.pipeline_parallel_virtual_stages > 1:
+            schedule += f" ×{par.pipeline_parallel_virtual_stages} chunks"
+        parts.append(f"PP {par.pipeline_parallel_degree} ({schedule}, {plural(m, 'micro-batch')} of {b})")
+    name = " × ".join(parts) or "1 GPU"
+    if par.pipeline_parallel_degree == 1 and m > 1:
+        name += f" · {plural(m, 'accumulation step')} of {b}"
+    if par.activation_checkpoint != "none":
+        name += f" · recompute {par.activation_checkpoint}"
+    return name
+
+
+def plural(number: int, noun: str) -> str:
+    """"1 micro-batch", "4 micro-batches"."""
+    return f"{number} {noun}" + ("" if number == 1 else "es" if noun.endswith(("ch", "sh", "s", "x")) else "s")
+
+
+def chosen_candidate(candidates: tuple[Any, ...], plan) -> Any | None:
+    """The candidate the plan was made from (same layout and stages), else the same layout."""
+    same = [c for c in candidates if c.parallelism == plan.parallelism]
+    exact = [c for c in same if c.fits and tuple(c.stages) == tuple(plan.stages)]
+    return (exact or same or [None])[0]
+
+
+def ranked_candidates(candidates: tuple[Any, ...], best: Any) -> list[Any]:
+    """Chosen first, then fitting by step time, then the rest (same order as candidates.csv)."""
+    return sorted(candidates, key=lambda c: (c is not best, not c.fits,
+                                             c.predicted.step_time_s if c.predicted else float("inf")))
+
+
+def ideal_scaling(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """Linear scaling from the smallest GPU count: what perfect efficiency would give."""
+    if not points:
+        return []
+    base_gpus, base_rate = min(points)
+    return [(g, base_rate * g / base_gpus) for g, _ in sorted(points)]
