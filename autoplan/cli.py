@@ -135,7 +135,7 @@ def summary(plan, out: str | None) -> str:
 
 
 def _terminate(signum, frame):
-    from autoplan.api import Terminated
+    from autoplan.errors import Terminated
 
     raise Terminated()
 
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"autoplan: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        from autoplan.api import Terminated
+        from autoplan.errors import Terminated
 
         print("autoplan: terminated" if isinstance(e, Terminated) else "autoplan: interrupted", file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130

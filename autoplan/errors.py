@@ -8,3 +8,7 @@ class UserError(Exception):
 
 class Infeasible(UserError):
     """No layout fits. The message names the smallest memory per GPU and GPU count that would."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived: unwinds like Ctrl-C (cleaning up partial output), exit code 143."""

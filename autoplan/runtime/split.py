@@ -1,0 +1,337 @@
+"""Pipeline split: per-stage nn.Modules cut from the exported graph of the real model.
+
+torch.export (non-strict) traces the model on one micro-batch; every op carries the FQNs of the
+modules it ran in (meta["nn_module_stack"]). An op belongs to stage k when one of those modules
+equals or lies under a unit of plan.stages[k].modules. Other ops:
+  - getitem follows the op whose result it unpacks;
+  - ops that read no parameter and no input (arange, masks from constants) are recomputed by every
+    stage that uses them, so they are never sent between stages;
+  - everything else (root-level glue such as a residual add) runs on the latest stage among its
+    inputs, stage 0 if none.
+A value made on stage i and used on stage j > i + 1 is threaded through the stages in between:
+stage k's outputs are the values still needed by stages > k, in graph order, and they arrive as the
+positional arguments of stage k + 1 (how PipelineStage passes them). Stage 0 takes the flattened
+model inputs; the last stage returns the flattened model outputs (rebuild them with out_spec).
+
+Parameters keep the model's real tensors. One used on several stages (tied weights) gets a copy per
+stage with the same initial value; the training program sums their gradients (see TiedParameter).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import fx, nn
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils import _pytree as pytree
+
+from autoplan.errors import UserError
+from autoplan.runtime.data import model_args
+from autoplan.runtime.loss import LossFn, compute_loss
+from autoplan.runtime.stage_graph import StagePlan, StateTensor, build_stage_module
+
+
+@dataclass(frozen=True)
+class TiedParameter:
+    """A parameter used on several pipeline stages (e.g. lm_head.weight tied to wte.weight)."""
+
+    fqn: str
+    """The model's name for it (the first name export gave it)."""
+    stages: tuple[int, ...]
+    """The stages that hold a copy, ascending."""
+    names: tuple[str, ...]
+    """Its attribute path inside each of those stage modules (same order as `stages`)."""
+
+
+@dataclass
+class PipelineSplit:
+    stages: list[fx.GraphModule | None]
+    """One module per stage (None once dropped); stage k's forward takes stage k - 1's outputs as positional args."""
+    units: list[tuple[str, ...]]
+    """Per stage: the units that are submodules the stage calls (wrap these with FSDP or
+    checkpointing). A unit whose ops interleave with other code stays inlined and is not listed."""
+    tied: tuple[TiedParameter, ...]
+    """Parameters whose copies on several stages must receive the summed gradient."""
+    boundary_meta: list[tuple[tuple[tuple[int, ...], torch.dtype, bool], ...]]
+    """(shape, dtype, requires_grad) of the tensors entering stage k (k = 0: the flat model inputs)
+    and, at index num_stages, of the model outputs, for one micro-batch (static PipelineStage
+    metadata: the stages then skip their shape-inference pass)."""
+    parameter_fqns: list[dict[str, str]]
+    """Per stage: parameter name inside the stage module -> the model's FQN."""
+    in_spec: pytree.TreeSpec
+    """Pytree spec of (args, kwargs) the model was exported with."""
+    out_spec: pytree.TreeSpec
+    """Pytree spec of the model output; the last stage returns its leaves."""
+
+    def example_tensors(self, stage: int, device: torch.device) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Empty tensors shaped like one micro-batch's inputs and outputs of `stage`."""
+        def make(metas):
+            return tuple(torch.empty(shape, dtype=dtype, device=device, requires_grad=grad) for shape, dtype, grad in metas)
+        return make(self.boundary_meta[stage]), make(self.boundary_meta[stage + 1])
+
+    def drop_other_stages(self, keep: int) -> None:
+        """Forget every stage module but `keep`, so the parameters other ranks run can be freed."""
+        self.stages = [stage if k == keep else None for k, stage in enumerate(self.stages)]
+
+    def flatten_inputs(self, inputs: Any) -> list[Any]:
+        """The positional arguments of stage 0 for a batch of model inputs."""
+        leaves, spec = pytree.tree_flatten(model_args(inputs))
+        if spec != self.in_spec:
+            raise UserError(f"model inputs changed structure since the pipeline split: {spec} vs {self.in_spec}")
+        return leaves
+
+    def unflatten_output(self, flat: Sequence[Any]) -> Any:
+        return pytree.tree_unflatten(list(flat), self.out_spec)
+
+    def loss(self, loss_fn: LossFn | None) -> LossFn:
+        """Loss on the last stage's output: the model output rebuilt, then loss_fn or the default."""
+        def pipeline_loss(output: Any, targets: Any) -> torch.Tensor:
+            flat = output if isinstance(output, (tuple, list)) else (output,)
+            return compute_loss(loss_fn, self.unflatten_output(flat), targets)
+        return pipeline_loss
+
+
+def split_model(model: nn.Module, inputs: Any, stage_units: Sequence[Sequence[str]]) -> PipelineSplit:
+    """Export `model` on `inputs` (one micro-batch) and cut it into len(stage_units) stages."""
+    args, kwargs = model_args(inputs)
+    try:
+        exported = torch.export.export(model, args, kwargs, strict=False)
+    except Exception as e:  # noqa: BLE001 - any tracing failure in user code is reported as one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UserError(f"torch.export could not trace the model for the pipeline split: {type(e).__name__}: {first}") from None
+    return split_exported(exported, model, stage_units)
+
+
+def split_exported(exported: torch.export.ExportedProgram, model: nn.Module,
+                   stage_units: Sequence[Sequence[str]]) -> PipelineSplit:
+    num_stages = len(stage_units)
+    if num_stages < 1:
+        raise UserError("the pipeline split needs at least one stage")
+    state, user_inputs = _state_placeholders(exported, model)
+    unit_stage = _unit_stage_map(stage_units)
+    graph = exported.graph_module.graph
+    assignment = _assign(graph, state, unit_stage)
+    _check_units_used(assignment, unit_stage)
+
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    output_node = next(n for n in graph.nodes if n.op == "output")
+    model_outputs = list(output_node.args[0])
+    last_use = _last_use(assignment.stage, output_node, num_stages)
+    boundary = [user_inputs] + [
+        [v for v in sorted(assignment.stage, key=order.__getitem__)
+         if assignment.stage[v] < k <= last_use.get(v, -1)]
+        for k in range(1, num_stages)
+    ]
+    first_holder: dict[int, int] = {}
+    stages, units, fqns, holders = [], [], [], {}
+    for k in range(num_stages):
+        outputs = boundary[k + 1] if k + 1 < num_stages else model_outputs
+        own = [n for n in graph.nodes if assignment.stage.get(n) == k and n.op != "placeholder"]
+        nodes = _with_free_inputs(own, outputs, assignment.free, order)
+        plan = StagePlan(index=k, inputs=list(boundary[k]), nodes=nodes, outputs=outputs,
+                         unit_of={n: assignment.unit.get(n) for n in nodes},
+                         state=_stage_state(nodes, state, k, first_holder), attributes=exported.graph_module)
+        module, names, called_units = build_stage_module(plan)
+        stages.append(module)
+        units.append(called_units)
+        params = {name: t for name, t in names.items() if t.is_parameter}
+        fqns.append({name: t.fqn for name, t in params.items()})
+        for name, t in params.items():
+            holders.setdefault(t.key, []).append((k, name, t.fqn))
+    tied = tuple(
+        TiedParameter(fqn=held[0][2], stages=tuple(h[0] for h in held), names=tuple(h[1] for h in held))
+        for held in holders.values() if len(held) > 1
+    )
+    carries_grad = _carries_grad(graph, state)
+    metas = [tuple(_meta_of(v, carries_grad) for v in values) for values in [*boundary, model_outputs]]
+    return PipelineSplit(stages, units, tied, metas, fqns, exported.call_spec.in_spec, exported.call_spec.out_spec)
+
+
+def _carries_grad(graph: fx.Graph, state: dict[str, StateTensor]) -> set[fx.Node]:
+    """Floating-point values computed from a parameter (export's meta does not record requires_grad)."""
+    result = set()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if node.name in state and state[node.name].is_parameter and state[node.name].value.requires_grad:
+                result.add(node)
+        elif node.op == "call_function" and node.target is not torch.ops.aten.detach.default:
+            val = node.meta.get("val")
+            floating = isinstance(val, torch.Tensor) and val.is_floating_point()
+            if (floating or not isinstance(val, torch.Tensor)) and any(i in result for i in node.all_input_nodes):
+                result.add(node)
+    return result
+
+
+def _meta_of(value: Any, carries_grad: set[fx.Node]) -> tuple[tuple[int, ...], torch.dtype, bool]:
+    meta = value.meta.get("val") if isinstance(value, fx.Node) else value
+    if not isinstance(meta, torch.Tensor):
+        raise UserError(f"the pipeline passes only tensors between stages and to the loss; got {type(meta).__name__} "
+                        f"({getattr(value, 'name', value)})")
+    return tuple(int(d) for d in meta.shape), meta.dtype, value in carries_grad
+
+
+def _state_placeholders(exported, model: nn.Module) -> tuple[dict[str, StateTensor], list[fx.Node]]:
+    """Placeholders that stand for parameters, buffers and constants, and those for user inputs."""
+    placeholders = {n.name: n for n in exported.graph.nodes if n.op == "placeholder"}
+    aliases: dict[int, list[str]] = {}
+    for fqn, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        aliases.setdefault(id(tensor), []).append(fqn)
+    state, user_inputs = {}, []
+    for spec in exported.graph_signature.input_specs:
+        name = spec.arg.name
+        if spec.kind == InputKind.USER_INPUT:
+            user_inputs.append(placeholders[name])
+        elif spec.kind == InputKind.PARAMETER:
+            param = model.get_parameter(spec.target)
+            state[name] = StateTensor(tuple(aliases[id(param)]), param, is_parameter=True, key=id(param))
+        elif spec.kind == InputKind.BUFFER:
+            buffer = model.get_buffer(spec.target)
+            state[name] = StateTensor(tuple(aliases[id(buffer)]), buffer, is_parameter=False, key=id(buffer))
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            constant = exported.constants[spec.target]
+            state[name] = StateTensor((spec.target,), constant, is_parameter=False, key=id(constant))
+        else:
+            raise UserError(f"the pipeline split does not support model inputs of kind {spec.kind.name} ({name})")
+    for spec in exported.graph_signature.output_specs:
+        if spec.kind != OutputKind.USER_OUTPUT:
+            raise UserError(f"the model's forward updates {spec.target or spec.arg} ({spec.kind.name}); the pipeline "
+                            "split supports models whose forward only reads buffers (e.g. no BatchNorm running stats)")
+    return state, user_inputs
+
+
+def _unit_stage_map(stage_units: Sequence[Sequence[str]]) -> dict[str, int]:
+    unit_stage: dict[str, int] = {}
+    for k, units in enumerate(stage_units):
+        for unit in units:
+            if unit in unit_stage:
+                raise UserError(f"module {unit!r} is listed on stages {unit_stage[unit]} and {k}")
+            unit_stage[unit] = k
+    for unit in unit_stage:
+        parent = unit.rpartition(".")[0]
+        while parent:
+            if parent in unit_stage:
+                raise UserError(f"stage units must not nest: {unit!r} lies inside {parent!r}")
+            parent = parent.rpartition(".")[0]
+    return unit_stage
+
+
+@dataclass
+class _Assignment:
+    stage: dict[fx.Node, int]
+    """Stage of every value (user inputs and ops that are not free)."""
+    unit: dict[fx.Node, str | None]
+    """The unit an op runs in, None for glue between units."""
+    free: set[fx.Node]
+    """Ops that read no parameter and no input: recomputed wherever used."""
+
+
+def _matched_unit(node: fx.Node, unit_stage: dict[str, int]) -> str | None:
+    """The innermost unit among the node's module FQNs and their parents."""
+    paths = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
+    for path in reversed(paths):
+        while path:
+            if path in unit_stage:
+                return path
+            path = path.rpartition(".")[0]
+    return None
+
+
+def _is_seeded_random(node: fx.Node) -> bool:
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
+
+
+def _assign(graph: fx.Graph, state: dict[str, StateTensor], unit_stage: dict[str, int]) -> _Assignment:
+    result = _Assignment({}, {}, set())
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if node.name not in state:
+                result.stage[node], result.unit[node] = 0, None
+            continue
+        if node.op in ("get_attr", "output"):
+            continue  # get_attr: subgraphs of higher-order ops, copied wherever used
+        if node.op != "call_function":
+            raise UserError(f"unexpected node {node.name} ({node.op}) in the exported graph")
+        inputs = node.all_input_nodes
+        values = [i for i in inputs if i in result.stage]
+        if node.target is operator.getitem and inputs and inputs[0] in result.free:
+            result.free.add(node)
+            continue
+        if node.target is operator.getitem and inputs and inputs[0] in result.stage:
+            stage, unit = result.stage[inputs[0]], result.unit[inputs[0]]
+        else:
+            unit = _matched_unit(node, unit_stage)
+            reads_only_constants = all(
+                i in result.free or i.op == "get_attr" or (i.name in state and not state[i.name].is_parameter)
+                for i in inputs
+            )
+            if unit is None and reads_only_constants and not _is_seeded_random(node):
+                result.free.add(node)
+                continue
+            latest = max((result.stage[i] for i in values), default=0)
+            stage = unit_stage[unit] if unit is not None else latest
+        for value in values:
+            if result.stage[value] > stage:
+                raise UserError(
+                    f"op {node.name} ({unit or 'glue'}) would run on stage {stage} but uses {value.name} from "
+                    f"stage {result.stage[value]}: the plan's stages are not in the order the model runs them")
+        result.stage[node], result.unit[node] = stage, unit
+    return result
+
+
+def _check_units_used(assignment: _Assignment, unit_stage: dict[str, int]) -> None:
+    used = {u for u in assignment.unit.values() if u is not None}
+    missing = [u for u in unit_stage if u not in used]
+    if missing:
+        raise UserError(f"stage module(s) {', '.join(map(repr, missing))} run no op in the model's forward: "
+                        "the plan does not match this model")
+
+
+def _last_use(stage: dict[fx.Node, int], output_node: fx.Node, num_stages: int) -> dict[fx.Node, int]:
+    """The last stage that uses each value (the model outputs are used by the last stage)."""
+    last = {}
+    for value in stage:
+        uses = [num_stages - 1 if user is output_node else stage[user]
+                for user in value.users if user in stage or user is output_node]
+        if uses:
+            last[value] = max(uses)
+    return last
+
+
+def _with_free_inputs(own: list[fx.Node], outputs: list[Any], free: set[fx.Node], order: dict) -> list[fx.Node]:
+    """A stage's own ops plus the free ops they (or its outputs) need, in graph order."""
+    free_outputs = [o for o in outputs if isinstance(o, fx.Node) and o in free]
+    needed, stack = set(own) | set(free_outputs), [*own, *free_outputs]
+    while stack:
+        for inp in stack.pop().all_input_nodes:
+            if inp in free and inp not in needed:
+                needed.add(inp)
+                stack.append(inp)
+    return sorted(needed, key=order.__getitem__)
+
+
+def _stage_state(nodes: list[fx.Node], state: dict[str, StateTensor], stage: int,
+                 first_holder: dict[int, int]) -> dict[fx.Node, StateTensor]:
+    """The state placeholders a stage's ops read, each mapped to the tensor this stage holds."""
+    copies: dict[int, StateTensor] = {}
+    result = {}
+    for node in nodes:
+        for inp in node.all_input_nodes:
+            if inp.name in state:
+                tensor = state[inp.name]
+                if tensor.key not in copies:
+                    copies[tensor.key] = _stage_copy(tensor, stage, first_holder)
+                result[inp] = copies[tensor.key]
+    return result
+
+
+def _stage_copy(tensor: StateTensor, stage: int, first_holder: dict[int, int]) -> StateTensor:
+    """The first stage to use a parameter keeps the model's tensor; later stages get a copy."""
+    holder = first_holder.setdefault(tensor.key, stage)
+    if holder == stage or not tensor.is_parameter:
+        return tensor
+    copy = nn.Parameter(tensor.value.detach().clone(), requires_grad=tensor.value.requires_grad)
+    return StateTensor(tensor.fqns, copy, is_parameter=True, key=tensor.key)

@@ -1,0 +1,231 @@
+"""Build one pipeline stage as a GraphModule whose units are submodules it calls.
+
+Inside a stage, the ops of each unit (e.g. "blocks.3") move into a child GraphModule placed at the
+unit's FQN, and the stage graph calls it. FSDP2 and activation checkpointing work through module
+calls (pre-forward hooks), so this keeps per-block sharding and recomputation possible. A unit
+holds the parameters only its ops read; a parameter read by several units or by glue stays on the
+stage and is passed to the units as an argument. A unit whose ops interleave with the rest of the
+stage (a module called twice, with other work in between) cannot be one call; it stays inlined.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import fx, nn
+
+ROOT = ""
+"""Partition name of the stage's own graph (glue between units)."""
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """A parameter, buffer or constant the exported graph reads."""
+
+    fqns: tuple[str, ...]
+    """The model's names for it (several for tied weights), the first as named_parameters gives it."""
+    value: torch.Tensor
+    """The tensor this stage uses (the model's own, or a copy for a later stage of a tied weight)."""
+    is_parameter: bool
+    key: int
+    """Identity of the model tensor it stands for (tied names share a key)."""
+
+    @property
+    def fqn(self) -> str:
+        return self.fqns[0]
+
+    def name_under(self, prefix: str) -> str | None:
+        """The name relative to module `prefix` if one of the tensor's names lies under it."""
+        return next((f[len(prefix) + 1:] for f in self.fqns if f.startswith(prefix + ".")), None)
+
+
+@dataclass
+class StagePlan:
+    """What build_stage_module needs to know about one stage."""
+
+    index: int
+    """Stage number (names the generated class)."""
+    inputs: list[fx.Node]
+    """Nodes of the exported graph that arrive as this stage's positional arguments."""
+    nodes: list[fx.Node]
+    """The ops this stage runs, in graph order."""
+    outputs: list[Any]
+    """Nodes (or literals) this stage returns, as a tuple."""
+    unit_of: dict[fx.Node, str | None]
+    """Unit of each op, None for glue."""
+    state: dict[fx.Node, StateTensor]
+    """Placeholders of parameters/buffers/constants this stage reads."""
+    attributes: nn.Module
+    """The exported GraphModule (holds subgraphs of higher-order ops, read via get_attr)."""
+
+
+def build_stage_module(plan: StagePlan) -> tuple[fx.GraphModule, dict[str, StateTensor], tuple[str, ...]]:
+    """The stage module, its state by attribute path, and the units it calls as submodules."""
+    unit_of = dict(plan.unit_of)
+    _inline_non_convex_units(plan, unit_of)
+    partition = {n: unit_of.get(n) or ROOT for n in plan.nodes}
+    units = list(dict.fromkeys(p for p in partition.values() if p != ROOT))
+    owner = _state_owners(plan, partition)
+
+    root = nn.Module()
+    names: dict[str, StateTensor] = {}
+    root_attrs = _AttributeNames(root, names, prefix=ROOT, units=set(units))
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {n: graph.placeholder(n.name) for n in plan.inputs}
+
+    def value(node: fx.Node) -> fx.Node:
+        if node not in env:
+            if node in plan.state:
+                env[node] = graph.get_attr(root_attrs.name_for(plan.state[node]))
+            elif node.op == "get_attr":
+                env[node] = graph.get_attr(root_attrs.submodule(node.target, plan.attributes))
+        return env[node]
+
+    for item in _item_order(plan, partition):
+        if isinstance(item, fx.Node):
+            env[item] = graph.node_copy(item, value)
+            continue
+        unit_nodes = [n for n in plan.nodes if partition[n] == item]
+        module, external, results = _unit_module(item, unit_nodes, plan, partition, owner, names)
+        _set_nested(root, item, module)
+        call = graph.call_module(item, tuple(value(n) for n in external))
+        for i, result in enumerate(results):
+            env[result] = graph.call_function(operator.getitem, (call, i))
+    graph.output(tuple(value(o) if isinstance(o, fx.Node) else o for o in plan.outputs))
+    return fx.GraphModule(root, graph, class_name=f"Stage{plan.index}"), names, tuple(units)
+
+
+def _inline_non_convex_units(plan: StagePlan, unit_of: dict[fx.Node, str | None]) -> None:
+    """Turn units that cannot be a single call (a cycle through other partitions) into glue."""
+    while True:
+        graph = _item_graph(plan, {n: unit_of.get(n) or ROOT for n in plan.nodes})
+        try:
+            cycle = nx.find_cycle(graph)
+        except nx.NetworkXNoCycle:
+            return
+        unit = next(item for edge in cycle for item in edge[:2] if isinstance(item, str))
+        for node in plan.nodes:
+            if unit_of.get(node) == unit:
+                unit_of[node] = None
+
+
+def _item(node: fx.Node, partition: dict[fx.Node, str]) -> Any:
+    """A glue op is its own item; the ops of a unit form one item (the unit's name)."""
+    return node if partition[node] == ROOT else partition[node]
+
+
+def _item_graph(plan: StagePlan, partition: dict[fx.Node, str]) -> nx.DiGraph:
+    graph = nx.DiGraph()
+    for node in plan.nodes:
+        graph.add_node(_item(node, partition))
+        for inp in node.all_input_nodes:
+            if inp in partition and _item(inp, partition) != _item(node, partition):
+                graph.add_edge(_item(inp, partition), _item(node, partition))
+    return graph
+
+
+def _item_order(plan: StagePlan, partition: dict[fx.Node, str]) -> list[Any]:
+    """Glue ops and unit calls in a dependency order that stays close to the graph order."""
+    first = {}
+    for i, node in enumerate(plan.nodes):
+        first.setdefault(_item(node, partition), i)
+    return list(nx.lexicographical_topological_sort(_item_graph(plan, partition), key=first.__getitem__))
+
+
+def _state_owners(plan: StagePlan, partition: dict[fx.Node, str]) -> dict[int, str]:
+    """Tensor key -> the unit that alone reads it, else ROOT (the stage passes it to the units)."""
+    readers: dict[int, set[str]] = {}
+    for node in plan.nodes:
+        for inp in node.all_input_nodes:
+            if inp in plan.state:
+                readers.setdefault(plan.state[inp].key, set()).add(partition[node])
+    return {key: parts.pop() if len(parts) == 1 else ROOT for key, parts in readers.items()}
+
+
+def _unit_module(unit: str, nodes: list[fx.Node], plan: StagePlan, partition: dict[fx.Node, str],
+                 owner: dict[int, str], names: dict[str, StateTensor]):
+    """The unit as a GraphModule, the stage-level nodes it takes, and the nodes it returns."""
+    inside = set(nodes)
+    container = nn.Module()
+    attrs = _AttributeNames(container, names, prefix=unit, units=set())
+    graph = fx.Graph()
+    local: dict[fx.Node, fx.Node] = {}
+    external: list[fx.Node] = []
+
+    def value(node: fx.Node) -> fx.Node:
+        if node in local:
+            return local[node]
+        if node in plan.state and owner[plan.state[node].key] == unit:
+            local[node] = graph.get_attr(attrs.name_for(plan.state[node]))
+        elif node.op == "get_attr":
+            local[node] = graph.get_attr(attrs.submodule(node.target, plan.attributes))
+        else:
+            local[node] = graph.placeholder(node.name)
+            external.append(node)
+        return local[node]
+
+    for node in nodes:
+        local[node] = graph.node_copy(node, value)
+    stage_outputs = {o for o in plan.outputs if isinstance(o, fx.Node)}
+    results = [n for n in nodes if n in stage_outputs or any(u in partition and u not in inside for u in n.users)]
+    graph.output(tuple(local[n] for n in results))
+    return fx.GraphModule(container, graph, class_name="Unit"), external, results
+
+
+class _AttributeNames:
+    """Registers state on a module under the model's FQN (relative to the unit) where possible."""
+
+    def __init__(self, module: nn.Module, names: dict[str, StateTensor], prefix: str, units: set[str]) -> None:
+        self.module, self.names, self.prefix, self.units = module, names, prefix, units
+        self.by_key: dict[int, str] = {}
+
+    def name_for(self, tensor: StateTensor) -> str:
+        if tensor.key in self.by_key:
+            return self.by_key[tensor.key]
+        if self.prefix:
+            name = tensor.name_under(self.prefix) or tensor.fqn.replace(".", "_")
+        else:
+            name = next((f for f in tensor.fqns if not self._under_unit(f)), tensor.fqn.replace(".", "_"))
+        while _has_attr(self.module, name):
+            name += "_"
+        _set_nested(self.module, name, tensor.value)
+        self.by_key[tensor.key] = name
+        self.names[f"{self.prefix}.{name}" if self.prefix else name] = tensor
+        return name
+
+    def _under_unit(self, fqn: str) -> bool:
+        """True if a parent of `fqn` is a unit submodule here (then the stage cannot use that path)."""
+        parts = fqn.split(".")
+        return any(".".join(parts[:i]) in self.units for i in range(1, len(parts) + 1))
+
+    def submodule(self, target: str, source: nn.Module) -> str:
+        name = target.replace(".", "_")
+        if not _has_attr(self.module, name):
+            _set_nested(self.module, name, source.get_submodule(target))
+        return name
+
+
+def _has_attr(module: nn.Module, path: str) -> bool:
+    for part in path.split("."):
+        if not hasattr(module, part):
+            return False
+        module = getattr(module, part)
+    return True
+
+
+def _set_nested(module: nn.Module, path: str, value: Any) -> None:
+    *parents, leaf = path.split(".")
+    for part in parents:
+        if not hasattr(module, part):
+            module.add_module(part, nn.Module())
+        module = getattr(module, part)
+    if isinstance(value, nn.Parameter):
+        module.register_parameter(leaf, value)
+    elif isinstance(value, torch.Tensor):
+        module.register_buffer(leaf, value)
+    else:
+        module.add_module(leaf, value)

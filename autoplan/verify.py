@@ -1,0 +1,227 @@
+"""`autoplan verify DIR`: run a generated program on CPU/gloo and check loss parity.
+
+Two runs of DIR/train.py, each in its own process group (session) with a time limit:
+  reference    python train.py --reference          the unsplit model on the whole global batch
+  distributed  python -m torch.distributed.run ...   the planned layout on K CPU processes (gloo)
+Both start from the same weights, draw the same batches and use the same optimizer, so their
+per-step losses agree to float rounding (|diff| <= PARITY_TOLERANCE) when the program is right.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autoplan.errors import UserError
+from autoplan.plan import Plan, PlanError
+
+PARITY_TOLERANCE = 1e-4
+"""Largest per-step |loss difference| accepted in fp32 (DESIGN.md, "How we know it works")."""
+STDERR_TAIL_LINES = 25
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    nproc: int
+    """Processes the distributed run used (the plan's world size)."""
+    steps: int
+    """Optimizer steps each run made."""
+    reference_losses: tuple[float, ...]
+    """Per-step losses of the single-process run."""
+    losses: tuple[float, ...]
+    """Per-step global-batch mean losses of the distributed run."""
+    parity_max_abs_diff: float
+    """Largest per-step |loss - reference loss| (inf if a loss is NaN)."""
+    passed: bool
+    """parity_max_abs_diff <= PARITY_TOLERANCE."""
+    measured: dict[str, Any] = field(default_factory=dict)
+    """With measure=True: measured vs predicted step time and peak memory."""
+
+
+def verify(out_dir: Path | str, nproc: int | None = None, steps: int = 3, timeout_s: float = 300,
+           measure: bool = False) -> VerifyResult:
+    out_dir = Path(out_dir)
+    plan = _load_plan(out_dir)
+    world = plan.parallelism.world_size
+    if nproc is None:
+        nproc = world
+    if nproc != world:
+        p = plan.parallelism
+        raise UserError(f"--nproc {nproc} does not match the plan: dp {p.data_parallel_degree} x tp "
+                        f"{p.tensor_parallel_degree} x pp {p.pipeline_parallel_degree} = {world} processes")
+    if steps < 1:
+        raise UserError(f"--steps must be at least 1, got {steps}")
+    if not (out_dir / "train.py").is_file():
+        raise UserError(f"{out_dir} has no train.py: run `autoplan MODEL.py --out {out_dir}` first")
+
+    with tempfile.TemporaryDirectory(prefix="autoplan-verify-") as tmp:
+        ref_out, dist_out, metrics_out = (Path(tmp) / n for n in ("reference.json", "losses.json", "metrics.json"))
+        common = ["--device", "cpu", "--steps", str(steps)]
+        reference = [sys.executable, "train.py", "--reference", *common, "--losses-out", str(ref_out)]
+        distributed = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                       "train.py", *common, "--losses-out", str(dist_out)]
+        if measure:
+            distributed += ["--metrics-out", str(metrics_out)]
+        runs = [_Run("reference run", reference, out_dir, Path(tmp)),
+                _Run(f"distributed run ({nproc} processes)", distributed, out_dir, Path(tmp))]
+        # measuring: one run at a time so the timing is not disturbed; else both at once
+        _run_all(runs, timeout_s, sequential=measure)
+        reference_losses = _read_losses(ref_out, runs[0], steps)
+        losses = _read_losses(dist_out, runs[1], steps)
+        metrics = json.loads(metrics_out.read_text()) if measure else {}
+
+    diffs = [abs(a - b) for a, b in zip(reference_losses, losses)]
+    max_diff = math.inf if any(math.isnan(d) for d in diffs) else max(diffs)
+    result = VerifyResult(nproc=nproc, steps=steps, reference_losses=tuple(reference_losses), losses=tuple(losses),
+                          parity_max_abs_diff=max_diff, passed=max_diff <= PARITY_TOLERANCE,
+                          measured=_measured(plan, metrics) if measure else {})
+    report = {"nproc": nproc, "steps": steps, "reference_losses": list(reference_losses), "losses": list(losses),
+              "parity_max_abs_diff": max_diff if math.isfinite(max_diff) else None,
+              "parity_tolerance": PARITY_TOLERANCE, "passed": result.passed, **result.measured}
+    (out_dir / "verify.json").write_text(json.dumps(report, indent=2) + "\n")
+    return result
+
+
+def _load_plan(out_dir: Path) -> Plan:
+    path = out_dir / "plan.json"
+    if not path.is_file():
+        raise UserError(f"{out_dir} has no plan.json: is it an autoplan output folder?")
+    try:
+        return Plan.from_json(path.read_text())
+    except PlanError as e:
+        raise UserError(str(e)) from None
+
+
+def _measured(plan: Plan, metrics: dict[str, Any]) -> dict[str, Any]:
+    """Median step time without the first (warm-up) step, against the plan's prediction."""
+    times = sorted(metrics["step_times_s"][1:] or metrics["step_times_s"])
+    return {
+        "measured_step_time_s": times[len(times) // 2],
+        "predicted_step_time_s": plan.predicted.step_time_s,
+        "measured_peak_memory_bytes": metrics["peak_memory_bytes"],
+        "predicted_peak_memory_bytes": plan.predicted.peak_memory_bytes,
+        "measured_on": "cpu (gloo); peak memory is the largest resident set size of a process",
+        "predicted_for": plan.cluster.gpu,
+    }
+
+
+class _Run:
+    """One subprocess in its own session, its stderr kept in a file for the error message."""
+
+    def __init__(self, name: str, command: list[str], cwd: Path, tmp: Path) -> None:
+        self.name, self.command, self.cwd = name, command, cwd
+        self.stderr_path = tmp / f"{name.split()[0]}.stderr"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        with open(self.stderr_path, "wb") as stderr:
+            self.process = subprocess.Popen(self.command, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL,
+                                            stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+
+    def kill(self) -> None:
+        """Kill the run's process group, and the groups of its descendants: torchrun starts each
+        rank in a session of its own, out of reach of a kill of torchrun's group."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        groups = [self.process.pid]
+        for pid in _descendants(self.process.pid):
+            try:
+                groups.append(os.getpgid(pid))
+            except ProcessLookupError:
+                continue
+        for group in dict.fromkeys(groups):
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                continue
+        self.process.wait()
+
+    def stderr_tail(self) -> str:
+        lines = self.stderr_path.read_text(errors="replace").splitlines() if self.stderr_path.exists() else []
+        return "\n".join(first_traceback(lines)[-STDERR_TAIL_LINES:]) or "(no output on stderr)"
+
+
+def first_traceback(lines: list[str]) -> list[str]:
+    """The first failing rank's lines (torchrun prefixes them "[rankN]:" once the process group is
+    up), else the first Python traceback up to its exception line, else all lines. torchrun's own
+    summary comes later and only says which rank failed."""
+    ranked = [re.match(r"\[rank(\d+)\]:(.*)", line) for line in lines]
+    first_rank = next((m.group(1) for m in ranked if m), None)
+    if first_rank is not None:
+        return [f"[rank{first_rank}]:{m.group(2)}" for m in ranked if m and m.group(1) == first_rank]
+    start = next((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")), None)
+    if start is None:
+        return lines
+    end = next((j for j in range(start + 1, len(lines)) if lines[j] and not lines[j][0].isspace()), len(lines) - 1)
+    return lines[start:end + 1]
+
+
+def _descendants(root: int) -> list[int]:
+    """Process ids of all descendants of `root`, from /proc (Linux; elsewhere none are found)."""
+    children: dict[int, list[int]] = {}
+    proc = Path("/proc")
+    for entry in proc.iterdir() if proc.is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    found, stack = [], [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _run_all(runs: list[_Run], timeout_s: float, sequential: bool) -> None:
+    try:
+        if sequential:
+            for run in runs:
+                run.start()
+                _wait(run, time.monotonic() + timeout_s, timeout_s)
+        else:
+            for run in runs:
+                run.start()
+            deadline = time.monotonic() + timeout_s
+            for run in runs:
+                _wait(run, deadline, timeout_s)
+    finally:
+        for run in runs:
+            run.kill()
+
+
+def _wait(run: _Run, deadline: float, timeout_s: float) -> None:
+    try:
+        code = run.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        run.kill()
+        raise UserError(f"the {run.name} did not finish within {timeout_s:g} s and was killed; "
+                        f"last lines of its stderr:\n{run.stderr_tail()}") from None
+    if code != 0:
+        raise UserError(f"the {run.name} failed (exit code {code}); last lines of its stderr:\n{run.stderr_tail()}")
+
+
+def _read_losses(path: Path, run: _Run, steps: int) -> list[float]:
+    try:
+        losses = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        raise UserError(f"the {run.name} wrote no losses to {path.name}; "
+                        f"last lines of its stderr:\n{run.stderr_tail()}") from None
+    if not isinstance(losses, list) or len(losses) != steps:
+        count = len(losses) if isinstance(losses, list) else "no list of"
+        raise UserError(f"the {run.name} wrote {count} losses, expected {steps}")
+    return [float(x) for x in losses]

@@ -1,0 +1,84 @@
+"""Bad input: one clear line on stderr, exit code 2, no output folder."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autoplan.cli import main
+
+MODELS = Path(__file__).parent / "models"
+MLP = str(MODELS / "tiny_mlp.py")
+
+
+@pytest.mark.parametrize("args, message", [
+    ([MLP, "--gpus", "0"], "--gpus must be a positive integer, got '0'"),
+    ([MLP, "--gpus", "two"], "--gpus must be a positive integer"),
+    ([MLP, "--gpus", "2", "--gpu", "tpu-v9"], "tpu-v9"),
+    ([MLP, "--gpus", "2", "--memory-per-gpu", "lots"], "cannot read memory size 'lots'"),
+    ([MLP, "--gpus", "2", "--pin", "warp=9"], "warp"),
+    ([MLP, "--gpus", "4", "--gpu", "cpu", "--pin", "pp=3"], "3"),
+    ([MLP, "--gpus", "2", "--dtype", "fp8"], "--dtype must be bf16 or fp32"),
+    (["/no/such/model.py", "--gpus", "2"], "model file not found"),
+    ([MLP], "--gpus"),
+])
+def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, message):
+    out = tmp_path / "out"
+    assert main([*args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not out.exists()
+    assert not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+
+
+def test_several_errors_are_reported_together(tmp_path, capsys):
+    assert main([MLP, "--gpus", "-1", "--memory-per-gpu", "x", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "--gpus" in err and "memory size" in err
+
+
+def test_real_process_exit_code_and_single_line(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "autoplan", MLP, "--gpus", "nope", "--out", str(tmp_path / "o")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert run.stderr.strip().count("\n") == 0 and "positive integer" in run.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_verify_of_a_folder_without_a_plan(tmp_path, capsys):
+    assert main(["verify", str(tmp_path)]) == 2
+    assert "plan.json" in capsys.readouterr().err
+
+
+SLOW_MODEL = """
+import pathlib, time, torch
+def build_model():
+    pathlib.Path(__file__).with_suffix('.started').write_text('1')
+    time.sleep(60)
+    return torch.nn.Linear(2, 2)
+def example_batch(batch_size):
+    return torch.randn(batch_size, 2), torch.randn(batch_size, 2)
+"""
+
+
+@pytest.mark.parametrize("signal_name, code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_interrupted_run_leaves_nothing_and_exits_130_or_143(tmp_path, signal_name, code):
+    import signal
+    import time
+
+    model = tmp_path / "slow.py"
+    model.write_text(SLOW_MODEL)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "autoplan", str(model), "--gpus", "2", "--gpu", "cpu",
+                             "--out", str(out)], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while not model.with_suffix(".started").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "timeout"
+        time.sleep(0.1)
+    proc.send_signal(getattr(signal, signal_name))
+    assert proc.wait(timeout=30) == code
+    assert "Traceback" not in proc.stderr.read()
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "__pycache__") == ["slow.py", "slow.started"]
