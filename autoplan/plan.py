@@ -14,6 +14,7 @@ SCHEMA_VERSION = 1
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
+TENSOR_PARALLEL_STYLES = ("colwise", "rowwise")
 
 
 class PlanError(ValueError):
@@ -43,7 +44,8 @@ class Parallelism:
     zero_stage: int = 0
     """0 = replicated (DDP), 1/2 = sharded optimizer state (and gradients), 3 = FSDP."""
     pipeline_parallel_virtual_stages: int = 1
-    """Stages per pipeline rank (> 1 only for the interleaved schedule)."""
+    """Stages per pipeline rank (> 1 only for the interleaved schedule). Plan.stages then holds
+    pp * v stages and stage s runs on pipeline rank s % pp (torch.distributed.pipelining's loop order)."""
 
     @property
     def data_parallel_degree(self) -> int:
@@ -137,6 +139,11 @@ class Plan:
     solver: SolverInfo
     alternatives: tuple[dict[str, Any], ...] = ()
     """The next best layouts: parallelism, predicted step time and memory, why each lost."""
+    tensor_parallel_plan: dict[str, str] = field(default_factory=dict)
+    """Module FQN -> "colwise" | "rowwise" (Megatron pairs found in the graph) when tp > 1, else empty."""
+    activation_checkpoint_modules: tuple[str, ...] = ()
+    """Units recomputed in backward with the parallelism.activation_checkpoint mode; empty means every
+    unit when the mode is not "none"."""
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -168,6 +175,13 @@ class Plan:
         alternatives = raw.get("alternatives", [])
         if not isinstance(alternatives, list):
             raise PlanError("plan.json: alternatives must be a list")
+        tp_plan = raw.get("tensor_parallel_plan", {})
+        if not isinstance(tp_plan, dict) or any(
+                not isinstance(k, str) or v not in TENSOR_PARALLEL_STYLES for k, v in tp_plan.items()):
+            raise PlanError(f"plan.json: tensor_parallel_plan must map module names to one of {TENSOR_PARALLEL_STYLES}")
+        recomputed = raw.get("activation_checkpoint_modules", [])
+        if not isinstance(recomputed, list) or not all(isinstance(m, str) for m in recomputed):
+            raise PlanError("plan.json: activation_checkpoint_modules must be a list of module names")
         return Plan(
             model=_build(ModelRef, raw, "model"),
             cluster=_build(ClusterRef, raw, "cluster"),
@@ -177,6 +191,8 @@ class Plan:
             predicted=_build(Prediction, raw, "predicted"),
             solver=_build(SolverInfo, raw, "solver"),
             alternatives=tuple(alternatives),
+            tensor_parallel_plan=dict(tp_plan),
+            activation_checkpoint_modules=tuple(recomputed),
         )
 
     @staticmethod

@@ -1,24 +1,36 @@
 """Capture a model's forward as an OpGraph of ATen ops on fake tensors (nothing is allocated).
 
-torch.export (non-strict) first; if it fails, a dispatch-mode recording of a fake forward, with the
-reason export failed kept in OpGraph.failures.
+A chain of methods, each tried when the one before fails, so that a model that runs eagerly can always
+be profiled; why each earlier method failed is kept in OpGraph.failures:
+
+1. "export": torch.export (non-strict), the cleanest graph.
+2. "symbolic_trace": make_fx tracing of the forward flattened to tensors (custom output objects, caches).
+3. "dispatch": record the ops a dispatch mode sees while the forward runs on fake tensors.
+4. "dispatch" on real tensors, for a model of at most REAL_RUN_MAX_STATE_BYTES whose forward needs
+   tensor values (data-dependent control flow, an op without a fake kernel).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
-from typing import Iterator
+from typing import Callable, Iterator
 
-from autoplan.capture.dispatch import capture_dispatch
+from autoplan.capture.dispatch import DataDependentError, capture_dispatch
 from autoplan.capture.export import capture_export
-from autoplan.capture.fake_model import FakeModel, build_fake_model
+from autoplan.capture.fake_model import FakeModel, build_fake_model, build_real_model
 from autoplan.capture.graph import GraphInput, OpGraph, OpNode, TensorMeta, ValueRef
+from autoplan.capture.trace import capture_trace
 from autoplan.errors import UserError
 from autoplan.source import ModelSource
 
-METHODS = ("auto", "export", "dispatch")
-"""capture_model's `method` choices: auto tries export, then dispatch."""
+METHODS = ("auto", "export", "symbolic_trace", "dispatch")
+"""capture_model's `method` choices: auto tries each of the others in turn."""
+
+REAL_RUN_MAX_STATE_BYTES = 1 << 30
+"""Largest model (parameters + buffers, bytes) that is built for real to record a forward that fake
+tensors cannot run: 1 GiB, a small fraction of a laptop's memory."""
 
 log = logging.getLogger(__name__)
 
@@ -28,39 +40,75 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
+_NOISY_LOGGERS = ("torch._subclasses.fake_tensor", "torch.export", "torch._export",
+                  "torch.fx.experimental.symbolic_shapes")
+"""Loggers that print tracebacks or partial graphs for every failed tracing attempt; the user gets one
+line per failed method instead (OpGraph.failures, a warning)."""
+
+
 @contextlib.contextmanager
-def _quiet_fake_tensor_log() -> Iterator[None]:
-    """FakeTensorMode logs a traceback at ERROR for every failing shape check; the user gets the
-    one-line UserError instead."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+def _quiet_tracing_logs() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def _try_tracer(tracer: Callable[[FakeModel], OpGraph], fake: FakeModel) -> OpGraph:
+    """Run a tracer; export prints the partial graph of a failed attempt to stderr, which is dropped."""
+    with contextlib.redirect_stderr(io.StringIO()):
+        return tracer(fake)
+
+
+_TRACERS: dict[str, Callable[[FakeModel], OpGraph]] = {"export": capture_export, "symbolic_trace": capture_trace}
 
 
 def capture_model(source: ModelSource, batch_size: int, method: str = "auto") -> OpGraph:
     """The forward graph of `source`'s model on example_batch(batch_size)."""
     if method not in METHODS:
         raise UserError(f"unknown capture method {method!r}: choose one of {', '.join(METHODS)}")
-    with _quiet_fake_tensor_log():
+    with _quiet_tracing_logs():
         fake = build_fake_model(source, batch_size)
         failures: list[str] = []
-        if method in ("auto", "export"):
+        for name, tracer in _TRACERS.items():
+            if method not in ("auto", name):
+                continue
             try:
-                return capture_export(fake)
+                return _try_tracer(tracer, fake)
             except UserError:
                 raise
-            except Exception as e:  # noqa: BLE001 - export fails in many ways; each means "try the fallback"
-                if method == "export":
-                    raise UserError(f"torch.export of {source.path.name} failed: {_one_line(e)}") from None
-                failures.append(f"export: {_one_line(e)}")
-        graph = capture_dispatch(fake, source, tuple(failures))
+            except Exception as e:  # noqa: BLE001 - tracing fails in many ways; each means "try the next method"
+                if method == name:
+                    raise UserError(f"{_DESCRIPTIONS[name]} of {source.path.name} failed: {_one_line(e)}") from None
+                failures.append(f"{name}: {_one_line(e)}")
+        graph = _capture_by_running(fake, source, failures)
     if failures:
-        log.warning("torch.export failed (%s); captured by recording dispatched ops instead", failures[0])
+        log.warning("captured %s by %s (%s)", source.path.name, graph.method, "; ".join(failures))
     return graph
+
+
+_DESCRIPTIONS = {"export": "torch.export", "symbolic_trace": "symbolic tracing (make_fx)"}
+
+
+def _capture_by_running(fake: FakeModel, source: ModelSource, failures: list[str]) -> OpGraph:
+    """Record the forward on fake tensors, or on real ones when fake tensors cannot run it and the
+    model is small enough to build."""
+    try:
+        return capture_dispatch(fake, source, tuple(failures))
+    except DataDependentError as e:
+        size = fake.state_bytes()
+        if size > REAL_RUN_MAX_STATE_BYTES:
+            raise UserError(f"cannot capture {source.path.name} on fake tensors ({e}), and at "
+                            f"{size / 2**30:.1f} GiB of parameters it is too large to run for real "
+                            f"(limit {REAL_RUN_MAX_STATE_BYTES / 2**30:.0f} GiB)") from None
+        failures.append(f"dispatch on fake tensors: {e}; recorded on real tensors with random weights")
+    real = build_real_model(source, fake.batch_size)
+    return capture_dispatch(real, source, tuple(failures))
 
 
 __all__ = ["capture_model", "build_fake_model", "FakeModel", "OpGraph", "OpNode", "GraphInput", "TensorMeta",

@@ -1,22 +1,29 @@
-"""Fallback capture: run the forward on fake tensors and record every ATen op a dispatch mode sees.
+"""Fallback capture: run the forward and record every ATen op a dispatch mode sees.
 
-Works for any model that runs eagerly (export may reject data structures or Python constructs the
+Works for any model that runs eagerly (the tracers may reject data structures or Python constructs the
 forward uses). Ops are recorded below autograd, so composite ops arrive decomposed (aten.linear as
 aten.t + aten.addmm). Module attribution comes from forward pre/post hooks on every submodule.
+Normally on fake tensors; a small model whose forward needs tensor values (data-dependent control flow,
+an op without a fake kernel) is recorded on real tensors instead (see capture_model).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                           UnsupportedOperatorException)
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoplan.capture.fake_model import FakeModel
 from autoplan.capture.graph import GraphInput, OpGraph, OpNode, TensorMeta, ValueRef, output_refs, storage_roots
 from autoplan.capture.graph import tokens_per_sample as _tokens_per_sample
+from autoplan.errors import UserError
 from autoplan.source import ModelSource, call_user
 
 
@@ -86,15 +93,20 @@ def output_tensors(value: Any, depth: int = 3) -> list[torch.Tensor]:
     return tensors
 
 
-def _attach_module_hooks(model: torch.nn.Module, stack: list[str]) -> list[Any]:
-    """Keep `stack` equal to the FQNs of the modules whose forward is running (hooks return None so
-    they change neither inputs nor outputs)."""
+def attach_module_hooks(model: torch.nn.Module, stack: list[str],
+                        on_change: Callable[[], None] | None = None) -> list[Any]:
+    """Keep `stack` equal to the FQNs of the modules whose forward is running, calling `on_change`
+    after each push and pop (hooks return None so they change neither inputs nor outputs)."""
 
     def enter(fqn: str) -> None:
         stack.append(fqn)
+        if on_change is not None:
+            on_change()
 
     def leave() -> None:
         stack.pop()
+        if on_change is not None:
+            on_change()
 
     handles = []
     for fqn, module in model.named_modules():
@@ -105,8 +117,21 @@ def _attach_module_hooks(model: torch.nn.Module, stack: list[str]) -> list[Any]:
     return handles
 
 
+class DataDependentError(UserError):
+    """The forward needs tensor values (data-dependent control flow or output shapes), which fake
+    tensors do not have."""
+
+
+_DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode,
+                   UnsupportedOperatorException)
+"""Exceptions that mean "this op needs real values (or a real kernel)", not "the model is wrong"."""
+
+
 def capture_dispatch(fake: FakeModel, source: ModelSource, failures: tuple[str, ...] = ()) -> OpGraph:
-    """Run the forward under the recorder; a failing forward is the user's error (UserError)."""
+    """Run the forward under the recorder, on fake tensors (or real ones when fake.fake_mode is None).
+
+    A forward that needs tensor values raises DataDependentError; any other failure is the user's
+    error (UserError)."""
     stack: list[str] = []
     recorder = _Recorder(stack)
     for name, param in fake.model.named_parameters():
@@ -120,11 +145,17 @@ def capture_dispatch(fake: FakeModel, source: ModelSource, failures: tuple[str, 
         if isinstance(tensor, torch.Tensor):
             recorder.add_input(key, "input", key, tensor, False)
 
-    handles = _attach_module_hooks(fake.model, stack)
+    def forward() -> Any:
+        try:
+            return fake.model(*fake.args, **fake.kwargs)
+        except _DATA_DEPENDENT as e:
+            raise DataDependentError(f"the forward needs tensor values: {type(e).__name__}: "
+                                     f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+
+    handles = attach_module_hooks(fake.model, stack)
     try:
-        with fake.fake_mode, recorder:
-            out = call_user(source, f"the model's forward on example_batch({fake.batch_size})",
-                            lambda: fake.model(*fake.args, **fake.kwargs))
+        with fake.fake_mode or contextlib.nullcontext(), recorder:
+            out = call_user(source, f"the model's forward on example_batch({fake.batch_size})", forward)
     finally:
         for handle in handles:
             handle.remove()

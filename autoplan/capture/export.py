@@ -3,6 +3,8 @@
 export's training IR keeps ops at the level the user wrote them (aten.linear, aten.layer_norm,
 aten.scaled_dot_product_attention) and tags each node with nn_module_stack. Regions under
 torch.no_grad() or autocast arrive as higher-order ops with a sub-graph; they are inlined here.
+FxConverter also reads the symbolic tracer's graphs (capture/trace.py): the same node kinds, with
+no_grad() regions as torch._C._set_grad_enabled calls instead.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def _subgraph_call(node: fx.Node, owner: fx.GraphModule) -> tuple[fx.GraphModule
     raise CaptureError(f"unsupported higher-order op {getattr(hop, '__name__', hop)} at node {node.name}")
 
 
-class _Converter:
+class FxConverter:
     """Walks an exported graph (and inlined sub-graphs) into OpNodes."""
 
     def __init__(self) -> None:
@@ -76,6 +78,9 @@ class _Converter:
                 return fx.node.map_arg(node.args[0], env.__getitem__)
             if node.op == "get_attr":
                 env[node] = self._get_attr(gm, node, prefix)
+            elif node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+                grad_enabled = bool(node.args[0])  # symbolic tracing records no_grad() regions this way
+                env[node] = None
             elif node.op == "call_function":
                 env[node] = self._call(gm, node, env, prefix, outer_stack, grad_enabled)
             else:
@@ -128,7 +133,7 @@ def graph_from_export(ep: ExportedProgram, fake: FakeModel) -> OpGraph:
     """Convert an ExportedProgram of `fake.model` into an OpGraph."""
     signature = ep.graph_signature
     trainable = {name for name, p in fake.model.named_parameters() if p.requires_grad}
-    converter = _Converter()
+    converter = FxConverter()
     inputs: dict[str, GraphInput] = {}
     env: dict[fx.Node, Any] = {}
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]

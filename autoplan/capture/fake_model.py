@@ -20,14 +20,16 @@ from autoplan.source import ModelSource, call_user
 
 @dataclass
 class FakeModel:
-    """The model and one example batch of inputs, all on fake tensors of `fake_mode`."""
+    """The model and one example batch of inputs, all on fake tensors of `fake_mode` (real tensors when
+    fake_mode is None: see build_real_model)."""
 
     model: nn.Module
     args: tuple
     """Positional forward arguments."""
     kwargs: dict
     """Keyword forward arguments (a dict batch becomes kwargs)."""
-    fake_mode: FakeTensorMode
+    fake_mode: FakeTensorMode | None
+    """The mode the tensors belong to; None when they are real."""
     batch_size: int
     canonical_names: dict[str, str]
     """Every parameter/buffer FQN -> the FQN it is reported under (the first of a tied group)."""
@@ -35,6 +37,11 @@ class FakeModel:
     def trainable_parameters(self) -> dict[str, int]:
         """Trainable parameter FQN -> numel, tied parameters once."""
         return {name: p.numel() for name, p in self.model.named_parameters() if p.requires_grad}
+
+    def state_bytes(self) -> int:
+        """Bytes of all parameters and buffers (each shared tensor once)."""
+        tensors = {id(t): t for t in chain(self.model.parameters(), self.model.buffers())}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def param_dtype(self) -> torch.dtype:
         """dtype of the first floating-point parameter (float32 if there is none)."""
@@ -91,13 +98,76 @@ def build_fake_model(source: ModelSource, batch_size: int) -> FakeModel:
         raise UserError(f"batch size must be at least 1, got {batch_size}")
     # Tensors created at import time of model.py are real; let them mix with fake ones.
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = _build_fake(source, fake_mode)
     with fake_mode:
-        model = call_user(source, f"{source.factory_name}()", source.build_model)
-        if not isinstance(model, nn.Module):
-            raise UserError(f"{source.path.name}: {source.factory_name}() must return a torch.nn.Module, "
-                            f"got {type(model).__name__}")
         batch = call_user(source, f"example_batch({batch_size})", source.example_batch, batch_size)
+    return _for_training(source, batch_size, model, batch, fake_mode)
+
+
+def _for_training(source: ModelSource, batch_size: int, model: nn.Module, batch: Any,
+                  fake_mode: FakeTensorMode | None) -> FakeModel:
+    """Training mode, no KV cache (Hugging Face models return one unless told not to)."""
+    if not isinstance(model, nn.Module):
+        raise UserError(f"{source.path.name}: {source.factory_name}() must return a torch.nn.Module, "
+                        f"got {type(model).__name__}")
     args, kwargs = _split_inputs(source, batch_size, batch)
     disable_kv_cache(model)
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
     model.train()
     return FakeModel(model, args, kwargs, fake_mode, batch_size, canonical_names(model))
+
+
+def _build_fake(source: ModelSource, fake_mode: FakeTensorMode) -> Any:
+    """The user's model on fake CPU tensors.
+
+    Weight initialization that inspects values (nn.init.trunc_normal_'s rejection loop, used by ViT and
+    most vision models) cannot run on fake tensors. Such a factory is retried with the meta device as
+    default: torch's and transformers' initializers skip meta tensors. The meta parameters are then
+    replaced by fake CPU tensors of the same layout."""
+    what = f"{source.factory_name}()"
+    try:
+        with fake_mode:
+            return call_user(source, what, source.build_model)
+    except UserError as first_error:
+        try:
+            with fake_mode, torch.device("meta"):
+                model = call_user(source, what, source.build_model)
+        except UserError:
+            raise first_error from None
+    if isinstance(model, nn.Module):
+        _meta_to_fake_cpu(model, fake_mode)
+    return model
+
+
+def _meta_to_fake_cpu(model: nn.Module, fake_mode: FakeTensorMode) -> None:
+    """Replace every meta parameter, buffer and tensor attribute by a fake CPU tensor of the same layout
+    (a tensor shared by several modules stays shared)."""
+    replaced: dict[int, torch.Tensor] = {}
+
+    def fake_cpu(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in replaced:
+            with fake_mode:
+                new = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype,
+                                          device="cpu")
+            if isinstance(tensor, nn.Parameter):
+                new = nn.Parameter(new, requires_grad=tensor.requires_grad)
+            replaced[id(tensor)] = new
+        return replaced[id(tensor)]
+
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None and tensor.is_meta:
+                    table[name] = fake_cpu(tensor)
+        for name, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                setattr(module, name, fake_cpu(value))
+
+
+def build_real_model(source: ModelSource, batch_size: int) -> FakeModel:
+    """The user's model and batch on real CPU tensors (random weights): for small models whose forward
+    needs tensor values. Allocates the whole model: callers check its size first."""
+    model = call_user(source, f"{source.factory_name}()", source.build_model)
+    batch = call_user(source, f"example_batch({batch_size})", source.example_batch, batch_size)
+    return _for_training(source, batch_size, model, batch, None)

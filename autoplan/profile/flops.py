@@ -2,7 +2,9 @@
 
 PyTorch counts matmuls, convolutions and the CUDA attention kernels. The CPU attention kernel that
 F.scaled_dot_product_attention dispatches to here has no formula, so attention would count 0 FLOPs on
-the machine autoplan runs on; we register the same formula the CUDA kernels use.
+the machine autoplan runs on; we register the same formula the CUDA kernels use. Likewise for grouped
+matmuls (mixture-of-experts layers, including transformers' CPU fallback op) and the matrix-vector
+products. Elementwise ops, norms and softmax count 0 FLOPs: their cost is the bytes they move.
 """
 
 from __future__ import annotations
@@ -30,14 +32,65 @@ def _attention_backward(grad_out_shape, query_shape, key_shape, value_shape, *ar
     return ATTENTION_BACKWARD_FACTOR * sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
+def _numel(shape) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _grouped_mm(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """Grouped matmul (mixture-of-experts experts): every row of `a` meets one group of `b`, so the
+    total is that of one matmul over all rows: 2 * numel(a) * b.shape[-1], whatever the offsets."""
+    return 2 * _numel(a_shape) * b_shape[-1]
+
+
+def _grouped_mm_backward(a_shape, b_shape, offs_shape, grad_shape, *args, out_shape=None, **kwargs) -> int:
+    """Gradients of both operands: two grouped matmuls the size of the forward."""
+    return 2 * _grouped_mm(a_shape, b_shape)
+
+
+def _mv(matrix_shape, vector_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * _numel(matrix_shape)
+
+
+def _addmv(self_shape, matrix_shape, vector_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * _numel(matrix_shape)
+
+
+def _dot(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * _numel(a_shape)
+
+
+def _addbmm(self_shape, batch1_shape, batch2_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * _numel(batch1_shape) * batch2_shape[-1]
+
+
+def _formulas() -> list[tuple[list, object]]:
+    """(op packets, formula) pairs; transformers' fallback grouped matmul only if it is registered."""
+    pairs = [
+        (_CPU_ATTENTION_FORWARD, _attention_forward),
+        (_CPU_ATTENTION_BACKWARD, _attention_backward),
+        ([aten._grouped_mm], _grouped_mm),
+        ([aten.mv], _mv),
+        ([aten.addmv], _addmv),
+        ([aten.dot, aten.vdot], _dot),
+        ([aten.addbmm], _addbmm),
+    ]
+    try:  # transformers' MoE experts on CPU (integrations/moe.py); exists once transformers is imported
+        pairs.append(([torch.ops.transformers.grouped_mm_fallback], _grouped_mm))
+        pairs.append(([torch.ops.transformers.grouped_mm_fallback_backward], _grouped_mm_backward))
+    except AttributeError:
+        pass
+    return pairs
+
+
 def register_missing_formulas() -> None:
-    """Idempotent: register the CPU attention formulas unless PyTorch already has them."""
-    forward = [op for op in _CPU_ATTENTION_FORWARD if op not in flop_registry]
-    backward = [op for op in _CPU_ATTENTION_BACKWARD if op not in flop_registry]
-    if forward:
-        register_flop_formula(forward)(_attention_forward)
-    if backward:
-        register_flop_formula(backward)(_attention_backward)
+    """Idempotent: register our formulas for the ops PyTorch has none for."""
+    for ops, formula in _formulas():
+        missing = [op for op in ops if op not in flop_registry]
+        if missing:
+            register_flop_formula(missing)(formula)
 
 
 _MATMUL_WORDS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "matmul", "linear",
@@ -49,5 +102,5 @@ _MATMUL_WORDS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "add
 def is_matmul_like(op_name: str) -> bool:
     """True for ops whose cost is FLOPs, so a missing formula matters ("aten.addmm.default")."""
     parts = op_name.split(".")
-    packet = parts[1] if len(parts) > 1 and parts[0] == "aten" else parts[0]
+    packet = parts[1] if len(parts) > 1 else parts[0]  # "namespace.name.overload"
     return any(word in _MATMUL_WORDS for word in packet.split("_"))

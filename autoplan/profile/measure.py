@@ -1,13 +1,15 @@
-"""Time one op, forward and backward, on real random tensors on this machine's CPU.
+"""Time one op, forward and backward, on real random tensors on this machine's device.
 
-Runs with one intra-op thread: `--gpu cpu` plans one training process per core (verify launches the
-ranks with OMP_NUM_THREADS=1), and a single thread is also far less disturbed by a busy machine than a
-team of spinning OpenMP threads. One measurement per signature, cached.
+On a GPU with CUDA events; on the CPU with wall-clock timers and one intra-op thread: `--gpu cpu` plans
+one training process per core (verify launches the ranks with OMP_NUM_THREADS=1), and a single thread
+is also far less disturbed by a busy machine than a team of spinning OpenMP threads. Each signature is
+measured once (repeated layers share it) and kept in an on-disk cache (timing_cache.py).
 """
 
 from __future__ import annotations
 
 import logging
+import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from typing import Callable
 import torch
 
 from autoplan.profile.replay import OpCall, backward_inputs, make_inputs, output_tensors
+from autoplan.profile.timing_cache import TimingCache
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +30,11 @@ MAX_TIMED_RUNS = 25
 """Short ops are repeated up to this many times, until MIN_TIMED_SECONDS of samples are collected."""
 MIN_TIMED_SECONDS = 0.002
 """Enough samples of a microsecond-scale op to see past a descheduled thread on a busy machine."""
+THREADS_PER_RANK = 1
+"""Intra-op threads of one CPU training process (see the module docstring)."""
+MAX_TIMED_OP_BYTES = 1 << 30
+"""Largest op (inputs + outputs, bytes) materialized to be timed: 1 GiB, so that --measure on a model
+larger than this machine estimates its biggest ops instead of exhausting memory."""
 
 
 @dataclass(frozen=True)
@@ -35,20 +43,42 @@ class Timing:
     backward_s: float
 
 
-def _median_seconds(run: Callable[[], object]) -> float:
+def measure_device() -> str:
+    """"cuda" when a GPU is present, else "cpu"."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_description(device: str) -> str:
+    """What timings depend on besides the op: the processor (or GPU) and the torch version."""
+    if device == "cuda":
+        hardware = torch.cuda.get_device_name()
+    else:
+        hardware = f"{platform.machine()} {platform.processor() or 'cpu'} x{THREADS_PER_RANK} thread"
+    return f"{device}: {hardware}; torch {torch.__version__}"
+
+
+def _median_seconds(run: Callable[[], object], device: str) -> float:
     for _ in range(WARMUP_RUNS):
         run()
     samples: list[float] = []
     while len(samples) < MIN_TIMED_RUNS or (sum(samples) < MIN_TIMED_SECONDS and len(samples) < MAX_TIMED_RUNS):
-        start = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - start)
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)  # elapsed_time is in milliseconds
+        else:
+            start_s = time.perf_counter()
+            run()
+            samples.append(time.perf_counter() - start_s)
     return statistics.median(samples)
 
 
-def measure_call(call: OpCall) -> Timing:
-    """Median forward and backward wall time of `call` on CPU tensors, seconds."""
-    with torch.set_grad_enabled(call.grad_enabled):
+def measure_call(call: OpCall, device: str = "cpu") -> Timing:
+    """Median forward and backward time of `call` on random tensors on `device`, seconds."""
+    with torch.device(device), torch.set_grad_enabled(call.grad_enabled):
         leaves, _ = make_inputs(call, fill=True)
         mutable = call.target._schema.is_mutable
 
@@ -58,37 +88,56 @@ def measure_call(call: OpCall) -> Timing:
             args, kwargs = call.materialize(passed)
             return call.target(*args, **kwargs)
 
-        forward_s = _median_seconds(forward)
+        forward_s = _median_seconds(forward, device)
         backward = backward_inputs(leaves, output_tensors(forward()))
         backward_s = 0.0
         if backward is not None:
             differentiable, wrt, grads = backward
             backward_s = _median_seconds(
-                lambda: torch.autograd.grad(differentiable, wrt, grads, retain_graph=True, allow_unused=True))
+                lambda: torch.autograd.grad(differentiable, wrt, grads, retain_graph=True, allow_unused=True), device)
     return Timing(forward_s, backward_s)
 
 
-THREADS_PER_RANK = 1
-"""Intra-op threads of one CPU training process (see the module docstring)."""
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
-class CpuTimer:
-    """measure_call with a cache by signature; None for ops that cannot run on random tensors."""
+class OpTimer:
+    """measure_call with a cache by signature (in memory and on disk); None for an op that cannot be
+    timed, with the reason in `errors`."""
 
-    def __init__(self) -> None:
-        self.cache: dict[tuple, Timing | None] = {}
+    def __init__(self, cache: TimingCache, device: str = "cpu") -> None:
+        self.cache = cache
+        self.device = device
+        self.errors: dict[str, str] = {}
+        """Op (target name) -> why it could not be timed."""
+        self.measured = 0
+        """Signatures timed in this run (not found in the cache)."""
 
-    def __call__(self, call: OpCall) -> Timing | None:
-        key = call.key
-        if key not in self.cache:
-            threads = torch.get_num_threads()
+    def __call__(self, call: OpCall, op_bytes: int) -> Timing | None:
+        signature = repr(call.key)
+        entry = self.cache.get(signature)
+        if entry is None:
+            entry = self._measure(call, op_bytes)
+            self.cache.put(signature, entry)
+        if isinstance(entry, str):
+            self.errors.setdefault(str(call.target), entry)
+            return None
+        return Timing(float(entry[0]), float(entry[1]))
+
+    def _measure(self, call: OpCall, op_bytes: int) -> list[float] | str:
+        if op_bytes > MAX_TIMED_OP_BYTES:
+            return f"{op_bytes / 2**30:.1f} GiB of tensors, over the {MAX_TIMED_OP_BYTES / 2**30:.0f} GiB timing limit"
+        self.measured += 1
+        threads = torch.get_num_threads()
+        if self.device == "cpu":
             torch.set_num_threads(THREADS_PER_RANK)
-            try:
-                self.cache[key] = measure_call(call)
-            except Exception as e:  # noqa: BLE001 - e.g. an op that needs meaningful values: estimate it instead
-                log.warning("cannot time %s on random inputs (%s: %s); estimating it", call.target,
-                            type(e).__name__, str(e).strip().splitlines()[0] if str(e).strip() else "")
-                self.cache[key] = None
-            finally:
-                torch.set_num_threads(threads)
-        return self.cache[key]
+        try:
+            timing = measure_call(call, self.device)
+            return [timing.forward_s, timing.backward_s]
+        except Exception as e:  # noqa: BLE001 - e.g. an op that needs meaningful values: estimate it instead
+            log.debug("cannot time %s on random inputs: %s", call.target, _one_line(e))
+            return _one_line(e)
+        finally:
+            torch.set_num_threads(threads)

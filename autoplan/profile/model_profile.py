@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from autoplan.capture import OpGraph, OpNode, ValueRef, capture_model
 from autoplan.hardware.types import HardwareProfile
-from autoplan.profile.measure import CpuTimer
+from autoplan.profile.measure import OpTimer, device_description, measure_device
 from autoplan.profile.replay import FakeReplayer, OpCall, ReplayResult, SavedTensor, op_call
 from autoplan.profile.roofline import backward_bytes, peak_flops, roofline_seconds
+from autoplan.profile.timing_cache import TimingCache, cache_key
 from autoplan.profile.types import ModelProfile, OpProfile
 from autoplan.source import ModelSource
 
@@ -50,17 +51,18 @@ def _is_view(graph: OpGraph, node: OpNode) -> bool:
 
 
 class _Timer:
-    """Op times: measured on this CPU when asked and possible, else a roofline on the hardware."""
+    """Op times: measured on this machine's device when asked and possible, else a roofline on the
+    hardware profile."""
 
-    def __init__(self, hardware: HardwareProfile, measure: bool, dtype: str) -> None:
+    def __init__(self, hardware: HardwareProfile, op_timer: OpTimer | None, dtype: str) -> None:
         peak_flops(hardware.gpu, dtype)  # an unknown dtype is the user's error: say so before any work
         self.gpu, self.dtype = hardware.gpu, dtype
-        self.cpu_timer = CpuTimer() if measure else None
+        self.op_timer = op_timer
 
     def __call__(self, call: OpCall, result: ReplayResult, view: bool, input_bytes: int, output_bytes: int,
                  grad_input_bytes: int, has_backward: bool) -> tuple[float, float, str]:
-        if self.cpu_timer is not None:
-            timing = self.cpu_timer(call)
+        if self.op_timer is not None:
+            timing = self.op_timer(call, input_bytes + output_bytes)
             if timing is not None:
                 return timing.forward_s, timing.backward_s, "measured"
         if view:
@@ -73,15 +75,24 @@ class _Timer:
         return forward, backward, "estimated"
 
 
+def _op_timer(graph: OpGraph, model: str) -> OpTimer:
+    """A timer on this machine's device, with the on-disk cache of (model, batch shapes, device)."""
+    device = measure_device()
+    inputs = [(name, g.meta.shape, str(g.meta.dtype)) for name, g in graph.inputs.items() if g.kind == "input"]
+    return OpTimer(TimingCache.open(cache_key(model, inputs, device_description(device))), device)
+
+
 def profile_graph(graph: OpGraph, model: str, batch_size: int, hardware: HardwareProfile, measure: bool,
                   dtype: str = "fp32") -> ModelProfile:
     """Profile every op of `graph`. `dtype` names the hardware peak the roofline uses ("fp32", "bf16")."""
-    timer = _Timer(hardware, measure, dtype)
+    op_timer = _op_timer(graph, model) if measure else None
+    timer = _Timer(hardware, op_timer, dtype)
     replayer = FakeReplayer()
     requires_grad = {ValueRef(name): graph_input.requires_grad for name, graph_input in graph.inputs.items()}
     kept_roots: set[ValueRef] = set()
     ops: list[OpProfile] = []
     unsupported: set[str] = set()
+    replay_errors: dict[str, str] = {}
     for node in graph.nodes:
         call, slot_refs = op_call(node, graph, requires_grad)
         result = replayer(call, len(node.outputs))
@@ -91,6 +102,8 @@ def profile_graph(graph: OpGraph, model: str, batch_size: int, hardware: Hardwar
             requires_grad[ValueRef(node.name, index)] = differentiable and replayed
         if result.missing_formula:
             unsupported.add(str(node.target))
+        if result.error is not None:
+            replay_errors.setdefault(str(node.target), result.error)
 
         input_bytes = sum(graph.meta(ref).nbytes for ref in slot_refs)
         output_bytes = sum(meta.nbytes for meta in node.outputs)
@@ -118,11 +131,17 @@ def profile_graph(graph: OpGraph, model: str, batch_size: int, hardware: Hardwar
             time_bwd_s=time_bwd,
             source=source,
         ))
+    op_failures = [f"{op}: not replayed on fake tensors, counted as 0 FLOPs and nothing saved ({error})"
+                   for op, error in sorted(replay_errors.items())]
+    if op_timer is not None:
+        op_timer.cache.save()
+        op_failures += [f"{op}: not timed on {op_timer.device}, estimated instead ({error})"
+                        for op, error in sorted(op_timer.errors.items())]
     return ModelProfile(
         model=model,
         batch_size=batch_size,
         dtype=_dtype_name(graph.param_dtype),
-        device="cpu" if measure else hardware.gpu.name,
+        device=op_timer.device if op_timer is not None else hardware.gpu.name,
         ops=tuple(ops),
         parameters=dict(graph.parameters),
         parameter_bytes_per_element=graph.param_dtype.itemsize,
@@ -130,6 +149,8 @@ def profile_graph(graph: OpGraph, model: str, batch_size: int, hardware: Hardwar
         output_nodes=tuple(dict.fromkeys(ref.node for ref in graph.outputs if ref.node in graph.node_by_name)),
         capture_method=graph.method,
         unsupported_ops=tuple(sorted(unsupported)),
+        capture_failures=graph.failures,
+        op_failures=tuple(op_failures),
     )
 
 

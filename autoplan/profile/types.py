@@ -73,9 +73,14 @@ class ModelProfile:
     output_nodes: tuple[str, ...] = ()
     """Op nodes whose values are model outputs."""
     capture_method: str = "export"
-    """How the graph was captured: "export", "symbolic_trace" or "dispatch"."""
+    """How the graph was captured: "export", "symbolic_trace" or "dispatch" (see autoplan.capture)."""
     unsupported_ops: tuple[str, ...] = ()
     """ATen ops that have no FLOP formula (counted as 0 FLOPs, timed or estimated by bytes)."""
+    capture_failures: tuple[str, ...] = ()
+    """Why each capture method tried before `capture_method` failed, one line each."""
+    op_failures: tuple[str, ...] = ()
+    """Ops profiled only in part, one line each: not replayable on fake tensors (counted as 0 FLOPs and
+    nothing saved) or not timeable on this machine (estimated instead)."""
 
     @property
     def param_count(self) -> int:
@@ -99,4 +104,6 @@ class ModelProfile:
         )
         raw["output_nodes"] = tuple(raw.get("output_nodes", ()))
         raw["unsupported_ops"] = tuple(raw.get("unsupported_ops", ()))
+        raw["capture_failures"] = tuple(raw.get("capture_failures", ()))
+        raw["op_failures"] = tuple(raw.get("op_failures", ()))
         return ModelProfile(ops=ops, **raw)
