@@ -57,6 +57,8 @@ class PlanResult:
     profile: ModelProfile
     candidates: tuple[Any, ...]
     """autoplan.solve.search.Candidate for every layout tried."""
+    scaling: tuple[tuple[int, float], ...] = ()
+    """(GPUs, predicted samples/s) of the best layout at N/8 .. 4N GPUs, same batch per GPU."""
 
 
 def load_cluster(gpus: Any, gpu: str, gpus_per_node: Any, memory_per_gpu: Any, hardware: str | None) -> Cluster:
@@ -156,6 +158,7 @@ def plan_model(
 
     log.info("capture + profile %s at batch %d on %s", source.spec, PROFILE_BATCH_SIZE, cluster.gpu.name)
     profile = profile_model(source, PROFILE_BATCH_SIZE, cluster.hardware, measure=on_cpu, dtype=dtype)
+    pins = _pins_for_capture(pins, profile)
     training = Training(global_batch_size=batch, dtype=dtype, tokens_per_sample=profile.tokens_per_sample)
     log.info("search %d GPUs, %d ops, %d parameters", cluster.num_gpus, len(profile.ops), profile.param_count)
     result = search(profile, cluster, training, pins, solver=solver, time_limit_s=time_limit)
@@ -181,11 +184,52 @@ def plan_model(
         solver=result.solver,
         alternatives=alternatives,
     )
-    planned = PlanResult(plan, profile, tuple(result.candidates))
+    scaling = scaling_curve(profile, cluster, training, solver) if out is not None else ()
+    planned = PlanResult(plan, profile, tuple(result.candidates), scaling)
     log.info("planned in %.2f s", time.perf_counter() - started)
     if out is not None:
         write_outputs(planned, Path(out), source.path)
     return planned
+
+
+SCALING_FACTORS = (1 / 8, 1 / 4, 1 / 2, 1, 2, 4)
+"""GPU counts of the report's scaling curve, as multiples of the planned count."""
+
+
+def scaling_curve(profile: ModelProfile, cluster: Cluster, training: Training, solver: str) -> tuple[tuple[int, float], ...]:
+    """Best predicted throughput at other GPU counts (weak scaling: the same batch per GPU). Counts where
+    nothing fits are left out."""
+    from dataclasses import replace
+
+    from autoplan.solve.pins import Pins
+    from autoplan.solve.search import search
+
+    pins = Pins(pp=1) if profile.capture_method != "export" else Pins()
+    points = []
+    for count in sorted({max(1, round(cluster.num_gpus * f)) for f in SCALING_FACTORS}):
+        batch = max(1, training.global_batch_size * count // cluster.num_gpus)
+        other = replace(cluster, num_gpus=count, gpus_per_node=min(cluster.gpus_per_node, count))
+        try:
+            best = search(profile, other, replace(training, global_batch_size=batch), pins, solver=solver).best
+        except UserError as e:
+            log.debug("scaling curve: nothing at %d GPUs (%s)", count, e)
+            continue
+        points.append((count, best.predicted.samples_per_s))
+    return tuple(points)
+
+
+def _pins_for_capture(pins, profile: ModelProfile):
+    """Pipeline stages are cut from the exported graph: without one (export failed and capture fell
+    back), only layouts that keep the model whole can be generated."""
+    from dataclasses import replace
+
+    if profile.capture_method == "export":
+        return pins
+    if pins.pp not in (None, 1):
+        raise UserError(f"pp={pins.pp} needs the model's graph, but torch.export could not capture it "
+                        f"(captured by {profile.capture_method}): pin pp=1 or make the forward exportable")
+    log.warning("torch.export could not capture the model: planning without pipeline parallelism")
+    return replace(pins, pp=1)
 
 
 def _next_best(candidates, best, count: int):
@@ -211,7 +255,7 @@ def write_outputs(result: PlanResult, out: Path, model_file: Path) -> None:
     try:
         (staging / "plan.json").write_text(result.plan.to_json())
         write_csvs(result, staging)
-        write_report(result, staging)
+        write_report(result, staging, scaling=list(result.scaling) or None)
         write_trace(result.plan, staging)
         write_program(result.plan, staging, model_file)
         _replace_folder(staging, out)

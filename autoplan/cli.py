@@ -17,6 +17,7 @@ import logging
 import signal
 import sys
 import traceback
+from pathlib import Path
 
 from autoplan.errors import UserError
 
@@ -103,6 +104,11 @@ def cmd_verify(args) -> int:
     from autoplan.verify import verify
 
     result = verify(args.dir, nproc=args.nproc, steps=args.steps, timeout_s=args.timeout, measure=args.measure)
+    report = Path(args.dir) / "report.html"
+    if report.is_file():
+        from autoplan.report.html import add_verification
+
+        add_verification(Path(args.dir), json.loads((Path(args.dir) / "verify.json").read_text()))
     if not args.quiet:
         print(f"loss parity over {result.steps} steps on {result.nproc} processes: "
               f"max |diff| = {result.parity_max_abs_diff:.3g} ({'PASS' if result.passed else 'FAIL'}, limit 1e-4)")
