@@ -184,10 +184,13 @@ def plan_model(
         solver=result.solver,
         alternatives=alternatives,
     )
+    if out is not None:
+        log.info("scaling curve: best layouts at %d/8 .. 4x%d GPUs", cluster.num_gpus, cluster.num_gpus)
     scaling = scaling_curve(profile, cluster, training, solver) if out is not None else ()
     planned = PlanResult(plan, profile, tuple(result.candidates), scaling)
     log.info("planned in %.2f s", time.perf_counter() - started)
     if out is not None:
+        log.info("writing %s", out)
         write_outputs(planned, Path(out), source.path)
     return planned
 

@@ -17,7 +17,13 @@ import logging
 import signal
 import sys
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
+
+from rich import box
+from rich.console import Console, Group
+from rich.markup import escape
+from rich.table import Table
 
 from autoplan.errors import UserError
 
@@ -76,22 +82,24 @@ def build_parser() -> dict[str, argparse.ArgumentParser]:
 def cmd_plan(args) -> int:
     from autoplan.api import plan_model
 
-    result = plan_model(
-        args.model, args.gpus, args.gpu, gpus_per_node=args.gpus_per_node, global_batch=args.global_batch,
-        dtype=args.dtype, memory_per_gpu=args.memory_per_gpu, pin=args.pin, hardware=args.hardware,
-        solver=args.solver, time_limit=args.time_limit, out=args.out,
-    )
+    with _progress(args):
+        result = plan_model(
+            args.model, args.gpus, args.gpu, gpus_per_node=args.gpus_per_node, global_batch=args.global_batch,
+            dtype=args.dtype, memory_per_gpu=args.memory_per_gpu, pin=args.pin, hardware=args.hardware,
+            solver=args.solver, time_limit=args.time_limit, out=args.out,
+        )
     if args.json:
         print(result.plan.to_json())
     elif not args.quiet:
-        print(summary(result.plan, args.out))
+        Console().print(summary(result.plan, args.out))
     return 0
 
 
 def cmd_profile(args) -> int:
     from autoplan.api import profile_only
 
-    profile = profile_only(args.model, args.gpu, hardware=args.hardware, measure=args.measure or None, out=args.out)
+    with _progress(args):
+        profile = profile_only(args.model, args.gpu, hardware=args.hardware, measure=args.measure or None, out=args.out)
     if not args.quiet:
         flops = sum(o.flops_fwd + o.flops_bwd for o in profile.ops)
         print(f"{len(profile.ops)} ops, {profile.param_count:,} parameters, "
@@ -103,7 +111,8 @@ def cmd_profile(args) -> int:
 def cmd_verify(args) -> int:
     from autoplan.verify import verify
 
-    result = verify(args.dir, nproc=args.nproc, steps=args.steps, timeout_s=args.timeout, measure=args.measure)
+    with _progress(args):
+        result = verify(args.dir, nproc=args.nproc, steps=args.steps, timeout_s=args.timeout, measure=args.measure)
     report = Path(args.dir) / "report.html"
     if report.is_file():
         from autoplan.report.html import add_verification
@@ -115,29 +124,72 @@ def cmd_verify(args) -> int:
     return 0 if result.passed else 1
 
 
-def summary(plan, out: str | None) -> str:
-    p, pred = plan.parallelism, plan.predicted
-    gib = 2**30
-    lines = [
-        f"layout     dp={p.data_parallel_degree} (replicate {p.data_parallel_replicate_degree} x shard "
-        f"{p.data_parallel_shard_degree}, zero {p.zero_stage})  tp={p.tensor_parallel_degree}  "
-        f"pp={p.pipeline_parallel_degree} ({p.pipeline_parallel_schedule})  micro-batch "
-        f"{p.pipeline_parallel_microbatch_size} x {p.pipeline_parallel_num_microbatches}  "
-        f"recompute {p.activation_checkpoint}",
-        f"predicted  {pred.step_time_s * 1e3:.1f} ms/step, {pred.samples_per_s:,.1f} samples/s"
-        + (f", {pred.tokens_per_s:,.0f} tokens/s" if pred.tokens_per_s else "")
-        + f", MFU {pred.mfu * 100:.1f}%",
-        f"memory     {pred.peak_memory_bytes / gib:.2f} GiB peak of {plan.cluster.memory_per_gpu_bytes / gib:.1f} GiB "
-        f"per {plan.cluster.gpu}",
-    ]
-    for s in plan.stages:
-        lines.append(f"stage {s.index:<4} {s.predicted_time_s * 1e3:8.2f} ms/micro-batch  "
-                     f"{s.predicted_memory_bytes / gib:6.2f} GiB  {s.modules[0]} .. {s.modules[-1]}")
-    lines.append(f"solver     {plan.solver.name} {plan.solver.status} in {plan.solver.time_s:.2f} s, "
+def summary(plan, out: str | None) -> Group:
+    """The chosen layout, its prediction and its stages, as rich renderables."""
+    p, pred, gib = plan.parallelism, plan.predicted, 2**30
+    layout = (f"dp={p.data_parallel_degree} (replicate {p.data_parallel_replicate_degree} x shard "
+              f"{p.data_parallel_shard_degree}, zero {p.zero_stage})  tp={p.tensor_parallel_degree}  "
+              f"pp={p.pipeline_parallel_degree} ({p.pipeline_parallel_schedule})  micro-batch "
+              f"{p.pipeline_parallel_microbatch_size} x {p.pipeline_parallel_num_microbatches}  "
+              f"recompute {p.activation_checkpoint}")
+    throughput = f"{pred.samples_per_s:,.1f} samples/s" + (f", {pred.tokens_per_s:,.0f} tokens/s" if pred.tokens_per_s else "")
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("layout", layout)
+    head.add_row("predicted", f"{_seconds(pred.step_time_s)}/step, {throughput}, MFU {pred.mfu * 100:.1f}%")
+    head.add_row("memory", f"{pred.peak_memory_bytes / gib:.2f} GiB peak of "
+                 f"{plan.cluster.memory_per_gpu_bytes / gib:.1f} GiB per {plan.cluster.gpu}")
+    head.add_row("solver", f"{plan.solver.name} {plan.solver.status} in {plan.solver.time_s:.2f} s, "
                  f"{plan.solver.candidates_evaluated} candidates")
+    stages = Table(box=box.SIMPLE_HEAD, show_edge=False)
+    for name, justify in (("stage", "right"), ("time/micro-batch", "right"), ("memory GiB", "right"),
+                          ("modules", "left")):
+        stages.add_column(name, justify=justify)
+    for s in plan.stages:
+        span = s.modules[0] if len(s.modules) == 1 else f"{s.modules[0]} .. {s.modules[-1]} ({len(s.modules)})"
+        stages.add_row(str(s.index), _seconds(s.predicted_time_s), f"{s.predicted_memory_bytes / gib:.2f}",
+                       escape(span))
+    parts = [head, stages]
     if out:
-        lines.append(f"wrote      {out}/ (plan.json, train.py, launch/, *.csv); check it: autoplan verify {out}")
-    return "\n".join(lines)
+        parts.append(f"wrote {escape(out)}/ (plan.json, train.py, launch/, report.html, *.csv); "
+                     f"check it: autoplan verify {escape(out)}")
+    return Group(*parts)
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e3:.1f} ms" if value >= 1e-3 else f"{value * 1e6:.0f} us"
+
+
+@contextmanager
+def _progress(args):
+    """A spinner naming the running phase on an interactive terminal; plain log lines otherwise."""
+    stderr = Console(stderr=True)
+    if not stderr.is_terminal or args.quiet or args.debug:
+        yield
+        return
+    root = logging.getLogger()
+    previous = root.handlers
+    with stderr.status("autoplan ...") as status:
+        root.handlers = [_StatusHandler(status)]
+        try:
+            yield
+        finally:
+            root.handlers = previous
+
+
+class _StatusHandler(logging.Handler):
+    """Shows the running phase on a spinner (interactive terminals only) and keeps warnings visible."""
+
+    def __init__(self, status) -> None:
+        super().__init__(logging.INFO)
+        self.status = status
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.WARNING:
+            self.status.console.print(f"[yellow]autoplan: {escape(record.getMessage())}[/]")
+        else:
+            self.status.update(f"{escape(record.getMessage())} ...")
 
 
 def _terminate(signum, frame):
@@ -160,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser()[name].parse_args(rest)
         logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING if args.quiet else logging.INFO,
-                            format="autoplan: %(message)s")
+                            format="autoplan: %(message)s", force=True)
         return {"plan": cmd_plan, "profile": cmd_profile, "verify": cmd_verify}[name](args)
     except UserError as e:
         if debug:
