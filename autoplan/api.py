@@ -164,6 +164,9 @@ def plan_model(
     result = search(profile, cluster, training, pins, solver=solver, time_limit_s=time_limit)
 
     best = result.best
+    if result.solver.status == "time_limit":
+        log.warning("the solver hit the %s s time limit: this is the best plan found, within %.1f%% of optimal",
+                    time_limit, 100 * result.solver.gap)
     alternatives = tuple(
         {
             "parallelism": c.parallelism.__dict__,
