@@ -1,10 +1,10 @@
 """autoplan.codegen: the files write_program writes, that no plan string can change the program,
-the launchers, and the layouts it refuses (with the numbers that conflict)."""
+that train.py's main is importable, and the plans it refuses (with the numbers that conflict).
+The launchers are tested in test_codegen_launch.py."""
 
 import ast
-import os
+import importlib.util
 import shutil
-import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,7 +18,7 @@ MLP = Path(__file__).resolve().parents[1] / "examples" / "mlp.py"
 
 
 def make_plan(stages=(("inp", "layers.0"), ("layers.1", "out")), gpus_per_node=8, global_batch=16,
-              model=ModelRef(path=str(MLP)), **parallelism) -> Plan:
+              model=ModelRef(path=str(MLP)), tensor_parallel_plan=None, recompute=(), **parallelism) -> Plan:
     defaults = dict(data_parallel_replicate_degree=2, pipeline_parallel_degree=2, pipeline_parallel_schedule="1f1b",
                     pipeline_parallel_num_microbatches=4, pipeline_parallel_microbatch_size=2)
     par = Parallelism(**{**defaults, **parallelism})
@@ -33,6 +33,8 @@ def make_plan(stages=(("inp", "layers.0"), ("layers.1", "out")), gpus_per_node=8
         predicted=Prediction(step_time_s=0.1, samples_per_s=160.0, tokens_per_s=None, model_flops_per_step=1e12,
                              mfu=0.4, peak_memory_bytes=1e9),
         solver=SolverInfo(name="highs", status="optimal", time_s=0.1, candidates_evaluated=10),
+        tensor_parallel_plan=dict(tensor_parallel_plan or {}),
+        activation_checkpoint_modules=tuple(recompute),
     )
 
 
@@ -59,10 +61,45 @@ def test_writes_train_py_model_copy_and_launcher(tmp_path):
     assert config["STAGES"] == [["inp", "layers.0"], ["layers.1", "out"]]
     assert (config["DP_REPLICATE"], config["PP"], config["SCHEDULE"], config["NUM_MICROBATCHES"]) == (2, 2, "1f1b", 4)
     assert config["GLOBAL_BATCH"] == 16 and config["LEARNING_RATE"] == 1e-3 and config["SEED"] == 0
-    script = tmp_path / "launch" / "torchrun.sh"
-    assert os.access(script, os.X_OK)
-    assert 'NPROC_PER_NODE="${NPROC_PER_NODE:-4}"' in script.read_text()
-    assert 'NNODES="${NNODES:-1}"' in script.read_text()
+    assert (config["TP"], config["VIRTUAL_STAGES"], config["ZERO_STAGE"], config["DTYPE"]) == (1, 1, 0, "fp32")
+    assert config["TENSOR_PARALLEL_PLAN"] == {} and config["RECOMPUTE_MODULES"] == []
+    assert config["MODEL_FLOPS_PER_STEP"] == 1e12
+    assert config["PEAK_FLOPS_PER_GPU"] == 67e12  # the H100 SXM profile's dense fp32 peak
+    assert sorted(p.name for p in (tmp_path / "launch").iterdir()) == [
+        "job.sbatch", "pytorchjob.yaml", "torchrun.sh", "trainjob.yaml"]
+
+
+def test_layout_numbers_reach_the_program(tmp_path):
+    tp_plan = {"layers.0": "colwise", "layers.1": "rowwise"}
+    plan = make_plan(stages=(("inp",), ("layers.0",), ("layers.1",), ("out",)), tensor_parallel_plan=tp_plan,
+                     recompute=("layers.1",), data_parallel_replicate_degree=1, data_parallel_shard_degree=2,
+                     zero_stage=3, tensor_parallel_degree=2, pipeline_parallel_virtual_stages=2,
+                     pipeline_parallel_schedule="interleaved", activation_checkpoint="selective", global_batch=16)
+    plan = replace(plan, training=replace(plan.training, dtype="bf16"))
+    write_program(plan, tmp_path, MLP)
+    train_py = (tmp_path / "train.py").read_text()
+    config = config_values(train_py)
+    assert (config["DP_SHARD"], config["TP"], config["PP"], config["VIRTUAL_STAGES"]) == (2, 2, 2, 2)
+    assert config["DTYPE"] == "bf16" and config["PEAK_FLOPS_PER_GPU"] == 989e12  # H100 SXM dense bf16
+    assert config["TENSOR_PARALLEL_PLAN"] == tp_plan and config["RECOMPUTE_MODULES"] == ["layers.1"]
+    assert config["ACTIVATION_CHECKPOINT"] == "selective" and config["SCHEDULE"] == "interleaved"
+    docstring = ast.get_docstring(ast.parse(train_py))
+    assert "torchrun --standalone --nproc-per-node 8 train.py" in docstring
+    assert "2-way tensor parallel (2 Linears)" in docstring and "2 stages per rank" in docstring
+    assert "FSDP2, zero 3" in docstring and "selective activation checkpointing" in docstring
+    assert "bf16 mixed precision on GPUs" in docstring and "On CPU it trains in fp32" in docstring
+
+
+def test_train_py_main_is_importable_and_takes_argv(tmp_path):
+    write_program(make_plan(data_parallel_replicate_degree=1, pipeline_parallel_degree=1, stages=[["inp", "out"]],
+                            pipeline_parallel_num_microbatches=2, pipeline_parallel_microbatch_size=8), tmp_path, MLP)
+    spec = importlib.util.spec_from_file_location("generated_train", tmp_path / "train.py")
+    program = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(program)  # importing runs nothing
+    args = program.parse_args(["--steps", "2", "--device", "cpu", "--checkpoint-dir", "ck", "--resume"])
+    assert (args.steps, args.resume, args.checkpoint_dir) == (2, True, Path("ck"))
+    losses = program.main(["--reference", "--steps", "2", "--device", "cpu"])
+    assert len(losses) == 2 and losses[0] != losses[1]
 
 
 def test_strange_module_and_file_names_cannot_change_the_program(tmp_path):
@@ -71,44 +108,42 @@ def test_strange_module_and_file_names_cannot_change_the_program(tmp_path):
     model_dir.mkdir()
     model_file = model_dir / "my model's file.py"
     shutil.copyfile(MLP, model_file)
-    plan = make_plan(stages=(evil[:2], evil[2:]), model=ModelRef(path=str(model_file), factory='build"\nmodel'))
+    plan = make_plan(stages=(evil[:2], evil[2:]), model=ModelRef(path=str(model_file), factory='build"\nmodel'),
+                     tensor_parallel_plan={evil[0]: "colwise", evil[4]: "rowwise"}, recompute=evil)
     out = tmp_path / "out"
     write_program(plan, out, model_file)
     train_py = (out / "train.py").read_text()
     compile(train_py, "train.py", "exec")
     config = config_values(train_py)
-    assert config["STAGES"] == [evil[:2], evil[2:]]
+    assert config["STAGES"] == [evil[:2], evil[2:]] and config["RECOMPUTE_MODULES"] == evil
+    assert config["TENSOR_PARALLEL_PLAN"] == {evil[0]: "colwise", evil[4]: "rowwise"}
     assert config["FACTORY"] == 'build"\nmodel' and config["MODEL_SOURCE"] == str(model_file)
     assert "pwned" not in ast.get_docstring(ast.parse(train_py))
     assert (out / "model.py").read_bytes() == MLP.read_bytes()
 
 
-def test_multi_node_launcher(tmp_path):
-    write_program(make_plan(gpus_per_node=2), tmp_path, MLP)
-    script = (tmp_path / "launch" / "torchrun.sh").read_text()
-    assert 'NNODES="${NNODES:-2}"' in script and 'NPROC_PER_NODE="${NPROC_PER_NODE:-2}"' in script
-    assert "--rdzv-backend c10d" in script and '--rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}"' in script
-    subprocess.run(["bash", "-n", str(tmp_path / "launch" / "torchrun.sh")], check=True)
-    docstring = ast.get_docstring(ast.parse((tmp_path / "train.py").read_text()))
-    assert "NNODES=2 MASTER_ADDR=<node 0 host> bash launch/torchrun.sh" in docstring
-    with pytest.raises(UserError, match=r"4 processes do not fill whole nodes of 3 GPUs"):
-        write_program(make_plan(gpus_per_node=3), tmp_path / "other", MLP)
-
-
 @pytest.mark.parametrize("change, message", [
-    (dict(tensor_parallel_degree=2), r"tensor parallelism \(tp=2\) is not generated yet"),
-    (dict(pipeline_parallel_schedule="interleaved"), r"schedule 'interleaved' is not generated yet"),
-    (dict(activation_checkpoint="selective"), r"activation_checkpoint 'selective'"),
+    (dict(tensor_parallel_degree=2), r"tensor_parallel_degree is 2 but the plan's tensor_parallel_plan names no Linear"),
+    (dict(pipeline_parallel_virtual_stages=2), r"2 virtual stages per rank need the interleaved schedule"),
+    (dict(pipeline_parallel_schedule="interleaved", pipeline_parallel_num_microbatches=3, global_batch=12),
+     r"interleaved 1f1b needs micro-batches in multiples of pp: 3 % 2 = 1"),
+    (dict(pipeline_parallel_virtual_stages=2, pipeline_parallel_schedule="interleaved"),
+     r"pipeline_parallel_degree 2 x virtual stages 2 = 4 stages, but the plan lists 2"),
+    (dict(activation_checkpoint="most"), r"activation_checkpoint 'most' is not one of none, selective, full"),
     (dict(pipeline_parallel_num_microbatches=3), r"global batch 16 != dp 2 x micro-batches 3 x micro-batch size 2 = 12"),
     (dict(pipeline_parallel_num_microbatches=1, pipeline_parallel_microbatch_size=8),
      r"1f1b needs at least as many micro-batches as stages: 1 < 2"),
     (dict(data_parallel_replicate_degree=1, data_parallel_shard_degree=2), r"zero_stage 0 \(DDP\) replicates"),
+    (dict(zero_stage=4), r"zero_stage must be 0-3, got 4"),
     (dict(pipeline_parallel_degree=4, data_parallel_replicate_degree=1, pipeline_parallel_num_microbatches=8),
-     r"pipeline_parallel_degree is 4 but the plan lists 2 stages"),
+     r"pipeline_parallel_degree 4 x virtual stages 1 = 4 stages, but the plan lists 2"),
 ])
-def test_layouts_the_program_cannot_run_are_refused(tmp_path, change, message):
+def test_plans_the_program_cannot_run_are_refused(tmp_path, change, message):
     plan = make_plan()
+    global_batch = change.pop("global_batch", None)
     plan = replace(plan, parallelism=replace(plan.parallelism, **change))
+    if global_batch:
+        plan = replace(plan, training=replace(plan.training, global_batch_size=global_batch))
     with pytest.raises(UserError, match=message):
         write_program(plan, tmp_path, MLP)
     assert not (tmp_path / "train.py").exists()

@@ -1,9 +1,9 @@
-"""autoplan.verify on generated programs: loss parity of every layout the program supports, each
-against the single-device reference (6 torchrun launches, 2 steps each), and how verify reports
-hung, failing and diverging runs (with stand-in train.py files that do not import torch)."""
+"""autoplan.verify's standard path (one torchrun per folder, as a user runs it) on two generated
+programs, verify_many's shared launch reporting a failing job next to a passing one, and how verify
+reports hung, failing and diverging runs (stand-in train.py files that do not import torch).
+Parity of every layout: test_layouts.py (one shared launch)."""
 
 import json
-import os
 import textwrap
 import time
 from pathlib import Path
@@ -13,55 +13,11 @@ import pytest
 from autoplan.codegen import write_program
 from autoplan.errors import UserError
 from autoplan.plan import ClusterRef, ModelRef, Parallelism, Plan, Prediction, SolverInfo, Stage, Training
-from autoplan.verify import verify
+from autoplan.verify import verify, verify_many
+from test_layouts import SKIP_NET, TINY_GPT
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-TINY_GPT = f'''
-"""examples/gpt.py (tied lm_head) at tiny sizes."""
-import importlib.util
-import torch
-
-_spec = importlib.util.spec_from_file_location("autoplan_example_gpt", {str(EXAMPLES / "gpt.py")!r})
-gpt = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gpt)
-VOCAB, SEQ = 64, 8
-
-def build_model():
-    return gpt.GPT(vocab=VOCAB, seq_len=SEQ, n_layer=4, n_head=2, n_embd=16)
-
-def example_batch(batch_size):
-    idx = torch.randint(0, VOCAB, (batch_size, SEQ + 1))
-    return idx[:, :-1], idx[:, 1:]
-
-loss_fn = gpt.loss_fn
-'''
-
-SKIP_NET = '''
-"""Dict inputs; h and the input `scale` skip from the first stage over the second one's units."""
-import torch
-from torch import nn
-
-class SkipNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Linear(6, 16)
-        self.mid = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
-        self.head = nn.Linear(16, 3)
-
-    def forward(self, x, scale):
-        h = torch.tanh(self.embed(x))
-        return self.head(self.mid(h) + h) * scale
-
-def build_model():
-    return SkipNet()
-
-def example_batch(batch_size):
-    return {"x": torch.randn(batch_size, 6), "scale": torch.rand(batch_size, 1) + 0.5}, torch.randn(batch_size, 3)
-'''
-
-GPT_STAGES = [("wte", "wpe", "blocks.0", "blocks.1"), ("blocks.2", "blocks.3", "ln_f", "lm_head")]
-GPT_UNITS = [tuple(u for stage in GPT_STAGES for u in stage)]
+GPT_STAGES = [("wte", "wpe", "blocks.0"), ("blocks.1", "ln_f", "lm_head")]
 MLP_UNITS = [("inp", *(f"layers.{i}" for i in range(6)), "out")]
 
 
@@ -82,6 +38,7 @@ def make_plan(model_path: Path, global_batch: int, stages, **parallelism) -> Pla
 
 def write_out(tmp_path: Path, model_text: str | None, plan_args: tuple, model_file: Path | None = None) -> Path:
     if model_file is None:
+        tmp_path.mkdir(parents=True, exist_ok=True)
         model_file = tmp_path / "user_model.py"
         model_file.write_text(model_text)
     plan = make_plan(model_file, *plan_args[:2], **plan_args[2])
@@ -95,24 +52,9 @@ CASES = {
     "mlp dp=2 DDP, 2 accumulated micro-batches": (
         None, EXAMPLES / "mlp.py", (8, MLP_UNITS, dict(data_parallel_replicate_degree=2,
                                                        pipeline_parallel_num_microbatches=2, pipeline_parallel_microbatch_size=2))),
-    "gpt dp=2 FSDP2 zero 3, 2 accumulated micro-batches, full recompute": (
-        TINY_GPT, None, (8, GPT_UNITS, dict(data_parallel_shard_degree=2, zero_stage=3, activation_checkpoint="full",
-                                            pipeline_parallel_num_microbatches=2, pipeline_parallel_microbatch_size=2))),
     "gpt pp=2 gpipe, tied lm_head across stages": (
         TINY_GPT, None, (8, GPT_STAGES, dict(pipeline_parallel_degree=2, pipeline_parallel_schedule="gpipe",
                                              pipeline_parallel_num_microbatches=4, pipeline_parallel_microbatch_size=2))),
-    "skip net pp=2 1f1b, 4 micro-batches, dict inputs, full recompute": (
-        SKIP_NET, None, (8, [("embed",), ("mid", "head")], dict(
-            pipeline_parallel_degree=2, pipeline_parallel_schedule="1f1b", activation_checkpoint="full",
-            pipeline_parallel_num_microbatches=4, pipeline_parallel_microbatch_size=2))),
-    "gpt dp=2 DDP x pp=2 gpipe": (
-        TINY_GPT, None, (8, GPT_STAGES, dict(data_parallel_replicate_degree=2, pipeline_parallel_degree=2,
-                                             pipeline_parallel_schedule="gpipe", pipeline_parallel_num_microbatches=2,
-                                             pipeline_parallel_microbatch_size=2))),
-    "gpt dp=2 FSDP2 x pp=2 1f1b": (
-        TINY_GPT, None, (8, GPT_STAGES, dict(data_parallel_shard_degree=2, zero_stage=3, pipeline_parallel_degree=2,
-                                             pipeline_parallel_schedule="1f1b", pipeline_parallel_num_microbatches=2,
-                                             pipeline_parallel_microbatch_size=2))),
 }
 
 
@@ -134,7 +76,9 @@ def test_loss_parity_with_the_single_device_reference(tmp_path, case):
 
 
 def test_nproc_other_than_the_plan_is_rejected_with_the_arithmetic(tmp_path):
-    out = write_out(tmp_path, TINY_GPT, CASES["gpt dp=2 DDP x pp=2 gpipe"][2])
+    out = write_out(tmp_path, TINY_GPT, (8, GPT_STAGES, dict(data_parallel_replicate_degree=2, pipeline_parallel_degree=2,
+                                                             pipeline_parallel_num_microbatches=2,
+                                                             pipeline_parallel_microbatch_size=2)))
     with pytest.raises(UserError, match=r"--nproc 2 .* dp 2 x tp 1 x pp 2 = 4 processes"):
         verify(out, nproc=2)
 
@@ -194,3 +138,27 @@ def test_diverging_losses_fail_and_are_written_down(tmp_path):
     assert not result.passed and result.parity_max_abs_diff == pytest.approx(0.1)
     report = json.loads((out / "verify.json").read_text())
     assert report["passed"] is False and report["losses"] == [1.0, 0.4]
+
+
+FAKE_MAIN = """
+import json, os, sys
+def main(argv):
+    out = argv[argv.index('--losses-out') + 1]
+    if {fail} and '--reference' not in argv and os.environ['RANK'] == '1':
+        raise RuntimeError('stage 1 blew up')
+    if '--reference' in argv or os.environ['RANK'] == '0':
+        json.dump([1.0, 0.5], open(out, 'w'))
+"""
+
+
+def test_verify_many_reports_a_failing_program_and_checks_the_others(tmp_path):
+    folders = []
+    for name, fail in (("good", False), ("bad", True)):
+        out = write_out(tmp_path / name, SKIP_NET, (4, [("embed", "mid", "head")], dict(
+            data_parallel_replicate_degree=2, pipeline_parallel_microbatch_size=2)))
+        (out / "train.py").write_text(FAKE_MAIN.format(fail=fail))
+        folders.append(out)
+    good, bad = verify_many(folders, steps=2, timeout_s=120).results
+    assert good.passed and good.losses == (1.0, 0.5) and not good.error
+    assert not bad.passed and "stage 1 blew up" in bad.error
+    assert json.loads((folders[1] / "verify.json").read_text())["passed"] is False

@@ -21,26 +21,32 @@ DP = DP_REPLICATE * DP_SHARD
 # ----------------------------------------------------------------------------------------------
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10, help="optimizer steps to run")
+    parser.add_argument("--steps", type=int, default=10, help="train until this many optimizer steps are done")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--checkpoint-dir", type=Path, help="save checkpoints here (torch.distributed.checkpoint)")
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: at the end only)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     parser.add_argument("--losses-out", type=Path, help="write the per-step losses here (JSON list)")
     parser.add_argument("--metrics-out", type=Path, help="write losses, step times and peak memory here (JSON)")
     parser.add_argument("--reference", action="store_true",
                         help="train the unsplit model on one device on the whole global batch (no torchrun)")
-    return parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.resume and not args.checkpoint_dir:
+        parser.error("--resume needs --checkpoint-dir")
+    return args
 
 
 def train_reference(model_source, device: torch.device, steps: int) -> list[float]:
-    """The single-device baseline: same initial weights, same batches, same optimizer."""
+    """The single-device baseline: same initial weights, same batches, same optimizer, in fp32."""
     torch.manual_seed(SEED)
     model = model_source.build_model().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    data = runtime.TrainingData(model_source, GLOBAL_BATCH, SEED, dp_rank=0, dp_size=DP)
     losses = []
     for step in range(steps):
-        inputs, targets = runtime.step_batch(model_source.example_batch, GLOBAL_BATCH, SEED, step)
-        inputs, targets = runtime.to_device((inputs, targets), device)
+        inputs, targets = runtime.to_device(data.global_batch_of(step), device)
         optimizer.zero_grad(set_to_none=True)
         loss = runtime.compute_loss(model_source.loss_fn, runtime.call_model(model, inputs), targets)
         loss.backward()
@@ -50,72 +56,86 @@ def train_reference(model_source, device: torch.device, steps: int) -> list[floa
     return losses
 
 
-def main() -> None:
-    args = parse_args()
+def build_parallel_model(model_source, mesh, rank, device, dtype):
+    """This rank's share of the model: its pipeline stages, tensor-parallel and data-parallel
+    shards, with the same initial values as the single-device model (see runtime.materialize)."""
+    model = runtime.build_on_meta(model_source)  # the structure only: no memory yet
+    weights = runtime.catalog(model)  # every tensor's names and shape, for the initial broadcast
+    split = None
+    if PP > 1:  # cut this rank's stages out of the exported graph of the real model
+        example_inputs, _ = model_source.example_batch(MICROBATCH_SIZE)
+        split = runtime.split_model(model, runtime.to_device(example_inputs, "meta"), STAGES, device)
+        stage_ids = runtime.local_stages(rank.pp_rank, PP, VIRTUAL_STAGES)
+        split.drop_other_stages(stage_ids)
+        parts = {s: runtime.ModelPart(split.stages[s], split.state_fqns[s]) for s in stage_ids}
+        units = {s: split.units[s] for s in stage_ids}
+    else:
+        parts, units = {0: runtime.ModelPart(model)}, {0: [u for stage in STAGES for u in stage]}
+    del model  # this rank keeps only its stages
+
+    for s, part in parts.items():  # order as in torchtitan: tensor parallel, recompute, FSDP
+        part.module = runtime.tensor_parallel(part.module, mesh["tp"], TENSOR_PARALLEL_PLAN, units[s])
+        recomputed = [u for u in units[s] if not RECOMPUTE_MODULES or u in RECOMPUTE_MODULES]
+        part.module = runtime.checkpoint_units(part.module, recomputed, ACTIVATION_CHECKPOINT)
+        part.module = runtime.shard_data_parallel(part.module, mesh, ZERO_STAGE, units[s], dtype)
+    runtime.materialize(parts.values(), weights, model_source, SEED, device)
+    for part in parts.values():
+        part.module = runtime.replicate_data_parallel(part.module, mesh, ZERO_STAGE, device)  # DDP
+    return {s: part.module for s, part in parts.items()}, split
+
+
+def main(argv=None) -> list[float]:
+    args = parse_args(argv)
     device = torch.device(args.device)
     model_source = load_source(f"{MODEL_FILE}:{FACTORY}")
     if args.reference:
         losses = train_reference(model_source, device, args.steps)
         if args.losses_out:
             args.losses_out.write_text(json.dumps(losses))
-        return
+        return losses
 
-    # processes and the device mesh ("pp", "dp_replicate", "dp_shard")
-    mesh, rank = runtime.init_mesh(device, pp=PP, dp_replicate=DP_REPLICATE, dp_shard=DP_SHARD)
-
-    # the same initial weights on every rank (and in --reference)
-    torch.manual_seed(SEED)
-    model = model_source.build_model().to(device)
-
-    # pipeline: cut this rank's stage out of the exported graph of the real model
-    if PP > 1:
-        example_inputs, _ = model_source.example_batch(MICROBATCH_SIZE)
-        split = runtime.split_model(model, runtime.to_device(example_inputs, device), STAGES)
-        module, units = split.stages[rank.pp_rank], split.units[rank.pp_rank]
-        tied = runtime.TiedGradients(split, mesh, module, rank.pp_rank)  # weights used on 2+ stages
-        split.drop_other_stages(rank.pp_rank)
-    else:
-        module, units, tied = model, [u for stage in STAGES for u in stage], None
-    del model  # this rank keeps only its stage
-
-    # activation checkpointing and data parallelism (DDP for zero 0, FSDP2 per unit then root)
-    if ACTIVATION_CHECKPOINT == "full":
-        module = runtime.checkpoint_units(module, units)
-    module = runtime.data_parallel(module, mesh, ZERO_STAGE, units, device)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
+    # processes and the device mesh ("pp", "dp_replicate", "dp_shard", "tp")
+    mesh, rank = runtime.init_mesh(device, pp=PP, dp_replicate=DP_REPLICATE, dp_shard=DP_SHARD, tp=TP)
+    dtype = runtime.compute_dtype(DTYPE, device)  # bf16 on GPUs if planned; fp32 on CPU
+    parts, split = build_parallel_model(model_source, mesh, rank, device, dtype)
+    tied = runtime.TiedGradients(split, mesh, parts, rank)  # weights used on 2+ stages
+    optimizer = torch.optim.AdamW([p for part in parts.values() for p in part.parameters()], lr=LEARNING_RATE)
 
     # forward + backward of one step over this rank's micro-batches
     if PP > 1:
-        forward_backward = runtime.PipelineStep(module, split, mesh, rank, SCHEDULE, NUM_MICROBATCHES,
-                                                model_source.loss_fn, device)
+        forward_backward = runtime.PipelineStep(parts, split, mesh, rank, SCHEDULE, NUM_MICROBATCHES,
+                                                model_source.loss_fn, device, dtype, tensor_parallel=TP > 1)
     else:
-        forward_backward = runtime.AccumulationStep(module, NUM_MICROBATCHES, model_source.loss_fn)
+        forward_backward = runtime.AccumulationStep(parts[0], NUM_MICROBATCHES, model_source.loss_fn, dtype,
+                                                    tensor_parallel=TP > 1)
 
-    losses, step_times = [], []
-    for step in range(args.steps):
+    checkpoints = runtime.Checkpointer(args.checkpoint_dir, parts, optimizer, pipelined=PP > 1)
+    first_step = checkpoints.load() if args.resume else 0
+    data = runtime.TrainingData(model_source, GLOBAL_BATCH, SEED, rank.dp_rank, DP)
+    metrics = runtime.StepMetrics(GLOBAL_BATCH, dist.get_world_size(), TOKENS_PER_SAMPLE, MODEL_FLOPS_PER_STEP,
+                                  PEAK_FLOPS_PER_GPU)
+    losses = []
+    for step in range(first_step, args.steps):
         start = time.perf_counter()
-        # every rank draws the global batch and keeps its data-parallel slice
-        batch = runtime.step_batch(model_source.example_batch, GLOBAL_BATCH, SEED, step)
-        inputs, targets = runtime.to_device(runtime.shard(batch, rank.dp_rank, DP), device)
+        inputs, targets = runtime.to_device(data.batch(step), device)  # this data-parallel rank's share
         optimizer.zero_grad(set_to_none=True)
         local_loss = forward_backward(inputs, targets)
-        if tied is not None:
-            tied.sum_gradients()
+        tied.sum_gradients()
         optimizer.step()
-        loss = runtime.global_mean_loss(local_loss, rank, device)  # mean over the global batch
-        step_times.append(time.perf_counter() - start)
-        losses.append(loss)
-        if rank.rank == 0:
-            print(f"step {step} | loss {loss:.6f} | {step_times[-1] * 1e3:.1f} ms | "
-                  f"{GLOBAL_BATCH / step_times[-1]:.1f} samples/s", flush=True)
+        losses.append(runtime.global_mean_loss(local_loss, rank, device))  # mean over the global batch
+        metrics.record(step, losses[-1], time.perf_counter() - start, device, verbose=rank.rank == 0)
+        if checkpoints.due(step + 1, args.steps, args.checkpoint_every):
+            checkpoints.save(step + 1)
 
-    peak_memory = runtime.peak_memory_bytes(device)
     if rank.rank == 0 and args.losses_out:
         args.losses_out.write_text(json.dumps(losses))
     if rank.rank == 0 and args.metrics_out:
-        metrics = {"losses": losses, "step_times_s": step_times, "peak_memory_bytes": peak_memory}
-        args.metrics_out.write_text(json.dumps(metrics, indent=2))
+        report = {"first_step": first_step, "losses": losses, "steps": metrics.history,
+                  "step_times_s": [m["seconds"] for m in metrics.history],
+                  "peak_memory_bytes": max((m["peak_memory_bytes"] for m in metrics.history), default=0)}
+        args.metrics_out.write_text(json.dumps(report, indent=2))
     dist.destroy_process_group()
+    return losses
 
 
 if __name__ == "__main__":

@@ -1,25 +1,30 @@
-"""Helpers the generated train.py imports: data, loss, pipeline split, parallel wrappers, steps.
+"""Helpers the generated train.py imports: mesh, data, pipeline split, parallel wrappers, steps,
+initial weights, checkpoints and metrics.
 
-Kept out of train.py so the program reads top to bottom like a plain training script.
+Kept out of train.py so the program reads top to bottom like a plain training script. Everything
+here is PyTorch's own parallelism (DDP, FSDP2, DTensor tensor parallel, torch.distributed.pipelining,
+torch.utils.checkpoint, torch.distributed.checkpoint) wired up for a plan.
 """
 
-from autoplan.runtime.data import call_model, microbatches, model_args, shard, step_batch, to_device
+from autoplan.runtime.checkpoint import Checkpointer
+from autoplan.runtime.data import (TrainingData, call_model, microbatches, model_args, shard, step_batch,
+                                   to_device)
 from autoplan.runtime.loss import compute_loss, default_loss
-from autoplan.runtime.parallel import (
-    RankLayout,
-    TiedGradients,
-    checkpoint_units,
-    data_parallel,
-    global_mean_loss,
-    init_mesh,
-    peak_memory_bytes,
-)
+from autoplan.runtime.materialize import ModelPart, TensorEntry, build_on_meta, catalog, materialize
+from autoplan.runtime.mesh import RankLayout, global_mean_loss, init_mesh, local_stages
+from autoplan.runtime.metrics import StepMetrics
+from autoplan.runtime.parallel import (TiedGradients, compute_dtype, peak_memory_bytes, replicate_data_parallel,
+                                       shard_data_parallel)
+from autoplan.runtime.recompute import checkpoint_units
 from autoplan.runtime.split import PipelineSplit, TiedParameter, split_model
 from autoplan.runtime.steps import AccumulationStep, PipelineStep
+from autoplan.runtime.tensor_parallel import restore_linears, tensor_parallel, tensor_parallel_context
 
 __all__ = [
-    "AccumulationStep", "PipelineSplit", "PipelineStep", "RankLayout", "TiedGradients", "TiedParameter",
-    "call_model", "checkpoint_units", "compute_loss", "data_parallel", "default_loss", "global_mean_loss",
-    "init_mesh", "microbatches", "model_args", "peak_memory_bytes", "shard", "split_model", "step_batch",
-    "to_device",
+    "AccumulationStep", "Checkpointer", "ModelPart", "PipelineSplit", "PipelineStep", "RankLayout", "StepMetrics",
+    "TensorEntry", "TiedGradients", "TiedParameter", "TrainingData", "build_on_meta", "call_model", "catalog",
+    "checkpoint_units", "compute_dtype", "compute_loss", "default_loss", "global_mean_loss", "init_mesh",
+    "local_stages", "materialize", "microbatches", "model_args", "peak_memory_bytes", "replicate_data_parallel",
+    "restore_linears", "shard", "shard_data_parallel", "split_model", "step_batch", "tensor_parallel",
+    "tensor_parallel_context", "to_device",
 ]

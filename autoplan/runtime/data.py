@@ -70,3 +70,85 @@ def microbatches(tree: Any, count: int) -> list[Any]:
 
 def to_device(tree: Any, device: torch.device) -> Any:
     return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)
+
+
+class TrainingData:
+    """The batches of one data-parallel rank, step by step.
+
+    If the model file defines make_dataloader(rank, world_size[, batch_size]), rank r of the
+    world_size data-parallel ranks trains on the batches of its loader (which should shard the data
+    with a DistributedSampler(num_replicas=world_size, rank=rank)); batch_size, if the function takes
+    it, is the per-rank batch. Else every rank draws the global batch of step t from example_batch
+    (seeded with seed + 1000 + t) and keeps its contiguous slice. Either way the global batch of a
+    step is the ranks' batches in rank order, which is what the single-device reference trains on.
+    """
+
+    def __init__(self, source: Any, global_batch: int, seed: int, dp_rank: int, dp_size: int) -> None:
+        if global_batch % dp_size:
+            raise UserError(f"global batch {global_batch} does not split into {dp_size} data-parallel ranks")
+        self.source, self.global_batch, self.seed = source, global_batch, seed
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.make_dataloader = getattr(source.module, "make_dataloader", None) if source is not None else None
+        self._loaders: dict[int, _LoaderCursor] = {}
+
+    def batch(self, step: int) -> tuple[Any, Any]:
+        """This rank's (inputs, targets) of step `step`."""
+        if self.make_dataloader is None:
+            whole = step_batch(self.source.example_batch, self.global_batch, self.seed, step)
+            return shard(whole, self.dp_rank, self.dp_size)
+        return self._loader_batch(self.dp_rank, step)
+
+    def global_batch_of(self, step: int) -> tuple[Any, Any]:
+        """The whole global batch of step `step` (the single-device reference trains on it)."""
+        if self.make_dataloader is None:
+            return step_batch(self.source.example_batch, self.global_batch, self.seed, step)
+        parts = [self._loader_batch(rank, step) for rank in range(self.dp_size)]
+        return pytree.tree_map(lambda *ts: torch.cat(ts) if isinstance(ts[0], torch.Tensor) else ts[0], *parts)
+
+    def _loader_batch(self, rank: int, step: int) -> tuple[Any, Any]:
+        if rank not in self._loaders:
+            self._loaders[rank] = _LoaderCursor(self._make_loader(rank))
+        batch = self._loaders[rank].get(step)
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise UserError("make_dataloader's batches must be (inputs, targets)")
+        got, want = batch_size_of(batch), self.global_batch // self.dp_size
+        if got != want:
+            raise UserError(f"make_dataloader gave {got} samples per batch, the plan needs global batch "
+                            f"{self.global_batch} / {self.dp_size} data-parallel ranks = {want}")
+        return batch[0], batch[1]
+
+    def _make_loader(self, rank: int) -> Any:
+        import inspect
+
+        kwargs = {}
+        if "batch_size" in inspect.signature(self.make_dataloader).parameters:
+            kwargs["batch_size"] = self.global_batch // self.dp_size
+        torch.manual_seed(self.seed + DATA_SEED_OFFSET)
+        return self.make_dataloader(rank, self.dp_size, **kwargs)
+
+
+class _LoaderCursor:
+    """Batch `step` of a loader, epoch after epoch (set_epoch on its sampler, as DistributedSampler wants)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader, self.epoch, self.next_step, self.iterator, self.in_epoch = loader, 0, 0, None, 0
+
+    def get(self, step: int) -> Any:
+        if step < self.next_step:
+            raise UserError(f"data loader asked for step {step} after step {self.next_step - 1}")
+        while True:
+            if self.iterator is None:
+                sampler = getattr(self.loader, "sampler", None)
+                if hasattr(sampler, "set_epoch"):
+                    sampler.set_epoch(self.epoch)
+                self.iterator, self.in_epoch = iter(self.loader), 0
+            try:
+                batch = next(self.iterator)
+            except StopIteration:
+                if self.in_epoch == 0:
+                    raise UserError("make_dataloader returned an empty loader") from None
+                self.iterator, self.epoch = None, self.epoch + 1
+                continue
+            self.next_step, self.in_epoch = self.next_step + 1, self.in_epoch + 1
+            if self.next_step > step:
+                return batch

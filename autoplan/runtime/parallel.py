@@ -1,117 +1,72 @@
-"""Process group, device mesh, data parallelism (DDP / FSDP2), activation checkpointing, tied weights.
+"""Data parallelism (DDP / FSDP2 / HSDP), mixed precision, tied weights across pipeline stages.
 
-The mesh has dims ("pp", "dp_replicate", "dp_shard"), pipeline outermost as in torchtitan: with
-ranks numbered node by node, the pipeline (point-to-point, little traffic) is the dimension that
-crosses nodes and the data-parallel collectives stay inside a node where they can.
+ZeRO stages map onto FSDP2 (torch.distributed.fsdp.fully_shard): 3 reshards parameters after
+forward (and gathers them again for backward); 1 and 2 keep them gathered from forward to backward
+(reshard_after_forward=False: FSDP2 has no separate ZeRO-1/2, this is the closest: optimizer state
+and gradients stay sharded). zero 0 is DDP. Replicate x shard > 1 with zero 3 is HSDP.
 """
 
 from __future__ import annotations
 
-import os
 import resource
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.errors import UserError
+from autoplan.runtime.mesh import RankLayout
+from autoplan.runtime.recompute import ROOT_UNIT, submodule
 from autoplan.runtime.split import PipelineSplit
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard")
-ROOT_UNIT = ""
-"""The unit name of the root module (a model whose root runs every op itself is one unit)."""
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+"""Path parts that wrappers (checkpointing, FSDP1, torch.compile) add to parameter names."""
 
 
-@dataclass(frozen=True)
-class RankLayout:
-    """Where this process sits in the mesh."""
-
-    rank: int
-    """Global rank (rank 0 prints and writes the results)."""
-    pp_rank: int
-    """Pipeline stage this rank runs."""
-    dp_rank: int
-    """Index among the data-parallel ranks of its stage (which slice of the batch it trains on)."""
-    dp_size: int
-    """Data-parallel ranks per stage (replicate x shard)."""
-    pp_size: int
-    """Pipeline stages."""
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
+def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The planned training dtype on CUDA; fp32 on CPU (what `autoplan verify` checks parity in)."""
+    if dtype == "bf16" and device.type == "cuda":
+        return torch.bfloat16
+    return torch.float32
 
 
-def init_mesh(device: torch.device, pp: int, dp_replicate: int, dp_shard: int) -> tuple[DeviceMesh, RankLayout]:
-    """Start the process group (NCCL on CUDA, gloo on CPU) and build the device mesh."""
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    world, planned = dist.get_world_size(), pp * dp_replicate * dp_shard
-    if world != planned:
-        raise UserError(f"this program was planned for pp {pp} x dp_replicate {dp_replicate} x dp_shard {dp_shard} "
-                        f"= {planned} processes but runs on {world}: launch it with --nproc-per-node {planned} (per node)")
-    mesh = init_device_mesh(device.type, (pp, dp_replicate, dp_shard), mesh_dim_names=MESH_DIMS)
-    pp_rank, replicate_rank, shard_rank = mesh.get_coordinate()
-    layout = RankLayout(rank=dist.get_rank(), pp_rank=pp_rank, dp_rank=replicate_rank * dp_shard + shard_rank,
-                        dp_size=dp_replicate * dp_shard, pp_size=pp)
-    return mesh, layout
-
-
-def checkpoint_units(module: nn.Module, units: Sequence[str]) -> nn.Module:
-    """Recompute each unit's activations during backward instead of keeping them (activation
-    checkpointing, "full" recompute). Returns the module, wrapped itself if it is a unit ("")."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    for path in units:
-        if path == ROOT_UNIT:
-            return checkpoint_wrapper(module)
-        parent_path, _, leaf = path.rpartition(".")
-        setattr(submodule(module, parent_path), leaf, checkpoint_wrapper(submodule(module, path)))
-    return module
-
-
-def submodule(module: nn.Module, path: str) -> nn.Module:
-    """module.get_submodule(path), with a UserError naming the plan's module if it is missing."""
-    try:
-        return module.get_submodule(path)
-    except AttributeError:
-        raise UserError(f"the plan names module {path!r}, which the model does not have") from None
-
-
-def data_parallel(module: nn.Module, mesh: DeviceMesh, zero_stage: int, units: Sequence[str],
-                  device: torch.device) -> nn.Module:
-    """DDP over the data-parallel ranks (zero 0), else FSDP2: fully_shard each unit, then the root.
-    zero 3 reshards parameters after forward; zero 1/2 keep them gathered until backward (FSDP2
-    has no separate ZeRO-1/2, this is the closest). Replicate x shard > 1 each gives HSDP."""
-    replicate, shard = mesh["dp_replicate"].size(), mesh["dp_shard"].size()
-    if replicate * shard == 1:
+def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, zero_stage: int, units: Sequence[str],
+                        dtype: torch.dtype = torch.float32) -> nn.Module:
+    """FSDP2 (zero 1-3): fully_shard each unit, then the root. Works on a meta-device module
+    (materialize afterwards). zero 0 is DDP (replicate_data_parallel), except with tensor
+    parallelism: DDP buckets plain tensors, not DTensors, so there fully_shard over a replicate-only
+    mesh (shard dim of size 1) replicates instead: full parameters on every replica, gradients
+    all-reduced, the same work as DDP."""
+    replicate, shard, tp = mesh["dp_replicate"].size(), mesh["dp_shard"].size(), mesh["tp"].size()
+    if zero_stage == 0 and shard > 1:
+        raise UserError(f"zero_stage 0 (DDP) cannot shard: data_parallel_shard_degree is {shard}, expected 1")
+    if replicate * shard == 1 or (zero_stage == 0 and tp == 1):
         return module
-    if zero_stage == 0:
-        if shard > 1:
-            raise UserError(f"zero_stage 0 (DDP) cannot shard: data_parallel_shard_degree is {shard}, expected 1")
-        from torch.nn.parallel import DistributedDataParallel
-
-        return DistributedDataParallel(module, process_group=mesh["dp_replicate"].get_group(),
-                                       device_ids=[device.index] if device.type == "cuda" else None)
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dp_mesh = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp_shard"]
-    reshard = zero_stage == 3
+    kwargs = dict(mesh=dp_mesh, reshard_after_forward=zero_stage == 3)
+    if dtype != torch.float32:  # compute in `dtype`, reduce gradients in fp32
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for path in _units_without_shared_parameters(module, units):
-        fully_shard(submodule(module, path), mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(submodule(module, path), **kwargs)
+    fully_shard(module, **kwargs)
     return module
+
+
+def replicate_data_parallel(module: nn.Module, mesh: DeviceMesh, zero_stage: int, device: torch.device) -> nn.Module:
+    """DDP over the data-parallel replicas (zero 0 without tensor parallelism). Needs materialized
+    parameters."""
+    if zero_stage != 0 or mesh["dp_replicate"].size() == 1 or mesh["tp"].size() > 1:
+        return module
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(module, process_group=mesh["dp_replicate"].get_group(),
+                                   device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def _units_without_shared_parameters(module: nn.Module, units: Sequence[str]) -> list[str]:
@@ -141,50 +96,80 @@ def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
     yield
 
 
-class TiedGradients:
-    """Sums the gradients of a weight's copies on several stages (Megatron's embedding group), so
-    the optimizer keeps the copies identical. Build it on every rank, before wrapping the stage."""
+def canonical_name(name: str) -> str:
+    """A parameter or buffer name without the parts wrappers add (DDP's leading "module." is
+    stripped by named_state)."""
+    for part in WRAPPER_PREFIXES:
+        name = name.replace(part, "")
+    return name
 
-    def __init__(self, split: PipelineSplit, mesh: DeviceMesh, stage_module: nn.Module, pp_rank: int) -> None:
-        self.copies: list[tuple[nn.Module, str, dist.ProcessGroup]] = []
-        ranks = mesh.mesh  # (pp, dp_replicate, dp_shard) -> global rank
-        groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        me = dist.get_rank()
+
+def named_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Canonical name -> parameter or buffer, every name of a shared tensor included."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, DistributedDataParallel):
+        module = module.module
+    state = {}
+    for name, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        state[canonical_name(name)] = tensor
+    return state
+
+
+class TiedGradients:
+    """Sums the gradients of a weight's copies on several pipeline stages (Megatron's embedding
+    group), so the optimizer keeps the copies identical. Stage s runs on pipeline rank s % pp.
+    Build it on every rank, after the stages are wrapped and materialized."""
+
+    def __init__(self, split: PipelineSplit | None, mesh: DeviceMesh, parts: Mapping[int, nn.Module],
+                 layout: RankLayout) -> None:
+        self.tied: list[tuple[list[torch.Tensor], dist.ProcessGroup | None]] = []
+        if split is None:
+            return
+        ranks = mesh.mesh  # (pp, dp_replicate, dp_shard, tp) -> global rank
+        me, pp = dist.get_rank(), layout.pp_size
+        states = {s: named_state(module) for s, module in parts.items()}
         for tied in split.tied:
+            pp_ranks = sorted({s % pp for s in tied.stages})
             mine = None
-            for replica in range(ranks.shape[1]):
-                for shard in range(ranks.shape[2]):
-                    members = tuple(int(ranks[stage, replica, shard]) for stage in tied.stages)
-                    if members not in groups:  # every rank creates every group, in the same order
-                        groups[members] = dist.new_group(list(members))
-                    if me in members:
-                        mine = groups[members]
-            if pp_rank in tied.stages:
-                owner_path, _, attr = tied.names[tied.stages.index(pp_rank)].rpartition(".")
-                self.copies.append((stage_module.get_submodule(owner_path), attr, mine))
+            for coordinate in ((r, s, t) for r in range(ranks.shape[1]) for s in range(ranks.shape[2])
+                               for t in range(ranks.shape[3])):
+                members = [int(ranks[(p, *coordinate)]) for p in pp_ranks]
+                if len(members) > 1:  # every rank creates every group, in the same order
+                    group = dist.new_group(members)
+                    mine = group if me in members else mine
+            copies = [states[s][name] for s, name in zip(tied.stages, tied.names) if s in states]
+            if copies:
+                self.tied.append((copies, mine))
 
     @torch.no_grad()
     def sum_gradients(self) -> None:
-        for owner, attr, group in self.copies:
-            grad = getattr(owner, attr).grad
-            local = grad.to_local() if hasattr(grad, "to_local") else grad  # FSDP2: this rank's shard
-            dist.all_reduce(local, group=group)
+        for copies, group in self.tied:
+            grads = [_local(p.grad) for p in copies]
+            total = grads[0].clone() if len(grads) > 1 else grads[0]
+            for grad in grads[1:]:
+                total += grad
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            for grad in grads:
+                if grad is not total:
+                    grad.copy_(total)
 
 
-def global_mean_loss(local_loss: torch.Tensor | None, layout: RankLayout, device: torch.device) -> float:
-    """The global-batch mean loss: the last stage's ranks hold their data-parallel slice's mean."""
-    total = torch.zeros((), device=device) if local_loss is None else local_loss.detach().reshape(()).to(device)
-    dist.all_reduce(total)
-    return total.item() / layout.dp_size
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2), else the tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """The largest peak over ranks: CUDA allocator peak, or peak resident set size on CPU."""
+    """This process's peak: the CUDA allocator's, or the peak resident set size on CPU."""
     if device.type == "cuda":
-        local = torch.cuda.max_memory_allocated(device)
-    else:
-        kib_or_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        local = kib_or_bytes if sys.platform == "darwin" else kib_or_bytes * 1024  # Linux reports KiB
-    peak = torch.tensor(float(local), device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return int(peak.item())
+        return torch.cuda.max_memory_allocated(device)
+    kib_or_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib_or_bytes if sys.platform == "darwin" else kib_or_bytes * 1024  # Linux reports KiB
+
+
+def max_over_ranks(value: float, device: torch.device) -> float:
+    tensor = torch.tensor(float(value), device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.item()

@@ -19,6 +19,7 @@ stage with the same initial value; the training program sums their gradients (se
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -61,6 +62,9 @@ class PipelineSplit:
     metadata: the stages then skip their shape-inference pass)."""
     parameter_fqns: list[dict[str, str]]
     """Per stage: parameter name inside the stage module -> the model's FQN."""
+    state_fqns: list[dict[str, str]]
+    """Per stage: parameter or buffer name inside the stage module -> the model's FQN (constants
+    the export lifted out of forward are not the model's and are not listed)."""
     in_spec: pytree.TreeSpec
     """Pytree spec of (args, kwargs) the model was exported with."""
     out_spec: pytree.TreeSpec
@@ -72,9 +76,9 @@ class PipelineSplit:
             return tuple(torch.empty(shape, dtype=dtype, device=device, requires_grad=grad) for shape, dtype, grad in metas)
         return make(self.boundary_meta[stage]), make(self.boundary_meta[stage + 1])
 
-    def drop_other_stages(self, keep: int) -> None:
-        """Forget every stage module but `keep`, so the parameters other ranks run can be freed."""
-        self.stages = [stage if k == keep else None for k, stage in enumerate(self.stages)]
+    def drop_other_stages(self, keep: Sequence[int]) -> None:
+        """Forget every stage module but those in `keep`, so the parameters other ranks run can be freed."""
+        self.stages = [stage if k in keep else None for k, stage in enumerate(self.stages)]
 
     def flatten_inputs(self, inputs: Any) -> list[Any]:
         """The positional arguments of stage 0 for a batch of model inputs."""
@@ -94,15 +98,38 @@ class PipelineSplit:
         return pipeline_loss
 
 
-def split_model(model: nn.Module, inputs: Any, stage_units: Sequence[Sequence[str]]) -> PipelineSplit:
-    """Export `model` on `inputs` (one micro-batch) and cut it into len(stage_units) stages."""
+def split_model(model: nn.Module, inputs: Any, stage_units: Sequence[Sequence[str]],
+                device: torch.device | None = None) -> PipelineSplit:
+    """Export `model` on `inputs` (one micro-batch) and cut it into len(stage_units) stages. A model
+    on the meta device is exported on meta inputs; `device` then replaces the meta device that
+    ops such as arange recorded, so the stages run where they will be materialized."""
     args, kwargs = model_args(inputs)
+    on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     try:
-        exported = torch.export.export(model, args, kwargs, strict=False)
+        # on meta, tensors the forward creates without a device (torch.ones(n)) must be meta too
+        with torch.device("meta") if on_meta else contextlib.nullcontext():
+            exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # noqa: BLE001 - any tracing failure in user code is reported as one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise UserError(f"torch.export could not trace the model for the pipeline split: {type(e).__name__}: {first}") from None
+    if device is not None:
+        _replace_meta_device(exported.graph_module, torch.device(device))
     return split_exported(exported, model, stage_units)
+
+
+def _replace_meta_device(graph_module: nn.Module, device: torch.device) -> None:
+    """Rewrite device=meta arguments (recorded when tracing a meta model) to `device`."""
+    meta = torch.device("meta")
+
+    def swap(value: Any) -> Any:
+        return device if isinstance(value, torch.device) and value == meta else value
+
+    for module in graph_module.modules():
+        if isinstance(module, fx.GraphModule):
+            for node in module.graph.nodes:
+                node.args = fx.node.map_aggregate(node.args, swap)
+                node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+            module.recompile()
 
 
 def split_exported(exported: torch.export.ExportedProgram, model: nn.Module,
@@ -111,6 +138,8 @@ def split_exported(exported: torch.export.ExportedProgram, model: nn.Module,
     if num_stages < 1:
         raise UserError("the pipeline split needs at least one stage")
     state, user_inputs = _state_placeholders(exported, model)
+    model_state = {fqn for fqn, _ in [*model.named_parameters(remove_duplicate=False),
+                                      *model.named_buffers(remove_duplicate=False)]}
     unit_stage = _unit_stage_map(stage_units)
     graph = exported.graph_module.graph
     assignment = _assign(graph, state, unit_stage)
@@ -126,7 +155,7 @@ def split_exported(exported: torch.export.ExportedProgram, model: nn.Module,
         for k in range(1, num_stages)
     ]
     first_holder: dict[int, int] = {}
-    stages, units, fqns, holders = [], [], [], {}
+    stages, units, fqns, state_fqns, holders = [], [], [], [], {}
     for k in range(num_stages):
         outputs = boundary[k + 1] if k + 1 < num_stages else model_outputs
         own = [n for n in graph.nodes if assignment.stage.get(n) == k and n.op != "placeholder"]
@@ -139,6 +168,7 @@ def split_exported(exported: torch.export.ExportedProgram, model: nn.Module,
         units.append(called_units)
         params = {name: t for name, t in names.items() if t.is_parameter}
         fqns.append({name: t.fqn for name, t in params.items()})
+        state_fqns.append({name: t.fqn for name, t in names.items() if t.is_parameter or t.fqn in model_state})
         for name, t in params.items():
             holders.setdefault(t.key, []).append((k, name, t.fqn))
     tied = tuple(
@@ -147,7 +177,8 @@ def split_exported(exported: torch.export.ExportedProgram, model: nn.Module,
     )
     carries_grad = _carries_grad(graph, state)
     metas = [tuple(_meta_of(v, carries_grad) for v in values) for values in [*boundary, model_outputs]]
-    return PipelineSplit(stages, units, tied, metas, fqns, exported.call_spec.in_spec, exported.call_spec.out_spec)
+    return PipelineSplit(stages, units, tied, metas, fqns, state_fqns, exported.call_spec.in_spec,
+                         exported.call_spec.out_spec)
 
 
 def _carries_grad(graph: fx.Graph, state: dict[str, StateTensor]) -> set[fx.Node]:

@@ -2,70 +2,129 @@
 
 Both return this rank's mean loss over its micro-batches (None on ranks that do not compute the
 loss), and leave gradients of the mean loss, reduced over the data-parallel ranks, in .grad.
+Tensor parallelism needs plain tensors that meet DTensors to count as replicated, during forward
+and backward alike, so both run inside tensor_parallel_context.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import nullcontext
+from typing import Any, Mapping
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.errors import UserError
 from autoplan.runtime.data import call_model, microbatches
 from autoplan.runtime.loss import LossFn, compute_loss
-from autoplan.runtime.parallel import RankLayout, gradient_sync
+from autoplan.runtime.mesh import RankLayout
+from autoplan.runtime.parallel import gradient_sync
 from autoplan.runtime.split import PipelineSplit
+from autoplan.runtime.tensor_parallel import tensor_parallel_context
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def _autocast(module: nn.Module, dtype: torch.dtype, device: torch.device):
+    """torch.autocast for mixed precision, unless FSDP2 already computes in `dtype` (its policy)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if dtype == torch.float32 or isinstance(module, FSDPModule):
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _is_low_float(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype in (torch.bfloat16, torch.float16)
 
 
 class AccumulationStep:
     """No pipeline: run the micro-batches one after another and accumulate gradients, reducing them
     over the data-parallel ranks only in the last backward."""
 
-    def __init__(self, module: nn.Module, num_microbatches: int, loss_fn: LossFn | None) -> None:
+    def __init__(self, module: nn.Module, num_microbatches: int, loss_fn: LossFn | None,
+                 dtype: torch.dtype = torch.float32, tensor_parallel: bool = False) -> None:
         self.module, self.num_microbatches, self.loss_fn = module, num_microbatches, loss_fn
+        self.dtype, self.tensor_parallel = dtype, tensor_parallel
 
     def __call__(self, inputs: Any, targets: Any) -> torch.Tensor:
         total = torch.zeros(())
         parts = microbatches((inputs, targets), self.num_microbatches)
-        for i, (micro_inputs, micro_targets) in enumerate(parts):
-            with gradient_sync(self.module, enabled=i == len(parts) - 1):
-                output = call_model(self.module, micro_inputs)
-                loss = compute_loss(self.loss_fn, output, micro_targets) / len(parts)
-                loss.backward()
-            total = total + loss.detach().cpu()
+        device = next(iter(self.module.parameters())).device
+        with tensor_parallel_context(self.tensor_parallel):
+            for i, (micro_inputs, micro_targets) in enumerate(parts):
+                with gradient_sync(self.module, enabled=i == len(parts) - 1):
+                    with _autocast(self.module, self.dtype, device):
+                        output = call_model(self.module, micro_inputs)
+                    if self.dtype != torch.float32:  # the loss in fp32, as the pipeline's last stage has it
+                        output = pytree.tree_map(lambda t: t.float() if _is_low_float(t) else t, output)
+                    loss = compute_loss(self.loss_fn, output, micro_targets) / len(parts)
+                    loss.backward()
+                total = total + loss.detach().float().cpu()
         return total
 
 
+class CastOutputs(nn.Module):
+    """A pipeline stage computing in a lower precision (autocast, or FSDP2's policy) whose outputs
+    go back to the dtypes the pipeline's static metadata expects."""
+
+    def __init__(self, module: nn.Module, dtypes: tuple[torch.dtype, ...], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.module, self.dtypes, self.dtype, self.device = module, dtypes, dtype, device
+
+    def forward(self, *args: Any) -> Any:
+        with _autocast(self.module, self.dtype, self.device):
+            output = self.module(*args)
+        flat = output if isinstance(output, tuple) else (output,)
+        cast = tuple(t.to(d) if isinstance(t, torch.Tensor) and t.dtype != d else t for t, d in zip(flat, self.dtypes))
+        return cast if isinstance(output, tuple) else cast[0]
+
+
 class PipelineStep:
-    """One stage of a torch.distributed.pipelining schedule. The schedule splits the rank's batch
+    """This rank's stages of a torch.distributed.pipelining schedule (one stage for GPipe and 1F1B;
+    stages pp_rank, pp_rank + pp, ... for interleaved 1F1B). The schedule splits the rank's batch
     into micro-batches, calls the loss on each one's output on the last stage and divides the
     gradients by the number of micro-batches (scale_grads), so they are those of the mean loss."""
 
-    SCHEDULES = ("gpipe", "1f1b")
+    def __init__(self, parts: Mapping[int, nn.Module], split: PipelineSplit, mesh: DeviceMesh, layout: RankLayout,
+                 schedule: str, num_microbatches: int, loss_fn: LossFn | None, device: torch.device,
+                 dtype: torch.dtype = torch.float32, tensor_parallel: bool = False) -> None:
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                  ScheduleInterleaved1F1B)
 
-    def __init__(self, module: nn.Module, split: PipelineSplit, mesh: DeviceMesh, layout: RankLayout,
-                 schedule: str, num_microbatches: int, loss_fn: LossFn | None, device: torch.device) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-        if schedule not in self.SCHEDULES:
-            raise UserError(f"pipeline schedule {schedule!r} is not supported yet: use one of {self.SCHEDULES}")
-        self.split, self.layout = split, layout
-        # static shapes from the export: no shape-inference pass (whose extra backward upsets DDP)
-        inputs, outputs = split.example_tensors(layout.pp_rank, device)
-        stage = PipelineStage(module, layout.pp_rank, layout.pp_size, device, input_args=inputs,
-                              output_args=outputs, group=mesh["pp"].get_group())
-        schedule_class = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-        self.schedule = schedule_class(stage, n_microbatches=num_microbatches, loss_fn=split.loss(loss_fn))
+        if schedule not in SCHEDULES:
+            raise UserError(f"pipeline schedule {schedule!r} is not supported: use one of {SCHEDULES}")
+        if schedule != "interleaved" and len(parts) != 1:
+            raise UserError(f"the {schedule} schedule runs one stage per rank, this rank has {len(parts)}: "
+                            "use the interleaved schedule for virtual stages")
+        self.split, self.layout, self.tensor_parallel = split, layout, tensor_parallel
+        num_stages = len(split.stages)
+        stages = []
+        for index, module in sorted(parts.items()):
+            # static shapes from the export: no shape-inference pass (whose extra backward upsets DDP)
+            inputs, outputs = split.example_tensors(index, device)
+            if dtype != torch.float32:
+                module = CastOutputs(module, tuple(t.dtype for t in outputs), dtype, device)
+            stages.append(PipelineStage(module, index, num_stages, device, input_args=inputs, output_args=outputs,
+                                        group=mesh["pp"].get_group()))
+        loss = split.loss(loss_fn)
+        if schedule == "interleaved":
+            self.schedule = ScheduleInterleaved1F1B(stages, n_microbatches=num_microbatches, loss_fn=loss)
+        else:
+            schedule_class = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+            self.schedule = schedule_class(stages[0], n_microbatches=num_microbatches, loss_fn=loss)
 
     def __call__(self, inputs: Any, targets: Any) -> torch.Tensor | None:
         args = self.split.flatten_inputs(inputs) if self.layout.is_first_stage else ()
-        if not self.layout.is_last_stage:
-            self.schedule.step(*args, return_outputs=False)
-            return None
-        if not isinstance(targets, torch.Tensor):
-            raise UserError(f"pipeline parallelism needs the targets as one tensor, got {type(targets).__name__}")
-        losses: list[torch.Tensor] = []
-        self.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
-        return torch.stack([loss.detach() for loss in losses]).mean()
+        with tensor_parallel_context(self.tensor_parallel):
+            if not self.layout.is_last_stage:
+                self.schedule.step(*args, return_outputs=False)
+                return None
+            if not isinstance(targets, torch.Tensor):
+                raise UserError(f"pipeline parallelism needs the targets as one tensor, got {type(targets).__name__}")
+            losses: list[torch.Tensor] = []
+            self.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
+        return torch.stack([loss.detach().float() for loss in losses]).mean()

@@ -1,0 +1,93 @@
+"""Run many generated programs inside one torchrun launch (autoplan.verify.verify_many uses it).
+
+Starting processes costs more than training a small model (importing torch and the model's
+libraries, seconds per process), so one launch of W processes runs a list of jobs: each job is a
+train.py's main(argv) on `world` <= W ranks, in a process group of its own (gloo, rendezvous through
+a file), and the ranks not in a job go on to their next one. Jobs are placed on contiguous rank
+windows by a fixed greedy schedule every rank computes alike; each rank runs its jobs in list
+order, so a job starts once all of its ranks are done with earlier jobs (no deadlock).
+
+    python -m torch.distributed.run --standalone --nproc-per-node W -m autoplan.runtime.batch JOBS.json
+
+JOBS.json: {"store_dir": str, "timeout_s": float (collectives), "wait_s": float (ranks meeting),
+"jobs": [{"dir", "argv", "world", "errors"}, ...]}; a job with "same_ranks_as": i runs on job i's
+ranks after it (e.g. resuming its checkpoint).
+A job that raises writes the traceback to <errors>.rank<r> and the rank goes on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch.distributed as dist
+
+
+def placements(worlds: Sequence[int], slots: int, same_ranks_as: Sequence[int | None] = ()) -> list[int]:
+    """First rank of each job: the window of ranks free earliest (a job costs one time unit), or
+    the window of an earlier job it must follow (same_ranks_as[i]: that job's index)."""
+    free_at = [0] * slots
+    offsets: list[int] = []
+    for index, world in enumerate(worlds):
+        if not 1 <= world <= slots:
+            raise ValueError(f"a job of {world} ranks does not fit in {slots}")
+        follow = same_ranks_as[index] if index < len(same_ranks_as) else None
+        if follow is not None:
+            if not 0 <= follow < index or worlds[follow] != world:
+                raise ValueError(f"job {index} cannot follow job {follow}")
+            start = offsets[follow]
+        else:
+            start = min(range(slots - world + 1), key=lambda o: (max(free_at[o:o + world]), o))
+        begin = max(free_at[start:start + world])
+        free_at[start:start + world] = [begin + 1] * world
+        offsets.append(start)
+    return offsets
+
+
+def _load_program(path: Path, index: int) -> Any:
+    spec = importlib.util.spec_from_file_location(f"autoplan_batch_train_{index}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_job(index: int, job: dict, local_rank: int, store_dir: Path, timeout_s: float, wait_s: float) -> None:
+    """Run one job on this rank. Its ranks may arrive far apart (each finishes its earlier jobs
+    first): they meet in the store with the long `wait_s`, then collectives time out after `timeout_s`."""
+    world = job["world"]
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world))
+    try:
+        if "--reference" not in job["argv"]:
+            store = dist.FileStore(str(store_dir / f"job{index}.store"), world)
+            store.set_timeout(timedelta(seconds=wait_s))
+            if store.add("arrived", 1) == world:
+                store.set("all arrived", "1")
+            store.wait(["all arrived"])
+            dist.init_process_group("gloo", store=dist.PrefixStore("job", store), rank=local_rank, world_size=world,
+                                    timeout=timedelta(seconds=timeout_s))
+        _load_program(Path(job["dir"]) / "train.py", index).main(list(job["argv"]))
+    except BaseException:  # noqa: BLE001 - every failure is reported per job; the rank goes on
+        Path(f"{job['errors']}.rank{local_rank}").write_text(traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: Sequence[str]) -> None:
+    spec = json.loads(Path(argv[0]).read_text())
+    rank, slots = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    jobs = spec["jobs"]
+    offsets = placements([job["world"] for job in jobs], slots, [job.get("same_ranks_as") for job in jobs])
+    for index, (job, offset) in enumerate(zip(jobs, offsets)):
+        if offset <= rank < offset + job["world"]:
+            run_job(index, job, rank - offset, Path(spec["store_dir"]), spec["timeout_s"], spec["wait_s"])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,80 @@
+"""Process group and the device mesh ("pp", "dp_replicate", "dp_shard", "tp").
+
+Dims in rank order, pipeline outermost and tensor parallel innermost as in torchtitan: with ranks
+numbered node by node, the tensor-parallel group (an all-reduce per layer) stays on the fastest
+links, the data-parallel collectives next, and the pipeline (point-to-point, little traffic) is the
+dimension that crosses nodes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autoplan.errors import UserError
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where this process sits in the mesh."""
+
+    rank: int
+    """Global rank (rank 0 prints and writes the results)."""
+    pp_rank: int
+    """Pipeline rank: it runs stages pp_rank, pp_rank + pp, ... (one per virtual stage)."""
+    dp_rank: int
+    """Index among the data-parallel ranks (which slice of the global batch it trains on)."""
+    dp_size: int
+    """Data-parallel ranks (replicate x shard)."""
+    pp_size: int
+    """Pipeline ranks."""
+    tp_rank: int = 0
+    """Index in the tensor-parallel group (all of its ranks see the same batch)."""
+    tp_size: int = 1
+    """Tensor-parallel ranks."""
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def init_mesh(device: torch.device, pp: int, dp_replicate: int, dp_shard: int,
+              tp: int = 1) -> tuple[DeviceMesh, RankLayout]:
+    """Start the process group (NCCL on CUDA, gloo on CPU) unless one is running, and build the mesh."""
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    world, planned = dist.get_world_size(), pp * dp_replicate * dp_shard * tp
+    if world != planned:
+        raise UserError(f"this program was planned for pp {pp} x dp_replicate {dp_replicate} x dp_shard {dp_shard} "
+                        f"x tp {tp} = {planned} processes but runs on {world}: launch it with {planned} processes")
+    mesh = init_device_mesh(device.type, (pp, dp_replicate, dp_shard, tp), mesh_dim_names=MESH_DIMS)
+    pp_rank, replicate_rank, shard_rank, tp_rank = mesh.get_coordinate()
+    layout = RankLayout(rank=dist.get_rank(), pp_rank=pp_rank, dp_rank=replicate_rank * dp_shard + shard_rank,
+                        dp_size=dp_replicate * dp_shard, pp_size=pp, tp_rank=tp_rank, tp_size=tp)
+    return mesh, layout
+
+
+def global_mean_loss(local_loss: torch.Tensor | None, layout: RankLayout, device: torch.device) -> float:
+    """The global-batch mean loss. The last stage's ranks hold their data-parallel slice's mean;
+    the ranks of a tensor-parallel group hold the same value, so only tp rank 0 contributes."""
+    counts = local_loss is not None and layout.tp_rank == 0
+    total = local_loss.detach().reshape(()).float().to(device) if counts else torch.zeros((), device=device)
+    dist.all_reduce(total)
+    return total.item() / layout.dp_size
+
+
+def local_stages(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
+    """The pipeline stages a rank runs: pp_rank, pp_rank + pp, ... (torch.distributed.pipelining's loop order)."""
+    return [pp_rank + i * pp for i in range(virtual_stages)]

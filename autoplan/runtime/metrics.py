@@ -1,0 +1,44 @@
+"""Per-step throughput, model FLOPs utilization and peak memory, printed by rank 0."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from autoplan.runtime.parallel import max_over_ranks, peak_memory_bytes
+
+
+@dataclass
+class StepMetrics:
+    """Numbers of the plan that turn a step time into throughput and MFU."""
+
+    global_batch: int
+    """Samples per optimizer step, all ranks together."""
+    world_size: int
+    """Processes (GPUs) the step ran on."""
+    tokens_per_sample: int | None = None
+    """Tokens per sample when the inputs are tokens (tokens/s is then logged)."""
+    model_flops_per_step: float = 0.0
+    """Forward+backward FLOPs of one step at the global batch, without recomputation (plan.json)."""
+    peak_flops_per_gpu: float | None = None
+    """Dense peak FLOP/s of one GPU of the planned kind in the planned dtype (None: MFU not logged)."""
+    history: list[dict] = field(default_factory=list)
+    """One record per step: step, loss, seconds, samples_per_s, tokens_per_s, mfu, peak_memory_bytes."""
+
+    def record(self, step: int, loss: float, seconds: float, device: torch.device, verbose: bool) -> dict:
+        """Log a step (peak memory is the largest over ranks: a collective, so every rank calls it)."""
+        entry = {"step": step, "loss": loss, "seconds": seconds, "samples_per_s": self.global_batch / seconds,
+                 "peak_memory_bytes": int(max_over_ranks(peak_memory_bytes(device), device))}
+        text = f"step {step} | loss {loss:.6f} | {seconds * 1e3:.1f} ms | {entry['samples_per_s']:.1f} samples/s"
+        if self.tokens_per_sample:
+            entry["tokens_per_s"] = entry["samples_per_s"] * self.tokens_per_sample
+            text += f" | {entry['tokens_per_s']:.0f} tokens/s"
+        if self.peak_flops_per_gpu and self.model_flops_per_step:
+            entry["mfu"] = self.model_flops_per_step / (seconds * self.world_size * self.peak_flops_per_gpu)
+            text += f" | MFU {entry['mfu'] * 100:.1f}%"
+        text += f" | peak memory {entry['peak_memory_bytes'] / 2**30:.2f} GiB"
+        self.history.append(entry)
+        if verbose:
+            print(text, flush=True)
+        return entry

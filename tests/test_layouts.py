@@ -1,0 +1,271 @@
+"""Loss parity of every layout the solver can choose, on a GPT written from scratch
+(examples/gpt.py, tied lm_head) and on a Hugging Face Llama from a config (examples/llama.py),
+against the single-device reference; checkpoint save at step k + resume = an uninterrupted run;
+a model with its own make_dataloader (DistributedSampler).
+
+Process start-up costs more than these tiny models' training, so everything runs in ONE launch of 8
+CPU processes (autoplan.verify.verify_many): each generated train.py's main runs on the first
+world-size ranks of a window, in a process group of its own; the idle ranks run other jobs.
+Plans are built by hand (no solver) with units as a layer chain gives them.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from autoplan.codegen import write_program
+from autoplan.plan import ClusterRef, ModelRef, Parallelism, Plan, Prediction, SolverInfo, Stage, Training
+from autoplan.verify import PARITY_TOLERANCE, BatchJob, verify_many
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+STEPS = 2
+
+TINY_GPT = f'''
+"""examples/gpt.py (tied lm_head, head count hard-coded in its views) at tiny sizes."""
+import importlib.util
+import torch
+
+_spec = importlib.util.spec_from_file_location("autoplan_example_gpt", {str(EXAMPLES / "gpt.py")!r})
+gpt = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpt)
+VOCAB, SEQ = 64, 8
+
+def build_model():
+    return gpt.GPT(vocab=VOCAB, seq_len=SEQ, n_layer=2, n_head=2, n_embd=16)
+
+def example_batch(batch_size):
+    idx = torch.randint(0, VOCAB, (batch_size, SEQ + 1))
+    return idx[:, :-1], idx[:, 1:]
+
+loss_fn = gpt.loss_fn
+'''
+
+TINY_LLAMA = f'''
+"""examples/llama.py (HF LlamaForCausalLM from a LlamaConfig, grouped-query attention) at tiny sizes."""
+import importlib.util
+
+_spec = importlib.util.spec_from_file_location("autoplan_example_llama", {str(EXAMPLES / "llama.py")!r})
+llama = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(llama)
+llama.VOCAB, llama.HIDDEN, llama.INTERMEDIATE, llama.LAYERS, llama.HEADS, llama.KV_HEADS, llama.SEQ_LEN = (
+    64, 16, 32, 2, 4, 2, 8)
+
+build_model = llama.build_model
+example_batch = llama.example_batch
+loss_fn = llama.loss_fn
+'''
+
+SKIP_NET = '''
+"""Dict inputs; h and the input `scale` skip from the first stage over the second one's units."""
+import torch
+from torch import nn
+
+class SkipNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(6, 16)
+        self.mid = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x, scale):
+        h = torch.tanh(self.embed(x))
+        return self.head(self.mid(h) + h) * scale
+
+def build_model():
+    return SkipNet()
+
+def example_batch(batch_size):
+    return {"x": torch.randn(batch_size, 6), "scale": torch.rand(batch_size, 1) + 0.5}, torch.randn(batch_size, 3)
+'''
+
+LOADER_NET = '''
+"""Its own data: make_dataloader shards a fixed dataset with a DistributedSampler."""
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+def build_model():
+    return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 2))
+
+def example_batch(batch_size):
+    return torch.randn(batch_size, 5), torch.randn(batch_size, 2)
+
+def make_dataloader(rank, world_size, batch_size):
+    generator = torch.Generator().manual_seed(7)
+    data = TensorDataset(torch.randn(40, 5, generator=generator), torch.randn(40, 2, generator=generator))
+    sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=1, drop_last=True)
+    return DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=True)
+'''
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    source: str
+    units: tuple[str, ...]
+    """The layer chain's units in order."""
+    four_stages: tuple[tuple[str, ...], ...]
+    """The units cut in four stages (pp=4, or pp=2 with 2 virtual stages)."""
+    tensor_parallel_plan: dict[str, str]
+
+
+def gpt_case() -> ModelCase:
+    units = ("wte", "wpe", "blocks.0", "blocks.1", "ln_f", "lm_head")
+    plan = {}
+    for i in range(2):
+        plan.update({f"blocks.{i}.attn.qkv": "colwise", f"blocks.{i}.attn.proj": "rowwise",
+                     f"blocks.{i}.mlp.fc": "colwise", f"blocks.{i}.mlp.proj": "rowwise"})
+    return ModelCase(TINY_GPT, units, (units[:2], units[2:3], units[3:4], units[4:]), plan)
+
+
+def llama_case() -> ModelCase:
+    units = ("model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head")
+    plan = {}
+    for i in range(2):
+        layer = f"model.layers.{i}"
+        plan.update({f"{layer}.self_attn.{p}_proj": "colwise" for p in "qkv"})
+        plan.update({f"{layer}.self_attn.o_proj": "rowwise", f"{layer}.mlp.gate_proj": "colwise",
+                     f"{layer}.mlp.up_proj": "colwise", f"{layer}.mlp.down_proj": "rowwise"})
+    return ModelCase(TINY_LLAMA, units, (units[:1], units[1:2], units[2:3], units[3:]), plan)
+
+
+MODELS = {"gpt": gpt_case(), "llama": llama_case()}
+
+
+def mb(count: int, size: int) -> dict:
+    return dict(pipeline_parallel_num_microbatches=count, pipeline_parallel_microbatch_size=size)
+
+
+# every layout of issue 5's list, then HSDP, ZeRO-1, DDP-style replication with TP and selective recompute
+LAYOUTS = {
+    "dp=4": dict(data_parallel_replicate_degree=4, **mb(1, 2)),
+    "dp=4,zero=3": dict(data_parallel_shard_degree=4, zero_stage=3, **mb(1, 2)),
+    "pp=4,gpipe": dict(pipeline_parallel_degree=4, pipeline_parallel_schedule="gpipe", **mb(4, 2)),
+    "pp=4,1f1b": dict(pipeline_parallel_degree=4, pipeline_parallel_schedule="1f1b", **mb(4, 2)),
+    "pp=2,interleaved": dict(pipeline_parallel_degree=2, pipeline_parallel_virtual_stages=2,
+                             pipeline_parallel_schedule="interleaved", **mb(4, 2)),
+    "tp=2": dict(tensor_parallel_degree=2, **mb(2, 4)),
+    "dp=2,pp=2": dict(data_parallel_replicate_degree=2, pipeline_parallel_degree=2, **mb(2, 2)),
+    "dp=2,zero=3,tp=2": dict(data_parallel_shard_degree=2, zero_stage=3, tensor_parallel_degree=2, **mb(1, 4)),
+    "pp=2,tp=2": dict(pipeline_parallel_degree=2, tensor_parallel_degree=2, **mb(4, 2)),
+    "dp=2,pp=2,tp=2": dict(data_parallel_replicate_degree=2, pipeline_parallel_degree=2, tensor_parallel_degree=2,
+                           **mb(2, 2)),
+    "pp=2,recompute=full": dict(pipeline_parallel_degree=2, activation_checkpoint="full", **mb(4, 2)),
+}
+EXTRA_LAYOUTS = {
+    ("gpt", "hsdp=2x2"): dict(data_parallel_replicate_degree=2, data_parallel_shard_degree=2, zero_stage=3, **mb(1, 2)),
+    ("llama", "dp=2,zero=1,recompute=selective"): dict(data_parallel_shard_degree=2, zero_stage=1,
+                                                      activation_checkpoint="selective", **mb(2, 2)),
+    ("llama", "dp=2,tp=2,zero=0"): dict(data_parallel_replicate_degree=2, tensor_parallel_degree=2, **mb(1, 4)),
+    ("gpt", "tp=2,recompute=selective"): dict(tensor_parallel_degree=2, activation_checkpoint="selective", **mb(1, 8)),
+    ("gpt", "dp=2,zero=3,pp=2,interleaved,recompute=full"): dict(
+        data_parallel_shard_degree=2, zero_stage=3, pipeline_parallel_degree=2, pipeline_parallel_virtual_stages=2,
+        pipeline_parallel_schedule="interleaved", activation_checkpoint="full", **mb(2, 2)),
+}
+OTHER_MODELS = {
+    "skip net dict inputs pp=2,1f1b,recompute=full": (SKIP_NET, [("embed",), ("mid", "head")], dict(
+        pipeline_parallel_degree=2, activation_checkpoint="full", **mb(4, 2))),
+    "make_dataloader dp=2, 2 accumulated micro-batches": (LOADER_NET, [("0", "1", "2")], dict(
+        data_parallel_replicate_degree=2, **mb(2, 2))),
+}
+RESUMED = [("llama", "dp=2,zero=3,tp=2"), ("gpt", "dp=2,pp=2")]
+"""Layouts whose checkpoint (saved after step 2) must resume into the uninterrupted run's losses."""
+
+
+def make_plan(model_file: Path, stages, tensor_parallel_plan=None, **parallelism) -> Plan:
+    par = Parallelism(**parallelism)
+    return Plan(
+        model=ModelRef(path=str(model_file)),
+        cluster=ClusterRef(gpu="cpu", num_gpus=par.world_size, gpus_per_node=8, memory_per_gpu_bytes=2**30),
+        training=Training(global_batch_size=8, learning_rate=1e-2, seed=3, tokens_per_sample=8),
+        parallelism=par,
+        stages=tuple(Stage(index=i, modules=tuple(m), predicted_time_s=0.01, predicted_memory_bytes=1e6)
+                     for i, m in enumerate(stages)),
+        predicted=Prediction(step_time_s=0.05, samples_per_s=160.0, tokens_per_s=None, model_flops_per_step=1e6,
+                             mfu=0.1, peak_memory_bytes=1e6),
+        solver=SolverInfo(name="pinned", status="optimal", time_s=0.0, candidates_evaluated=1),
+        tensor_parallel_plan=dict(tensor_parallel_plan or {}) if par.tensor_parallel_degree > 1 else {},
+    )
+
+
+def write_case(root: Path, name: str, source: str, stages, tensor_parallel_plan=None, **parallelism) -> Path:
+    folder = root / name.replace(",", "_").replace("=", "").replace(" ", "_")
+    folder.mkdir(parents=True)
+    model_file = folder / "user_model.py"
+    model_file.write_text(source)
+    plan = make_plan(model_file, stages, tensor_parallel_plan, **parallelism)
+    write_program(plan, folder / "out", model_file)
+    (folder / "out" / "plan.json").write_text(plan.to_json())
+    return folder / "out"
+
+
+def model_layout(root: Path, model: str, layout: str, parallelism: dict) -> Path:
+    case = MODELS[model]
+    pp = parallelism.get("pipeline_parallel_degree", 1) * parallelism.get("pipeline_parallel_virtual_stages", 1)
+    half = len(case.units) // 2
+    stages = {1: [case.units], 2: [case.units[:half], case.units[half:]], 4: case.four_stages}[pp]
+    return write_case(root, f"{model} {layout}", case.source, stages, case.tensor_parallel_plan, **parallelism)
+
+
+def resume_jobs(out: Path, world: int, first: int) -> list[BatchJob]:
+    """Uninterrupted 4 steps; 2 steps saving a checkpoint; resume to step 4 on the same ranks."""
+    common = ("--device", "cpu", "--checkpoint-dir", str(out / "checkpoints"))
+    return [BatchJob(out, ("--device", "cpu", "--steps", "4", "--losses-out", str(out / "uninterrupted.json")), world),
+            BatchJob(out, (*common, "--steps", "2", "--losses-out", str(out / "first_half.json")), world),
+            BatchJob(out, (*common, "--steps", "4", "--resume", "--losses-out", str(out / "resumed.json")), world,
+                     same_ranks_as=first + 1)]
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory):
+    root = tmp_path_factory.mktemp("layouts")
+    folders = {(m, layout): model_layout(root, m, layout, par) for m in MODELS for layout, par in LAYOUTS.items()}
+    folders.update({key: model_layout(root, *key, par) for key, par in EXTRA_LAYOUTS.items()})
+    folders.update({("other", name): write_case(root, name, source, stages, **par)
+                    for name, (source, stages, par) in OTHER_MODELS.items()})
+    extra, resumed = [], {}
+    for key in RESUMED:
+        world = Plan.from_json((folders[key] / "plan.json").read_text()).parallelism.world_size
+        resumed[key] = len(extra)
+        extra += resume_jobs(folders[key], world, len(extra))
+    keys = list(folders)
+    result = verify_many([folders[k] for k in keys], steps=STEPS, timeout_s=600, nproc=8, extra_jobs=extra)
+    return dict(zip(keys, result.results)), folders, result.extra_errors, resumed
+
+
+def check_parity(result) -> None:
+    assert not result.error, result.error[-3000:]
+    assert result.passed and result.parity_max_abs_diff <= PARITY_TOLERANCE, (result.reference_losses, result.losses)
+    assert len(result.losses) == STEPS and result.reference_losses[0] != result.reference_losses[1]
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_trains_like_the_single_device_model(batch, model, layout):
+    check_parity(batch[0][model, layout])
+
+
+@pytest.mark.parametrize("key", list(EXTRA_LAYOUTS), ids=lambda key: " ".join(key))
+def test_more_layouts_train_like_the_single_device_model(batch, key):
+    check_parity(batch[0][key])
+
+
+@pytest.mark.parametrize("name", list(OTHER_MODELS))
+def test_other_models_train_like_the_single_device_model(batch, name):
+    check_parity(batch[0]["other", name])
+
+
+@pytest.mark.parametrize("key", RESUMED, ids=lambda key: " ".join(key))
+def test_resuming_a_checkpoint_continues_the_uninterrupted_run(batch, key):
+    import json
+
+    _, folders, errors, resumed = batch
+    first = resumed[key]
+    failures = [e for e in errors[first:first + 3] if e]
+    assert not failures, failures[0][-3000:]
+    out = folders[key]
+    uninterrupted, first_half, resumed_losses = (json.loads((out / f"{name}.json").read_text())
+                                                 for name in ("uninterrupted", "first_half", "resumed"))
+    assert len(uninterrupted) == 4 and first_half == uninterrupted[:2]
+    assert resumed_losses == uninterrupted[2:]  # bit for bit: same weights, optimizer state and batches
+    assert (out / "checkpoints" / "step_2" / ".metadata").is_file()
