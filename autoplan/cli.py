@@ -27,7 +27,7 @@ from rich.table import Table
 
 from autoplan.errors import UserError
 
-SUBCOMMANDS = ("plan", "profile", "verify")
+SUBCOMMANDS = ("plan", "profile", "verify", "calibrate")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -76,7 +76,18 @@ def build_parser() -> dict[str, argparse.ArgumentParser]:
     verify.add_argument("--timeout", type=float, default=600.0, help="seconds per run before it is killed")
     verify.add_argument("--measure", action="store_true")
     _common(verify)
-    return {"plan": plan, "profile": profile, "verify": verify}
+    calibrate = _Parser(prog="autoplan calibrate", description="Measure this machine into a hardware profile "
+                        "YAML (launches torchrun, or runs under it); with --refit, rescale a profile to a verified run.")
+    calibrate.add_argument("--out", required=True, help="the hardware profile YAML to write")
+    calibrate.add_argument("--nproc", type=int, default=None, help="ranks to launch (default 2 on CPU, every GPU on CUDA)")
+    calibrate.add_argument("--gpu", default=None, help="profile whose datasheet peaks to keep (default: the device's)")
+    calibrate.add_argument("--hardware", default=None, help="base profile YAML (overrides --gpu); with --refit, "
+                           "the profile the verified plan was made with")
+    calibrate.add_argument("--refit", default=None, metavar="VERIFY_DIR",
+                           help="an output folder with verify.json from `autoplan verify --measure`")
+    calibrate.add_argument("--timeout", type=float, default=600.0, help="seconds before the run is killed")
+    _common(calibrate)
+    return {"plan": plan, "profile": profile, "verify": verify, "calibrate": calibrate}
 
 
 def cmd_plan(args) -> int:
@@ -122,6 +133,41 @@ def cmd_verify(args) -> int:
         print(f"loss parity over {result.steps} steps on {result.nproc} processes: "
               f"max |diff| = {result.parity_max_abs_diff:.3g} ({'PASS' if result.passed else 'FAIL'}, limit 1e-4)")
     return 0 if result.passed else 1
+
+
+def cmd_calibrate(args) -> int:
+    base = args.hardware or args.gpu
+    if args.refit is not None:
+        from autoplan.calibrate.refit import refit
+
+        if base is None:
+            raise UserError("--refit needs --hardware PROFILE.yaml: the profile the verified plan was made with")
+        if args.nproc is not None:
+            raise UserError("--nproc launches a calibration run; --refit only reads VERIFY_DIR: drop one of them")
+        result = refit(args.refit, base, args.out)
+        if not args.quiet:
+            print(f"measured {result.measured_s:.4g} s/step, predicted {result.predicted_before_s:.4g} s; compute-side "
+                  f"times x{result.compute_factor:.3g}, communication x{result.comm_factor:.3g} -> predicts "
+                  f"{result.predicted_after_s:.4g} s")
+            for note in result.notes:
+                print(f"note: {note}")
+            print(f"wrote {args.out}")
+        return 0
+    from autoplan.calibrate.launch import calibrate
+
+    with _progress(args):
+        profile = calibrate(args.out, nproc=args.nproc, base=base, timeout_s=args.timeout)
+    if profile is not None and not args.quiet:
+        gpu, link = profile.gpu, profile.intra_node
+        peaks = ", ".join(f"{dtype} {flops / 1e12:.3g}" for dtype, flops in gpu.peak_flops.items())
+        print(f"matmul peak TFLOP/s {peaks} (efficiency {gpu.matmul_efficiency:.2f}); memory "
+              f"{gpu.memory_bandwidth_bytes_per_s / 1e9:.3g} GB/s (efficiency {gpu.memory_efficiency:.2f}); "
+              f"kernel overhead {gpu.kernel_overhead_s * 1e6:.3g} us")
+        print(f"intra-node {link.name}: {link.bus_bandwidth_bytes_per_s / 1e9:.3g} GB/s bus bandwidth, "
+              f"{link.latency_s * 1e6:.3g} us latency; inter-node {profile.inter_node.bus_bandwidth_bytes_per_s / 1e9:.3g} "
+              f"GB/s, {profile.inter_node.latency_s * 1e6:.3g} us")
+        print(f"wrote {args.out}; plan with it: autoplan MODEL.py --gpus N --hardware {args.out}")
+    return 0
 
 
 def summary(plan, out: str | None) -> Group:
@@ -213,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser()[name].parse_args(rest)
         logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING if args.quiet else logging.INFO,
                             format="autoplan: %(message)s", force=True)
-        return {"plan": cmd_plan, "profile": cmd_profile, "verify": cmd_verify}[name](args)
+        return {"plan": cmd_plan, "profile": cmd_profile, "verify": cmd_verify,
+                "calibrate": cmd_calibrate}[name](args)
     except UserError as e:
         if debug:
             traceback.print_exc()
