@@ -17,7 +17,6 @@ import json
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from autoplan.errors import UserError
+from autoplan.procs import kill_process_tree
 from autoplan.plan import Plan, PlanError
 
 PARITY_TOLERANCE = 1e-4
@@ -236,22 +236,8 @@ class _Run:
                                             stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
 
     def kill(self) -> None:
-        """Kill the run's process group, and the groups of its descendants: torchrun starts each
-        rank in a session of its own, out of reach of a kill of torchrun's group."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        groups = [self.process.pid]
-        for pid in _descendants(self.process.pid):
-            try:
-                groups.append(os.getpgid(pid))
-            except ProcessLookupError:
-                continue
-        for group in dict.fromkeys(groups):
-            try:
-                os.killpg(group, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                continue
-        self.process.wait()
+        if self.process is not None:
+            kill_process_tree(self.process)
 
     def stderr_tail(self) -> str:
         lines = self.stderr_path.read_text(errors="replace").splitlines() if self.stderr_path.exists() else []
@@ -271,26 +257,6 @@ def first_traceback(lines: list[str]) -> list[str]:
         return lines
     end = next((j for j in range(start + 1, len(lines)) if lines[j] and not lines[j][0].isspace()), len(lines) - 1)
     return lines[start:end + 1]
-
-
-def _descendants(root: int) -> list[int]:
-    """Process ids of all descendants of `root`, from /proc (Linux; elsewhere none are found)."""
-    children: dict[int, list[int]] = {}
-    proc = Path("/proc")
-    for entry in proc.iterdir() if proc.is_dir() else ():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(entry.name))
-    found, stack = [], [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
 
 
 def _run_all(runs: list[_Run], timeout_s: float, sequential: bool) -> None:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from autoplan.errors import UserError
+from autoplan.procs import kill_process_tree
 from autoplan.hardware.profiles import load_hardware
 from autoplan.hardware.types import HardwareProfile
 
@@ -100,54 +100,17 @@ def _launch(out: Path, nproc: int, base: str | None, timeout_s: float) -> None:
         try:
             code = process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            _stop(process)
+            kill_process_tree(process, KILL_GRACE_S)
             raise UserError(f"calibrate on {nproc} ranks did not finish within {timeout_s:g} s and was killed "
                             f"(raise --timeout); last lines of its stderr:\n{_tail(stderr)}") from None
         except BaseException:
-            _stop(process)
+            kill_process_tree(process, KILL_GRACE_S)
             raise
         if code != 0:
             raise UserError(f"calibrate on {nproc} ranks failed (exit code {code}); "
                             f"last lines of its stderr:\n{_tail(stderr)}")
     if not out.is_file():
         raise UserError(f"calibrate finished but wrote no {out}")
-
-
-def _stop(process: subprocess.Popen) -> None:
-    """SIGTERM torchrun (it stops its ranks), then SIGKILL whatever of its tree is left: torchrun
-    starts each rank in a session of its own, beyond the reach of its own process group."""
-    tree = _descendants(process.pid)
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=KILL_GRACE_S)
-    except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
-        pass
-    for pid in [process.pid, *tree]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            continue
-    process.wait()
-
-
-def _descendants(root: int) -> list[int]:
-    """Process ids below `root`, from /proc (Linux; elsewhere none are found)."""
-    children: dict[int, list[int]] = {}
-    proc = Path("/proc")
-    for entry in proc.iterdir() if proc.is_dir() else ():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(entry.name))
-    found, stack = [], [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
 
 
 def _tail(stderr) -> str:

@@ -1,0 +1,58 @@
+"""Stopping a launched torchrun and every rank below it.
+
+torchrun starts each rank in a session of its own, so killing torchrun's process group leaves the ranks
+running: find them through /proc and kill their groups too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+
+def descendants(root: int) -> list[int]:
+    """Process ids of all descendants of `root`, from /proc (Linux; elsewhere none are found)."""
+    children: dict[int, list[int]] = {}
+    proc = Path("/proc")
+    for entry in proc.iterdir() if proc.is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    found, stack = [], [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def kill_process_tree(process: subprocess.Popen, grace_s: float = 0.0) -> None:
+    """Stop `process` (started with start_new_session=True) and all its descendants' process groups.
+    With `grace_s` > 0, SIGTERM first so torchrun can stop its ranks, then SIGKILL what is left."""
+    if process.poll() is not None:
+        return
+    tree = descendants(process.pid)
+    if grace_s > 0:
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=grace_s)
+        except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
+            pass
+    groups = [process.pid]
+    for pid in tree:
+        try:
+            groups.append(os.getpgid(pid))
+        except ProcessLookupError:
+            continue
+    for group in dict.fromkeys(groups):
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            continue
+    process.wait()
