@@ -4,6 +4,8 @@
     autoplan plan MODEL.py --gpus N [...]
     autoplan profile MODEL.py [--gpu NAME] [--measure] [--out DIR]
     autoplan verify DIR [--nproc K] [--steps S] [--measure]
+    autoplan calibrate --out PROFILE.yaml [--nproc K]      measure this machine (or run under torchrun)
+    autoplan calibrate --refit DIR --hardware PROFILE.yaml --out NEW.yaml
 
 Exit codes: 0 success, 2 bad input or infeasible (one line on stderr), 1 internal error,
 130 interrupted (Ctrl-C), 143 terminated (SIGTERM).
