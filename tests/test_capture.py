@@ -7,7 +7,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import torch
 
+import autoplan.capture as capture_package
 from autoplan.capture import ValueRef, capture_model
 from autoplan.errors import UserError
 from autoplan.hardware.profiles import load_hardware
@@ -122,14 +124,90 @@ CUSTOM_OUTPUT = """
 """
 
 
-def test_dispatch_fallback_records_ops_and_why_export_failed(tmp_path):
+def test_custom_output_object_is_captured_by_symbolic_trace(tmp_path):
+    graph = capture_model(_model_file(tmp_path, "custom.py", CUSTOM_OUTPUT), 2)
+    assert graph.method == "symbolic_trace"
+    assert len(graph.failures) == 1 and graph.failures[0].startswith("export: ")
+    linears = [n for n in graph.nodes if str(n.target) == "aten.linear.default"]
+    assert [n.module_stack for n in linears] == [("a",), ("b",)]
+    assert graph.outputs == (ValueRef(linears[-1].name, 0),)
+    assert graph.parameters == {"a.weight": 128, "a.bias": 16, "b.weight": 64, "b.bias": 4}
+
+
+def test_dispatch_fallback_records_ops_when_both_tracers_fail(tmp_path, monkeypatch):
+    def broken_tracer(fake):
+        raise RuntimeError("tracer cannot handle this")
+
+    monkeypatch.setitem(capture_package._TRACERS, "symbolic_trace", broken_tracer)
     graph = capture_model(_model_file(tmp_path, "custom.py", CUSTOM_OUTPUT), 2)
     assert graph.method == "dispatch"
-    assert len(graph.failures) == 1 and graph.failures[0].startswith("export: ")
+    assert [f.split(":")[0] for f in graph.failures] == ["export", "symbolic_trace"]
+    assert graph.failures[1] == "symbolic_trace: RuntimeError: tracer cannot handle this"
     addmms = [n for n in graph.nodes if str(n.target) == "aten.addmm.default"]
     assert [n.module for n in addmms] == ["a", "b"]
     assert graph.outputs == (ValueRef(addmms[-1].name, 0),)
     assert graph.parameters == {"a.weight": 128, "a.bias": 16, "b.weight": 64, "b.bias": 4}
+
+
+DATA_DEPENDENT = """
+    import torch
+    from torch import nn
+
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 16)
+            self.b = nn.Linear(16, 4)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            if h.sum().item() > 0:  # data-dependent control flow: fake tensors have no values
+                h = h * 2
+            return self.b(h)
+
+    def build_model():
+        return Gate()
+
+    def example_batch(batch_size):
+        return torch.randn(batch_size, 8), torch.randn(batch_size, 4)
+"""
+
+
+def test_data_dependent_forward_is_recorded_on_real_tensors(tmp_path):
+    graph = capture_model(_model_file(tmp_path, "gate.py", DATA_DEPENDENT), 2)
+    assert graph.method == "dispatch"
+    assert [f.split(":")[0] for f in graph.failures] == ["export", "symbolic_trace", "dispatch on fake tensors"]
+    assert "recorded on real tensors" in graph.failures[-1]
+    assert [n.module for n in graph.nodes if str(n.target) == "aten.addmm.default"] == ["a", "b"]
+    assert graph.parameters == {"a.weight": 128, "a.bias": 16, "b.weight": 64, "b.bias": 4}
+
+
+def test_data_dependent_model_too_large_to_run_for_real_is_a_user_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(capture_package, "REAL_RUN_MAX_STATE_BYTES", 100)
+    with pytest.raises(UserError, match=r"cannot capture gate\.py on fake tensors .* 0\.0 GiB of parameters it is "
+                                        r"too large to run for real"):
+        capture_model(_model_file(tmp_path, "gate.py", DATA_DEPENDENT), 2)
+
+
+def test_value_dependent_weight_init_falls_back_to_the_meta_device(tmp_path):
+    source = _model_file(tmp_path, "trunc.py", """
+        import torch
+        from torch import nn
+
+        def build_model():
+            model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+            model[2].weight = model[0].weight  # tied: must stay one parameter
+            nn.init.trunc_normal_(model[0].weight, std=0.02)  # a rejection loop on values
+            model.register_buffer("scale", torch.ones(8))
+            return model
+
+        def example_batch(batch_size):
+            return torch.randn(batch_size, 8), torch.randn(batch_size, 8)
+    """)
+    graph = capture_model(source, 2)
+    assert graph.method == "export"
+    assert graph.parameters == {"0.weight": 64, "0.bias": 8, "2.bias": 8}
+    assert all(g.meta.shape for g in graph.inputs.values())
 
 
 def test_export_only_reports_the_export_error(tmp_path):
@@ -181,3 +259,56 @@ def test_a_billion_parameter_model_allocates_nothing(tmp_path):
     grown_gib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before_kib) / 2**20
     assert sum(graph.parameters.values()) > 0.9e9  # 3.6 GiB of fp32 weights if they were real
     assert grown_gib < 0.5
+
+
+def test_hf_cache_objects_in_outputs_and_use_cache_in_the_batch(tmp_path):
+    body = """
+        import torch
+        from torch import nn
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        CONFIG = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+        class Cached(nn.Module):  # insists on a KV cache: outputs a DynamicCache, which export rejects
+            def __init__(self):
+                super().__init__()
+                self.inner = LlamaForCausalLM(CONFIG)
+
+            def forward(self, input_ids, use_cache=None):
+                return self.inner(input_ids=input_ids, use_cache=True)
+
+        def build_model():
+            return LlamaForCausalLM(CONFIG)
+
+        def build_cached():
+            return Cached()
+
+        def example_batch(batch_size):
+            ids = torch.randint(0, 256, (batch_size, 17))
+            return {"input_ids": ids[:, :-1], "use_cache": True}, ids[:, 1:]
+    """
+    source = _model_file(tmp_path, "cached.py", body)
+    plain = capture_model(source, 2)
+    assert plain.method == "export" and len(plain.outputs) == 1  # use_cache=True in the batch is overridden
+    cached = capture_model(load_source(f"{tmp_path / 'cached.py'}:build_cached"), 2)
+    assert cached.method == "symbolic_trace" and "DynamicCache" in cached.failures[0]
+    # logits, then a key and a value per layer
+    assert [cached.meta(ref).shape for ref in cached.outputs] == [(2, 16, 256)] + [(2, 2, 16, 16)] * 4
+    assert sum(1 for n in cached.nodes if str(n.target) == "aten.linear.default") == \
+        sum(1 for n in plain.nodes if str(n.target) == "aten.linear.default")
+
+
+def test_factory_that_casts_to_bf16_keeps_its_tied_weights(tmp_path):
+    source = _model_file(tmp_path, "half.py", f"""
+        import sys
+        import torch
+        sys.path.insert(0, {str(EXAMPLES)!r})
+        from gpt import GPT, example_batch
+
+        def build_model():
+            return GPT(vocab=64, seq_len=64, n_layer=2, n_head=2, n_embd=32).to(torch.bfloat16)
+    """)
+    graph = capture_model(source, 2)
+    assert graph.method == "export" and graph.param_dtype == torch.bfloat16
+    assert "lm_head.weight" not in graph.parameters and graph.parameters["wte.weight"] == 64 * 32

@@ -1,6 +1,9 @@
 """Profile: FLOPs against closed forms, saved activations against autograd, parameters, roofline times,
 and measured times on this CPU."""
 
+import dataclasses
+import json
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -9,8 +12,9 @@ import torch
 from autoplan.capture import capture_model
 from autoplan.errors import UserError
 from autoplan.hardware.profiles import load_hardware
-from autoplan.profile import profile_graph, profile_model
+from autoplan.profile import measure, profile_graph, profile_model
 from autoplan.profile.types import ModelProfile
+from autoplan.profile.unsupported import unsupported_ops_text
 from autoplan.source import load_source
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -51,9 +55,16 @@ def test_mlp_flops_equal_the_closed_form_exactly(a100):
     # weight gradients everywhere; no input gradient for the first layer (its input is data)
     assert sum(o.flops_bwd for o in profile.ops) == 2 * forward - 2 * batch * m.IN_FEATURES * m.HIDDEN
     assert profile.tokens_per_sample is None  # float features, not token ids
+    # saved for backward: each linear's input (the first one's for its weight gradient) and each GELU's
+    # input; the residual adds keep nothing
+    saved_elements = batch * (m.IN_FEATURES + m.LAYERS * 2 * m.HIDDEN + m.HIDDEN)
+    assert sum(o.saved_bytes for o in profile.ops) == 4 * saved_elements
+    assert profile.param_count == (m.IN_FEATURES + 1) * m.HIDDEN + m.LAYERS * (m.HIDDEN + 1) * m.HIDDEN \
+        + (m.HIDDEN + 1) * m.OUT_FEATURES
 
 
-def test_measured_times_on_this_cpu(a100):
+def test_measured_times_on_this_cpu(a100, tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPLAN_CACHE", str(tmp_path))
     profile = profile_model(load_source(str(EXAMPLES / "mlp.py")), 4, load_hardware("cpu"), measure=True)
     assert profile.device == "cpu" and {o.source for o in profile.ops} == {"measured"}
     linears = _ops(profile, "aten.linear.default")
@@ -180,3 +191,78 @@ def test_dispatch_capture_counts_cpu_attention_flops(gpt_source, a100, gpt):
     assert len(attention) == 4 and all(o.flops_fwd > 0 and o.flops_bwd == 2 * o.flops_fwd for o in attention)
     assert sum(o.flops_fwd for o in profile.ops) == sum(o.flops_fwd for o in gpt.ops)
     assert sum(o.flops_bwd for o in profile.ops) == sum(o.flops_bwd for o in gpt.ops)
+
+
+def test_measured_times_are_cached_on_disk_per_model_shapes_and_device(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPLAN_CACHE", str(tmp_path))
+    timed = []
+    original = measure.measure_call
+
+    def counting_measure_call(call, device="cpu"):
+        timed.append(call)
+        return original(call, device)
+
+    monkeypatch.setattr(measure, "measure_call", counting_measure_call)
+    source = load_source(str(EXAMPLES / "mlp.py"))
+    first = profile_model(source, 4, load_hardware("cpu"), measure=True)
+    distinct = len(timed)
+    assert 0 < distinct < len(first.ops)  # the six identical layers are timed once
+    files = list((tmp_path / "timings").glob("*.json"))
+    assert len(files) == 1
+    saved = json.loads(files[0].read_text())
+    assert saved["key"]["model"] == source.spec and saved["key"]["device"].startswith("cpu: ")
+    assert len(saved["timings"]) == distinct
+    second = profile_model(load_source(str(EXAMPLES / "mlp.py")), 4, load_hardware("cpu"), measure=True)
+    assert len(timed) == distinct  # nothing timed again
+    assert [(o.time_fwd_s, o.time_bwd_s) for o in second.ops] == [(o.time_fwd_s, o.time_bwd_s) for o in first.ops]
+    profile_model(source, 3, load_hardware("cpu"), measure=True)  # other shapes: another file
+    assert len(list((tmp_path / "timings").glob("*.json"))) == 2 and len(timed) > distinct
+
+
+def test_ops_too_large_to_time_here_are_estimated_and_listed(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPLAN_CACHE", str(tmp_path))
+    monkeypatch.setattr(measure, "MAX_TIMED_OP_BYTES", 1000)
+    profile = profile_model(load_source(str(EXAMPLES / "mlp.py")), 4, load_hardware("cpu"), measure=True)
+    linears = _ops(profile, "aten.linear.default")
+    assert {o.source for o in linears} == {"estimated"} and all(o.time_fwd_s > 0 for o in linears)
+    assert any(f.startswith("aten.linear.default: not timed on cpu, estimated instead (") and "timing limit" in f
+               for f in profile.op_failures)
+    assert "## ops profiled in part" in unsupported_ops_text(profile)
+
+
+def test_unsupported_ops_text_lists_fallbacks_and_unreplayable_ops(tmp_path, a100):
+    path = tmp_path / "routed.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        class Routed(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = nn.Linear(8, 8)
+
+            def forward(self, x):
+                h = self.a(x)
+                picked = torch.nonzero(h[:, 0] > 0).flatten()  # data-dependent size
+                return h.index_add(0, picked, h[picked])
+
+        def build_model():
+            return Routed()
+
+        def example_batch(batch_size):
+            return torch.randn(batch_size, 8), torch.randn(batch_size, 8)
+    """))
+    profile = profile_model(load_source(str(path)), 4, a100, measure=False)
+    text = unsupported_ops_text(profile)
+    assert profile.capture_method == "dispatch" and len(profile.capture_failures) == 3
+    assert text.startswith(f"# {profile.model}: captured by recording the ops of an eager forward")
+    assert "## capture methods that failed first\nexport: " in text
+    assert any(f.startswith("aten.nonzero.default: not replayed on fake tensors") for f in profile.op_failures)
+    assert ModelProfile.from_json(profile.to_json()) == profile
+
+
+def test_unsupported_ops_text_names_ops_without_a_flop_formula_and_says_when_all_is_well(gpt):
+    assert unsupported_ops_text(gpt).endswith("nothing unsupported: every op has a FLOP formula and was replayed "
+                                              "and timed or estimated\n")
+    lacking = dataclasses.replace(gpt, unsupported_ops=("aten.linear.default",))
+    assert "aten.linear.default (17 ops)" in unsupported_ops_text(lacking)

@@ -8,6 +8,9 @@ be profiled; why each earlier method failed is kept in OpGraph.failures:
 3. "dispatch": record the ops a dispatch mode sees while the forward runs on fake tensors.
 4. "dispatch" on real tensors, for a model of at most REAL_RUN_MAX_STATE_BYTES whose forward needs
    tensor values (data-dependent control flow, an op without a fake kernel).
+
+Runs of identical blocks (the layers of a transformer) are traced three deep and replicated
+(capture/repeats.py), so an 80-layer model costs about as much to capture as a 3-layer one.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from autoplan.capture.dispatch import DataDependentError, capture_dispatch
 from autoplan.capture.export import capture_export
 from autoplan.capture.fake_model import FakeModel, build_fake_model, build_real_model
 from autoplan.capture.graph import GraphInput, OpGraph, OpNode, TensorMeta, ValueRef
+from autoplan.capture.repeats import Run, expand, find_runs, truncated
 from autoplan.capture.trace import capture_trace
 from autoplan.errors import UserError
 from autoplan.source import ModelSource
@@ -68,39 +72,68 @@ def _try_tracer(tracer: Callable[[FakeModel], OpGraph], fake: FakeModel) -> OpGr
 _TRACERS: dict[str, Callable[[FakeModel], OpGraph]] = {"export": capture_export, "symbolic_trace": capture_trace}
 
 
-def capture_model(source: ModelSource, batch_size: int, method: str = "auto") -> OpGraph:
-    """The forward graph of `source`'s model on example_batch(batch_size)."""
+def capture_model(source: ModelSource, batch_size: int, method: str = "auto", reuse_repeats: bool = True) -> OpGraph:
+    """The forward graph of `source`'s model on example_batch(batch_size).
+
+    With `reuse_repeats`, runs of identical blocks are traced once and replicated (capture/repeats.py);
+    if that does not work out the model is captured whole."""
     if method not in METHODS:
         raise UserError(f"unknown capture method {method!r}: choose one of {', '.join(METHODS)}")
     with _quiet_tracing_logs():
         fake = build_fake_model(source, batch_size)
-        failures: list[str] = []
-        for name, tracer in _TRACERS.items():
-            if method not in ("auto", name):
-                continue
-            try:
-                return _try_tracer(tracer, fake)
-            except UserError:
-                raise
-            except Exception as e:  # noqa: BLE001 - tracing fails in many ways; each means "try the next method"
-                if method == name:
-                    raise UserError(f"{_DESCRIPTIONS[name]} of {source.path.name} failed: {_one_line(e)}") from None
-                failures.append(f"{name}: {_one_line(e)}")
-        graph = _capture_by_running(fake, source, failures)
-    if failures:
-        log.warning("captured %s by %s (%s)", source.path.name, graph.method, "; ".join(failures))
+        runs = find_runs(fake.model) if reuse_repeats else []
+        graph = _capture_repeated(fake, source, method, runs) if runs else None
+        if graph is None:
+            graph = _capture_chain(fake, source, method, allow_real=True)
+    if graph.failures:
+        log.warning("captured %s by %s (%s)", source.path.name, graph.method, "; ".join(graph.failures))
     return graph
+
+
+def _capture_repeated(fake: FakeModel, source: ModelSource, method: str, runs: list[Run]) -> OpGraph | None:
+    """Capture with each run of identical blocks cut short, then replicate; None if that fails."""
+    try:
+        with truncated(fake.model, runs):
+            graph = _capture_chain(fake, source, method, allow_real=False)
+        for run in runs:
+            graph = expand(graph, run)
+    except Exception as e:  # noqa: BLE001 - the shortcut failing in any way means: capture the model whole
+        log.debug("capturing %s with repeated blocks cut failed (%s); capturing it whole", source.path.name, e)
+        return None
+    graph.parameters = fake.trainable_parameters()
+    return graph
+
+
+def _capture_chain(fake: FakeModel, source: ModelSource, method: str, allow_real: bool) -> OpGraph:
+    """Try the capture methods in turn (only `method` unless it is "auto")."""
+    failures: list[str] = []
+    for name, tracer in _TRACERS.items():
+        if method not in ("auto", name):
+            continue
+        try:
+            graph = _try_tracer(tracer, fake)
+            graph.failures = tuple(failures)
+            return graph
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - tracing fails in many ways; each means "try the next method"
+            if method == name:
+                raise UserError(f"{_DESCRIPTIONS[name]} of {source.path.name} failed: {_one_line(e)}") from None
+            failures.append(f"{name}: {_one_line(e)}")
+    return _capture_by_running(fake, source, failures, allow_real)
 
 
 _DESCRIPTIONS = {"export": "torch.export", "symbolic_trace": "symbolic tracing (make_fx)"}
 
 
-def _capture_by_running(fake: FakeModel, source: ModelSource, failures: list[str]) -> OpGraph:
-    """Record the forward on fake tensors, or on real ones when fake tensors cannot run it and the
-    model is small enough to build."""
+def _capture_by_running(fake: FakeModel, source: ModelSource, failures: list[str], allow_real: bool) -> OpGraph:
+    """Record the forward on fake tensors, or (if `allow_real`) on real ones when fake tensors cannot
+    run it and the model is small enough to build."""
     try:
         return capture_dispatch(fake, source, tuple(failures))
     except DataDependentError as e:
+        if not allow_real:
+            raise
         size = fake.state_bytes()
         if size > REAL_RUN_MAX_STATE_BYTES:
             raise UserError(f"cannot capture {source.path.name} on fake tensors ({e}), and at "

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from autoplan.errors import UserError
 from autoplan.source import ModelSource, call_user
@@ -121,35 +121,39 @@ def _for_training(source: ModelSource, batch_size: int, model: nn.Module, batch:
 def _build_fake(source: ModelSource, fake_mode: FakeTensorMode) -> Any:
     """The user's model on fake CPU tensors.
 
-    Weight initialization that inspects values (nn.init.trunc_normal_'s rejection loop, used by ViT and
-    most vision models) cannot run on fake tensors. Such a factory is retried with the meta device as
-    default: torch's and transformers' initializers skip meta tensors. The meta parameters are then
-    replaced by fake CPU tensors of the same layout."""
+    Some factories cannot run on fake tensors: weight initialization that inspects values
+    (nn.init.trunc_normal_'s rejection loop, used by ViT and most vision models), or model.to(dtype),
+    which cannot swap a fake parameter in place. Such a factory is retried on the meta device, which
+    initializers skip and .to() handles; the meta tensors are then replaced by fake CPU tensors of the
+    same layout."""
     what = f"{source.factory_name}()"
     try:
         with fake_mode:
             return call_user(source, what, source.build_model)
     except UserError as first_error:
         try:
-            with fake_mode, torch.device("meta"):
+            with torch.device("meta"):
                 model = call_user(source, what, source.build_model)
         except UserError:
             raise first_error from None
     if isinstance(model, nn.Module):
-        _meta_to_fake_cpu(model, fake_mode)
+        _to_fake_cpu(model, fake_mode)
     return model
 
 
-def _meta_to_fake_cpu(model: nn.Module, fake_mode: FakeTensorMode) -> None:
-    """Replace every meta parameter, buffer and tensor attribute by a fake CPU tensor of the same layout
-    (a tensor shared by several modules stays shared)."""
+def _to_fake_cpu(model: nn.Module, fake_mode: FakeTensorMode) -> None:
+    """Replace every meta or real parameter, buffer and tensor attribute by a fake CPU tensor of the
+    same layout (a tensor shared by several modules stays shared)."""
     replaced: dict[int, torch.Tensor] = {}
 
     def fake_cpu(tensor: torch.Tensor) -> torch.Tensor:
         if id(tensor) not in replaced:
-            with fake_mode:
-                new = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype,
-                                          device="cpu")
+            if tensor.is_meta:
+                with fake_mode:
+                    new = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype,
+                                              device="cpu")
+            else:
+                new = fake_mode.from_tensor(tensor.detach())  # a real tensor the factory made on purpose
             if isinstance(tensor, nn.Parameter):
                 new = nn.Parameter(new, requires_grad=tensor.requires_grad)
             replaced[id(tensor)] = new
@@ -158,10 +162,10 @@ def _meta_to_fake_cpu(model: nn.Module, fake_mode: FakeTensorMode) -> None:
     for module in model.modules():
         for table in (module._parameters, module._buffers):
             for name, tensor in table.items():
-                if tensor is not None and tensor.is_meta:
+                if tensor is not None and not isinstance(tensor, FakeTensor):
                     table[name] = fake_cpu(tensor)
         for name, value in list(vars(module).items()):
-            if isinstance(value, torch.Tensor) and value.is_meta:
+            if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
                 setattr(module, name, fake_cpu(value))
 
 

@@ -1,7 +1,7 @@
 """The captured forward graph: ATen ops with module attribution, on fake tensors.
 
-Both capture methods (torch.export and the dispatch-mode recorder) produce an OpGraph; profile/ reads
-only this. Tensors are named by ValueRef (which op, which output), so the same graph can be replayed op
+Every capture method (torch.export, symbolic tracing, the dispatch-mode recorder) produces an OpGraph;
+profile/ reads only this. Tensors are named by ValueRef (which op, which output), so the same graph can be replayed op
 by op on fresh fake or real tensors of the recorded shapes.
 """
 
@@ -102,7 +102,7 @@ class OpGraph:
     storage_root: dict[ValueRef, ValueRef]
     """Each tensor -> the tensor that allocated its storage (itself unless it is a view or alias)."""
     method: str
-    """"export" or "dispatch"."""
+    """"export", "symbolic_trace" or "dispatch" (see autoplan.capture)."""
     failures: tuple[str, ...] = ()
     """Why earlier capture methods failed, one line each (empty when export worked)."""
     parameters: dict[str, int] = field(default_factory=dict)

@@ -31,7 +31,8 @@ def _new_saved_bytes(graph: OpGraph, node: OpNode, slot_refs: list[ValueRef], sa
             ref = slot_refs[tensor.index]
         elif tensor.index < len(node.outputs):
             ref = ValueRef(node.name, tensor.index)
-        else:
+        else:  # an output the graph does not have (the replay ran the accelerator's kernel): new memory
+            total += tensor.nbytes
             continue
         if graph.root_is_state(ref):
             continue
@@ -87,7 +88,7 @@ def profile_graph(graph: OpGraph, model: str, batch_size: int, hardware: Hardwar
     """Profile every op of `graph`. `dtype` names the hardware peak the roofline uses ("fp32", "bf16")."""
     op_timer = _op_timer(graph, model) if measure else None
     timer = _Timer(hardware, op_timer, dtype)
-    replayer = FakeReplayer()
+    replayer = FakeReplayer(accelerator=hardware.gpu.name != "cpu")
     requires_grad = {ValueRef(name): graph_input.requires_grad for name, graph_input in graph.inputs.items()}
     kept_roots: set[ValueRef] = set()
     ops: list[OpProfile] = []
@@ -156,7 +157,8 @@ def profile_graph(graph: OpGraph, model: str, batch_size: int, hardware: Hardwar
 
 def profile_model(source: ModelSource, batch_size: int, hardware: HardwareProfile, measure: bool,
                   dtype: str = "fp32", capture_method: str = "auto") -> ModelProfile:
-    """Capture `source`'s model at `batch_size` and profile it: times measured on this CPU when
-    `measure`, else estimated on `hardware` at its `dtype` peak."""
+    """Capture `source`'s model at `batch_size` and profile it: times measured on this machine's device
+    (the GPU if there is one, else the CPU) when `measure`, else estimated on `hardware` at its `dtype`
+    peak."""
     graph = capture_model(source, batch_size, capture_method)
     return profile_graph(graph, source.spec, batch_size, hardware, measure, dtype)

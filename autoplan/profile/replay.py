@@ -22,6 +22,7 @@ from autoplan.capture.graph import OpGraph, OpNode, ValueRef
 from autoplan.profile.flops import is_matmul_like, register_missing_formulas
 
 log = logging.getLogger(__name__)
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
@@ -201,12 +202,24 @@ def replay_fake(call: OpCall, fake_mode: FakeTensorMode) -> ReplayResult:
     )
 
 
-class FakeReplayer:
-    """replay_fake with a cache by signature and a shared fake mode."""
+def as_on_accelerator(call: OpCall) -> OpCall:
+    """The op as a GPU runs it, where that differs from this CPU in what autograd keeps.
 
-    def __init__(self) -> None:
+    aten.dropout runs the fused native_dropout kernel on CUDA, which saves a 1-byte boolean mask; on the
+    CPU it decomposes into a multiply by a noise tensor of the input's dtype (2-4 bytes per element)."""
+    if call.target is aten.dropout.default:
+        return OpCall(aten.native_dropout.default, call.args, call.kwargs, call.slots, call.grad_enabled)
+    return call
+
+
+class FakeReplayer:
+    """replay_fake with a cache by signature and a shared fake mode. With `accelerator`, ops are
+    replayed as a GPU runs them (as_on_accelerator)."""
+
+    def __init__(self, accelerator: bool = False) -> None:
         register_missing_formulas()
         self.fake_mode = FakeTensorMode()
+        self.accelerator = accelerator
         self.cache: dict[tuple, ReplayResult] = {}
 
     def __call__(self, call: OpCall, num_outputs: int) -> ReplayResult:
@@ -214,7 +227,7 @@ class FakeReplayer:
         result = self.cache.get(key)
         if result is None:
             try:
-                result = replay_fake(call, self.fake_mode)
+                result = replay_fake(as_on_accelerator(call) if self.accelerator else call, self.fake_mode)
             except Exception as e:  # noqa: BLE001 - an op we cannot replay costs 0 FLOPs, not a crash
                 message = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
                 log.debug("cannot replay %s: %s", call.target, message)  # listed in ModelProfile.op_failures

@@ -1,0 +1,43 @@
+"""Llama (Hugging Face transformers), built from a config, never downloaded.
+
+Defaults are Llama-3-8B's shapes. Every shape is a module-level constant, so a test or benchmark can
+shrink or grow the model (set e.g. LAYERS before calling build_model), or pass config overrides:
+build_model(num_hidden_layers=2).
+
+    autoplan examples/llama.py --gpus 8
+"""
+
+import torch
+from torch.nn import functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+VOCAB = 128256
+HIDDEN = 4096
+INTERMEDIATE = 14336
+LAYERS = 32
+HEADS = 32
+KV_HEADS = 8
+SEQ_LEN = 2048
+
+
+def config(**overrides) -> LlamaConfig:
+    settings = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                    num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                    max_position_embeddings=SEQ_LEN, rope_theta=500000.0, tie_word_embeddings=False,
+                    use_cache=False)
+    settings.update(overrides)
+    return LlamaConfig(**settings)
+
+
+def build_model(**overrides) -> LlamaForCausalLM:
+    return LlamaForCausalLM(config(**overrides))
+
+
+def example_batch(batch_size: int):
+    ids = torch.randint(0, VOCAB, (batch_size, SEQ_LEN + 1))
+    return {"input_ids": ids[:, :-1]}, ids[:, 1:]
+
+
+def loss_fn(output, targets: torch.Tensor) -> torch.Tensor:
+    logits = output.logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
