@@ -148,6 +148,8 @@ def plan_model(
         errors.append(f"--solver must be highs or cbc, got {solver!r}")
     if time_limit is not None and not float(time_limit) > 0:
         errors.append(f"--time-limit must be positive seconds, got {time_limit!r}")
+    if cluster is not None and pins is not None:
+        errors += _pin_arithmetic(pins, cluster.num_gpus)
     if errors:
         raise UserError("; ".join(errors))
     source = _source(model, example_batch)
@@ -224,6 +226,20 @@ def scaling_curve(profile: ModelProfile, cluster: Cluster, training: Training, s
     return tuple(points)
 
 
+def _pin_arithmetic(pins, num_gpus: int) -> list[str]:
+    """Pinned degrees that cannot multiply into the GPU count, found before the model is captured."""
+    degrees = {k: v for k, v in (("dp", pins.dp), ("tp", pins.tp), ("pp", pins.pp)) if v is not None}
+    product = 1
+    for value in degrees.values():
+        product *= value
+    if not degrees or num_gpus % product == 0 and (len(degrees) < 3 or product == num_gpus):
+        return []
+    shown = " x ".join(f"{k}={v}" for k, v in degrees.items())
+    if num_gpus % product:
+        return [f"--pin {shown} = {product} does not divide {num_gpus} GPUs"]
+    return [f"--pin {shown} = {product} GPUs, but --gpus is {num_gpus}"]
+
+
 def _pins_for_capture(pins, profile: ModelProfile):
     """Pipeline stages are cut from the exported graph: without one (export failed and capture fell
     back), only layouts that keep the model whole can be generated."""
@@ -247,6 +263,8 @@ def _next_best(candidates, best, count: int):
 def write_outputs(result: PlanResult, out: Path, model_file: Path) -> None:
     """Write plan.json, CSVs, train.py and launchers into `out`, atomically."""
     from autoplan.codegen import write_program
+    from autoplan.profile.unsupported import FILE_NAME as UNSUPPORTED_FILE
+    from autoplan.profile.unsupported import unsupported_ops_text
     from autoplan.report.csv import write_csvs
     from autoplan.report.html import write_report
     from autoplan.report.trace import write_trace
@@ -261,6 +279,7 @@ def write_outputs(result: PlanResult, out: Path, model_file: Path) -> None:
     try:
         (staging / "plan.json").write_text(result.plan.to_json())
         write_csvs(result, staging)
+        (staging / UNSUPPORTED_FILE).write_text(unsupported_ops_text(result.profile))
         write_report(result, staging, scaling=list(result.scaling) or None)
         write_trace(result.plan, staging)
         write_program(result.plan, staging, model_file)
@@ -293,20 +312,29 @@ def load_plan(out_dir: str | os.PathLike) -> Plan:
         raise UserError(str(e)) from None
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def profile_only(model: Any, gpu: str = DEFAULT_GPU, *, hardware: str | None = None, measure: bool | None = None,
                  batch_size: int = PROFILE_BATCH_SIZE, dtype: str | None = None,
                  out: str | os.PathLike | None = None) -> ModelProfile:
     """Capture and profile without planning; with `out`, write ops.csv, modules.csv, profile.json."""
     from autoplan.hardware.profiles import load_hardware
     from autoplan.profile import profile_model
+    from autoplan.profile.unsupported import FILE_NAME as UNSUPPORTED_FILE
+    from autoplan.profile.unsupported import unsupported_ops_text
     from autoplan.report.csv import modules_frame, ops_frame
 
     hw = load_hardware(hardware if hardware else gpu)
     source = _source(model, None)
     on_cpu = hw.gpu.name == "cpu"
     measure = on_cpu if measure is None else measure
-    if measure and not on_cpu:
-        raise UserError(f"--measure times ops on this machine, which has no {hw.gpu.name}: use --gpu cpu")
+    if measure and not on_cpu and not _has_cuda():
+        raise UserError(f"--measure times ops on this machine, which has no GPU to stand for {hw.gpu.name}: "
+                        f"use --gpu cpu, or run where the GPU is")
     profile = profile_model(source, batch_size, hw, measure=measure, dtype=dtype or ("fp32" if on_cpu else "bf16"))
     if out is not None:
         out = Path(out).resolve()
@@ -316,6 +344,7 @@ def profile_only(model: Any, gpu: str = DEFAULT_GPU, *, hardware: str | None = N
             ops = ops_frame(profile)
             ops.to_csv(staging / "ops.csv", index=False)
             modules_frame(profile, ops).to_csv(staging / "modules.csv", index=False)
+            (staging / UNSUPPORTED_FILE).write_text(unsupported_ops_text(profile))
             (staging / "profile.json").write_text(profile.to_json())
             _replace_folder(staging, out)
         except BaseException:

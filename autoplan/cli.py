@@ -117,7 +117,7 @@ def cmd_profile(args) -> int:
         flops = sum(o.flops_fwd + o.flops_bwd for o in profile.ops)
         print(f"{len(profile.ops)} ops, {profile.param_count:,} parameters, "
               f"{flops / profile.batch_size:.3g} FLOPs per sample (fwd+bwd), captured by {profile.capture_method}")
-        print(f"wrote {args.out}/ops.csv, modules.csv, profile.json")
+        print(f"wrote {args.out}/ops.csv, modules.csv, unsupported_ops.txt, profile.json")
     return 0
 
 
@@ -200,7 +200,7 @@ def summary(plan, out: str | None) -> Group:
                        escape(span))
     parts = [head, stages]
     if out:
-        parts.append(f"wrote {escape(out)}/ (plan.json, train.py, launch/, report.html, *.csv); "
+        parts.append(f"wrote {escape(out)}/ (plan.json, train.py, launch/, report.html, *.csv, unsupported_ops.txt); "
                      f"check it: autoplan verify {escape(out)}")
     return Group(*parts)
 
