@@ -1,4 +1,4 @@
-"""Cost model: memory against ZeRO closed forms, schedules, compute scaling, collectives, MFU."""
+"""Cost model: memory against ZeRO and Korthikanti closed forms, schedules, compute, collectives, MFU."""
 
 from dataclasses import replace
 
@@ -6,25 +6,30 @@ import pytest
 from chain_fixtures import LAUNCH_S, cluster, gpt_profile, make_gpu
 
 from autoplan.cost import comm
-from autoplan.cost.compute import mfu, unit_times
-from autoplan.cost.dtypes import activation_scale, peak_flops
-from autoplan.cost.memory import model_state_bytes, stage_memory_model
+from autoplan.cost.compute import mfu
+from autoplan.cost.dtypes import peak_flops
+from autoplan.cost.memory import model_state_bytes
 from autoplan.cost.pipeline import bubble_fraction, microbatches_in_flight, pipeline_time
 from autoplan.errors import UserError
 from autoplan.hardware.types import Link
 from autoplan.plan import Parallelism, Training
-from autoplan.solve.evaluate import build_problem, evaluate_split
-from autoplan.solve.layers import build_chain
+from autoplan.solve import layouts
+from autoplan.solve.evaluate import Context, build_problem, evaluate
 from autoplan.solve.problem import Split
 
 PSI = 1_000_000
 
 
-def _par(dp=1, pp=1, zero=0, schedule="1f1b", mbs=1, m=1):
-    return Parallelism(data_parallel_replicate_degree=dp if zero == 0 else 1,
-                       data_parallel_shard_degree=dp if zero == 3 else 1, pipeline_parallel_degree=pp,
-                       pipeline_parallel_schedule=schedule, pipeline_parallel_microbatch_size=mbs,
-                       pipeline_parallel_num_microbatches=m, zero_stage=zero)
+def _par(dp=1, pp=1, zero=0, schedule="1f1b", mbs=1, m=1, tp=1, v=1, replicate=None):
+    shard = 1 if zero == 0 else dp // (replicate or 1)
+    return Parallelism(data_parallel_replicate_degree=dp // shard, data_parallel_shard_degree=shard,
+                       tensor_parallel_degree=tp, pipeline_parallel_degree=pp, pipeline_parallel_schedule=schedule,
+                       pipeline_parallel_microbatch_size=mbs, pipeline_parallel_num_microbatches=m, zero_stage=zero,
+                       pipeline_parallel_virtual_stages=v)
+
+
+def _ctx(profile=None, gpus=8, batch=8, dtype="bf16", features=layouts.SUPPORTED, **kw):
+    return Context(profile or gpt_profile(n_layer=12), cluster(gpus, **kw), Training(batch, dtype), features)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -37,35 +42,52 @@ def test_model_states_match_the_zero_closed_forms(dtype):
         assert sum(model_state_bytes(PSI, dtype, 2, nd).values()) == pytest.approx(2 * PSI + (2 + k) * PSI / nd)
 
 
-def test_stage_memory_of_a_whole_model_is_16_psi_replicated_and_16_psi_over_nd_with_fsdp():
-    chain = build_chain(gpt_profile(n_layer=12))
-    psi = chain.parameter_numel
-    states = ("parameters", "gradients", "optimizer")
-    ddp = stage_memory_model(chain, _par(dp=8), "bf16", 0).breakdown(0, len(chain))
-    assert sum(ddp[c] for c in states) == pytest.approx(16 * psi)
-    fsdp = stage_memory_model(chain, _par(dp=8, zero=3), "bf16", 0).breakdown(0, len(chain))
-    assert sum(fsdp[c] for c in states) == pytest.approx(16 * psi / 8)
-    largest_unit = max(u.parameter_numel for u in chain.units)
-    assert fsdp["gathered_parameters"] == pytest.approx(2 * largest_unit)  # one bf16 unit in flight
+def _states(ctx, par, start=0, end=None):
+    problem = build_problem(ctx, par, ("none",))
+    end = len(ctx.chain) if end is None else end
+    part = problem.memory[0].breakdown(start, end)
+    return part, sum(part[c] for c in ("parameters", "gradients", "optimizer"))
+
+
+def test_whole_model_states_are_16_psi_replicated_16_psi_over_n_sharded_and_zero1_runs_as_zero2():
+    ctx = _ctx()
+    psi = ctx.chain.parameter_numel
+    assert _states(ctx, _par(dp=8))[1] == pytest.approx(16 * psi)
+    fsdp, total = _states(ctx, _par(dp=8, zero=3))
+    assert total == pytest.approx(16 * psi / 8)
+    largest = max(u.parameter_numel for u in ctx.chain.units)
+    assert fsdp["gathered_parameters"] == pytest.approx(2 * 2 * largest)  # bf16, computing + prefetched unit
+    assert _states(ctx, _par(dp=8, zero=1))[1] == pytest.approx(2 * psi + 14 * psi / 8)  # FSDP2 without reshard
+    assert _states(ctx, _par(dp=8, zero=3, replicate=2))[1] == pytest.approx(16 * psi / 4)  # HSDP 2 x 4
 
 
 def test_fsdp_under_a_pipeline_holds_the_stage_unsharded():
-    chain = build_chain(gpt_profile(n_layer=12))
-    model = stage_memory_model(chain, _par(dp=4, pp=2, zero=3, m=4), "fp32", 0)
-    part = model.breakdown(2, 8)
-    numel = sum(u.parameter_numel for u in chain.units[2:8])
+    ctx = _ctx(dtype="fp32")
+    part, _ = _states(ctx, _par(dp=4, pp=2, zero=3, m=4), 2, 8)
+    numel = sum(u.parameter_numel for u in ctx.chain.units[2:8])
     assert part["gathered_parameters"] == part["unsharded_gradients"] == pytest.approx(4 * numel)
     assert part["optimizer"] == pytest.approx(8 * numel / 4)
 
 
+def test_tensor_parallel_splits_the_paired_linears_and_the_vocabulary():
+    ctx = _ctx(features=layouts.ALL_FEATURES)
+    block = ctx.chain.units[2]
+    h = 128
+    split = 3 * h * h + 3 * h + h * h + 4 * h * h + 4 * h + 4 * h * h  # qkv, proj, fc, proj (+ colwise biases)
+    assert ctx.costs.units[2].split_numel == split
+    assert ctx.unit_numel(4)[2] == pytest.approx(block.parameter_numel - split + split / 4)
+    assert ctx.costs.tied_split == (True,)  # wte rowwise + lm_head colwise: the tied weight splits too
+    assert _ctx().costs.tied_split == (False,)  # without vocab-parallel (not in codegen yet) it stays whole
+
+
 def test_tied_parameters_are_held_once_per_stage_that_uses_them():
-    chain = build_chain(gpt_profile(n_layer=12))
-    tied = chain.tied_groups[0].numel
-    model = stage_memory_model(chain, _par(), "fp32", 0)
-    whole = model.breakdown(0, len(chain))["parameters"]
-    first, last = model.breakdown(0, 2)["parameters"], model.breakdown(len(chain) - 1, len(chain))["parameters"]
-    assert whole == pytest.approx(4 * chain.parameter_numel)
-    assert first + last == pytest.approx(4 * (chain.units[0].parameter_numel + chain.units[1].parameter_numel + tied))
+    ctx = _ctx(dtype="fp32")
+    tied = ctx.chain.tied_groups[0].numel
+    whole = _states(ctx, _par())[0]["parameters"]
+    first, last = _states(ctx, _par(), 0, 2)[0]["parameters"], _states(ctx, _par(), 15, 16)[0]["parameters"]
+    assert whole == pytest.approx(4 * ctx.chain.parameter_numel)
+    assert first + last == pytest.approx(4 * (ctx.chain.units[0].parameter_numel + ctx.chain.units[1].parameter_numel
+                                              + tied))
 
 
 def test_in_flight_micro_batches_per_schedule():
@@ -73,35 +95,72 @@ def test_in_flight_micro_batches_per_schedule():
     assert [microbatches_in_flight("1f1b", 4, 2, s) for s in range(4)] == [2, 2, 2, 1]
     assert [microbatches_in_flight("gpipe", 4, 8, s) for s in range(4)] == [8, 8, 8, 8]
     assert microbatches_in_flight("gpipe", 1, 8, 0) == 1  # gradient accumulation
+    # interleaved, p=4, v=2, m=8: rank 0 warms up with (v-1)p + 2(p-1) = 10 forwards (torch)
+    # in rounds of 4 per local stage: 4 on stage 0, 4 on stage 4, then 3 more on stage 0 (11 issued)
+    assert [microbatches_in_flight("interleaved", 4, 8, s, 2) for s in (0, 4)] == [7, 4]
+    assert [microbatches_in_flight("interleaved", 4, 8, s, 2) for s in (3, 7)] == [4, 1]  # 4 + 0 warm-up, +1
 
 
-def test_activation_memory_scales_with_schedule_micro_batch_size_and_dtype():
-    chain = build_chain(gpt_profile(n_layer=12))
-    saved = sum(u.saved_bytes for u in chain.units[2:6])
+def test_activation_memory_per_layer_follows_korthikanti():
+    """Megatron-shaped GPT, bf16, per layer: s b h (10 + 24/t + 5 a s / (h t)) bytes kept without
+    recompute; full recompute keeps the layer input 2 s b h (Korthikanti et al. 2022, Table 2)."""
+    s, h, a = 64, 256, 8
+    profile = gpt_profile(n_layer=8, n_embd=h, vocab=512, seq=s, batch=2, n_head=a, device="testgpu",
+                          attention="megatron")
+    ctx = Context(profile, cluster(8), Training(8, "bf16"), layouts.SUPPORTED)
+    block = ctx.chain.fqns.index("blocks.1")
+    for t in (1, 2, 4):
+        acts = ctx.table(t, 1).activation_bytes
+        korthikanti = s * h * (10 + 24 / t + 5 * a * s / (h * t))
+        assert acts["none"][block] == pytest.approx(korthikanti, rel=0.01)  # + LayerNorm statistics
+        assert acts["full"][block] == pytest.approx(2 * s * h)
+        assert acts["full"][block] < acts["selective"][block] < acts["none"][block]
 
-    def acts(par, dtype="fp32", stage=0):
-        model = stage_memory_model(chain, par, dtype, stage)
-        return sum(model.per_unit["activations"][2:6])
 
-    assert acts(_par(pp=4, schedule="gpipe", mbs=2, m=8)) == pytest.approx(saved * 2 * 8)
-    assert acts(_par(pp=4, mbs=2, m=8), stage=1) == pytest.approx(saved * 2 * 3)
-    assert acts(_par(pp=4, mbs=2, m=8), "bf16", 1) == pytest.approx(saved * 2 * 3 / 2)
-    assert activation_scale("float32", "bf16") == 0.5
+def test_recompute_costs_the_forward_it_repeats():
+    ctx = _ctx()
+    table = ctx.table(1, 2)
+    none, selective, full = (table.time_s(m)[2] for m in ("none", "selective", "full"))
+    assert full - none == pytest.approx(table.forward_s[2])
+    assert selective - none == pytest.approx(table.cheap_forward_s[2]) and 0 < selective - none < full - none
 
 
-def test_bubble_is_p_minus_1_over_m_of_the_ideal_time():
+def test_tensor_parallel_layer_all_reduces_twice_forward_and_twice_backward():
+    profile = gpt_profile(n_layer=12, device="testgpu")
+    ctx = Context(profile, cluster(8), Training(8, "bf16"), layouts.SUPPORTED)
+    table = ctx.table(4, 2)
+    one = comm.all_reduce_s(2 * 64 * 128 * 2, 4, ctx.group(4, 1).link)  # b s h elements, bf16
+    assert table.tp_forward_s[2] == pytest.approx(2 * one)
+    assert table.tp_backward_s[2] == pytest.approx(2 * one)
+    assert ctx.table(1, 2).tp_forward_s[2] == 0.0
+    assert table.forward_s[2] < ctx.table(1, 2).forward_s[2]  # split matmuls and attention
+
+
+def test_roofline_times_scale_with_dtype_and_measured_times_keep_launches_fixed():
+    gpu_ctx = _ctx(gpt_profile(n_layer=12, device="testgpu"))
+    fp32 = Context(gpu_ctx.profile, gpu_ctx.cluster, Training(8, "fp32"), layouts.SUPPORTED)
+    assert all(b < f for b, f in zip(gpu_ctx.table(1, 1).time_s("none"), fp32.table(1, 1).time_s("none")))
+    cpu = Context(gpt_profile(n_layer=12, batch=4), replace(cluster(8), hardware=replace(
+        cluster(8).hardware, gpu=replace(make_gpu(), name="cpu"))), Training(8, "fp32"), layouts.SUPPORTED)
+    assert cpu.use_measured
+    one, two, four = (cpu.table(1, b).forward_s[2] for b in (1, 2, 4))
+    launches = sum(1 for n in cpu.chain.units[2].ops if not n.startswith(("split", "view", "transpose"))) * LAUNCH_S
+    assert two - one == pytest.approx(one - launches, rel=1e-6)  # only the part above the launches grows
+    assert four == pytest.approx(cpu.chain.units[2].time_fwd_s * 4)  # the profiled batch: as measured
+
+
+def test_bubble_is_p_minus_1_over_v_m_of_the_ideal_time():
     assert bubble_fraction(4, 8) == pytest.approx(3 / 8)
-    timing = pipeline_time(slot_s=2.0, num_stages=4, num_microbatches=8)
+    assert bubble_fraction(4, 8, 2) == pytest.approx(3 / 16)
+    timing = pipeline_time(slot_s=2.0, num_ranks=4, num_microbatches=8)
     assert timing.bubble_s / timing.busy_s == pytest.approx(3 / 8) and timing.total_s == pytest.approx(22.0)
 
 
 def test_priced_pipeline_has_the_textbook_bubble_when_communication_is_free():
-    chain = build_chain(gpt_profile(n_layer=12))
-    free = cluster(4, intra_bw=1e30, inter_bw=1e30, latency_s=0.0)
-    training = Training(global_batch_size=8)
-    par = _par(dp=1, pp=4, mbs=1, m=8)
-    problem = build_problem(chain, free, training, par)
-    candidate = evaluate_split(chain, free, training, par, problem, Split((0, 5, 8, 11, 16)), True)
+    ctx = _ctx(batch=8, gpus=4, intra_bw=1e30, inter_bw=1e30, latency_s=0.0)
+    par = _par(pp=4, m=8)
+    problem = build_problem(ctx, par, ("none",))
+    candidate = evaluate(ctx, par, problem, problem.uniform(Split((0, 5, 8, 11, 16))), True)
     times = candidate.predicted.time_breakdown
     assert times["bubble"] / times["compute"] == pytest.approx(3 / 8)
     assert times["pipeline_comm"] == pytest.approx(0.0, abs=1e-12)
@@ -109,35 +168,12 @@ def test_priced_pipeline_has_the_textbook_bubble_when_communication_is_free():
     assert candidate.predicted.step_time_s == pytest.approx((8 + 4 - 1) * slowest + times["optimizer"])
 
 
-def test_unit_times_keep_launch_overheads_fixed_and_scale_the_rest_linearly():
-    chain = build_chain(gpt_profile(n_layer=12, batch=4))
-    gpu = make_gpu()
-    one, two = unit_times(chain, gpu, "fp32", 1), unit_times(chain, gpu, "fp32", 2)
-    block = chain.units[2]
-    fixed = block.op_count * LAUNCH_S
-    assert two.fwd[2] - fixed == pytest.approx(2 * (one.fwd[2] - fixed))
-    four = unit_times(chain, gpu, "fp32", 4)
-    assert four.fwd[2] == pytest.approx(block.time_fwd_s * 4)  # the profiled batch: as measured
-    no_launch = replace(gpu, kernel_overhead_s=0.0)
-    doubled = unit_times(chain, no_launch, "fp32", 2).bwd[2]
-    assert doubled == pytest.approx(2 * unit_times(chain, no_launch, "fp32", 1).bwd[2])
-
-
-def test_bf16_speeds_up_a_roofline_profile_but_not_a_cpu_measurement():
-    gpu = make_gpu()
-    cpu_chain = build_chain(gpt_profile(n_layer=12))
-    assert unit_times(cpu_chain, gpu, "bf16", 1) == unit_times(cpu_chain, gpu, "fp32", 1)
-    gpu_chain = build_chain(gpt_profile(n_layer=12, device="testgpu"))
-    fp32, bf16 = unit_times(gpu_chain, gpu, "fp32", 1).total, unit_times(gpu_chain, gpu, "bf16", 1).total
-    assert all(b < f for b, f in zip(bf16, fp32))
-    assert sum(bf16) > sum(fp32) * peak_flops(gpu, "fp32") / peak_flops(gpu, "bf16")  # memory-bound share
-
-
 def test_collectives_follow_the_alpha_beta_bus_factors():
     link = Link("l", 100e9, 1e-5, "test")
     nbytes = 1e9
     assert comm.all_reduce_s(nbytes, 8, link) == pytest.approx(1e-5 + 2 * 7 / 8 * nbytes / 100e9)
     assert comm.all_gather_s(nbytes, 4, link) == pytest.approx(1e-5 + 3 / 4 * nbytes / 100e9)
+    assert comm.all_gather_s(nbytes, 4, link, nodes=4) == pytest.approx(2e-5 + 3 / 4 * nbytes / 100e9)
     assert comm.all_reduce_s(nbytes, 1, link) == 0.0
     assert comm.p2p_s(nbytes, link) == pytest.approx(1e-5 + nbytes / 100e9)
     assert comm.exposed_s(total_s=10, serial_s=1, window_s=4) == 6
@@ -145,40 +181,44 @@ def test_collectives_follow_the_alpha_beta_bus_factors():
 
 
 def test_ddp_overlaps_everything_but_the_last_bucket():
-    link = Link("l", 100e9, 0.0, "test")
+    group = comm.Group(8, Link("l", 100e9, 0.0, "test"))
     grads = 40 * comm.DDP_BUCKET_BYTES
-    hidden = comm.ddp_comm(grads, 8, link, backward_window_s=1e3)
-    assert hidden.per_step_s == pytest.approx(comm.all_reduce_s(comm.DDP_BUCKET_BYTES, 8, link))
-    exposed = comm.ddp_comm(grads, 8, link, backward_window_s=0.0)
-    assert exposed.per_step_s == pytest.approx(comm.all_reduce_s(grads, 8, link))
-    assert comm.ddp_comm(grads, 1, link, 0.0).per_step_s == 0.0
+    hidden = comm.ddp_comm(grads, group, backward_window_s=1e3)
+    assert hidden.per_step_s == pytest.approx(comm.all_reduce_s(comm.DDP_BUCKET_BYTES, 8, group.link))
+    exposed = comm.ddp_comm(grads, group, backward_window_s=0.0)
+    assert exposed.per_step_s == pytest.approx(comm.all_reduce_s(grads, 8, group.link))
+    assert comm.ddp_comm(grads, comm.Group(1, group.link), 0.0).per_step_s == 0.0
+
+
+def test_groups_follow_the_mesh_order_and_use_every_nic_of_a_node():
+    ctx = _ctx(gpus=64)
+    groups = ctx.groups(_par(dp=8, pp=2, tp=4, zero=3, replicate=2))
+    assert groups.tp.link.name == "nvlink" and groups.tp.nodes == 1  # tp innermost, inside a node
+    assert groups.shard.size == 4 and groups.shard.link.name == "infiniband" and groups.shard.nodes == 2
+    assert groups.shard.link.bus_bandwidth_bytes_per_s == pytest.approx(2 * 20e9)  # 2 GPUs per node, 2 NICs
+    assert groups.pipeline.size == 2 and groups.pipeline.link.bus_bandwidth_bytes_per_s == pytest.approx(20e9)
 
 
 def test_data_parallel_groups_that_leave_the_node_pay_the_slower_link():
-    chain = build_chain(gpt_profile(n_layer=12))
-    training = Training(global_batch_size=16)
-    par = _par(dp=16, m=1)
-
     def dp_time(gpus_per_node):
-        big = cluster(16, gpus_per_node=gpus_per_node)
-        problem = build_problem(chain, big, training, par)
-        return evaluate_split(chain, big, training, par, problem, Split((0, len(chain))), True)
+        ctx = _ctx(gpus=16, batch=16, gpus_per_node=gpus_per_node)
+        problem = build_problem(ctx, _par(dp=16), ("none",))
+        return evaluate(ctx, _par(dp=16), problem, problem.uniform(Split((0, 16))), True).predicted
 
     inside, across = dp_time(16), dp_time(8)
-    assert across.predicted.time_breakdown["data_parallel_comm"] > inside.predicted.time_breakdown["data_parallel_comm"]
+    assert across.time_breakdown["data_parallel_comm"] > inside.time_breakdown["data_parallel_comm"]
 
 
 def test_mfu_is_model_flops_over_step_time_gpus_and_peak():
     gpu = make_gpu()
     assert mfu(1e15, 2.0, 4, gpu, "bf16") == pytest.approx(1e15 / (2.0 * 4 * 320e12))
-    chain = build_chain(gpt_profile(n_layer=12))
-    training = Training(global_batch_size=8, dtype="bf16")
-    c = cluster(8)
-    problem = build_problem(chain, c, training, _par(dp=8))
-    predicted = evaluate_split(chain, c, training, _par(dp=8), problem, Split((0, len(chain))), True).predicted
-    assert predicted.model_flops_per_step == pytest.approx(chain.flops_per_sample * 8)
+    ctx = _ctx()
+    problem = build_problem(ctx, _par(dp=8), ("none",))
+    predicted = evaluate(ctx, _par(dp=8), problem, problem.uniform(Split((0, 16))), True).predicted
+    assert predicted.model_flops_per_step == pytest.approx(ctx.chain.flops_per_sample * 8)
     assert predicted.mfu == pytest.approx(predicted.model_flops_per_step / (predicted.step_time_s * 8 * 320e12))
     assert predicted.tokens_per_s == pytest.approx(predicted.samples_per_s * 64)
+    assert sum(predicted.time_breakdown.values()) == pytest.approx(predicted.step_time_s)
 
 
 def test_unknown_dtypes_are_user_errors():

@@ -1,4 +1,5 @@
-"""Layout search: choices under ample and tight memory, pins, errors with arithmetic, Infeasible."""
+"""Layout search: known results (ample memory -> DDP, tight -> sharding or pipeline, more DP beats
+more PP or TP), pins, the switch list, errors with arithmetic, Infeasible, estimate."""
 
 import re
 import subprocess
@@ -8,10 +9,11 @@ from dataclasses import replace
 from functools import lru_cache
 
 import pytest
-from chain_fixtures import GIB, cluster, gpt_profile
+from chain_fixtures import GIB, a100_cluster, cluster, gpt_profile
 
 from autoplan.errors import Infeasible, UserError
 from autoplan.plan import Parallelism, Training
+from autoplan.solve import layouts
 from autoplan.solve.layers import build_chain
 from autoplan.solve.pins import Pins, parse_pins
 from autoplan.solve.search import estimate, search
@@ -20,7 +22,7 @@ from autoplan.solve.search import estimate, search
 @lru_cache(maxsize=None)
 def gpt2_small():
     """About GPT-2 small: 124M parameters, 16 units."""
-    return gpt_profile(n_layer=12, n_embd=768, vocab=50257, seq=1024, batch=1)
+    return gpt_profile(n_layer=12, n_embd=768, vocab=50257, seq=1024, batch=1, n_head=12)
 
 
 def capped(num_gpus: int, gib: float):
@@ -49,22 +51,38 @@ def test_parse_pins_lists_every_problem_at_once():
 def test_ample_memory_picks_pure_data_parallelism_without_sharding():
     result = search(gpt2_small(), cluster(8), TRAINING)
     par = result.best.parallelism
-    assert (par.data_parallel_replicate_degree, par.pipeline_parallel_degree, par.zero_stage) == (8, 1, 0)
+    assert (par.data_parallel_replicate_degree, par.pipeline_parallel_degree, par.tensor_parallel_degree,
+            par.zero_stage, par.activation_checkpoint) == (8, 1, 1, 0, "none")
     assert result.best.fits and result.best.reason == "" and len(result.best.stages) == 1
-    assert result.solver.status == "optimal" and result.solver.candidates_evaluated == len(result.candidates)
+    assert result.solver.status == "optimal" and result.solver.candidates_evaluated >= len(result.candidates)
     assert all(c.reason for c in result.candidates[1:])
 
 
-def test_memory_below_the_replicated_model_state_forces_fsdp_or_a_pipeline():
+def test_memory_below_the_replicated_model_state_forces_sharding_or_a_pipeline():
     replicated = 16 * build_chain(gpt2_small()).parameter_numel
     cap_gib = 0.75 * replicated / GIB
     result = search(gpt2_small(), capped(8, cap_gib), TRAINING)
     par = result.best.parallelism
-    assert par.zero_stage == 3 or par.pipeline_parallel_degree > 1
+    assert par.zero_stage >= 2 or par.pipeline_parallel_degree > 1 or par.tensor_parallel_degree > 1
     assert result.best.predicted.peak_memory_bytes <= cap_gib * GIB
-    ddp = [c for c in result.candidates
-           if c.parallelism.zero_stage == 0 and c.parallelism.pipeline_parallel_degree == 1]
+    ddp = [c for c in result.candidates if c.parallelism.zero_stage == 0 and c.parallelism.world_size == 8
+           and c.parallelism.data_parallel_degree == 8]
     assert ddp and all(not c.fits and c.reason.startswith("OOM by") for c in ddp)
+
+
+def test_more_data_parallelism_beats_more_pipeline_or_tensor_parallelism_for_a_5_9b_gpt_on_64_gpus():
+    """Narayanan et al. SC21 Fig. 13-14: at 64 A100s a 5.9B GPT trains fastest with the most data
+    parallelism the memory allows."""
+    profile = gpt_profile(n_layer=32, n_embd=3840, vocab=51200, seq=2048, batch=1, n_head=32, device="a100-sxm4-80gb")
+    training = Training(global_batch_size=512, dtype="bf16")
+
+    def best(**pins):
+        return search(profile, a100_cluster(64), training, Pins(**pins)).best.predicted.step_time_s
+
+    data = best(tp=1, pp=1)
+    assert data < best(pp=2, tp=1) and data < best(tp=2, pp=1) and data < best(pp=4, tp=2)
+    chosen = search(profile, a100_cluster(64), training).best.parallelism
+    assert chosen.data_parallel_degree == 64
 
 
 def test_pins_are_respected():
@@ -75,8 +93,27 @@ def test_pins_are_respected():
         assert (par.pipeline_parallel_degree, par.zero_stage, par.pipeline_parallel_schedule,
                 par.pipeline_parallel_microbatch_size) == (2, 3, "gpipe", 2)
     best = result.best
-    assert best.parallelism.data_parallel_shard_degree == 4 and best.parallelism.pipeline_parallel_num_microbatches == 8
+    assert best.parallelism.data_parallel_degree == 4 and best.parallelism.pipeline_parallel_num_microbatches == 8
     assert [m for s in best.stages for m in s.modules] == list(result.chain.fqns)
+
+
+def test_interleaved_pins_give_p_times_v_stages_on_ranks_in_turn():
+    result = search(gpt2_small(), cluster(8), TRAINING, Pins(pp=2, schedule="interleaved", microbatch=4, dp=4))
+    par = result.best.parallelism
+    v = par.pipeline_parallel_virtual_stages
+    assert v >= 2 and len(result.best.stages) == 2 * v
+    assert par.pipeline_parallel_num_microbatches % 2 == 0
+    memory = [s.predicted_memory_bytes for s in result.best.stages]
+    assert memory[0::2] == [memory[0]] * v  # stage s runs on rank s % p: its rank's memory
+
+
+def test_the_switch_list_turns_features_off():
+    without = layouts.SUPPORTED - {"zero2", "tp", "interleaved"}
+    result = search(gpt2_small(), capped(8, 0.9), TRAINING, features=without)
+    assert all(c.parallelism.zero_stage != 2 and c.parallelism.tensor_parallel_degree == 1
+               and c.parallelism.pipeline_parallel_schedule != "interleaved" for c in result.candidates)
+    with pytest.raises(UserError, match="zero=2 is not supported yet"):
+        search(gpt2_small(), cluster(8), TRAINING, Pins(zero=2), features=without)
 
 
 def test_fully_pinned_layout_reports_pinned_and_runs_the_milp_on_its_split():
@@ -85,14 +122,28 @@ def test_fully_pinned_layout_reports_pinned_and_runs_the_milp_on_its_split():
     assert len(result.best.stages) == 4 and all(s.modules for s in result.best.stages)
 
 
+def test_recompute_is_chosen_per_unit_when_memory_needs_some():
+    profile = gpt_profile(n_layer=12, n_embd=512, vocab=1024, seq=1024, batch=1, n_head=8, device="testgpu")
+    roomy = search(profile, cluster(8), Training(global_batch_size=64, dtype="bf16"), Pins(dp=8, pp=1, microbatch=8))
+    needed = roomy.best.predicted.peak_memory_bytes
+    tight = replace(cluster(8), memory_per_gpu_bytes=0.8 * needed)
+    result = search(profile, tight, Training(global_batch_size=64, dtype="bf16"), Pins(dp=8, pp=1, microbatch=8))
+    best = result.best
+    assert best.parallelism.activation_checkpoint in ("selective", "full")
+    assert 0 < len(best.activation_checkpoint_modules) < len(result.chain)  # some units, not all
+    assert best.predicted.time_breakdown["recompute"] > 0 and best.predicted.peak_memory_bytes <= 0.8 * needed
+
+
 @pytest.mark.parametrize("pins, num_gpus, batch, message", [
     (Pins(pp=3), 8, 64, "pp=3 does not divide 8 GPUs"),
     (Pins(dp=16), 16, 8, "dp=16 does not divide the global batch of 8"),
     (Pins(pp=32), 32, 64, "pp=32 exceeds the 16 layers"),
-    (Pins(tp=2), 8, 64, "tensor parallelism is not supported yet"),
+    (Pins(tp=8), 8, 64, "tp=8 does not divide 12 attention heads"),
+    (Pins(tp=16), 16, 64, "tp=16 does not divide the 8 GPUs of a node"),
     (Pins(dp=2, pp=2), 8, 64, "dp=2 x pp=2 x tp=1 = 4, not 8 GPUs"),
     (Pins(dp=2, microbatch=3), 8, 64, "microbatch=3 does not divide the 32 samples per data-parallel rank"),
     (Pins(dp=2, pp=4, microbatch=16, schedule="1f1b"), 8, 64, "global batch 64 / dp=2 / microbatch=16 = 2"),
+    (Pins(dp=2, pp=4, microbatch=2, schedule="interleaved"), 8, 24, "needs a multiple of pp=4 micro-batches"),
 ])
 def test_pin_errors_show_the_arithmetic(pins, num_gpus, batch, message):
     with pytest.raises(UserError, match=re.escape(message)):
@@ -101,52 +152,45 @@ def test_pin_errors_show_the_arithmetic(pins, num_gpus, batch, message):
 
 def test_pin_errors_are_gathered():
     with pytest.raises(UserError) as error:
-        search(gpt2_small(), cluster(8), Training(global_batch_size=64), Pins(pp=3, dp=5, zero=2))
+        search(gpt2_small(), cluster(8), Training(global_batch_size=64), Pins(pp=3, dp=5, tp=8))
     message = str(error.value)
     assert "pp=3 does not divide 8 GPUs" in message and "dp=5 does not divide 8 GPUs" in message
-    assert "zero=2 is not supported yet" in message
+    assert "tp=8 does not divide 12 attention heads" in message
 
 
 def test_infeasible_names_the_memory_needed_and_a_gpu_count_that_fits():
     with pytest.raises(Infeasible) as error:
-        search(gpt2_small(), capped(8, 0.3), TRAINING)
+        search(gpt2_small(), capped(8, 0.45), TRAINING)
     message = str(error.value)
     needed = float(re.search(r"needs ([\d.]+) GiB per GPU", message).group(1))
     count = int(re.search(r"; (\d+) GPUs would fit", message).group(1))
-    assert needed > 0.3 and count > 8
-    assert search(gpt2_small(), capped(8, needed + 0.1), TRAINING).best.fits
-    with pytest.raises(Infeasible):
-        search(gpt2_small(), capped(8, needed - 0.1), TRAINING)
-    assert search(gpt2_small(), capped(count, 0.3), TRAINING).best.fits
-    if count // 2 > 8:
-        with pytest.raises(Infeasible):
-            search(gpt2_small(), capped(count // 2, 0.3), TRAINING)
+    assert needed > 0.45 and count > 8
+    assert search(gpt2_small(), capped(8, needed + 0.01), TRAINING).best.fits
+    assert search(gpt2_small(), capped(count, 0.45), TRAINING).best.fits
 
 
 def test_infeasible_without_a_larger_count_says_so():
     with pytest.raises(Infeasible, match=r"no GPU count up to \d+ fits at global batch 64"):
-        search(gpt2_small(), capped(8, 0.01), TRAINING)
+        search(gpt2_small(), capped(8, 0.001), TRAINING)
 
 
 def test_search_is_deterministic_and_fast():
     profile = gpt_profile(n_layer=12)
     started = time.perf_counter()
     first = search(profile, cluster(8), Training(global_batch_size=32), Pins(pp=4))
-    assert time.perf_counter() - started < 1.0
-    started = time.perf_counter()
     search(profile, cluster(8), Training(global_batch_size=32))
-    assert time.perf_counter() - started < 1.0
+    assert time.perf_counter() - started < 3.0
     second = search(profile, cluster(8), Training(global_batch_size=32), Pins(pp=4))
     assert first.best == second.best and first.candidates == second.candidates
 
 
 def test_pruned_layouts_are_listed_with_their_reason():
-    result = search(gpt2_small(), capped(8, 1.0), TRAINING)
+    result = search(gpt2_small(), capped(8, 0.7), TRAINING)
     pruned = [c for c in result.candidates if c.predicted is None]
     assert pruned and all("memory lower bound" in c.reason and not c.fits for c in pruned)
 
 
-def test_estimate_prices_one_layout_with_the_optimal_or_given_split():
+def test_estimate_prices_one_layout_with_the_best_or_given_split():
     par = Parallelism(data_parallel_replicate_degree=4, pipeline_parallel_degree=2,
                       pipeline_parallel_microbatch_size=4, pipeline_parallel_num_microbatches=4)
     chosen = estimate(gpt2_small(), cluster(8), TRAINING, par)
@@ -158,6 +202,8 @@ def test_estimate_prices_one_layout_with_the_optimal_or_given_split():
     assert given.predicted.step_time_s > chosen.predicted.step_time_s
     with pytest.raises(UserError, match="in order"):
         estimate(gpt2_small(), cluster(8), TRAINING, par, stage_modules=(fqns[2:], fqns[:2]))
+    too_big = estimate(gpt2_small(), capped(8, 0.2), TRAINING, par)
+    assert not too_big.fits and too_big.reason.startswith("OOM by")
 
 
 def test_cost_and_solve_never_import_torch():

@@ -1,22 +1,31 @@
 """Peak memory of one rank of a pipeline stage.
 
-memory(stage) = model states (parameters + gradients + AdamW state, sharded by ZeRO)
-              + unsharded copies FSDP holds (one unit when pp = 1; the whole stage when pp > 1)
-              + activations (saved bytes x micro-batch size x micro-batches in flight)
+memory(stage) = model states (parameters + gradients + AdamW state, sharded by ZeRO over dp_shard)
+              + unsharded copies FSDP holds (prefetched units when pp = 1; the whole stage when pp > 1)
+              + activations (kept bytes per recompute mode x micro-batches in flight)
               + the stage's outputs kept for backward (pipeline boundary, same in-flight count)
-              + buffers: the transient working set of back-propagating the largest unit.
-Allocator fragmentation and the CUDA context are not modelled here: they are
-Gpu.memory_reserved_bytes, already taken out of Cluster.usable_memory_bytes.
+              + working set: the activations of the unit running its backward (recomputed or not),
+                plus the loss's copies of the logits on the output unit.
+Tensor parallelism divides the split parameters and activations by tp (cost/units.py).
+What runs for each ZeRO stage (the codegen contract): 0 = DDP; 1 and 2 = FSDP2 with
+reshard_after_forward=False (all of the rank's parameters gathered at peak, gradients and optimizer
+state sharded: ZeRO-2's 2 + 14/N bytes per parameter, so a pinned zero=1 is priced as 2); 3 = FSDP2
+(ZeRO-3's 16/N, plus gathered units). Under a pipeline, torch.distributed.pipelining keeps FSDP
+parameters unsharded and gradients unreduced until the last micro-batch (stage.py
+backward_maybe_with_nosync), so the whole stage's parameters and gradients are held unsharded.
+DDP is priced with gradient_as_bucket_view=True (its buckets are the gradients, no second copy).
+Allocator fragmentation, the CUDA context and NCCL/cuBLAS workspaces are the hardware profile's
+Gpu.memory_reserved_bytes (the "stated fragmentation allowance", ~5% of HBM plus ~1.5 GiB), already
+taken out of Cluster.usable_memory_bytes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
-from autoplan.cost.dtypes import activation_scale, bytes_per_element, training_dtype
-from autoplan.cost.pipeline import microbatches_in_flight
-from autoplan.plan import Parallelism
-from autoplan.solve.layers import LayerChain
+from autoplan.cost import calibration
+from autoplan.cost.dtypes import bytes_per_element, training_dtype
 
 MODEL_STATE_BYTES_PER_PARAM = {
     "fp32": {"parameters": 4, "gradients": 4, "optimizer": 8},
@@ -30,11 +39,9 @@ STATE_CATEGORIES = ("parameters", "gradients", "optimizer")
 
 
 def model_state_bytes(numel: float, train_dtype: str, zero_stage: int, data_parallel: int) -> dict[str, float]:
-    """Parameters, gradients and optimizer state of `numel` parameters on one rank.
-
-    ZeRO stage >= 1 shards the optimizer state over the data-parallel ranks, >= 2 also the
-    gradients, 3 (FSDP) also the parameters: 16 Psi replicated, 16 Psi / Nd at stage 3.
-    """
+    """Parameters, gradients and optimizer state of `numel` parameters on one rank (ZeRO paper):
+    stage >= 1 shards the optimizer state over the data-parallel ranks, >= 2 also the gradients,
+    3 also the parameters: 16 Psi replicated, 4 Psi + 12 Psi / N, 2 Psi + 14 Psi / N, 16 Psi / N."""
     per_param = MODEL_STATE_BYTES_PER_PARAM[training_dtype(train_dtype)]
     sharded_from = {"optimizer": 1, "gradients": 2, "parameters": 3}
     return {
@@ -43,32 +50,59 @@ def model_state_bytes(numel: float, train_dtype: str, zero_stage: int, data_para
     }
 
 
+def effective_zero(zero_stage: int) -> int:
+    """The ZeRO stage whose memory the generated program has (1 runs as FSDP2 without resharding = 2)."""
+    return 2 if zero_stage == 1 else zero_stage
+
+
 @dataclass(frozen=True)
 class StageMemoryModel:
-    """Memory of a rank of stage `stage_index` as a function of the contiguous units [a, b) it holds:
+    """Memory of a rank of stage `stage_index` as a function of the contiguous units [a, b) it holds and
+    the recompute mode r(u) of each:
 
-        memory = sum_{u in [a,b)} per_unit[c][u]  +  sum_{g touching [a,b)} per_tied_group[c][g]
-               + max_{u in [a,b)} largest_unit[c][u]  +  outgoing_cut[c][b-1]  (when b < n)
+        memory = sum_{u in [a,b)} (per_unit[c][u] + f x activations_per_microbatch[r(u)][u])
+               + sum_{g touching [a,b)} per_tied_group[c][g]
+               + max_{u in [a,b)} largest_unit[c][u]  +  f x cut_per_microbatch[b-1]  (when b < n)
 
-    summed over categories c. The solvers (dp.py, ilp.py) use the flattened vectors."""
+    summed over categories c, with f = in_flight, the micro-batches the stage keeps. The per-unit
+    vectors are shared by every stage of a layout; only f differs. The solvers (split.py, dp.py,
+    ilp.py) use the flattened vectors."""
 
     stage_index: int
     per_unit: dict[str, tuple[float, ...]]
-    """category -> bytes each unit adds (linear in the units held)."""
+    """category -> bytes each unit adds whatever its recompute mode (model states)."""
+    activations_per_microbatch: dict[str, tuple[float, ...]]
+    """recompute mode -> bytes each unit keeps for backward per micro-batch."""
     per_tied_group: dict[str, tuple[float, ...]]
     """category -> bytes of each tied group, counted once if the stage holds any of its units."""
     tied_group_units: tuple[tuple[int, ...], ...]
     """Units of each tied group (LayerChain.tied_groups order)."""
     largest_unit: dict[str, tuple[float, ...]]
     """category -> per-unit bytes of which the stage adds the maximum over its units."""
-    outgoing_cut: dict[str, tuple[float, ...]]
-    """category -> bytes added when the stage ends after unit i (i < n - 1)."""
+    cut_per_microbatch: tuple[float, ...] = ()
+    """Bytes per micro-batch the stage keeps when it ends after unit i (its outputs; i < n - 1)."""
+    in_flight: int = 1
+    """Micro-batches whose activations and outputs this stage keeps (cost/pipeline.py)."""
 
-    @property
-    def unit_bytes(self) -> tuple[float, ...]:
+    @cached_property
+    def state_bytes(self) -> tuple[float, ...]:
         return tuple(map(sum, zip(*self.per_unit.values())))
 
-    @property
+    @cached_property
+    def activations(self) -> dict[str, tuple[float, ...]]:
+        """recompute mode -> bytes each unit keeps on this stage (x micro-batches in flight)."""
+        f = self.in_flight
+        return {m: tuple(a * f for a in act) for m, act in self.activations_per_microbatch.items()}
+
+    def unit_bytes(self, mode: str) -> tuple[float, ...]:
+        """Linear bytes per unit when every unit uses `mode`."""
+        return self._unit_bytes[mode]
+
+    @cached_property
+    def _unit_bytes(self) -> dict[str, tuple[float, ...]]:
+        return {m: tuple(s + a for s, a in zip(self.state_bytes, act)) for m, act in self.activations.items()}
+
+    @cached_property
     def group_bytes(self) -> tuple[float, ...]:
         return tuple(map(sum, zip(*self.per_tied_group.values()))) if self.tied_group_units else ()
 
@@ -76,60 +110,91 @@ class StageMemoryModel:
     def max_vectors(self) -> tuple[tuple[float, ...], ...]:
         return tuple(self.largest_unit.values())
 
-    @property
-    def cut_bytes(self) -> tuple[float, ...]:
-        return tuple(map(sum, zip(*self.outgoing_cut.values()))) if self.outgoing_cut else ()
+    @cached_property
+    def largest_bytes(self) -> tuple[float, ...]:
+        """Sum of the largest-unit terms of each unit (what a stage holding only that unit adds)."""
+        return tuple(map(sum, zip(*self.largest_unit.values())))
 
-    def breakdown(self, start: int, end: int) -> dict[str, float]:
-        """Bytes per category for units [start, end)."""
+    @cached_property
+    def cut_bytes(self) -> tuple[float, ...]:
+        return tuple(c * self.in_flight for c in self.cut_per_microbatch)
+
+    def breakdown(self, start: int, end: int, modes: tuple[str, ...] | str = "none") -> dict[str, float]:
+        """Bytes per category for units [start, end); `modes` is one mode or one per unit of the chain."""
         out: dict[str, float] = {}
         for c, vec in self.per_unit.items():
-            out[c] = out.get(c, 0.0) + sum(vec[start:end])
+            out[c] = sum(vec[start:end])
+        acts = self.activations_per_microbatch
+        out["activations"] = self.in_flight * sum(acts[modes if isinstance(modes, str) else modes[u]][u]
+                                                  for u in range(start, end))
         for c, vec in self.per_tied_group.items():
-            touched = sum(v for v, us in zip(vec, self.tied_group_units) if any(start <= u < end for u in us))
-            out[c] = out.get(c, 0.0) + touched
+            out[c] = out.get(c, 0.0) + sum(v for v, us in zip(vec, self.tied_group_units)
+                                           if any(start <= u < end for u in us))
         for c, vec in self.largest_unit.items():
             out[c] = out.get(c, 0.0) + max(vec[start:end])
-        for c, vec in self.outgoing_cut.items():
-            out[c] = out.get(c, 0.0) + (vec[end - 1] if end - 1 < len(vec) else 0.0)
+        if end - 1 < len(self.cut_per_microbatch):
+            out["activations"] += self.in_flight * self.cut_per_microbatch[end - 1]
         return out
 
-    def total(self, start: int, end: int) -> float:
-        return sum(self.breakdown(start, end).values())
+    def total(self, start: int, end: int, modes: tuple[str, ...] | str = "none") -> float:
+        return sum(self.breakdown(start, end, modes).values())
 
 
-def stage_memory_model(chain: LayerChain, par: Parallelism, train_dtype: str, stage_index: int) -> StageMemoryModel:
-    """The memory model of stage `stage_index` of `par` (degrees, ZeRO stage, schedule, micro-batching)."""
+@dataclass(frozen=True)
+class MemoryInputs:
+    """What the memory model needs to know about a layout, per unit (already tensor-parallel split)."""
+
+    unit_numel: tuple[float, ...]
+    """Parameter elements each unit alone holds on a tensor-parallel rank."""
+    group_numel: tuple[float, ...]
+    """Elements of each tied group on a tensor-parallel rank."""
+    tied_group_units: tuple[tuple[int, ...], ...]
+    unit_largest_numel: tuple[float, ...]
+    """All parameter elements a unit reads (tied included), per tensor-parallel rank (FSDP gathers)."""
+    activations: dict[str, tuple[float, ...]]
+    """mode -> bytes per micro-batch each unit keeps (UnitTable.activation_bytes)."""
+    working_bytes: tuple[float, ...]
+    cut_bytes: tuple[float, ...]
+    """Bytes per micro-batch crossing a boundary after each unit (training dtype)."""
+
+
+@dataclass(frozen=True)
+class LayoutMemory:
+    """The per-unit vectors every stage of one layout shares (build once, then stage() per stage)."""
+
+    per_unit: dict[str, tuple[float, ...]]
+    activations_per_microbatch: dict[str, tuple[float, ...]]
+    per_tied_group: dict[str, tuple[float, ...]]
+    tied_group_units: tuple[tuple[int, ...], ...]
+    largest_unit: dict[str, tuple[float, ...]]
+    cut_per_microbatch: tuple[float, ...]
+
+    def stage(self, stage_index: int, in_flight: int) -> StageMemoryModel:
+        return StageMemoryModel(stage_index, self.per_unit, self.activations_per_microbatch, self.per_tied_group,
+                                self.tied_group_units, self.largest_unit, self.cut_per_microbatch, in_flight)
+
+
+def layout_memory(inputs: MemoryInputs, train_dtype: str, zero_stage: int, shard: int, num_ranks: int) -> LayoutMemory:
+    """The memory vectors of a layout. `shard` is the data-parallel sharding degree (dp_shard; 1 for
+    DDP); `num_ranks` the pipeline degree."""
     dtype = training_dtype(train_dtype)
-    dp, pp, zero = par.data_parallel_degree, par.pipeline_parallel_degree, par.zero_stage
-    mbs = par.pipeline_parallel_microbatch_size
-    in_flight = microbatches_in_flight(
-        par.pipeline_parallel_schedule, pp, par.pipeline_parallel_num_microbatches, stage_index)
-    act = activation_scale(chain.capture_dtype, dtype) * mbs
+    zero = effective_zero(zero_stage) if shard > 1 else 0
     element = bytes_per_element(dtype)
+    per_param = MODEL_STATE_BYTES_PER_PARAM[dtype]
+    divisor = {c: shard if zero >= first else 1 for c, first in (("optimizer", 1), ("gradients", 2), ("parameters", 3))}
 
     def states(numels) -> dict[str, tuple[float, ...]]:
-        per = [model_state_bytes(n, dtype, zero, dp) for n in numels]
-        out = {c: tuple(p[c] for p in per) for c in STATE_CATEGORIES}
-        if zero == 3 and pp > 1:
-            # torch.distributed.pipelining keeps FSDP parameters unsharded and gradients unreduced
-            # across micro-batches (stage.py backward_maybe_with_nosync: set_reshard_after_backward
-            # (False), set_requires_gradient_sync(False)), so the whole stage is held unsharded.
-            out["gathered_parameters"] = tuple(n * element for n in numels)
+        out = {c: tuple(n * per_param[c] / divisor[c] for n in numels) for c in STATE_CATEGORIES}
+        if num_ranks > 1 and zero >= 2:
+            # pipelining accumulates unreduced gradients (and, for FSDP, unsharded parameters)
             out["unsharded_gradients"] = tuple(n * element for n in numels)
+            if zero == 3:
+                out["gathered_parameters"] = tuple(n * element for n in numels)
         return out
 
-    per_unit = states([u.exclusive_parameter_numel for u in chain.units])
-    per_unit["activations"] = tuple(u.saved_bytes * act * in_flight for u in chain.units)
-    largest = {"buffers": tuple(u.saved_bytes * act for u in chain.units)}
-    if zero == 3 and pp == 1:
-        # FSDP gathers one unit (its wrapping granularity) at a time for forward and backward.
-        largest["gathered_parameters"] = tuple(u.parameter_numel * element for u in chain.units)
-    return StageMemoryModel(
-        stage_index=stage_index,
-        per_unit=per_unit,
-        per_tied_group=states([g.numel for g in chain.tied_groups]),
-        tied_group_units=tuple(g.units for g in chain.tied_groups),
-        largest_unit=largest,
-        outgoing_cut={"activations": tuple(b * act * in_flight for b in chain.cut_bytes)},
-    )
+    largest = {"working": inputs.working_bytes}
+    if zero == 3 and num_ranks == 1:
+        largest["gathered_parameters"] = tuple(calibration.FSDP_PREFETCH_UNITS * n * element
+                                               for n in inputs.unit_largest_numel)
+    return LayoutMemory(states(inputs.unit_numel), inputs.activations, states(inputs.group_numel),
+                        inputs.tied_group_units, largest, inputs.cut_bytes)

@@ -65,8 +65,10 @@ def replicate_data_parallel(module: nn.Module, mesh: DeviceMesh, zero_stage: int
         return module
     from torch.nn.parallel import DistributedDataParallel
 
+    # gradient_as_bucket_view: gradients live in DDP's buckets, no second copy (as the cost model prices it)
     return DistributedDataParallel(module, process_group=mesh["dp_replicate"].get_group(),
-                                   device_ids=[device.index] if device.type == "cuda" else None)
+                                   device_ids=[device.index] if device.type == "cuda" else None,
+                                   gradient_as_bucket_view=True)
 
 
 def _units_without_shared_parameters(module: nn.Module, units: Sequence[str]) -> list[str]:

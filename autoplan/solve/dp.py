@@ -2,12 +2,13 @@
 
     best[s][b] = min over a of max(best[s-1][a], cost(s, a, b))
 
-where stage s holds units [a, b). O(p n^2): for a fixed end b the start a walks down, so the stage's
-time, linear memory, largest-unit terms and tied groups are all updated incrementally. Stage memory
-only grows as a stage takes more units (for a fixed end), so a walk stops at the first overflow.
+where stage s holds units [a, b), every unit in one recompute mode. Exact when each rank runs one
+stage (v = 1) and the mode is fixed; O(p n^2) at worst: for a fixed end b the start a walks down, so
+the stage's time, linear memory, largest-unit terms and tied groups are all updated incrementally,
+and a walk stops at the first overflow (time and memory only grow as a stage takes more units).
 
-solve_dp gives the ILP (ilp.py) its warm start and upper bound and checks it in tests;
-min_peak_memory_split says how far from fitting an infeasible layout is.
+solve_dp checks the fast packing (split.py) and the MILP (ilp.py) in tests and gives the MILP a
+warm start; min_peak_memory_split says how far from fitting an infeasible layout is.
 """
 
 from __future__ import annotations
@@ -15,22 +16,27 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autoplan.solve.problem import ChainProblem, Split
+from autoplan.solve.problem import Assignment, ChainProblem, Split
 
 
 @dataclass(frozen=True)
 class DpResult:
-    split: Split
+    assignment: Assignment
     value: float
     """The objective: slowest stage time (solve_dp) or largest stage memory (min_peak_memory_split)."""
+
+    @property
+    def split(self) -> Split:
+        return self.assignment.split
 
 
 class _StageTables:
     """Per-stage vectors in plain lists (fast inner loop)."""
 
-    def __init__(self, problem: ChainProblem, stage: int) -> None:
+    def __init__(self, problem: ChainProblem, stage: int, modes: tuple[str, ...]) -> None:
         model = problem.memory[stage]
-        self.unit = list(model.unit_bytes)
+        states = model.state_bytes
+        self.unit = [states[u] + model.activations[modes[u]][u] for u in range(problem.num_units)]
         self.max_vectors = [list(v) for v in model.max_vectors]
         self.group = list(model.group_bytes)
         self.cut = list(model.cut_bytes)
@@ -40,15 +46,15 @@ class _StageTables:
                 self.groups_of_unit[u].append(g)
 
 
-def _walk(problem: ChainProblem, tables: _StageTables, end: int):
+def _walk(problem: ChainProblem, tables: _StageTables, times: list[float], end: int, overhead: float):
     """Yield (start, time, memory) for stages ending at `end`, start descending."""
     n = problem.num_units
-    time = memory_linear = 0.0
+    time, memory_linear = overhead, 0.0
     maxima = [0.0] * len(tables.max_vectors)
     seen: set[int] = set()
     boundary = tables.cut[end - 1] if end < n else 0.0
     for start in range(end - 1, -1, -1):
-        time += problem.unit_time_s[start]
+        time += times[start]
         memory_linear += tables.unit[start]
         for g in tables.groups_of_unit[start]:
             if g not in seen:
@@ -60,17 +66,19 @@ def _walk(problem: ChainProblem, tables: _StageTables, end: int):
         yield start, time, memory_linear + sum(maxima) + boundary
 
 
-def _solve(problem: ChainProblem, objective: str) -> DpResult | None:
+def _solve(problem: ChainProblem, modes: tuple[str, ...], objective: str) -> DpResult | None:
     n, p = problem.num_units, problem.num_stages
     if p > n:
         return None
+    assert problem.virtual == 1 or objective == "memory", "the DP is exact for one stage per rank"
+    times = [problem.unit_time_s[modes[u]][u] for u in range(n)]
     cap = problem.memory_cap_bytes * (1 + 1e-9)
     best = [[math.inf] * (n + 1) for _ in range(p)]
     choice = [[-1] * (n + 1) for _ in range(p)]
     for s in range(p):
-        tables = _StageTables(problem, s)
+        tables = _StageTables(problem, s, modes)
         for end in range(s + 1, n - (p - 1 - s) + 1):
-            for start, time, memory in _walk(problem, tables, end):
+            for start, time, memory in _walk(problem, tables, times, end, problem.overhead(s)):
                 if start < s:
                     break
                 if objective == "time":
@@ -91,15 +99,24 @@ def _solve(problem: ChainProblem, objective: str) -> DpResult | None:
     for s in range(p - 1, -1, -1):
         end = choice[s][end]
         bounds.append(end)
-    return DpResult(Split(tuple(reversed(bounds))), best[p - 1][n])
+    return DpResult(Assignment(Split(tuple(reversed(bounds))), modes), best[p - 1][n])
 
 
-def solve_dp(problem: ChainProblem) -> DpResult | None:
-    """The split minimizing the slowest stage's time with every stage within the memory cap;
-    None when no split fits (or there are more stages than units)."""
-    return _solve(problem, "time")
+def solve_dp(problem: ChainProblem, mode: str | None = None) -> DpResult | None:
+    """The split minimizing the slowest stage's time with every stage within the memory cap and every
+    unit in `mode` (default: the problem's first mode); None when no split fits."""
+    return _solve(problem, (mode or problem.modes[0],) * problem.num_units, "time")
 
 
 def min_peak_memory_split(problem: ChainProblem) -> DpResult | None:
-    """The split minimizing the largest stage memory, ignoring time and the cap."""
-    return _solve(problem, "memory")
+    """The split minimizing the largest stage memory, ignoring time and the cap, every unit in its
+    leanest allowed mode."""
+    model = problem.memory[0]
+    modes = tuple(min(problem.modes, key=lambda k: model.activations[k][u]) for u in range(problem.num_units))
+    return _solve(problem, modes, "memory")
+
+
+def leanest_assignment(problem: ChainProblem) -> Assignment | None:
+    """The split with the least peak stage memory (stages taken one per rank; an estimate when interleaved)."""
+    found = min_peak_memory_split(problem)
+    return found.assignment if found else None

@@ -1,30 +1,36 @@
-"""Price one layout with one stage split: per-stage time and memory, step time, MFU.
+"""Price one layout with one assignment (stage split + recompute per unit): time, memory, MFU.
 
-Step time (seconds) for p stages, m micro-batches, the slot of the slowest stage b:
+Step time (seconds), p pipeline ranks with v stages each, m micro-batches, q the slowest rank:
 
-    slot_s = compute_s + exposed FSDP gathers per micro-batch + p2p sends (activation out, gradient in)
-    step   = (m + p - 1) x slot_b                      pipeline: busy + bubble (cost/pipeline.py)
-           + max_s exposed gradient reduction          (cost/comm.py)
-           + all-reduce of tied parameters split over stages
-           + max_s AdamW step                          (cost/compute.py)
+    slot_q  = sum over q's stages of (compute + recompute + tensor-parallel collectives
+              + exposed FSDP gathers per micro-batch + point-to-point sends)
+    step    = (m + (p - 1) / v) x slot_q                  pipeline busy + bubble (cost/pipeline.py)
+            + max over ranks of exposed gradient reduction (cost/comm.py)
+            + all-reduce of tied parameters split over stages
+            + max over ranks of the AdamW step            (cost/compute.py)
 
-Ranks are ordered dp outermost, then pp, then tp: the data-parallel group has stride pp x tp, the
-pipeline group stride tp (so tensor parallelism will stay inside a node).
+Mesh dims in rank order ("pp", "dp_replicate", "dp_shard", "tp"): tensor parallel groups are
+contiguous (stride 1, inside a node), dp_shard has stride tp, dp_replicate stride tp x dp_shard and the
+pipeline stride tp x dp.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field, replace
 
-from autoplan.cost import comm
-from autoplan.cost.compute import mfu, model_flops_per_step, optimizer_step_time, unit_times
-from autoplan.cost.dtypes import activation_scale, bytes_per_element
-from autoplan.cost.memory import stage_memory_model
-from autoplan.cost.pipeline import pipeline_time
+from autoplan.cost import calibration, comm
+from autoplan.cost.compute import UnitTable, mfu, model_flops_per_step, optimizer_step_time, unit_table
+from autoplan.cost.dtypes import activation_scale, bytes_per_element, training_dtype
+from autoplan.cost.memory import LayoutMemory, MemoryInputs, layout_memory
+from autoplan.cost.pipeline import microbatches_in_flight, pipeline_time
+from autoplan.cost.units import chain_costs
 from autoplan.hardware.types import Cluster
 from autoplan.plan import Parallelism, Prediction, Stage, Training
-from autoplan.solve.layers import LayerChain
-from autoplan.solve.problem import ChainProblem, Split
+from autoplan.profile.types import ModelProfile
+from autoplan.solve.layers import build_chain
+from autoplan.solve.problem import Assignment, ChainProblem
+from autoplan.solve.tensor_parallel import tensor_parallel_facts
 
 GIB = 2**30
 
@@ -43,95 +49,234 @@ class Candidate:
     stages: tuple[Stage, ...]
     """Stage split and per-stage predictions; empty when pruned before a split was chosen."""
     predicted: Prediction | None
-    """None when pruned by the memory lower bound."""
+    """None when pruned by a bound."""
     fits: bool
     reason: str
     """"" for the winner, else why it lost ("OOM by 12.4 GiB on stage 0", "8% slower than the best")."""
     memory_needed_bytes: float = 0.0
-    """Peak memory per GPU of the split shown (the leanest split when none fits; a lower bound when
-    pruned, exact once an Infeasible message needed it)."""
+    """Peak memory per GPU of the assignment shown (the leanest when none fits; a lower bound when
+    pruned)."""
+    tensor_parallel_plan: dict[str, str] = field(default_factory=dict)
+    """Plan.tensor_parallel_plan: Linear FQN -> "colwise" | "rowwise" when tp > 1."""
+    activation_checkpoint_modules: tuple[str, ...] = ()
+    """Plan.activation_checkpoint_modules: units recomputed; empty = all (when the mode is not none)."""
+    assignment: Assignment | None = None
+    """The stage split and recompute per unit behind `stages`."""
 
 
-def build_problem(chain: LayerChain, cluster: Cluster, training: Training, par: Parallelism) -> ChainProblem:
-    times = unit_times(chain, cluster.gpu, training.dtype, par.pipeline_parallel_microbatch_size)
-    models = tuple(stage_memory_model(chain, par, training.dtype, s) for s in range(par.pipeline_parallel_degree))
-    return ChainProblem(times.total, models, cluster.usable_memory_bytes)
+@dataclass(frozen=True)
+class Groups:
+    tp: comm.Group
+    shard: comm.Group
+    replicate: comm.Group
+    pipeline: comm.Group
 
 
-def stage_unit_numels(chain: LayerChain, start: int, end: int) -> list[float]:
-    """Parameter elements per unit of a stage, a tied parameter counted once (at its first unit)."""
-    numels = [float(u.exclusive_parameter_numel) for u in chain.units[start:end]]
-    for group in chain.tied_groups:
-        held = [u for u in group.units if start <= u < end]
-        if held:
-            numels[held[0] - start] += group.numel
-    return numels
+class Context:
+    """A profile prepared for pricing layouts on a cluster; unit tables cached per (tp, micro-batch)."""
+
+    def __init__(self, profile: ModelProfile, cluster: Cluster, training: Training, features: frozenset[str]) -> None:
+        self.profile, self.cluster, self.training, self.features = profile, cluster, training, features
+        self.chain = build_chain(profile)
+        self.facts = tensor_parallel_facts(profile, vocab_parallel="tp_vocab_parallel" in features)
+        self.costs = chain_costs(profile, self.chain, self.facts)
+        self.dtype = training_dtype(training.dtype)
+        self.dtype_bytes = bytes_per_element(self.dtype)
+        self.scale = activation_scale(self.chain.capture_dtype, self.dtype)
+        self.use_measured = self.costs.measured and cluster.gpu.name == "cpu"
+        self._tables: dict[tuple[int, int], UnitTable] = {}
+        self._inputs: dict[tuple[int, int], MemoryInputs] = {}
+        self._layouts: dict[tuple, LayoutMemory] = {}
+
+    def group(self, size: int, stride: int) -> comm.Group:
+        """A mesh-dim communicator. Across nodes, NCCL runs one ring per NIC, so a group with k GPUs
+        in each node moves k x the per-GPU inter-node bus bandwidth (capped by the node's own)."""
+        span = (size - 1) * stride + 1
+        per_node = self.cluster.gpus_per_node
+        nodes = size if stride >= per_node else max(1, math.ceil(span / per_node))
+        link = self.cluster.link_for(size, stride)
+        if nodes > 1:
+            local = max(1, min(size // nodes, per_node // stride)) if stride < per_node else 1
+            intra = self.cluster.hardware.intra_node.bus_bandwidth_bytes_per_s
+            link = replace(link, bus_bandwidth_bytes_per_s=min(intra, link.bus_bandwidth_bytes_per_s * local))
+        return comm.Group(size, link, min(size, nodes))
+
+    def groups(self, par: Parallelism) -> Groups:
+        t, s, r = par.tensor_parallel_degree, par.data_parallel_shard_degree, par.data_parallel_replicate_degree
+        return Groups(self.group(t, 1), self.group(s, t), self.group(r, t * s),
+                      self.group(par.pipeline_parallel_degree, t * s * r))
+
+    def send_s(self, nbytes: float, par: Parallelism, link) -> float:
+        """One activation (or gradient) crossing a stage boundary. Each tensor-parallel rank sends the
+        whole replicated tensor (torch.distributed.pipelining), unless "pp_scatter_gather" is on:
+        Megatron-LM sends 1/tp per rank and all-gathers it inside the node (Narayanan et al. SC21 4.1)."""
+        tp = par.tensor_parallel_degree
+        if tp == 1 or "pp_scatter_gather" not in self.features:
+            return comm.p2p_s(nbytes, link)
+        return comm.p2p_s(nbytes / tp, link) + comm.all_gather_s(nbytes, tp, self.group(tp, 1).link)
+
+    def table(self, tp: int, microbatch: int) -> UnitTable:
+        key = (tp, microbatch)
+        if key not in self._tables:
+            self._tables[key] = unit_table(self.costs, self.cluster.gpu, self.chain.capture_dtype, self.dtype, tp,
+                                           microbatch, self.group(tp, 1).link, self.use_measured)
+        return self._tables[key]
+
+    def total_numel(self, tp: int) -> float:
+        """Parameter elements on a tensor-parallel rank, tied ones once."""
+        return sum(self.unit_numel(tp)) + sum(self.group_numel(tp))
+
+    def unit_numel(self, tp: int) -> list[float]:
+        return [u.replicated_numel + u.split_numel / tp for u in self.costs.units]
+
+    def group_numel(self, tp: int) -> list[float]:
+        return [g.numel / (tp if split else 1) for g, split in zip(self.chain.tied_groups, self.costs.tied_split)]
+
+    def layout_memory(self, inputs: MemoryInputs, zero: int, shard: int, pp: int) -> LayoutMemory:
+        key = (id(inputs), zero, shard, pp > 1)
+        if key not in self._layouts:
+            self._layouts[key] = layout_memory(inputs, self.dtype, zero, shard, pp)
+        return self._layouts[key]
+
+    def memory_inputs(self, tp: int, microbatch: int) -> MemoryInputs:
+        key = (tp, microbatch)
+        if key not in self._inputs:
+            self._inputs[key] = self._memory_inputs(tp, microbatch)
+        return self._inputs[key]
+
+    def _memory_inputs(self, tp: int, microbatch: int) -> MemoryInputs:
+        table = self.table(tp, microbatch)
+        own, groups = self.unit_numel(tp), self.group_numel(tp)
+        whole = [own[u] + sum(n for n, g in zip(groups, self.chain.tied_groups) if u in g.units)
+                 for u in range(len(own))]
+        return MemoryInputs(
+            unit_numel=tuple(own), group_numel=tuple(groups),
+            tied_group_units=tuple(g.units for g in self.chain.tied_groups),
+            unit_largest_numel=tuple(whole), activations=table.activation_bytes,
+            working_bytes=table.working_bytes,
+            cut_bytes=tuple(c * microbatch * self.scale for c in self.chain.cut_bytes),
+        )
 
 
-def evaluate_split(chain: LayerChain, cluster: Cluster, training: Training, par: Parallelism,
-                   problem: ChainProblem, split: Split, fits: bool, reason: str = "") -> Candidate:
-    """Predictions for `par` with stages `split` (memory models and unit times from `problem`)."""
-    dp, pp, tp = par.data_parallel_degree, par.pipeline_parallel_degree, par.tensor_parallel_degree
-    m, mbs = par.pipeline_parallel_num_microbatches, par.pipeline_parallel_microbatch_size
-    times = unit_times(chain, cluster.gpu, training.dtype, mbs)
-    element = bytes_per_element(training.dtype)
-    act = activation_scale(chain.capture_dtype, training.dtype) * mbs
-    dp_link, pp_link = cluster.link_for(dp, stride=pp * tp), cluster.link_for(pp, stride=tp)
-    n = len(chain)
-    stages, slots, compute, per_mb_dp, per_step_dp, p2p, optimizer = [], [], [], [], [], [], []
-    for s, (a, b) in enumerate(split.ranges()):
-        fwd, bwd = sum(times.fwd[a:b]), sum(times.bwd[a:b])
-        numels = stage_unit_numels(chain, a, b)
-        if par.zero_stage == 3:
-            streaming = cluster.gpu.memory_bandwidth_bytes_per_s * cluster.gpu.memory_efficiency
-            dpc = comm.fsdp_comm([x * element for x in numels], dp, dp_link, pp, m, fwd, bwd, streaming)
-        else:  # ZeRO 1/2 move the same 2 Psi as an all-reduce (reduce-scatter + all-gather)
-            dpc = comm.ddp_comm(sum(numels) * element, dp, dp_link, bwd)
-        sends = (comm.p2p_s(chain.cut_bytes[b - 1] * act, pp_link) if b < n else 0.0) + \
-                (comm.p2p_s(chain.cut_bytes[a - 1] * act, pp_link) if a > 0 else 0.0)
-        updated = sum(numels) / (dp if par.zero_stage >= 1 else 1)
-        compute.append(fwd + bwd)
-        per_mb_dp.append(dpc.per_microbatch_s)
-        per_step_dp.append(dpc.per_step_s)
-        p2p.append(sends)
-        optimizer.append(optimizer_step_time(updated, cluster.gpu))
-        slots.append(fwd + bwd + dpc.per_microbatch_s + sends)
-        breakdown = problem.memory[s].breakdown(a, b)
-        stages.append(Stage(index=s, modules=chain.fqns[a:b], predicted_time_s=fwd + bwd,
-                            predicted_memory_bytes=sum(breakdown.values()), memory_breakdown=breakdown))
-    slowest = max(range(pp), key=lambda s: slots[s])
-    pipe = pipeline_time(slots[slowest], pp, m)
-    time_breakdown = {
-        "compute": m * compute[slowest],
-        "bubble": pipe.bubble_s,
-        "data_parallel_comm": m * per_mb_dp[slowest] + max(per_step_dp),
-        "pipeline_comm": m * p2p[slowest] + _tied_gradient_sync(chain, split, element, pp_link),
-        "optimizer": max(optimizer),
-    }
-    step = sum(time_breakdown.values())
-    peak = max(stages, key=lambda st: st.predicted_memory_bytes)
-    flops = model_flops_per_step(chain, training.global_batch_size)
-    tokens = training.tokens_per_sample or chain.tokens_per_sample
-    predicted = Prediction(
-        step_time_s=step,
-        samples_per_s=training.global_batch_size / step,
-        tokens_per_s=training.global_batch_size * tokens / step if tokens else None,
-        model_flops_per_step=flops,
-        mfu=mfu(flops, step, par.world_size, cluster.gpu, training.dtype),
-        peak_memory_bytes=peak.predicted_memory_bytes,
-        memory_breakdown=dict(peak.memory_breakdown),
-        time_breakdown=time_breakdown,
+def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> ChainProblem:
+    pp, v = par.pipeline_parallel_degree, par.pipeline_parallel_virtual_stages
+    tp, mbs = par.tensor_parallel_degree, par.pipeline_parallel_microbatch_size
+    m = par.pipeline_parallel_num_microbatches
+    inputs = ctx.memory_inputs(tp, mbs)
+    stages = pp * v
+    shared = ctx.layout_memory(inputs, par.zero_stage, par.data_parallel_shard_degree, pp)
+    models = tuple(shared.stage(s, microbatches_in_flight(par.pipeline_parallel_schedule, pp, m, s, v))
+                   for s in range(stages))
+    table = ctx.table(tp, mbs)
+    overhead = ()
+    if stages > 1:
+        link = ctx.groups(par).pipeline.link
+        typical = sorted(inputs.cut_bytes)[len(inputs.cut_bytes) // 2]
+        send = ctx.send_s(typical, par, link)
+        overhead = tuple(send * ((s > 0) + (s < stages - 1)) for s in range(stages))
+    return ChainProblem(
+        unit_time_s={k: table.time_s(k) for k in modes},
+        memory=models,
+        memory_cap_bytes=ctx.cluster.usable_memory_bytes,
+        num_ranks=pp,
+        modes=modes,
+        stage_overhead_s=overhead,
+        signature=ctx.costs.signature,
     )
-    return Candidate(par, tuple(stages), predicted, fits, reason, peak.predicted_memory_bytes)
 
 
-def _tied_gradient_sync(chain: LayerChain, split: Split, element: int, link) -> float:
-    """Stages holding copies of one tied parameter all-reduce its gradient once per step."""
-    stage_of = {u: s for s, (a, b) in enumerate(split.ranges()) for u in range(a, b)}
+def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: Assignment, fits: bool,
+             reason: str = "") -> Candidate:
+    """Predictions for `par` with `assignment` (memory models and unit times from `problem`)."""
+    pp, v, tp = par.pipeline_parallel_degree, par.pipeline_parallel_virtual_stages, par.tensor_parallel_degree
+    m, mbs = par.pipeline_parallel_num_microbatches, par.pipeline_parallel_microbatch_size
+    table, chain, gpu = ctx.table(tp, mbs), ctx.chain, ctx.cluster.gpu
+    groups = ctx.groups(par)
+    element = bytes_per_element(ctx.dtype)
+    own, tied = ctx.unit_numel(tp), ctx.group_numel(tp)
+    cut = [c * mbs * ctx.scale for c in chain.cut_bytes]
+    n, ranges, modes = len(chain), assignment.split.ranges(), assignment.modes
+    parts: list[dict[str, float]] = []
+    per_step, optimizer = [0.0] * pp, [0.0] * pp
+    for s, (a, b) in enumerate(ranges):
+        units = range(a, b)
+        forward = sum(table.forward_s[u] for u in units)
+        backward = sum(table.backward_s[u] for u in units)
+        tp_comm = sum(table.tp_forward_s[u] + table.tp_backward_s[u] for u in units)
+        recompute = sum(_recompute(table, u, modes[u]) for u in units)
+        numels = [own[u] for u in units]
+        for g, group in enumerate(chain.tied_groups):
+            held = [u for u in group.units if a <= u < b]
+            if held:
+                numels[held[0] - a] += tied[g]
+        dpc = _data_parallel(par, groups, [x * element for x in numels], m, forward, backward + recompute, ctx)
+        sends = (ctx.send_s(cut[b - 1], par, groups.pipeline.link) if b < n else 0.0) + \
+                (ctx.send_s(cut[a - 1], par, groups.pipeline.link) if a > 0 else 0.0)
+        parts.append({"compute": forward + backward, "recompute": recompute, "tensor_parallel_comm": tp_comm,
+                      "data_parallel_comm": dpc.per_microbatch_s, "pipeline_comm": sends})
+        rank = s % pp
+        per_step[rank] += dpc.per_step_s
+        updated = sum(numels) / (par.data_parallel_shard_degree if par.zero_stage >= 1 else 1)
+        optimizer[rank] += optimizer_step_time(updated, gpu)
+    slots = [{k: sum(parts[s][k] for s in problem.stages_of_rank(r)) for k in parts[0]} for r in range(pp)]
+    slowest = max(range(pp), key=lambda r: sum(slots[r].values()))
+    slot = sum(slots[slowest].values())
+    pipe = pipeline_time(slot, pp, m, v)
+    breakdown = {k: m * x for k, x in slots[slowest].items()}
+    breakdown["bubble"] = pipe.bubble_s
+    breakdown["data_parallel_comm"] += max(per_step)
+    breakdown["pipeline_comm"] += _tied_gradient_sync(chain, assignment, pp, tied, element, groups.pipeline)
+    breakdown["optimizer"] = max(optimizer)
+    step = sum(breakdown.values())
+    stages = []
+    rank_memory = [problem.rank_breakdown(r, assignment) for r in range(pp)]
+    for s, (a, b) in enumerate(ranges):
+        memory = rank_memory[s % pp]
+        stages.append(Stage(index=s, modules=chain.fqns[a:b], predicted_time_s=sum(parts[s].values()),
+                            predicted_memory_bytes=sum(memory.values()), memory_breakdown=dict(memory)))
+    peak = max(stages, key=lambda st: st.predicted_memory_bytes)
+    flops = model_flops_per_step(chain, ctx.training.global_batch_size)
+    tokens = ctx.training.tokens_per_sample or chain.tokens_per_sample
+    batch = ctx.training.global_batch_size
+    predicted = Prediction(
+        step_time_s=step, samples_per_s=batch / step, tokens_per_s=batch * tokens / step if tokens else None,
+        model_flops_per_step=flops, mfu=mfu(flops, step, par.world_size, gpu, ctx.dtype),
+        peak_memory_bytes=peak.predicted_memory_bytes, memory_breakdown=dict(peak.memory_breakdown),
+        time_breakdown=breakdown)
+    recomputed = tuple(chain.fqns[u] for u in range(n) if modes[u] != "none")
+    mode = next((k for k in modes if k != "none"), "none")
+    final = Parallelism(**{**par.__dict__, "activation_checkpoint": mode})
+    return Candidate(final, tuple(stages), predicted, fits, reason, peak.predicted_memory_bytes,
+                     dict(ctx.facts.plan) if tp > 1 else {},
+                     () if len(recomputed) == n else recomputed, assignment)
+
+
+def _recompute(table: UnitTable, u: int, mode: str) -> float:
+    if mode == "selective":
+        return table.cheap_forward_s[u]
+    if mode == "full":
+        return table.forward_s[u] + table.tp_forward_s[u]
+    return 0.0
+
+
+def _data_parallel(par: Parallelism, groups: Groups, unit_bytes: list[float], m: int, forward: float,
+                   backward: float, ctx: Context) -> comm.DataParallelComm:
+    gradient_ratio = calibration.GRADIENT_REDUCE_BYTES / ctx.dtype_bytes
+    if par.zero_stage == 0:
+        return comm.ddp_comm(sum(unit_bytes) * gradient_ratio, groups.replicate, backward)
+    streaming = ctx.cluster.gpu.memory_bandwidth_bytes_per_s * ctx.cluster.gpu.memory_efficiency
+    return comm.fsdp_comm(unit_bytes, par.zero_stage, groups.shard, groups.replicate, par.pipeline_parallel_degree,
+                          m, forward, backward, streaming, gradient_ratio)
+
+
+def _tied_gradient_sync(chain, assignment: Assignment, pp: int, tied: list[float], element: int,
+                        group: comm.Group) -> float:
+    """Ranks holding copies of one tied parameter all-reduce its gradient once per step."""
+    stage_of = {u: s % pp for s, (a, b) in enumerate(assignment.split.ranges()) for u in range(a, b)}
     total = 0.0
-    for group in chain.tied_groups:
-        holders = len({stage_of[u] for u in group.units})
-        total += comm.all_reduce_s(group.numel * element, holders, link)
+    for g, numel in zip(chain.tied_groups, tied):
+        holders = len({stage_of[u] for u in g.units})
+        total += comm.all_reduce_s(numel * element, holders, group.link, group.nodes)
     return total
 
 

@@ -1,65 +1,70 @@
-"""Stage split as a mixed-integer program (PuLP; HiGHS by default, CBC as the fallback).
+"""Stage split and per-unit recompute as a mixed-integer program (PuLP; HiGHS, or CBC).
 
-Units u = 0..n-1 (the chain), stages s = 0..p-1, tied groups g, largest-unit terms k.
-Data: t_u time of unit u per micro-batch; a_su, G_sg, V_sku, c_su the memory model of stage s
-(linear bytes, tied-group bytes, largest-unit bytes, bytes kept when s ends after u; cost/memory.py);
-C the memory cap.
+Identical layers are tied: the chain is cut into runs r = 0..R-1 of consecutive identical units
+(ChainProblem.runs; tied-parameter units stand alone), run r holding L_r units. Stages s = 0..S-1
+(S = p v), stage s on rank q(s) = s mod p; recompute modes k; tied groups g; largest terms j.
+Data: t_rk time per micro-batch of a unit of run r in mode k; from the memory model of stage s
+(cost/memory.py): a_srk linear bytes of a unit (states + activations in mode k), G_sg tied-group
+bytes, V_jr largest-term bytes, c_sr bytes kept when s ends inside run r (the run's largest boundary);
+o_s constant stage time (sends); C the memory cap.
 
     minimize    T
-    x_us in {0,1}     unit u runs on stage s
-    y_gs in [0,1]     stage s holds tied group g            M_ks >= 0   largest term k on stage s
-    e_us in [0,1]     stage s ends after unit u (u < n-1)   T >= 0      slowest stage time
+    n_rsk in {0..L_r}   units of run r on stage s in mode k        b_rs in {0,1}  s holds some of r
+    c_rs >= 0           units of run r on stages <= s (cumulative)  e_rs in [0,1]  s ends inside r
+    y_gs in [0,1]       s holds tied group g                        M_jq >= 0      largest term on rank q
 
-    assignment   sum_s x_us = 1                                               for all u
-    contiguity   x_00 = 1,  x_(n-1)(p-1) = 1,  x_(u+1)s <= x_us + x_u(s-1)       for all u < n-1, s
-                 (a unit's stage is its predecessor's or the next one: contiguous, none empty)
-    bottleneck   sum_u t_u x_us <= T                                          for all s
-    memory       sum_u a_su x_us + sum_g G_sg y_gs + sum_k M_ks + sum_u c_su e_us <= C   for all s
-                 y_gs >= x_us (u in g),  M_ks >= V_sku x_us,  e_us >= x_us - x_(u+1)s
+    assignment  sum_{s,k} n_rsk = L_r                                                  for all r
+    linking     b_rs <= sum_k n_rsk <= L_r b_rs;   sum_r b_rs >= 1 (no empty stage)      for all r, s
+    cumulative  c_rs = c_r(s-1) + sum_k n_rsk                                            for all r, s
+    order       c_rs >= L_r b_(r+1)s    (a stage touching run r+1 comes after all of run r)
+                c_(r+1)(s-1) <= L_(r+1) (1 - b_rs)   (and before any of run r+1)          for r < R-1, s
+    bottleneck  sum_{s: q(s)=q} (sum_{r,k} t_rk n_rsk + o_s) <= T                         for all q
+    memory      sum_{s: q(s)=q} (sum_{r,k} a_srk n_rsk + sum_g G_sg y_gs + sum_r c_sr e_rs)
+                + sum_j M_jq <= C                                                         for all q
+                y_gs >= b_rs (r holds a unit of g),  M_jq >= V_jr b_rs (q(s) = q),
+                e_rs >= b_rs - b_(r+1)s (r < R-1),  e_(R-1)s >= b_(R-1)s (s < S-1)
 
-y, M and e only make the memory rows harder, so at any solution they may sit at their lower bounds:
-the rows then say exactly "memory of stage s <= C" as cost/memory.py computes it.
-Each family is built by the function of the same name below. The exact DP (dp.py) supplies a
-warm start and an upper bound on T.
+Order on adjacent runs implies it for all pairs, so every stage holds a contiguous slice and stages
+follow the chain. y, M and e only make the memory rows harder, so at a solution they may sit at their
+lower bounds: the rows then say "memory of rank q <= C" as cost/memory.py computes it (boundary bytes
+rounded up to the run's largest). With every run of length 1 this is exactly the unit-level model.
+Each family is built by the function of the same name below. The fast packing (split.py) or the exact
+DP (dp.py) supplies a warm start and an upper bound on T.
 """
 
 from __future__ import annotations
 
-import math
 import time
-import warnings
 from dataclasses import dataclass
 
 import pulp
 
-from autoplan.errors import UserError
-from autoplan.solve.problem import ChainProblem, Split
-
-SOLVERS = ("highs", "cbc")
+from autoplan.solve.ilp_backend import choose_backend, mip_gap, resolve_solver
+from autoplan.solve.problem import Assignment, ChainProblem, Split
 
 
 @dataclass
 class IlpVariables:
     """The decision variables of one ChainProblem."""
 
-    x: dict[tuple[int, int], pulp.LpVariable]
-    """x[u, s]: unit u on stage s."""
-    T: pulp.LpVariable
-    """Slowest stage's time per micro-batch, seconds."""
-    y: dict[tuple[int, int], pulp.LpVariable]
-    """y[g, s]: stage s holds tied group g."""
-    M: dict[tuple[int, int], pulp.LpVariable]
-    """M[k, s]: largest-unit term k on stage s, bytes."""
+    runs: list[tuple[int, int]]
+    n: dict[tuple[int, int, str], pulp.LpVariable]
+    """n[r, s, k]: units of run r on stage s in mode k."""
+    b: dict[tuple[int, int], pulp.LpVariable]
+    c: dict[tuple[int, int], pulp.LpVariable]
     e: dict[tuple[int, int], pulp.LpVariable]
-    """e[u, s]: stage s ends after unit u."""
+    y: dict[tuple[int, int], pulp.LpVariable]
+    M: dict[tuple[int, int], pulp.LpVariable]
+    T: pulp.LpVariable
+    """Slowest rank's time per micro-batch, seconds."""
 
 
 @dataclass(frozen=True)
 class IlpResult:
-    split: Split | None
-    """The best split found, None if none (infeasible, or a time limit before any solution)."""
+    assignment: Assignment | None
+    """The best assignment found, None if none (infeasible, or a time limit before any solution)."""
     objective: float | None
-    """Slowest stage time of `split`, seconds."""
+    """Slowest rank time of `assignment`, seconds."""
     status: str
     """"optimal", "time_limit" (best found; see gap) or "infeasible"."""
     gap: float
@@ -70,160 +75,171 @@ class IlpResult:
     """PuLP solver class used: "HiGHS" (highspy), "HiGHS_CMD", "COIN_CMD" or "PULP_CBC_CMD"."""
     time_s: float
 
+    @property
+    def split(self) -> Split | None:
+        return self.assignment.split if self.assignment else None
+
 
 def make_variables(prob: pulp.LpProblem, problem: ChainProblem) -> IlpVariables:
-    n, p = problem.num_units, problem.num_stages
-    model = problem.memory[0]
+    runs = problem.runs()
+    S, model = problem.num_stages, problem.memory[0]
     var = prob.add_variable
+    n = {}
+    for r, (a, z) in enumerate(runs):
+        for s in range(S):
+            for k in problem.modes:
+                n[r, s, k] = var(f"n_{r}_{s}_{k}", 0, z - a, cat=pulp.LpInteger if z - a > 1 else pulp.LpBinary)
     return IlpVariables(
-        x={(u, s): var(f"x_{u}_{s}", cat=pulp.LpBinary) for u in range(n) for s in range(p)},
+        runs=runs,
+        n=n,
+        b={(r, s): var(f"b_{r}_{s}", cat=pulp.LpBinary) for r in range(len(runs)) for s in range(S)},
+        c={(r, s): var(f"c_{r}_{s}", 0) for r in range(len(runs)) for s in range(S)},
+        e={(r, s): var(f"e_{r}_{s}", 0, 1) for r in range(len(runs)) for s in range(S)},
+        y={(g, s): var(f"y_{g}_{s}", 0, 1) for g in range(len(model.tied_group_units)) for s in range(S)},
+        M={(j, q): var(f"M_{j}_{q}", 0) for j in range(len(model.max_vectors)) for q in range(problem.ranks)},
         T=var("T", lowBound=problem.time_lower_bound()),
-        y={(g, s): var(f"y_{g}_{s}", 0, 1) for g in range(len(model.tied_group_units)) for s in range(p)},
-        M={(k, s): var(f"M_{k}_{s}", 0) for k in range(len(model.max_vectors)) for s in range(p)},
-        e={(u, s): var(f"e_{u}_{s}", 0, 1) for u in range(n - 1) for s in range(p)},
     )
 
 
-def assignment(prob: pulp.LpProblem, v: IlpVariables, problem: ChainProblem) -> None:
-    for u in range(problem.num_units):
-        prob += pulp.lpSum(v.x[u, s] for s in range(problem.num_stages)) == 1, f"assign_{u}"
+def _units_on(v: IlpVariables, problem: ChainProblem, r: int, s: int):
+    return pulp.lpSum(v.n[r, s, k] for k in problem.modes)
 
 
-def contiguity(prob: pulp.LpProblem, v: IlpVariables, problem: ChainProblem) -> None:
-    n, p = problem.num_units, problem.num_stages
-    prob += v.x[0, 0] == 1, "first_unit_on_first_stage"
-    prob += v.x[n - 1, p - 1] == 1, "last_unit_on_last_stage"
-    for u in range(n - 1):
-        for s in range(p):
-            previous = v.x[u, s - 1] if s > 0 else 0
-            prob += v.x[u + 1, s] <= v.x[u, s] + previous, f"contiguous_{u}_{s}"
+def assignment(prob, v: IlpVariables, problem: ChainProblem) -> None:
+    for r, (a, z) in enumerate(v.runs):
+        prob += pulp.lpSum(_units_on(v, problem, r, s) for s in range(problem.num_stages)) == z - a, f"assign_{r}"
 
 
-def bottleneck(prob: pulp.LpProblem, v: IlpVariables, problem: ChainProblem) -> None:
+def linking(prob, v: IlpVariables, problem: ChainProblem) -> None:
     for s in range(problem.num_stages):
-        work = pulp.lpSum(t * v.x[u, s] for u, t in enumerate(problem.unit_time_s))
-        prob += work <= v.T, f"bottleneck_{s}"
+        for r, (a, z) in enumerate(v.runs):
+            held = _units_on(v, problem, r, s)
+            prob += held <= (z - a) * v.b[r, s], f"link_up_{r}_{s}"
+            prob += held >= v.b[r, s], f"link_down_{r}_{s}"
+        prob += pulp.lpSum(v.b[r, s] for r in range(len(v.runs))) >= 1, f"nonempty_{s}"
 
 
-def memory(prob: pulp.LpProblem, v: IlpVariables, problem: ChainProblem) -> None:
-    n = problem.num_units
-    for s, model in enumerate(problem.memory):
-        for g, units in enumerate(model.tied_group_units):
-            for u in units:
-                prob += v.y[g, s] >= v.x[u, s], f"tied_{g}_{u}_{s}"
-        for k, vec in enumerate(model.max_vectors):
-            for u in range(n):
-                if vec[u] > 0:
-                    prob += v.M[k, s] >= vec[u] * v.x[u, s], f"largest_{k}_{u}_{s}"
-        for u in range(n - 1):
-            prob += v.e[u, s] >= v.x[u, s] - v.x[u + 1, s], f"ends_{u}_{s}"
-        used = (pulp.lpSum(b * v.x[u, s] for u, b in enumerate(model.unit_bytes) if b)
-                + pulp.lpSum(b * v.y[g, s] for g, b in enumerate(model.group_bytes) if b)
-                + pulp.lpSum(v.M[k, s] for k in range(len(model.max_vectors)))
-                + pulp.lpSum(b * v.e[u, s] for u, b in enumerate(model.cut_bytes) if b))
-        prob += used <= problem.memory_cap_bytes, f"memory_{s}"
+def cumulative(prob, v: IlpVariables, problem: ChainProblem) -> None:
+    for r in range(len(v.runs)):
+        for s in range(problem.num_stages):
+            before = v.c[r, s - 1] if s > 0 else 0
+            prob += v.c[r, s] == before + _units_on(v, problem, r, s), f"cumulative_{r}_{s}"
+
+
+def order(prob, v: IlpVariables, problem: ChainProblem) -> None:
+    for r in range(len(v.runs) - 1):
+        length, following = v.runs[r][1] - v.runs[r][0], v.runs[r + 1][1] - v.runs[r + 1][0]
+        for s in range(problem.num_stages):
+            prob += v.c[r, s] >= length * v.b[r + 1, s], f"after_{r}_{s}"
+            if s > 0:
+                prob += v.c[r + 1, s - 1] <= following * (1 - v.b[r, s]), f"before_{r}_{s}"
+
+
+def bottleneck(prob, v: IlpVariables, problem: ChainProblem) -> None:
+    for q in range(problem.ranks):
+        work = pulp.lpSum(problem.unit_time_s[k][a] * v.n[r, s, k] for s in problem.stages_of_rank(q)
+                          for r, (a, _) in enumerate(v.runs) for k in problem.modes)
+        overhead = sum(problem.overhead(s) for s in problem.stages_of_rank(q))
+        prob += work + overhead <= v.T, f"bottleneck_{q}"
+
+
+def memory(prob, v: IlpVariables, problem: ChainProblem) -> None:
+    S, n_units = problem.num_stages, problem.num_units
+    for q in range(problem.ranks):
+        used = []
+        for s in problem.stages_of_rank(q):
+            model = problem.memory[s]
+            states, cuts = model.state_bytes, model.cut_bytes
+            for r, (a, z) in enumerate(v.runs):
+                for k in problem.modes:
+                    used.append((states[a] + model.activations[k][a]) * v.n[r, s, k])
+                for j, vec in enumerate(model.max_vectors):
+                    if vec[a] > 0:
+                        prob += v.M[j, q] >= vec[a] * v.b[r, s], f"largest_{j}_{r}_{s}"
+                boundary = max((cuts[u] for u in range(a, min(z, n_units - 1))), default=0.0)
+                if boundary > 0 and (r < len(v.runs) - 1 or s < S - 1):
+                    used.append(boundary * v.e[r, s])
+                    later = v.b[r + 1, s] if r < len(v.runs) - 1 else 0
+                    prob += v.e[r, s] >= v.b[r, s] - later, f"ends_{r}_{s}"
+            for g, units in enumerate(model.tied_group_units):
+                if model.group_bytes[g]:
+                    used.append(model.group_bytes[g] * v.y[g, s])
+                for r, (a, z) in enumerate(v.runs):
+                    if any(a <= u < z for u in units):
+                        prob += v.y[g, s] >= v.b[r, s], f"tied_{g}_{r}_{s}"
+        largest = pulp.lpSum(v.M[j, q] for j in range(len(problem.memory[0].max_vectors)))
+        prob += pulp.lpSum(used) + largest <= problem.memory_cap_bytes, f"memory_{q}"
 
 
 def build_model(problem: ChainProblem, upper_bound: float | None = None) -> tuple[pulp.LpProblem, IlpVariables]:
     prob = pulp.LpProblem("stage_split", pulp.LpMinimize)
     v = make_variables(prob, problem)
     prob += v.T
-    assignment(prob, v, problem)
-    contiguity(prob, v, problem)
-    bottleneck(prob, v, problem)
-    memory(prob, v, problem)
+    for family in (assignment, linking, cumulative, order, bottleneck, memory):
+        family(prob, v, problem)
     if upper_bound is not None:
         prob += v.T <= upper_bound * (1 + 1e-9), "upper_bound"
     return prob, v
 
 
 def solve_ilp(problem: ChainProblem, solver: str = "highs", time_limit_s: float | None = None,
-              warm_start: Split | None = None, upper_bound: float | None = None) -> IlpResult:
-    """Solve the stage split. `warm_start` (e.g. the DP's split) seeds the solver; `upper_bound`
-    caps T (the DP's optimum), which only prunes the search."""
+              warm_start: Assignment | None = None, upper_bound: float | None = None) -> IlpResult:
+    """Solve the split and recompute modes. `warm_start` (e.g. the packing's assignment) seeds the
+    solver; `upper_bound` caps T (its bottleneck), which only prunes the search."""
     resolve_solver(solver)
     started = time.perf_counter()
-    n, p = problem.num_units, problem.num_stages
-    if p > n:
+    if problem.num_stages > problem.num_units:
         return IlpResult(None, None, "infeasible", 0.0, solver, "none", 0.0)
     prob, v = build_model(problem, upper_bound)
     if warm_start is not None:
         _set_initial_values(v, problem, warm_start)
-    backend, name = _choose_backend(solver, time_limit_s, warm_start is not None)
+    backend, name = choose_backend(solver, time_limit_s, warm_start is not None)
     prob.solve(backend)
     elapsed = time.perf_counter() - started
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         stopped = time_limit_s is not None and prob.sol_status == pulp.LpSolutionNoSolutionFound
         status = "time_limit" if stopped else "infeasible"
         return IlpResult(None, None, status, 1.0 if status == "time_limit" else 0.0, name, backend.name, elapsed)
-    stage_of_unit = [max(range(p), key=lambda s: v.x[u, s].value() or 0.0) for u in range(n)]
-    split = Split.from_stage_of_unit(stage_of_unit)
-    objective = problem.bottleneck(split)
+    found = _read_assignment(v, problem)
+    objective = problem.bottleneck(found)
     if prob.sol_status == pulp.LpSolutionOptimal:
-        return IlpResult(split, objective, "optimal", 0.0, name, backend.name, elapsed)
-    return IlpResult(split, objective, "time_limit", _gap(prob, problem, objective), name, backend.name, elapsed)
+        return IlpResult(found, objective, "optimal", 0.0, name, backend.name, elapsed)
+    gap = mip_gap(prob, objective, problem.time_lower_bound())
+    return IlpResult(found, objective, "time_limit", gap, name, backend.name, elapsed)
 
 
-def _gap(prob: pulp.LpProblem, problem: ChainProblem, objective: float) -> float:
-    """HiGHS's MIP gap when it has one, else the gap to ChainProblem.time_lower_bound."""
-    info = getattr(getattr(prob, "solverModel", None), "getInfo", None)
-    if info is not None and math.isfinite(info().mip_gap):
-        return float(info().mip_gap)
-    bound = problem.time_lower_bound()  # HiGHS had no dual bound yet, or CBC (which does not report one)
-    return (objective - bound) / objective if objective > 0 else 0.0
+def _read_assignment(v: IlpVariables, problem: ChainProblem) -> Assignment:
+    stage_of_unit: list[int] = []
+    modes: list[str] = []
+    for r, (a, z) in enumerate(v.runs):
+        for s in range(problem.num_stages):
+            for k in problem.modes:
+                count = round(v.n[r, s, k].value() or 0.0)
+                stage_of_unit += [s] * count
+                modes += [k] * count
+    assert len(stage_of_unit) == problem.num_units and stage_of_unit == sorted(stage_of_unit)
+    return Assignment(Split.from_stage_of_unit(stage_of_unit), tuple(modes))
 
 
-def _set_initial_values(v: IlpVariables, problem: ChainProblem, split: Split) -> None:
-    for s, (a, b) in enumerate(split.ranges()):
-        for u in range(problem.num_units):
-            v.x[u, s].setInitialValue(1 if a <= u < b else 0)
-        for g, units in enumerate(problem.memory[s].tied_group_units):
-            v.y[g, s].setInitialValue(1 if any(a <= u < b for u in units) else 0)
-        for k, vec in enumerate(problem.memory[s].max_vectors):
-            v.M[k, s].setInitialValue(max(vec[a:b]))
-        for u in range(problem.num_units - 1):
-            v.e[u, s].setInitialValue(1 if u == b - 1 else 0)
-    v.T.setInitialValue(max(problem.time_lower_bound(), problem.bottleneck(split)))
-
-
-class _HighsWithStart(pulp.HiGHS):
-    """PuLP's highspy interface, plus the variables' initial values handed to HiGHS as a start."""
-
-    def __init__(self, warm_start: bool, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.use_start = warm_start
-
-    def callSolver(self, lp):
-        if self.use_start:
-            import highspy  # importable whenever this class is chosen (pulp.HiGHS().available())
-
-            start = highspy.HighsSolution()
-            values = [0.0] * len(lp.variables())
-            for var in lp.variables():
-                values[var.index] = var.varValue or 0.0
-            start.col_value = values
-            start.value_valid = True
-            lp.solverModel.setSolution(start)
-        lp.solverModel.run()
-
-
-def resolve_solver(solver: str) -> str:
-    """The solver that will run for `solver`: "highs" when HiGHS is usable, else "cbc"."""
-    if solver not in SOLVERS:
-        raise UserError(f"unknown solver {solver!r} (choose one of: {', '.join(SOLVERS)})")
-    return _choose_backend(solver, None, False)[1]
-
-
-def _choose_backend(solver: str, time_limit_s: float | None, warm: bool):
-    """highs: highspy through PuLP if importable, else the HiGHS_CMD binary, else CBC."""
-    if solver == "highs":
-        if pulp.HiGHS().available():
-            return _HighsWithStart(warm, msg=False, timeLimit=time_limit_s), "highs"
-        command = pulp.HiGHS_CMD(msg=False, timeLimit=time_limit_s, warmStart=warm)
-        if command.available():
-            return command, "highs"
-    if pulp.COIN_CMD(msg=False).available():
-        return pulp.COIN_CMD(msg=False, timeLimit=time_limit_s, warmStart=warm), "cbc"
-    with warnings.catch_warnings():  # PuLP 3.x marks its bundled CBC deprecated; it is still the fallback
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, warmStart=warm), "cbc"
+def _set_initial_values(v: IlpVariables, problem: ChainProblem, start: Assignment) -> None:
+    ranges = start.split.ranges()
+    S = problem.num_stages
+    for r, (a, z) in enumerate(v.runs):
+        running = 0
+        for s, (lo, hi) in enumerate(ranges):
+            held = [u for u in range(max(a, lo), min(z, hi))]
+            for k in problem.modes:
+                v.n[r, s, k].setInitialValue(sum(1 for u in held if start.modes[u] == k))
+            v.b[r, s].setInitialValue(1 if held else 0)
+            running += len(held)
+            v.c[r, s].setInitialValue(running)
+            ends_here = bool(held) and hi <= z and s < S - 1
+            v.e[r, s].setInitialValue(1 if ends_here else 0)
+    for g, units in enumerate(problem.memory[0].tied_group_units):
+        for s, (lo, hi) in enumerate(ranges):
+            v.y[g, s].setInitialValue(1 if any(lo <= u < hi for u in units) else 0)
+    for q in range(problem.ranks):
+        for j in range(len(problem.memory[0].max_vectors)):
+            v.M[j, q].setInitialValue(max(problem.memory[s].max_vectors[j][u] for s in problem.stages_of_rank(q)
+                                          for u in range(*ranges[s])))
+    v.T.setInitialValue(max(problem.time_lower_bound(), problem.bottleneck(start)))

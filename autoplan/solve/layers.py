@@ -53,6 +53,8 @@ class Unit:
     """Bytes autograd keeps for backward, per sample, capture dtype."""
     memory_traffic_bytes: float
     """Bytes the forward reads and writes (inputs + outputs of its ops), per sample."""
+    parameters: tuple[str, ...] = ()
+    """FQNs of the parameters charged to this unit (tied ones included), sorted."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,7 @@ def build_chain(profile: ModelProfile, max_unit_share: float = 1 / 8) -> LayerCh
             exclusive_parameter_numel=numel - tied_numel,
             saved_bytes=sum(op.saved_bytes for op in mine) / batch,
             memory_traffic_bytes=sum(op.input_bytes + op.output_bytes for op in mine) / batch,
+            parameters=tuple(sorted(params)),
         ))
     return LayerChain(
         units=tuple(built),

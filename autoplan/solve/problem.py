@@ -1,8 +1,17 @@
-"""The stage-split problem both solvers (dp.py exact, ilp.py MILP) answer, and its solutions."""
+"""The stage-split problem the solvers answer (split.py fast, dp.py exact DP, ilp.py MILP).
+
+Units 0..n-1 of the chain go to S = p x v contiguous non-empty stages in order; stage s runs on
+pipeline rank s % p (v > 1 is interleaved 1F1B). Each unit also gets a recompute mode from
+ChainProblem.modes. A rank's time per micro-batch is the sum over its stages of their units' times
+(plus each stage's constant point-to-point overhead); the objective is the slowest rank. A rank's
+memory is the sum over its stages of their linear, tied-group and boundary bytes, plus the largest
+transient term of any unit it holds (one unit runs backward at a time); it must fit the cap.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from autoplan.cost.memory import StageMemoryModel
 
@@ -28,60 +37,145 @@ class Split:
 
 
 @dataclass(frozen=True)
+class Assignment:
+    """A solution: the stage split and each unit's recompute mode."""
+
+    split: Split
+    modes: tuple[str, ...]
+    """Recompute mode of each unit ("none", "selective", "full")."""
+
+
+@dataclass(frozen=True)
 class ChainProblem:
-    """Assign the units of a chain to `num_stages` contiguous non-empty stages, minimizing the
-    slowest stage's time per micro-batch, with every stage's memory <= memory_cap_bytes.
+    """Assign units to stages and recompute modes, minimizing the slowest rank's time per micro-batch
+    with every rank's memory <= memory_cap_bytes."""
 
-    Stage memory depends on the stage index (micro-batches in flight), hence one model per stage."""
-
-    unit_time_s: tuple[float, ...]
-    """Forward + backward time of each unit for one micro-batch, seconds."""
+    unit_time_s: dict[str, tuple[float, ...]]
+    """Recompute mode -> forward + backward (+ recompute) time of each unit per micro-batch, seconds."""
     memory: tuple[StageMemoryModel, ...]
-    """memory[s]: the memory model of stage s (len = number of stages)."""
+    """memory[s]: the memory model of stage s (len = number of stages = p x v)."""
     memory_cap_bytes: float
     """Usable memory per rank, bytes."""
+    num_ranks: int = 0
+    """Pipeline ranks p (0 means one rank per stage)."""
+    modes: tuple[str, ...] = ("none",)
+    """Recompute modes the solver may give a unit."""
+    stage_overhead_s: tuple[float, ...] = ()
+    """Constant time per micro-batch of each stage (point-to-point sends), seconds; empty = none."""
+    signature: tuple[int, ...] = ()
+    """Units with equal signatures cost the same (identical layers); empty = all distinct."""
+
+    @cached_property
+    def signatures(self) -> tuple[int, ...]:
+        return self.signature or tuple(range(self.num_units))
+
+    def runs(self) -> list[tuple[int, int]]:
+        """Maximal runs [start, end) of consecutive identical units; units of tied groups stand alone."""
+        tied = {u for units in self.memory[0].tied_group_units for u in units}
+        sig = self.signatures
+        out, start = [], 0
+        for u in range(1, self.num_units + 1):
+            if u == self.num_units or sig[u] != sig[start] or u in tied or start in tied:
+                out.append((start, u))
+                start = u
+        return out
 
     @property
     def num_units(self) -> int:
-        return len(self.unit_time_s)
+        return len(next(iter(self.unit_time_s.values())))
 
     @property
     def num_stages(self) -> int:
         return len(self.memory)
 
-    def stage_time(self, start: int, end: int) -> float:
-        return sum(self.unit_time_s[start:end])
+    @property
+    def ranks(self) -> int:
+        return self.num_ranks or self.num_stages
 
-    def stage_memory(self, stage: int, start: int, end: int) -> float:
-        return self.memory[stage].total(start, end)
+    @property
+    def virtual(self) -> int:
+        return self.num_stages // self.ranks
 
-    def bottleneck(self, split: Split) -> float:
-        return max(self.stage_time(a, b) for a, b in split.ranges())
+    def overhead(self, stage: int) -> float:
+        return self.stage_overhead_s[stage] if self.stage_overhead_s else 0.0
 
-    def peak_memory(self, split: Split) -> list[float]:
-        return [self.stage_memory(s, a, b) for s, (a, b) in enumerate(split.ranges())]
+    def stages_of_rank(self, rank: int) -> range:
+        return range(rank, self.num_stages, self.ranks)
 
-    def fits(self, split: Split, tolerance: float = 1e-9) -> bool:
-        return all(m <= self.memory_cap_bytes * (1 + tolerance) for m in self.peak_memory(split))
+    def uniform(self, split: Split, mode: str | None = None) -> Assignment:
+        return Assignment(split, (mode or self.modes[0],) * self.num_units)
+
+    def stage_time(self, start: int, end: int, modes: tuple[str, ...]) -> float:
+        return sum(self.unit_time_s[modes[u]][u] for u in range(start, end))
+
+    def rank_times(self, a: Assignment) -> list[float]:
+        ranges = a.split.ranges()
+        return [sum(self.stage_time(*ranges[s], a.modes) + self.overhead(s) for s in self.stages_of_rank(r))
+                for r in range(self.ranks)]
+
+    def bottleneck(self, a: Assignment) -> float:
+        return max(self.rank_times(a))
+
+    def rank_breakdown(self, rank: int, a: Assignment) -> dict[str, float]:
+        """Bytes per category on `rank`: its stages' sums, the largest transient term once."""
+        out: dict[str, float] = {}
+        transient: dict[str, float] = {}
+        ranges = a.split.ranges()
+        for s in self.stages_of_rank(rank):
+            start, end = ranges[s]
+            for c, v in self.memory[s].breakdown(start, end, a.modes).items():
+                if c in self.memory[s].largest_unit:
+                    part = max(self.memory[s].largest_unit[c][start:end])
+                    transient[c] = max(transient.get(c, 0.0), part)
+                    v -= part
+                out[c] = out.get(c, 0.0) + v
+        for c, v in transient.items():
+            out[c] = out.get(c, 0.0) + v
+        return out
+
+    def peak_memory(self, a: Assignment) -> list[float]:
+        """Memory of each rank."""
+        return [sum(self.rank_breakdown(r, a).values()) for r in range(self.ranks)]
+
+    def fits(self, a: Assignment, tolerance: float = 1e-9) -> bool:
+        return all(m <= self.memory_cap_bytes * (1 + tolerance) for m in self.peak_memory(a))
+
+    @cached_property
+    def fastest_unit_time(self) -> tuple[float, ...]:
+        return tuple(min(self.unit_time_s[m][u] for m in self.modes) for u in range(self.num_units))
 
     def time_lower_bound(self) -> float:
-        """No split beats the largest unit or an even share of the total."""
-        return max(max(self.unit_time_s), sum(self.unit_time_s) / self.num_stages)
+        """No assignment beats an even share of the fastest times, or a rank's single largest unit."""
+        share = (sum(self.fastest_unit_time) + sum(self.overhead(s) for s in range(self.num_stages))) / self.ranks
+        return max(max(self.fastest_unit_time), share)
+
+    def leanest_stages(self) -> list[StageMemoryModel]:
+        """One stage per distinct set of shared vectors: the one keeping the fewest micro-batches."""
+        lean: dict[tuple, StageMemoryModel] = {}
+        for m in self.memory:
+            key = (id(m.per_unit), id(m.activations_per_microbatch), id(m.largest_unit), id(m.per_tied_group))
+            if key not in lean or m.in_flight < lean[key].in_flight:
+                lean[key] = m
+        return list(lean.values())
 
     def memory_lower_bound(self) -> float:
-        """A bound on the peak stage memory of any split, cheap enough to prune before solving:
-        the larger of the average over stages of their smallest possible share and the cheapest
-        stage any single unit could sit in (boundary activations left out: they depend on the cut)."""
+        """A bound on the peak rank memory of any assignment, cheap enough to prune before solving: the
+        average over ranks of the leanest bytes of every unit and tied group, and the cheapest place
+        any single unit could sit (boundary activations left out: they depend on the cut)."""
+        n, p = self.num_units, self.ranks
         if self.num_stages == 1:
-            return self.memory[0].total(0, self.num_units)
-        n, p = self.num_units, self.num_stages
+            return self.memory[0].total(0, n, self._leanest_modes(0))
+        lean = self.leanest_stages()
         groups = range(len(self.memory[0].group_bytes))
-        cheapest_unit = [min(m.unit_bytes[u] for m in self.memory) for u in range(n)]
-        cheapest_group = [min(m.group_bytes[g] for m in self.memory) for g in groups]
-        average = (sum(cheapest_unit) + sum(cheapest_group)) / p
+        leanest = [min(m.unit_bytes(k)[u] for m in lean for k in self.modes) for u in range(n)]
+        cheapest_group = [min(m.group_bytes[g] for m in lean) for g in groups]
+        average = (sum(leanest) + sum(cheapest_group)) / p
+        tied = [sum(self.memory[0].group_bytes[g] for g in groups if u in self.memory[0].tied_group_units[g])
+                for u in range(n)]
+        alone = [min(m.unit_bytes(k)[u] + m.largest_bytes[u] for m in lean for k in self.modes) + tied[u]
+                 for u in range(n)]
+        return max(average, max(alone))
 
-        def alone(m: StageMemoryModel, u: int) -> float:
-            tied = sum(m.group_bytes[g] for g in groups if u in m.tied_group_units[g])
-            return m.unit_bytes[u] + sum(v[u] for v in m.max_vectors) + tied
-
-        return max(average, max(min(alone(m, u) for m in self.memory) for u in range(n)))
+    def _leanest_modes(self, stage: int) -> tuple[str, ...]:
+        model = self.memory[stage]
+        return tuple(min(self.modes, key=lambda k: model.activations[k][u]) for u in range(self.num_units))

@@ -1,15 +1,17 @@
-"""Search over layouts: degrees, ZeRO stage, schedule, micro-batch size, and the stage split.
+"""Search over layouts: degrees, ZeRO stage, HSDP, schedule, virtual stages, micro-batch size,
+recompute mode, and the stage split with recompute per unit.
 
-For every layout in scope (layouts.py) that respects the pins:
-1. prune it when a memory lower bound already exceeds the cap (ChainProblem.memory_lower_bound);
-2. split the chain with the exact DP (dp.py); no split fits -> report the leanest split's OOM;
-3. price the split (evaluate.py).
+1. Families (tp, pp, dp_replicate, dp_shard, zero; layouts.py) whose model states alone overflow the
+   memory cap are pruned with that bound.
+2. Every variant (schedule, v, micro-batch, recompute) gets a step-time lower bound (perfect balance
+   of the fastest unit times plus the bubble); variants are priced in order of that bound, and the
+   search stops once the bound exceeds the best step time found (branch and bound).
+3. A priced variant is split by the fast packing (split.py), recompute chosen per unit, and priced
+   (evaluate.py); a packing that cannot reach the time that would tie the best so far stops early.
 The fastest fitting layout wins, except that step times within TIE_TOLERANCE of the fastest count
-as equal and the simplest of those wins: fewer stages, then zero 0, then 1F1B, then the faster.
-The winner's split is then solved again as a MILP (ilp.py), warm started and bounded by the DP, so
-the plan carries the MILP solver's status and gap. (The DP is exact for today's chain problem and
-takes microseconds; a MILP per layout would cost ~50 ms each. The MILP is the model that grows
-with per-stage choices such as recomputation or tensor parallelism.)
+as equal and the simplest of those wins (and DDP is kept unless sharding gains SHARDING_MARGIN).
+The winner is then solved again as a MILP (ilp.py), warm started and bounded by its packing, so the
+plan carries the MILP solver's status and gap.
 """
 
 from __future__ import annotations
@@ -19,128 +21,213 @@ import math
 import time
 from dataclasses import dataclass
 
-from autoplan.errors import Infeasible, UserError
+from autoplan.cost.memory import effective_zero, model_state_bytes
+from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster
 from autoplan.plan import Parallelism, SolverInfo, Training
 from autoplan.profile.types import ModelProfile
 from autoplan.solve import layouts
-from autoplan.solve.dp import min_peak_memory_split, solve_dp
-from autoplan.solve.evaluate import GIB, Candidate, gib, build_problem, evaluate_split, oom_reason
-from autoplan.solve.ilp import resolve_solver, solve_ilp
-from autoplan.solve.layers import LayerChain, build_chain
+from autoplan.solve.dp import leanest_assignment, solve_dp
+from autoplan.solve.evaluate import Candidate, Context, build_problem, evaluate, gib, oom_reason
+from autoplan.solve.ilp import solve_ilp
+from autoplan.solve.ilp_backend import resolve_solver
+from autoplan.solve.infeasible import infeasible_message
+from autoplan.solve.layers import LayerChain
 from autoplan.solve.pins import Pins
 from autoplan.solve.problem import Split
+from autoplan.solve.split import Slower, greedy_split
 
 TIE_TOLERANCE = 0.01
 """Predicted step times within 1% of the fastest are treated as equal: the cost model is not more
-accurate than that, and a simpler program (no pipeline, no sharding) is worth more than the rest."""
-
-LARGER_GPU_COUNTS_TRIED = 6
-"""How many larger power-of-two GPU counts an Infeasible message looks at."""
+accurate than that, and a simpler program is worth more than the rest."""
+SHARDING_MARGIN = 0.05
+"""Sharded data parallelism (ZeRO/FSDP) must be this much faster than the best replicated layout to be
+chosen: its gain is mostly the sharded optimizer step, while FSDP's per-module hooks and parameter
+bookkeeping cost host time the model does not price."""
+ILP_TIME_LIMIT_S = 10.0
+"""Time limit of the MILP on the winner when the caller gives none, seconds."""
+MAX_LISTED = 400
+"""Candidates kept in SearchResult.candidates (all are counted in candidates_evaluated)."""
 
 
 @dataclass(frozen=True)
 class SearchResult:
     best: Candidate
     candidates: tuple[Candidate, ...]
-    """Every layout tried, the best first, then the other fitting ones by step time, then the rest."""
+    """Layouts tried, the best first, then the other fitting ones by step time, then the rest."""
     solver: SolverInfo
     chain: LayerChain
     """The units the stages were cut from."""
 
 
 def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: Pins = Pins(),
-           solver: str = "highs", time_limit_s: float | None = None) -> SearchResult:
+           solver: str = "highs", time_limit_s: float | None = None,
+           features: frozenset[str] | None = None) -> SearchResult:
     started = time.perf_counter()
     resolve_solver(solver)
-    chain = build_chain(profile)
-    layouts.check_pins(pins, cluster.num_gpus, training.global_batch_size, len(chain))
-    options = layouts.enumerate_layouts(pins, cluster.num_gpus, training.global_batch_size, len(chain))
-    if not options:
+    features = layouts.SUPPORTED if features is None else frozenset(features)
+    ctx = Context(profile, cluster, training, features)
+    n, batch = len(ctx.chain), training.global_batch_size
+    tp_problems = ctx.facts.problems(pins.tp) if pins.tp else []
+    layouts.check_pins(pins, cluster.num_gpus, cluster.gpus_per_node, batch, n, features, tp_problems)
+    fams = layouts.families(pins, cluster.num_gpus, cluster.gpus_per_node, batch, n, features,
+                            lambda t: not ctx.facts.problems(t))
+    work, pruned, considered = [], [], 0
+    for fam in fams:
+        found = layouts.variants(fam, pins, batch, n, features)
+        considered += len(found)
+        bound = family_memory_bound(ctx, fam)
+        if bound > cluster.usable_memory_bytes and found:
+            lean = min(found, key=layouts.leanness)
+            par = layouts.parallelism(fam, lean, lean.recompute)
+            reason = (f"OOM by at least {gib(bound - cluster.usable_memory_bytes)} GiB (memory lower bound, "
+                      "no split tried)")
+            pruned.append(Candidate(par, (), None, False, reason, bound))
+            continue
+        for var in found:
+            work.append((time_lower_bound(ctx, fam, var, pins.recompute is not None), fam, var))
+    if not work and not pruned:
         raise UserError(f"no layout satisfies the pins '{pins.as_text()}' on {cluster.num_gpus} GPUs at global "
-                        f"batch {training.global_batch_size} (dp must divide the batch, pp the GPU count)")
-    tried = [_try_layout(chain, cluster, training, par) for par in options]
-    fitting = sorted((c for c, _ in tried if c.fits), key=_by_time)
+                        f"batch {batch} (dp must divide the batch, pp the GPU count)")
+    work.sort(key=lambda w: w[0])
+    tried, best_time = [], math.inf
+    for bound, fam, var in work:
+        if bound > best_time * (1 + TIE_TOLERANCE):
+            break  # sorted by bound: nothing after this can win
+        cutoff = best_time * (1 + TIE_TOLERANCE) / (var.num_microbatches + (fam.pp - 1) / var.virtual)
+        try:
+            candidate = try_layout(ctx, layouts.parallelism(fam, var, var.recompute),
+                                   layouts.modes_for(var.recompute, pins.recompute is not None), cutoff)
+        except Slower:
+            continue  # no split within the time that would tie the best so far
+        if candidate is None:
+            continue  # recompute allowed but not used: the same layout as its recompute=none variant
+        tried.append(candidate)
+        if candidate.fits:
+            best_time = min(best_time, candidate.predicted.step_time_s)
+    fitting = sorted((c for c in tried if c.fits), key=_by_time)
     if not fitting:
-        raise Infeasible(_infeasible_message(chain, cluster, training, pins, [c for c, _ in tried]))
-    splits = {id(c): split for c, split in tried}
+        raise infeasible_message(ctx, pins, tried + pruned, features)
+    chosen = choose(fitting)
+    best, info = refine_with_ilp(ctx, chosen, pins.recompute is not None, solver, time_limit_s)
+    others = (dataclasses.replace(c, reason=_losing_reason(c, best)) for c in fitting if c is not chosen)
+    ranked = [best] + sorted(others, key=_by_time)
+    rest = sorted((c for c in tried + pruned if not c.fits), key=lambda c: c.memory_needed_bytes)
+    fully_pinned = pins.dp is not None and pins.pp is not None
+    info = dataclasses.replace(info, name="pinned" if fully_pinned else info.name,
+                               time_s=time.perf_counter() - started, candidates_evaluated=considered)
+    return SearchResult(best, tuple((ranked + rest)[:MAX_LISTED]), info, ctx.chain)
+
+
+def choose(fitting: list[Candidate]) -> Candidate:
+    """The simplest of the layouts within TIE_TOLERANCE of the fastest; a replicated (DDP) layout within
+    SHARDING_MARGIN of a sharded winner is preferred to it."""
     fastest = fitting[0].predicted.step_time_s
     chosen = min((c for c in fitting if c.predicted.step_time_s <= fastest * (1 + TIE_TOLERANCE)), key=_simplicity)
-    best, info = _confirm_with_ilp(chain, cluster, training, chosen, splits[id(chosen)], solver, time_limit_s)
-    ranked = [best] + [dataclasses.replace(c, reason=_losing_reason(c, best)) for c in fitting if c is not chosen]
-    rest = sorted((c for c, _ in tried if not c.fits), key=lambda c: c.memory_needed_bytes)
-    pinned = pins.dp is not None and pins.pp is not None
-    info = dataclasses.replace(info, name="pinned" if pinned else info.name,
-                               time_s=time.perf_counter() - started, candidates_evaluated=len(tried))
-    return SearchResult(best, tuple(ranked + rest), info, chain)
+    if chosen.parallelism.zero_stage == 0:
+        return chosen
+    close = [c for c in fitting if c.parallelism.zero_stage == 0
+             and c.predicted.step_time_s <= chosen.predicted.step_time_s * (1 + SHARDING_MARGIN)]
+    return min(close, key=_simplicity) if close else chosen
 
 
-def estimate(profile: ModelProfile, cluster: Cluster, training: Training, parallelism: Parallelism,
-             stage_modules: tuple[tuple[str, ...], ...] | None = None, solver: str = "highs",
-             time_limit_s: float | None = None) -> Candidate:
-    """Price exactly one layout. The stage split is the optimal one unless `stage_modules` gives it."""
-    chain = build_chain(profile)
-    pins = Pins(dp=parallelism.data_parallel_degree, tp=parallelism.tensor_parallel_degree,
-                pp=parallelism.pipeline_parallel_degree, zero=parallelism.zero_stage,
-                schedule=parallelism.pipeline_parallel_schedule,
-                microbatch=parallelism.pipeline_parallel_microbatch_size,
-                recompute=parallelism.activation_checkpoint)
-    layouts.check_pins(pins, cluster.num_gpus, training.global_batch_size, len(chain))
-    per_rank = training.global_batch_size // parallelism.data_parallel_degree
-    m = per_rank // parallelism.pipeline_parallel_microbatch_size
-    if m != parallelism.pipeline_parallel_num_microbatches:
-        raise UserError(f"pipeline_parallel_num_microbatches={parallelism.pipeline_parallel_num_microbatches}, but "
-                        f"global batch {training.global_batch_size} / dp={parallelism.data_parallel_degree} / "
-                        f"microbatch={parallelism.pipeline_parallel_microbatch_size} = {m}")
-    if stage_modules is None:
-        candidate, split = _try_layout(chain, cluster, training, parallelism)
-        if candidate.fits and split is not None and split.num_stages > 1:
-            candidate, _ = _confirm_with_ilp(chain, cluster, training, candidate, split, solver, time_limit_s)
-        return candidate
-    problem = build_problem(chain, cluster, training, parallelism)
-    split = _split_from_modules(chain, stage_modules, parallelism.pipeline_parallel_degree)
-    fits = problem.fits(split)
-    candidate = evaluate_split(chain, cluster, training, parallelism, problem, split, fits)
-    if fits:
-        return candidate
-    return dataclasses.replace(candidate, reason=oom_reason(candidate, problem.memory_cap_bytes))
+def family_memory_bound(ctx: Context, fam: layouts.Family) -> float:
+    """Model states of the average pipeline rank: no split of this family can do better."""
+    numel = ctx.total_numel(fam.tp)
+    zero = effective_zero(fam.zero) if fam.shard > 1 else 0
+    states = sum(model_state_bytes(numel, ctx.dtype, zero, fam.shard).values())
+    if fam.pp > 1 and zero >= 2:  # unreduced gradients (and unsharded FSDP parameters) under pipelining
+        states += numel * (2 if zero == 3 else 1) * ctx.dtype_bytes
+    return states / fam.pp
 
 
-def _try_layout(chain: LayerChain, cluster: Cluster, training: Training,
-                par: Parallelism) -> tuple[Candidate, Split | None]:
-    problem = build_problem(chain, cluster, training, par)
+def time_lower_bound(ctx: Context, fam: layouts.Family, var: layouts.Variant, pinned: bool) -> float:
+    """(m + (p - 1) / v) x the slowest rank's slot if the fastest unit times balanced perfectly."""
+    table = ctx.table(fam.tp, var.microbatch)
+    mode = "none" if not pinned else var.recompute
+    slot = table.total_s[mode] / fam.pp
+    return (var.num_microbatches + (fam.pp - 1) / var.virtual) * slot
+
+
+def try_layout(ctx: Context, par: Parallelism, modes: tuple[str, ...], cutoff: float = math.inf) -> Candidate | None:
+    problem = build_problem(ctx, par, modes)
     cap = problem.memory_cap_bytes
     bound = problem.memory_lower_bound()
     if bound > cap:
         reason = f"OOM by at least {gib(bound - cap)} GiB (memory lower bound, no split tried)"
-        return Candidate(par, (), None, False, reason, bound), None
-    found = solve_dp(problem)
+        return Candidate(par, (), None, False, reason, bound)
+    found = greedy_split(problem, modes[0] if len(modes) == 1 else None, cutoff if cutoff < math.inf else None)
     if found is None:
-        leanest = min_peak_memory_split(problem)
-        candidate = evaluate_split(chain, cluster, training, par, problem, leanest.split, False)
-        return dataclasses.replace(candidate, reason=oom_reason(candidate, cap)), leanest.split
-    return evaluate_split(chain, cluster, training, par, problem, found.split, True), found.split
+        leanest = leanest_assignment(problem)
+        if leanest is None:
+            return Candidate(par, (), None, False, f"more stages than the {problem.num_units} layers", bound)
+        candidate = evaluate(ctx, par, problem, leanest, False)
+        return dataclasses.replace(candidate, reason=oom_reason(candidate, cap))
+    if len(modes) > 1 and all(k == "none" for k in found.modes):
+        return None
+    return evaluate(ctx, par, problem, found, True)
 
 
-def _confirm_with_ilp(chain, cluster, training, candidate: Candidate, split: Split, solver: str,
-                      time_limit_s: float | None) -> tuple[Candidate, SolverInfo]:
-    """Re-solve the winner's split with the MILP, seeded and bounded by the DP's optimum."""
-    name = resolve_solver(solver)
-    if split.num_stages == 1:
-        return candidate, SolverInfo(name=name, status="optimal", time_s=0.0, candidates_evaluated=1)
+def refine_with_ilp(ctx: Context, candidate: Candidate, pinned: bool, solver: str,
+                    time_limit_s: float | None) -> tuple[Candidate, SolverInfo]:
+    """Re-solve the winner's split and recompute as a MILP, seeded and bounded by its assignment."""
     par = candidate.parallelism
-    problem = build_problem(chain, cluster, training, par)
-    bound = problem.bottleneck(split)
-    result = solve_ilp(problem, solver, time_limit_s, warm_start=split, upper_bound=bound)
+    mode = par.activation_checkpoint
+    problem = build_problem(ctx, par, layouts.modes_for(mode, pinned))
+    start = candidate.assignment
+    if problem.num_stages == 1 and len(problem.modes) == 1:
+        return candidate, SolverInfo(name=resolve_solver(solver), status="optimal", time_s=0.0, candidates_evaluated=1)
+    if problem.virtual == 1 and len(problem.modes) == 1:  # the exact DP: a tighter bound and a better start
+        exact = solve_dp(problem)
+        if exact is not None and exact.value < problem.bottleneck(start) * (1 - 1e-9):
+            start = exact.assignment
+    bound = problem.bottleneck(start)
+    limit = ILP_TIME_LIMIT_S if time_limit_s is None else time_limit_s
+    result = solve_ilp(problem, solver, limit, warm_start=start, upper_bound=bound)
     info = SolverInfo(name=result.solver, status=result.status, time_s=result.time_s, candidates_evaluated=1,
                       gap=result.gap)
-    if result.split is not None and result.split != split and problem.fits(result.split) \
-            and result.objective <= bound * (1 + 1e-9):
-        # both splits are optimal for the slowest stage; keep whichever prices better overall
-        other = evaluate_split(chain, cluster, training, par, problem, result.split, True)
+    if result.assignment is not None and result.assignment != candidate.assignment \
+            and problem.fits(result.assignment) and result.objective <= bound * (1 + 1e-9):
+        other = evaluate(ctx, par, problem, result.assignment, True)
         if other.predicted.step_time_s < candidate.predicted.step_time_s:
             candidate = other
+    if result.status == "infeasible":  # the seed fits, so only a solver failure lands here
+        info = dataclasses.replace(info, status="time_limit", gap=1.0)
     return candidate, info
+
+
+def estimate(profile: ModelProfile, cluster: Cluster, training: Training, parallelism: Parallelism,
+             stage_modules: tuple[tuple[str, ...], ...] | None = None, solver: str = "highs",
+             time_limit_s: float | None = None, features: frozenset[str] | None = None) -> Candidate:
+    """Price exactly one layout, every unit in parallelism.activation_checkpoint. The stage split is
+    the best one unless `stage_modules` gives it."""
+    features = layouts.SUPPORTED if features is None else frozenset(features)
+    ctx = Context(profile, cluster, training, features)
+    par = parallelism
+    pins = Pins(dp=par.data_parallel_degree, tp=par.tensor_parallel_degree, pp=par.pipeline_parallel_degree,
+                zero=par.zero_stage, schedule=par.pipeline_parallel_schedule,
+                microbatch=par.pipeline_parallel_microbatch_size, recompute=par.activation_checkpoint)
+    tp_problems = ctx.facts.problems(par.tensor_parallel_degree)
+    layouts.check_pins(pins, cluster.num_gpus, cluster.gpus_per_node, training.global_batch_size, len(ctx.chain),
+                       features, tp_problems)
+    per_rank = training.global_batch_size // par.data_parallel_degree
+    m = per_rank // par.pipeline_parallel_microbatch_size
+    if m != par.pipeline_parallel_num_microbatches:
+        raise UserError(f"pipeline_parallel_num_microbatches={par.pipeline_parallel_num_microbatches}, but "
+                        f"global batch {training.global_batch_size} / dp={par.data_parallel_degree} / "
+                        f"microbatch={par.pipeline_parallel_microbatch_size} = {m}")
+    modes = (par.activation_checkpoint,)
+    if stage_modules is None:
+        candidate = try_layout(ctx, par, modes)
+        if candidate.fits and len(candidate.stages) > 1:
+            candidate, _ = refine_with_ilp(ctx, candidate, True, solver, time_limit_s)
+        return candidate
+    problem = build_problem(ctx, par, modes)
+    split = _split_from_modules(ctx.chain, stage_modules, problem.num_stages)
+    assignment = problem.uniform(split)
+    fits = problem.fits(assignment)
+    candidate = evaluate(ctx, par, problem, assignment, fits)
+    return candidate if fits else dataclasses.replace(candidate, reason=oom_reason(candidate, problem.memory_cap_bytes))
 
 
 def _by_time(c: Candidate) -> tuple:
@@ -149,12 +236,19 @@ def _by_time(c: Candidate) -> tuple:
 
 def _simplicity(c: Candidate) -> tuple:
     par = c.parallelism
-    schedule = layouts.SEARCHED_SCHEDULES.index(par.pipeline_parallel_schedule)
-    return (par.pipeline_parallel_degree, par.zero_stage, schedule, c.predicted.step_time_s, -par.pipeline_parallel_microbatch_size, par.data_parallel_degree)
+    schedule = layouts.SCHEDULE_PREFERENCE.index(par.pipeline_parallel_schedule)
+    recompute = layouts.RECOMPUTE_PREFERENCE.index(par.activation_checkpoint)
+    return (par.pipeline_parallel_degree, par.tensor_parallel_degree, par.zero_stage,
+            par.data_parallel_shard_degree > 1 and par.data_parallel_replicate_degree > 1, schedule,
+            par.pipeline_parallel_virtual_stages, recompute, len(c.activation_checkpoint_modules),
+            c.predicted.step_time_s, -par.pipeline_parallel_microbatch_size, par.data_parallel_degree)
 
 
 def _losing_reason(c: Candidate, best: Candidate) -> str:
     percent = (c.predicted.step_time_s - best.predicted.step_time_s) / best.predicted.step_time_s * 100
+    if percent < 0:
+        return (f"{-percent:.1f}% faster, but shards the model states: DDP is kept within "
+                f"{SHARDING_MARGIN:.0%} (FSDP hooks and bookkeeping are not priced)")
     if percent <= TIE_TOLERANCE * 100:
         return f"{percent:+.2f}% step time vs the best, a tie within {TIE_TOLERANCE:.0%}: the best is simpler"
     digits = 0 if percent >= 1 else 1
@@ -170,47 +264,3 @@ def _split_from_modules(chain: LayerChain, stage_modules, num_stages: int) -> Sp
     for stage in stage_modules:
         bounds.append(bounds[-1] + len(stage))
     return Split(tuple(bounds))
-
-
-def _leanest(chain, cluster, training, candidates: list[Candidate]) -> Candidate:
-    """The candidate needing the least memory per GPU, pruned ones solved exactly."""
-    exact = []
-    for c in candidates:
-        if c.stages:
-            exact.append(c)
-            continue
-        problem = build_problem(chain, cluster, training, c.parallelism)
-        leanest = min_peak_memory_split(problem)
-        exact.append(dataclasses.replace(c, memory_needed_bytes=leanest.value))
-    return min(exact, key=lambda c: c.memory_needed_bytes)
-
-
-def _larger_counts(num_gpus: int) -> list[int]:
-    first = 2 ** math.ceil(math.log2(num_gpus + 1))
-    return [first * 2**k for k in range(LARGER_GPU_COUNTS_TRIED)]
-
-
-def _smallest_fitting_count(chain, cluster, training, pins: Pins) -> int | None:
-    """The smallest larger power-of-two GPU count (dp pin dropped) at which some layout fits."""
-    relaxed = dataclasses.replace(pins, dp=None)
-    for count in _larger_counts(cluster.num_gpus):
-        bigger = dataclasses.replace(cluster, num_gpus=count)
-        for par in layouts.enumerate_layouts(relaxed, count, training.global_batch_size, len(chain)):
-            problem = build_problem(chain, bigger, training, par)
-            if problem.memory_lower_bound() <= problem.memory_cap_bytes and solve_dp(problem) is not None:
-                return count
-    return None
-
-
-def _infeasible_message(chain, cluster, training, pins: Pins, candidates: list[Candidate]) -> str:
-    cap = cluster.usable_memory_bytes
-    leanest = _leanest(chain, cluster, training, candidates)
-    needed = leanest.memory_needed_bytes
-    message = (f"no layout fits {cluster.num_gpus} GPUs with {gib(cap)} GiB usable each: the leanest "
-               f"({layouts.describe(leanest.parallelism)}) needs {gib(needed)} GiB per GPU")
-    count = _smallest_fitting_count(chain, cluster, training, pins)
-    largest = _larger_counts(cluster.num_gpus)[-1]
-    if count is None:
-        return message + (f"; no GPU count up to {largest} fits at global batch {training.global_batch_size} "
-                          f"(try --memory-per-gpu {math.ceil(needed / GIB)}GiB)")
-    return message + f"; {count} GPUs would fit (try --gpus {count} or --memory-per-gpu {math.ceil(needed / GIB)}GiB)"

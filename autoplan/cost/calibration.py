@@ -1,0 +1,47 @@
+"""Achievable-efficiency factors of the time and memory models, each with its unit and source.
+
+The hardware profile carries the per-device factors (Gpu.matmul_efficiency for large dense GEMMs,
+Gpu.memory_efficiency for streaming kernels, Gpu.kernel_overhead_s per launch, Link bus bandwidths
+from nccl-tests). The factors here are per op class and per mechanism, the same on every device.
+They were set from the literature and checked against the published Megatron-LM runs in
+shared/reference/runs.csv (benchmarks/accuracy.py prints the comparison); they are physics, not a fit
+per row: one value each for every model and layout.
+"""
+
+ATTENTION_EFFICIENCY = 0.55
+"""Fraction of dense peak FLOP/s that fused attention kernels sustain, forward and backward, on the
+FLOPs autoplan counts (4 b s^2 h forward, causal masking counted as full as Megatron does).
+FlashAttention-2 (Dao 2023, Fig. 5-6, A100 bf16, head dim 64-128, seq 2k) reaches 50-70% of peak
+forward and 40-55% backward on the causal half it computes; Megatron-LM's 2021 fused
+scale-mask-softmax kernels sit lower. Dimensionless."""
+
+BACKWARD_TRAFFIC_FACTOR = 2.0
+"""Bytes a backward kernel moves per forward byte: it reads the output gradient and the saved inputs
+and writes the input gradients. Dimensionless (roofline convention of profile/roofline.py)."""
+
+GEMM_BACKWARD_KERNELS = 2
+"""Kernels a weight matmul launches in backward: input gradient and weight gradient (cuBLAS)."""
+
+LOSS_BUFFER_FACTOR = 3.0
+"""Copies of the logits alive at the loss's backward on the last stage: the logits, the log-softmax
+output cross_entropy keeps, and the logits gradient. Dimensionless, per logit byte; PyTorch's
+MemTracker on a GPT-2-sized model shows 3 x the logits beyond the saved activations
+(benchmarks/accuracy.py, one-GPU section)."""
+
+FSDP_PREFETCH_UNITS = 2
+"""Units FSDP2 holds unsharded at once: the one computing and the next one prefetched
+(fully_shard's implicit forward/backward prefetch of one module ahead)."""
+
+P2P_OVERLAP = 0.0
+"""Share of pipeline point-to-point transfer time hidden behind compute. torch.distributed.pipelining
+posts a stage's receive only when it is about to compute (rendezvous NCCL send/recv), so transfers are
+counted as exposed."""
+
+TP_COMM_OVERLAP = 0.0
+"""Share of tensor-parallel all-reduce time hidden behind compute: torch TP (and Megatron-LM without
+sequence parallelism) issue them synchronously between the matmuls that need them."""
+
+GRADIENT_REDUCE_BYTES = 4
+"""Bytes per gradient element the data-parallel reduction moves: fp32, whatever the training dtype.
+The generated program reduces in fp32 (FSDP2 MixedPrecisionPolicy(reduce_dtype=float32); DDP over
+fp32 parameters under autocast), as Megatron-LM did for bf16 (accumulate_allreduce_grads_in_fp32)."""

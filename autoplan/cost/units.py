@@ -1,0 +1,182 @@
+"""What each op and each unit of the chain costs, as static data the time and memory models scale.
+
+Every op is classified once:
+- kind: "gemm" (a matmul with a weight: Linear, conv), "attention" (SDPA or an activation x
+  activation matmul), "view" (no kernel: view, transpose, split, ...), or "memory" (elementwise,
+  norms, embedding lookups, softmax outside attention: its cost is the bytes it moves);
+- tensor-parallel role (solve/tensor_parallel.py): split ops divide FLOPs, bytes and saved
+  activations by tp; "rowwise" outputs and everything outside regions stay whole.
+
+Per unit and per sample (capture dtype), with tp = 1, the activations kept for backward by
+recompute mode (parallelism.activation_checkpoint, chosen per unit):
+- none:      every saved tensor (OpProfile.saved_bytes);
+- selective: the unit's input plus the outputs of its gemm and attention ops (torch selective
+             activation checkpointing that saves matmul and attention outputs; Korthikanti et al.
+             2022 keep matmul outputs and recompute the cheap ops the same way). Recompute costs
+             the forward time of the "memory" ops;
+- full:      the unit's input only (the checkpoint boundary); recompute costs the whole forward.
+Each is capped by "none" (recomputing never keeps more).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoplan.profile.types import ModelProfile, OpProfile
+from autoplan.solve.layers import LayerChain
+from autoplan.solve.tensor_parallel import ATTENTION_OPS, TensorParallelFacts, packet
+
+VIEW_OPS = frozenset({
+    "view", "_unsafe_view", "transpose", "permute", "t", "unsqueeze", "squeeze", "expand", "split",
+    "split_with_sizes", "chunk", "slice", "narrow", "unbind", "select", "alias", "detach", "as_strided",
+})
+"""Ops that return a view: no kernel, no traffic."""
+GEMM_WORDS = frozenset({"linear", "addmm", "mm", "matmul", "bmm", "baddbmm", "einsum", "convolution",
+                        "conv1d", "conv2d", "conv3d", "_grouped_mm", "addmv", "mv"})
+SPLIT_ROLES = frozenset({"colwise", "rowwise", "interior", "head"})
+"""Tensor-parallel roles whose FLOPs and bytes divide by tp."""
+MODES = ("none", "selective", "full")
+MASK_SAVING_OPS = frozenset({"dropout", "native_dropout"})
+"""Ops whose saved tensor is a bool mask (1 byte per element, whatever the training dtype)."""
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One op's cost inputs. Activation quantities are per sample in the capture dtype."""
+
+    kind: str
+    """"gemm", "attention", "memory" or "view"."""
+    tp_role: str
+    """"colwise", "rowwise", "interior", "head", "embedding" or "" (replicated)."""
+    flops_fwd: float
+    flops_bwd: float
+    activation_bytes: float
+    """Bytes of activations read and written by the forward (inputs + outputs, parameters excluded)."""
+    parameter_bytes: float
+    """Bytes of parameters the op reads (not per sample)."""
+    input_activation_bytes: float
+    """Bytes of the activation inputs alone (what a colwise Linear's input gradient all-reduces)."""
+    output_bytes: float
+    saved_bytes: float
+    saved_scales: bool
+    """Whether saved bytes follow the training dtype (False for dropout's one-byte masks)."""
+    has_backward: bool
+    time_fwd_s: float
+    """Measured forward time at the profile's batch (0 when the profile holds estimates)."""
+    time_bwd_s: float
+    measured: bool
+    profile_batch: int
+    """Samples the measured times are for."""
+
+
+@dataclass(frozen=True)
+class UnitCosts:
+    """The ops of one unit and what sits around them."""
+
+    ops: tuple[OpCost, ...]
+    input_bytes: float
+    """Bytes per sample entering the unit from earlier units (what full recompute keeps)."""
+    output_buffer_bytes: float
+    """Bytes per sample of model outputs this unit produces (logits the loss holds), else 0."""
+    replicated_numel: int
+    """Parameter elements only this unit reads that every tensor-parallel rank keeps whole."""
+    split_numel: int
+    """Parameter elements only this unit reads that tensor parallelism splits."""
+
+
+@dataclass(frozen=True)
+class ChainCosts:
+    """Static costs of every unit of a chain, and which units are identical (share a signature)."""
+
+    units: tuple[UnitCosts, ...]
+    signature: tuple[int, ...]
+    """signature[u]: index of the first unit with exactly the same costs (identical layers tie)."""
+    tied_split: tuple[bool, ...]
+    """Per LayerChain.tied_groups entry: True when tensor parallelism splits that parameter."""
+    measured: bool
+    """Times come from measurements on this machine (profile device "cpu")."""
+
+    def runs(self) -> list[tuple[int, int]]:
+        """Maximal runs [start, end) of consecutive units with the same signature."""
+        out, start = [], 0
+        for u in range(1, len(self.units) + 1):
+            if u == len(self.units) or self.signature[u] != self.signature[start]:
+                out.append((start, u))
+                start = u
+        return out
+
+
+def classify(op: OpProfile) -> str:
+    name = packet(op)
+    if name in VIEW_OPS:
+        return "view"
+    if name in ATTENTION_OPS and not op.params and (name not in ("softmax", "_softmax", "_safe_softmax")):
+        return "attention"
+    if (name in GEMM_WORDS or name.startswith("conv")) and op.params and op.flops_fwd > 0:
+        return "gemm"
+    if name in GEMM_WORDS and op.flops_fwd > 0:
+        return "attention"
+    return "memory"
+
+
+def op_cost(op: OpProfile, profile: ModelProfile, role: str) -> OpCost:
+    batch = profile.batch_size
+    param_bytes = sum(profile.parameters.get(p, 0) for p in op.params) * profile.parameter_bytes_per_element
+    param_bytes = min(param_bytes, op.input_bytes)  # buffers read as params are not in `parameters`
+    measured = op.source == "measured"
+    return OpCost(
+        kind=classify(op),
+        tp_role=role,
+        flops_fwd=op.flops_fwd / batch,
+        flops_bwd=op.flops_bwd / batch,
+        activation_bytes=(op.input_bytes - param_bytes + op.output_bytes) / batch,
+        parameter_bytes=float(param_bytes),
+        input_activation_bytes=(op.input_bytes - param_bytes) / batch,
+        output_bytes=op.output_bytes / batch,
+        saved_bytes=op.saved_bytes / batch,
+        saved_scales=packet(op) not in MASK_SAVING_OPS,
+        has_backward=op.flops_bwd > 0 or op.time_bwd_s > 0 or op.saved_bytes > 0,
+        time_fwd_s=op.time_fwd_s if measured else 0.0,
+        time_bwd_s=op.time_bwd_s if measured else 0.0,
+        measured=measured,
+        profile_batch=batch,
+    )
+
+
+def chain_costs(profile: ModelProfile, chain: LayerChain, facts: TensorParallelFacts) -> ChainCosts:
+    by_node = {op.node: op for op in profile.ops}
+    outputs = set(profile.output_nodes)
+    tied = {g.parameter for g in chain.tied_groups}
+    units, signatures, seen = [], [], {}
+    for i, unit in enumerate(chain.units):
+        ops = tuple(op_cost(by_node[n], profile, facts.role.get(n, "")) for n in unit.ops)
+        own = [p for p in unit.parameters if p not in tied]
+        split = sum(profile.parameters[p] for p in own if p in facts.sharded_parameters)
+        costs = UnitCosts(
+            ops=ops,
+            input_bytes=chain.cut_bytes[i - 1] if i > 0 else 0.0,
+            output_buffer_bytes=sum(by_node[n].output_bytes for n in unit.ops if n in outputs) / profile.batch_size,
+            replicated_numel=sum(profile.parameters[p] for p in own) - split,
+            split_numel=split,
+        )
+        units.append(costs)
+        signatures.append(seen.setdefault(costs, i))
+    return ChainCosts(
+        units=tuple(units),
+        signature=tuple(signatures),
+        tied_split=tuple(g.parameter in facts.sharded_parameters for g in chain.tied_groups),
+        measured=profile.device == "cpu" and any(op.source == "measured" for op in profile.ops),
+    )
+
+
+def saved_by_mode(unit: UnitCosts, tp: int, scale: float) -> dict[str, float]:
+    """Activation bytes per sample kept for backward under each recompute mode, in the training dtype
+    (`scale` = its element size over the capture's)."""
+    def share(nbytes: float, split: bool) -> float:
+        return nbytes / tp if split else nbytes
+
+    none = sum(share(op.saved_bytes * (scale if op.saved_scales else 1.0), op.tp_role in ("rowwise", "interior"))
+               for op in unit.ops)
+    kept = scale * (unit.input_bytes + sum(share(op.output_bytes, op.tp_role in ("colwise", "interior"))
+                                           for op in unit.ops if op.kind in ("gemm", "attention")))
+    return {"none": none, "selective": min(none, kept), "full": min(none, scale * unit.input_bytes)}

@@ -1,0 +1,274 @@
+"""Predicted step time and memory next to the peers a user could pick instead, and next to the truth.
+
+    python benchmarks/accuracy.py [--runs shared/reference/runs.csv] [--skip-capture] [--skip-cpu]
+
+1. Published training runs (runs.csv; Megatron-LM, Narayanan et al. SC21), their layouts pinned:
+   autoplan on the Megatron-shaped GPT (benchmarks/models/megatron_gpt.py, generated profile), and
+   llm-analysis (Li, analytical, flops_efficiency 0.5 as its docs suggest for Megatron-LM) at the
+   micro-batch autoplan chose; TFLOP/s from the paper's FLOP formula; error against the measured.
+2. The real capture path (autoplan.api.plan_model on a model file, FakeTensorMode) for the 1.7B run:
+   the Megatron-shaped GPT and examples/gpt.py (FlashAttention through SDPA, which 2021 Megatron-LM
+   did not have, so it is expected to come out faster than the measurement).
+3. Memory of one GPU without parallelism: autoplan next to PyTorch's MemTracker on fake tensors
+   (torch.distributed._tools; its RuntimeEstimator is CUDA-only) and llm-analysis.
+4. This machine: a small GPT trained on CPU, step time and peak tensor memory measured (MemTracker on
+   real tensors) next to autoplan's prediction from its measured op timings.
+
+llm-analysis pins transformers < 5, so install it without dependencies:
+    pip install --no-deps llm-analysis==0.2.2 "fire>=0.5,<0.6"
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the GPT profile generator lives with the tests
+
+from chain_fixtures import paper_flops, read_runs, run_cluster, run_pins, run_profile  # noqa: E402
+
+from autoplan.plan import Training  # noqa: E402
+from autoplan.solve.layouts import ALL_FEATURES  # noqa: E402
+from autoplan.solve.pins import parse_pins  # noqa: E402
+from autoplan.solve.search import search  # noqa: E402
+
+GB = 1e9
+DEFAULT_RUNS = ROOT.parent / "shared" / "reference" / "runs.csv"
+LLM_ANALYSIS_FLOPS_EFFICIENCY = 0.5
+"""llm-analysis constant.py: "FLOPS efficiency achieved by Megatron-LM is ~0.5 for LLM training"."""
+LLM_ANALYSIS_GPUS = {"a100-sxm4-80gb": "a100-sxm-80gb", "a100-sxm4-40gb": "a100-sxm-40gb",
+                     "h100-sxm5-80gb": "h100-sxm-80gb"}
+
+
+def err(predicted: float | None, truth: float | None) -> str:
+    if predicted is None or truth is None:
+        return "-"
+    return f"{100 * (predicted / truth - 1):+.1f}%"
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def autoplan_run(row: dict) -> dict:
+    training = Training(global_batch_size=int(row["global_batch_seqs"]), dtype="bf16")
+    best = search(run_profile(row), run_cluster(row), training, parse_pins(run_pins(row)),
+                  features=ALL_FEATURES).best
+    step = best.predicted.step_time_s
+    return {"step": step, "tflops": paper_flops(row) / int(row["gpus"]) / step / 1e12,
+            "memory": best.predicted.peak_memory_bytes,
+            "microbatch": best.parallelism.pipeline_parallel_microbatch_size,
+            "layout": best.parallelism}
+
+
+def llm_analysis_run(row: dict, microbatch: int) -> dict | None:
+    try:
+        from llm_analysis.analysis import ActivationRecomputation, LLMAnalysis
+        from llm_analysis.config import ModelConfig, ParallelismConfig, get_dtype_config_by_name, get_gpu_config_by_name
+    except ImportError:
+        return None
+    from llm_analysis.logger import logger
+
+    logger.setLevel("ERROR")
+    model = ModelConfig(name="gpt", num_layers=int(row["layers"]), n_head=int(row["heads"]),
+                        hidden_dim=int(row["hidden"]), vocab_size=int(row["vocab"]), max_seq_len=int(row["seq_len"]))
+    gpu = get_gpu_config_by_name(LLM_ANALYSIS_GPUS.get(row["gpu"], row["gpu"]))
+    parallel = ParallelismConfig(tp_size=int(row["tp"]), pp_size=int(row["pp"]), dp_size=int(row["dp"]))
+    analysis = LLMAnalysis(model, gpu, get_dtype_config_by_name("w16a16e16"), parallel,
+                           flops_efficiency=LLM_ANALYSIS_FLOPS_EFFICIENCY)
+    recompute = ActivationRecomputation.FULL if row["recompute"] == "full" else ActivationRecomputation.NONE
+    out = analysis.training(batch_size_per_gpu=microbatch, global_batch_size=int(row["global_batch_seqs"]),
+                            seq_len=int(row["seq_len"]), activation_recomputation=recompute, flash_attn=False,
+                            softmax_dropout=True)
+    step = out["latency_per_iter"]
+    return {"step": step, "tflops": paper_flops(row) / int(row["gpus"]) / step / 1e12,
+            "memory": out["(weight+op_state+grad+act)_memory_per_gpu"]}
+
+
+def published(rows: list[dict]) -> None:
+    print("\n## Published runs, layouts pinned (truth: measured TFLOP/s per GPU incl. recompute)")
+    print(f"{'run':>8} {'layout':>22} {'measured':>9} | {'autoplan':>9} {'err':>7} {'mem GB':>7} | "
+          f"{'llm-an.':>8} {'err':>7} {'mem GB':>7}")
+    for row in rows:
+        ours = autoplan_run(row)
+        peer = llm_analysis_run(row, ours["microbatch"])
+        measured = float(row["measured_tflops_per_gpu_incl_recompute"])
+        layout = f"tp{row['tp']} pp{row['pp']} dp{row['dp']} mb{ours['microbatch']}"
+        print(f"{row['params_b'] + 'B':>8} {layout:>22} {measured:>9.1f} | {ours['tflops']:>9.1f} "
+              f"{err(ours['tflops'], measured):>7} {ours['memory'] / GB:>7.1f} | "
+              f"{fmt(peer and peer['tflops']):>8} {err(peer and peer['tflops'], measured):>7} "
+              f"{fmt(peer and peer['memory'] / GB):>7}")
+    if llm_analysis_run(rows[0], 1) is None:
+        print("llm-analysis is not installed (pip install --no-deps llm-analysis==0.2.2 'fire>=0.5,<0.6')")
+
+
+MODEL_FILE = '''import sys
+import torch
+sys.path.insert(0, {folder!r})
+from {module} import GPT, loss_fn
+
+def build_model():
+    return GPT({vocab}, {seq}, {layers}, {heads}, {hidden})
+
+def example_batch(batch_size):
+    idx = torch.randint(0, {vocab}, (batch_size, {seq} + 1))
+    return idx[:, :-1], idx[:, 1:]
+'''
+
+
+def capture_path(row: dict) -> None:
+    from autoplan.api import plan_model
+
+    print(f"\n## Real capture path (plan_model, FakeTensorMode), {row['params_b']}B run")
+    measured = float(row["measured_tflops_per_gpu_incl_recompute"])
+    sources = (("benchmarks/models/megatron_gpt.py", ROOT / "benchmarks" / "models", "megatron_gpt"),
+               ("examples/gpt.py (SDPA)", ROOT / "examples", "gpt"))
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, folder, module in sources:
+            path = Path(tmp) / f"{module}_run.py"
+            path.write_text(MODEL_FILE.format(folder=str(folder), module=module, vocab=row["vocab"], seq=row["seq_len"],
+                                              layers=row["layers"], heads=row["heads"], hidden=row["hidden"]))
+            started = time.perf_counter()
+            plan = plan_model(str(path), int(row["gpus"]), row["gpu"], gpus_per_node=int(row["gpus_per_node"]),
+                              global_batch=int(row["global_batch_seqs"]), pin=run_pins(row)).plan
+            tflops = paper_flops(row) / int(row["gpus"]) / plan.predicted.step_time_s / 1e12
+            print(f"{label:>34}: {tflops:6.1f} TFLOP/s ({err(tflops, measured)} vs {measured}), "
+                  f"{plan.predicted.peak_memory_bytes / GB:.1f} GB, planned in {time.perf_counter() - started:.1f} s")
+
+
+def memory_single_gpu(layers: int = 12, hidden: int = 768, heads: int = 12, seq: int = 1024, vocab: int = 50304,
+                      batch: int = 8) -> None:
+    """examples/gpt.py's GPT on one A100, no recompute, AdamW: peak bytes per tracker. The truth is
+    MemTracker in fp32 (bf16 in autoplan means bf16 compute with fp32 master weights, which autocast
+    is not); llm-analysis models 16-bit training only, so it stands next to autoplan's bf16."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from gpt import GPT, loss_fn
+
+    with FakeTensorMode():
+        model = GPT(vocab, seq, layers, heads, hidden)
+        optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
+        idx = torch.randint(0, vocab, (batch, seq))
+
+        def step():
+            loss_fn(model(idx), idx).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+
+        step()  # creates the optimizer state, as in steady state
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        with tracker:
+            step()
+        memtracker = max(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values())
+    from chain_fixtures import a100_cluster, gpt_profile
+
+    profile = gpt_profile(n_layer=layers, n_embd=hidden, vocab=vocab, seq=seq, batch=2, n_head=heads,
+                          device="a100-sxm4-80gb")
+    pins = parse_pins(f"dp=1,pp=1,microbatch={batch},recompute=none")
+    ours = {dtype: search(profile, a100_cluster(1), Training(global_batch_size=batch, dtype=dtype), pins)
+            .best.predicted.peak_memory_bytes for dtype in ("fp32", "bf16")}
+    peer = None
+    try:
+        from llm_analysis.analysis import LLMAnalysis
+        from llm_analysis.config import ModelConfig, get_dtype_config_by_name, get_gpu_config_by_name
+
+        model_config = ModelConfig(name="gpt", num_layers=layers, n_head=heads, hidden_dim=hidden, vocab_size=vocab,
+                                   max_seq_len=seq)
+        analysis = LLMAnalysis(model_config, get_gpu_config_by_name("a100-sxm-80gb"),
+                               get_dtype_config_by_name("w16a16e16"), flops_efficiency=LLM_ANALYSIS_FLOPS_EFFICIENCY)
+        out = analysis.training(batch_size_per_gpu=batch, global_batch_size=batch, seq_len=seq, flash_attn=True)
+        peer = out["(weight+op_state+grad+act)_memory_per_gpu"]
+    except ImportError:
+        pass
+    print(f"\n## One GPU, no parallelism: GPT {layers}x{hidden}, batch {batch}x{seq}, AdamW")
+    print(f"fp32: MemTracker (fake tensors, truth) {memtracker / GB:.2f} GB | autoplan {ours['fp32'] / GB:.2f} GB "
+          f"({err(ours['fp32'], memtracker)})")
+    print(f"bf16 + fp32 master weights (no truth here): autoplan {ours['bf16'] / GB:.2f} GB | llm-analysis "
+          f"{fmt(peer and peer / GB, 2)} GB")
+
+
+CPU_MODEL = '''import sys
+import torch
+sys.path.insert(0, {folder!r})
+from gpt import GPT, loss_fn
+
+def build_model():
+    return GPT(512, 128, 4, 4, 256)
+
+def example_batch(batch_size):
+    idx = torch.randint(0, 512, (batch_size, 129))
+    return idx[:, :-1], idx[:, 1:]
+'''
+
+
+def this_machine(batch: int = 8, steps: int = 5) -> None:
+    """A small GPT on this CPU: measured step time and peak memory next to autoplan's prediction."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from autoplan.api import plan_model
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from gpt import GPT, loss_fn
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)  # one rank of a CPU plan runs one thread (profile/measure.py)
+    model = GPT(512, 128, 4, 4, 256)
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
+    idx = torch.randint(0, 512, (batch, 129))
+
+    def step():
+        loss_fn(model(idx[:, :-1]), idx[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    step()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        step()
+    memory = max(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values())
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "cpu_gpt.py"
+        path.write_text(CPU_MODEL.format(folder=str(ROOT / "examples")))
+        plan = plan_model(str(path), 1, "cpu", global_batch=batch, pin=f"dp=1,pp=1,microbatch={batch}").plan
+    measured = statistics.median(times)
+    print(f"\n## This machine (CPU, 1 process): GPT 4x256, batch {batch}x128, fp32")
+    print(f"step time: measured {measured * 1e3:.1f} ms | autoplan {plan.predicted.step_time_s * 1e3:.1f} ms "
+          f"({err(plan.predicted.step_time_s, measured)})")
+    print(f"peak memory: measured (MemTracker) {memory / 2**20:.1f} MiB | autoplan "
+          f"{plan.predicted.peak_memory_bytes / 2**20:.1f} MiB ({err(plan.predicted.peak_memory_bytes, memory)})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", default=str(DEFAULT_RUNS), help="runs.csv of published runs")
+    parser.add_argument("--skip-capture", action="store_true", help="skip the real capture path")
+    parser.add_argument("--skip-cpu", action="store_true", help="skip the measurement on this machine")
+    args = parser.parse_args()
+    rows = read_runs(args.runs)
+    published(rows)
+    if not args.skip_capture:
+        smallest = min(rows, key=lambda r: float(r["params_b"]))
+        capture_path(smallest)
+    memory_single_gpu()
+    if not args.skip_cpu:
+        this_machine()
+
+
+if __name__ == "__main__":
+    main()

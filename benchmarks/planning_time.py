@@ -1,0 +1,139 @@
+"""Planning time across 12..128 layers and 8..4096 GPUs, and how it grows.
+
+    python benchmarks/planning_time.py [--quick] [--skip-capture]
+
+Each cell is one full search (autoplan.solve.search.search: every degree, ZeRO stage, HSDP split,
+schedule, virtual stages, micro-batch size and recompute mode, then the MILP on the winner) for a
+GPT of that depth on A100 80GB nodes of 8, bf16, global batch max(512, GPUs) sequences of 2048 tokens.
+Profiles come from the GPT profile generator (the same numbers capture gives, tests/chain_fixtures.py);
+the last part times the real capture path (plan_model: torch.export on fake tensors + profile + search)
+for the 1.7B GPT of examples/gpt.py, and the 1T GPT on 3072 GPUs against its published layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the GPT profile generator lives with the tests
+
+from chain_fixtures import a100_cluster, gpt_profile, read_runs, run_cluster, run_pins, run_profile  # noqa: E402
+
+from autoplan.plan import Training  # noqa: E402
+from autoplan.solve import layouts  # noqa: E402
+from autoplan.solve.layouts import ALL_FEATURES  # noqa: E402
+from autoplan.solve.pins import parse_pins  # noqa: E402
+from autoplan.solve.search import search  # noqa: E402
+
+SHAPES = {12: (768, 12), 24: (2304, 24), 48: (8192, 64), 96: (12288, 96), 128: (25600, 160)}
+"""Layers -> (hidden, heads): GPT-3 / Megatron-LM family shapes."""
+GPU_COUNTS = (8, 64, 512, 4096)
+
+
+def plan_once(layers: int, gpus: int) -> tuple[float, int, str]:
+    hidden, heads = SHAPES[layers]
+    profile = gpt_profile(n_layer=layers, n_embd=hidden, vocab=51200, seq=2048, batch=2, n_head=heads,
+                          device="a100-sxm4-80gb", attention="megatron")
+    started = time.perf_counter()
+    try:
+        result = search(profile, a100_cluster(gpus), Training(global_batch_size=max(512, gpus), dtype="bf16"))
+    except Exception as e:  # noqa: BLE001 - a cell that cannot be planned is reported, not fatal
+        return time.perf_counter() - started, 0, f"({type(e).__name__})"
+    return time.perf_counter() - started, result.solver.candidates_evaluated, layouts.describe(result.best.parallelism)
+
+
+def growth(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of log(y) on log(x): planning time ~ x^slope."""
+    lx, ly = [math.log(x) for x in xs], [math.log(max(y, 1e-6)) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
+
+def grid(layer_counts, gpu_counts) -> None:
+    print("## Full search time, seconds (layouts considered)")
+    print(f"{'layers':>6} " + " ".join(f"{g:>16}" for g in gpu_counts))
+    times: dict[tuple[int, int], float] = {}
+    chosen = []
+    for layers in layer_counts:
+        cells = []
+        for gpus in gpu_counts:
+            seconds, considered, layout = plan_once(layers, gpus)
+            times[layers, gpus] = seconds
+            cells.append(f"{seconds:7.2f} ({considered:>6})" if considered else f"{seconds:7.2f} (no fit)")
+            chosen.append(f"  {layers} layers, {gpus} GPUs: {layout}")
+        print(f"{layers:>6} " + " ".join(f"{c:>16}" for c in cells))
+    by_gpus = growth(list(gpu_counts), [sum(times[l, g] for l in layer_counts) for g in gpu_counts])
+    by_layers = growth(list(layer_counts), [sum(times[l, g] for g in gpu_counts) for l in layer_counts])
+    print(f"growth: time ~ GPUs^{by_gpus:.2f} and ~ layers^{by_layers:.2f}")
+    print("chosen layouts:")
+    print("\n".join(chosen))
+
+
+MODEL_FILE = '''import sys
+import torch
+sys.path.insert(0, {folder!r})
+from gpt import GPT, loss_fn
+
+def build_model():
+    return GPT(51200, 2048, 24, 24, 2304)
+
+def example_batch(batch_size):
+    idx = torch.randint(0, 51200, (batch_size, 2049))
+    return idx[:, :-1], idx[:, 1:]
+'''
+
+
+def capture_path() -> None:
+    from autoplan.api import plan_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "gpt_1p7b.py"
+        path.write_text(MODEL_FILE.format(folder=str(ROOT / "examples")))
+        started = time.perf_counter()
+        plan = plan_model(str(path), 32, "a100-sxm4-80gb", global_batch=512).plan
+        print(f"\n## Real capture path: examples/gpt.py 1.7B (24 x 2304) on 32 A100s: "
+              f"{time.perf_counter() - started:.1f} s end to end (capture, profile, search), "
+              f"{plan.solver.candidates_evaluated} layouts, chose {layouts.describe(plan.parallelism)}")
+
+
+def one_trillion() -> None:
+    runs = ROOT.parent / "shared" / "reference" / "runs.csv"
+    if not runs.is_file():
+        runs = ROOT / "tests" / "fixtures" / "published_runs.csv"
+    row = next(r for r in read_runs(runs) if r["pp"] == "64")
+    profile, cluster = run_profile(row), run_cluster(row)
+    training = Training(global_batch_size=int(row["global_batch_seqs"]), dtype="bf16")
+    started = time.perf_counter()
+    result = search(profile, cluster, training, features=ALL_FEATURES)  # priced as Megatron-LM could run it
+    elapsed = time.perf_counter() - started
+    published = search(profile, cluster, training, parse_pins(run_pins(row)), features=ALL_FEATURES).best
+    best = result.best.predicted.step_time_s
+    print(f"\n## 1T GPT (128 x 25600, 160 heads) on 3072 A100s: full search {elapsed:.1f} s, "
+          f"{result.solver.candidates_evaluated} layouts considered, MILP {result.solver.status}")
+    print(f"chosen   {layouts.describe(result.best.parallelism)}: {best:.1f} s/step, "
+          f"{result.best.predicted.peak_memory_bytes / 2**30:.1f} GiB")
+    print(f"published {layouts.describe(published.parallelism)}: {published.predicted.step_time_s:.1f} s/step "
+          f"(chosen is {100 * (1 - best / published.predicted.step_time_s):.1f}% faster)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="12/48/128 layers and 8/512 GPUs only")
+    parser.add_argument("--skip-capture", action="store_true", help="skip the real capture path")
+    args = parser.parse_args()
+    if args.quick:
+        grid((12, 48, 128), (8, 512))
+    else:
+        grid(tuple(SHAPES), GPU_COUNTS)
+    one_trillion()
+    if not args.skip_capture:
+        capture_path()
+
+
+if __name__ == "__main__":
+    main()
