@@ -181,8 +181,9 @@ def _peak_flops_per_gpu(plan: Plan) -> float | None:
 def _config_block(plan: Plan) -> str:
     p, t = plan.parallelism, plan.training
     rows = [
-        ("MODEL_FILE", 'Path(__file__).with_name("model.py")', "a copy of the planned model file"),
-        ("MODEL_SOURCE", repr(plan.model.path), "where it was copied from"),
+        ("MODEL_SOURCE", repr(plan.model.path), "the planned model file (its imports and paths work there)"),
+        ("MODEL_FILE", 'Path(MODEL_SOURCE) if Path(MODEL_SOURCE).is_file() else Path(__file__).with_name("model.py")',
+         "else the copy beside this file"),
         ("FACTORY", repr(plan.model.factory), "function in model.py that builds the model"),
         ("SEED", repr(t.seed), "weights: manual_seed(SEED); step t's batch: SEED + 1000 + t"),
         ("LEARNING_RATE", repr(t.learning_rate), "AdamW"),
