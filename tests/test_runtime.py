@@ -131,6 +131,23 @@ def test_a_module_called_twice_stays_inline():
     assert split.units == [("g",)]  # f runs before and after g: it cannot be one call
 
 
+def test_a_view_crossing_a_stage_boundary_is_sent_contiguous():
+    class Transposed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 6), nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.b(self.a(x).transpose(0, 1))  # the transpose is glue: it runs on a's stage
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 8), torch.randn(6, 3)
+    split = assert_chain_matches_model(Transposed(), [("a",), ("b",)], x, y)
+    (sent,) = split.stages[0](*split.flatten_inputs(x))
+    assert sent.is_contiguous()  # isend rejects views
+    assert [meta[0] for meta in split.boundary_meta[1]] == [tuple(sent.shape)] == [(6, 4)]
+
+
 def test_dict_inputs_and_dict_outputs_round_trip():
     class DictModel(nn.Module):
         def __init__(self):

@@ -155,6 +155,26 @@ def test_planned_linears_are_restored_as_modules_in_an_exported_stage():
     assert restore_linears(whole, {"lm_head", "blocks.0.mlp.fc"}) == {"blocks.0.mlp.fc"}
 
 
+def test_a_unit_that_is_itself_a_planned_linear_becomes_the_linear_the_stage_calls():
+    # the solver's chain cuts small models finer than blocks: each attention Linear is a unit
+    torch.manual_seed(0)
+    model = load_example("gpt").GPT(vocab=64, seq_len=8, n_layer=2, n_head=2, n_embd=16)
+    reference = copy.deepcopy(model)
+    idx = torch.randint(0, 64, (2, 8))
+    fine = ("wte", "wpe", "blocks.0.ln_1", "blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.ln_2", "blocks.0.mlp")
+    split = split_model(model, idx, [fine, ("blocks.1", "ln_f", "lm_head")])
+    stage = split.stages[0]
+    planned = {"blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.fc", "blocks.0.mlp.proj"}
+    assert restore_linears(stage, planned) == planned
+    for fqn in planned:
+        linear = stage.get_submodule(fqn)
+        assert isinstance(linear, nn.Linear) and linear.weight is model.get_parameter(f"{fqn}.weight")
+    calls = [n.target for n in stage.graph.nodes if n.op == "call_module"]
+    assert calls == list(fine)  # the Linears are called where their units were, with their result
+    assert set(dict(stage.named_parameters())) == set(split.state_fqns[0])  # names unchanged
+    torch.testing.assert_close(split.unflatten_output(run_stages(split, idx)), reference(idx), rtol=0, atol=1e-6)
+
+
 def test_selective_recompute_keeps_matmuls_and_gives_the_same_gradients():
     from torch.utils.checkpoint import CheckpointPolicy
 

@@ -12,6 +12,7 @@ A value made on stage i and used on stage j > i + 1 is threaded through the stag
 stage k's outputs are the values still needed by stages > k, in graph order, and they arrive as the
 positional arguments of stage k + 1 (how PipelineStage passes them). Stage 0 takes the flattened
 model inputs; the last stage returns the flattened model outputs (rebuild them with out_spec).
+Every tensor a stage returns is made contiguous (isend rejects views such as a transpose).
 
 Parameters keep the model's real tensors. One used on several stages (tied weights) gets a copy per
 stage with the same initial value; the training program sums their gradients (see TiedParameter).

@@ -95,8 +95,17 @@ def build_stage_module(plan: StagePlan) -> tuple[fx.GraphModule, dict[str, State
         call = graph.call_module(item, tuple(value(n) for n in external))
         for i, result in enumerate(results):
             env[result] = graph.call_function(operator.getitem, (call, i))
-    graph.output(tuple(value(o) if isinstance(o, fx.Node) else o for o in plan.outputs))
+    graph.output(tuple(_contiguous(graph, value(o), o) if isinstance(o, fx.Node) else o for o in plan.outputs))
     return fx.GraphModule(root, graph, class_name=f"Stage{plan.index}"), names, tuple(units)
+
+
+def _contiguous(graph: fx.Graph, node: fx.Node, original: fx.Node) -> fx.Node:
+    """A stage output as a contiguous tensor: the pipeline sends it with isend, which rejects views
+    such as a transposed projection (the receiver's buffer is contiguous, same shape and dtype).
+    contiguous() returns an already contiguous tensor itself, so this copies only views."""
+    if not isinstance(original.meta.get("val"), torch.Tensor):
+        return node
+    return graph.call_method("contiguous", (node,))
 
 
 def _inline_non_convex_units(plan: StagePlan, unit_of: dict[fx.Node, str | None]) -> None:

@@ -15,6 +15,7 @@ the planned ones back into nn.Linear submodules at the same FQN so parallelize_m
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Iterator, Mapping, Sequence
 
 import torch
@@ -85,8 +86,13 @@ def tensor_parallel_context(enabled: bool) -> Iterator[None]:
 
 def restore_linears(module: nn.Module, fqns: set[str]) -> set[str]:
     """Turn aten.linear calls of the Linears named in `fqns` (FQNs in `module`) back into nn.Linear
-    submodules that hold the same parameters. Returns the FQNs restored."""
+    submodules that hold the same parameters. Returns the FQNs restored.
+
+    A Linear lies inside a unit's GraphModule (unit "blocks.0", weight "attn.qkv.weight"), in the
+    stage's own graph (an inlined unit), or is a unit itself (unit "blocks.0.attn.qkv", weight
+    "weight"): then the unit's GraphModule is replaced by the Linear in the graph that calls it."""
     restored = set()
+    whole_units = []
     for prefix, graph_module in list(module.named_modules()):
         if not isinstance(graph_module, fx.GraphModule):
             continue
@@ -95,34 +101,28 @@ def restore_linears(module: nn.Module, fqns: set[str]) -> set[str]:
             if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
                 continue
             weight = node.args[1]
-            if not isinstance(weight, fx.Node) or weight.op != "get_attr" or not weight.target.endswith(".weight"):
+            if not isinstance(weight, fx.Node) or weight.op != "get_attr" or weight.target.rpartition(".")[2] != "weight":
                 continue
             path = weight.target.rpartition(".")[0]
-            fqn = f"{prefix}.{path}" if prefix else path
-            if fqn in fqns:
+            fqn = ".".join(part for part in (prefix, path) if part)
+            if fqn not in fqns:
+                continue
+            if path:
                 _linear_node_to_module(graph_module, node, path, fqn)
-                restored.add(fqn)
                 changed = True
+            else:
+                whole_units.append((prefix, graph_module, node))
+            restored.add(fqn)
         if changed:
             graph_module.recompile()
+    for prefix, unit, node in whole_units:
+        _linear_unit_to_module(module, prefix, unit, node)
     return restored
 
 
 def _linear_node_to_module(graph_module: fx.GraphModule, node: fx.Node, path: str, fqn: str) -> None:
-    weight = node.args[1]
-    bias = node.args[2] if len(node.args) > 2 else None
-    params = [p for p in (weight, bias) if p is not None]
-    if any(len(p.users) != 1 for p in params):
-        raise UserError(f"tensor parallel: the weight of {fqn!r} is also used outside its Linear (tied?), "
-                        "so it cannot be sharded as a Linear")
-    holder = graph_module.get_submodule(path)
-    extra = (set(dict(holder.named_parameters())) | set(dict(holder.named_buffers()))) - {"weight", "bias"}
-    if extra:
-        raise UserError(f"tensor parallel: {fqn!r} holds more than a Linear's weight and bias: {sorted(extra)}")
-    linear = nn.Linear(holder.weight.shape[1], holder.weight.shape[0], bias=bias is not None, device="meta")
-    linear.weight = holder.weight
-    if bias is not None:
-        linear.bias = getattr(holder, bias.target.rpartition(".")[2])
+    params = _linear_parameters(node, fqn)
+    linear = _as_linear(graph_module.get_submodule(path), node, fqn)
     parent_path, _, leaf = path.rpartition(".")
     setattr(graph_module.get_submodule(parent_path) if parent_path else graph_module, leaf, linear)
     with graph_module.graph.inserting_before(node):
@@ -131,6 +131,68 @@ def _linear_node_to_module(graph_module: fx.GraphModule, node: fx.Node, path: st
     graph_module.graph.erase_node(node)
     for param in params:
         graph_module.graph.erase_node(param)
+
+
+def _linear_unit_to_module(root: nn.Module, path: str, unit: fx.GraphModule, node: fx.Node) -> None:
+    """Replace the unit GraphModule at `path` (in `root`), which runs only the linear `node`, by an
+    nn.Linear, and its call (unit calls return a tuple) by a call of the Linear."""
+    _linear_parameters(node, path)
+    ops = [n for n in unit.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    inputs = [n for n in unit.graph.nodes if n.op == "placeholder"]
+    output = next(n for n in unit.graph.nodes if n.op == "output")
+    if ops != [node] or inputs != [node.args[0]] or tuple(output.args[0]) != (node,):
+        raise UserError(f"tensor parallel: unit {path!r} runs more than its Linear in the exported graph, "
+                        "so it cannot be sharded as a Linear")
+    caller_path, target, calls = _callers(root, path)
+    if len(calls) != 1:
+        raise UserError(f"tensor parallel: unit {path!r} is called {len(calls)} times in its stage, expected once")
+    (call,) = calls
+    linear = _as_linear(unit, node, path)
+    parent_path, _, leaf = path.rpartition(".")
+    setattr(root.get_submodule(parent_path) if parent_path else root, leaf, linear)
+    caller = root.get_submodule(caller_path)
+    with caller.graph.inserting_before(call):
+        direct = caller.graph.call_module(target, call.args)
+    for user in list(call.users):  # getitem(call, 0): the unit returned (linear,)
+        user.replace_all_uses_with(direct)
+        caller.graph.erase_node(user)
+    caller.graph.erase_node(call)
+    caller.recompile()
+
+
+def _linear_parameters(node: fx.Node, fqn: str) -> list[fx.Node]:
+    """The weight and bias get_attr nodes of a linear op, which must read them alone."""
+    params = [p for p in node.args[1:3] if p is not None]
+    if any(len(p.users) != 1 for p in params):
+        raise UserError(f"tensor parallel: the weight of {fqn!r} is also used outside its Linear (tied?), "
+                        "so it cannot be sharded as a Linear")
+    return params
+
+
+def _as_linear(holder: nn.Module, node: fx.Node, fqn: str) -> nn.Linear:
+    """An nn.Linear holding the (meta or real) weight and bias of `holder` that `node` reads."""
+    bias = node.args[2] if len(node.args) > 2 else None
+    extra = (set(dict(holder.named_parameters())) | set(dict(holder.named_buffers()))) - {"weight", "bias"}
+    if extra:
+        raise UserError(f"tensor parallel: {fqn!r} holds more than a Linear's weight and bias: {sorted(extra)}")
+    linear = nn.Linear(holder.weight.shape[1], holder.weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = holder.weight
+    if bias is not None:
+        linear.bias = getattr(holder, bias.target.rpartition(".")[2])
+    return linear
+
+
+def _callers(root: nn.Module, path: str) -> tuple[str, str, list[fx.Node]]:
+    """The GraphModule that calls the module at `path`, the call's target there, and the calls."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        caller_path, target = ".".join(parts[:i]), ".".join(parts[i:])
+        caller = root.get_submodule(caller_path)
+        if isinstance(caller, fx.GraphModule):
+            calls = [n for n in caller.graph.nodes if n.op == "call_module" and n.target == target]
+            if calls:
+                return caller_path, target, calls
+    return "", path, []
 
 
 _registered = False
