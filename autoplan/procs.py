@@ -56,3 +56,18 @@ def kill_process_tree(process: subprocess.Popen, grace_s: float = 0.0) -> None:
         except (ProcessLookupError, PermissionError):
             continue
     process.wait()
+
+
+def running_ranks(root: int) -> list[int]:
+    """torch.distributed ranks (their RANK environment variable) still running below `root`: on a
+    timeout, the ranks that never finished."""
+    ranks = set()
+    for pid in descendants(root):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for entry in environ:
+            if entry.startswith(b"RANK=") and entry[5:].isdigit():
+                ranks.add(int(entry[5:]))
+    return sorted(ranks)

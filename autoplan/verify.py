@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from autoplan.errors import UserError
-from autoplan.procs import kill_process_tree
+from autoplan.procs import kill_process_tree, running_ranks
 from autoplan.plan import Plan, PlanError
 
 PARITY_TOLERANCE = 1e-4
@@ -280,8 +280,10 @@ def _wait(run: _Run, deadline: float, timeout_s: float) -> None:
     try:
         code = run.process.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
+        stuck = running_ranks(run.process.pid)
         run.kill()
-        raise UserError(f"the {run.name} did not finish within {timeout_s:g} s and was killed; "
+        ranks = f" (rank{'s' if len(stuck) > 1 else ''} {', '.join(map(str, stuck))} still running)" if stuck else ""
+        raise UserError(f"the {run.name} did not finish within {timeout_s:g} s and was killed{ranks}; "
                         f"last lines of its stderr:\n{run.stderr_tail()}") from None
     if code != 0:
         raise UserError(f"the {run.name} failed (exit code {code}); last lines of its stderr:\n{run.stderr_tail()}")
