@@ -123,3 +123,17 @@ def test_real_capture_fixture_round_trips_to_the_generators_chain():
         assert a.time_fwd_s == pytest.approx(b.time_fwd_s, rel=1e-3) and len(a.ops) == len(b.ops)
     assert build_chain(replace(loaded, batch_size=1)).units[2].flops_fwd == pytest.approx(
         2 * build_chain(loaded).units[2].flops_fwd)
+
+
+def test_no_unit_splits_a_tensor_parallel_pair():
+    """A stage boundary between a colwise and its rowwise Linear would send sharded activations across
+    stages: modules holding tensor-parallel Linears stay whole units."""
+    from autoplan.solve.tensor_parallel import find_tensor_parallel_plan
+
+    profile = ModelProfile.from_json((FIXTURES / "llama_capture.json").read_text())
+    linears = find_tensor_parallel_plan(profile, vocab_parallel=False)
+    assert linears  # q/k/v/o_proj and gate/up/down_proj of every layer
+    units = [u.fqn for u in build_chain(profile).units]
+    assert not set(units) & set(linears)
+    assert not [u for u in units for lin in linears if u.startswith(lin + ".")]
+    assert "model.layers.0.self_attn" in units and "model.layers.0.mlp" in units

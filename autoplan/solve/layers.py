@@ -114,7 +114,10 @@ def build_chain(profile: ModelProfile, max_unit_share: float = 1 / 8) -> LayerCh
         raise ValueError(f"profile of {profile.model} has no ops")
     tree = _module_tree(ops)
     weight = _op_weights(ops)
-    units = _choose_units(ops, tree, weight, max_unit_share)
+    from autoplan.solve.tensor_parallel import find_tensor_parallel_plan
+
+    keep_whole = frozenset(find_tensor_parallel_plan(profile, vocab_parallel=False))
+    units = _choose_units(ops, tree, weight, max_unit_share, keep_whole)
     assignment = _assign_ops(ops, units)
     order = sorted(units, key=lambda u: assignment.first_op[u])
     index_of = {fqn: i for i, fqn in enumerate(order)}
@@ -197,7 +200,11 @@ def _is_numbered_container(tree: nx.DiGraph, fqn: str) -> bool:
     )
 
 
-def _choose_units(ops, tree: nx.DiGraph, weight: list[float], max_unit_share: float) -> list[str]:
+def _choose_units(ops, tree: nx.DiGraph, weight: list[float], max_unit_share: float,
+                  tensor_parallel_linears: frozenset[str] = frozenset()) -> list[str]:
+    """Expand the heaviest units into their children; a module whose children include tensor-parallel
+    Linears stays whole, so no pipeline stage boundary cuts a colwise -> rowwise pair apart (the
+    sharded activations between them never cross stages)."""
     units = _children(tree, ROOT)
     if not units:
         return [ROOT]  # the root runs every op itself: one unit, a single pipeline stage
@@ -210,6 +217,7 @@ def _choose_units(ops, tree: nx.DiGraph, weight: list[float], max_unit_share: fl
         expandable = [
             u for u in units
             if tree.out_degree(u) > 0 and (share(u) > max_unit_share or _is_numbered_container(tree, u))
+            and not any(child in tensor_parallel_linears for child in _children(tree, u))
         ]
         if not expandable:
             return units
