@@ -191,6 +191,8 @@ def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set
         op = ops[node]
         largest = max((ops[s].output_bytes for s in op.inputs if s in ops), default=0)
         for src in op.inputs:
+            if region.get(src) == "rowwise":
+                return None  # a split op would read a rowwise Linear's full (all-reduced) output
             if src in region or src not in derived or ops[src].output_bytes * BROADCAST_RATIO <= largest:
                 continue  # already split, a constant (mask, positions), or a small broadcast operand
             producer = ops[src]
