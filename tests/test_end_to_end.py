@@ -85,3 +85,11 @@ def test_shipped_examples_plan_for_eight_h100(tmp_path, example):
     plan = json.loads((out / "plan.json").read_text())
     assert plan["cluster"]["gpu"] == "h100-sxm5-80gb"
     assert 0 < plan["predicted"]["mfu"] < 1
+
+
+def test_the_readme_cpu_example_plans_and_verifies(tmp_path, capsys):
+    """README: autoplan examples/mlp.py --gpus 2 --gpu cpu --out DIR && autoplan verify DIR"""
+    examples = Path(__file__).parent.parent / "examples"
+    out = tmp_path / "out"
+    assert main([str(examples / "mlp.py"), "--gpus", "2", "--gpu", "cpu", "--out", str(out), "--quiet"]) == 0
+    verify_cli(tmp_path, capsys)
