@@ -30,7 +30,8 @@ def verify_cli(tmp_path: Path, capsys) -> dict:
 
 
 def test_pure_data_parallel_gpt_on_two_processes(tmp_path, capsys):
-    plan = plan_cli(tmp_path, "tiny_gpt.py", "--gpus", "2", "--global-batch", "8")
+    # pinned: on CPU the fastest layout depends on measured op times, and this test is about pure DP
+    plan = plan_cli(tmp_path, "tiny_gpt.py", "--gpus", "2", "--global-batch", "8", "--pin", "dp=2")
     par = plan["parallelism"]
     assert par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"] == 2
     assert par["pipeline_parallel_degree"] == 1
@@ -62,7 +63,8 @@ def test_memory_cap_below_the_replicated_model_changes_the_plan(tmp_path, capsys
     cap = int(replicated["predicted"]["peak_memory_bytes"] * 0.8)
     tight = plan_cli(tmp_path, "tiny_mlp.py", "--gpus", "2", "--global-batch", "8", "--memory-per-gpu", str(cap))
     par = tight["parallelism"]
-    assert par["data_parallel_shard_degree"] == 2 or par["pipeline_parallel_degree"] == 2
+    assert par["data_parallel_replicate_degree"] == 1  # no longer replicated: sharded, pipelined or split
+    assert 2 in (par["data_parallel_shard_degree"], par["pipeline_parallel_degree"], par["tensor_parallel_degree"])
     assert tight["predicted"]["peak_memory_bytes"] <= cap
     why_not = (tmp_path / "out" / "candidates.csv").read_text()
     assert "OOM" in why_not  # the replicated layouts were tried and lost on memory
