@@ -12,6 +12,7 @@ import re
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -273,20 +274,28 @@ def write_outputs(result: PlanResult, out: Path, model_file: Path) -> None:
 
     if not model_file.is_file():
         raise UserError("writing train.py needs the model as a file: pass a path to model.py")
-    out = out.resolve()
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} exists and is not a folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with _staged_folder(out) as staging:
         (staging / "plan.json").write_text(result.plan.to_json())
         write_csvs(result, staging)
         (staging / UNSUPPORTED_FILE).write_text(unsupported_ops_text(result.profile))
         write_report(result, staging, scaling=list(result.scaling) or None)
         write_trace(result.plan, staging)
         write_program(result.plan, staging, model_file)
+
+
+@contextmanager
+def _staged_folder(out: Path):
+    """Yield a temporary sibling of `out` to write into; it replaces `out` only when the block completes.
+    On any exception (KeyboardInterrupt and SIGTERM included) it is removed: never a half-written folder."""
+    out = Path(out).resolve()
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield staging
         _replace_folder(staging, out)
-    except BaseException:  # KeyboardInterrupt and SIGTERM included: never leave a half-written folder
+    except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
 
@@ -339,17 +348,10 @@ def profile_only(model: Any, gpu: str = DEFAULT_GPU, *, hardware: str | None = N
                         f"use --gpu cpu, or run where the GPU is")
     profile = profile_model(source, batch_size, hw, measure=measure, dtype=dtype or ("fp32" if on_cpu else "bf16"))
     if out is not None:
-        out = Path(out).resolve()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-        try:
+        with _staged_folder(Path(out)) as staging:
             ops = ops_frame(profile)
             ops.to_csv(staging / "ops.csv", index=False)
             modules_frame(profile, ops).to_csv(staging / "modules.csv", index=False)
             (staging / UNSUPPORTED_FILE).write_text(unsupported_ops_text(profile))
             (staging / "profile.json").write_text(profile.to_json())
-            _replace_folder(staging, out)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
     return profile
