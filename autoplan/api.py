@@ -215,7 +215,7 @@ def scaling_curve(profile: ModelProfile, cluster: Cluster, training: Training, s
     from autoplan.solve.pins import Pins
     from autoplan.solve.search import search
 
-    pins = Pins(pp=1) if profile.capture_method != "export" else Pins()
+    pins = _pins_for_capture(Pins(), profile, warn=False)
     points = []
     for count in sorted({max(1, round(cluster.num_gpus * f)) for f in SCALING_FACTORS}):
         batch = max(1, training.global_batch_size * count // cluster.num_gpus)
@@ -243,7 +243,7 @@ def _pin_arithmetic(pins, num_gpus: int) -> list[str]:
     return [f"--pin {shown} = {product} GPUs, but --gpus is {num_gpus}"]
 
 
-def _pins_for_capture(pins, profile: ModelProfile):
+def _pins_for_capture(pins, profile: ModelProfile, warn: bool = True):
     """Pipeline stages are cut from the exported graph: without one (export failed and capture fell
     back), only layouts that keep the model whole can be generated."""
     from dataclasses import replace
@@ -253,7 +253,8 @@ def _pins_for_capture(pins, profile: ModelProfile):
     if pins.pp not in (None, 1):
         raise UserError(f"pp={pins.pp} needs the model's graph, but torch.export could not capture it "
                         f"(captured by {profile.capture_method}): pin pp=1 or make the forward exportable")
-    log.warning("torch.export could not capture the model: planning without pipeline parallelism")
+    if warn:
+        log.warning("torch.export could not capture the model: planning without pipeline parallelism")
     return replace(pins, pp=1)
 
 
