@@ -11,11 +11,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from autoplan.report import charts
+from autoplan.report import charts, verify_view
 from autoplan.report.rollup import (SCHEDULE_NAMES, chosen_candidate, describe_layout, ideal_scaling, plural,
                                     memory_segments, module_times, ranked_candidates)
 from autoplan.report.schedule import makespan_s, step_schedule
-from autoplan.report.svg import ACCENT, color, esc, fmt_bytes, fmt_number, fmt_seconds
+from autoplan.report.svg import ACCENT, esc, fmt_bytes, fmt_number, fmt_seconds
 
 PARITY_TOLERANCE = 1e-4
 """|loss difference| allowed between the distributed program and the reference, fp32 (DESIGN.md)."""
@@ -56,6 +56,7 @@ table{border-collapse:collapse;width:100%;font-size:13px;font-variant-numeric:ta
 th,td{padding:6px 8px;border-bottom:1px solid var(--line);text-align:left;vertical-align:top}
 th{font-weight:600;color:var(--muted);font-size:11.5px;text-transform:uppercase;letter-spacing:.04em}
 td.n,th.n{text-align:right;white-space:nowrap}
+th.g{text-align:center}
 tr.chosen td{background:#eef4fb;font-weight:600}
 details summary{cursor:pointer;color:var(--accent);margin:8px 0;font-size:13px}
 .badge{display:inline-block;padding:0 8px;border-radius:10px;font-size:12px;font-weight:600}
@@ -63,6 +64,8 @@ details summary{cursor:pointer;color:var(--accent);margin:8px 0;font-size:13px}
 ol.why{padding-left:20px;margin:0}ol.why li{margin:0 0 10px}
 .why .reason{color:var(--muted);font-size:14px}
 code{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12.5px}
+h3{font-size:15px;margin:22px 0 2px}
+pre{white-space:pre-wrap;font-size:12px;color:var(--warn)}
 footer{color:var(--muted);font-size:12.5px;text-align:center;margin-top:28px}
 """
 
@@ -274,35 +277,51 @@ def scaling_section(points: list[tuple[int, float]]) -> str:
             "counts (each point is a full re-plan).</p>" + chart)
 
 
-def verify_section(verify: dict) -> str:
-    """Loss parity of the generated program against the single-process reference, and measured vs predicted."""
+def verify_section(verify: Any) -> str:
+    """Loss parity of the generated program against the single-process reference, and measured vs predicted
+    (overall, per stage and per rank: autoplan.report.verify_view). verify.json is user-editable, so any
+    value may be missing or malformed: such values are skipped, never trusted, never fatal."""
+    verify = verify if isinstance(verify, dict) else {}
     reference, losses = _steps(verify.get("reference_losses")), _steps(verify.get("losses"))
-    diff = verify.get("parity_max_abs_diff")
-    if not isinstance(diff, (int, float)) and reference and losses:
-        diff = max(abs(a - b) for (_, a), (_, b) in zip(reference, losses))
-    ok = isinstance(diff, (int, float)) and math.isfinite(diff) and diff <= PARITY_TOLERANCE
+    tolerance = verify_view.finite(verify.get("parity_tolerance"))
+    tolerance = tolerance if tolerance is not None and tolerance > 0 else PARITY_TOLERANCE
+    diff = _parity_diff(verify)
+    # verify.py writes passed=false (and a null difference) when a run failed or a loss was NaN
+    ok = verify.get("passed") is not False and diff is not None and math.isfinite(diff) and diff <= tolerance
     badge = f'<span class="badge {"ok" if ok else "bad"}">{"parity" if ok else "NO parity"}</span>'
-    detail = f"max |difference| {diff:.2e} (tolerance {PARITY_TOLERANCE:g})" if isinstance(diff, (int, float)) \
-        else "no losses recorded"
+    if diff is None:
+        detail = "no losses recorded"
+    elif not math.isfinite(diff):
+        detail = "the losses do not compare (a run failed, stopped early or diverged to NaN)"
+    else:
+        detail = f"max |difference| {diff:.2e} (tolerance {tolerance:g})"
     html = (f'<section id="verification"><h2>Verification {badge}</h2><p class="lead">The generated program on '
             f"{esc(verify.get('nproc', '?'))} CPU processes (gloo) against the single-process model, same weights and "
             f"batches: {esc(detail)}.</p>")
+    error = verify.get("error")
+    if isinstance(error, str) and error:
+        html += f"<details><summary>The run failed</summary><pre>{esc(error)}</pre></details>"
     if reference or losses:
         html += charts.line_chart(
             [("single process (reference)", "#a0cbe8", reference), ("generated program", "#1f4e79", losses)],
             "optimizer step", "loss", lambda v: f"{v:g}", lambda v: f"{v:.4g}", "loss parity",
             dashed=("generated program",), halo=("single process (reference)",))
-    compared = [(what, verify.get(f"predicted_{key}"), verify.get(f"measured_{key}"), fmt)
-                for what, key, fmt in (("step time", "step_time_s", fmt_seconds),
-                                       ("peak memory", "peak_memory_bytes", fmt_bytes))]
-    for what, predicted, measured, fmt in compared:
-        if isinstance(predicted, (int, float)) and isinstance(measured, (int, float)) and measured > 0:
-            html += (f'<p class="lead">Predicted vs measured {what}: predicted / measured = '
-                     f"{predicted / measured:.2f}.</p>" + charts.compare_bars(
-                         [(f"predicted {what}", float(predicted), color(0)), (f"measured {what}", float(measured),
-                                                                              color(1))],
-                         fmt, what, f"predicted vs measured {what}"))
-    return html + "</section>"
+    return html + verify_view.comparison_html(verify) + "</section>"
+
+
+def _parity_diff(verify: dict) -> float | None:
+    """The recorded max |loss difference| (NaN or infinity included: they mean divergence), else the one the
+    two loss lists give (NaN when a pair is not two numbers); None when there is nothing to compare."""
+    diff = verify.get("parity_max_abs_diff")
+    if isinstance(diff, (int, float)) and not isinstance(diff, bool):
+        return float(diff)
+    reference, losses = verify.get("reference_losses"), verify.get("losses")
+    if not isinstance(reference, list) or not isinstance(losses, list) or not reference or not losses:
+        return None
+    pairs = [(verify_view.finite(a), verify_view.finite(b)) for a, b in zip(reference, losses)]
+    if len(reference) != len(losses) or any(a is None or b is None for a, b in pairs):
+        return math.nan
+    return max(abs(a - b) for a, b in pairs)
 
 
 def _steps(values: Any) -> list[tuple[int, float]]:
