@@ -208,16 +208,59 @@ def _load_plan(out_dir: Path) -> Plan:
         raise UserError(str(e)) from None
 
 
+MEASURED_ON = ("cpu (gloo): step time = median over steps (not the first, not the memory-tracked last) of each "
+               "rank's wall time, the slowest rank's; peak memory = peak of live tensor storage bytes during "
+               "the last step, the fullest rank's")
+
+
+def _timed_steps(times: list[float], tracked: int | None) -> list[float]:
+    """Step times without the warm-up (first) step and the memory-tracked one, when others remain."""
+    kept = [t for i, t in enumerate(times) if i != 0 and i != tracked]
+    return kept or [t for i, t in enumerate(times) if i != tracked] or times
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+def _error(predicted: float, measured: float) -> float | None:
+    return predicted / measured - 1 if measured > 0 else None
+
+
 def _measured(plan: Plan, metrics: dict[str, Any]) -> dict[str, Any]:
-    """Median step time without the first (warm-up) step, against the plan's prediction."""
-    times = sorted(metrics["step_times_s"][1:] or metrics["step_times_s"])
+    """Per rank and overall: measured step time and peak live tensor memory against the plan's."""
+    stage_memory = {s.index: s.predicted_memory_bytes for s in plan.stages}
+    ranks = []
+    for r in metrics["ranks"]:
+        ranks.append({
+            "rank": r["rank"], "pp_rank": r["pp_rank"], "dp_rank": r["dp_rank"], "tp_rank": r["tp_rank"],
+            "stages": r["stages"],
+            "measured_step_time_s": _median(_timed_steps(r["step_times_s"], r.get("memory_tracked_step"))),
+            "predicted_step_time_s": plan.predicted.step_time_s,
+            "measured_peak_memory_bytes": r["peak_memory_bytes"],
+            "measured_baseline_memory_bytes": r["baseline_memory_bytes"],
+            "predicted_peak_memory_bytes": max((stage_memory.get(s, 0.0) for s in r["stages"]), default=0.0),
+        })
+    stages = []
+    for s in plan.stages:
+        holders = [r["measured_peak_memory_bytes"] for r in ranks if s.index in r["stages"]]
+        stages.append({"index": s.index, "modules": list(s.modules), "predicted_time_s": s.predicted_time_s,
+                       "predicted_memory_bytes": s.predicted_memory_bytes, "memory_breakdown": dict(s.memory_breakdown),
+                       "measured_peak_memory_bytes": max(holders, default=None)})
+    step = max(r["measured_step_time_s"] for r in ranks)
+    peak = max(r["measured_peak_memory_bytes"] for r in ranks)
     return {
-        "measured_step_time_s": times[len(times) // 2],
+        "measured_step_time_s": step,
         "predicted_step_time_s": plan.predicted.step_time_s,
-        "measured_peak_memory_bytes": metrics["peak_memory_bytes"],
+        "measured_peak_memory_bytes": peak,
         "predicted_peak_memory_bytes": plan.predicted.peak_memory_bytes,
-        "measured_on": "cpu (gloo); peak memory is the largest resident set size of a process",
+        "step_time_error": _error(plan.predicted.step_time_s, step),
+        "peak_memory_error": _error(plan.predicted.peak_memory_bytes, peak),
+        "measured_on": MEASURED_ON,
         "predicted_for": plan.cluster.gpu,
+        "ranks": ranks,
+        "stages": stages,
     }
 
 

@@ -4,6 +4,7 @@ block (__DOCSTRING__, __CONFIG__); everything else is the same for every plan.""
 TRAIN_PY = '''"""__DOCSTRING__"""
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -114,14 +115,18 @@ def main(argv=None) -> list[float]:
     data = runtime.TrainingData(model_source, GLOBAL_BATCH, SEED, rank.dp_rank, DP)
     metrics = runtime.StepMetrics(GLOBAL_BATCH, dist.get_world_size(), TOKENS_PER_SAMPLE, MODEL_FLOPS_PER_STEP,
                                   PEAK_FLOPS_PER_GPU)
+    # --metrics-out: the last step also records the peak of live tensor memory (slower: not timed)
+    memory = runtime.PeakLiveMemory(device)
     losses = []
     for step in range(first_step, args.steps):
+        tracked = args.metrics_out is not None and step == args.steps - 1
         start = time.perf_counter()
-        inputs, targets = runtime.to_device(data.batch(step), device)  # this data-parallel rank's share
-        optimizer.zero_grad(set_to_none=True)
-        local_loss = forward_backward(inputs, targets)
-        tied.sum_gradients()
-        optimizer.step()
+        with memory if tracked else contextlib.nullcontext():
+            inputs, targets = runtime.to_device(data.batch(step), device)  # this data-parallel rank's share
+            optimizer.zero_grad(set_to_none=True)
+            local_loss = forward_backward(inputs, targets)
+            tied.sum_gradients()
+            optimizer.step()
         losses.append(runtime.global_mean_loss(local_loss, rank, device))  # mean over the global batch
         metrics.record(step, losses[-1], time.perf_counter() - start, device, verbose=rank.rank == 0)
         if checkpoints.due(step + 1, args.steps, args.checkpoint_every):
@@ -129,11 +134,11 @@ def main(argv=None) -> list[float]:
 
     if rank.rank == 0 and args.losses_out:
         args.losses_out.write_text(json.dumps(losses))
-    if rank.rank == 0 and args.metrics_out:
-        report = {"first_step": first_step, "losses": losses, "steps": metrics.history,
-                  "step_times_s": [m["seconds"] for m in metrics.history],
-                  "peak_memory_bytes": max((m["peak_memory_bytes"] for m in metrics.history), default=0)}
-        args.metrics_out.write_text(json.dumps(report, indent=2))
+    if args.metrics_out:  # every rank's own step times and peak memory, written by rank 0
+        ranks = runtime.gather_rank_metrics(rank, sorted(parts), metrics.history, memory)
+        if rank.rank == 0:
+            args.metrics_out.write_text(json.dumps({"first_step": first_step, "losses": losses,
+                                                    "steps": metrics.history, "ranks": ranks}, indent=2))
     dist.destroy_process_group()
     return losses
 

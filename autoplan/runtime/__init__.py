@@ -12,7 +12,8 @@ from autoplan.runtime.data import (TrainingData, call_model, microbatches, model
 from autoplan.runtime.loss import compute_loss, default_loss
 from autoplan.runtime.materialize import ModelPart, TensorEntry, build_on_meta, catalog, materialize
 from autoplan.runtime.mesh import RankLayout, global_mean_loss, init_mesh, local_stages
-from autoplan.runtime.metrics import StepMetrics
+from autoplan.runtime.memory import PeakLiveMemory
+from autoplan.runtime.metrics import StepMetrics, gather_rank_metrics
 from autoplan.runtime.parallel import (TiedGradients, compute_dtype, peak_memory_bytes, replicate_data_parallel,
                                        shard_data_parallel)
 from autoplan.runtime.recompute import checkpoint_units
@@ -21,9 +22,9 @@ from autoplan.runtime.steps import AccumulationStep, PipelineStep
 from autoplan.runtime.tensor_parallel import restore_linears, tensor_parallel, tensor_parallel_context
 
 __all__ = [
-    "AccumulationStep", "Checkpointer", "ModelPart", "PipelineSplit", "PipelineStep", "RankLayout", "StepMetrics",
+    "AccumulationStep", "Checkpointer", "ModelPart", "PeakLiveMemory", "PipelineSplit", "PipelineStep", "RankLayout", "StepMetrics",
     "TensorEntry", "TiedGradients", "TiedParameter", "TrainingData", "build_on_meta", "call_model", "catalog",
-    "checkpoint_units", "compute_dtype", "compute_loss", "default_loss", "global_mean_loss", "init_mesh",
+    "checkpoint_units", "compute_dtype", "compute_loss", "default_loss", "gather_rank_metrics", "global_mean_loss", "init_mesh",
     "local_stages", "materialize", "microbatches", "model_args", "peak_memory_bytes", "replicate_data_parallel",
     "restore_linears", "shard", "shard_data_parallel", "split_model", "step_batch", "tensor_parallel",
     "tensor_parallel_context", "to_device",

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
+from autoplan.runtime.memory import PeakLiveMemory
+from autoplan.runtime.mesh import RankLayout
 from autoplan.runtime.parallel import max_over_ranks, peak_memory_bytes
 
 
@@ -37,8 +40,24 @@ class StepMetrics:
         if self.peak_flops_per_gpu and self.model_flops_per_step:
             entry["mfu"] = self.model_flops_per_step / (seconds * self.world_size * self.peak_flops_per_gpu)
             text += f" | MFU {entry['mfu'] * 100:.1f}%"
-        text += f" | peak memory {entry['peak_memory_bytes'] / 2**30:.2f} GiB"
+        # on a CPU the per-step number is the resident set (libraries included); verify --measure
+        # measures the live tensor memory of a step separately (PeakLiveMemory)
+        what = "peak memory" if device.type == "cuda" else "peak RSS"
+        text += f" | {what} {entry['peak_memory_bytes'] / 2**30:.2f} GiB"
         self.history.append(entry)
         if verbose:
             print(text, flush=True)
         return entry
+
+
+def gather_rank_metrics(rank: RankLayout, stages: list[int], history: list[dict],
+                        memory: PeakLiveMemory) -> list[dict] | None:
+    """Every rank's step times and peak live tensor memory (of the step `memory` tracked), gathered on
+    rank 0 (None elsewhere). A collective: every rank calls it."""
+    mine = {"rank": rank.rank, "pp_rank": rank.pp_rank, "dp_rank": rank.dp_rank, "tp_rank": rank.tp_rank,
+            "stages": stages, "step_times_s": [entry["seconds"] for entry in history],
+            "memory_tracked_step": len(history) - 1, "peak_memory_bytes": memory.peak_bytes,
+            "baseline_memory_bytes": memory.baseline_bytes}
+    gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, mine)
+    return gathered if rank.rank == 0 else None

@@ -1,0 +1,263 @@
+"""Peak bytes of live tensor storage during one training step, per process.
+
+On CUDA the caching allocator already counts this (``max_memory_allocated``). On CPU nothing does:
+the process RSS is dominated by ~400 MB of libraries and never goes down. So on CPU (and any other
+device without allocator statistics) ``PeakLiveMemory`` counts tensor storages itself:
+
+* at ``__enter__`` it walks every Python-visible tensor (``gc.get_objects()``), unwraps tensor
+  subclasses (a DTensor counts its local shard, not its global shape) and records each distinct
+  untyped storage once: that sum is ``baseline_bytes`` (parameters, gradients, optimizer state,
+  buffers, the batch, anything alive);
+* inside the block a ``TorchDispatchMode`` sees every aten op, forward, backward (the autograd engine
+  carries the mode to its ops), optimizer and the local ops a DTensor desugars into. Each output
+  storage not seen before is a new allocation; every recorded storage gets a weakref whose callback
+  subtracts its bytes when the storage is freed (untyped storages keep one Python object per C++
+  storage, so the callback fires when the memory goes, not when a Python name goes);
+* ``UntypedStorage.resize_`` is wrapped while inside, because FSDP2 allocates and frees its unsharded
+  parameters by resizing storages, which no dispatch mode sees.
+
+What it cannot see (documented, not guessed at):
+
+* scratch memory a single aten kernel allocates and frees internally (only op outputs are seen);
+* tensors held only by C++ at ``__enter__`` (e.g. DDP's gradient buckets): no Python object points
+  at them. They are counted from the first op that reads them on, not in the baseline (once seen, the
+  storage keeps a Python object, so the next ``__enter__`` finds it). One no op touches stays uncounted;
+* tensors created on other threads (gloo's worker threads make reduce-scatter temporaries) until an op
+  on this thread uses them. That is why a storage first met as an op *input* counts from then on, not
+  from ``__enter__``: counted from ``__enter__``, each layer's reduce-scatter temporary of FSDP2 over
+  gloo would join the baseline, overstating the peak by a whole model's worth of gradients.
+
+Storages are keyed by identity, so two views of one storage count once and two storages count twice
+even if one was made from the other's memory with ``from_blob``.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+
+class PeakLiveMemory:
+    """Peak bytes of live tensor storage on `device` while inside `with tracker:` (a step).
+
+    ``baseline_bytes`` is what was alive at ``__enter__``; ``peak_bytes`` (valid after ``__exit__``) is
+    the largest live total at any moment inside the block, baseline included. Re-entering starts over.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        """Device whose memory is counted."""
+        self.baseline_bytes = 0
+        """Live bytes at ``__enter__`` (Python-visible storages only)."""
+        self.peak_bytes = 0
+        """Largest live bytes inside the block, baseline included."""
+        self._live: _LiveStorages | None = None
+
+    def __enter__(self) -> PeakLiveMemory:
+        if self._live is not None:
+            raise RuntimeError("PeakLiveMemory is not re-entrant: exit the block before entering it again")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.baseline_bytes = self.peak_bytes = torch.cuda.memory_allocated(self.device)
+            return self
+        live = _LiveStorages(self.device)
+        live.start()
+        self._live = live
+        self.baseline_bytes = self.peak_bytes = live.baseline_bytes
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+            return
+        live, self._live = self._live, None
+        if live is None:
+            raise RuntimeError("PeakLiveMemory.__exit__ without a matching __enter__")
+        live.stop()
+        self.baseline_bytes = live.baseline_bytes
+        self.peak_bytes = live.peak_bytes
+
+
+@dataclass
+class _Tracked:
+    """One storage being counted."""
+
+    nbytes: int
+    """Its size the last time it was looked at."""
+    ref: weakref.ref
+    """Weak reference (never keeps the storage alive) whose callback uncounts the storage when it is freed."""
+
+
+class _LiveStorages:
+    """Running count of live storage bytes on one device, with its maximum."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.baseline_bytes = 0
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._tracked: dict[int, _Tracked] = {}  # id(storage) -> record; the entry goes when the storage dies
+        # Weakref callbacks may run on another thread (a gloo worker dropping the last reference) or in the
+        # middle of an update on this one (a free triggered by gc): a re-entrant lock serves both.
+        self._lock = threading.RLock()
+        self._mode: _SeeOps | None = None
+        self._resize: _WatchResize | None = None
+
+    def start(self) -> None:
+        gc.collect()  # cyclic garbage is not live memory; without this it would land in the baseline
+        for obj in gc.get_objects():
+            kind = type(obj)  # not isinstance: that reads obj.__class__, which some module shims warn about
+            if issubclass(kind, torch.Tensor):
+                for storage in _storages(obj):
+                    self.discover(storage)
+            elif issubclass(kind, torch.UntypedStorage):
+                self.discover(obj)
+        self._resize = _WatchResize(self)
+        self._mode = _SeeOps(self)
+        self._resize.__enter__()
+        self._mode.__enter__()
+
+    def stop(self) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+        if self._resize is not None:
+            self._resize.__exit__()
+        self._mode = self._resize = None
+        with self._lock:
+            self._tracked.clear()  # drops the weakrefs, so their callbacks never fire after the block
+
+    def _on_device(self, storage: torch.UntypedStorage) -> bool:
+        device = storage.device  # fake and meta tensors have meta storages: never counted
+        return device.type == self.device.type and (self.device.index is None or device.index == self.device.index)
+
+    def _register(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        key = id(storage)
+
+        def uncount(_: weakref.ref) -> None:
+            with self._lock:
+                tracked = self._tracked.pop(key, None)
+                if tracked is not None:
+                    self.live_bytes -= tracked.nbytes
+
+        self._tracked[key] = _Tracked(nbytes, weakref.ref(storage, uncount))
+
+    def discover(self, storage: torch.UntypedStorage) -> None:
+        """A storage alive at ``__enter__``: part of the baseline."""
+        if not self._on_device(storage):
+            return
+        with self._lock:
+            if id(storage) in self._tracked:
+                return
+            nbytes = storage.nbytes()
+            self._register(storage, nbytes)
+            self.baseline_bytes += nbytes
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def observe(self, storage: torch.UntypedStorage) -> None:
+        """A storage an op read or returned: alive from now on if unseen, else maybe resized (``aten.resize_``)."""
+        if not self._on_device(storage):
+            return
+        with self._lock:
+            tracked = self._tracked.get(id(storage))
+            nbytes = storage.nbytes()
+            if tracked is None:
+                self._register(storage, nbytes)
+                self.live_bytes += nbytes
+            elif tracked.nbytes != nbytes:
+                self.live_bytes += nbytes - tracked.nbytes
+                tracked.nbytes = nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+
+
+class _SeeOps(TorchDispatchMode):
+    """Reports every op's inputs (storages alive but not seen yet) and outputs (new storages) to the count."""
+
+    def __init__(self, live: _LiveStorages) -> None:
+        super().__init__()
+        self.live = live
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # Give wrapper subclasses (DTensor, AsyncCollectiveTensor) the op first: they turn it into ops on
+        # their local tensors, which come back here. Run here instead, the op would execute with this mode
+        # popped, hiding the temporaries of a redistribution (only the unwrapped result would be seen).
+        # FakeTensor (DTensor's sharding propagation) is no wrapper: it runs here and its meta storage is skipped.
+        if any(hasattr(kind, "__tensor_flatten__") for kind in types):
+            return NotImplemented
+        kwargs = kwargs or {}
+        for tensor in _tensors((args, kwargs)):
+            for storage in _storages(tensor):
+                self.live.observe(storage)
+        out = func(*args, **kwargs)
+        for tensor in _tensors(out):
+            for storage in _storages(tensor):
+                self.live.observe(storage)
+        return out
+
+
+class _WatchResize:
+    """Wraps ``UntypedStorage.resize_`` (invisible to dispatch modes, used by FSDP2) while inside."""
+
+    _ABSENT = object()
+
+    def __init__(self, live: _LiveStorages) -> None:
+        self.live = live
+        self._own_attribute: Any = self._ABSENT
+
+    def __enter__(self) -> None:
+        self._own_attribute = torch.UntypedStorage.__dict__.get("resize_", self._ABSENT)
+        resize = torch.UntypedStorage.resize_  # whatever is in force now, so nested watchers chain
+        live = self.live
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            live.observe(storage)  # at its old size, if this is the first time it is seen
+            result = resize(storage, size)
+            live.observe(storage)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+
+    def __exit__(self) -> None:
+        if self._own_attribute is self._ABSENT:
+            del torch.UntypedStorage.resize_
+        else:
+            torch.UntypedStorage.resize_ = self._own_attribute  # type: ignore[method-assign]
+
+
+def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+    """Tensors in an op's arguments or results (nested tuples, lists and dicts)."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (tuple, list)):
+        for item in tree:
+            yield from _tensors(item)
+    elif isinstance(tree, dict):
+        for item in tree.values():
+            yield from _tensors(item)
+
+
+def _storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    """The storages that really hold `tensor`'s data: a wrapper subclass's inner tensors', recursively."""
+    if is_traceable_wrapper_subclass(tensor):
+        inner_names, _ = tensor.__tensor_flatten__()
+        for name in inner_names:
+            inner = getattr(tensor, name)
+            if isinstance(inner, torch.Tensor):  # flatten may also name non-tensors (a device mesh)
+                yield from _storages(inner)
+        return
+    if tensor.layout != torch.strided or tensor.is_meta:
+        return  # sparse/mkldnn have no single storage; meta holds no memory
+    try:
+        yield tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return  # tensors without a usable storage (functional wrappers, some C++ subclasses)
