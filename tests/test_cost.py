@@ -107,7 +107,7 @@ def test_activation_memory_per_layer_follows_korthikanti():
     s, h, a = 64, 256, 8
     profile = gpt_profile(n_layer=8, n_embd=h, vocab=512, seq=s, batch=2, n_head=a, device="testgpu",
                           attention="megatron")
-    ctx = Context(profile, cluster(8), Training(8, "bf16"), layouts.SUPPORTED)
+    ctx = Context(profile, cluster(8), Training(8, "bf16"), layouts.SUPPORTED | {"tp_fused_split"})  # Megatron qkv
     block = ctx.chain.fqns.index("blocks.1")
     for t in (1, 2, 4):
         acts = ctx.table(t, 1).activation_bytes
@@ -127,7 +127,7 @@ def test_recompute_costs_the_forward_it_repeats():
 
 def test_tensor_parallel_layer_all_reduces_twice_forward_and_twice_backward():
     profile = gpt_profile(n_layer=12, device="testgpu")
-    ctx = Context(profile, cluster(8), Training(8, "bf16"), layouts.SUPPORTED)
+    ctx = Context(profile, cluster(8), Training(8, "bf16"), layouts.SUPPORTED | {"tp_fused_split"})  # Megatron qkv
     table = ctx.table(4, 2)
     one = comm.all_reduce_s(2 * 64 * 128 * 2, 4, ctx.group(4, 1).link)  # b s h elements, bf16
     assert table.tp_forward_s[2] == pytest.approx(2 * one)

@@ -211,7 +211,8 @@ def test_measured_times_are_cached_on_disk_per_model_shapes_and_device(tmp_path,
     assert len(files) == 1
     saved = json.loads(files[0].read_text())
     assert saved["key"]["model"] == source.spec and saved["key"]["device"].startswith("cpu: ")
-    assert len(saved["timings"]) == distinct
+    assert len(saved["timings"]) == distinct + 1  # and the whole model's forward+backward
+    assert set(first.whole_model_times_s) == {1, 8} and all(t > 0 for t in first.whole_model_times_s.values())
     second = profile_model(load_source(str(EXAMPLES / "mlp.py")), 4, load_hardware("cpu"), measure=True)
     assert len(timed) == distinct  # nothing timed again
     assert [(o.time_fwd_s, o.time_bwd_s) for o in second.ops] == [(o.time_fwd_s, o.time_bwd_s) for o in first.ops]

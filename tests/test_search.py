@@ -13,6 +13,7 @@ from chain_fixtures import GIB, a100_cluster, cluster, gpt_profile
 
 from autoplan.errors import Infeasible, UserError
 from autoplan.plan import Parallelism, Training
+from autoplan.solve.layouts import SUPPORTED
 from autoplan.solve import layouts
 from autoplan.solve.layers import build_chain
 from autoplan.solve.pins import Pins, parse_pins
@@ -146,13 +147,15 @@ def test_recompute_is_chosen_per_unit_when_memory_needs_some():
     (Pins(dp=2, pp=4, microbatch=2, schedule="interleaved"), 8, 24, "needs a multiple of pp=4 micro-batches"),
 ])
 def test_pin_errors_show_the_arithmetic(pins, num_gpus, batch, message):
+    megatron_tp = SUPPORTED | {"tp_fused_split"}  # gpt2_small fuses q, k, v: its heads split as in Megatron-LM
     with pytest.raises(UserError, match=re.escape(message)):
-        search(gpt2_small(), cluster(num_gpus), Training(global_batch_size=batch), pins)
+        search(gpt2_small(), cluster(num_gpus), Training(global_batch_size=batch), pins, features=megatron_tp)
 
 
 def test_pin_errors_are_gathered():
     with pytest.raises(UserError) as error:
-        search(gpt2_small(), cluster(8), Training(global_batch_size=64), Pins(pp=3, dp=5, tp=8))
+        search(gpt2_small(), cluster(8), Training(global_batch_size=64), Pins(pp=3, dp=5, tp=8),
+               features=SUPPORTED | {"tp_fused_split"})
     message = str(error.value)
     assert "pp=3 does not divide 8 GPUs" in message and "dp=5 does not divide 8 GPUs" in message
     assert "tp=8 does not divide 12 attention heads" in message

@@ -10,11 +10,14 @@ from chain_fixtures import cluster, gpt_profile
 from autoplan.errors import UserError
 from autoplan.plan import Training
 from autoplan.profile.types import ModelProfile
+from autoplan.solve.layouts import SUPPORTED
 from autoplan.solve.pins import Pins
 from autoplan.solve.search import search
 from autoplan.solve.tensor_parallel import find_tensor_parallel_plan, tensor_parallel_facts
 
 FIXTURES = Path(__file__).parent / "fixtures"
+MEGATRON_TP = SUPPORTED | {"tp_fused_split"}
+"""The synthetic GPT fuses q, k and v in one Linear: its attention is tensor-parallel as in Megatron-LM."""
 
 
 def _capture(name: str) -> ModelProfile:
@@ -80,16 +83,29 @@ def test_no_pairs_means_no_tensor_parallelism():
 def test_pinned_tp_that_does_not_divide_the_heads_says_so():
     profile = gpt_profile(n_layer=8, n_embd=96, vocab=128, seq=32, n_head=6)
     with pytest.raises(UserError, match="tp=4 does not divide 6 attention heads"):
-        search(profile, cluster(8), Training(global_batch_size=8), Pins(tp=4))
+        search(profile, cluster(8), Training(global_batch_size=8), Pins(tp=4), features=MEGATRON_TP)
 
 
 def test_tensor_parallel_stays_inside_a_node_and_the_plan_names_the_pairs():
     profile = gpt_profile(n_layer=12, n_embd=1024, vocab=8192, seq=512, n_head=16, device="testgpu")
     tight = replace(cluster(16, gpus_per_node=4), memory_per_gpu_bytes=None)
-    result = search(profile, tight, Training(global_batch_size=16, dtype="bf16"))
+    result = search(profile, tight, Training(global_batch_size=16, dtype="bf16"), features=MEGATRON_TP)
     assert all(c.parallelism.tensor_parallel_degree <= 4 for c in result.candidates)
-    pinned = search(profile, tight, Training(global_batch_size=16, dtype="bf16"), Pins(tp=4, pp=1))
+    pinned = search(profile, tight, Training(global_batch_size=16, dtype="bf16"), Pins(tp=4, pp=1),
+                    features=MEGATRON_TP)
     assert pinned.best.tensor_parallel_plan["blocks.0.attn.qkv"] == "colwise"
     assert pinned.best.tensor_parallel_plan["blocks.11.mlp.proj"] == "rowwise"
     with pytest.raises(UserError, match="tp=8"):
         search(profile, tight, Training(global_batch_size=16, dtype="bf16"), Pins(tp=8))
+
+
+def test_a_fused_qkv_split_is_not_sharded_where_torch_tp_would_gather_it():
+    """examples/gpt.py splits one qkv Linear's output: torch's ColwiseParallel cannot keep that split
+    sharded (DTensor all-gathers it), so the program's layouts tensor-parallelize the MLP only; pricing
+    Megatron-LM (interleaved weights) keeps the attention pair."""
+    capture = _capture("gpt")
+    plan = find_tensor_parallel_plan(capture, vocab_parallel=False, fused_split=False)
+    assert plan == {f"blocks.{i}.mlp.{name}": style for i in range(2)
+                    for name, style in (("fc", "colwise"), ("proj", "rowwise"))}
+    llama = tensor_parallel_facts(_capture("llama"), fused_split=False).plan  # separate q/k/v: unchanged
+    assert llama == tensor_parallel_facts(_capture("llama")).plan

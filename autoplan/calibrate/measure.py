@@ -181,3 +181,87 @@ def p2p_seconds(clock: Clock, pairs: list[tuple[int, int]], message_bytes: tuple
 def spread(values: list[float]) -> float:
     """(max - min) / median of per-rank numbers: how much the ranks disagreed."""
     return (max(values) - min(values)) / statistics.median(values) if len(values) > 1 else 0.0
+
+
+def dtensor_op_overhead_seconds(clock: Clock, mesh) -> float:
+    """Extra cost of a tiny op on replicated DTensors over the same op on plain tensors (no
+    communication: a replicated add stays local), seconds."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    a = torch.ones(1, device=clock.device)
+    b = torch.ones(1, device=clock.device)
+    da, db = (distribute_tensor(t, mesh, [Replicate()]) for t in (a, b))
+    loops = TINY_OP_LOOP // 5  # DTensor ops cost tens of microseconds on the host
+
+    def loop(x, y):
+        for _ in range(loops):
+            torch.add(x, y)
+
+    plain = clock.seconds(lambda: loop(a, b)) / loops
+    return max(0.0, clock.seconds(lambda: loop(da, db)) / loops - plain)
+
+
+OPTIMIZER_TENSORS = 64
+"""Tiny parameter tensors in the timed AdamW step: its per-tensor cost is the step time over this count."""
+
+
+def optimizer_tensor_overhead_seconds(clock: Clock) -> float:
+    """Time torch.optim.AdamW (default settings for this device: single-tensor on a CPU, foreach on a
+    GPU) spends per parameter tensor of one element, seconds: the host cost of its kernels."""
+    params = [torch.nn.Parameter(torch.ones(1, device=clock.device)) for _ in range(OPTIMIZER_TENSORS)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    return clock.seconds(optimizer.step) / OPTIMIZER_TENSORS
+
+
+def comm_overlap_fraction(clock: Clock, message_bytes: int, matmul_n: int) -> float:
+    """Share of an all-reduce's time hidden when it runs beside compute on every rank:
+    (T_compute + T_comm - T_together) / min(T_compute, T_comm), in [0, 1]. The compute is enough
+    n x n matmuls to last about as long as the all-reduce."""
+    full = torch.ones(message_bytes // 4, device=clock.device)
+    a = torch.randn(matmul_n, matmul_n, device=clock.device)
+    comm_s = _communication_seconds(clock, lambda: dist.all_reduce(full), None, 7)
+    one_matmul = clock.seconds(lambda: torch.mm(a, a))
+    count = max(1, round(comm_s / one_matmul))
+
+    def compute():
+        for _ in range(count):
+            torch.mm(a, a)
+
+    def together():
+        work = dist.all_reduce(full, async_op=True)
+        compute()
+        work.wait()
+
+    compute_s = _communication_seconds(clock, compute, None, 7)
+    both_s = _communication_seconds(clock, together, None, 7)
+    hidden = (compute_s + comm_s - both_s) / min(compute_s, comm_s)
+    return min(1.0, max(0.0, hidden))
+
+
+def _mlp_step(device: torch.device) -> Callable[[], None]:
+    """Forward+backward of a small MLP: matmuls and elementwise ops, as a training step mixes them."""
+    layers = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512)).to(device)
+    x = torch.randn(64, 512, device=device)
+
+    def step():
+        layers(x).sum().backward()
+
+    return step
+
+
+def concurrent_slowdown(clock: Clock) -> float:
+    """How much slower a training-like step runs when every rank runs it at once than when rank 0 runs
+    it alone (the others waiting at a barrier): > 1 where ranks share caches and memory bandwidth (a
+    CPU's cores), ~1 on GPUs. The same on every rank (a collective)."""
+    step = _mlp_step(clock.device)
+    alone = torch.zeros(1, dtype=torch.float64)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        alone[0] = clock.seconds(step)
+    dist.barrier()
+    dist.broadcast(alone, 0)
+    together = torch.tensor([clock.seconds(step)], dtype=torch.float64)
+    dist.all_reduce(together)
+    return max(1.0, together.item() / dist.get_world_size() / alone.item())

@@ -57,6 +57,14 @@ class Measurements:
     """torch.cuda.max_memory_allocated() over the run (CUDA), None on CPU."""
     devices_per_node: int | None = None
     """GPUs on this node (CUDA), None on CPU."""
+    comm_overlap: float | None = None
+    """Share of an all-reduce hidden behind matmuls running at the same time (None: not measured)."""
+    concurrent_slowdown: float | None = None
+    """Step time of a small MLP with every rank running it over rank 0 alone (None: not measured)."""
+    dtensor_op_overhead_s: float | None = None
+    """Extra host time of a tiny op on DTensors over plain tensors, seconds (None: not measured)."""
+    optimizer_tensor_overhead_s: float | None = None
+    """AdamW step time per one-element parameter tensor, seconds (None: not measured)."""
     extra: dict[str, float] = field(default_factory=dict)
     """Other numbers worth keeping (e.g. per-rank spread), written as they are."""
 
@@ -79,6 +87,10 @@ class RunSizes:
     """Message sizes of the collectives and sends timed."""
     repeats: int
     """Timed repeats per collective and size (the lower quartile is kept), after one warm-up call."""
+    overlap_message_bytes: int = 8 * 2**20
+    """All-reduce size of the compute/communication overlap measurement."""
+    overlap_matmul_n: int = 256
+    """n of the square matmuls run beside it."""
 
 
 KIB, MIB = 2**10, 2**20
@@ -92,6 +104,7 @@ SIZES = {
     "cuda": RunSizes(matmul_dtypes=("bf16", "fp16", "tf32", "fp32"), primary_dtype="bf16",
                      matmul_sizes=(1024, 2048, 4096, 8192), typical_sizes=(2048, 4096),
                      copy_bytes=(16 * MIB, 256 * MIB, 1024 * MIB),
-                     message_bytes=tuple(4 * KIB * 4**i for i in range(9)), repeats=20),
+                     message_bytes=tuple(4 * KIB * 4**i for i in range(9)), repeats=20,
+                     overlap_message_bytes=256 * MIB, overlap_matmul_n=4096),
 }
 """Run sizes per device ("cpu", "cuda")."""

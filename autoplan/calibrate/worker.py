@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from autoplan.calibrate import measure
 from autoplan.calibrate.fit import median
@@ -134,6 +135,9 @@ def run(out: Path, base: str | None, timeout_s: float) -> Measurements:
         local["copy"] = measure.copy_bytes_per_s(clock, sizes.copy_bytes)
         dist.barrier()
         local["tiny_op"] = measure.tiny_op_seconds(clock)
+        local["dtensor_op"] = measure.dtensor_op_overhead_seconds(clock, init_device_mesh(device.type, (world,)))
+        local["optimizer_tensor"] = measure.optimizer_tensor_overhead_seconds(clock)
+        slowdown = measure.concurrent_slowdown(clock)
         gathered = [None] * world
         dist.all_gather_object(gathered, local)
         overheads = [g["tiny_op"] for g in gathered]
@@ -141,6 +145,7 @@ def run(out: Path, base: str | None, timeout_s: float) -> Measurements:
         copy = _per_rank_median_of([g["copy"] for g in gathered])
 
         tiers = _measure_tiers(clock, world, per_node, sizes)
+        overlap = measure.comm_overlap_fraction(clock, sizes.overlap_message_bytes, sizes.overlap_matmul_n)
         if cuda:
             free, total = torch.cuda.mem_get_info(device)
             resident = float(total - free - torch.cuda.memory_reserved(device))
@@ -163,6 +168,10 @@ def run(out: Path, base: str | None, timeout_s: float) -> Measurements:
             device_memory_bytes=float(torch.cuda.get_device_properties(device).total_memory) if cuda else None,
             peak_allocated_bytes=float(torch.cuda.max_memory_allocated(device)) if cuda else None,
             devices_per_node=torch.cuda.device_count() if cuda else None,
+            comm_overlap=overlap,
+            concurrent_slowdown=slowdown,
+            dtensor_op_overhead_s=median([g["dtensor_op"] for g in gathered]),
+            optimizer_tensor_overhead_s=median([g["optimizer_tensor"] for g in gathered]),
             extra={"load_average_at_start": load_at_start, "cpu_count": float(os.cpu_count() or 0),
                    "kernel_overhead_spread": measure.spread(overheads),
                    "matmul_spread": measure.spread([max(max(by_n.values()) for by_n in g["matmul"].values())

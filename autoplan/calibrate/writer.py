@@ -47,9 +47,14 @@ def _tier_fit(tier: TierTimes) -> LinkFit:
     return fit_alpha_beta(link_points(tier.seconds, tier.group_size))
 
 
-def _link(name: str, fit: LinkFit, source: str) -> dict[str, Any]:
+def _link(name: str, fit: LinkFit, source: str, tier: TierTimes) -> dict[str, Any]:
+    """The link's joint fit, and each operation's own (the cost model prices each with its own)."""
+    per_op = {op: fit_alpha_beta(link_points({op: times}, tier.group_size)) for op, times in tier.seconds.items()}
     return {"name": name, "bus_bandwidth_gb_per_s": _round(fit.bus_bandwidth_bytes_per_s / GB),
-            "latency_us": _round(fit.latency_s / MICRO), "source": source}
+            "latency_us": _round(fit.latency_s / MICRO), "source": source,
+            "collectives": {op: {"latency_us": _round(f.latency_s / MICRO),
+                                 "bus_bandwidth_gb_per_s": _round(f.bus_bandwidth_bytes_per_s / GB)}
+                            for op, f in per_op.items()}}
 
 
 def _link_source(found: Measurements, tier: str, fit: LinkFit) -> str:
@@ -64,6 +69,20 @@ def _link_source(found: Measurements, tier: str, fit: LinkFit) -> str:
     elif times.copied_from:
         text += "; copied from inter_node: one rank per node, intra-node links not measured"
     return text
+
+
+def _host_fields(found: Measurements, base: HardwareProfile | None) -> dict[str, Any]:
+    """Overlap and host overheads: measured where the run measured them, else the base profile's."""
+    gpu = base.gpu if base else None
+    overlap = found.comm_overlap if found.comm_overlap is not None else (gpu.comm_overlap if gpu else 1.0)
+    dtensor = found.dtensor_op_overhead_s if found.dtensor_op_overhead_s is not None else \
+        (gpu.dtensor_op_overhead_s if gpu else 0.0)
+    optimizer = found.optimizer_tensor_overhead_s if found.optimizer_tensor_overhead_s is not None else \
+        (gpu.optimizer_tensor_overhead_s if gpu else 0.0)
+    slowdown = found.concurrent_slowdown if found.concurrent_slowdown is not None else \
+        (gpu.concurrent_slowdown if gpu else 1.0)
+    return {"comm_overlap": _round(overlap), "concurrent_slowdown": _round(slowdown),
+            "dtensor_op_overhead_us": _round(dtensor / MICRO), "optimizer_tensor_overhead_us": _round(optimizer / MICRO)}
 
 
 def profile_fields(found: Measurements, base: HardwareProfile | None) -> dict[str, Any]:
@@ -93,7 +112,11 @@ def profile_fields(found: Measurements, base: HardwareProfile | None) -> dict[st
         intra_name = inter_name
     gpu_source = (f"autoplan calibrate {found.date} on {found.device_name}, torch {found.torch_version}, "
                   f"{found.world_size} {found.backend} ranks x {found.threads_per_rank} thread(s): {fit.how}; "
-                  f"kernel_overhead = median time of a 1-element add; memory_reserved = {reserved_how}")
+                  f"kernel_overhead = median time of a 1-element add; dtensor_op_overhead = the same add on replicated "
+                  f"DTensors minus it; optimizer_tensor_overhead = AdamW step time per one-element tensor; "
+                  f"comm_overlap = share of an all-reduce hidden by matmuls run beside it; "
+                  f"concurrent_slowdown = a small MLP step on all ranks at once over rank 0 alone; "
+                  f"memory_reserved = {reserved_how}")
     return {
         "name": name,
         "default_gpus_per_node": found.devices_per_node or (base.default_gpus_per_node if base else found.ranks_per_node),
@@ -105,10 +128,13 @@ def profile_fields(found: Measurements, base: HardwareProfile | None) -> dict[st
             "memory_efficiency": _round(fit.memory_efficiency),
             "kernel_overhead_us": _round(found.kernel_overhead_s / MICRO),
             "memory_reserved_gib": _round(reserved / GIB),
+            **_host_fields(found, base),
             "source": gpu_source,
         },
-        "intra_node": _link(intra_name, intra_fit, _link_source(found, "intra_node", intra_fit)),
-        "inter_node": _link(inter_name, inter_fit, _link_source(found, "inter_node", inter_fit)),
+        "intra_node": _link(intra_name, intra_fit, _link_source(found, "intra_node", intra_fit),
+                            found.tiers["intra_node"]),
+        "inter_node": _link(inter_name, inter_fit, _link_source(found, "inter_node", inter_fit),
+                            found.tiers["inter_node"]),
     }
 
 

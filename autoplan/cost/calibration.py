@@ -45,3 +45,15 @@ GRADIENT_REDUCE_BYTES = 4
 """Bytes per gradient element the data-parallel reduction moves: fp32, whatever the training dtype.
 The generated program reduces in fp32 (FSDP2 MixedPrecisionPolicy(reduce_dtype=float32); DDP over
 fp32 parameters under autocast), as Megatron-LM did for bf16 (accumulate_allreduce_grads_in_fp32)."""
+
+TP_DTENSOR_FORWARD_OPS = 2
+"""Ops a tensor-parallel Linear runs on DTensors in forward (transpose and addmm of the sharded weight;
+counted with a TorchDispatchMode over ColwiseParallel/RowwiseParallel Linears, torch 2.13). Each costs
+Gpu.dtensor_op_overhead_s of host time on top of its kernel."""
+
+TP_DTENSOR_BACKWARD_OPS = 7
+"""The same count for its backward: transposes, the two matmuls, the bias gradient's sum and a view."""
+
+ADAMW_DTENSOR_OPS_PER_TENSOR = 8
+"""Ops torch.optim.AdamW's single-tensor path runs per DTensor parameter (FSDP2 shards, TP weights),
+counted as above: each pays Gpu.dtensor_op_overhead_s on top of Gpu.optimizer_tensor_overhead_s."""

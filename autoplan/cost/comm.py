@@ -4,10 +4,13 @@ Bus factors (nccl-tests PERFORMANCE.md): all-reduce 2(n-1)/n, all-gather and red
 (n-1)/n of the full (unsharded) size; a point-to-point send moves its bytes once. alpha is
 Link.latency_s (nccl-tests small-message latency of one node's collective), times log2 of the nodes
 a group spans when it leaves the node (NCCL's tree latency grows with log2(nodes); formulas.md).
-Link.bus_bandwidth_bytes_per_s is the busbw of the slowest tier the group crosses.
+Link.bus_bandwidth_bytes_per_s is the busbw of the slowest tier the group crosses. A link calibrated
+per operation (Link.collectives: gloo runs each collective with its own algorithm) gives each its own
+alpha and busbw.
 
 Overlap is modelled as "everything overlaps except the piece that cannot start before the compute
-ends": exposed = serial piece + max(0, rest - overlap window).
+ends": exposed = serial piece + max(0, rest - overlap window). The window is the compute time times
+Gpu.comm_overlap (1 on GPUs; measured on a CPU, whose gloo threads share the cores).
 - DDP (zero 0): gradients all-reduce in DDP_BUCKET_BYTES buckets during the backward of the last
   micro-batch (earlier ones run under no_sync); all but the last bucket hide behind that backward.
 - FSDP2 (zero 3), pp = 1: per micro-batch, all-gather every unit in forward and again in backward,
@@ -36,33 +39,40 @@ FSDP_COPY_TRAFFIC = 2
 """Bytes moved per unsharded byte by an FSDP2 copy-out or copy-in: one read plus one write."""
 
 
-def alpha_s(link: Link, nodes: int = 1) -> float:
+def alpha_s(link: Link, nodes: int = 1, op: str = "all_reduce") -> float:
     """Latency of one collective over `nodes` nodes (tree: log2 of the node count)."""
-    return link.latency_s * max(1.0, math.log2(nodes)) if nodes > 1 else link.latency_s
+    latency = link.alpha_beta(op).latency_s
+    return latency * max(1.0, math.log2(nodes)) if nodes > 1 else latency
+
+
+def _collective_s(op: str, bus_bytes: float, link: Link, nodes: int) -> float:
+    return alpha_s(link, nodes, op) + bus_bytes / link.alpha_beta(op).bus_bandwidth_bytes_per_s
 
 
 def all_reduce_s(nbytes: float, group: int, link: Link, nodes: int = 1) -> float:
     if group <= 1 or nbytes <= 0:
         return 0.0
-    return alpha_s(link, nodes) + nbytes * 2 * (group - 1) / group / link.bus_bandwidth_bytes_per_s
+    return _collective_s("all_reduce", nbytes * 2 * (group - 1) / group, link, nodes)
 
 
 def all_gather_s(nbytes: float, group: int, link: Link, nodes: int = 1) -> float:
     """All-gather producing `nbytes` (the unsharded size) on every rank."""
     if group <= 1 or nbytes <= 0:
         return 0.0
-    return alpha_s(link, nodes) + nbytes * (group - 1) / group / link.bus_bandwidth_bytes_per_s
+    return _collective_s("all_gather", nbytes * (group - 1) / group, link, nodes)
 
 
 def reduce_scatter_s(nbytes: float, group: int, link: Link, nodes: int = 1) -> float:
     """Reduce-scatter of `nbytes` (the unsharded size) per rank."""
-    return all_gather_s(nbytes, group, link, nodes)
+    if group <= 1 or nbytes <= 0:
+        return 0.0
+    return _collective_s("reduce_scatter", nbytes * (group - 1) / group, link, nodes)
 
 
 def p2p_s(nbytes: float, link: Link) -> float:
     if nbytes <= 0:
         return 0.0
-    return link.latency_s + nbytes / link.bus_bandwidth_bytes_per_s
+    return _collective_s("p2p", nbytes, link, 1)
 
 
 def exposed_s(total_s: float, serial_s: float, window_s: float) -> float:

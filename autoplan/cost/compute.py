@@ -12,6 +12,9 @@ When the profile was measured on this machine and the plan is for it (device "cp
 are used instead: a fixed launch part plus a part proportional to the batch, the split ops' share
 divided by t.
 
+Ops of a tensor-parallel region (its Linears and everything between them) run on DTensors and also
+pay their host cost (Gpu.dtensor_op_overhead_s per DTensor op).
+
 Tensor-parallel collectives per unit: an all-reduce of each rowwise Linear's output (and of a
 vocabulary-parallel embedding's output) in forward, of each colwise Linear's input gradient in
 backward, and an all-gather of a vocabulary-parallel head's logits in forward (alpha-beta, cost/comm.py).
@@ -74,26 +77,63 @@ class UnitTable:
         return base
 
 
+@dataclass(frozen=True)
+class MeasuredScale:
+    """Factors on the fixed and the per-sample parts of measured op times that make their sum over the
+    model equal the whole model's measured forward+backward at two batch sizes b1 < b2:
+
+        T(b) = a x sum(fixed) + c x b x sum(per sample)    through (b1, T1) and (b2, T2)
+
+    Ops timed alone run colder than inside the model (profile/whole_model.py)."""
+
+    fixed: float = 1.0
+    per_sample: float = 1.0
+
+
+def measured_scale(costs: ChainCosts, gpu: Gpu) -> MeasuredScale:
+    if len(costs.whole_model_times_s) < 2:
+        return MeasuredScale()
+    (b1, t1), (b2, t2) = costs.whole_model_times_s[0], costs.whole_model_times_s[-1]
+    fixed = per_sample = 0.0
+    for unit in costs.units:
+        for op in unit.ops:
+            if op.measured:
+                for part in _measured_parts(op, gpu):
+                    fixed, per_sample = fixed + part[0], per_sample + part[1]
+    slope = (t2 - t1) / (b2 - b1)
+    if per_sample <= 0 or slope <= 0:  # timings too noisy to resolve a slope: keep the op sums
+        return MeasuredScale()
+    intercept = max(0.0, t1 - slope * b1)
+    return MeasuredScale(fixed=intercept / fixed if fixed > 0 else 1.0, per_sample=slope / per_sample)
+
+
 def unit_table(costs: ChainCosts, gpu: Gpu, capture_dtype: str, train_dtype: str, tp: int, microbatch: int,
                tp_link: Link, use_measured: bool) -> UnitTable:
     """Per-unit costs; identical units (ChainCosts.signature) are computed once."""
     scale = activation_scale(capture_dtype, train_dtype)
+    timing = measured_scale(costs, gpu) if use_measured else MeasuredScale()
     done: dict[int, tuple] = {}
     rows = []
     for u, unit in enumerate(costs.units):
         key = costs.signature[u]
         if key not in done:
-            done[key] = _unit_row(unit, gpu, train_dtype, scale, tp, microbatch, tp_link, use_measured)
+            done[key] = _unit_row(unit, gpu, train_dtype, scale, tp, microbatch, tp_link, use_measured, timing)
         rows.append(done[key])
     columns = list(zip(*rows))
     activations = {m: tuple(r[5][m] for r in rows) for m in MODES}
     return UnitTable(*(tuple(c) for c in columns[:5]), activations, tuple(columns[6]))
 
 
-def _unit_row(unit: UnitCosts, gpu: Gpu, dtype: str, scale: float, tp: int, b: int, link: Link, measured: bool):
+def _unit_row(unit: UnitCosts, gpu: Gpu, dtype: str, scale: float, tp: int, b: int, link: Link, measured: bool,
+              timing: MeasuredScale):
     fwd = bwd = cheap = tp_fwd = tp_bwd = 0.0
     for op in unit.ops:
-        f, g = (_measured(op, gpu, tp, b) if measured and op.measured else _roofline(op, gpu, dtype, scale, tp, b))
+        f, g = (_measured(op, gpu, tp, b, timing) if measured and op.measured
+                else _roofline(op, gpu, dtype, scale, tp, b))
+        if tp > 1 and op.tp_role in DTENSOR_ROLES:  # the op runs on DTensors: their host cost on top
+            forward_ops, backward_ops = _dtensor_ops(op)
+            f += forward_ops * gpu.dtensor_op_overhead_s
+            g += backward_ops * gpu.dtensor_op_overhead_s
         fwd, bwd = fwd + f, bwd + g
         if op.kind == "memory":
             cheap += f
@@ -103,6 +143,19 @@ def _unit_row(unit: UnitCosts, gpu: Gpu, dtype: str, scale: float, tp: int, b: i
     activations = {m: saved[m] * b for m in MODES}
     working = saved["none"] * b + calibration.LOSS_BUFFER_FACTOR * unit.output_buffer_bytes * b * scale
     return fwd, bwd, tp_fwd, tp_bwd, cheap, activations, working
+
+
+DTENSOR_ROLES = frozenset({"colwise", "rowwise", "interior"})
+"""Tensor-parallel roles whose ops run on DTensors: the sharded Linears and every op between a
+column-parallel Linear and its row-parallel partner (runtime/tensor_parallel.py keeps DTensors there,
+views included)."""
+
+
+def _dtensor_ops(op: OpCost) -> tuple[int, int]:
+    """DTensor ops an op of a tensor-parallel region runs in forward and in backward."""
+    if op.kind == "gemm" and op.tp_role in ("colwise", "rowwise"):
+        return calibration.TP_DTENSOR_FORWARD_OPS, calibration.TP_DTENSOR_BACKWARD_OPS
+    return 1, 1 if op.has_backward else 0
 
 
 def _efficiency(op: OpCost, gpu: Gpu) -> float:
@@ -125,15 +178,25 @@ def _roofline(op: OpCost, gpu: Gpu, dtype: str, scale: float, tp: int, b: int) -
     return forward, backward
 
 
-def _measured(op: OpCost, gpu: Gpu, tp: int, b: int) -> tuple[float, float]:
-    """A launch part that does not shrink with the batch, the rest proportional to it."""
-    split = tp if op.tp_role in SPLIT_ROLES else 1
+def _measured_parts(op: OpCost, gpu: Gpu) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(fixed seconds, seconds per sample) of the op's measured forward and backward: a launch part
+    that does not shrink with the batch, the rest proportional to it."""
     backward_kernels = calibration.GEMM_BACKWARD_KERNELS if op.kind == "gemm" else 1
-    out = []
+    parts = []
     for measured, kernels in ((op.time_fwd_s, 1), (op.time_bwd_s, backward_kernels)):
-        fixed = min(measured, kernels * gpu.kernel_overhead_s)
-        out.append(fixed + (measured - fixed) * b / op.profile_batch / split if measured > 0.0 else 0.0)
-    return out[0], out[1]
+        fixed = min(measured, kernels * gpu.kernel_overhead_s) if measured > 0.0 else 0.0
+        parts.append((fixed, (measured - fixed) / op.profile_batch if measured > 0.0 else 0.0))
+    return parts[0], parts[1]
+
+
+def _measured(op: OpCost, gpu: Gpu, tp: int, b: int, timing: MeasuredScale = MeasuredScale()) -> tuple[float, float]:
+    """Measured time at micro-batch b: the fixed part, and the per-sample part times b (split ops' share
+    divided by t), each rescaled to the whole model's measured time."""
+    split = tp if op.tp_role in SPLIT_ROLES else 1
+    (ff, fs), (bf, bs) = _measured_parts(op, gpu)
+    slowdown = gpu.concurrent_slowdown  # measured alone; trained with every rank computing
+    return (slowdown * (ff * timing.fixed + fs * timing.per_sample * b / split),
+            slowdown * (bf * timing.fixed + bs * timing.per_sample * b / split))
 
 
 def _tp_forward(op: OpCost, tp: int, per_mb: float, link: Link) -> float:
@@ -152,9 +215,14 @@ def _tp_backward(op: OpCost, tp: int, per_mb: float, link: Link) -> float:
     return comm.all_reduce_s(op.input_activation_bytes * per_mb, tp, link)
 
 
-def optimizer_step_time(parameters_on_rank: float, gpu: Gpu) -> float:
-    """AdamW over the parameters a rank updates: memory-bound streaming of its states."""
-    return parameters_on_rank * ADAMW_BYTES_PER_PARAM / (gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency)
+def optimizer_step_time(parameters_on_rank: float, gpu: Gpu, tensors: int = 0, dtensors: bool = False) -> float:
+    """AdamW over the parameters a rank updates: memory-bound streaming of its states, plus the host
+    cost per parameter tensor (`tensors` of them; more when they are DTensors: FSDP2 or TP)."""
+    per_tensor = gpu.optimizer_tensor_overhead_s
+    if dtensors:
+        per_tensor += calibration.ADAMW_DTENSOR_OPS_PER_TENSOR * gpu.dtensor_op_overhead_s
+    streaming = parameters_on_rank * ADAMW_BYTES_PER_PARAM / (gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency)
+    return streaming + tensors * per_tensor
 
 
 def model_flops_per_step(chain: LayerChain, global_batch_size: int) -> float:

@@ -95,6 +95,8 @@ class ChainCosts:
     """Per LayerChain.tied_groups entry: True when tensor parallelism splits that parameter."""
     measured: bool
     """Times come from measurements on this machine (profile device "cpu")."""
+    whole_model_times_s: tuple[tuple[int, float], ...] = ()
+    """(batch size, forward+backward seconds) of the whole model measured here (ModelProfile)."""
 
     def runs(self) -> list[tuple[int, int]]:
         """Maximal runs [start, end) of consecutive units with the same signature."""
@@ -166,6 +168,7 @@ def chain_costs(profile: ModelProfile, chain: LayerChain, facts: TensorParallelF
         signature=tuple(signatures),
         tied_split=tuple(g.parameter in facts.sharded_parameters for g in chain.tied_groups),
         measured=profile.device == "cpu" and any(op.source == "measured" for op in profile.ops),
+        whole_model_times_s=tuple(sorted(profile.whole_model_times_s.items())),
     )
 
 

@@ -14,7 +14,10 @@ from typing import Any
 import yaml
 
 from autoplan.errors import UserError
-from autoplan.hardware.types import Gpu, HardwareProfile, Link
+from autoplan.hardware.types import AlphaBeta, Gpu, HardwareProfile, Link
+
+COLLECTIVE_NAMES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+"""Operations a link's optional `collectives:` section may list."""
 
 TERA = 1e12
 """FLOP/s per TFLOP/s."""
@@ -93,6 +96,10 @@ class _Fields:
             raise self._bad(key, f"at most {at_most}", value)
         return float(value)
 
+    def optional_number(self, key: str, default: float, at_most: float | None = None) -> float:
+        """A non-negative number that may be left out."""
+        return self.number(key, positive=False, at_most=at_most) if key in self.raw else default
+
     def integer(self, key: str) -> int:
         value = self._get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -129,7 +136,26 @@ def _gpu(name: str, gpu: _Fields) -> Gpu:
         kernel_overhead_s=gpu.number("kernel_overhead_us", positive=False) * MICRO,
         memory_reserved_bytes=gpu.number("memory_reserved_gib", positive=False) * GIB,
         source=gpu.string("source"),
+        comm_overlap=gpu.optional_number("comm_overlap", 1.0, at_most=1.0),
+        concurrent_slowdown=max(1.0, gpu.optional_number("concurrent_slowdown", 1.0)),
+        optimizer_tensor_overhead_s=gpu.optional_number("optimizer_tensor_overhead_us", 0.0) * MICRO,
+        dtensor_op_overhead_s=gpu.optional_number("dtensor_op_overhead_us", 0.0) * MICRO,
     )
+
+
+def _collectives(link: _Fields) -> dict[str, AlphaBeta]:
+    if "collectives" not in link.raw:
+        return {}
+    ops = link.sub("collectives")
+    unknown = sorted(set(map(str, ops.raw)) - set(COLLECTIVE_NAMES))
+    if unknown:
+        raise UserError(f"{link.path}: field '{ops.prefix}{unknown[0]}' is not an operation: use "
+                        f"{', '.join(COLLECTIVE_NAMES)}")
+    fits = {}
+    for op in ops.raw:
+        fit = ops.sub(op)
+        fits[op] = AlphaBeta(fit.number("latency_us", positive=False) * MICRO, fit.number("bus_bandwidth_gb_per_s") * GB)
+    return fits
 
 
 def _link(link: _Fields) -> Link:
@@ -138,6 +164,7 @@ def _link(link: _Fields) -> Link:
         bus_bandwidth_bytes_per_s=link.number("bus_bandwidth_gb_per_s") * GB,
         latency_s=link.number("latency_us", positive=False) * MICRO,
         source=link.string("source"),
+        collectives=_collectives(link),
     )
 
 
@@ -175,12 +202,16 @@ def load_hardware(name_or_path: str) -> HardwareProfile:
 
 
 def _link_dict(link: Link) -> dict[str, Any]:
-    return {
+    raw = {
         "name": link.name,
         "bus_bandwidth_gb_per_s": link.bus_bandwidth_bytes_per_s / GB,
         "latency_us": link.latency_s / MICRO,
         "source": link.source,
     }
+    if link.collectives:
+        raw["collectives"] = {op: {"latency_us": ab.latency_s / MICRO, "bus_bandwidth_gb_per_s": ab.bus_bandwidth_bytes_per_s / GB}
+                              for op, ab in link.collectives.items()}
+    return raw
 
 
 def hardware_to_yaml(profile: HardwareProfile) -> str:
@@ -197,6 +228,10 @@ def hardware_to_yaml(profile: HardwareProfile) -> str:
             "memory_efficiency": gpu.memory_efficiency,
             "kernel_overhead_us": gpu.kernel_overhead_s / MICRO,
             "memory_reserved_gib": gpu.memory_reserved_bytes / GIB,
+            "comm_overlap": gpu.comm_overlap,
+            "concurrent_slowdown": gpu.concurrent_slowdown,
+            "optimizer_tensor_overhead_us": gpu.optimizer_tensor_overhead_s / MICRO,
+            "dtensor_op_overhead_us": gpu.dtensor_op_overhead_s / MICRO,
             "source": gpu.source,
         },
         "intra_node": _link_dict(profile.intra_node),

@@ -6,7 +6,7 @@ a Cluster adds how many there are and how they are grouped into nodes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,28 @@ class Gpu:
     """Memory not available to tensors (CUDA context, allocator fragmentation allowance), bytes."""
     source: str
     """Where the numbers come from."""
+    comm_overlap: float = 1.0
+    """Share of a collective's time that can run while this device computes: 1 on GPUs (NCCL kernels run
+    beside the compute stream); on a CPU, gloo's threads share the cores that compute, and
+    `autoplan calibrate` measures it (time of compute and an all-reduce run together vs one after the other)."""
+    concurrent_slowdown: float = 1.0
+    """How much slower compute runs when every rank of a node computes at once than when one runs alone
+    (>= 1): ranks on a CPU's cores share its caches and memory bandwidth; 1 on GPUs. Op times measured
+    one process at a time (profile --measure) are multiplied by it."""
+    optimizer_tensor_overhead_s: float = 0.0
+    """Host time AdamW spends per parameter tensor beyond streaming its states, seconds: the per-tensor
+    kernels of the single-tensor path (torch's default on CPU); ~0 for the foreach/fused GPU paths."""
+    dtensor_op_overhead_s: float = 0.0
+    """Extra host time of one op on DTensors over the same op on plain tensors (sharding propagation,
+    wrapping), seconds: paid by tensor-parallel Linears and by the optimizer over FSDP2/TP parameters."""
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """One collective's alpha-beta parameters on a link."""
+
+    latency_s: float
+    bus_bandwidth_bytes_per_s: float
 
 
 @dataclass(frozen=True)
@@ -45,6 +67,19 @@ class Link:
     """Per-collective (or per-message) latency, seconds."""
     source: str
     """Where the numbers come from."""
+    collectives: dict[str, AlphaBeta] = field(default_factory=dict)
+    """Per-operation fits ("all_reduce", "all_gather", "reduce_scatter", "p2p") where they were measured
+    (autoplan calibrate): gloo, say, runs each with a different algorithm; others use the link's own."""
+
+    def alpha_beta(self, op: str) -> AlphaBeta:
+        """Latency and bus bandwidth of `op` on this link."""
+        return self.collectives.get(op) or AlphaBeta(self.latency_s, self.bus_bandwidth_bytes_per_s)
+
+    def with_bus_bandwidth(self, bus_bandwidth_bytes_per_s: float) -> "Link":
+        """This link with its bandwidth (and every per-operation bandwidth) scaled to the given one."""
+        ratio = bus_bandwidth_bytes_per_s / self.bus_bandwidth_bytes_per_s
+        scaled = {op: AlphaBeta(ab.latency_s, ab.bus_bandwidth_bytes_per_s * ratio) for op, ab in self.collectives.items()}
+        return replace(self, bus_bandwidth_bytes_per_s=bus_bandwidth_bytes_per_s, collectives=scaled)
 
 
 @dataclass(frozen=True)

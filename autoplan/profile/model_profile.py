@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from autoplan.capture import OpGraph, OpNode, ValueRef, capture_model
 from autoplan.hardware.types import HardwareProfile
 from autoplan.profile.measure import OpTimer, device_description, measure_device
 from autoplan.profile.replay import FakeReplayer, OpCall, ReplayResult, SavedTensor, op_call
 from autoplan.profile.roofline import backward_bytes, peak_flops, roofline_seconds
 from autoplan.profile.timing_cache import TimingCache, cache_key
+from autoplan.profile.whole_model import time_whole_model
 from autoplan.profile.types import ModelProfile, OpProfile
 from autoplan.source import ModelSource
 
@@ -161,4 +164,24 @@ def profile_model(source: ModelSource, batch_size: int, hardware: HardwareProfil
     (the GPU if there is one, else the CPU) when `measure`, else estimated on `hardware` at its `dtype`
     peak."""
     graph = capture_model(source, batch_size, capture_method)
-    return profile_graph(graph, source.spec, batch_size, hardware, measure, dtype)
+    profile = profile_graph(graph, source.spec, batch_size, hardware, measure, dtype)
+    if profile.device == "cpu" and any(op.source == "measured" for op in profile.ops):
+        profile = replace(profile, whole_model_times_s=_whole_model_times(graph, source, profile))
+    return profile
+
+
+WHOLE_MODEL_KEY = "whole model forward+backward"
+"""Timing-cache entry of the whole-model times: [batch, seconds, batch, seconds, ...]."""
+
+
+def _whole_model_times(graph: OpGraph, source: ModelSource, profile: ModelProfile) -> dict[int, float]:
+    """time_whole_model, kept in the op timing cache: plans of the same model on this machine then
+    rest on the same measurement (planning stays deterministic)."""
+    cache = _op_timer(graph, source.spec).cache
+    entry = cache.get(WHOLE_MODEL_KEY)
+    if not isinstance(entry, list):
+        times = time_whole_model(source, profile.param_count * profile.parameter_bytes_per_element)
+        entry = [x for batch, seconds in sorted(times.items()) for x in (batch, seconds)]
+        cache.put(WHOLE_MODEL_KEY, entry)
+        cache.save()
+    return {int(entry[i]): float(entry[i + 1]) for i in range(0, len(entry) - 1, 2)}

@@ -81,6 +81,9 @@ class ModelProfile:
     op_failures: tuple[str, ...] = ()
     """Ops profiled only in part, one line each: not replayable on fake tensors (counted as 0 FLOPs and
     nothing saved) or not timeable on this machine (estimated instead)."""
+    whole_model_times_s: dict[int, float] = field(default_factory=dict)
+    """Batch size -> measured forward+backward seconds of the whole real model on this machine (one
+    thread), when ops were measured and the model is small enough (profile/whole_model.py)."""
 
     @property
     def param_count(self) -> int:
@@ -106,4 +109,5 @@ class ModelProfile:
         raw["unsupported_ops"] = tuple(raw.get("unsupported_ops", ()))
         raw["capture_failures"] = tuple(raw.get("capture_failures", ()))
         raw["op_failures"] = tuple(raw.get("op_failures", ()))
+        raw["whole_model_times_s"] = {int(b): float(t) for b, t in raw.get("whole_model_times_s", {}).items()}
         return ModelProfile(ops=ops, **raw)

@@ -78,7 +78,8 @@ class Context:
     def __init__(self, profile: ModelProfile, cluster: Cluster, training: Training, features: frozenset[str]) -> None:
         self.profile, self.cluster, self.training, self.features = profile, cluster, training, features
         self.chain = build_chain(profile)
-        self.facts = tensor_parallel_facts(profile, vocab_parallel="tp_vocab_parallel" in features)
+        self.facts = tensor_parallel_facts(profile, vocab_parallel="tp_vocab_parallel" in features,
+                                           fused_split="tp_fused_split" in features)
         self.costs = chain_costs(profile, self.chain, self.facts)
         self.dtype = training_dtype(training.dtype)
         self.dtype_bytes = bytes_per_element(self.dtype)
@@ -98,7 +99,7 @@ class Context:
         if nodes > 1:
             local = max(1, min(size // nodes, per_node // stride)) if stride < per_node else 1
             intra = self.cluster.hardware.intra_node.bus_bandwidth_bytes_per_s
-            link = replace(link, bus_bandwidth_bytes_per_s=min(intra, link.bus_bandwidth_bytes_per_s * local))
+            link = link.with_bus_bandwidth(min(intra, link.bus_bandwidth_bytes_per_s * local))
         return comm.Group(size, link, min(size, nodes))
 
     def groups(self, par: Parallelism) -> Groups:
@@ -217,7 +218,10 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
         rank = s % pp
         per_step[rank] += dpc.per_step_s
         updated = sum(numels) / (par.data_parallel_shard_degree if par.zero_stage >= 1 else 1)
-        optimizer[rank] += optimizer_step_time(updated, gpu)
+        tensors = len({p for u in units for p in chain.units[u].parameters})
+        # FSDP2 parameters are DTensors; so are all with tp > 1 (TP weights, and FSDP2 over the replicas)
+        dtensors = par.zero_stage >= 1 or tp > 1
+        optimizer[rank] += optimizer_step_time(updated, gpu, tensors, dtensors)
     slots = [{k: sum(parts[s][k] for s in problem.stages_of_rank(r)) for k in parts[0]} for r in range(pp)]
     slowest = max(range(pp), key=lambda r: sum(slots[r].values()))
     slot = sum(slots[slowest].values())
@@ -262,9 +266,14 @@ def _recompute(table: UnitTable, u: int, mode: str) -> float:
 def _data_parallel(par: Parallelism, groups: Groups, unit_bytes: list[float], m: int, forward: float,
                    backward: float, ctx: Context) -> comm.DataParallelComm:
     gradient_ratio = calibration.GRADIENT_REDUCE_BYTES / ctx.dtype_bytes
+    gpu = ctx.cluster.gpu
+    # what compute can hide; FSDP2 on a CPU device has no side streams: its all-gathers and
+    # reduce-scatters block the compute thread (unshard(async_op=False) waits at once), so none
+    overlap = 0.0 if par.zero_stage >= 1 and gpu.name == "cpu" else gpu.comm_overlap
+    forward, backward = forward * overlap, backward * overlap
     if par.zero_stage == 0:
         return comm.ddp_comm(sum(unit_bytes) * gradient_ratio, groups.replicate, backward)
-    streaming = ctx.cluster.gpu.memory_bandwidth_bytes_per_s * ctx.cluster.gpu.memory_efficiency
+    streaming = gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency
     return comm.fsdp_comm(unit_bytes, par.zero_stage, groups.shard, groups.replicate, par.pipeline_parallel_degree,
                           m, forward, backward, streaming, gradient_ratio)
 

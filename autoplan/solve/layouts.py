@@ -19,6 +19,7 @@ from autoplan.solve.pins import Pins
 ALL_FEATURES = frozenset({
     "tp", "tp_vocab_parallel", "zero2", "zero3", "hsdp", "gpipe", "1f1b", "interleaved", "selective", "full",
     "pp_scatter_gather",  # Megatron-LM's pipeline sends split over tensor-parallel ranks (not in torch)
+    "tp_fused_split",     # Megatron-LM's fused qkv with interleaved weights, split per rank (not in torch TP)
 })
 """Everything the cost model can price (what estimates of other programs, e.g. Megatron-LM's published
 runs, may use even where codegen cannot run it yet)."""
@@ -35,7 +36,8 @@ SUPPORTED = frozenset({
     "full",               # full activation checkpointing per unit
 })
 """What codegen can run. Remove a name to stop the search from emitting (or accepting a pin of) it.
-Not yet: tp_vocab_parallel (codegen shards nn.Linear pairs only) and pp_scatter_gather (not in torch)."""
+Not yet: tp_vocab_parallel (codegen shards nn.Linear pairs only), pp_scatter_gather and tp_fused_split
+(not in torch)."""
 
 MAX_VIRTUAL_STAGES = 8
 """Largest number of stages per pipeline rank tried with the interleaved schedule."""

@@ -4,8 +4,8 @@ A *region* is a set of ops whose outputs are split along the feature (head) dime
 It opens at column-parallel Linears (weight split by output rows: every rank computes some heads or
 some hidden features) and closes at row-parallel Linears (weight split by input columns; their
 partial outputs are all-reduced back to the full tensor). Between the two only ops that never mix the
-split dimension may run: elementwise ops, shape ops that keep heads whole (view, transpose, split of
-a fused projection, ...), and attention over heads (SDPA, activation x activation matmuls, softmax
+split dimension may run: elementwise ops, shape ops that keep heads whole (view, transpose, ...; not
+a split of a fused projection: FUSED_SPLIT_OPS), and attention over heads (SDPA, activation x activation matmuls, softmax
 over keys). A replicated tensor may join an elementwise op only when it is much smaller than the
 split one or computed without any Linear (a broadcast: rotary tables, masks); a full-width replicated
 tensor (a residual) would need the missing features, so the region is dropped and its Linears stay
@@ -51,6 +51,13 @@ ATTENTION_OPS = frozenset({
     "baddbmm", "einsum", "softmax", "_softmax", "_safe_softmax",
 })
 """Attention over heads: each head's scores and outputs depend on that head's features only."""
+FUSED_SPLIT_OPS = frozenset({"split", "split_with_sizes", "chunk", "unbind", "narrow", "slice"})
+"""Ops that, applied straight to a column-parallel Linear's output, cut a fused projection (qkv) along
+the features the Linear shards. Megatron-LM interleaves such weights so each rank holds whole q, k, v
+heads; torch's ColwiseParallel shards the fused rows as they are, so DTensor all-gathers the output
+before the split and the attention behind it runs replicated on every rank. No speed-up to plan for:
+the region is dropped (its Linears stay replicated) unless the layout feature "tp_fused_split"
+(Megatron-LM's interleaved weights, for pricing its runs) is on."""
 VOCAB_MULTIPLE = 8
 """The head and embedding split by vocabulary only when it is a multiple of this (every tensor-parallel
 degree inside an 8-GPU node divides it; torch TP cannot pad a vocabulary as Megatron-LM does)."""
@@ -113,13 +120,15 @@ class TensorParallelFacts:
         return [f"tp={tp} does not divide {what}" for what in first.values()]
 
 
-def find_tensor_parallel_plan(profile: ModelProfile, vocab_parallel: bool = True) -> dict[str, str]:
+def find_tensor_parallel_plan(profile: ModelProfile, vocab_parallel: bool = True,
+                              fused_split: bool = True) -> dict[str, str]:
     """Module FQN -> "colwise" | "rowwise" for every Megatron pair (and the vocabulary-parallel head
     and embedding when `vocab_parallel`)."""
-    return tensor_parallel_facts(profile, vocab_parallel).plan
+    return tensor_parallel_facts(profile, vocab_parallel, fused_split).plan
 
 
-def tensor_parallel_facts(profile: ModelProfile, vocab_parallel: bool = True) -> TensorParallelFacts:
+def tensor_parallel_facts(profile: ModelProfile, vocab_parallel: bool = True,
+                          fused_split: bool = True) -> TensorParallelFacts:
     ops = {op.node: op for op in profile.ops}
     consumers: dict[str, list[str]] = {op.node: [] for op in profile.ops}
     for op in profile.ops:
@@ -134,7 +143,7 @@ def tensor_parallel_facts(profile: ModelProfile, vocab_parallel: bool = True) ->
     facts: list[DivisibilityFact] = []
     for op in profile.ops:
         if is_weight_linear(op) and op.node not in role:
-            region = _grow_region(op.node, ops, consumers, role, derived)
+            region = _grow_region(op.node, ops, consumers, role, derived, fused_split)
             if region is not None:
                 role.update(region)
                 facts += _region_facts(region, ops, consumers)
@@ -160,7 +169,8 @@ def _weight(op: OpProfile) -> str:
     return own if own in op.params else op.params[0]
 
 
-def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set[str]) -> dict[str, str] | None:
+def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set[str],
+                 fused_split: bool = True) -> dict[str, str] | None:
     """The region opened by Linear `start`, or None when some split tensor would have to be gathered.
 
     Grows forward from every split tensor to its consumers and backward from every interior op to the
@@ -184,6 +194,8 @@ def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set
         if direction == "forward":
             for c in consumers[node]:
                 op = ops[c]
+                if not fused_split and region[node] == "colwise" and packet(op) in FUSED_SPLIT_OPS:
+                    return None  # a fused projection split along its sharded features (see FUSED_SPLIT_OPS)
                 if not claim(c, "rowwise" if is_weight_linear(op) else "interior") or not (
                         is_weight_linear(op) or _keeps_heads(op)):
                     return None

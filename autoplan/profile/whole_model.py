@@ -1,0 +1,77 @@
+"""Time the whole model, forward and backward, on this machine's CPU at two batch sizes.
+
+Ops timed one by one (measure.py) miss how they run together: an op replayed alone starts with cold
+caches and pays the autograd engine's start-up for its backward, while in the model consecutive ops
+share caches and one backward pass runs them all. The sum over ops is the right *shape* (which unit
+costs what, how time grows with the batch) but not the right total. Two whole-model timings fix the
+total: the cost model rescales the per-op times' fixed and per-sample parts so that their sum at these
+two batch sizes is what the real model takes (cost/compute.py, `MeasuredScale`).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch
+from torch.utils import _pytree as pytree
+
+from autoplan.profile.measure import THREADS_PER_RANK
+from autoplan.source import ModelSource, call_user
+
+log = logging.getLogger(__name__)
+
+BATCH_SIZES = (1, 8)
+"""Samples per timed forward+backward: a pipeline's smallest micro-batch and a typical one."""
+WARMUP_RUNS, TIMED_RUNS = 2, 5
+MAX_PARAMETER_BYTES = 2**30
+"""Largest model (parameter bytes) built for real to be timed; larger ones keep the per-op sums."""
+MAX_SECONDS_PER_RUN = 2.0
+"""A forward+backward slower than this at the smallest batch is not repeated (planning stays fast)."""
+
+
+def _backward(output) -> None:
+    """Backward from every floating-point output that requires grad, with gradients of ones (the loss
+    is not part of the captured graph either)."""
+    tensors = [t for t in pytree.tree_leaves(output)
+               if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+    if tensors:
+        torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+
+
+def time_whole_model(source: ModelSource, parameter_bytes: float) -> dict[int, float]:
+    """Median forward+backward seconds of the real model per batch size in BATCH_SIZES, one thread;
+    empty when the model is too large to build or too slow to repeat here."""
+    from autoplan.runtime.data import call_model
+
+    if parameter_bytes > MAX_PARAMETER_BYTES:
+        return {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS_PER_RANK)
+    try:
+        torch.manual_seed(0)
+        model = call_user(source, f"{source.factory_name}()", source.build_model)
+        model.train()
+        found = {}
+        for batch_size in BATCH_SIZES:
+            inputs, _ = call_user(source, f"example_batch({batch_size})", source.example_batch, batch_size)
+
+            def step():
+                _backward(call_model(model, inputs))
+                model.zero_grad(set_to_none=True)
+
+            samples = []
+            for run in range(WARMUP_RUNS + TIMED_RUNS):
+                started = time.perf_counter()
+                step()
+                seconds = time.perf_counter() - started
+                if run >= WARMUP_RUNS:
+                    samples.append(seconds)
+                elif seconds > MAX_SECONDS_PER_RUN:
+                    log.debug("whole-model timing skipped: %.1f s per forward+backward at batch %d", seconds, batch_size)
+                    return {}
+            found[batch_size] = statistics.median(samples)
+        return found
+    finally:
+        torch.set_num_threads(threads)
