@@ -284,7 +284,10 @@ class _Run:
 
     def stderr_tail(self) -> str:
         lines = self.stderr_path.read_text(errors="replace").splitlines() if self.stderr_path.exists() else []
-        return "\n".join(first_traceback(lines)[-STDERR_TAIL_LINES:]) or "(no output on stderr)"
+        shown = first_traceback(lines)[-STDERR_TAIL_LINES:]
+        if shown and not shown[0].startswith("[rank"):  # no rank's traceback: a rank died by a signal?
+            shown += [line.strip() for line in lines if re.search(r"exitcode|Signal \d+|rank\s*:", line)][-6:]
+        return "\n".join(shown) or "(no output on stderr)"
 
 
 def first_traceback(lines: list[str]) -> list[str]:

@@ -12,12 +12,15 @@
    against issue 7's bounds: step time within 30%, peak memory within 15%.
 
 Run it on a quiet machine: the measured step times are wall-clock times of two processes on two cores.
+Each layout is profiled afresh (its own timing cache) right before it runs, and the whole model's
+forward+backward is timed before and after all layouts: the ratio shows how much the machine drifted.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -39,11 +42,20 @@ MEMORY_BOUND = 0.15
 """The same for the peak memory."""
 
 
-def autoplan(*args: str) -> None:
-    """Run the autoplan CLI; stop with its stderr if it fails."""
-    done = subprocess.run([sys.executable, "-m", "autoplan", *args], capture_output=True, text=True)
+def autoplan(*args: str, cache: Path) -> None:
+    """Run the autoplan CLI with its op-timing cache in `cache`; stop with its stderr if it fails."""
+    env = {**os.environ, "AUTOPLAN_CACHE": str(cache)}
+    done = subprocess.run([sys.executable, "-m", "autoplan", *args], capture_output=True, text=True, env=env)
     if done.returncode != 0:
         sys.exit(f"autoplan {' '.join(args)} failed:\n{done.stderr}")
+
+
+def whole_model_seconds(model: str) -> float:
+    """The real model's forward+backward at batch 8 on one thread (autoplan.profile.whole_model)."""
+    from autoplan.profile.whole_model import time_whole_model
+    from autoplan.source import load_source
+
+    return time_whole_model(load_source(model), parameter_bytes=0.0)[8]
 
 
 def main() -> None:
@@ -60,6 +72,7 @@ def main() -> None:
     if unknown:
         sys.exit(f"unknown layout {unknown[0]!r}: use {', '.join(LAYOUTS)}")
 
+    drift = [whole_model_seconds(args.model)]
     work = args.keep or Path(tempfile.mkdtemp(prefix="autoplan-pvm-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
@@ -67,15 +80,19 @@ def main() -> None:
         if hardware is None:
             hardware = work / "calibrated.yaml"
             started = time.perf_counter()
-            autoplan("calibrate", "--out", str(hardware), "--nproc", "2")
+            autoplan("calibrate", "--out", str(hardware), "--nproc", "2", cache=work / "cache-calibrate")
             print(f"calibrated 2 gloo ranks in {time.perf_counter() - started:.0f} s -> {hardware}")
         rows = []
         for name in layouts:
             out = work / name
             shutil.rmtree(out, ignore_errors=True)
+            # op and whole-model timings taken just before this layout runs, not minutes earlier: a
+            # shared machine's speed drifts (see the drift line printed at the end)
+            cache = work / f"cache-{name}"
+            shutil.rmtree(cache, ignore_errors=True)
             autoplan(args.model, "--gpus", "2", "--gpu", "cpu", "--hardware", str(hardware), "--pin", LAYOUTS[name],
-                     "--global-batch", str(args.global_batch), "--out", str(out), "--quiet")
-            autoplan("verify", str(out), "--measure", "--steps", str(args.steps))
+                     "--global-batch", str(args.global_batch), "--out", str(out), "--quiet", cache=cache)
+            autoplan("verify", str(out), "--measure", "--steps", str(args.steps), cache=cache)
             verify = json.loads((out / "verify.json").read_text())
             plan = json.loads((out / "plan.json").read_text())
             rows.append((name, plan["parallelism"], verify))
@@ -83,6 +100,7 @@ def main() -> None:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
 
+    drift.append(whole_model_seconds(args.model))
     print(f"\n{'layout':<6} {'schedule':<22} {'parity':>8} {'step pred':>10} {'measured':>9} {'error':>7}   "
           f"{'memory pred':>11} {'measured':>9} {'error':>7}")
     failures = 0
@@ -98,6 +116,8 @@ def main() -> None:
               f"{v['measured_peak_memory_bytes'] / 2**20:>7.2f}MiB {memory_error:>+7.1%}  {'ok' if ok else 'OUT OF BOUNDS'}")
     print(f"\nbounds: step time within {TIME_BOUND:.0%}, peak memory within {MEMORY_BOUND:.0%}; "
           f"{len(rows) - failures}/{len(rows)} layouts inside")
+    print(f"machine drift: the whole model's forward+backward at batch 8 took {drift[0] * 1e3:.1f} ms before the "
+          f"layouts and {drift[1] * 1e3:.1f} ms after ({drift[1] / drift[0] - 1:+.0%})")
 
 
 if __name__ == "__main__":

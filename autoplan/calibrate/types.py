@@ -61,6 +61,12 @@ class Measurements:
     """Share of an all-reduce hidden behind matmuls running at the same time (None: not measured)."""
     concurrent_slowdown: float | None = None
     """Step time of a small MLP with every rank running it over rank 0 alone (None: not measured)."""
+    fsdp_unit_overhead_s: float | None = None
+    """Extra seconds of a fully_shard unit's forward+backward beyond its collectives' latency (None: not measured)."""
+    pipeline_microbatch_overhead_s: float | None = None
+    """Host seconds pipelining adds per stage and micro-batch beyond its sends (None: not measured)."""
+    optimizer_dtensor_overhead_s: float | None = None
+    """AdamW step time per DTensor parameter shard, seconds (None: not measured)."""
     dtensor_op_overhead_s: float | None = None
     """Extra host time of a tiny op on DTensors over plain tensors, seconds (None: not measured)."""
     optimizer_tensor_overhead_s: float | None = None

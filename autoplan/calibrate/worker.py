@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from autoplan.calibrate import measure
-from autoplan.calibrate.fit import median
+from autoplan.calibrate import frameworks, measure
+from autoplan.calibrate.fit import bus_factor, fit_alpha_beta, link_points, median
 from autoplan.calibrate.types import SIZES, Measurements, TierTimes
 from autoplan.calibrate.writer import default_base, write_profile
 from autoplan.errors import UserError
@@ -103,6 +103,16 @@ def _measure_tiers(clock: measure.Clock, world: int, per_node: int, sizes) -> di
     return tiers
 
 
+def _fsdp_collectives_seconds(tier: TierTimes, unit_bytes: int) -> float:
+    """What the cost model charges a unit's two all-gathers and one reduce-scatter of `unit_bytes`: their
+    per-operation alpha-beta fits (calibrate/writer.py writes the same fits), nccl-tests bus factors."""
+    def seconds(op: str) -> float:
+        fit = fit_alpha_beta(link_points({op: tier.seconds[op]}, tier.group_size))
+        return fit.latency_s + unit_bytes * bus_factor(op, tier.group_size) / fit.bus_bandwidth_bytes_per_s
+
+    return 2 * seconds("all_gather") + seconds("reduce_scatter")
+
+
 def run(out: Path, base: str | None, timeout_s: float) -> Measurements:
     """Measure on every rank; rank 0 writes `out`. Returns the measurements (on every rank)."""
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
@@ -146,6 +156,15 @@ def run(out: Path, base: str | None, timeout_s: float) -> Measurements:
 
         tiers = _measure_tiers(clock, world, per_node, sizes)
         overlap = measure.comm_overlap_fraction(clock, sizes.overlap_message_bytes, sizes.overlap_matmul_n)
+        world_mesh = init_device_mesh(device.type, (world,))
+        tier = tiers["inter_node" if per_node < world else "intra_node"]
+        collectives = _fsdp_collectives_seconds(tier, frameworks.fsdp_unit_bytes())
+        fsdp_unit = frameworks.fsdp_unit_overhead_seconds(clock, world_mesh, collectives)
+        optimizer_dtensor = frameworks.optimizer_dtensor_overhead_seconds(clock, world_mesh)
+        p2p = fit_alpha_beta(link_points({"p2p": tiers["intra_node"].seconds["p2p"]}, 2)).latency_s
+        pipeline = frameworks.pipeline_microbatch_overhead_seconds(clock, p2p)
+        framework = [None] * world
+        dist.all_gather_object(framework, (fsdp_unit, optimizer_dtensor, pipeline))
         if cuda:
             free, total = torch.cuda.mem_get_info(device)
             resident = float(total - free - torch.cuda.memory_reserved(device))
@@ -169,6 +188,9 @@ def run(out: Path, base: str | None, timeout_s: float) -> Measurements:
             peak_allocated_bytes=float(torch.cuda.max_memory_allocated(device)) if cuda else None,
             devices_per_node=torch.cuda.device_count() if cuda else None,
             comm_overlap=overlap,
+            fsdp_unit_overhead_s=median([f[0] for f in framework]),
+            optimizer_dtensor_overhead_s=median([f[1] for f in framework]),
+            pipeline_microbatch_overhead_s=max(f[2] for f in framework),
             concurrent_slowdown=slowdown,
             dtensor_op_overhead_s=median([g["dtensor_op"] for g in gathered]),
             optimizer_tensor_overhead_s=median([g["optimizer_tensor"] for g in gathered]),

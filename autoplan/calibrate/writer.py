@@ -81,8 +81,16 @@ def _host_fields(found: Measurements, base: HardwareProfile | None) -> dict[str,
         (gpu.optimizer_tensor_overhead_s if gpu else 0.0)
     slowdown = found.concurrent_slowdown if found.concurrent_slowdown is not None else \
         (gpu.concurrent_slowdown if gpu else 1.0)
+    pipeline = found.pipeline_microbatch_overhead_s if found.pipeline_microbatch_overhead_s is not None else \
+        (gpu.pipeline_microbatch_overhead_s if gpu else 0.0)
+    fsdp = found.fsdp_unit_overhead_s if found.fsdp_unit_overhead_s is not None else \
+        (gpu.fsdp_unit_overhead_s if gpu else 0.0)
+    optimizer_dtensor = found.optimizer_dtensor_overhead_s if found.optimizer_dtensor_overhead_s is not None else \
+        (gpu.optimizer_dtensor_overhead_s if gpu else 0.0)
     return {"comm_overlap": _round(overlap), "concurrent_slowdown": _round(slowdown),
-            "dtensor_op_overhead_us": _round(dtensor / MICRO), "optimizer_tensor_overhead_us": _round(optimizer / MICRO)}
+            "dtensor_op_overhead_us": _round(dtensor / MICRO), "optimizer_tensor_overhead_us": _round(optimizer / MICRO),
+            "optimizer_dtensor_overhead_us": _round(optimizer_dtensor / MICRO),
+            "fsdp_unit_overhead_us": _round(fsdp / MICRO), "pipeline_microbatch_overhead_us": _round(pipeline / MICRO)}
 
 
 def profile_fields(found: Measurements, base: HardwareProfile | None) -> dict[str, Any]:
@@ -113,7 +121,10 @@ def profile_fields(found: Measurements, base: HardwareProfile | None) -> dict[st
     gpu_source = (f"autoplan calibrate {found.date} on {found.device_name}, torch {found.torch_version}, "
                   f"{found.world_size} {found.backend} ranks x {found.threads_per_rank} thread(s): {fit.how}; "
                   f"kernel_overhead = median time of a 1-element add; dtensor_op_overhead = the same add on replicated "
-                  f"DTensors minus it; optimizer_tensor_overhead = AdamW step time per one-element tensor; "
+                  f"DTensors minus it; optimizer_tensor_overhead (optimizer_dtensor_overhead) = AdamW step time "
+                  f"per one-element tensor (per sharded DTensor); fsdp_unit_overhead = fully_shard's extra time "
+                  f"per Linear unit's forward+backward beyond its collectives' latency; pipeline_microbatch_overhead = "
+                  f"a GPipe step of tiny stages per slot, beyond its sends; "
                   f"comm_overlap = share of an all-reduce hidden by matmuls run beside it; "
                   f"concurrent_slowdown = a small MLP step on all ranks at once over rank 0 alone; "
                   f"memory_reserved = {reserved_how}")

@@ -53,7 +53,3 @@ Gpu.dtensor_op_overhead_s of host time on top of its kernel."""
 
 TP_DTENSOR_BACKWARD_OPS = 7
 """The same count for its backward: transposes, the two matmuls, the bias gradient's sum and a view."""
-
-ADAMW_DTENSOR_OPS_PER_TENSOR = 8
-"""Ops torch.optim.AdamW's single-tensor path runs per DTensor parameter (FSDP2 shards, TP weights),
-counted as above: each pays Gpu.dtensor_op_overhead_s on top of Gpu.optimizer_tensor_overhead_s."""

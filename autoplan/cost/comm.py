@@ -21,6 +21,7 @@ Gpu.comm_overlap (1 on GPUs; measured on a CPU, whose gloo threads share the cor
   and one reduce-scatter (backward), exposed the same way.
 - Any FSDP under a pipeline: parameters are gathered once per step (first micro-batch) and gradients
   reduce-scattered once after the last backward (torch.distributed.pipelining), which nothing hides.
+- FSDP2's hooks cost host time per unit and micro-batch (Gpu.fsdp_unit_overhead_s, measured; ~0 on GPUs).
 - FSDP2 also copies every gathered parameter out of the all-gather buffer and every gradient into
   the reduce-scatter buffer on the compute stream (fully_shard's copy-out / chunk-cat copy-in): each
   reads and writes the unsharded bytes once, at the device's streaming bandwidth, never hidden.
@@ -117,14 +118,16 @@ def ddp_comm(grad_bytes: float, group: Group, backward_window_s: float) -> DataP
 
 def fsdp_comm(unit_param_bytes: list[float], zero_stage: int, shard: Group, replicate: Group, num_ranks: int,
               num_microbatches: int, forward_window_s: float, backward_window_s: float,
-              copy_bytes_per_s: float, gradient_ratio: float = 1.0) -> DataParallelComm:
+              copy_bytes_per_s: float, gradient_ratio: float = 1.0, unit_overhead_s: float = 0.0) -> DataParallelComm:
     """FSDP2 collectives of one stage whose units hold `unit_param_bytes` (training dtype, unsharded on
     the shard group); gradients are reduced at `gradient_ratio` x those bytes (2 for bf16 parameters
     reduced in fp32). Windows are one micro-batch's compute; `copy_bytes_per_s` is the device's
-    achievable streaming bandwidth."""
+    achievable streaming bandwidth; `unit_overhead_s` the host time FSDP2 adds per unit and micro-batch
+    (Gpu.fsdp_unit_overhead_s)."""
     stage_bytes = sum(unit_param_bytes)
     if shard.size <= 1 or stage_bytes <= 0:
         return NO_COMM
+    hooks = len(unit_param_bytes) * unit_overhead_s
     s, link, nodes = shard.size, shard.link, shard.nodes
     copy_s = FSDP_COPY_TRAFFIC * stage_bytes / copy_bytes_per_s
     gathers = [all_gather_s(b, s, link, nodes) for b in unit_param_bytes]
@@ -133,7 +136,7 @@ def fsdp_comm(unit_param_bytes: list[float], zero_stage: int, shard: Group, repl
                 + all_reduce_s(g / s, replicate.size, replicate.link, replicate.nodes) for g in grads]
     if num_ranks > 1:  # gathered once per step, reduced once after the last backward
         first = exposed_s(sum(gathers), gathers[0], forward_window_s) + copy_s
-        return DataParallelComm(0.0, first + sum(scatters) + copy_s, sum(gathers) + sum(scatters))
+        return DataParallelComm(hooks, first + sum(scatters) + copy_s, sum(gathers) + sum(scatters))
     forward = exposed_s(sum(gathers), gathers[0], forward_window_s) + copy_s
     if zero_stage == 3:
         backward = exposed_s(sum(gathers) + sum(scatters), scatters[-1], backward_window_s) + 2 * copy_s
@@ -141,4 +144,4 @@ def fsdp_comm(unit_param_bytes: list[float], zero_stage: int, shard: Group, repl
     else:
         backward = exposed_s(sum(scatters), scatters[-1], backward_window_s) + copy_s
         total = num_microbatches * (sum(gathers) + sum(scatters))
-    return DataParallelComm(forward + backward, 0.0, total)
+    return DataParallelComm(forward + backward + hooks, 0.0, total)

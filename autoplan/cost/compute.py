@@ -218,9 +218,7 @@ def _tp_backward(op: OpCost, tp: int, per_mb: float, link: Link) -> float:
 def optimizer_step_time(parameters_on_rank: float, gpu: Gpu, tensors: int = 0, dtensors: bool = False) -> float:
     """AdamW over the parameters a rank updates: memory-bound streaming of its states, plus the host
     cost per parameter tensor (`tensors` of them; more when they are DTensors: FSDP2 or TP)."""
-    per_tensor = gpu.optimizer_tensor_overhead_s
-    if dtensors:
-        per_tensor += calibration.ADAMW_DTENSOR_OPS_PER_TENSOR * gpu.dtensor_op_overhead_s
+    per_tensor = gpu.optimizer_dtensor_overhead_s if dtensors else gpu.optimizer_tensor_overhead_s
     streaming = parameters_on_rank * ADAMW_BYTES_PER_PARAM / (gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency)
     return streaming + tensors * per_tensor
 

@@ -139,6 +139,9 @@ def _gpu(name: str, gpu: _Fields) -> Gpu:
         comm_overlap=gpu.optional_number("comm_overlap", 1.0, at_most=1.0),
         concurrent_slowdown=max(1.0, gpu.optional_number("concurrent_slowdown", 1.0)),
         optimizer_tensor_overhead_s=gpu.optional_number("optimizer_tensor_overhead_us", 0.0) * MICRO,
+        optimizer_dtensor_overhead_s=gpu.optional_number("optimizer_dtensor_overhead_us", 0.0) * MICRO,
+        fsdp_unit_overhead_s=gpu.optional_number("fsdp_unit_overhead_us", 0.0) * MICRO,
+        pipeline_microbatch_overhead_s=gpu.optional_number("pipeline_microbatch_overhead_us", 0.0) * MICRO,
         dtensor_op_overhead_s=gpu.optional_number("dtensor_op_overhead_us", 0.0) * MICRO,
     )
 
@@ -231,6 +234,9 @@ def hardware_to_yaml(profile: HardwareProfile) -> str:
             "comm_overlap": gpu.comm_overlap,
             "concurrent_slowdown": gpu.concurrent_slowdown,
             "optimizer_tensor_overhead_us": gpu.optimizer_tensor_overhead_s / MICRO,
+            "optimizer_dtensor_overhead_us": gpu.optimizer_dtensor_overhead_s / MICRO,
+            "fsdp_unit_overhead_us": gpu.fsdp_unit_overhead_s / MICRO,
+            "pipeline_microbatch_overhead_us": gpu.pipeline_microbatch_overhead_s / MICRO,
             "dtensor_op_overhead_us": gpu.dtensor_op_overhead_s / MICRO,
             "source": gpu.source,
         },

@@ -42,6 +42,14 @@ class Gpu:
     optimizer_tensor_overhead_s: float = 0.0
     """Host time AdamW spends per parameter tensor beyond streaming its states, seconds: the per-tensor
     kernels of the single-tensor path (torch's default on CPU); ~0 for the foreach/fused GPU paths."""
+    optimizer_dtensor_overhead_s: float = 0.0
+    """The same per DTensor parameter (FSDP2 shards, tensor-parallel weights), seconds."""
+    fsdp_unit_overhead_s: float = 0.0
+    """Host time FSDP2 adds per unit and micro-batch beyond its collectives (hooks, buffer copies, waits
+    on ranks that arrive late), seconds: measured by `autoplan calibrate` on a tiny fully_shard model."""
+    pipeline_microbatch_overhead_s: float = 0.0
+    """Host time torch.distributed.pipelining adds per stage and micro-batch (forward and backward chunk
+    bookkeeping, send/recv set-up) beyond the sends, seconds: measured on a GPipe step of tiny stages."""
     dtensor_op_overhead_s: float = 0.0
     """Extra host time of one op on DTensors over the same op on plain tensors (sharding propagation,
     wrapping), seconds: paid by tensor-parallel Linears and by the optimizer over FSDP2/TP parameters."""

@@ -1,4 +1,4 @@
-"""Time the whole model, forward and backward, on this machine's CPU at two batch sizes.
+"""Time the whole model, forward, loss and backward, on this machine's CPU at two batch sizes.
 
 Ops timed one by one (measure.py) miss how they run together: an op replayed alone starts with cold
 caches and pays the autograd engine's start-up for its backward, while in the model consecutive ops
@@ -15,7 +15,6 @@ import statistics
 import time
 
 import torch
-from torch.utils import _pytree as pytree
 
 from autoplan.profile.measure import THREADS_PER_RANK
 from autoplan.source import ModelSource, call_user
@@ -24,27 +23,31 @@ log = logging.getLogger(__name__)
 
 BATCH_SIZES = (1, 8)
 """Samples per timed forward+backward: a pipeline's smallest micro-batch and a typical one."""
-WARMUP_RUNS, TIMED_RUNS = 2, 5
+WARMUP_RUNS, TIMED_RUNS = 2, 15
+"""Runs per batch size; the median of the timed ones is kept. A shared machine's speed drifts by tens of
+percent within seconds: many samples, the batch sizes taking turns."""
 MAX_PARAMETER_BYTES = 2**30
 """Largest model (parameter bytes) built for real to be timed; larger ones keep the per-op sums."""
 MAX_SECONDS_PER_RUN = 2.0
 """A forward+backward slower than this at the smallest batch is not repeated (planning stays fast)."""
 
 
-def _backward(output) -> None:
-    """Backward from every floating-point output that requires grad, with gradients of ones (the loss
-    is not part of the captured graph either)."""
-    tensors = [t for t in pytree.tree_leaves(output)
-               if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
-    if tensors:
-        torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+def _step(source: ModelSource, model, inputs, targets):
+    """One forward, loss and backward: what a training step computes (the loss is not in the captured
+    graph, so the rescaled op times carry it)."""
+    from autoplan.runtime.data import call_model
+    from autoplan.runtime.loss import compute_loss
+
+    def step():
+        compute_loss(source.loss_fn, call_model(model, inputs), targets).backward()
+        model.zero_grad(set_to_none=True)
+
+    return step
 
 
 def time_whole_model(source: ModelSource, parameter_bytes: float) -> dict[int, float]:
     """Median forward+backward seconds of the real model per batch size in BATCH_SIZES, one thread;
     empty when the model is too large to build or too slow to repeat here."""
-    from autoplan.runtime.data import call_model
-
     if parameter_bytes > MAX_PARAMETER_BYTES:
         return {}
     threads = torch.get_num_threads()
@@ -53,25 +56,21 @@ def time_whole_model(source: ModelSource, parameter_bytes: float) -> dict[int, f
         torch.manual_seed(0)
         model = call_user(source, f"{source.factory_name}()", source.build_model)
         model.train()
-        found = {}
+        steps = {}
         for batch_size in BATCH_SIZES:
-            inputs, _ = call_user(source, f"example_batch({batch_size})", source.example_batch, batch_size)
-
-            def step():
-                _backward(call_model(model, inputs))
-                model.zero_grad(set_to_none=True)
-
-            samples = []
-            for run in range(WARMUP_RUNS + TIMED_RUNS):
+            inputs, targets = call_user(source, f"example_batch({batch_size})", source.example_batch, batch_size)
+            steps[batch_size] = _step(source, model, inputs, targets)
+        samples: dict[int, list[float]] = {b: [] for b in BATCH_SIZES}
+        for run in range(WARMUP_RUNS + TIMED_RUNS):  # the batch sizes take turns: both see the same machine
+            for batch_size, step in steps.items():
                 started = time.perf_counter()
                 step()
                 seconds = time.perf_counter() - started
                 if run >= WARMUP_RUNS:
-                    samples.append(seconds)
+                    samples[batch_size].append(seconds)
                 elif seconds > MAX_SECONDS_PER_RUN:
                     log.debug("whole-model timing skipped: %.1f s per forward+backward at batch %d", seconds, batch_size)
                     return {}
-            found[batch_size] = statistics.median(samples)
-        return found
+        return {b: statistics.median(times) for b, times in samples.items()}
     finally:
         torch.set_num_threads(threads)

@@ -174,7 +174,8 @@ def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> Cha
         link = ctx.groups(par).pipeline.link
         typical = sorted(inputs.cut_bytes)[len(inputs.cut_bytes) // 2]
         send = ctx.send_s(typical, par, link)
-        overhead = tuple(send * ((s > 0) + (s < stages - 1)) for s in range(stages))
+        host = ctx.cluster.gpu.pipeline_microbatch_overhead_s
+        overhead = tuple(send * ((s > 0) + (s < stages - 1)) + host for s in range(stages))
     return ChainProblem(
         unit_time_s={k: table.time_s(k) for k in modes},
         memory=models,
@@ -213,6 +214,8 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
         dpc = _data_parallel(par, groups, [x * element for x in numels], m, forward, backward + recompute, ctx)
         sends = (ctx.send_s(cut[b - 1], par, groups.pipeline.link) if b < n else 0.0) + \
                 (ctx.send_s(cut[a - 1], par, groups.pipeline.link) if a > 0 else 0.0)
+        if pp > 1:  # torch.distributed.pipelining's host time per stage and micro-batch
+            sends += gpu.pipeline_microbatch_overhead_s
         parts.append({"compute": forward + backward, "recompute": recompute, "tensor_parallel_comm": tp_comm,
                       "data_parallel_comm": dpc.per_microbatch_s, "pipeline_comm": sends})
         rank = s % pp
@@ -275,7 +278,7 @@ def _data_parallel(par: Parallelism, groups: Groups, unit_bytes: list[float], m:
         return comm.ddp_comm(sum(unit_bytes) * gradient_ratio, groups.replicate, backward)
     streaming = gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency
     return comm.fsdp_comm(unit_bytes, par.zero_stage, groups.shard, groups.replicate, par.pipeline_parallel_degree,
-                          m, forward, backward, streaming, gradient_ratio)
+                          m, forward, backward, streaming, gradient_ratio, gpu.fsdp_unit_overhead_s)
 
 
 def _tied_gradient_sync(chain, assignment: Assignment, pp: int, tied: list[float], element: int,
