@@ -13,8 +13,9 @@ predicted.time_breakdown, or verify.json predicted_time_breakdown):
                   part, it does not add time, so a refit leaves the calibrated value alone)
     comm_side     parts named "*comm*": time ~ latency + bytes / bus bandwidth
 
-A refit multiplies compute-side times by s_compute (efficiencies / s, kernel overhead x s) and
-communication times by s_comm (bus bandwidth / s, latency x s, on the link tiers the plan used).
+A refit multiplies compute-side times by s_compute (efficiencies / s, kernel and optimizer host
+overheads x s) and communication times by s_comm (bus bandwidth / s, latency x s, per collective
+where calibrated, on the link tiers the plan used; FSDP2 and pipelining host overheads x s).
 With a measured breakdown in verify.json (measured_time_breakdown, same keys) each side gets its own
 factor; with only the total, one factor s = (measured - fixed) / (compute_side + comm_side) for both.
 Factors are clamped to [1/MAX_FACTOR, MAX_FACTOR] and efficiencies to [MIN_EFFICIENCY, 1]: a bigger
@@ -174,6 +175,13 @@ def refit(verify_dir: str | Path, hardware: str, out: str | Path) -> RefitResult
     gpu["memory_efficiency"] = _efficiency(profile.gpu.memory_efficiency, s_compute, "memory_efficiency", notes)
     if not on_cpu:  # on the CPU it only splits measured op times into fixed and per-sample parts
         gpu["kernel_overhead_us"] = float(f"{profile.gpu.kernel_overhead_s * 1e6 * s_compute:.4g}")
+    # host costs: the optimizer's are compute-side, FSDP2's and pipelining's sit in the *comm parts
+    for field, value, factor in (("optimizer_tensor_overhead_us", profile.gpu.optimizer_tensor_overhead_s, s_compute),
+                                 ("optimizer_dtensor_overhead_us", profile.gpu.optimizer_dtensor_overhead_s, s_compute),
+                                 ("fsdp_unit_overhead_us", profile.gpu.fsdp_unit_overhead_s, s_comm),
+                                 ("pipeline_microbatch_overhead_us", profile.gpu.pipeline_microbatch_overhead_s, s_comm)):
+        if value > 0:
+            gpu[field] = float(f"{value * 1e6 * factor:.4g}")
     same_links = profile.intra_node == profile.inter_node
     crosses_nodes = plan is None or plan.cluster.num_gpus > plan.cluster.gpus_per_node
     tiers = ["intra_node"] + (["inter_node"] if crosses_nodes or same_links else [])
@@ -181,6 +189,9 @@ def refit(verify_dir: str | Path, hardware: str, out: str | Path) -> RefitResult
         link = getattr(profile, tier)
         raw[tier]["bus_bandwidth_gb_per_s"] = float(f"{link.bus_bandwidth_bytes_per_s / 1e9 / s_comm:.4g}")
         raw[tier]["latency_us"] = float(f"{link.latency_s * 1e6 * s_comm:.4g}")
+        for op, fit in link.collectives.items():  # per-operation fits, where calibrate measured them
+            raw[tier]["collectives"][op] = {"latency_us": float(f"{fit.latency_s * 1e6 * s_comm:.4g}"),
+                                            "bus_bandwidth_gb_per_s": float(f"{fit.bus_bandwidth_bytes_per_s / 1e9 / s_comm:.4g}")}
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     what = (f"refit {date} from {verify_dir}: measured {measured:.4g} s/step vs predicted {predicted:.4g} s, "
             f"compute-side times x{s_compute:.3g}, communication x{s_comm:.3g}")
