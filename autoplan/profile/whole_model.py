@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 BATCH_SIZES = (1, 8)
 """Samples per timed forward+backward: a pipeline's smallest micro-batch and a typical one."""
-WARMUP_RUNS, TIMED_RUNS = 2, 15
+WARMUP_RUNS, TIMED_RUNS = 2, 9
 """Runs per batch size; the median of the timed ones is kept. A shared machine's speed drifts by tens of
 percent within seconds: many samples, the batch sizes taking turns."""
 MAX_PARAMETER_BYTES = 2**30
