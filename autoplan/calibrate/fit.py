@@ -164,3 +164,8 @@ def fit_throughput(matmul: dict[str, dict[int, float]], copy: dict[int, float], 
              f"matmul_efficiency = {primary_dtype} matmuls at n={'/'.join(map(str, typical_sizes))} / peak, "
              f"memory_efficiency = copy bandwidth at {max(copy) / 2**20:.0f} MiB (beyond cache) / peak"),
     )
+
+
+def op_fits(seconds: dict[str, dict[int, float]], group_size: int) -> dict[str, LinkFit]:
+    """Each operation's own alpha-beta fit (what a link's `collectives:` section carries)."""
+    return {op: fit_alpha_beta(link_points({op: times}, group_size)) for op, times in seconds.items()}

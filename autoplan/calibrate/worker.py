@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from autoplan.calibrate import frameworks, measure
-from autoplan.calibrate.fit import bus_factor, fit_alpha_beta, link_points, median
+from autoplan.calibrate.fit import bus_factor, median, op_fits
 from autoplan.calibrate.types import SIZES, Measurements, TierTimes
 from autoplan.calibrate.writer import default_base, write_profile
 from autoplan.errors import UserError
@@ -106,9 +106,10 @@ def _measure_tiers(clock: measure.Clock, world: int, per_node: int, sizes) -> di
 def _fsdp_collectives_seconds(tier: TierTimes, unit_bytes: int) -> float:
     """What the cost model charges a unit's two all-gathers and one reduce-scatter of `unit_bytes`: their
     per-operation alpha-beta fits (calibrate/writer.py writes the same fits), nccl-tests bus factors."""
+    fits = op_fits(tier.seconds, tier.group_size)
+
     def seconds(op: str) -> float:
-        fit = fit_alpha_beta(link_points({op: tier.seconds[op]}, tier.group_size))
-        return fit.latency_s + unit_bytes * bus_factor(op, tier.group_size) / fit.bus_bandwidth_bytes_per_s
+        return fits[op].latency_s + unit_bytes * bus_factor(op, tier.group_size) / fits[op].bus_bandwidth_bytes_per_s
 
     return 2 * seconds("all_gather") + seconds("reduce_scatter")
 
@@ -161,7 +162,8 @@ def run(out: Path, base: str | None, timeout_s: float) -> Measurements:
         collectives = _fsdp_collectives_seconds(tier, frameworks.fsdp_unit_bytes())
         fsdp_unit = frameworks.fsdp_unit_overhead_seconds(clock, world_mesh, collectives)
         optimizer_dtensor = frameworks.optimizer_dtensor_overhead_seconds(clock, world_mesh)
-        p2p = fit_alpha_beta(link_points({"p2p": tiers["intra_node"].seconds["p2p"]}, 2)).latency_s
+        intra = tiers["intra_node"]
+        p2p = op_fits(intra.seconds, intra.group_size)["p2p"].latency_s
         pipeline = frameworks.pipeline_microbatch_overhead_seconds(clock, p2p)
         framework = [None] * world
         dist.all_gather_object(framework, (fsdp_unit, optimizer_dtensor, pipeline))

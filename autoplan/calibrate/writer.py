@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from autoplan.calibrate.fit import LinkFit, fit_alpha_beta, fit_throughput, link_points
+from autoplan.calibrate.fit import LinkFit, fit_alpha_beta, fit_throughput, link_points, op_fits
 from autoplan.calibrate.types import SIZES, Measurements, TierTimes
 from autoplan.errors import UserError
 from autoplan.hardware.profiles import AUTO_MEMORY, GB, GIB, MICRO, TERA, parse_hardware
@@ -49,7 +49,7 @@ def _tier_fit(tier: TierTimes) -> LinkFit:
 
 def _link(name: str, fit: LinkFit, source: str, tier: TierTimes) -> dict[str, Any]:
     """The link's joint fit, and each operation's own (the cost model prices each with its own)."""
-    per_op = {op: fit_alpha_beta(link_points({op: times}, tier.group_size)) for op, times in tier.seconds.items()}
+    per_op = op_fits(tier.seconds, tier.group_size)
     return {"name": name, "bus_bandwidth_gb_per_s": _round(fit.bus_bandwidth_bytes_per_s / GB),
             "latency_us": _round(fit.latency_s / MICRO), "source": source,
             "collectives": {op: {"latency_us": _round(f.latency_s / MICRO),
@@ -71,26 +71,27 @@ def _link_source(found: Measurements, tier: str, fit: LinkFit) -> str:
     return text
 
 
+HOST_FIELDS = (  # YAML field, attribute (Measurements and Gpu alike), default without a base, YAML unit
+    ("comm_overlap", "comm_overlap", 1.0, 1.0),
+    ("concurrent_slowdown", "concurrent_slowdown", 1.0, 1.0),
+    ("dtensor_op_overhead_us", "dtensor_op_overhead_s", 0.0, MICRO),
+    ("optimizer_tensor_overhead_us", "optimizer_tensor_overhead_s", 0.0, MICRO),
+    ("optimizer_dtensor_overhead_us", "optimizer_dtensor_overhead_s", 0.0, MICRO),
+    ("fsdp_unit_overhead_us", "fsdp_unit_overhead_s", 0.0, MICRO),
+    ("pipeline_microbatch_overhead_us", "pipeline_microbatch_overhead_s", 0.0, MICRO),
+)
+"""Overlap and host overheads a calibration measures into the profile's gpu section."""
+
+
 def _host_fields(found: Measurements, base: HardwareProfile | None) -> dict[str, Any]:
     """Overlap and host overheads: measured where the run measured them, else the base profile's."""
-    gpu = base.gpu if base else None
-    overlap = found.comm_overlap if found.comm_overlap is not None else (gpu.comm_overlap if gpu else 1.0)
-    dtensor = found.dtensor_op_overhead_s if found.dtensor_op_overhead_s is not None else \
-        (gpu.dtensor_op_overhead_s if gpu else 0.0)
-    optimizer = found.optimizer_tensor_overhead_s if found.optimizer_tensor_overhead_s is not None else \
-        (gpu.optimizer_tensor_overhead_s if gpu else 0.0)
-    slowdown = found.concurrent_slowdown if found.concurrent_slowdown is not None else \
-        (gpu.concurrent_slowdown if gpu else 1.0)
-    pipeline = found.pipeline_microbatch_overhead_s if found.pipeline_microbatch_overhead_s is not None else \
-        (gpu.pipeline_microbatch_overhead_s if gpu else 0.0)
-    fsdp = found.fsdp_unit_overhead_s if found.fsdp_unit_overhead_s is not None else \
-        (gpu.fsdp_unit_overhead_s if gpu else 0.0)
-    optimizer_dtensor = found.optimizer_dtensor_overhead_s if found.optimizer_dtensor_overhead_s is not None else \
-        (gpu.optimizer_dtensor_overhead_s if gpu else 0.0)
-    return {"comm_overlap": _round(overlap), "concurrent_slowdown": _round(slowdown),
-            "dtensor_op_overhead_us": _round(dtensor / MICRO), "optimizer_tensor_overhead_us": _round(optimizer / MICRO),
-            "optimizer_dtensor_overhead_us": _round(optimizer_dtensor / MICRO),
-            "fsdp_unit_overhead_us": _round(fsdp / MICRO), "pipeline_microbatch_overhead_us": _round(pipeline / MICRO)}
+    fields = {}
+    for name, attribute, default, unit in HOST_FIELDS:
+        value = getattr(found, attribute)
+        if value is None:
+            value = getattr(base.gpu, attribute) if base else default
+        fields[name] = _round(value / unit)
+    return fields
 
 
 def profile_fields(found: Measurements, base: HardwareProfile | None) -> dict[str, Any]:
@@ -154,7 +155,7 @@ def measurements_fields(found: Measurements, base_label: str | None) -> dict[str
     links = {}
     for tier_name, tier in found.tiers.items():
         fit = _tier_fit(tier)
-        per_op = {op: fit_alpha_beta(link_points({op: times}, tier.group_size)) for op, times in tier.seconds.items()}
+        per_op = op_fits(tier.seconds, tier.group_size)
         links[tier_name] = {
             "group_size": tier.group_size,
             **({"copied_from": tier.copied_from} if tier.copied_from else {}),
