@@ -64,11 +64,17 @@ class Stage:
     modules: tuple[str, ...]
     """FQNs of the modules (units of the layer chain) that run on this stage, in order."""
     predicted_time_s: float
-    """Forward+backward time of one micro-batch on this stage, seconds."""
+    """Forward+backward time of one micro-batch on this stage's rank (compute, recompute, collectives and
+    host time; not the transfers to neighbouring stages), seconds."""
     predicted_memory_bytes: float
     """Peak memory of a rank of this stage, bytes."""
     memory_breakdown: dict[str, float] = field(default_factory=dict)
     """parameters, gradients, optimizer, activations, buffers, ... in bytes."""
+    predicted_forward_s: float = 0.0
+    """The forward's share of predicted_time_s, seconds (0 when not recorded)."""
+    predicted_send_s: float = 0.0
+    """One point-to-point transfer of this stage's output activation to the next stage (and of its
+    gradient back), seconds; 0 for the last stage."""
 
 
 @dataclass(frozen=True)

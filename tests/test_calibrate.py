@@ -14,9 +14,11 @@ import yaml
 from autoplan.api import plan_model
 from autoplan.calibrate import calibrate, refit
 from autoplan.calibrate.fit import bus_factor, fit_alpha_beta, link_points
+from autoplan.calibrate.frameworks import overhead_matching_step
 from autoplan.calibrate.types import Measurements, TierTimes
 from autoplan.calibrate.writer import default_base, write_profile
 from autoplan.cli import main
+from autoplan.cost.pipeline import StageCost, simulate
 from autoplan.errors import UserError
 from autoplan.hardware.profiles import load_hardware
 
@@ -107,6 +109,15 @@ def _gpu_measurements(date="2025-01-01T00:00:00+00:00") -> Measurements:
         copy_bytes_per_s={16 * 2**20: 2000e9, 2**30: 2800e9}, kernel_overhead_s=4e-6,
         tiers={"intra_node": TierTimes(8, times), "inter_node": TierTimes(8, times, copied_from="intra_node")},
         resident_bytes=0.5 * 2**30, device_memory_bytes=80 * 2**30, peak_allocated_bytes=2**30, devices_per_node=8)
+
+
+@pytest.mark.parametrize("ranks, send_s", [(2, 0.0005), (4, 0.0002), (2, 0.0)])
+def test_pipeline_overhead_is_what_makes_the_simulated_gpipe_step_match(ranks, send_s):
+    h = overhead_matching_step(0.03, ranks, 8, send_s)
+    assert simulate("gpipe", ranks, 8, [StageCost(h / 2, h / 2, send_s)] * ranks).makespan_s == pytest.approx(0.03)
+    # the sends on the critical path are not host time; a step faster than its sends has none
+    assert h <= 0.03 / (8 + ranks - 1) + 1e-12
+    assert overhead_matching_step(1e-4, ranks, 8, 0.01) == 0.0
 
 
 def test_gpu_measurements_keep_datasheet_peaks(tmp_path):

@@ -9,7 +9,8 @@ from autoplan.cost import comm
 from autoplan.cost.compute import mfu
 from autoplan.cost.dtypes import peak_flops
 from autoplan.cost.memory import model_state_bytes
-from autoplan.cost.pipeline import bubble_fraction, microbatches_in_flight, pipeline_time
+from autoplan.cost.pipeline import (StageCost, bubble_fraction, microbatches_in_flight, pipeline_time, simulate,
+                                    simulated_step_s)
 from autoplan.errors import UserError
 from autoplan.hardware.types import Link
 from autoplan.plan import Parallelism, Training
@@ -156,16 +157,46 @@ def test_bubble_is_p_minus_1_over_v_m_of_the_ideal_time():
     assert timing.bubble_s / timing.busy_s == pytest.approx(3 / 8) and timing.total_s == pytest.approx(22.0)
 
 
-def test_priced_pipeline_has_the_textbook_bubble_when_communication_is_free():
+def test_priced_pipeline_is_its_simulated_schedule_when_communication_is_free():
     ctx = _ctx(batch=8, gpus=4, intra_bw=1e30, inter_bw=1e30, latency_s=0.0)
     par = _par(pp=4, m=8)
     problem = build_problem(ctx, par, ("none",))
     candidate = evaluate(ctx, par, problem, problem.uniform(Split((0, 5, 8, 11, 16))), True)
     times = candidate.predicted.time_breakdown
-    assert times["bubble"] / times["compute"] == pytest.approx(3 / 8)
     assert times["pipeline_comm"] == pytest.approx(0.0, abs=1e-12)
+    costs = [StageCost(s.predicted_forward_s, s.predicted_time_s - s.predicted_forward_s) for s in candidate.stages]
+    pipeline = candidate.predicted.step_time_s - times["optimizer"]
+    assert pipeline == pytest.approx(simulate("1f1b", 4, 8, costs).makespan_s)
     slowest = max(s.predicted_time_s for s in candidate.stages)
-    assert candidate.predicted.step_time_s == pytest.approx((8 + 4 - 1) * slowest + times["optimizer"])
+    # unequal stages: the slowest rank waits less than (p - 1) of its own slots to fill and drain
+    assert 8 * slowest < pipeline < (8 + 4 - 1) * slowest
+    assert times["bubble"] == pytest.approx(pipeline - 8 * slowest)
+
+
+@pytest.mark.parametrize("schedule, ranks, chunks, microbatches", [
+    ("gpipe", 4, 1, 8), ("1f1b", 4, 1, 8), ("1f1b", 3, 1, 2), ("interleaved", 4, 2, 8), ("interleaved", 2, 3, 6)])
+def test_simulated_pipeline_of_equal_stages_has_the_textbook_bubble(schedule, ranks, chunks, microbatches):
+    stages = [StageCost(0.01 / chunks, 0.02 / chunks)] * (ranks * chunks)
+    expected = pipeline_time(0.03, ranks, microbatches, chunks).total_s
+    assert simulate(schedule, ranks, microbatches, stages).makespan_s == pytest.approx(expected)
+    assert simulated_step_s(schedule, ranks, microbatches, stages) == pytest.approx(expected)
+
+
+def test_simulated_transfers_sit_on_the_critical_path():
+    # one micro-batch over two ranks: F0, send, F1, B1, send back, B0
+    stages = [StageCost(1.0, 2.0, send_s=0.5), StageCost(3.0, 4.0)]
+    assert simulate("1f1b", 2, 1, stages).makespan_s == pytest.approx(1 + 0.5 + 3 + 4 + 0.5 + 2)
+    # 1F1B's steady state waits a round trip per micro-batch when transfers are slow
+    fast = simulate("1f1b", 2, 16, [StageCost(1.0, 2.0, 0.0), StageCost(1.0, 2.0)]).makespan_s
+    slow = simulate("1f1b", 2, 16, [StageCost(1.0, 2.0, 1.0), StageCost(1.0, 2.0)]).makespan_s
+    assert slow - fast > 15 * 1.0
+
+
+def test_long_pipelines_are_extrapolated_from_shorter_simulations():
+    stages = [StageCost(0.01 * (1 + 0.2 * (s % 3)), 0.02, 0.002) for s in range(8)]
+    for schedule, ranks, microbatches in [("1f1b", 8, 600), ("interleaved", 4, 600), ("gpipe", 8, 300)]:
+        exact = simulate(schedule, ranks, microbatches, stages).makespan_s
+        assert simulated_step_s(schedule, ranks, microbatches, stages) == pytest.approx(exact, rel=0.01)
 
 
 def test_collectives_follow_the_alpha_beta_bus_factors():

@@ -177,7 +177,8 @@ def test_trace_is_valid_and_lanes_never_overlap(tmp_path, schedule, chunks):
     assert all(names[r].startswith(f"pipeline rank {r}") for r in names)
     assert {e["cat"] for e in complete} == {"forward", "backward", "send", "recv", "grad_sync"}
     assert {e["tid"] for e in complete if e["cat"] in ("forward", "backward")} == {0}
-    assert {e["tid"] for e in complete if e["cat"] in ("send", "recv", "grad_sync")} == {1}
+    assert {e["tid"] for e in complete if e["cat"] in ("send", "grad_sync")} == {1}
+    assert {e["tid"] for e in complete if e["cat"] == "recv"} == {2}
     lanes = defaultdict(list)
     for e in complete:
         assert e["dur"] > 0 and e["ts"] >= 0

@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from autoplan.calibrate.measure import OPTIMIZER_TENSORS, Clock, _communication_seconds
+from autoplan.cost import calibration
+from autoplan.cost.pipeline import StageCost, simulate
 
 FSDP_UNITS = 8
 """fully_shard units of the timed model: Linear(FSDP_FEATURES, FSDP_FEATURES) each."""
@@ -70,14 +72,66 @@ def optimizer_dtensor_overhead_seconds(clock: Clock, mesh) -> float:
     return clock.seconds(optimizer.step) / OPTIMIZER_TENSORS
 
 
+TP_FEATURES = 128
+"""Model width of the timed tensor-parallel MLP (hidden 4x)."""
+TP_TOKENS = 1024
+"""Rows of its input (batch x sequence). Part of DTensor's extra time grows with the activations
+(on 2 CPU ranks: ~320 us per op at 64 x 64, ~500 us at 1024 x 128), so the MLP is the size of a
+small model's layer rather than a tiny one."""
+TP_MLP_DTENSOR_OPS = 2 * (calibration.TP_DTENSOR_FORWARD_OPS + calibration.TP_DTENSOR_BACKWARD_OPS) + 2
+"""DTensor ops the cost model counts for that MLP (cost/compute.py): two sharded Linears, and the GELU
+between them in forward and backward."""
+
+
+def tp_mlp_all_reduce_bytes() -> int:
+    """Bytes of each of the timed MLP's two all-reduces (its output in forward, its input's gradient in
+    backward): TP_TOKENS x TP_FEATURES fp32."""
+    return TP_TOKENS * TP_FEATURES * 4
+
+
+class _Mlp(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(TP_FEATURES, hidden)
+        self.proj = nn.Linear(hidden, TP_FEATURES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(nn.functional.gelu(self.fc(x)))
+
+
+def tensor_parallel_op_overhead_seconds(clock: Clock, mesh, all_reduce_s: float) -> float:
+    """Host seconds per DTensor op of a tensor-parallel region, as the cost model counts the ops: a
+    Megatron MLP (fc column-parallel, GELU, proj row-parallel; autoplan.runtime.tensor_parallel, as the
+    generated programs shard) forward+backward, over one rank's shard of it run on plain tensors, less
+    the two all-reduces the link fits charge (`all_reduce_s` each), per counted op. Its DTensor
+    dispatch (sharding propagation, redistributes, wrapping) costs far more than a replicated tiny op's.
+    Every rank of `mesh` calls this."""
+    from autoplan.runtime.tensor_parallel import tensor_parallel, tensor_parallel_context
+
+    hidden = 4 * TP_FEATURES
+    torch.manual_seed(0)
+    sharded = tensor_parallel(_Mlp(hidden).to(clock.device), mesh, {"fc": "colwise", "proj": "rowwise"})
+    local = _Mlp(hidden // mesh.size()).to(clock.device)
+    x = torch.randn(TP_TOKENS, TP_FEATURES, device=clock.device, requires_grad=True)  # its gradient is all-reduced
+
+    def step(module: nn.Module, parallel: bool) -> None:
+        with tensor_parallel_context(parallel):
+            module(x).sum().backward()
+
+    plain_s = clock.seconds(lambda: step(local, False))
+    parallel_s = _communication_seconds(clock, lambda: step(sharded, True), None, 15)
+    return max(0.0, (parallel_s - plain_s - 2 * all_reduce_s) / TP_MLP_DTENSOR_OPS)
+
+
 PIPELINE_MICROBATCHES = 8
 """Micro-batches of the timed pipeline step (GPipe over every rank, one tiny Linear stage each)."""
 
 
 def pipeline_microbatch_overhead_seconds(clock: Clock, p2p_latency_s: float) -> float:
     """Host seconds torch.distributed.pipelining adds per stage and micro-batch (forward and backward
-    chunk bookkeeping, batched send/recv set-up) beyond the sends the link fit charges: a GPipe step over
-    all ranks of tiny stages takes (m + p - 1) slots of (overhead + sends). Every rank calls this."""
+    chunk bookkeeping, batched send/recv set-up) beyond the sends the link fit charges: the overhead
+    that makes the cost model's simulated GPipe schedule (cost/pipeline.py, half of it in each pass,
+    one p2p latency per transfer) last as long as a measured step of tiny stages. Every rank calls this."""
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -99,7 +153,19 @@ def pipeline_microbatch_overhead_seconds(clock: Clock, p2p_latency_s: float) -> 
             schedule.step()
 
     step_s = _communication_seconds(clock, step, None, 9)
-    slots = PIPELINE_MICROBATCHES + world - 1
-    sends = 2 * p2p_latency_s if world > 2 else p2p_latency_s  # a middle stage sends and receives both ways
-    # forward and backward each cross the boundary: a slot holds two sends per neighbour
-    return max(0.0, step_s / slots - 2 * sends)
+    return overhead_matching_step(step_s, world, PIPELINE_MICROBATCHES, p2p_latency_s)
+
+
+def overhead_matching_step(step_s: float, ranks: int, microbatches: int, send_s: float) -> float:
+    """The per-stage, per-micro-batch host time h whose simulated GPipe step (forward h/2, backward h/2,
+    `send_s` per transfer) takes `step_s`: bisection, the makespan grows with h."""
+    def simulated(h: float) -> float:
+        return simulate("gpipe", ranks, microbatches, [StageCost(h / 2, h / 2, send_s)] * ranks).makespan_s
+
+    low, high = 0.0, step_s
+    if simulated(low) >= step_s:
+        return 0.0
+    for _ in range(50):
+        middle = (low + high) / 2
+        low, high = (middle, high) if simulated(middle) < step_s else (low, middle)
+    return (low + high) / 2

@@ -183,24 +183,6 @@ def spread(values: list[float]) -> float:
     return (max(values) - min(values)) / statistics.median(values) if len(values) > 1 else 0.0
 
 
-def dtensor_op_overhead_seconds(clock: Clock, mesh) -> float:
-    """Extra cost of a tiny op on replicated DTensors over the same op on plain tensors (no
-    communication: a replicated add stays local), seconds."""
-    from torch.distributed.tensor import Replicate, distribute_tensor
-
-    a = torch.ones(1, device=clock.device)
-    b = torch.ones(1, device=clock.device)
-    da, db = (distribute_tensor(t, mesh, [Replicate()]) for t in (a, b))
-    loops = TINY_OP_LOOP // 5  # DTensor ops cost tens of microseconds on the host
-
-    def loop(x, y):
-        for _ in range(loops):
-            torch.add(x, y)
-
-    plain = clock.seconds(lambda: loop(a, b)) / loops
-    return max(0.0, clock.seconds(lambda: loop(da, db)) / loops - plain)
-
-
 OPTIMIZER_TENSORS = 64
 """Tiny parameter tensors in the timed AdamW step: its per-tensor cost is the step time over this count."""
 

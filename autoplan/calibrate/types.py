@@ -68,7 +68,8 @@ class Measurements:
     optimizer_dtensor_overhead_s: float | None = None
     """AdamW step time per DTensor parameter shard, seconds (None: not measured)."""
     dtensor_op_overhead_s: float | None = None
-    """Extra host time of a tiny op on DTensors over plain tensors, seconds (None: not measured)."""
+    """Host time per DTensor op of a tensor-parallel MLP over its plain local shard, beyond its modeled
+    all-reduces, seconds (None: not measured)."""
     optimizer_tensor_overhead_s: float | None = None
     """AdamW step time per one-element parameter tensor, seconds (None: not measured)."""
     extra: dict[str, float] = field(default_factory=dict)

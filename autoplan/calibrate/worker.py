@@ -103,15 +103,16 @@ def _measure_tiers(clock: measure.Clock, world: int, per_node: int, sizes) -> di
     return tiers
 
 
+def _op_seconds(tier: TierTimes, op: str, nbytes: int) -> float:
+    """What the cost model charges one `op` of `nbytes` on `tier`: its per-operation alpha-beta fit
+    (calibrate/writer.py writes the same fits), nccl-tests bus factors."""
+    fit = op_fits(tier.seconds, tier.group_size)[op]
+    return fit.latency_s + nbytes * bus_factor(op, tier.group_size) / fit.bus_bandwidth_bytes_per_s
+
+
 def _fsdp_collectives_seconds(tier: TierTimes, unit_bytes: int) -> float:
-    """What the cost model charges a unit's two all-gathers and one reduce-scatter of `unit_bytes`: their
-    per-operation alpha-beta fits (calibrate/writer.py writes the same fits), nccl-tests bus factors."""
-    fits = op_fits(tier.seconds, tier.group_size)
-
-    def seconds(op: str) -> float:
-        return fits[op].latency_s + unit_bytes * bus_factor(op, tier.group_size) / fits[op].bus_bandwidth_bytes_per_s
-
-    return 2 * seconds("all_gather") + seconds("reduce_scatter")
+    """What the cost model charges a unit's two all-gathers and one reduce-scatter of `unit_bytes`."""
+    return 2 * _op_seconds(tier, "all_gather", unit_bytes) + _op_seconds(tier, "reduce_scatter", unit_bytes)
 
 
 def run(out: Path, base: str | None, timeout_s: float) -> Measurements:
@@ -146,7 +147,6 @@ def run(out: Path, base: str | None, timeout_s: float) -> Measurements:
         local["copy"] = measure.copy_bytes_per_s(clock, sizes.copy_bytes)
         dist.barrier()
         local["tiny_op"] = measure.tiny_op_seconds(clock)
-        local["dtensor_op"] = measure.dtensor_op_overhead_seconds(clock, init_device_mesh(device.type, (world,)))
         local["optimizer_tensor"] = measure.optimizer_tensor_overhead_seconds(clock)
         slowdown = measure.concurrent_slowdown(clock)
         gathered = [None] * world
@@ -165,8 +165,10 @@ def run(out: Path, base: str | None, timeout_s: float) -> Measurements:
         intra = tiers["intra_node"]
         p2p = op_fits(intra.seconds, intra.group_size)["p2p"].latency_s
         pipeline = frameworks.pipeline_microbatch_overhead_seconds(clock, p2p)
+        all_reduce = _op_seconds(tier, "all_reduce", frameworks.tp_mlp_all_reduce_bytes())
+        dtensor_op = frameworks.tensor_parallel_op_overhead_seconds(clock, world_mesh, all_reduce)
         framework = [None] * world
-        dist.all_gather_object(framework, (fsdp_unit, optimizer_dtensor, pipeline))
+        dist.all_gather_object(framework, (fsdp_unit, optimizer_dtensor, pipeline, dtensor_op))
         if cuda:
             free, total = torch.cuda.mem_get_info(device)
             resident = float(total - free - torch.cuda.memory_reserved(device))
@@ -194,7 +196,7 @@ def run(out: Path, base: str | None, timeout_s: float) -> Measurements:
             optimizer_dtensor_overhead_s=median([f[1] for f in framework]),
             pipeline_microbatch_overhead_s=max(f[2] for f in framework),
             concurrent_slowdown=slowdown,
-            dtensor_op_overhead_s=median([g["dtensor_op"] for g in gathered]),
+            dtensor_op_overhead_s=median([f[3] for f in framework]),
             optimizer_tensor_overhead_s=median([g["optimizer_tensor"] for g in gathered]),
             extra={"load_average_at_start": load_at_start, "cpu_count": float(os.cpu_count() or 0),
                    "kernel_overhead_spread": measure.spread(overheads),

@@ -121,11 +121,13 @@ def profile_fields(found: Measurements, base: HardwareProfile | None) -> dict[st
         intra_name = inter_name
     gpu_source = (f"autoplan calibrate {found.date} on {found.device_name}, torch {found.torch_version}, "
                   f"{found.world_size} {found.backend} ranks x {found.threads_per_rank} thread(s): {fit.how}; "
-                  f"kernel_overhead = median time of a 1-element add; dtensor_op_overhead = the same add on replicated "
-                  f"DTensors minus it; optimizer_tensor_overhead (optimizer_dtensor_overhead) = AdamW step time "
+                  f"kernel_overhead = median time of a 1-element add; dtensor_op_overhead = a tensor-parallel MLP's "
+                  f"forward+backward over its plain local shard's, less two modeled all-reduces, per DTensor op "
+                  f"counted; optimizer_tensor_overhead (optimizer_dtensor_overhead) = AdamW step time "
                   f"per one-element tensor (per sharded DTensor); fsdp_unit_overhead = fully_shard's extra time "
                   f"per Linear unit's forward+backward beyond its collectives' latency; pipeline_microbatch_overhead = "
-                  f"a GPipe step of tiny stages per slot, beyond its sends; "
+                  f"the host time per stage and micro-batch that makes the simulated GPipe step of tiny stages last "
+                  f"as measured; "
                   f"comm_overlap = share of an all-reduce hidden by matmuls run beside it; "
                   f"concurrent_slowdown = a small MLP step on all ranks at once over rank 0 alone; "
                   f"memory_reserved = {reserved_how}")

@@ -100,6 +100,8 @@ class DataParallelComm:
     """Exposed time added once per step (gradient reduction)."""
     total_s: float
     """Communication time if nothing overlapped (for reports)."""
+    forward_s: float = 0.0
+    """The part of per_microbatch_s spent in the forward (the rest is in the backward)."""
 
 
 NO_COMM = DataParallelComm(0.0, 0.0, 0.0)
@@ -136,7 +138,7 @@ def fsdp_comm(unit_param_bytes: list[float], zero_stage: int, shard: Group, repl
                 + all_reduce_s(g / s, replicate.size, replicate.link, replicate.nodes) for g in grads]
     if num_ranks > 1:  # gathered once per step, reduced once after the last backward
         first = exposed_s(sum(gathers), gathers[0], forward_window_s) + copy_s
-        return DataParallelComm(hooks, first + sum(scatters) + copy_s, sum(gathers) + sum(scatters))
+        return DataParallelComm(hooks, first + sum(scatters) + copy_s, sum(gathers) + sum(scatters), hooks / 2)
     forward = exposed_s(sum(gathers), gathers[0], forward_window_s) + copy_s
     if zero_stage == 3:
         backward = exposed_s(sum(gathers) + sum(scatters), scatters[-1], backward_window_s) + 2 * copy_s
@@ -144,4 +146,4 @@ def fsdp_comm(unit_param_bytes: list[float], zero_stage: int, shard: Group, repl
     else:
         backward = exposed_s(sum(scatters), scatters[-1], backward_window_s) + copy_s
         total = num_microbatches * (sum(gathers) + sum(scatters))
-    return DataParallelComm(forward + backward + hooks, 0.0, total)
+    return DataParallelComm(forward + backward + hooks, 0.0, total, forward + hooks / 2)

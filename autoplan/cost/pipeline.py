@@ -9,12 +9,18 @@ p pipeline ranks, m micro-batches, v stages per rank (interleaved only; stage s 
   (1 + 1/v) x the 1F1B amount, Narayanan et al. SC21 section 2.2).
 Bubble (Narayanan et al. SC21; shared/reference/formulas.md): (p - 1) slots of the slowest rank for
 GPipe and 1F1B, (p - 1) / v for interleaved, where a slot is one micro-batch through all of a rank's
-stages.
+stages. That closed form assumes balanced stages, free transfers and a backward of twice the forward;
+`simulate` drops all three: every rank runs its operations in its schedule's order, each as soon as
+its input has arrived (a transfer after the producing operation) and the rank is free. Step times
+are priced with the simulation, the search's lower bounds with the closed form (never above it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 SCHEDULES_SUPPORTED = ("gpipe", "1f1b", "interleaved")
@@ -69,3 +75,196 @@ class PipelineTime:
 def pipeline_time(slot_s: float, num_ranks: int, num_microbatches: int, virtual: int = 1) -> PipelineTime:
     """(m + (p - 1) / v) x slowest slot."""
     return PipelineTime(busy_s=num_microbatches * slot_s, bubble_s=(num_ranks - 1) / virtual * slot_s)
+
+
+def rank_order(schedule: str, num_ranks: int, num_microbatches: int, rank: int,
+               chunks: int = 1) -> list[tuple[str, int, int]]:
+    """The ("F" | "B", chunk, microbatch) operations of one rank in the order its schedule runs them.
+
+    chunk is the rank's local model chunk (0 unless interleaved): global stage = chunk * num_ranks + rank.
+    """
+    m, p = num_microbatches, num_ranks
+    if schedule == "gpipe":
+        forwards = [("F", c, i) for c in range(chunks) for i in range(m)]
+        backwards = [("B", c, i) for c in reversed(range(chunks)) for i in range(m)]
+        return forwards + backwards
+    if schedule == "interleaved" and chunks > 1:
+        return _interleaved_order(p, m, rank, chunks)
+    # 1F1B (PipeDream-Flush): rank r runs p-1-r warm-up forwards, then alternates, then drains.
+    warmup = min(p - 1 - rank, m)
+    order = [("F", 0, i) for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [("F", 0, warmup + i), ("B", 0, i)]
+    return order + [("B", 0, i) for i in range(m - warmup, m)]
+
+
+def _interleaved_order(p: int, m: int, rank: int, chunks: int) -> list[tuple[str, int, int]]:
+    """Megatron-LM's interleaved 1F1B (Narayanan et al., SC21, Fig. 4), as torch's
+    ScheduleInterleaved1F1B runs it: micro-batches go through the chunks in groups of p."""
+    total = m * chunks
+
+    def op(kind: str, k: int) -> tuple[str, int, int]:
+        group, within = divmod(k, p * chunks)
+        chunk = within // p
+        microbatch = group * p + within % p
+        return (kind, chunk if kind == "F" else chunks - 1 - chunk, microbatch)
+
+    if m % p:
+        # Megatron's grouping needs m to be a multiple of p; otherwise run chunk by chunk (deadlock-free).
+        return rank_order("gpipe", p, m, rank, chunks)
+    warmup = min((p - rank - 1) * 2 + (chunks - 1) * p, total)
+    order = [op("F", k) for k in range(warmup)]
+    for i in range(total - warmup):
+        order += [op("F", warmup + i), op("B", i)]
+    return order + [op("B", k) for k in range(total - warmup, total)]
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One pipeline stage's work for one micro-batch, seconds."""
+
+    forward_s: float
+    """Forward on the stage's rank (compute, its collectives and host time)."""
+    backward_s: float
+    """Backward, recomputation included."""
+    send_s: float = 0.0
+    """One transfer across the boundary after this stage: its activation forward, and the gradient of
+    that activation back (the same bytes). 0 for the last stage."""
+
+
+@dataclass(frozen=True)
+class SimulatedOp:
+    """One forward or backward of one micro-batch on one stage, and the transfer of its output."""
+
+    kind: str
+    """"F" or "B"."""
+    rank: int
+    stage: int
+    microbatch: int
+    start_s: float
+    end_s: float
+    sent_s: float | None = None
+    """When the output's transfer to the neighbouring stage's rank started; None when nothing is sent
+    (first stage's backward, last stage's forward, or the neighbour on the same rank)."""
+    arrives_s: float = 0.0
+    """When the output is usable by the neighbouring stage."""
+
+
+@dataclass(frozen=True)
+class SimulatedPipeline:
+    ops: tuple[SimulatedOp, ...]
+    """Every operation, in the order each rank runs them."""
+    rank_compute_end_s: tuple[float, ...]
+    """When each rank's last operation ends."""
+    rank_stream_end_s: tuple[float, ...]
+    """When the last transfer into or out of each rank ends."""
+
+    @property
+    def makespan_s(self) -> float:
+        return max(max(self.rank_compute_end_s), max(self.rank_stream_end_s))
+
+
+def simulate(schedule: str, num_ranks: int, num_microbatches: int, stages: Sequence[StageCost]) -> SimulatedPipeline:
+    """Run the schedule's operation order on every rank (stage s on rank s % num_ranks).
+
+    An operation starts when its rank is free and its input is there: a forward needs the previous
+    stage's forward of that micro-batch, a backward the next stage's backward (the last stage's, its
+    own forward). A transfer between ranks takes the boundary's `send_s` and holds the sender's send
+    stream and the receiver's receive stream (links are full duplex: a rank sends and receives at
+    once), beside their compute. Events (an operation starts, an output is ready to send) are taken
+    from a heap in time order, so streams are claimed first come, first served.
+    """
+    p = max(1, num_ranks)
+    if len(stages) % p:
+        raise ValueError(f"{len(stages)} stages do not split evenly over {p} pipeline ranks")
+    chunks, m, last = len(stages) // p, num_microbatches, len(stages) - 1
+    orders = [rank_order(schedule, p, m, r, chunks) for r in range(p)]
+    arrived: dict[tuple[str, int, int], float] = {}
+    waiting: dict[tuple[str, int, int], int] = {}  # an output not produced yet -> the rank that needs it
+    compute_free, send_free, receive_free, position = [0.0] * p, [0.0] * p, [0.0] * p, [0] * p
+    ops: list[list[SimulatedOp]] = [[] for _ in range(p)]
+    runnable: list[tuple] = []  # (time, sequence, rank, None to start its next operation | a transfer)
+    sequence = itertools.count()
+
+    def push(when: float, r: int, transfer: tuple[SimulatedOp, int] | None = None) -> None:
+        heapq.heappush(runnable, (when, next(sequence), r, transfer))
+
+    def offer(r: int) -> None:
+        """Queue rank r's next operation if its input is there, else wait for that input."""
+        if position[r] == len(orders[r]):
+            return
+        kind, chunk, mb = orders[r][position[r]]
+        stage = chunk * p + r
+        if kind == "F":
+            needed = None if stage == 0 else ("F", stage - 1, mb)
+        else:
+            needed = ("F", stage, mb) if stage == last else ("B", stage + 1, mb)
+        ready = 0.0 if needed is None else arrived.get(needed)
+        if ready is None:
+            waiting[needed] = r
+        else:
+            push(max(ready, compute_free[r]), r)
+
+    def deliver(produced: tuple[str, int, int], when: float) -> None:
+        arrived[produced] = when
+        if produced in waiting:
+            offer(waiting.pop(produced))
+
+    for r in range(p):
+        offer(r)
+    while runnable:
+        now, _, r, transfer = heapq.heappop(runnable)
+        if transfer is not None:  # an output ready at `now` claims the sender's and receiver's streams
+            op, index = transfer
+            peer = (op.stage + 1 if op.kind == "F" else op.stage - 1) % p
+            sent = max(now, send_free[r], receive_free[peer])
+            arrives = send_free[r] = receive_free[peer] = sent + stages[op.stage - (op.kind == "B")].send_s
+            ops[r][index] = replace(op, sent_s=sent, arrives_s=arrives)
+            deliver((op.kind, op.stage, op.microbatch), arrives)
+            continue
+        kind, chunk, mb = orders[r][position[r]]
+        stage = chunk * p + r
+        cost = stages[stage]
+        end = compute_free[r] = now + (cost.forward_s if kind == "F" else cost.backward_s)
+        op = SimulatedOp(kind, r, stage, mb, now, end, None, end)
+        ops[r].append(op)
+        position[r] += 1
+        offer(r)
+        target = stage + 1 if kind == "F" else stage - 1
+        if 0 <= target <= last and target % p != r and stages[min(stage, target)].send_s > 0:
+            push(end, r, (op, len(ops[r]) - 1))
+        else:
+            deliver((kind, stage, mb), end)
+    if any(position[r] < len(orders[r]) for r in range(p)):
+        raise ValueError(f"{schedule} schedule deadlocked at positions {position}")
+    streams = tuple(max(a, b) for a, b in zip(send_free, receive_free))
+    return SimulatedPipeline(tuple(op for rank_ops in ops for op in rank_ops), tuple(compute_free), streams)
+
+
+SIMULATED_OPERATIONS_MAX = 2048
+"""Largest simulation `simulated_step_s` runs (forwards + backwards over all stages, ~15 us each): a
+search prices hundreds of layouts, so long pipelines are extrapolated or priced in closed form."""
+
+
+def simulated_step_s(schedule: str, num_ranks: int, num_microbatches: int, stages: Sequence[StageCost]) -> float:
+    """Makespan of the simulated pipeline, within SIMULATED_OPERATIONS_MAX operations.
+
+    Longer runs: past the warm-up every extra round of p micro-batches adds the same time (the steady
+    state repeats), so they are extrapolated linearly from runs of m1 and m1 + p micro-batches with
+    m1 = m (mod p), which keeps torch's grouping of interleaved rounds. Pipelines too deep even for
+    that get the closed form: (m + (p - 1) / v) x the slowest rank's slot, plus one transfer across
+    every boundary each way (the fill and the drain)."""
+    m, p = num_microbatches, max(1, num_ranks)
+    per_microbatch = 2 * len(stages)
+    if m * per_microbatch <= SIMULATED_OPERATIONS_MAX:
+        return simulate(schedule, p, m, stages).makespan_s
+    # six rounds (the warm-up of a deep interleaved schedule settles within four), the residue of m
+    m2 = max(6 * p, 32)
+    m2 -= (m2 - m) % p
+    m1 = m2 - p
+    if m2 * per_microbatch <= SIMULATED_OPERATIONS_MAX and m2 < m:
+        t1 = simulate(schedule, p, m1, stages).makespan_s
+        t2 = simulate(schedule, p, m2, stages).makespan_s
+        return t2 + (m - m2) / p * (t2 - t1)
+    slot = max(sum(c.forward_s + c.backward_s for c in stages[r::p]) for r in range(p))
+    return pipeline_time(slot, p, m, len(stages) // p).total_s + 2 * sum(c.send_s for c in stages[:-1])

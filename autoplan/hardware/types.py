@@ -49,10 +49,12 @@ class Gpu:
     on ranks that arrive late), seconds: measured by `autoplan calibrate` on a tiny fully_shard model."""
     pipeline_microbatch_overhead_s: float = 0.0
     """Host time torch.distributed.pipelining adds per stage and micro-batch (forward and backward chunk
-    bookkeeping, send/recv set-up) beyond the sends, seconds: measured on a GPipe step of tiny stages."""
+    bookkeeping, send/recv set-up) beyond the sends, seconds: fitted so the simulated GPipe step of tiny
+    stages lasts as measured."""
     dtensor_op_overhead_s: float = 0.0
     """Extra host time of one op on DTensors over the same op on plain tensors (sharding propagation,
-    wrapping), seconds: paid by tensor-parallel Linears and by the optimizer over FSDP2/TP parameters."""
+    redistribution, wrapping), seconds: paid by the ops of tensor-parallel regions (cost/compute.py counts
+    them); measured on a tensor-parallel MLP."""
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoplan.report.schedule import COMMUNICATION, ScheduleEvent
+from autoplan.report.schedule import COMMUNICATION, COMPUTE, RECEIVE, ScheduleEvent
 from autoplan.report.svg import (ACCENT, INK, MUTED, WARN, Scale, Svg, byte_unit, color, fmt_bytes, fmt_seconds,
                                  legend_height, text_width)
 
@@ -104,12 +104,15 @@ def stacked_bars(rows: list[BarRow], fmt, axis_title: str, label: str, cap: floa
 
 
 def gantt(events: list[ScheduleEvent], ranks: int, label: str) -> str:
-    """The pipeline schedule: one compute and one communication lane per pipeline rank."""
+    """The pipeline schedule: a compute lane per pipeline rank, and its send and receive lanes when the
+    schedule has any."""
     left, right, lane_h, gap = 80, WIDTH - 30, 26, 12
+    lanes = [COMPUTE] + [lane for lane in (COMMUNICATION, RECEIVE) if any(e.lane == lane for e in events)]
+    names = {COMPUTE: "", COMMUNICATION: "comm", RECEIVE: "recv"}
     kinds = list(dict.fromkeys(e.kind for e in events))
     entries = [(k.replace("_", " "), KIND_COLORS.get(k, MUTED)) for k in kinds]
     top = 26 + legend_height(entries, right - left)
-    rank_h = 2 * lane_h + gap
+    rank_h = len(lanes) * lane_h + gap
     bottom = top + ranks * rank_h - gap + 4
     chart = Svg(WIDTH, bottom + 44, label)
     chart.legend(left, 16, entries, right)
@@ -119,10 +122,11 @@ def gantt(events: list[ScheduleEvent], ranks: int, label: str) -> str:
     for r in range(ranks):
         y = top + r * rank_h
         chart.text(left - 10, y + lane_h / 2 + 4, f"rank {r}", "end", INK, **{"font-weight": 600})
-        chart.text(left - 10, y + lane_h + lane_h / 2 + 4, "comm", "end", MUTED)
-        chart.rect(left, y + 1, right - left, 2 * lane_h - 2, "#f7f9fb")
+        for i, lane in enumerate(lanes[1:], 1):
+            chart.text(left - 10, y + i * lane_h + lane_h / 2 + 4, names[lane], "end", MUTED)
+        chart.rect(left, y + 1, right - left, len(lanes) * lane_h - 2, "#f7f9fb")
     for e in events:
-        y = top + e.rank * rank_h + (lane_h if e.lane == COMMUNICATION else 0)
+        y = top + e.rank * rank_h + lanes.index(e.lane) * lane_h
         x0, x1 = x(e.start_s), x(e.end_s)
         stage = "" if e.stage is None else f"stage {e.stage}, "
         when = f"{fmt_seconds(e.start_s)} → {fmt_seconds(e.end_s)} ({fmt_seconds(e.duration_s)})"

@@ -3,22 +3,26 @@
 One function, `step_schedule`, produces the events; the HTML Gantt chart and trace.json both draw
 them, so the two can never disagree. The schedule is a list-scheduling simulation: every rank runs
 its micro-batch operations in the order its schedule prescribes (GPipe, 1F1B, interleaved 1F1B),
-each as soon as its inputs have arrived and the rank is free.
+each as soon as its inputs have arrived and the rank is free (autoplan.cost.pipeline.simulate, the
+simulation the cost model prices pipelines with).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autoplan.cost.pipeline import StageCost, simulate
 from autoplan.plan import Plan
 
 FORWARD_SHARE = 1 / 3
-"""Share of a stage's forward+backward time spent in forward: backward costs about twice the
-forward (Narayanan et al., SC21; shared/reference/formulas.md)."""
+"""Share of a stage's forward+backward time spent in forward when a plan does not record it: backward
+costs about twice the forward (Narayanan et al., SC21; shared/reference/formulas.md)."""
 
 COMPUTE = "compute"
 COMMUNICATION = "communication"
-LANES = (COMPUTE, COMMUNICATION)
+RECEIVE = "receive"
+LANES = (COMPUTE, COMMUNICATION, RECEIVE)
+"""A rank's streams: its compute, what it sends (and its collectives), what it receives (full duplex)."""
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,7 @@ class ScheduleEvent:
     rank: int
     """Pipeline rank (0 = first stage)."""
     lane: str
-    """"compute" or "communication" (a rank's two streams)."""
+    """"compute", "communication" (sends, collectives) or "receive" (LANES)."""
     kind: str
     """"forward", "backward", "send", "recv", "grad_sync" or "optimizer"."""
     start_s: float
@@ -60,57 +64,25 @@ class ScheduleEvent:
         return self.kind.replace("_", " ")
 
 
-def rank_order(schedule: str, num_ranks: int, num_microbatches: int, rank: int,
-               chunks: int = 1) -> list[tuple[str, int, int]]:
-    """The (kind, chunk, microbatch) operations of one rank in the order its schedule runs them.
-
-    chunk is the rank's local model chunk (0 unless interleaved): global stage = chunk * num_ranks + rank.
-    """
-    m, p = num_microbatches, num_ranks
-    if schedule == "gpipe":
-        forwards = [("F", c, i) for c in range(chunks) for i in range(m)]
-        backwards = [("B", c, i) for c in reversed(range(chunks)) for i in range(m)]
-        return forwards + backwards
-    if schedule == "interleaved" and chunks > 1:
-        return _interleaved_order(p, m, rank, chunks)
-    # 1F1B (PipeDream-Flush): rank r runs p-1-r warm-up forwards, then alternates, then drains.
-    warmup = min(p - 1 - rank, m)
-    order = [("F", 0, i) for i in range(warmup)]
-    for i in range(m - warmup):
-        order += [("F", 0, warmup + i), ("B", 0, i)]
-    return order + [("B", 0, i) for i in range(m - warmup, m)]
-
-
-def _interleaved_order(p: int, m: int, rank: int, chunks: int) -> list[tuple[str, int, int]]:
-    """Megatron-LM's interleaved 1F1B (Narayanan et al., SC21, Fig. 4), as torch's
-    ScheduleInterleaved1F1B runs it: micro-batches go through the chunks in groups of p."""
-    total = m * chunks
-
-    def op(kind: str, k: int) -> tuple[str, int, int]:
-        group, within = divmod(k, p * chunks)
-        chunk = within // p
-        microbatch = group * p + within % p
-        return (kind, chunk if kind == "F" else chunks - 1 - chunk, microbatch)
-
-    if m % p:
-        # Megatron's grouping needs m to be a multiple of p; otherwise run chunk by chunk (deadlock-free).
-        return rank_order("gpipe", p, m, rank, chunks)
-    warmup = min((p - rank - 1) * 2 + (chunks - 1) * p, total)
-    order = [op("F", k) for k in range(warmup)]
-    for i in range(total - warmup):
-        order += [op("F", warmup + i), op("B", i)]
-    return order + [op("B", k) for k in range(total - warmup, total)]
-
-
 def p2p_time_s(plan: Plan) -> float:
-    """Seconds of one activation (or gradient) transfer between neighbouring stages.
+    """Seconds of one activation (or gradient) transfer, for plans without per-stage transfer times.
 
-    The cost model reports `pipeline_comm` as the p2p seconds of one step on a rank; a rank sends one
+    Such plans report `pipeline_comm` as the p2p seconds of one step on a rank; a rank sends one
     activation and one gradient per micro-batch and model chunk, so one transfer is that / (2 m v).
     """
     par = plan.parallelism
     transfers = 2 * par.pipeline_parallel_num_microbatches * max(1, par.pipeline_parallel_virtual_stages)
     return max(0.0, plan.predicted.time_breakdown.get("pipeline_comm", 0.0)) / transfers
+
+
+def stage_costs(plan: Plan, stages: list) -> list[StageCost]:
+    """The simulation's input: each stage's forward, backward and boundary transfer per micro-batch."""
+    legacy_send = 0.0 if any(st.predicted_send_s for st in stages) else p2p_time_s(plan)
+    costs = []
+    for st in stages:
+        forward = st.predicted_forward_s or st.predicted_time_s * FORWARD_SHARE
+        costs.append(StageCost(forward, st.predicted_time_s - forward, st.predicted_send_s or legacy_send))
+    return costs
 
 
 def step_schedule(plan: Plan) -> list[ScheduleEvent]:
@@ -122,67 +94,26 @@ def step_schedule(plan: Plan) -> list[ScheduleEvent]:
     ranks = max(1, min(par.pipeline_parallel_degree, len(stages)))
     if len(stages) % ranks:  # not a whole number of chunks per rank: draw one stage per rank
         ranks = len(stages)
-    chunks = len(stages) // ranks
     m = max(1, par.pipeline_parallel_num_microbatches)
-    schedule = par.pipeline_parallel_schedule
-    orders = [rank_order(schedule, ranks, m, r, chunks) for r in range(ranks)]
-
-    def stage_of(rank: int, chunk: int) -> int:
-        return chunk * ranks + rank
-
-    num_stages = ranks * chunks
-    p2p = p2p_time_s(plan) if ranks > 1 else 0.0
-    done: dict[tuple[str, int, int], float] = {}  # (kind, global stage, microbatch) -> time its output arrives
-    rank_free = [0.0] * ranks
-    lane_free = [0.0] * ranks
-    position = [0] * ranks
+    costs = stage_costs(plan, stages)
+    if ranks == 1:
+        costs = [StageCost(c.forward_s, c.backward_s) for c in costs]
+    run = simulate(par.pipeline_parallel_schedule, ranks, m, costs)
     events: list[ScheduleEvent] = []
-
-    def input_ready(kind: str, stage: int, mb: int) -> float | None:
-        """When the inputs of (kind, stage, mb) are on its rank; None if not produced yet."""
-        if kind == "F":
-            return 0.0 if stage == 0 else done.get(("F", stage - 1, mb))
-        if stage == num_stages - 1:
-            return done.get(("F", stage, mb))  # the loss is computed right after the last forward
-        return done.get(("B", stage + 1, mb))
-
-    while any(position[r] < len(orders[r]) for r in range(ranks)):
-        ready = []
-        for r in range(ranks):
-            if position[r] < len(orders[r]):
-                kind, chunk, mb = orders[r][position[r]]
-                arrival = input_ready(kind, stage_of(r, chunk), mb)
-                if arrival is not None:
-                    ready.append((max(arrival, rank_free[r]), r))
-        assert ready, f"{schedule} schedule deadlocked at positions {position}"
-        start, r = min(ready)
-        kind, chunk, mb = orders[r][position[r]]
-        position[r] += 1
-        stage = stage_of(r, chunk)
-        total = stages[stage].predicted_time_s
-        duration = total * FORWARD_SHARE if kind == "F" else total * (1 - FORWARD_SHARE)
-        end = start + duration
-        rank_free[r] = end
-        events.append(ScheduleEvent(r, COMPUTE, "forward" if kind == "F" else "backward", start, duration,
-                                    stages[stage].index, mb))
-        target = stage + 1 if kind == "F" else stage - 1
-        if 0 <= target < num_stages:
-            peer = target % ranks
-            if peer == r or p2p == 0.0:
-                done[(kind, stage, mb)] = end
-                continue
-            # One transfer occupies the communication stream of both ends (NCCL/gloo p2p are paired).
-            sent = max(end, lane_free[r], lane_free[peer])
-            lane_free[r] = lane_free[peer] = sent + p2p
-            payload = "activation" if kind == "F" else "gradient"
-            events.append(ScheduleEvent(r, COMMUNICATION, "send", sent, p2p, stages[stage].index, mb, peer, payload))
-            events.append(ScheduleEvent(peer, COMMUNICATION, "recv", sent, p2p, stages[target].index, mb, r,
-                                        payload))
-            done[(kind, stage, mb)] = sent + p2p
-        else:
-            done[(kind, stage, mb)] = end
-
-    events += _after_backward(plan, ranks, rank_free, lane_free)
+    for op in run.ops:
+        kind = "forward" if op.kind == "F" else "backward"
+        events.append(ScheduleEvent(op.rank, COMPUTE, kind, op.start_s, op.end_s - op.start_s,
+                                    stages[op.stage].index, op.microbatch))
+        if op.sent_s is None:
+            continue
+        target = op.stage + 1 if op.kind == "F" else op.stage - 1
+        peer, payload = target % ranks, "activation" if op.kind == "F" else "gradient"
+        length = op.arrives_s - op.sent_s
+        events.append(ScheduleEvent(op.rank, COMMUNICATION, "send", op.sent_s, length, stages[op.stage].index,
+                                    op.microbatch, peer, payload))
+        events.append(ScheduleEvent(peer, RECEIVE, "recv", op.sent_s, length, stages[target].index,
+                                    op.microbatch, op.rank, payload))
+    events += _after_backward(plan, ranks, list(run.rank_compute_end_s), list(run.rank_stream_end_s))
     return sorted(events, key=lambda e: (e.rank, LANES.index(e.lane), e.start_s))
 
 

@@ -3,8 +3,10 @@
 Step time (seconds), p pipeline ranks with v stages each, m micro-batches, q the slowest rank:
 
     slot_q  = sum over q's stages of (compute + recompute + tensor-parallel collectives
-              + exposed FSDP gathers per micro-batch + point-to-point sends)
-    step    = (m + (p - 1) / v) x slot_q                  pipeline busy + bubble (cost/pipeline.py)
+              + exposed FSDP gathers per micro-batch + the pipelining runtime's host time)
+    step    = the pipeline schedule simulated with each stage's forward, backward and boundary
+              transfer (cost/pipeline.py; (m + (p - 1) / v) x slot_q for balanced stages and
+              free transfers): m x slot_q busy, the rest bubble and exposed transfers
             + max over ranks of exposed gradient reduction (cost/comm.py)
             + all-reduce of tied parameters split over stages
             + max over ranks of the AdamW step            (cost/compute.py)
@@ -23,7 +25,7 @@ from autoplan.cost import calibration, comm
 from autoplan.cost.compute import UnitTable, mfu, model_flops_per_step, optimizer_step_time, unit_table
 from autoplan.cost.dtypes import activation_scale, bytes_per_element, training_dtype
 from autoplan.cost.memory import LayoutMemory, MemoryInputs, layout_memory
-from autoplan.cost.pipeline import microbatches_in_flight, pipeline_time
+from autoplan.cost.pipeline import StageCost, microbatches_in_flight, simulated_step_s
 from autoplan.cost.units import chain_costs
 from autoplan.hardware.types import Cluster
 from autoplan.plan import Parallelism, Prediction, Stage, Training
@@ -199,12 +201,16 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     cut = [c * mbs * ctx.scale for c in chain.cut_bytes]
     n, ranges, modes = len(chain), assignment.split.ranges(), assignment.modes
     parts: list[dict[str, float]] = []
+    costs: list[StageCost] = []
     per_step, optimizer = [0.0] * pp, [0.0] * pp
+    # torch.distributed.pipelining's host time per stage and micro-batch (half in each pass)
+    host = gpu.pipeline_microbatch_overhead_s if pp > 1 else 0.0
     for s, (a, b) in enumerate(ranges):
         units = range(a, b)
         forward = sum(table.forward_s[u] for u in units)
         backward = sum(table.backward_s[u] for u in units)
-        tp_comm = sum(table.tp_forward_s[u] + table.tp_backward_s[u] for u in units)
+        tp_forward = sum(table.tp_forward_s[u] for u in units)
+        tp_backward = sum(table.tp_backward_s[u] for u in units)
         recompute = sum(_recompute(table, u, modes[u]) for u in units)
         numels = [own[u] for u in units]
         for g, group in enumerate(chain.tied_groups):
@@ -212,12 +218,13 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
             if held:
                 numels[held[0] - a] += tied[g]
         dpc = _data_parallel(par, groups, [x * element for x in numels], m, forward, backward + recompute, ctx)
-        sends = (ctx.send_s(cut[b - 1], par, groups.pipeline.link) if b < n else 0.0) + \
-                (ctx.send_s(cut[a - 1], par, groups.pipeline.link) if a > 0 else 0.0)
-        if pp > 1:  # torch.distributed.pipelining's host time per stage and micro-batch
-            sends += gpu.pipeline_microbatch_overhead_s
-        parts.append({"compute": forward + backward, "recompute": recompute, "tensor_parallel_comm": tp_comm,
-                      "data_parallel_comm": dpc.per_microbatch_s, "pipeline_comm": sends})
+        parts.append({"compute": forward + backward, "recompute": recompute,
+                      "tensor_parallel_comm": tp_forward + tp_backward, "data_parallel_comm": dpc.per_microbatch_s,
+                      "pipeline_comm": host})
+        send = ctx.send_s(cut[b - 1], par, groups.pipeline.link) if b < n and pp > 1 else 0.0
+        costs.append(StageCost(forward + tp_forward + dpc.forward_s + host / 2,
+                               backward + recompute + tp_backward + dpc.per_microbatch_s - dpc.forward_s + host / 2,
+                               send))
         rank = s % pp
         per_step[rank] += dpc.per_step_s
         updated = sum(numels) / (par.data_parallel_shard_degree if par.zero_stage >= 1 else 1)
@@ -227,10 +234,17 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
         optimizer[rank] += optimizer_step_time(updated, gpu, tensors, dtensors)
     slots = [{k: sum(parts[s][k] for s in problem.stages_of_rank(r)) for k in parts[0]} for r in range(pp)]
     slowest = max(range(pp), key=lambda r: sum(slots[r].values()))
-    slot = sum(slots[slowest].values())
-    pipe = pipeline_time(slot, pp, m, v)
     breakdown = {k: m * x for k, x in slots[slowest].items()}
-    breakdown["bubble"] = pipe.bubble_s
+    busy = sum(breakdown.values())
+    pipeline = busy
+    if pp > 1:  # the simulated schedule, with and without the transfers between stages
+        schedule = par.pipeline_parallel_schedule
+        pipeline = simulated_step_s(schedule, pp, m, costs)
+        idle = simulated_step_s(schedule, pp, m, [replace(c, send_s=0.0) for c in costs])
+        breakdown["pipeline_comm"] += pipeline - idle
+        breakdown["bubble"] = idle - busy
+    else:
+        breakdown["bubble"] = 0.0
     breakdown["data_parallel_comm"] += max(per_step)
     breakdown["pipeline_comm"] += _tied_gradient_sync(chain, assignment, pp, tied, element, groups.pipeline)
     breakdown["optimizer"] = max(optimizer)
@@ -240,7 +254,8 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     for s, (a, b) in enumerate(ranges):
         memory = rank_memory[s % pp]
         stages.append(Stage(index=s, modules=chain.fqns[a:b], predicted_time_s=sum(parts[s].values()),
-                            predicted_memory_bytes=sum(memory.values()), memory_breakdown=dict(memory)))
+                            predicted_memory_bytes=sum(memory.values()), memory_breakdown=dict(memory),
+                            predicted_forward_s=costs[s].forward_s, predicted_send_s=costs[s].send_s))
     peak = max(stages, key=lambda st: st.predicted_memory_bytes)
     flops = model_flops_per_step(chain, ctx.training.global_batch_size)
     tokens = ctx.training.tokens_per_sample or chain.tokens_per_sample

@@ -94,7 +94,8 @@ def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: Pi
     for bound, fam, var in work:
         if bound > best_time * (1 + TIE_TOLERANCE):
             break  # sorted by bound: nothing after this can win
-        cutoff = best_time * (1 + TIE_TOLERANCE) / (var.num_microbatches + (fam.pp - 1) / var.virtual)
+        # every rank runs m micro-batches: no step is shorter than m x its busiest rank's slot
+        cutoff = best_time * (1 + TIE_TOLERANCE) / var.num_microbatches
         try:
             candidate = try_layout(ctx, layouts.parallelism(fam, var, var.recompute),
                                    layouts.modes_for(var.recompute, pins.recompute is not None), cutoff)
