@@ -286,7 +286,9 @@ class _Run:
         lines = self.stderr_path.read_text(errors="replace").splitlines() if self.stderr_path.exists() else []
         shown = first_traceback(lines)[-STDERR_TAIL_LINES:]
         if shown and not shown[0].startswith("[rank"):  # no rank's traceback: a rank died by a signal?
-            shown += [line.strip() for line in lines if re.search(r"exitcode|Signal \d+|rank\s*:", line)][-6:]
+            # and what a native abort printed (a C++ exception's message, a fatal Python error)
+            shown += [line.strip() for line in lines
+                      if re.search(r"terminate called|what\(\):|Fatal Python error|exitcode|Signal \d+|rank\s*:", line)][-8:]
         return "\n".join(shown) or "(no output on stderr)"
 
 

@@ -257,3 +257,33 @@ def test_unknown_dtypes_are_user_errors():
         model_state_bytes(1, "fp8", 0, 1)
     with pytest.raises(UserError, match="no peak FLOP/s for fp16"):
         peak_flops(make_gpu(), "fp16")
+
+
+def test_optimizer_pays_the_dtensor_cost_only_for_dtensor_parameters():
+    base = _ctx(gpus=2, batch=8)
+    gpu = replace(base.cluster.gpu, optimizer_tensor_overhead_s=1e-4, optimizer_dtensor_overhead_s=1e-2)
+    hardware = replace(base.cluster.hardware, gpu=gpu)
+    ctx = Context(base.profile, replace(base.cluster, hardware=hardware), base.training, base.features)
+
+    def optimizer(par):
+        problem = build_problem(ctx, par, ("none",))
+        return evaluate(ctx, par, problem, problem.uniform(Split((0, len(ctx.chain)))), True).predicted.time_breakdown[
+            "optimizer"]
+
+    tensors = len(ctx.profile.parameters)
+    sharded = sum(1 for p in ctx.profile.parameters if p.rpartition(".")[0] in ctx.facts.plan)
+    assert 0 < sharded < tensors
+    plain = optimizer(_par(dp=2, m=4))
+    fsdp = optimizer(_par(dp=2, zero=3, m=4))
+    tp = optimizer(_par(tp=2, m=8))
+    streaming = plain - tensors * 1e-4
+    # FSDP2: every parameter is a DTensor shard; TP alone: only the sharded Linears' weights and biases
+    assert fsdp - streaming / 2 == pytest.approx(tensors * 1e-2, rel=1e-3)
+    assert tp - tp_streaming(ctx) == pytest.approx(sharded * 1e-2 + (tensors - sharded) * 1e-4, rel=1e-3)
+
+
+def tp_streaming(ctx):
+    """AdamW's streaming time over one tensor-parallel rank's parameters (tp = 2)."""
+    from autoplan.cost.compute import optimizer_step_time
+
+    return optimizer_step_time(ctx.total_numel(2), ctx.cluster.gpu)

@@ -215,12 +215,13 @@ def _tp_backward(op: OpCost, tp: int, per_mb: float, link: Link) -> float:
     return comm.all_reduce_s(op.input_activation_bytes * per_mb, tp, link)
 
 
-def optimizer_step_time(parameters_on_rank: float, gpu: Gpu, tensors: int = 0, dtensors: bool = False) -> float:
+def optimizer_step_time(parameters_on_rank: float, gpu: Gpu, tensors: int = 0, dtensors: int = 0) -> float:
     """AdamW over the parameters a rank updates: memory-bound streaming of its states, plus the host
-    cost per parameter tensor (`tensors` of them; more when they are DTensors: FSDP2 or TP)."""
-    per_tensor = gpu.optimizer_dtensor_overhead_s if dtensors else gpu.optimizer_tensor_overhead_s
+    cost per parameter tensor: `tensors` in all, `dtensors` of them DTensors (FSDP2 shards, tensor-
+    parallel weights), which cost more."""
+    plain = max(0, tensors - dtensors)
     streaming = parameters_on_rank * ADAMW_BYTES_PER_PARAM / (gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency)
-    return streaming + tensors * per_tensor
+    return streaming + plain * gpu.optimizer_tensor_overhead_s + dtensors * gpu.optimizer_dtensor_overhead_s
 
 
 def model_flops_per_step(chain: LayerChain, global_batch_size: int) -> float:

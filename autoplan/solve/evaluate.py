@@ -228,10 +228,16 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
         rank = s % pp
         per_step[rank] += dpc.per_step_s
         updated = sum(numels) / (par.data_parallel_shard_degree if par.zero_stage >= 1 else 1)
-        tensors = len({p for u in units for p in chain.units[u].parameters})
-        # FSDP2 parameters are DTensors; so are all with tp > 1 (TP weights, and FSDP2 over the replicas)
-        dtensors = par.zero_stage >= 1 or tp > 1
-        optimizer[rank] += optimizer_step_time(updated, gpu, tensors, dtensors)
+        held = {p for u in units for p in chain.units[u].parameters}
+        # FSDP2 parameters are DTensors (also over tensor-parallel replicas: runtime/parallel.py); without
+        # it, only the tensor-parallel Linears' weights and biases are
+        if par.zero_stage >= 1 or (tp > 1 and par.data_parallel_degree > 1):
+            dtensors = len(held)
+        elif tp > 1:
+            dtensors = sum(1 for p in held if p.rpartition(".")[0] in ctx.facts.plan)
+        else:
+            dtensors = 0
+        optimizer[rank] += optimizer_step_time(updated, gpu, len(held), dtensors)
     slots = [{k: sum(parts[s][k] for s in problem.stages_of_rank(r)) for k in parts[0]} for r in range(pp)]
     slowest = max(range(pp), key=lambda r: sum(slots[r].values()))
     breakdown = {k: m * x for k, x in slots[slowest].items()}
