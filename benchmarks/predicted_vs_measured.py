@@ -9,8 +9,9 @@
 2. For each layout, `autoplan MODEL --gpus 2 --gpu cpu --hardware PROFILE --pin LAYOUT` (a small GPT,
    global batch 16) and `autoplan verify --measure`: loss parity, then per rank the median step time
    (warm-up and memory-tracked steps left out) and the peak of live tensor storage bytes of a step.
-   Each layout is run --repeats times; the measured step time is the median of those runs' (their
-   spread is printed: on a shared VM the same program's step time moves by tens of percent).
+   Each layout is run --repeats times, the later runs taking turns across layouts; the measured step
+   time is the median of those runs' (their spread is printed: on a shared VM the same program's step
+   time moves by tens of percent within minutes).
 3. Prints predicted vs measured step time and peak memory with their errors (predicted / measured - 1)
    against issue 7's bounds: step time within 30%, peak memory within 15%.
 
@@ -96,22 +97,27 @@ def main() -> None:
             started = time.perf_counter()
             autoplan("calibrate", "--out", str(hardware), "--nproc", "2", cache=work / "cache-calibrate")
             print(f"calibrated 2 gloo ranks in {time.perf_counter() - started:.0f} s -> {hardware}")
-        rows = []
+        runs: dict[str, list[dict]] = {name: [] for name in layouts}
+
+        def measure(name: str) -> None:
+            autoplan("verify", str(work / name), "--measure", "--steps", str(args.steps), cache=work / f"cache-{name}")
+            runs[name].append(json.loads((work / name / "verify.json").read_text()))
+
         for name in layouts:
             out = work / name
             shutil.rmtree(out, ignore_errors=True)
-            # op and whole-model timings taken just before this layout runs, not minutes earlier: a
-            # shared machine's speed drifts (see the drift line printed at the end)
+            # op and whole-model timings taken just before this layout first runs, not minutes earlier:
+            # a shared machine's speed drifts (see the drift line printed at the end)
             cache = work / f"cache-{name}"
             shutil.rmtree(cache, ignore_errors=True)
             autoplan(args.model, "--gpus", "2", "--gpu", "cpu", "--hardware", str(hardware), "--pin", LAYOUTS[name],
                      "--global-batch", str(args.global_batch), "--out", str(out), "--quiet", cache=cache)
-            runs = []
-            for _ in range(max(1, args.repeats)):
-                autoplan("verify", str(out), "--measure", "--steps", str(args.steps), cache=cache)
-                runs.append(json.loads((out / "verify.json").read_text()))
-            plan = json.loads((out / "plan.json").read_text())
-            rows.append((name, plan["parallelism"], median_run(runs)))
+            measure(name)
+        for _ in range(max(1, args.repeats) - 1):  # the other runs in turns: a slow spell hits every layout
+            for name in layouts:
+                measure(name)
+        rows = [(name, json.loads((work / name / "plan.json").read_text())["parallelism"], median_run(runs[name]))
+                for name in layouts]
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)

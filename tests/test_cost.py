@@ -287,3 +287,21 @@ def tp_streaming(ctx):
     from autoplan.cost.compute import optimizer_step_time
 
     return optimizer_step_time(ctx.total_numel(2), ctx.cluster.gpu)
+
+
+def test_ddp_pays_its_measured_time_per_parameter_tensor():
+    base = _ctx(gpus=2, batch=8)
+
+    def data_parallel_comm(overhead_s, par):
+        gpu = replace(base.cluster.gpu, ddp_tensor_overhead_s=overhead_s)
+        cluster = replace(base.cluster, hardware=replace(base.cluster.hardware, gpu=gpu))
+        ctx = Context(base.profile, cluster, base.training, base.features)
+        problem = build_problem(ctx, par, ("none",))
+        candidate = evaluate(ctx, par, problem, problem.uniform(Split((0, len(ctx.chain)))), True)
+        return candidate.predicted.time_breakdown["data_parallel_comm"]
+
+    ddp = _par(dp=2, m=4)
+    added = data_parallel_comm(1e-3, ddp) - data_parallel_comm(0.0, ddp)
+    assert added == pytest.approx(len(base.profile.parameters) * 1e-3)
+    fsdp = _par(dp=2, zero=3, m=4)  # FSDP2 is not DDP: its own per-unit overhead applies
+    assert data_parallel_comm(1e-3, fsdp) == pytest.approx(data_parallel_comm(0.0, fsdp))

@@ -103,3 +103,18 @@ def test_unknown_name_lists_the_known_profiles():
 def test_missing_file_is_reported(tmp_path):
     with pytest.raises(UserError, match="hardware profile file not found"):
         load_hardware(str(tmp_path / "nope.yaml"))
+
+
+def test_measured_host_fields_round_trip(tmp_path):
+    from dataclasses import replace
+
+    from autoplan.calibrate.writer import HOST_FIELDS
+
+    cpu = load_hardware("cpu")
+    values = {attribute: 0.25 + i / 100 for i, (_, attribute, _, _) in enumerate(HOST_FIELDS)}
+    values["concurrent_slowdown"] = 1.5
+    profile = replace(cpu, gpu=replace(cpu.gpu, **values))
+    path = tmp_path / "measured.yaml"
+    path.write_text(hardware_to_yaml(profile))
+    loaded = load_hardware(str(path))
+    assert {a: getattr(loaded.gpu, a) for a in values} == pytest.approx(values)

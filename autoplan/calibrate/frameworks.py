@@ -1,15 +1,22 @@
-"""Host costs of PyTorch's parallel wrappers, measured on tiny models so that only the wrapper costs.
+"""Host costs of PyTorch's parallel wrappers, measured where they would be paid.
 
 On a GPU these hide behind kernels as long as the GPU has work queued; on a CPU every rank's one
-thread pays them in full, and they dominate a small model's step:
+thread pays them in full, and they dominate a small model's step. Each is the extra time of the
+wrapped model over the plain one, less what the link fits already charge for its collectives, on a
+model with real compute where the collectives compete with it as in training (on tiny models the
+same wrappers measured half as costly on this project's 2-core VM):
 - FSDP2 (fully_shard): per unit and micro-batch, the pre/post forward and backward hooks, the copies
   into and out of the collective buffers, and the wait for collectives started by ranks that arrive
-  at different times. Measured as the extra time of fully_shard over the plain model, minus what the
-  link fit already charges for the unit's three collectives (two all-gathers, one reduce-scatter).
+  at different times; transformer layers with attention, Linears and norms as units.
+- DDP: per parameter tensor (hooks, bucketing, the all-reduce beside the backward).
+- Tensor parallelism: per DTensor op of a Megatron MLP.
+- Pipelining: per stage and micro-batch, fitted with the cost model's schedule simulation.
 - AdamW over DTensor parameters (FSDP2 shards, tensor-parallel weights): per tensor.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -19,42 +26,76 @@ from autoplan.calibrate.measure import OPTIMIZER_TENSORS, Clock, _communication_
 from autoplan.cost import calibration
 from autoplan.cost.pipeline import StageCost, simulate
 
-FSDP_UNITS = 8
-"""fully_shard units of the timed model: Linear(FSDP_FEATURES, FSDP_FEATURES) each."""
-FSDP_FEATURES = 256
-"""A unit of 257 KiB of fp32 parameters: collectives of the size a small model's layers gather."""
 FEATURES = 16
 BATCH = 4
+FSDP_UNIT_NAMES = ("self_attn", "linear1", "linear2", "norm1", "norm2")
+"""Submodules of each timed transformer layer that fully_shard makes a unit (attention, the two MLP
+Linears, the two norms: the mix of a transformer's units)."""
 
 
-def fsdp_unit_bytes() -> int:
-    """Parameter bytes of one timed fully_shard unit (weight and bias, fp32)."""
-    return (FSDP_FEATURES * FSDP_FEATURES + FSDP_FEATURES) * 4
-
-
-def fsdp_unit_overhead_seconds(clock: Clock, mesh, collectives_s: float) -> float:
+def fsdp_unit_overhead_seconds(clock: Clock, mesh, collectives_s: Callable[[int], float]) -> float:
     """Extra seconds of one fully_shard unit's forward+backward (one micro-batch) over the plain unit,
-    beyond `collectives_s` (what the link fits charge for its two all-gathers and one reduce-scatter of
-    fsdp_unit_bytes()). Every rank of `mesh` calls this."""
+    beyond what the link fits charge for its two all-gathers and one reduce-scatter
+    (`collectives_s(unit parameter bytes)`): DDP_LAYERS transformer layers (ddp_layers), each of their
+    FSDP_UNIT_NAMES a unit, against the plain layers, both run by every rank at once, so the
+    collectives and hooks compete with a real backward as in training. Every rank of `mesh` calls this."""
     from torch.distributed.fsdp import fully_shard
 
-    def model() -> nn.Module:
-        torch.manual_seed(0)
-        return nn.Sequential(*(nn.Linear(FSDP_FEATURES, FSDP_FEATURES) for _ in range(FSDP_UNITS))).to(clock.device)
-
-    x = torch.randn(BATCH, FSDP_FEATURES, device=clock.device)
-    plain = model()
-    sharded = model()
-    for unit in sharded:
+    plain = ddp_layers(clock.device)
+    sharded = ddp_layers(clock.device)
+    units = [getattr(layer, name) for layer in sharded for name in FSDP_UNIT_NAMES]
+    unit_bytes = [sum(p.numel() for p in unit.parameters()) * 4 for unit in units]
+    for unit in units:
         fully_shard(unit, mesh=mesh)
     fully_shard(sharded, mesh=mesh)
+    x = torch.randn(8, 64, 128, device=clock.device)
 
-    def step(module: nn.Module):
+    def step(module: nn.Module) -> None:
         module(x).sum().backward()
 
-    plain_s = clock.seconds(lambda: step(plain))
-    sharded_s = _communication_seconds(clock, lambda: step(sharded), None, 15)
-    return max(0.0, (sharded_s - plain_s) / FSDP_UNITS - collectives_s)
+    plain_s = _communication_seconds(clock, lambda: step(plain), None, 7)
+    sharded_s = _communication_seconds(clock, lambda: step(sharded), None, 7)
+    charged = sum(collectives_s(b) for b in unit_bytes)
+    return max(0.0, (sharded_s - plain_s - charged) / len(units))
+
+
+DDP_LAYERS = 2
+"""Transformer layers (width 128, 4 heads, MLP 512) under the timed DistributedDataParallel: a small
+model's compute, so the gradient all-reduce competes with a real backward as in training."""
+
+
+def ddp_layers(device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    layers = (nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True) for _ in range(DDP_LAYERS))
+    return nn.Sequential(*layers).to(device)
+
+
+def ddp_gradient_bytes() -> int:
+    """Bytes of the timed layers' gradients (fp32), which DDP all-reduces."""
+    return sum(p.numel() for p in ddp_layers(torch.device("cpu")).parameters()) * 4
+
+
+def ddp_tensor_overhead_seconds(clock: Clock, all_reduce_s: float) -> float:
+    """Seconds DistributedDataParallel adds to a step per parameter tensor beyond the all-reduce of its
+    gradients as the link fit charges it (`all_reduce_s`): DDP_LAYERS transformer layers under DDP vs
+    the plain layers, both run by every rank at once, per parameter tensor. What it counts: autograd
+    hooks and bucketing, and on a CPU the all-reduce threads competing with the backward's. Every
+    rank calls this."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    plain = ddp_layers(clock.device)
+    replicated = DistributedDataParallel(ddp_layers(clock.device), gradient_as_bucket_view=True,
+                                         device_ids=[clock.device.index] if clock.device.type == "cuda" else None)
+    x = torch.randn(8, 64, 128, device=clock.device)
+
+    def step(module: nn.Module) -> None:
+        module.zero_grad(set_to_none=True)
+        module(x).sum().backward()
+
+    plain_s = _communication_seconds(clock, lambda: step(plain), None, 7)
+    replicated_s = _communication_seconds(clock, lambda: step(replicated), None, 7)
+    tensors = sum(1 for _ in plain.parameters())
+    return max(0.0, (replicated_s - plain_s - all_reduce_s) / tensors)
 
 
 def optimizer_dtensor_overhead_seconds(clock: Clock, mesh) -> float:

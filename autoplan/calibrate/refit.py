@@ -179,6 +179,7 @@ def refit(verify_dir: str | Path, hardware: str, out: str | Path) -> RefitResult
     for field, value, factor in (("optimizer_tensor_overhead_us", profile.gpu.optimizer_tensor_overhead_s, s_compute),
                                  ("optimizer_dtensor_overhead_us", profile.gpu.optimizer_dtensor_overhead_s, s_compute),
                                  ("fsdp_unit_overhead_us", profile.gpu.fsdp_unit_overhead_s, s_comm),
+                                 ("ddp_tensor_overhead_us", profile.gpu.ddp_tensor_overhead_s, s_comm),
                                  ("pipeline_microbatch_overhead_us", profile.gpu.pipeline_microbatch_overhead_s, s_comm)):
         if value > 0:
             gpu[field] = float(f"{value * 1e6 * factor:.4g}")

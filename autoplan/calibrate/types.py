@@ -61,6 +61,8 @@ class Measurements:
     """Share of an all-reduce hidden behind matmuls running at the same time (None: not measured)."""
     concurrent_slowdown: float | None = None
     """Step time of a small MLP with every rank running it over rank 0 alone (None: not measured)."""
+    ddp_tensor_overhead_s: float | None = None
+    """DDP's extra step time per parameter tensor beyond its modeled all-reduce (None: not measured)."""
     fsdp_unit_overhead_s: float | None = None
     """Extra seconds of a fully_shard unit's forward+backward beyond its collectives' latency (None: not measured)."""
     pipeline_microbatch_overhead_s: float | None = None

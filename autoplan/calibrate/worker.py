@@ -115,6 +115,7 @@ def _fsdp_collectives_seconds(tier: TierTimes, unit_bytes: int) -> float:
     return 2 * _op_seconds(tier, "all_gather", unit_bytes) + _op_seconds(tier, "reduce_scatter", unit_bytes)
 
 
+
 def run(out: Path, base: str | None, timeout_s: float) -> Measurements:
     """Measure on every rank; rank 0 writes `out`. Returns the measurements (on every rank)."""
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
@@ -159,16 +160,18 @@ def run(out: Path, base: str | None, timeout_s: float) -> Measurements:
         overlap = measure.comm_overlap_fraction(clock, sizes.overlap_message_bytes, sizes.overlap_matmul_n)
         world_mesh = init_device_mesh(device.type, (world,))
         tier = tiers["inter_node" if per_node < world else "intra_node"]
-        collectives = _fsdp_collectives_seconds(tier, frameworks.fsdp_unit_bytes())
-        fsdp_unit = frameworks.fsdp_unit_overhead_seconds(clock, world_mesh, collectives)
+        fsdp_unit = frameworks.fsdp_unit_overhead_seconds(
+            clock, world_mesh, lambda unit_bytes: _fsdp_collectives_seconds(tier, unit_bytes))
         optimizer_dtensor = frameworks.optimizer_dtensor_overhead_seconds(clock, world_mesh)
         intra = tiers["intra_node"]
         p2p = op_fits(intra.seconds, intra.group_size)["p2p"].latency_s
         pipeline = frameworks.pipeline_microbatch_overhead_seconds(clock, p2p)
         all_reduce = _op_seconds(tier, "all_reduce", frameworks.tp_mlp_all_reduce_bytes())
         dtensor_op = frameworks.tensor_parallel_op_overhead_seconds(clock, world_mesh, all_reduce)
+        ddp_tensor = frameworks.ddp_tensor_overhead_seconds(
+            clock, _op_seconds(tier, "all_reduce", frameworks.ddp_gradient_bytes()))
         framework = [None] * world
-        dist.all_gather_object(framework, (fsdp_unit, optimizer_dtensor, pipeline, dtensor_op))
+        dist.all_gather_object(framework, (fsdp_unit, optimizer_dtensor, pipeline, dtensor_op, ddp_tensor))
         if cuda:
             free, total = torch.cuda.mem_get_info(device)
             resident = float(total - free - torch.cuda.memory_reserved(device))
@@ -197,6 +200,7 @@ def run(out: Path, base: str | None, timeout_s: float) -> Measurements:
             pipeline_microbatch_overhead_s=max(f[2] for f in framework),
             concurrent_slowdown=slowdown,
             dtensor_op_overhead_s=median([f[3] for f in framework]),
+            ddp_tensor_overhead_s=median([f[4] for f in framework]),
             optimizer_tensor_overhead_s=median([g["optimizer_tensor"] for g in gathered]),
             extra={"load_average_at_start": load_at_start, "cpu_count": float(os.cpu_count() or 0),
                    "kernel_overhead_spread": measure.spread(overheads),

@@ -78,6 +78,7 @@ HOST_FIELDS = (  # YAML field, attribute (Measurements and Gpu alike), default w
     ("optimizer_tensor_overhead_us", "optimizer_tensor_overhead_s", 0.0, MICRO),
     ("optimizer_dtensor_overhead_us", "optimizer_dtensor_overhead_s", 0.0, MICRO),
     ("fsdp_unit_overhead_us", "fsdp_unit_overhead_s", 0.0, MICRO),
+    ("ddp_tensor_overhead_us", "ddp_tensor_overhead_s", 0.0, MICRO),
     ("pipeline_microbatch_overhead_us", "pipeline_microbatch_overhead_s", 0.0, MICRO),
 )
 """Overlap and host overheads a calibration measures into the profile's gpu section."""
@@ -125,7 +126,9 @@ def profile_fields(found: Measurements, base: HardwareProfile | None) -> dict[st
                   f"forward+backward over its plain local shard's, less two modeled all-reduces, per DTensor op "
                   f"counted; optimizer_tensor_overhead (optimizer_dtensor_overhead) = AdamW step time "
                   f"per one-element tensor (per sharded DTensor); fsdp_unit_overhead = fully_shard's extra time "
-                  f"per Linear unit's forward+backward beyond its collectives' latency; pipeline_microbatch_overhead = "
+                  f"per Linear unit's forward+backward beyond its collectives' latency; ddp_tensor_overhead = "
+                  f"DistributedDataParallel's extra step time over two transformer layers, less their modeled "
+                  f"gradient all-reduce, per parameter tensor; pipeline_microbatch_overhead = "
                   f"the host time per stage and micro-batch that makes the simulated GPipe step of tiny stages last "
                   f"as measured; "
                   f"comm_overlap = share of an all-reduce hidden by matmuls run beside it; "

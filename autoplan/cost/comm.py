@@ -13,6 +13,7 @@ ends": exposed = serial piece + max(0, rest - overlap window). The window is the
 Gpu.comm_overlap (1 on GPUs; measured on a CPU, whose gloo threads share the cores).
 - DDP (zero 0): gradients all-reduce in DDP_BUCKET_BYTES buckets during the backward of the last
   micro-batch (earlier ones run under no_sync); all but the last bucket hide behind that backward.
+  DDP also costs time per parameter tensor (Gpu.ddp_tensor_overhead_s, measured; ~0 on GPUs).
 - FSDP2 (zero 3), pp = 1: per micro-batch, all-gather every unit in forward and again in backward,
   reduce-scatter every unit in backward (one collective per unit); the first gather and the last
   reduce-scatter are exposed, the rest hide behind the compute of that pass. HSDP adds an all-reduce
@@ -107,15 +108,18 @@ class DataParallelComm:
 NO_COMM = DataParallelComm(0.0, 0.0, 0.0)
 
 
-def ddp_comm(grad_bytes: float, group: Group, backward_window_s: float) -> DataParallelComm:
-    """Bucketed gradient all-reduce overlapping the last micro-batch's backward."""
+def ddp_comm(grad_bytes: float, group: Group, backward_window_s: float, tensors: int = 0,
+             tensor_overhead_s: float = 0.0) -> DataParallelComm:
+    """Bucketed gradient all-reduce overlapping the last micro-batch's backward, plus DDP's time per
+    parameter tensor (`tensors` of them, Gpu.ddp_tensor_overhead_s each)."""
     if group.size <= 1 or grad_bytes <= 0:
         return NO_COMM
     buckets = math.ceil(grad_bytes / DDP_BUCKET_BYTES)
     total = (all_reduce_s(grad_bytes, group.size, group.link, group.nodes)
              + (buckets - 1) * alpha_s(group.link, group.nodes))
     last_bucket = all_reduce_s(min(grad_bytes, DDP_BUCKET_BYTES), group.size, group.link, group.nodes)
-    return DataParallelComm(0.0, exposed_s(total, last_bucket, backward_window_s), total)
+    hooks = tensors * tensor_overhead_s
+    return DataParallelComm(0.0, exposed_s(total, last_bucket, backward_window_s) + hooks, total)
 
 
 def fsdp_comm(unit_param_bytes: list[float], zero_stage: int, shard: Group, replicate: Group, num_ranks: int,

@@ -141,6 +141,7 @@ def _gpu(name: str, gpu: _Fields) -> Gpu:
         optimizer_tensor_overhead_s=gpu.optional_number("optimizer_tensor_overhead_us", 0.0) * MICRO,
         optimizer_dtensor_overhead_s=gpu.optional_number("optimizer_dtensor_overhead_us", 0.0) * MICRO,
         fsdp_unit_overhead_s=gpu.optional_number("fsdp_unit_overhead_us", 0.0) * MICRO,
+        ddp_tensor_overhead_s=gpu.optional_number("ddp_tensor_overhead_us", 0.0) * MICRO,
         pipeline_microbatch_overhead_s=gpu.optional_number("pipeline_microbatch_overhead_us", 0.0) * MICRO,
         dtensor_op_overhead_s=gpu.optional_number("dtensor_op_overhead_us", 0.0) * MICRO,
     )
@@ -236,6 +237,7 @@ def hardware_to_yaml(profile: HardwareProfile) -> str:
             "optimizer_tensor_overhead_us": gpu.optimizer_tensor_overhead_s / MICRO,
             "optimizer_dtensor_overhead_us": gpu.optimizer_dtensor_overhead_s / MICRO,
             "fsdp_unit_overhead_us": gpu.fsdp_unit_overhead_s / MICRO,
+            "ddp_tensor_overhead_us": gpu.ddp_tensor_overhead_s / MICRO,
             "pipeline_microbatch_overhead_us": gpu.pipeline_microbatch_overhead_s / MICRO,
             "dtensor_op_overhead_us": gpu.dtensor_op_overhead_s / MICRO,
             "source": gpu.source,

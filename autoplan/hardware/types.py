@@ -51,6 +51,10 @@ class Gpu:
     """Host time torch.distributed.pipelining adds per stage and micro-batch (forward and backward chunk
     bookkeeping, send/recv set-up) beyond the sends, seconds: fitted so the simulated GPipe step of tiny
     stages lasts as measured."""
+    ddp_tensor_overhead_s: float = 0.0
+    """Time DistributedDataParallel adds to a step per parameter tensor beyond its gradient all-reduce
+    (autograd hooks, bucketing, and on a CPU the all-reduce's contention with the backward it runs
+    beside), seconds: measured on transformer layers under DDP."""
     dtensor_op_overhead_s: float = 0.0
     """Extra host time of one op on DTensors over the same op on plain tensors (sharding propagation,
     redistribution, wrapping), seconds: paid by the ops of tensor-parallel regions (cost/compute.py counts

@@ -26,6 +26,11 @@ BATCH_SIZES = (1, 8)
 WARMUP_RUNS, TIMED_RUNS = 2, 9
 """Runs per batch size; the median of the timed ones is kept. A shared machine's speed drifts by tens of
 percent within seconds: many samples, the batch sizes taking turns."""
+MIN_TIMED_SECONDS = 2.0
+"""Small models keep taking turns until this long has been timed (at most MAX_TIMED_RUNS): on this
+project's VM one 0.7 s median of a small GPT ranged 54-74 ms over a minute, and a plan timed in a fast
+second under-predicted every layout's training run by ~20%."""
+MAX_TIMED_RUNS = 60
 MAX_PARAMETER_BYTES = 2**30
 """Largest model (parameter bytes) built for real to be timed; larger ones keep the per-op sums."""
 MAX_SECONDS_PER_RUN = 2.0
@@ -61,16 +66,19 @@ def time_whole_model(source: ModelSource, parameter_bytes: float) -> dict[int, f
             inputs, targets = call_user(source, f"example_batch({batch_size})", source.example_batch, batch_size)
             steps[batch_size] = _step(source, model, inputs, targets)
         samples: dict[int, list[float]] = {b: [] for b in BATCH_SIZES}
-        for run in range(WARMUP_RUNS + TIMED_RUNS):  # the batch sizes take turns: both see the same machine
-            for batch_size, step in steps.items():
+        timed, run = 0.0, 0
+        while run < WARMUP_RUNS + TIMED_RUNS or (timed < MIN_TIMED_SECONDS and run < WARMUP_RUNS + MAX_TIMED_RUNS):
+            for batch_size, step in steps.items():  # the batch sizes take turns: both see the same machine
                 started = time.perf_counter()
                 step()
                 seconds = time.perf_counter() - started
                 if run >= WARMUP_RUNS:
                     samples[batch_size].append(seconds)
+                    timed += seconds
                 elif seconds > MAX_SECONDS_PER_RUN:
                     log.debug("whole-model timing skipped: %.1f s per forward+backward at batch %d", seconds, batch_size)
                     return {}
+            run += 1
         return {b: statistics.median(times) for b, times in samples.items()}
     finally:
         torch.set_num_threads(threads)

@@ -217,7 +217,9 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
             held = [u for u in group.units if a <= u < b]
             if held:
                 numels[held[0] - a] += tied[g]
-        dpc = _data_parallel(par, groups, [x * element for x in numels], m, forward, backward + recompute, ctx)
+        held = {p for u in units for p in chain.units[u].parameters}
+        dpc = _data_parallel(par, groups, [x * element for x in numels], m, forward, backward + recompute, ctx,
+                             len(held))
         parts.append({"compute": forward + backward, "recompute": recompute,
                       "tensor_parallel_comm": tp_forward + tp_backward, "data_parallel_comm": dpc.per_microbatch_s,
                       "pipeline_comm": host})
@@ -228,7 +230,6 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
         rank = s % pp
         per_step[rank] += dpc.per_step_s
         updated = sum(numels) / (par.data_parallel_shard_degree if par.zero_stage >= 1 else 1)
-        held = {p for u in units for p in chain.units[u].parameters}
         # FSDP2 parameters are DTensors (also over tensor-parallel replicas: runtime/parallel.py); without
         # it, only the tensor-parallel Linears' weights and biases are
         if par.zero_stage >= 1 or (tp > 1 and par.data_parallel_degree > 1):
@@ -288,7 +289,7 @@ def _recompute(table: UnitTable, u: int, mode: str) -> float:
 
 
 def _data_parallel(par: Parallelism, groups: Groups, unit_bytes: list[float], m: int, forward: float,
-                   backward: float, ctx: Context) -> comm.DataParallelComm:
+                   backward: float, ctx: Context, tensors: int = 0) -> comm.DataParallelComm:
     gradient_ratio = calibration.GRADIENT_REDUCE_BYTES / ctx.dtype_bytes
     gpu = ctx.cluster.gpu
     # what compute can hide; FSDP2 on a CPU device has no side streams: its all-gathers and
@@ -296,7 +297,9 @@ def _data_parallel(par: Parallelism, groups: Groups, unit_bytes: list[float], m:
     overlap = 0.0 if par.zero_stage >= 1 and gpu.name == "cpu" else gpu.comm_overlap
     forward, backward = forward * overlap, backward * overlap
     if par.zero_stage == 0:
-        return comm.ddp_comm(sum(unit_bytes) * gradient_ratio, groups.replicate, backward)
+        # DDP proper only without tensor parallelism (with it, fully_shard replicates: runtime/parallel.py)
+        hooks = gpu.ddp_tensor_overhead_s if par.tensor_parallel_degree == 1 else 0.0
+        return comm.ddp_comm(sum(unit_bytes) * gradient_ratio, groups.replicate, backward, tensors, hooks)
     streaming = gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency
     return comm.fsdp_comm(unit_bytes, par.zero_stage, groups.shard, groups.replicate, par.pipeline_parallel_degree,
                           m, forward, backward, streaming, gradient_ratio, gpu.fsdp_unit_overhead_s)
