@@ -5,6 +5,7 @@ TRAIN_PY = '''"""__DOCSTRING__"""
 
 import argparse
 import contextlib
+import gc
 import json
 import time
 from pathlib import Path
@@ -139,6 +140,10 @@ def main(argv=None) -> list[float]:
         if rank.rank == 0:
             args.metrics_out.write_text(json.dumps({"first_step": first_step, "losses": losses,
                                                     "steps": metrics.history, "ranks": ranks}, indent=2))
+    # free the parallel wrappers now, while the interpreter is alive: their hooks hold the process groups
+    # in reference cycles, and a gloo group torn down during interpreter exit can abort the process
+    del forward_backward, checkpoints, optimizer, tied, parts, split, mesh
+    gc.collect()
     dist.destroy_process_group()
     return losses
 
