@@ -24,17 +24,6 @@ def median(values) -> float:
     return float(statistics.median(values))
 
 
-def lower_quartile(values) -> float:
-    """The 25th percentile of timing samples. Other processes on a busy machine only ever add time
-    (a descheduled rank waits a whole scheduler tick, ~4 ms), and once more than half the samples are
-    disturbed the median measures the machine's load, not the hardware; the fastest sample, on the
-    other hand, is an outlier of its own."""
-    values = sorted(values)
-    if len(values) < 4:
-        return values[0]
-    return float(statistics.quantiles(values, n=4, method="inclusive")[0])
-
-
 def bus_factor(op: str, group_size: int) -> float:
     """Bytes each rank moves over its link per byte of message (nccl-tests busbw factors)."""
     n = group_size

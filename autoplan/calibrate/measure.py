@@ -1,8 +1,9 @@
 """Timings on this rank's device: matmuls, copies, tiny ops, collectives and sends.
 
 The device picks the clock: CUDA events on a GPU (the time the GPU spent, launch to finish), wall-clock
-perf_counter on the CPU. Every number is the lower quartile over repeats (fit.lower_quartile): robust to
-the scheduler hiccups of a busy machine.
+perf_counter on the CPU. Every number is the median over repeats (fit.median), the statistic `verify
+--measure` reports of a training run: on a busy machine the scheduler's hiccups are part of what a
+training step pays (lower quartiles, used before, sat below what the training runs measured).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from autoplan.calibrate.fit import lower_quartile
+from autoplan.calibrate.fit import median
 
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """Profile dtype name -> the tensor dtype timed ("tf32" is fp32 with TF32 tensor cores allowed)."""
@@ -50,12 +51,12 @@ class Clock:
         return time.perf_counter() - started
 
     def seconds(self, fn: Callable[[], object]) -> float:
-        """Seconds of `fn` (lower quartile) after one warm-up call, repeated to about MIN_TIMED_SECONDS."""
+        """Seconds of `fn` (median) after one warm-up call, repeated to about MIN_TIMED_SECONDS."""
         fn()
         self.sync()
         first = self.once(fn)
         repeats = min(MAX_REPEATS, max(MIN_REPEATS, math.ceil(MIN_TIMED_SECONDS / max(first, 1e-9))))
-        return lower_quartile([first] + [self.once(fn) for _ in range(repeats - 1)])
+        return median([first] + [self.once(fn) for _ in range(repeats - 1)])
 
 
 def matmul_flops_per_s(clock: Clock, dtype_names: tuple[str, ...], sizes: tuple[int, ...]) -> dict[str, dict[int, float]]:
@@ -116,10 +117,10 @@ def _reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group) -> None:
 
 
 def _slowest(clock: Clock, samples: list[float], group) -> float:
-    """Lower quartile over repeats of the slowest rank's time: a collective ends when its last rank does."""
+    """Median over repeats of the slowest rank's time: a collective ends when its last rank does."""
     times = torch.tensor(samples, dtype=torch.float64, device=clock.device if clock.cuda else "cpu")
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    return lower_quartile(times.tolist())
+    return median(times.tolist())
 
 
 def _communication_seconds(clock: Clock, op: Callable[[], object], group, repeats: int) -> float:

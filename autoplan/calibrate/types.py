@@ -17,7 +17,7 @@ class TierTimes:
     group_size: int
     """Ranks in each collective's group (2 for p2p)."""
     seconds: dict[str, dict[int, float]]
-    """op name (COLLECTIVES) -> message bytes -> seconds (lower quartile over repeats of the slowest rank)."""
+    """op name (COLLECTIVES) -> message bytes -> seconds (median over repeats of the slowest rank)."""
     copied_from: str = ""
     """Non-empty when this tier was not measured but copied (e.g. "intra_node" on a single node)."""
 
@@ -25,7 +25,7 @@ class TierTimes:
 @dataclass(frozen=True)
 class Measurements:
     """Everything one `autoplan calibrate` run measured. Per-rank numbers are the median over ranks of each
-    rank's lower quartile over repeats."""
+    rank's median over repeats."""
 
     date: str
     """ISO 8601 time of the run (UTC)."""
@@ -95,7 +95,7 @@ class RunSizes:
     message_bytes: tuple[int, ...]
     """Message sizes of the collectives and sends timed."""
     repeats: int
-    """Timed repeats per collective and size (the lower quartile is kept), after one warm-up call."""
+    """Timed repeats per collective and size (the median is kept), after one warm-up call."""
     overlap_message_bytes: int = 8 * 2**20
     """All-reduce size of the compute/communication overlap measurement."""
     overlap_matmul_n: int = 256
