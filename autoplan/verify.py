@@ -287,8 +287,8 @@ class _Run:
         shown = first_traceback(lines)[-STDERR_TAIL_LINES:]
         if shown and not shown[0].startswith("[rank"):  # no rank's traceback: a rank died by a signal?
             # and what a native abort printed (a C++ exception's message, a fatal Python error)
-            shown += [line.strip() for line in lines
-                      if re.search(r"terminate called|what\(\):|Fatal Python error|exitcode|Signal \d+|rank\s*:", line)][-8:]
+            signal_lines = r"terminate called|what\(\):|Fatal Python error|exitcode|Signal \d+|rank\s*:"
+            shown += [line.strip() for line in lines if re.search(signal_lines, line)][-8:]
         return "\n".join(shown) or "(no output on stderr)"
 
 

@@ -26,76 +26,69 @@ from autoplan.calibrate.measure import OPTIMIZER_TENSORS, Clock, _communication_
 from autoplan.cost import calibration
 from autoplan.cost.pipeline import StageCost, simulate
 
-FEATURES = 16
-BATCH = 4
+LAYERS = 2
+"""Transformer layers (width 128, 4 heads, MLP 512) under the timed DDP and fully_shard: a small model's
+compute, so the wrappers' collectives and hooks compete with a real backward as in training."""
+LAYER_INPUT = (8, 64, 128)
+"""Batch, sequence and width of their input."""
 FSDP_UNIT_NAMES = ("self_attn", "linear1", "linear2", "norm1", "norm2")
 """Submodules of each timed transformer layer that fully_shard makes a unit (attention, the two MLP
 Linears, the two norms: the mix of a transformer's units)."""
 
 
-def fsdp_unit_overhead_seconds(clock: Clock, mesh, collectives_s: Callable[[int], float]) -> float:
-    """Extra seconds of one fully_shard unit's forward+backward (one micro-batch) over the plain unit,
-    beyond what the link fits charge for its two all-gathers and one reduce-scatter
-    (`collectives_s(unit parameter bytes)`): DDP_LAYERS transformer layers (ddp_layers), each of their
-    FSDP_UNIT_NAMES a unit, against the plain layers, both run by every rank at once, so the
-    collectives and hooks compete with a real backward as in training. Every rank of `mesh` calls this."""
-    from torch.distributed.fsdp import fully_shard
-
-    plain = ddp_layers(clock.device)
-    sharded = ddp_layers(clock.device)
-    units = [getattr(layer, name) for layer in sharded for name in FSDP_UNIT_NAMES]
-    unit_bytes = [sum(p.numel() for p in unit.parameters()) * 4 for unit in units]
-    for unit in units:
-        fully_shard(unit, mesh=mesh)
-    fully_shard(sharded, mesh=mesh)
-    x = torch.randn(8, 64, 128, device=clock.device)
-
-    def step(module: nn.Module) -> None:
-        module(x).sum().backward()
-
-    plain_s = _communication_seconds(clock, lambda: step(plain), None, 7)
-    sharded_s = _communication_seconds(clock, lambda: step(sharded), None, 7)
-    charged = sum(collectives_s(b) for b in unit_bytes)
-    return max(0.0, (sharded_s - plain_s - charged) / len(units))
-
-
-DDP_LAYERS = 2
-"""Transformer layers (width 128, 4 heads, MLP 512) under the timed DistributedDataParallel: a small
-model's compute, so the gradient all-reduce competes with a real backward as in training."""
-
-
-def ddp_layers(device: torch.device) -> nn.Module:
+def transformer_layers(device: torch.device) -> nn.Module:
     torch.manual_seed(0)
-    layers = (nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True) for _ in range(DDP_LAYERS))
+    layers = (nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True) for _ in range(LAYERS))
     return nn.Sequential(*layers).to(device)
 
 
 def ddp_gradient_bytes() -> int:
     """Bytes of the timed layers' gradients (fp32), which DDP all-reduces."""
-    return sum(p.numel() for p in ddp_layers(torch.device("cpu")).parameters()) * 4
+    return sum(p.numel() for p in transformer_layers(torch.device("cpu")).parameters()) * 4
 
 
-def ddp_tensor_overhead_seconds(clock: Clock, all_reduce_s: float) -> float:
-    """Seconds DistributedDataParallel adds to a step per parameter tensor beyond the all-reduce of its
-    gradients as the link fit charges it (`all_reduce_s`): DDP_LAYERS transformer layers under DDP vs
-    the plain layers, both run by every rank at once, per parameter tensor. What it counts: autograd
-    hooks and bucketing, and on a CPU the all-reduce threads competing with the backward's. Every
-    rank calls this."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    plain = ddp_layers(clock.device)
-    replicated = DistributedDataParallel(ddp_layers(clock.device), gradient_as_bucket_view=True,
-                                         device_ids=[clock.device.index] if clock.device.type == "cuda" else None)
-    x = torch.randn(8, 64, 128, device=clock.device)
+def _wrapped_extra_seconds(clock: Clock, wrapped: nn.Module) -> float:
+    """Forward+backward seconds of `wrapped` (transformer_layers under DDP or fully_shard) over the plain
+    layers, both run by every rank at once."""
+    plain = transformer_layers(clock.device)
+    x = torch.randn(*LAYER_INPUT, device=clock.device)
 
     def step(module: nn.Module) -> None:
         module.zero_grad(set_to_none=True)
         module(x).sum().backward()
 
     plain_s = _communication_seconds(clock, lambda: step(plain), None, 7)
-    replicated_s = _communication_seconds(clock, lambda: step(replicated), None, 7)
-    tensors = sum(1 for _ in plain.parameters())
-    return max(0.0, (replicated_s - plain_s - all_reduce_s) / tensors)
+    return _communication_seconds(clock, lambda: step(wrapped), None, 7) - plain_s
+
+
+def fsdp_unit_overhead_seconds(clock: Clock, mesh, collectives_s: Callable[[int], float]) -> float:
+    """Extra seconds of one fully_shard unit's forward+backward (one micro-batch) over the plain unit,
+    beyond what the link fits charge for its two all-gathers and one reduce-scatter
+    (`collectives_s(unit parameter bytes)`): transformer_layers with each of their FSDP_UNIT_NAMES a
+    unit, per unit. Every rank of `mesh` calls this."""
+    from torch.distributed.fsdp import fully_shard
+
+    sharded = transformer_layers(clock.device)
+    units = [getattr(layer, name) for layer in sharded for name in FSDP_UNIT_NAMES]
+    unit_bytes = [sum(p.numel() for p in unit.parameters()) * 4 for unit in units]
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    charged = sum(collectives_s(b) for b in unit_bytes)
+    return max(0.0, (_wrapped_extra_seconds(clock, sharded) - charged) / len(units))
+
+
+def ddp_tensor_overhead_seconds(clock: Clock, all_reduce_s: float) -> float:
+    """Seconds DistributedDataParallel adds to a step per parameter tensor beyond the all-reduce of its
+    gradients as the link fit charges it (`all_reduce_s`): transformer_layers under DDP, per parameter
+    tensor. What it counts: autograd hooks and bucketing, and on a CPU the all-reduce threads competing
+    with the backward's. Every rank calls this."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    replicated = DistributedDataParallel(transformer_layers(clock.device), gradient_as_bucket_view=True,
+                                         device_ids=[clock.device.index] if clock.device.type == "cuda" else None)
+    tensors = sum(1 for _ in replicated.parameters())
+    return max(0.0, (_wrapped_extra_seconds(clock, replicated) - all_reduce_s) / tensors)
 
 
 def optimizer_dtensor_overhead_seconds(clock: Clock, mesh) -> float:
@@ -166,6 +159,10 @@ def tensor_parallel_op_overhead_seconds(clock: Clock, mesh, all_reduce_s: float)
 
 PIPELINE_MICROBATCHES = 8
 """Micro-batches of the timed pipeline step (GPipe over every rank, one tiny Linear stage each)."""
+FEATURES = 16
+"""Width of that Linear."""
+BATCH = 4
+"""Samples per micro-batch of the timed pipeline step."""
 
 
 def pipeline_microbatch_overhead_seconds(clock: Clock, p2p_latency_s: float) -> float:

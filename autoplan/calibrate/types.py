@@ -60,7 +60,7 @@ class Measurements:
     comm_overlap: float | None = None
     """Share of an all-reduce hidden behind matmuls running at the same time (None: not measured)."""
     concurrent_slowdown: float | None = None
-    """Step time of a small MLP with every rank running it over rank 0 alone (None: not measured)."""
+    """Step time of a transformer layer with every rank running it over rank 0 alone (None: not measured)."""
     ddp_tensor_overhead_s: float | None = None
     """DDP's extra step time per parameter tensor beyond its modeled all-reduce (None: not measured)."""
     fsdp_unit_overhead_s: float | None = None

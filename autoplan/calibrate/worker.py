@@ -115,7 +115,6 @@ def _fsdp_collectives_seconds(tier: TierTimes, unit_bytes: int) -> float:
     return 2 * _op_seconds(tier, "all_gather", unit_bytes) + _op_seconds(tier, "reduce_scatter", unit_bytes)
 
 
-
 def run(out: Path, base: str | None, timeout_s: float) -> Measurements:
     """Measure on every rank; rank 0 writes `out`. Returns the measurements (on every rank)."""
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")

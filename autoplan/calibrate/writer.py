@@ -17,7 +17,7 @@ import yaml
 from autoplan.calibrate.fit import LinkFit, fit_alpha_beta, fit_throughput, link_points, op_fits
 from autoplan.calibrate.types import SIZES, Measurements, TierTimes
 from autoplan.errors import UserError
-from autoplan.hardware.profiles import AUTO_MEMORY, GB, GIB, MICRO, TERA, parse_hardware
+from autoplan.hardware.profiles import AUTO_MEMORY, GB, GIB, HOST_OVERHEADS, MICRO, TERA, parse_hardware
 from autoplan.hardware.types import HardwareProfile
 
 UNITS_COMMENT = "# Units are in the field names: tflops = 1e12 FLOP/s, gb = 1e9 bytes, gib = 2**30 bytes, us = 1e-6 s."
@@ -74,12 +74,7 @@ def _link_source(found: Measurements, tier: str, fit: LinkFit) -> str:
 HOST_FIELDS = (  # YAML field, attribute (Measurements and Gpu alike), default without a base, YAML unit
     ("comm_overlap", "comm_overlap", 1.0, 1.0),
     ("concurrent_slowdown", "concurrent_slowdown", 1.0, 1.0),
-    ("dtensor_op_overhead_us", "dtensor_op_overhead_s", 0.0, MICRO),
-    ("optimizer_tensor_overhead_us", "optimizer_tensor_overhead_s", 0.0, MICRO),
-    ("optimizer_dtensor_overhead_us", "optimizer_dtensor_overhead_s", 0.0, MICRO),
-    ("fsdp_unit_overhead_us", "fsdp_unit_overhead_s", 0.0, MICRO),
-    ("ddp_tensor_overhead_us", "ddp_tensor_overhead_s", 0.0, MICRO),
-    ("pipeline_microbatch_overhead_us", "pipeline_microbatch_overhead_s", 0.0, MICRO),
+    *((f"{name}_us", f"{name}_s", 0.0, MICRO) for name in HOST_OVERHEADS),
 )
 """Overlap and host overheads a calibration measures into the profile's gpu section."""
 
@@ -126,13 +121,13 @@ def profile_fields(found: Measurements, base: HardwareProfile | None) -> dict[st
                   f"forward+backward over its plain local shard's, less two modeled all-reduces, per DTensor op "
                   f"counted; optimizer_tensor_overhead (optimizer_dtensor_overhead) = AdamW step time "
                   f"per one-element tensor (per sharded DTensor); fsdp_unit_overhead = fully_shard's extra time "
-                  f"per Linear unit's forward+backward beyond its collectives' latency; ddp_tensor_overhead = "
+                  f"per unit of two transformer layers, less its modeled collectives; ddp_tensor_overhead = "
                   f"DistributedDataParallel's extra step time over two transformer layers, less their modeled "
                   f"gradient all-reduce, per parameter tensor; pipeline_microbatch_overhead = "
                   f"the host time per stage and micro-batch that makes the simulated GPipe step of tiny stages last "
                   f"as measured; "
                   f"comm_overlap = share of an all-reduce hidden by matmuls run beside it; "
-                  f"concurrent_slowdown = a small MLP step on all ranks at once over rank 0 alone; "
+                  f"concurrent_slowdown = a transformer layer's step on all ranks at once over rank 0 alone; "
                   f"memory_reserved = {reserved_how}")
     return {
         "name": name,

@@ -149,6 +149,16 @@ class SimulatedOp:
     arrives_s: float = 0.0
     """When the output is usable by the neighbouring stage."""
 
+    @property
+    def neighbour(self) -> int:
+        """The stage its output feeds: the next one after a forward, the previous after a backward."""
+        return self.stage + 1 if self.kind == "F" else self.stage - 1
+
+    @property
+    def boundary(self) -> int:
+        """Index of the stage whose send_s prices that output's transfer (the earlier of the two)."""
+        return min(self.stage, self.neighbour)
+
 
 @dataclass(frozen=True)
 class SimulatedPipeline:
@@ -216,9 +226,9 @@ def simulate(schedule: str, num_ranks: int, num_microbatches: int, stages: Seque
         now, _, r, transfer = heapq.heappop(runnable)
         if transfer is not None:  # an output ready at `now` claims the sender's and receiver's streams
             op, index = transfer
-            peer = (op.stage + 1 if op.kind == "F" else op.stage - 1) % p
+            peer = op.neighbour % p
             sent = max(now, send_free[r], receive_free[peer])
-            arrives = send_free[r] = receive_free[peer] = sent + stages[op.stage - (op.kind == "B")].send_s
+            arrives = send_free[r] = receive_free[peer] = sent + stages[op.boundary].send_s
             ops[r][index] = replace(op, sent_s=sent, arrives_s=arrives)
             deliver((op.kind, op.stage, op.microbatch), arrives)
             continue
@@ -230,8 +240,7 @@ def simulate(schedule: str, num_ranks: int, num_microbatches: int, stages: Seque
         ops[r].append(op)
         position[r] += 1
         offer(r)
-        target = stage + 1 if kind == "F" else stage - 1
-        if 0 <= target <= last and target % p != r and stages[min(stage, target)].send_s > 0:
+        if 0 <= op.neighbour <= last and op.neighbour % p != r and stages[op.boundary].send_s > 0:
             push(end, r, (op, len(ops[r]) - 1))
         else:
             deliver((kind, stage, mb), end)

@@ -18,6 +18,9 @@ from autoplan.hardware.types import AlphaBeta, Gpu, HardwareProfile, Link
 
 COLLECTIVE_NAMES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 """Operations a link's optional `collectives:` section may list."""
+HOST_OVERHEADS = ("optimizer_tensor_overhead", "optimizer_dtensor_overhead", "fsdp_unit_overhead",
+                  "ddp_tensor_overhead", "pipeline_microbatch_overhead", "dtensor_op_overhead")
+"""Optional host-time fields of a profile's gpu section: `NAME_us` in YAML, Gpu.NAME_s, 0 when left out."""
 
 TERA = 1e12
 """FLOP/s per TFLOP/s."""
@@ -138,12 +141,7 @@ def _gpu(name: str, gpu: _Fields) -> Gpu:
         source=gpu.string("source"),
         comm_overlap=gpu.optional_number("comm_overlap", 1.0, at_most=1.0),
         concurrent_slowdown=max(1.0, gpu.optional_number("concurrent_slowdown", 1.0)),
-        optimizer_tensor_overhead_s=gpu.optional_number("optimizer_tensor_overhead_us", 0.0) * MICRO,
-        optimizer_dtensor_overhead_s=gpu.optional_number("optimizer_dtensor_overhead_us", 0.0) * MICRO,
-        fsdp_unit_overhead_s=gpu.optional_number("fsdp_unit_overhead_us", 0.0) * MICRO,
-        ddp_tensor_overhead_s=gpu.optional_number("ddp_tensor_overhead_us", 0.0) * MICRO,
-        pipeline_microbatch_overhead_s=gpu.optional_number("pipeline_microbatch_overhead_us", 0.0) * MICRO,
-        dtensor_op_overhead_s=gpu.optional_number("dtensor_op_overhead_us", 0.0) * MICRO,
+        **{f"{name}_s": gpu.optional_number(f"{name}_us", 0.0) * MICRO for name in HOST_OVERHEADS},
     )
 
 
@@ -234,12 +232,7 @@ def hardware_to_yaml(profile: HardwareProfile) -> str:
             "memory_reserved_gib": gpu.memory_reserved_bytes / GIB,
             "comm_overlap": gpu.comm_overlap,
             "concurrent_slowdown": gpu.concurrent_slowdown,
-            "optimizer_tensor_overhead_us": gpu.optimizer_tensor_overhead_s / MICRO,
-            "optimizer_dtensor_overhead_us": gpu.optimizer_dtensor_overhead_s / MICRO,
-            "fsdp_unit_overhead_us": gpu.fsdp_unit_overhead_s / MICRO,
-            "ddp_tensor_overhead_us": gpu.ddp_tensor_overhead_s / MICRO,
-            "pipeline_microbatch_overhead_us": gpu.pipeline_microbatch_overhead_s / MICRO,
-            "dtensor_op_overhead_us": gpu.dtensor_op_overhead_s / MICRO,
+            **{f"{name}_us": getattr(gpu, f"{name}_s") / MICRO for name in HOST_OVERHEADS},
             "source": gpu.source,
         },
         "intra_node": _link_dict(profile.intra_node),

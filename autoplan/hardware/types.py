@@ -46,7 +46,7 @@ class Gpu:
     """The same per DTensor parameter (FSDP2 shards, tensor-parallel weights), seconds."""
     fsdp_unit_overhead_s: float = 0.0
     """Host time FSDP2 adds per unit and micro-batch beyond its collectives (hooks, buffer copies, waits
-    on ranks that arrive late), seconds: measured by `autoplan calibrate` on a tiny fully_shard model."""
+    on ranks that arrive late), seconds: measured by `autoplan calibrate` on transformer layers."""
     pipeline_microbatch_overhead_s: float = 0.0
     """Host time torch.distributed.pipelining adds per stage and micro-batch (forward and backward chunk
     bookkeeping, send/recv set-up) beyond the sends, seconds: fitted so the simulated GPipe step of tiny

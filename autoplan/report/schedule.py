@@ -95,10 +95,7 @@ def step_schedule(plan: Plan) -> list[ScheduleEvent]:
     if len(stages) % ranks:  # not a whole number of chunks per rank: draw one stage per rank
         ranks = len(stages)
     m = max(1, par.pipeline_parallel_num_microbatches)
-    costs = stage_costs(plan, stages)
-    if ranks == 1:
-        costs = [StageCost(c.forward_s, c.backward_s) for c in costs]
-    run = simulate(par.pipeline_parallel_schedule, ranks, m, costs)
+    run = simulate(par.pipeline_parallel_schedule, ranks, m, stage_costs(plan, stages))
     events: list[ScheduleEvent] = []
     for op in run.ops:
         kind = "forward" if op.kind == "F" else "backward"
@@ -106,7 +103,7 @@ def step_schedule(plan: Plan) -> list[ScheduleEvent]:
                                     stages[op.stage].index, op.microbatch))
         if op.sent_s is None:
             continue
-        target = op.stage + 1 if op.kind == "F" else op.stage - 1
+        target = op.neighbour
         peer, payload = target % ranks, "activation" if op.kind == "F" else "gradient"
         length = op.arrives_s - op.sent_s
         events.append(ScheduleEvent(op.rank, COMMUNICATION, "send", op.sent_s, length, stages[op.stage].index,

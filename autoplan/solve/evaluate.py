@@ -243,7 +243,6 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     slowest = max(range(pp), key=lambda r: sum(slots[r].values()))
     breakdown = {k: m * x for k, x in slots[slowest].items()}
     busy = sum(breakdown.values())
-    pipeline = busy
     if pp > 1:  # the simulated schedule, with and without the transfers between stages
         schedule = par.pipeline_parallel_schedule
         pipeline = simulated_step_s(schedule, pp, m, costs)

@@ -5,8 +5,8 @@ It opens at column-parallel Linears (weight split by output rows: every rank com
 some hidden features) and closes at row-parallel Linears (weight split by input columns; their
 partial outputs are all-reduced back to the full tensor). Between the two only ops that never mix the
 split dimension may run: elementwise ops, shape ops that keep heads whole (view, transpose, ...; not
-a split of a fused projection: FUSED_SPLIT_OPS), and attention over heads (SDPA, activation x activation matmuls, softmax
-over keys). A replicated tensor may join an elementwise op only when it is much smaller than the
+a split of a fused projection: FUSED_SPLIT_OPS), and attention over heads (SDPA, activation x
+activation matmuls, softmax over keys). A replicated tensor may join an elementwise op only when it is much smaller than the
 split one or computed without any Linear (a broadcast: rotary tables, masks); a full-width replicated
 tensor (a residual) would need the missing features, so the region is dropped and its Linears stay
 replicated.
