@@ -118,6 +118,11 @@ def test_pipeline_overhead_is_what_makes_the_simulated_gpipe_step_match(ranks, s
     # the sends on the critical path are not host time; a step faster than its sends has none
     assert h <= 0.03 / (8 + ranks - 1) + 1e-12
     assert overhead_matching_step(1e-4, ranks, 8, 0.01) == 0.0
+    # the stages' own compute is not overhead: the same step with computing stages leaves less of it
+    computing = overhead_matching_step(0.03, ranks, 8, send_s, forward_s=0.0005, backward_s=0.001)
+    stage = StageCost(0.0005 + computing / 2, 0.001 + computing / 2, send_s)
+    assert simulate("gpipe", ranks, 8, [stage] * ranks).makespan_s == pytest.approx(0.03)
+    assert computing < h
 
 
 def test_gpu_measurements_keep_datasheet_peaks(tmp_path):

@@ -173,6 +173,22 @@ def test_priced_pipeline_is_its_simulated_schedule_when_communication_is_free():
     assert times["bubble"] == pytest.approx(pipeline - 8 * slowest)
 
 
+def test_every_step_pays_one_latency_bound_all_reduce_of_its_loss():
+    ctx = _ctx(batch=8, gpus=4, intra_bw=1e30, inter_bw=1e30, latency_s=0.001)
+    world = ctx.group(4, 1)
+    expected = comm.all_reduce_s(4, 4, world.link, world.nodes)
+    assert expected >= 0.001  # at least the link's latency: the bytes are nothing
+    for par, split in ((_par(dp=4), Split((0, 16))), (_par(pp=4, m=8), Split((0, 5, 8, 11, 16)))):
+        problem = build_problem(ctx, par, ("none",))
+        times = evaluate(ctx, par, problem, problem.uniform(split), True).predicted.time_breakdown
+        # train.py logs the global mean loss: one fp32 scalar all-reduced over every rank
+        assert times["loss_all_reduce"] == pytest.approx(expected)
+    alone = _ctx(batch=8, gpus=1)
+    problem = build_problem(alone, _par(), ("none",))
+    times = evaluate(alone, _par(), problem, problem.uniform(Split((0, 16))), True).predicted.time_breakdown
+    assert times["loss_all_reduce"] == 0.0
+
+
 @pytest.mark.parametrize("schedule, ranks, chunks, microbatches", [
     ("gpipe", 4, 1, 8), ("1f1b", 4, 1, 8), ("1f1b", 3, 1, 2), ("interleaved", 4, 2, 8), ("interleaved", 2, 3, 6)])
 def test_simulated_pipeline_of_equal_stages_has_the_textbook_bubble(schedule, ranks, chunks, microbatches):

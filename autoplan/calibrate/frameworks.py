@@ -16,6 +16,7 @@ same wrappers measured half as costly on this project's 2-core VM):
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 
 import torch
@@ -47,9 +48,16 @@ def ddp_gradient_bytes() -> int:
     return sum(p.numel() for p in transformer_layers(torch.device("cpu")).parameters()) * 4
 
 
+WRAPPED_PAIRS = 15
+"""(plain, wrapped) steps timed back to back; the median of their differences is kept. Two medians
+timed a second apart differ by the machine's drift: on 2 CPU ranks DDP's extra time per parameter
+tensor came out anywhere in 0-490 us that way."""
+
+
 def _wrapped_extra_seconds(clock: Clock, wrapped: nn.Module) -> float:
     """Forward+backward seconds of `wrapped` (transformer_layers under DDP or fully_shard) over the plain
-    layers, both run by every rank at once."""
+    layers, both run by every rank at once: the median over WRAPPED_PAIRS of the slowest rank's
+    wrapped step less its plain step just before."""
     plain = transformer_layers(clock.device)
     x = torch.randn(*LAYER_INPUT, device=clock.device)
 
@@ -57,8 +65,19 @@ def _wrapped_extra_seconds(clock: Clock, wrapped: nn.Module) -> float:
         module.zero_grad(set_to_none=True)
         module(x).sum().backward()
 
-    plain_s = _communication_seconds(clock, lambda: step(plain), None, 7)
-    return _communication_seconds(clock, lambda: step(wrapped), None, 7) - plain_s
+    differences = []
+    for module in (plain, wrapped):  # warm-up: connection set-up, buffers
+        step(module)
+    for _ in range(WRAPPED_PAIRS):
+        pair = []
+        for module in (plain, wrapped):
+            dist.barrier()
+            clock.sync()
+            pair.append(clock.once(lambda: step(module)))
+        times = torch.tensor(pair, dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a collective ends when its last rank does
+        differences.append(times[1].item() - times[0].item())
+    return statistics.median(differences)
 
 
 def fsdp_unit_overhead_seconds(clock: Clock, mesh, collectives_s: Callable[[int], float]) -> float:
@@ -158,29 +177,34 @@ def tensor_parallel_op_overhead_seconds(clock: Clock, mesh, all_reduce_s: float)
 
 
 PIPELINE_MICROBATCHES = 8
-"""Micro-batches of the timed pipeline step (GPipe over every rank, one tiny Linear stage each)."""
-FEATURES = 16
-"""Width of that Linear."""
-BATCH = 4
-"""Samples per micro-batch of the timed pipeline step."""
+"""Micro-batches of the timed pipeline step (GPipe over every rank, one transformer layer per stage)."""
+PIPELINE_MICROBATCH = (4, 64, 128)
+"""Batch, sequence and width of one micro-batch. The stages compute as a small model's do: with tiny
+Linear stages the fitted overhead was ~1.5 ms on 2 CPU ranks, while a GPT's stages lost ~5 ms per
+micro-batch and stage to the pipelining runtime (its sends and receives compete with the compute)."""
 
 
 def pipeline_microbatch_overhead_seconds(clock: Clock, p2p_latency_s: float) -> float:
     """Host seconds torch.distributed.pipelining adds per stage and micro-batch (forward and backward
-    chunk bookkeeping, batched send/recv set-up) beyond the sends the link fit charges: the overhead
-    that makes the cost model's simulated GPipe schedule (cost/pipeline.py, half of it in each pass,
-    one p2p latency per transfer) last as long as a measured step of tiny stages. Every rank calls this."""
+    chunk bookkeeping, batched send/recv set-up, and the slowdown of stages whose transfers compete
+    with their compute) beyond the compute and the sends the link fit charges: the overhead that makes
+    the cost model's simulated GPipe schedule (cost/pipeline.py, the stage's own forward and backward
+    plus half of the overhead in each pass, one p2p latency per transfer) last as long as a measured
+    step. Every rank calls this."""
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    stage_module = nn.Linear(FEATURES, FEATURES).to(clock.device)
-    example = torch.randn(BATCH, FEATURES, device=clock.device)
+    stage_module = nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True).to(clock.device)
+    example = torch.randn(*PIPELINE_MICROBATCH, device=clock.device)
+    forward_s = clock.seconds(lambda: stage_module(example))
+    forward_backward_s = clock.seconds(lambda: stage_module(example).sum().backward())
     received = example.clone().requires_grad_(rank > 0)  # a later stage sends its input's gradient back
     sent = example.clone().requires_grad_(True)  # its gradient comes back from the next stage
     stage = PipelineStage(stage_module, rank, world, clock.device, input_args=(received,), output_args=(sent,))
     schedule = ScheduleGPipe(stage, n_microbatches=PIPELINE_MICROBATCHES, loss_fn=lambda out, target: out.sum())
-    batch = torch.randn(BATCH * PIPELINE_MICROBATCHES, FEATURES, device=clock.device)
+    batch_shape = (PIPELINE_MICROBATCH[0] * PIPELINE_MICROBATCHES, *PIPELINE_MICROBATCH[1:])
+    batch = torch.randn(*batch_shape, device=clock.device)
 
     def step():
         if rank == 0:
@@ -191,14 +215,22 @@ def pipeline_microbatch_overhead_seconds(clock: Clock, p2p_latency_s: float) -> 
             schedule.step()
 
     step_s = _communication_seconds(clock, step, None, 9)
-    return overhead_matching_step(step_s, world, PIPELINE_MICROBATCHES, p2p_latency_s)
+    # every rank's compute as the slowest rank's (a collective): the schedule waits for the slowest stage
+    compute = torch.tensor([forward_s, forward_backward_s], dtype=torch.float64)
+    dist.all_reduce(compute, op=dist.ReduceOp.MAX)
+    forward_s, forward_backward_s = compute.tolist()
+    return overhead_matching_step(step_s, world, PIPELINE_MICROBATCHES, p2p_latency_s,
+                                  forward_s, max(0.0, forward_backward_s - forward_s))
 
 
-def overhead_matching_step(step_s: float, ranks: int, microbatches: int, send_s: float) -> float:
-    """The per-stage, per-micro-batch host time h whose simulated GPipe step (forward h/2, backward h/2,
-    `send_s` per transfer) takes `step_s`: bisection, the makespan grows with h."""
+def overhead_matching_step(step_s: float, ranks: int, microbatches: int, send_s: float,
+                           forward_s: float = 0.0, backward_s: float = 0.0) -> float:
+    """The per-stage, per-micro-batch host time h whose simulated GPipe step (stages of `forward_s` +
+    h/2 and `backward_s` + h/2, `send_s` per transfer) takes `step_s`: bisection, the makespan grows
+    with h."""
     def simulated(h: float) -> float:
-        return simulate("gpipe", ranks, microbatches, [StageCost(h / 2, h / 2, send_s)] * ranks).makespan_s
+        stage = StageCost(forward_s + h / 2, backward_s + h / 2, send_s)
+        return simulate("gpipe", ranks, microbatches, [stage] * ranks).makespan_s
 
     low, high = 0.0, step_s
     if simulated(low) >= step_s:

@@ -124,8 +124,8 @@ def profile_fields(found: Measurements, base: HardwareProfile | None) -> dict[st
                   f"per unit of two transformer layers, less its modeled collectives; ddp_tensor_overhead = "
                   f"DistributedDataParallel's extra step time over two transformer layers, less their modeled "
                   f"gradient all-reduce, per parameter tensor; pipeline_microbatch_overhead = "
-                  f"the host time per stage and micro-batch that makes the simulated GPipe step of tiny stages last "
-                  f"as measured; "
+                  f"the host time per stage and micro-batch that makes the simulated GPipe step of stages of one "
+                  f"transformer layer last as measured; "
                   f"comm_overlap = share of an all-reduce hidden by matmuls run beside it; "
                   f"concurrent_slowdown = a transformer layer's step on all ranks at once over rank 0 alone; "
                   f"memory_reserved = {reserved_how}")

@@ -10,6 +10,7 @@ Step time (seconds), p pipeline ranks with v stages each, m micro-batches, q the
             + max over ranks of exposed gradient reduction (cost/comm.py)
             + all-reduce of tied parameters split over stages
             + max over ranks of the AdamW step            (cost/compute.py)
+            + the all-reduce of the step's loss over every rank (train.py logs the global mean)
 
 Mesh dims in rank order ("pp", "dp_replicate", "dp_shard", "tp"): tensor parallel groups are
 contiguous (stride 1, inside a node), dp_shard has stride tp, dp_replicate stride tp x dp_shard and the
@@ -254,6 +255,7 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     breakdown["data_parallel_comm"] += max(per_step)
     breakdown["pipeline_comm"] += _tied_gradient_sync(chain, assignment, pp, tied, element, groups.pipeline)
     breakdown["optimizer"] = max(optimizer)
+    breakdown["loss_all_reduce"] = _loss_all_reduce(ctx, par)
     step = sum(breakdown.values())
     stages = []
     rank_memory = [problem.rank_breakdown(r, assignment) for r in range(pp)]
@@ -277,6 +279,17 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     return Candidate(final, tuple(stages), predicted, fits, reason, peak.predicted_memory_bytes,
                      dict(ctx.facts.plan) if tp > 1 else {},
                      () if len(recomputed) == n else recomputed, assignment)
+
+
+LOSS_BYTES = 4
+"""The step's mean loss: one fp32 scalar."""
+
+
+def _loss_all_reduce(ctx: Context, par: Parallelism) -> float:
+    """The generated train.py all-reduces each step's loss over every rank (runtime.global_mean_loss) to
+    log the global-batch mean: one scalar, so the link's latency, and a point where every rank waits."""
+    world = ctx.group(par.world_size, 1)
+    return comm.all_reduce_s(LOSS_BYTES, world.size, world.link, world.nodes)
 
 
 def _recompute(table: UnitTable, u: int, mode: str) -> float:
