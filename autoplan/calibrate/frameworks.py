@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoplan.calibrate.measure import OPTIMIZER_TENSORS, Clock, _communication_seconds
+from autoplan.calibrate.measure import OPTIMIZER_TENSORS, Clock, _communication_seconds, transformer_layers
 from autoplan.cost import calibration
 from autoplan.cost.pipeline import StageCost, simulate
 
@@ -37,15 +37,9 @@ FSDP_UNIT_NAMES = ("self_attn", "linear1", "linear2", "norm1", "norm2")
 Linears, the two norms: the mix of a transformer's units)."""
 
 
-def transformer_layers(device: torch.device) -> nn.Module:
-    torch.manual_seed(0)
-    layers = (nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True) for _ in range(LAYERS))
-    return nn.Sequential(*layers).to(device)
-
-
 def ddp_gradient_bytes() -> int:
     """Bytes of the timed layers' gradients (fp32), which DDP all-reduces."""
-    return sum(p.numel() for p in transformer_layers(torch.device("cpu")).parameters()) * 4
+    return sum(p.numel() for p in transformer_layers(torch.device("cpu"), LAYERS).parameters()) * 4
 
 
 WRAPPED_PAIRS = 15
@@ -58,26 +52,24 @@ def _wrapped_extra_seconds(clock: Clock, wrapped: nn.Module) -> float:
     """Forward+backward seconds of `wrapped` (transformer_layers under DDP or fully_shard) over the plain
     layers, both run by every rank at once: the median over WRAPPED_PAIRS of the slowest rank's
     wrapped step less its plain step just before."""
-    plain = transformer_layers(clock.device)
+    plain = transformer_layers(clock.device, LAYERS)
     x = torch.randn(*LAYER_INPUT, device=clock.device)
 
     def step(module: nn.Module) -> None:
         module.zero_grad(set_to_none=True)
         module(x).sum().backward()
 
-    differences = []
     for module in (plain, wrapped):  # warm-up: connection set-up, buffers
         step(module)
+    pairs = []
     for _ in range(WRAPPED_PAIRS):
-        pair = []
         for module in (plain, wrapped):
             dist.barrier()
             clock.sync()
-            pair.append(clock.once(lambda: step(module)))
-        times = torch.tensor(pair, dtype=torch.float64)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a collective ends when its last rank does
-        differences.append(times[1].item() - times[0].item())
-    return statistics.median(differences)
+            pairs.append(clock.once(lambda: step(module)))
+    times = torch.tensor(pairs, dtype=torch.float64).view(WRAPPED_PAIRS, 2)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a collective ends when its last rank does
+    return statistics.median((times[:, 1] - times[:, 0]).tolist())
 
 
 def fsdp_unit_overhead_seconds(clock: Clock, mesh, collectives_s: Callable[[int], float]) -> float:
@@ -87,7 +79,7 @@ def fsdp_unit_overhead_seconds(clock: Clock, mesh, collectives_s: Callable[[int]
     unit, per unit. Every rank of `mesh` calls this."""
     from torch.distributed.fsdp import fully_shard
 
-    sharded = transformer_layers(clock.device)
+    sharded = transformer_layers(clock.device, LAYERS)
     units = [getattr(layer, name) for layer in sharded for name in FSDP_UNIT_NAMES]
     unit_bytes = [sum(p.numel() for p in unit.parameters()) * 4 for unit in units]
     for unit in units:
@@ -104,7 +96,7 @@ def ddp_tensor_overhead_seconds(clock: Clock, all_reduce_s: float) -> float:
     with the backward's. Every rank calls this."""
     from torch.nn.parallel import DistributedDataParallel
 
-    replicated = DistributedDataParallel(transformer_layers(clock.device), gradient_as_bucket_view=True,
+    replicated = DistributedDataParallel(transformer_layers(clock.device, LAYERS), gradient_as_bucket_view=True,
                                          device_ids=[clock.device.index] if clock.device.type == "cuda" else None)
     tensors = sum(1 for _ in replicated.parameters())
     return max(0.0, (_wrapped_extra_seconds(clock, replicated) - all_reduce_s) / tensors)
@@ -194,8 +186,7 @@ def pipeline_microbatch_overhead_seconds(clock: Clock, p2p_latency_s: float) -> 
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    stage_module = nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True).to(clock.device)
+    stage_module = transformer_layers(clock.device)
     example = torch.randn(*PIPELINE_MICROBATCH, device=clock.device)
     forward_s = clock.seconds(lambda: stage_module(example))
     forward_backward_s = clock.seconds(lambda: stage_module(example).sum().backward())

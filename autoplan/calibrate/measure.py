@@ -223,10 +223,17 @@ def comm_overlap_fraction(clock: Clock, message_bytes: int, matmul_n: int) -> fl
     return min(1.0, max(0.0, hidden))
 
 
+def transformer_layers(device: torch.device, count: int = 1) -> torch.nn.Module:
+    """`count` small transformer layers (width 128, 4 heads, MLP 512), seeded: the compute every
+    training-like probe of a calibration runs (matmuls, attention, norms and elementwise ops)."""
+    torch.manual_seed(0)
+    layers = (torch.nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True) for _ in range(count))
+    return torch.nn.Sequential(*layers).to(device)
+
+
 def _transformer_step(device: torch.device) -> Callable[[], None]:
-    """Forward+backward of a small transformer layer: matmuls, attention, norms and elementwise ops,
-    as a training step mixes them."""
-    layer = torch.nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True).to(device)
+    """Forward+backward of a small transformer layer, as a training step mixes its ops."""
+    layer = transformer_layers(device)
     x = torch.randn(8, 64, 128, device=device)
 
     def step():

@@ -49,8 +49,8 @@ class Gpu:
     on ranks that arrive late), seconds: measured by `autoplan calibrate` on transformer layers."""
     pipeline_microbatch_overhead_s: float = 0.0
     """Host time torch.distributed.pipelining adds per stage and micro-batch (forward and backward chunk
-    bookkeeping, send/recv set-up) beyond the sends, seconds: fitted so the simulated GPipe step of tiny
-    stages lasts as measured."""
+    bookkeeping, send/recv set-up, transfers competing with the stages' compute) beyond the compute and the
+    sends, seconds: fitted so the simulated GPipe step of one-transformer-layer stages lasts as measured."""
     ddp_tensor_overhead_s: float = 0.0
     """Time DistributedDataParallel adds to a step per parameter tensor beyond its gradient all-reduce
     (autograd hooks, bucketing, and on a CPU the all-reduce's contention with the backward it runs
