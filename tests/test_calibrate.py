@@ -11,6 +11,8 @@ import pytest
 import torch
 import yaml
 
+import autoplan
+
 from autoplan.api import plan_model
 from autoplan.calibrate import calibrate, refit
 from autoplan.calibrate.fit import bus_factor, fit_alpha_beta, link_points
@@ -20,7 +22,7 @@ from autoplan.calibrate.writer import default_base, write_profile
 from autoplan.cli import main
 from autoplan.cost.pipeline import StageCost, simulate
 from autoplan.errors import UserError
-from autoplan.hardware.profiles import load_hardware
+from autoplan.hardware.profiles import HOST_OVERHEADS, load_hardware
 
 TINY_GPT = Path(__file__).resolve().parent / "models" / "tiny_gpt.py"
 
@@ -172,6 +174,21 @@ def test_refit_splits_compute_and_comm_when_measured_apart(tmp_path):
     old, new = load_hardware("h100-sxm5-80gb"), load_hardware(str(tmp_path / "new.yaml"))
     assert new.gpu.matmul_efficiency > old.gpu.matmul_efficiency
     assert new.intra_node.bus_bandwidth_bytes_per_s < old.intra_node.bus_bandwidth_bytes_per_s
+
+
+def test_refit_scales_each_host_overhead_with_its_side(tmp_path):
+    raw = yaml.safe_load((Path(autoplan.__file__).parent / "profiles" / "h100-sxm5-80gb.yaml").read_text())
+    raw["gpu"].update({f"{name}_us": 100.0 for name in HOST_OVERHEADS})
+    source = tmp_path / "with_host.yaml"
+    source.write_text(yaml.safe_dump(raw))
+    predicted = {"compute": 0.5, "data_parallel_comm": 0.4, "loss_all_reduce": 0.1}
+    measured = {"compute": 1.0, "data_parallel_comm": 0.25, "loss_all_reduce": 0.25}  # comm side 0.5 -> 0.5
+    folder = _verify_dir(tmp_path, 1.5, 1.0, predicted_time_breakdown=predicted, measured_time_breakdown=measured)
+    result = refit(folder, str(source), tmp_path / "new.yaml")
+    assert result.compute_factor == pytest.approx(2.0) and result.comm_factor == pytest.approx(1.0)
+    new = load_hardware(str(tmp_path / "new.yaml"))
+    for name, side in HOST_OVERHEADS.items():
+        assert getattr(new.gpu, f"{name}_s") == pytest.approx(100e-6 * (2.0 if side == "compute" else 1.0)), name
 
 
 def test_refit_clamps_factors_and_efficiencies(tmp_path):

@@ -49,11 +49,14 @@ def test_parse_pins_lists_every_problem_at_once():
         assert part in message
 
 
-def test_ample_memory_picks_pure_data_parallelism_without_sharding():
+def test_ample_memory_picks_pure_data_parallelism_without_resharding():
     result = search(gpt2_small(), cluster(8), TRAINING)
     par = result.best.parallelism
-    assert (par.data_parallel_replicate_degree, par.pipeline_parallel_degree, par.tensor_parallel_degree,
-            par.zero_stage, par.activation_checkpoint) == (8, 1, 1, 0, "none")
+    assert (par.data_parallel_degree, par.pipeline_parallel_degree, par.tensor_parallel_degree,
+            par.activation_checkpoint) == (8, 1, 1, "none")
+    # parameters fit, so none are re-gathered per forward; sharding the optimizer state (ZeRO-1/2) may
+    # still win: unfused AdamW streams 80 B per parameter, 8x less of it per rank
+    assert par.zero_stage < 3
     assert result.best.fits and result.best.reason == "" and len(result.best.stages) == 1
     assert result.solver.status == "optimal" and result.solver.candidates_evaluated >= len(result.candidates)
     assert all(c.reason for c in result.candidates[1:])

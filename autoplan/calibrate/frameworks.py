@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoplan.calibrate.measure import OPTIMIZER_TENSORS, Clock, _communication_seconds, transformer_layers
+from autoplan.calibrate.measure import OPTIMIZER_TENSORS, Clock, transformer_layers
 from autoplan.cost import calibration
 from autoplan.cost.pipeline import StageCost, simulate
 
@@ -37,6 +37,22 @@ FSDP_UNIT_NAMES = ("self_attn", "linear1", "linear2", "norm1", "norm2")
 Linears, the two norms: the mix of a transformer's units)."""
 
 
+ROUNDS = 3
+"""Times each probe of a calibration's framework phase runs, in turns (every probe once, then again);
+the median is kept. One run of each on 2 CPU ranks ranged over 2x between runs a minute apart (FSDP2
+unit 4.9-9.7 ms, DTensor op 0.27-0.82 ms): the VM's slow spells last seconds."""
+
+
+def in_rounds(probes: dict[str, Callable[[], float]], rounds: int = ROUNDS) -> dict[str, float]:
+    """Each probe's median over `rounds` runs, the probes taking turns. Every rank calls this with the
+    same probes in the same order (they communicate)."""
+    found: dict[str, list[float]] = {name: [] for name in probes}
+    for _ in range(rounds):
+        for name, probe in probes.items():
+            found[name].append(probe())
+    return {name: statistics.median(values) for name, values in found.items()}
+
+
 def ddp_gradient_bytes() -> int:
     """Bytes of the timed layers' gradients (fp32), which DDP all-reduces."""
     return sum(p.numel() for p in transformer_layers(torch.device("cpu"), LAYERS).parameters()) * 4
@@ -48,28 +64,42 @@ timed a second apart differ by the machine's drift: on 2 CPU ranks DDP's extra t
 tensor came out anywhere in 0-490 us that way."""
 
 
+def _paired_times(clock: Clock, first: Callable[[], object], second: Callable[[], object],
+                  pairs: int) -> list[tuple[float, float]]:
+    """(first, second) seconds of `pairs` back-to-back runs of both callables, each run started on every
+    rank together after a barrier and timed as its slowest rank's (what a step waits for), after one
+    warm-up run of each (connection set-up, buffers). Every rank calls this."""
+    first()
+    second()
+    samples = []
+    for _ in range(pairs):
+        for fn in (first, second):
+            dist.barrier()
+            clock.sync()
+            samples.append(clock.once(fn))
+    times = torch.tensor(samples, dtype=torch.float64).view(pairs, 2)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return [(a, b) for a, b in times.tolist()]
+
+
+def _median_extra_seconds(clock: Clock, plain: Callable[[], object], wrapped: Callable[[], object]) -> float:
+    """Median over WRAPPED_PAIRS back-to-back (plain, wrapped) runs of the wrapped run's extra seconds."""
+    return statistics.median(b - a for a, b in _paired_times(clock, plain, wrapped, WRAPPED_PAIRS))
+
+
 def _wrapped_extra_seconds(clock: Clock, wrapped: nn.Module) -> float:
     """Forward+backward seconds of `wrapped` (transformer_layers under DDP or fully_shard) over the plain
-    layers, both run by every rank at once: the median over WRAPPED_PAIRS of the slowest rank's
-    wrapped step less its plain step just before."""
+    layers, both run by every rank at once, paired (_median_extra_seconds)."""
     plain = transformer_layers(clock.device, LAYERS)
     x = torch.randn(*LAYER_INPUT, device=clock.device)
 
-    def step(module: nn.Module) -> None:
-        module.zero_grad(set_to_none=True)
-        module(x).sum().backward()
+    def step(module: nn.Module):
+        def run() -> None:
+            module.zero_grad(set_to_none=True)
+            module(x).sum().backward()
+        return run
 
-    for module in (plain, wrapped):  # warm-up: connection set-up, buffers
-        step(module)
-    pairs = []
-    for _ in range(WRAPPED_PAIRS):
-        for module in (plain, wrapped):
-            dist.barrier()
-            clock.sync()
-            pairs.append(clock.once(lambda: step(module)))
-    times = torch.tensor(pairs, dtype=torch.float64).view(WRAPPED_PAIRS, 2)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a collective ends when its last rank does
-    return statistics.median((times[:, 1] - times[:, 0]).tolist())
+    return _median_extra_seconds(clock, step(plain), step(wrapped))
 
 
 def fsdp_unit_overhead_seconds(clock: Clock, mesh, collectives_s: Callable[[int], float]) -> float:
@@ -159,13 +189,14 @@ def tensor_parallel_op_overhead_seconds(clock: Clock, mesh, all_reduce_s: float)
     local = _Mlp(hidden // mesh.size()).to(clock.device)
     x = torch.randn(TP_TOKENS, TP_FEATURES, device=clock.device, requires_grad=True)  # its gradient is all-reduced
 
-    def step(module: nn.Module, parallel: bool) -> None:
-        with tensor_parallel_context(parallel):
-            module(x).sum().backward()
+    def step(module: nn.Module, parallel: bool):
+        def run() -> None:
+            with tensor_parallel_context(parallel):
+                module(x).sum().backward()
+        return run
 
-    plain_s = clock.seconds(lambda: step(local, False))
-    parallel_s = _communication_seconds(clock, lambda: step(sharded, True), None, 15)
-    return max(0.0, (parallel_s - plain_s - 2 * all_reduce_s) / TP_MLP_DTENSOR_OPS)
+    extra_s = _median_extra_seconds(clock, step(local, False), step(sharded, True))
+    return max(0.0, (extra_s - 2 * all_reduce_s) / TP_MLP_DTENSOR_OPS)
 
 
 PIPELINE_MICROBATCHES = 8
@@ -174,6 +205,10 @@ PIPELINE_MICROBATCH = (4, 64, 128)
 """Batch, sequence and width of one micro-batch. The stages compute as a small model's do: with tiny
 Linear stages the fitted overhead was ~1.5 ms on 2 CPU ranks, while a GPT's stages lost ~5 ms per
 micro-batch and stage to the pipelining runtime (its sends and receives compete with the compute)."""
+PIPELINE_PAIRS = 9
+"""(stage alone, pipelined) steps timed back to back; the overhead is fitted per pair and the median
+kept. One fit from a pipelined median and a stage timed seconds apart gave 1.2-4.0 ms per stage and
+micro-batch over four calibrations on 2 CPU ranks."""
 
 
 def pipeline_microbatch_overhead_seconds(clock: Clock, p2p_latency_s: float) -> float:
@@ -182,14 +217,16 @@ def pipeline_microbatch_overhead_seconds(clock: Clock, p2p_latency_s: float) -> 
     with their compute) beyond the compute and the sends the link fit charges: the overhead that makes
     the cost model's simulated GPipe schedule (cost/pipeline.py, the stage's own forward and backward
     plus half of the overhead in each pass, one p2p latency per transfer) last as long as a measured
-    step. Every rank calls this."""
+    step. Each pair times every rank's stage alone over all micro-batches (forward+backward, no
+    transfers), then the pipelined step; the fit takes the pair's slowest stage. Every rank calls this."""
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     rank, world = dist.get_rank(), dist.get_world_size()
     stage_module = transformer_layers(clock.device)
     example = torch.randn(*PIPELINE_MICROBATCH, device=clock.device)
-    forward_s = clock.seconds(lambda: stage_module(example))
-    forward_backward_s = clock.seconds(lambda: stage_module(example).sum().backward())
+    # the forward's share of a forward+backward, to split each pair's measured stage time
+    forward_share = clock.seconds(lambda: stage_module(example)) / clock.seconds(
+        lambda: stage_module(example).sum().backward())
     received = example.clone().requires_grad_(rank > 0)  # a later stage sends its input's gradient back
     sent = example.clone().requires_grad_(True)  # its gradient comes back from the next stage
     stage = PipelineStage(stage_module, rank, world, clock.device, input_args=(received,), output_args=(sent,))
@@ -197,7 +234,12 @@ def pipeline_microbatch_overhead_seconds(clock: Clock, p2p_latency_s: float) -> 
     batch_shape = (PIPELINE_MICROBATCH[0] * PIPELINE_MICROBATCHES, *PIPELINE_MICROBATCH[1:])
     batch = torch.randn(*batch_shape, device=clock.device)
 
-    def step():
+    def alone():
+        stage_module.zero_grad(set_to_none=True)
+        for _ in range(PIPELINE_MICROBATCHES):
+            stage_module(example).sum().backward()
+
+    def pipelined():
         if rank == 0:
             schedule.step(batch)
         elif rank == world - 1:
@@ -205,13 +247,12 @@ def pipeline_microbatch_overhead_seconds(clock: Clock, p2p_latency_s: float) -> 
         else:
             schedule.step()
 
-    step_s = _communication_seconds(clock, step, None, 9)
-    # every rank's compute as the slowest rank's (a collective): the schedule waits for the slowest stage
-    compute = torch.tensor([forward_s, forward_backward_s], dtype=torch.float64)
-    dist.all_reduce(compute, op=dist.ReduceOp.MAX)
-    forward_s, forward_backward_s = compute.tolist()
-    return overhead_matching_step(step_s, world, PIPELINE_MICROBATCHES, p2p_latency_s,
-                                  forward_s, max(0.0, forward_backward_s - forward_s))
+    fits = []
+    for alone_s, step_s in _paired_times(clock, alone, pipelined, PIPELINE_PAIRS):
+        per_microbatch = alone_s / PIPELINE_MICROBATCHES
+        fits.append(overhead_matching_step(step_s, world, PIPELINE_MICROBATCHES, p2p_latency_s,
+                                           forward_share * per_microbatch, (1 - forward_share) * per_microbatch))
+    return statistics.median(fits)
 
 
 def overhead_matching_step(step_s: float, ranks: int, microbatches: int, send_s: float,

@@ -11,11 +11,12 @@ predicted.time_breakdown, or verify.json predicted_time_breakdown):
                   time ~ 1 / matmul_efficiency, 1 / memory_efficiency, and kernel_overhead (GPUs only:
                   on the CPU the kernel overhead splits measured op times into a fixed and a per-sample
                   part, it does not add time, so a refit leaves the calibrated value alone)
-    comm_side     parts named "*comm*": time ~ latency + bytes / bus bandwidth
+    comm_side     parts named "*comm*" and loss_all_reduce: time ~ latency + bytes / bus bandwidth
 
-A refit multiplies compute-side times by s_compute (efficiencies / s, kernel and optimizer host
-overheads x s) and communication times by s_comm (bus bandwidth / s, latency x s, per collective
-where calibrated, on the link tiers the plan used; FSDP2 and pipelining host overheads x s).
+A refit multiplies compute-side times by s_compute (efficiencies / s, kernel overhead and the host
+overheads hardware/profiles.py HOST_OVERHEADS puts on the compute side x s) and communication times by
+s_comm (bus bandwidth / s, latency x s, per collective where calibrated, on the link tiers the plan
+used; the comm-side host overheads: DDP, FSDP2, pipelining x s).
 With a measured breakdown in verify.json (measured_time_breakdown, same keys) each side gets its own
 factor; with only the total, one factor s = (measured - fixed) / (compute_side + comm_side) for both.
 Factors are clamped to [1/MAX_FACTOR, MAX_FACTOR] and efficiencies to [MIN_EFFICIENCY, 1]: a bigger
@@ -37,7 +38,7 @@ import yaml
 
 from autoplan.calibrate.writer import profile_text, write_checked
 from autoplan.errors import UserError
-from autoplan.hardware.profiles import known_hardware, load_hardware
+from autoplan.hardware.profiles import HOST_OVERHEADS, known_hardware, load_hardware
 from autoplan.plan import Plan, PlanError
 
 MAX_FACTOR = 10.0
@@ -46,6 +47,11 @@ MIN_EFFICIENCY = 0.01
 """Efficiencies stay in [MIN_EFFICIENCY, 1] (the loader requires (0, 1])."""
 MEASURED_ON_CPU = ("compute", "recompute", "bubble")
 """Breakdown parts that a plan for "cpu" takes from measured op times, not from profile factors."""
+
+
+def _is_comm(part: str) -> bool:
+    """Whether a time-breakdown part is communication (link fits and the comm-side host overheads)."""
+    return "comm" in part or part == "loss_all_reduce"
 
 
 @dataclass(frozen=True)
@@ -151,7 +157,7 @@ def refit(verify_dir: str | Path, hardware: str, out: str | Path) -> RefitResult
     parts = {k: v * predicted / total for k, v in parts.items()}  # the breakdown, scaled to the prediction
     on_cpu = profile.gpu.name == "cpu"
     fixed = sum(v for k, v in parts.items() if on_cpu and k in MEASURED_ON_CPU)
-    comm = sum(v for k, v in parts.items() if "comm" in k)
+    comm = sum(v for k, v in parts.items() if _is_comm(k))
     compute = predicted - fixed - comm
     notes: list[str] = []
     if compute + comm <= 0:
@@ -159,8 +165,8 @@ def refit(verify_dir: str | Path, hardware: str, out: str | Path) -> RefitResult
                         f"(it is all measured op time), so there is nothing to refit")
     if "measured_time_breakdown" in report and comm > 0 and compute > 0:
         got = _breakdown(report["measured_time_breakdown"], f"{report_path}: measured_time_breakdown")
-        measured_comm = sum(v for k, v in got.items() if "comm" in k)
-        measured_compute = sum(v for k, v in got.items() if "comm" not in k) - fixed
+        measured_comm = sum(v for k, v in got.items() if _is_comm(k))
+        measured_compute = sum(v for k, v in got.items() if not _is_comm(k)) - fixed
         s_compute = _clamp(max(measured_compute, 0.0) / compute, notes, "compute")
         s_comm = _clamp(measured_comm / comm, notes, "communication")
     else:
@@ -175,14 +181,13 @@ def refit(verify_dir: str | Path, hardware: str, out: str | Path) -> RefitResult
     gpu["memory_efficiency"] = _efficiency(profile.gpu.memory_efficiency, s_compute, "memory_efficiency", notes)
     if not on_cpu:  # on the CPU it only splits measured op times into fixed and per-sample parts
         gpu["kernel_overhead_us"] = float(f"{profile.gpu.kernel_overhead_s * 1e6 * s_compute:.4g}")
-    # host costs: the optimizer's are compute-side, FSDP2's and pipelining's sit in the *comm parts
-    for field, value, factor in (("optimizer_tensor_overhead_us", profile.gpu.optimizer_tensor_overhead_s, s_compute),
-                                 ("optimizer_dtensor_overhead_us", profile.gpu.optimizer_dtensor_overhead_s, s_compute),
-                                 ("fsdp_unit_overhead_us", profile.gpu.fsdp_unit_overhead_s, s_comm),
-                                 ("ddp_tensor_overhead_us", profile.gpu.ddp_tensor_overhead_s, s_comm),
-                                 ("pipeline_microbatch_overhead_us", profile.gpu.pipeline_microbatch_overhead_s, s_comm)):
-        if value > 0:
-            gpu[field] = float(f"{value * 1e6 * factor:.4g}")
+    factors = {"compute": s_compute, "comm": s_comm}
+    for name, side in HOST_OVERHEADS.items():
+        value = getattr(profile.gpu, f"{name}_s")
+        # on the CPU, DTensor ops' host time is inside the measured "compute" part, which a refit leaves alone
+        measured_part = on_cpu and name == "dtensor_op_overhead"
+        if value > 0 and not measured_part:
+            gpu[f"{name}_us"] = float(f"{value * 1e6 * factors[side]:.4g}")
     same_links = profile.intra_node == profile.inter_node
     crosses_nodes = plan is None or plan.cluster.num_gpus > plan.cluster.gpus_per_node
     tiers = ["intra_node"] + (["inter_node"] if crosses_nodes or same_links else [])

@@ -156,21 +156,24 @@ def run(out: Path, base: str | None, timeout_s: float) -> Measurements:
         copy = _per_rank_median_of([g["copy"] for g in gathered])
 
         tiers = _measure_tiers(clock, world, per_node, sizes)
-        overlap = measure.comm_overlap_fraction(clock, sizes.overlap_message_bytes, sizes.overlap_matmul_n)
         world_mesh = init_device_mesh(device.type, (world,))
         tier = tiers["inter_node" if per_node < world else "intra_node"]
-        fsdp_unit = frameworks.fsdp_unit_overhead_seconds(
-            clock, world_mesh, lambda unit_bytes: _fsdp_collectives_seconds(tier, unit_bytes))
-        optimizer_dtensor = frameworks.optimizer_dtensor_overhead_seconds(clock, world_mesh)
         intra = tiers["intra_node"]
         p2p = op_fits(intra.seconds, intra.group_size)["p2p"].latency_s
-        pipeline = frameworks.pipeline_microbatch_overhead_seconds(clock, p2p)
-        all_reduce = _op_seconds(tier, "all_reduce", frameworks.tp_mlp_all_reduce_bytes())
-        dtensor_op = frameworks.tensor_parallel_op_overhead_seconds(clock, world_mesh, all_reduce)
-        ddp_tensor = frameworks.ddp_tensor_overhead_seconds(
-            clock, _op_seconds(tier, "all_reduce", frameworks.ddp_gradient_bytes()))
+        tp_all_reduce = _op_seconds(tier, "all_reduce", frameworks.tp_mlp_all_reduce_bytes())
+        ddp_all_reduce = _op_seconds(tier, "all_reduce", frameworks.ddp_gradient_bytes())
+        probed = frameworks.in_rounds({
+            "comm_overlap": lambda: measure.comm_overlap_fraction(clock, sizes.overlap_message_bytes,
+                                                                  sizes.overlap_matmul_n),
+            "fsdp_unit": lambda: frameworks.fsdp_unit_overhead_seconds(
+                clock, world_mesh, lambda unit_bytes: _fsdp_collectives_seconds(tier, unit_bytes)),
+            "optimizer_dtensor": lambda: frameworks.optimizer_dtensor_overhead_seconds(clock, world_mesh),
+            "pipeline": lambda: frameworks.pipeline_microbatch_overhead_seconds(clock, p2p),
+            "dtensor_op": lambda: frameworks.tensor_parallel_op_overhead_seconds(clock, world_mesh, tp_all_reduce),
+            "ddp_tensor": lambda: frameworks.ddp_tensor_overhead_seconds(clock, ddp_all_reduce),
+        })
         framework = [None] * world
-        dist.all_gather_object(framework, (fsdp_unit, optimizer_dtensor, pipeline, dtensor_op, ddp_tensor))
+        dist.all_gather_object(framework, probed)
         if cuda:
             free, total = torch.cuda.mem_get_info(device)
             resident = float(total - free - torch.cuda.memory_reserved(device))
@@ -193,13 +196,13 @@ def run(out: Path, base: str | None, timeout_s: float) -> Measurements:
             device_memory_bytes=float(torch.cuda.get_device_properties(device).total_memory) if cuda else None,
             peak_allocated_bytes=float(torch.cuda.max_memory_allocated(device)) if cuda else None,
             devices_per_node=torch.cuda.device_count() if cuda else None,
-            comm_overlap=overlap,
-            fsdp_unit_overhead_s=median([f[0] for f in framework]),
-            optimizer_dtensor_overhead_s=median([f[1] for f in framework]),
-            pipeline_microbatch_overhead_s=max(f[2] for f in framework),
+            comm_overlap=probed["comm_overlap"],
+            fsdp_unit_overhead_s=median([f["fsdp_unit"] for f in framework]),
+            optimizer_dtensor_overhead_s=median([f["optimizer_dtensor"] for f in framework]),
+            pipeline_microbatch_overhead_s=max(f["pipeline"] for f in framework),
             concurrent_slowdown=slowdown,
-            dtensor_op_overhead_s=median([f[3] for f in framework]),
-            ddp_tensor_overhead_s=median([f[4] for f in framework]),
+            dtensor_op_overhead_s=median([f["dtensor_op"] for f in framework]),
+            ddp_tensor_overhead_s=median([f["ddp_tensor"] for f in framework]),
             optimizer_tensor_overhead_s=median([g["optimizer_tensor"] for g in gathered]),
             extra={"load_average_at_start": load_at_start, "cpu_count": float(os.cpu_count() or 0),
                    "kernel_overhead_spread": measure.spread(overheads),

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from autoplan.cost.pipeline_recv import receive_posted_after
+
 SCHEDULES_SUPPORTED = ("gpipe", "1f1b", "interleaved")
 
 
@@ -174,6 +176,14 @@ class SimulatedPipeline:
         return max(max(self.rank_compute_end_s), max(self.rank_stream_end_s))
 
 
+@lru_cache(maxsize=256)
+def _orders_and_receives(schedule: str, p: int, m: int, chunks: int):
+    """Every rank's operation order and where it posts its receives (a search simulates the same
+    schedule shapes over and over with different stage costs)."""
+    orders = tuple(tuple(rank_order(schedule, p, m, r, chunks)) for r in range(p))
+    return orders, receive_posted_after(orders, m, chunks)
+
+
 def simulate(schedule: str, num_ranks: int, num_microbatches: int, stages: Sequence[StageCost]) -> SimulatedPipeline:
     """Run the schedule's operation order on every rank (stage s on rank s % num_ranks).
 
@@ -181,14 +191,16 @@ def simulate(schedule: str, num_ranks: int, num_microbatches: int, stages: Seque
     stage's forward of that micro-batch, a backward the next stage's backward (the last stage's, its
     own forward). A transfer between ranks takes the boundary's `send_s` and holds the sender's send
     stream and the receiver's receive stream (links are full duplex: a rank sends and receives at
-    once), beside their compute. Events (an operation starts, an output is ready to send) are taken
+    once), beside their compute; it starts no earlier than the receiver posts its receive, after the
+    operation torch's schedule posts it behind (cost/pipeline_recv.py: transfers are rendezvous). Events (an operation starts, an output is ready to send) are taken
     from a heap in time order, so streams are claimed first come, first served.
     """
     p = max(1, num_ranks)
     if len(stages) % p:
         raise ValueError(f"{len(stages)} stages do not split evenly over {p} pipeline ranks")
     chunks, m, last = len(stages) // p, num_microbatches, len(stages) - 1
-    orders = [rank_order(schedule, p, m, r, chunks) for r in range(p)]
+    orders, posted = _orders_and_receives(schedule, p, m, chunks)
+    unposted: dict[tuple[int, int], list[tuple[SimulatedOp, int]]] = {}  # (rank, op index) -> transfers after it
     arrived: dict[tuple[str, int, int], float] = {}
     waiting: dict[tuple[str, int, int], int] = {}  # an output not produced yet -> the rank that needs it
     compute_free, send_free, receive_free, position = [0.0] * p, [0.0] * p, [0.0] * p, [0] * p
@@ -227,6 +239,13 @@ def simulate(schedule: str, num_ranks: int, num_microbatches: int, stages: Seque
         if transfer is not None:  # an output ready at `now` claims the sender's and receiver's streams
             op, index = transfer
             peer = op.neighbour % p
+            after = posted.get((op.kind, op.stage, op.microbatch), -1)
+            if after >= len(ops[peer]):  # the receiver has not reached its receive yet
+                unposted.setdefault((peer, after), []).append(transfer)
+                continue
+            if after >= 0 and ops[peer][after].end_s > now:
+                push(ops[peer][after].end_s, r, transfer)
+                continue
             sent = max(now, send_free[r], receive_free[peer])
             arrives = send_free[r] = receive_free[peer] = sent + stages[op.boundary].send_s
             ops[r][index] = replace(op, sent_s=sent, arrives_s=arrives)
@@ -238,6 +257,8 @@ def simulate(schedule: str, num_ranks: int, num_microbatches: int, stages: Seque
         end = compute_free[r] = now + (cost.forward_s if kind == "F" else cost.backward_s)
         op = SimulatedOp(kind, r, stage, mb, now, end, None, end)
         ops[r].append(op)
+        for waiting_transfer in unposted.pop((r, len(ops[r]) - 1), []):  # receives posted once this op ends
+            push(end, waiting_transfer[0].rank, waiting_transfer)
         position[r] += 1
         offer(r)
         if 0 <= op.neighbour <= last and op.neighbour % p != r and stages[op.boundary].send_s > 0:

@@ -18,9 +18,13 @@ from autoplan.hardware.types import AlphaBeta, Gpu, HardwareProfile, Link
 
 COLLECTIVE_NAMES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 """Operations a link's optional `collectives:` section may list."""
-HOST_OVERHEADS = ("optimizer_tensor_overhead", "optimizer_dtensor_overhead", "fsdp_unit_overhead",
-                  "ddp_tensor_overhead", "pipeline_microbatch_overhead", "dtensor_op_overhead")
-"""Optional host-time fields of a profile's gpu section: `NAME_us` in YAML, Gpu.NAME_s, 0 when left out."""
+HOST_OVERHEADS = {"optimizer_tensor_overhead": "compute", "optimizer_dtensor_overhead": "compute",
+                  "dtensor_op_overhead": "compute", "fsdp_unit_overhead": "comm", "ddp_tensor_overhead": "comm",
+                  "pipeline_microbatch_overhead": "comm"}
+"""Optional host-time fields of a profile's gpu section (`NAME_us` in YAML, Gpu.NAME_s, 0 when left
+out), each with the side of the time breakdown it is priced in: "compute" (the optimizer, the compute
+of tensor-parallel ops) or "comm" (the parts named *comm*: data-parallel and pipeline communication).
+`calibrate --refit` scales each with its side's factor."""
 
 TERA = 1e12
 """FLOP/s per TFLOP/s."""
