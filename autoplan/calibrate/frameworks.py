@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autoplan.calibrate.measure import OPTIMIZER_TENSORS, Clock, transformer_layers
+from autoplan.calibrate.types import ROUNDS
 from autoplan.cost import calibration
 from autoplan.cost.pipeline import StageCost, simulate
 
@@ -35,12 +36,6 @@ LAYER_INPUT = (8, 64, 128)
 FSDP_UNIT_NAMES = ("self_attn", "linear1", "linear2", "norm1", "norm2")
 """Submodules of each timed transformer layer that fully_shard makes a unit (attention, the two MLP
 Linears, the two norms: the mix of a transformer's units)."""
-
-
-ROUNDS = 3
-"""Times each probe of a calibration's framework phase runs, in turns (every probe once, then again);
-the median is kept. One run of each on 2 CPU ranks ranged over 2x between runs a minute apart (FSDP2
-unit 4.9-9.7 ms, DTensor op 0.27-0.82 ms): the VM's slow spells last seconds."""
 
 
 def in_rounds(probes: dict[str, Callable[[], float]], rounds: int = ROUNDS) -> dict[str, float]:

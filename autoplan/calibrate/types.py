@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 """Operations timed per link tier. Message size is the full (unsharded) tensor for the collectives
 and the bytes sent for p2p, as in autoplan/cost/comm.py."""
+ROUNDS = 3
+"""Times each probe of a calibration's framework phase runs, in turns (every probe once, then again);
+the median is kept. One run of each on 2 CPU ranks ranged over 2x between runs a minute apart (FSDP2
+unit 4.9-9.7 ms, DTensor op 0.27-0.82 ms): the VM's slow spells last seconds."""
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from autoplan.calibrate.fit import LinkFit, fit_alpha_beta, fit_throughput, link_points, op_fits
-from autoplan.calibrate.types import SIZES, Measurements, TierTimes
+from autoplan.calibrate.types import ROUNDS, SIZES, Measurements, TierTimes
 from autoplan.errors import UserError
 from autoplan.hardware.profiles import AUTO_MEMORY, GB, GIB, HOST_OVERHEADS, MICRO, TERA, parse_hardware
 from autoplan.hardware.types import HardwareProfile
@@ -125,8 +125,10 @@ def profile_fields(found: Measurements, base: HardwareProfile | None) -> dict[st
                   f"DistributedDataParallel's extra step time over two transformer layers, less their modeled "
                   f"gradient all-reduce, per parameter tensor; pipeline_microbatch_overhead = "
                   f"the host time per stage and micro-batch that makes the simulated GPipe step of stages of one "
-                  f"transformer layer last as measured; "
-                  f"comm_overlap = share of an all-reduce hidden by matmuls run beside it; "
+                  f"transformer layer last as measured, fitted per (stage alone, pipelined) pair; the wrapped-vs-"
+                  f"plain differences are medians of back-to-back pairs; "
+                  f"comm_overlap = share of an all-reduce hidden by matmuls run beside it; these framework probes "
+                  f"and comm_overlap are medians of {ROUNDS} rounds taken in turns; "
                   f"concurrent_slowdown = a transformer layer's step on all ranks at once over rank 0 alone; "
                   f"memory_reserved = {reserved_how}")
     return {
