@@ -16,7 +16,7 @@ import autoplan
 from autoplan.api import plan_model
 from autoplan.calibrate import calibrate, refit
 from autoplan.calibrate.fit import bus_factor, fit_alpha_beta, link_points
-from autoplan.calibrate.frameworks import overhead_matching_step
+from autoplan.calibrate.frameworks import overhead_matching_step, pipeline_overheads
 from autoplan.calibrate.types import Measurements, TierTimes
 from autoplan.calibrate.writer import default_base, write_profile
 from autoplan.cli import main
@@ -50,6 +50,9 @@ def test_calibrated_profile_loads_with_sane_numbers(calibrated):
     assert 1e8 < gpu.memory_bandwidth_bytes_per_s < 1e13
     assert 1e-8 < gpu.kernel_overhead_s < 1e-3
     assert 0 < gpu.memory_reserved_bytes < gpu.memory_bytes
+    # pipelining's extra time per stage and micro-batch: milliseconds plus a share of the compute
+    assert 0 <= gpu.pipeline_microbatch_overhead_s < 0.05 and 0 <= gpu.pipeline_compute_slowdown < 2, gpu
+    assert gpu.pipeline_microbatch_overhead_s > 0 or gpu.pipeline_compute_slowdown > 0, gpu
     link = profile.intra_node
     assert 1e6 < link.bus_bandwidth_bytes_per_s < 1e12, link
     assert 0 <= link.latency_s < 0.1, link
@@ -125,6 +128,16 @@ def test_pipeline_overhead_is_what_makes_the_simulated_gpipe_step_match(ranks, s
     stage = StageCost(0.0005 + computing / 2, 0.001 + computing / 2, send_s)
     assert simulate("gpipe", ranks, 8, [stage] * ranks).makespan_s == pytest.approx(0.03)
     assert computing < h
+
+
+def test_pipeline_overheads_are_a_line_through_two_stage_sizes():
+    constant, slowdown = pipeline_overheads((0.005, 0.002), (0.025, 0.006))
+    assert slowdown == pytest.approx(0.2) and constant == pytest.approx(0.001)
+    assert pipeline_overheads((0.025, 0.006), (0.005, 0.002)) == pytest.approx((0.001, 0.2))  # either order
+    # a line that would cross below 0 goes through the origin instead (least squares)
+    constant, slowdown = pipeline_overheads((0.005, 0.0005), (0.025, 0.010))
+    assert constant == 0.0 and slowdown == pytest.approx((0.005 * 0.0005 + 0.025 * 0.010) / (0.005**2 + 0.025**2))
+    assert pipeline_overheads((0.005, 0.004), (0.025, 0.001)) == pytest.approx((0.004, 0.0))  # no growth: a constant
 
 
 def test_gpu_measurements_keep_datasheet_peaks(tmp_path):

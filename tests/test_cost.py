@@ -173,6 +173,27 @@ def test_priced_pipeline_is_its_simulated_schedule_when_communication_is_free():
     assert times["bubble"] == pytest.approx(pipeline - 8 * slowest)
 
 
+def test_pipelined_stages_compute_slower_by_the_calibrated_fraction():
+    free = _ctx(batch=8, gpus=4, intra_bw=1e30, inter_bw=1e30, latency_s=0.0)
+    hardware = free.cluster.hardware
+    slowed_hardware = replace(hardware, gpu=replace(hardware.gpu, pipeline_compute_slowdown=0.25))
+    slowed = Context(gpt_profile(n_layer=12), replace(free.cluster, hardware=slowed_hardware), Training(8, "bf16"),
+                     layouts.SUPPORTED)
+    par, split = _par(pp=4, m=8), Split((0, 5, 8, 11, 16))
+    before, after = (evaluate(c, par, build_problem(c, par, ("none",)),
+                              build_problem(c, par, ("none",)).uniform(split), True) for c in (free, slowed))
+    # free transfers, no host time: every stage's forward and backward 1.25x, so the whole schedule is
+    pipeline = before.predicted.step_time_s - before.predicted.time_breakdown["optimizer"]
+    assert after.predicted.step_time_s - after.predicted.time_breakdown["optimizer"] == pytest.approx(1.25 * pipeline)
+    assert after.predicted.time_breakdown["pipeline_comm"] == pytest.approx(
+        0.25 * before.predicted.time_breakdown["compute"])
+    # without a pipeline nothing changes
+    dp = _par(dp=4)
+    plain = [evaluate(c, dp, build_problem(c, dp, ("none",)), build_problem(c, dp, ("none",)).uniform(Split((0, 16))),
+                      True).predicted.step_time_s for c in (free, slowed)]
+    assert plain[0] == plain[1]
+
+
 def test_every_step_pays_one_latency_bound_all_reduce_of_its_loss():
     ctx = _ctx(batch=8, gpus=4, intra_bw=1e30, inter_bw=1e30, latency_s=0.001)
     world = ctx.group(4, 1)

@@ -10,7 +10,8 @@ same wrappers measured half as costly on this project's 2-core VM):
   at different times; transformer layers with attention, Linears and norms as units.
 - DDP: per parameter tensor (hooks, bucketing, the all-reduce beside the backward).
 - Tensor parallelism: per DTensor op of a Megatron MLP.
-- Pipelining: per stage and micro-batch, fitted with the cost model's schedule simulation.
+- Pipelining: per stage and micro-batch, a constant plus a share of the stage's compute, fitted with
+  the cost model's schedule simulation at two stage sizes.
 - AdamW over DTensor parameters (FSDP2 shards, tensor-parallel weights): per tensor.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,14 +40,15 @@ FSDP_UNIT_NAMES = ("self_attn", "linear1", "linear2", "norm1", "norm2")
 Linears, the two norms: the mix of a transformer's units)."""
 
 
-def in_rounds(probes: dict[str, Callable[[], float]], rounds: int = ROUNDS) -> dict[str, float]:
-    """Each probe's median over `rounds` runs, the probes taking turns. Every rank calls this with the
-    same probes in the same order (they communicate)."""
-    found: dict[str, list[float]] = {name: [] for name in probes}
+def in_rounds(probes: dict[str, Callable[[], Any]], rounds: int = ROUNDS) -> dict[str, Any]:
+    """Each probe's median over `rounds` runs (of each number, for a probe returning a tuple), the probes
+    taking turns. Every rank calls this with the same probes in the same order (they communicate)."""
+    found: dict[str, list] = {name: [] for name in probes}
     for _ in range(rounds):
         for name, probe in probes.items():
             found[name].append(probe())
-    return {name: statistics.median(values) for name, values in found.items()}
+    return {name: tuple(map(statistics.median, zip(*values))) if isinstance(values[0], tuple)
+            else statistics.median(values) for name, values in found.items()}
 
 
 def ddp_gradient_bytes() -> int:
@@ -196,29 +199,28 @@ def tensor_parallel_op_overhead_seconds(clock: Clock, mesh, all_reduce_s: float)
 
 PIPELINE_MICROBATCHES = 8
 """Micro-batches of the timed pipeline step (GPipe over every rank, one transformer layer per stage)."""
-PIPELINE_MICROBATCH = (4, 64, 128)
-"""Batch, sequence and width of one micro-batch. The stages compute as a small model's do: with tiny
-Linear stages the fitted overhead was ~1.5 ms on 2 CPU ranks, while a GPT's stages lost ~5 ms per
-micro-batch and stage to the pipelining runtime (its sends and receives compete with the compute)."""
-PIPELINE_PAIRS = 9
+PIPELINE_MICROBATCH_SIZES = ((2, 64, 128), (16, 64, 128))
+"""Batch, sequence and width of one micro-batch, at the two sizes the pipelining overhead is fitted at:
+on 2 CPU ranks the extra time per stage and micro-batch grew with the stage's compute (2 ms beside 5 ms
+of compute, 5-7 ms beside 22-31 ms), so a constant fitted at one size under-priced bigger stages."""
+PIPELINE_PAIRS = 7
 """(stage alone, pipelined) steps timed back to back; the overhead is fitted per pair and the median
 kept. One fit from a pipelined median and a stage timed seconds apart gave 1.2-4.0 ms per stage and
 micro-batch over four calibrations on 2 CPU ranks."""
 
 
-def pipeline_microbatch_overhead_seconds(clock: Clock, p2p_latency_s: float) -> float:
-    """Host seconds torch.distributed.pipelining adds per stage and micro-batch (forward and backward
-    chunk bookkeeping, batched send/recv set-up, and the slowdown of stages whose transfers compete
-    with their compute) beyond the compute and the sends the link fit charges: the overhead that makes
-    the cost model's simulated GPipe schedule (cost/pipeline.py, the stage's own forward and backward
-    plus half of the overhead in each pass, one p2p latency per transfer) last as long as a measured
-    step. Each pair times every rank's stage alone over all micro-batches (forward+backward, no
-    transfers), then the pipelined step; the fit takes the pair's slowest stage. Every rank calls this."""
+def pipelined_stage_seconds(clock: Clock, p2p_latency_s: float, shape: tuple[int, int, int]) -> tuple[float, float]:
+    """(compute, extra) seconds per stage and micro-batch of a GPipe step over every rank, one
+    transformer layer per stage, micro-batches of `shape`: compute is the slowest stage's forward+backward
+    alone, extra the host time h that makes the cost model's simulated GPipe schedule (cost/pipeline.py:
+    the stage's own forward and backward plus h/2 in each pass, one p2p latency per transfer) last as
+    long as the measured step. Each pair times every rank's stage alone over all micro-batches (no
+    transfers), then the pipelined step; medians over PIPELINE_PAIRS pairs. Every rank calls this."""
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     rank, world = dist.get_rank(), dist.get_world_size()
     stage_module = transformer_layers(clock.device)
-    example = torch.randn(*PIPELINE_MICROBATCH, device=clock.device)
+    example = torch.randn(*shape, device=clock.device)
     # the forward's share of a forward+backward, to split each pair's measured stage time
     forward_share = clock.seconds(lambda: stage_module(example)) / clock.seconds(
         lambda: stage_module(example).sum().backward())
@@ -226,8 +228,7 @@ def pipeline_microbatch_overhead_seconds(clock: Clock, p2p_latency_s: float) -> 
     sent = example.clone().requires_grad_(True)  # its gradient comes back from the next stage
     stage = PipelineStage(stage_module, rank, world, clock.device, input_args=(received,), output_args=(sent,))
     schedule = ScheduleGPipe(stage, n_microbatches=PIPELINE_MICROBATCHES, loss_fn=lambda out, target: out.sum())
-    batch_shape = (PIPELINE_MICROBATCH[0] * PIPELINE_MICROBATCHES, *PIPELINE_MICROBATCH[1:])
-    batch = torch.randn(*batch_shape, device=clock.device)
+    batch = torch.randn(shape[0] * PIPELINE_MICROBATCHES, *shape[1:], device=clock.device)
 
     def alone():
         stage_module.zero_grad(set_to_none=True)
@@ -242,12 +243,24 @@ def pipeline_microbatch_overhead_seconds(clock: Clock, p2p_latency_s: float) -> 
         else:
             schedule.step()
 
-    fits = []
+    computes, fits = [], []
     for alone_s, step_s in _paired_times(clock, alone, pipelined, PIPELINE_PAIRS):
         per_microbatch = alone_s / PIPELINE_MICROBATCHES
+        computes.append(per_microbatch)
         fits.append(overhead_matching_step(step_s, world, PIPELINE_MICROBATCHES, p2p_latency_s,
                                            forward_share * per_microbatch, (1 - forward_share) * per_microbatch))
-    return statistics.median(fits)
+    return statistics.median(computes), statistics.median(fits)
+
+
+def pipeline_overheads(small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:
+    """(constant seconds, slowdown fraction) of the line extra = constant + slowdown x compute through
+    the (compute, extra) of pipelined_stage_seconds at two micro-batch sizes, both kept >= 0."""
+    (c1, h1), (c2, h2) = sorted((small, large))
+    slowdown = max(0.0, (h2 - h1) / (c2 - c1)) if c2 > c1 else 0.0
+    constant = max(0.0, h1 - slowdown * c1)
+    if constant == 0.0 and c1 + c2 > 0:  # the line crosses below 0: through the origin, least squares
+        slowdown = max(0.0, (c1 * h1 + c2 * h2) / (c1 * c1 + c2 * c2))
+    return constant, slowdown
 
 
 def overhead_matching_step(step_s: float, ranks: int, microbatches: int, send_s: float,

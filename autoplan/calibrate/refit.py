@@ -188,6 +188,8 @@ def refit(verify_dir: str | Path, hardware: str, out: str | Path) -> RefitResult
         measured_part = on_cpu and name == "dtensor_op_overhead"
         if value > 0 and not measured_part:
             gpu[f"{name}_us"] = float(f"{value * 1e6 * factors[side]:.4g}")
+    if profile.gpu.pipeline_compute_slowdown > 0:  # its extra time sits in pipeline_comm
+        gpu["pipeline_compute_slowdown"] = float(f"{profile.gpu.pipeline_compute_slowdown * s_comm:.4g}")
     same_links = profile.intra_node == profile.inter_node
     crosses_nodes = plan is None or plan.cluster.num_gpus > plan.cluster.gpus_per_node
     tiers = ["intra_node"] + (["inter_node"] if crosses_nodes or same_links else [])

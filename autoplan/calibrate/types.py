@@ -71,6 +71,8 @@ class Measurements:
     """Extra seconds of a fully_shard unit's forward+backward beyond its collectives' latency (None: not measured)."""
     pipeline_microbatch_overhead_s: float | None = None
     """Host seconds pipelining adds per stage and micro-batch beyond its sends (None: not measured)."""
+    pipeline_compute_slowdown: float | None = None
+    """Fraction by which a stage's compute runs slower inside pipelining than alone (None: not measured)."""
     optimizer_dtensor_overhead_s: float | None = None
     """AdamW step time per DTensor parameter shard, seconds (None: not measured)."""
     dtensor_op_overhead_s: float | None = None

@@ -168,10 +168,16 @@ def run(out: Path, base: str | None, timeout_s: float) -> Measurements:
             "fsdp_unit": lambda: frameworks.fsdp_unit_overhead_seconds(
                 clock, world_mesh, lambda unit_bytes: _fsdp_collectives_seconds(tier, unit_bytes)),
             "optimizer_dtensor": lambda: frameworks.optimizer_dtensor_overhead_seconds(clock, world_mesh),
-            "pipeline": lambda: frameworks.pipeline_microbatch_overhead_seconds(clock, p2p),
+            "pipeline_small": lambda: frameworks.pipelined_stage_seconds(
+                clock, p2p, frameworks.PIPELINE_MICROBATCH_SIZES[0]),
+            "pipeline_large": lambda: frameworks.pipelined_stage_seconds(
+                clock, p2p, frameworks.PIPELINE_MICROBATCH_SIZES[1]),
             "dtensor_op": lambda: frameworks.tensor_parallel_op_overhead_seconds(clock, world_mesh, tp_all_reduce),
             "ddp_tensor": lambda: frameworks.ddp_tensor_overhead_seconds(clock, ddp_all_reduce),
         })
+        # the same on every rank (its timings are the slowest rank's)
+        pipeline_constant, pipeline_slowdown = frameworks.pipeline_overheads(probed["pipeline_small"],
+                                                                             probed["pipeline_large"])
         framework = [None] * world
         dist.all_gather_object(framework, probed)
         if cuda:
@@ -199,7 +205,8 @@ def run(out: Path, base: str | None, timeout_s: float) -> Measurements:
             comm_overlap=probed["comm_overlap"],
             fsdp_unit_overhead_s=median([f["fsdp_unit"] for f in framework]),
             optimizer_dtensor_overhead_s=median([f["optimizer_dtensor"] for f in framework]),
-            pipeline_microbatch_overhead_s=max(f["pipeline"] for f in framework),
+            pipeline_microbatch_overhead_s=pipeline_constant,
+            pipeline_compute_slowdown=pipeline_slowdown,
             concurrent_slowdown=slowdown,
             dtensor_op_overhead_s=median([f["dtensor_op"] for f in framework]),
             ddp_tensor_overhead_s=median([f["ddp_tensor"] for f in framework]),

@@ -74,6 +74,7 @@ def _link_source(found: Measurements, tier: str, fit: LinkFit) -> str:
 HOST_FIELDS = (  # YAML field, attribute (Measurements and Gpu alike), default without a base, YAML unit
     ("comm_overlap", "comm_overlap", 1.0, 1.0),
     ("concurrent_slowdown", "concurrent_slowdown", 1.0, 1.0),
+    ("pipeline_compute_slowdown", "pipeline_compute_slowdown", 0.0, 1.0),
     *((f"{name}_us", f"{name}_s", 0.0, MICRO) for name in HOST_OVERHEADS),
 )
 """Overlap and host overheads a calibration measures into the profile's gpu section."""
@@ -123,9 +124,10 @@ def profile_fields(found: Measurements, base: HardwareProfile | None) -> dict[st
                   f"per one-element tensor (per sharded DTensor); fsdp_unit_overhead = fully_shard's extra time "
                   f"per unit of two transformer layers, less its modeled collectives; ddp_tensor_overhead = "
                   f"DistributedDataParallel's extra step time over two transformer layers, less their modeled "
-                  f"gradient all-reduce, per parameter tensor; pipeline_microbatch_overhead = "
-                  f"the host time per stage and micro-batch that makes the simulated GPipe step of stages of one "
-                  f"transformer layer last as measured, fitted per (stage alone, pipelined) pair; the wrapped-vs-"
+                  f"gradient all-reduce, per parameter tensor; pipeline_microbatch_overhead "
+                  f"+ pipeline_compute_slowdown x the stage's compute = the time per stage and micro-batch that makes "
+                  f"the simulated GPipe step of stages of one transformer layer last as measured, fitted per (stage "
+                  f"alone, pipelined) pair at two micro-batch sizes, a line through the two; the wrapped-vs-"
                   f"plain differences are medians of back-to-back pairs; "
                   f"comm_overlap = share of an all-reduce hidden by matmuls run beside it; these framework probes "
                   f"and comm_overlap are medians of {ROUNDS} rounds taken in turns; "

@@ -145,6 +145,7 @@ def _gpu(name: str, gpu: _Fields) -> Gpu:
         source=gpu.string("source"),
         comm_overlap=gpu.optional_number("comm_overlap", 1.0, at_most=1.0),
         concurrent_slowdown=max(1.0, gpu.optional_number("concurrent_slowdown", 1.0)),
+        pipeline_compute_slowdown=gpu.optional_number("pipeline_compute_slowdown", 0.0),
         **{f"{name}_s": gpu.optional_number(f"{name}_us", 0.0) * MICRO for name in HOST_OVERHEADS},
     )
 
@@ -236,6 +237,7 @@ def hardware_to_yaml(profile: HardwareProfile) -> str:
             "memory_reserved_gib": gpu.memory_reserved_bytes / GIB,
             "comm_overlap": gpu.comm_overlap,
             "concurrent_slowdown": gpu.concurrent_slowdown,
+            "pipeline_compute_slowdown": gpu.pipeline_compute_slowdown,
             **{f"{name}_us": getattr(gpu, f"{name}_s") / MICRO for name in HOST_OVERHEADS},
             "source": gpu.source,
         },

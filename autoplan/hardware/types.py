@@ -49,8 +49,14 @@ class Gpu:
     on ranks that arrive late), seconds: measured by `autoplan calibrate` on transformer layers."""
     pipeline_microbatch_overhead_s: float = 0.0
     """Host time torch.distributed.pipelining adds per stage and micro-batch (forward and backward chunk
-    bookkeeping, send/recv set-up, transfers competing with the stages' compute) beyond the compute and the
-    sends, seconds: fitted so the simulated GPipe step of one-transformer-layer stages lasts as measured."""
+    bookkeeping, send/recv set-up) beyond the compute and the sends, seconds."""
+    pipeline_compute_slowdown: float = 0.0
+    """How much slower a stage's compute runs inside torch.distributed.pipelining than alone, as a
+    fraction (0.2: 20% slower): on a CPU the transfers' threads compete with the stage's ops for cores.
+    With pipeline_microbatch_overhead_s it is fitted by `autoplan calibrate` so the simulated GPipe
+    steps of one-transformer-layer stages at two micro-batch sizes last as measured: the extra time per
+    stage and micro-batch grew with the stage's compute (0.2-0.4 of it on 2 CPU ranks, from 5 to 30 ms
+    of compute). ~0 on GPUs, whose kernels do not share cores with the host."""
     ddp_tensor_overhead_s: float = 0.0
     """Time DistributedDataParallel adds to a step per parameter tensor beyond its gradient all-reduce
     (autograd hooks, bucketing, and on a CPU the all-reduce's contention with the backward it runs

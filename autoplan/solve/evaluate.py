@@ -204,8 +204,10 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     parts: list[dict[str, float]] = []
     costs: list[StageCost] = []
     per_step, optimizer = [0.0] * pp, [0.0] * pp
-    # torch.distributed.pipelining's host time per stage and micro-batch (half in each pass)
+    # torch.distributed.pipelining's host time per stage and micro-batch (half in each pass), and its
+    # stages' compute running slower than alone
     host = gpu.pipeline_microbatch_overhead_s if pp > 1 else 0.0
+    slowdown = gpu.pipeline_compute_slowdown if pp > 1 else 0.0
     for s, (a, b) in enumerate(ranges):
         units = range(a, b)
         forward = sum(table.forward_s[u] for u in units)
@@ -223,10 +225,11 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
                              len(held))
         parts.append({"compute": forward + backward, "recompute": recompute,
                       "tensor_parallel_comm": tp_forward + tp_backward, "data_parallel_comm": dpc.per_microbatch_s,
-                      "pipeline_comm": host})
+                      "pipeline_comm": host + slowdown * (forward + backward + recompute)})
         send = ctx.send_s(cut[b - 1], par, groups.pipeline.link) if b < n and pp > 1 else 0.0
-        costs.append(StageCost(forward + tp_forward + dpc.forward_s + host / 2,
-                               backward + recompute + tp_backward + dpc.per_microbatch_s - dpc.forward_s + host / 2,
+        costs.append(StageCost((1 + slowdown) * forward + tp_forward + dpc.forward_s + host / 2,
+                               (1 + slowdown) * (backward + recompute) + tp_backward + dpc.per_microbatch_s
+                               - dpc.forward_s + host / 2,
                                send))
         rank = s % pp
         per_step[rank] += dpc.per_step_s
