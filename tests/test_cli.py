@@ -71,8 +71,10 @@ def test_interrupted_run_leaves_nothing_and_exits_130_or_143(tmp_path, signal_na
     model = tmp_path / "slow.py"
     model.write_text(SLOW_MODEL)
     out = tmp_path / "out"
+    # a shell's background job inherits SIGINT ignored (and Python then keeps it ignored): as from a terminal
     proc = subprocess.Popen([sys.executable, "-m", "autoplan", str(model), "--gpus", "2", "--gpu", "cpu",
-                             "--out", str(out)], stderr=subprocess.PIPE, text=True)
+                             "--out", str(out)], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 90
     while not model.with_suffix(".started").exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "timeout"
