@@ -36,6 +36,31 @@ def test_batch_schedule_packs_jobs_into_rank_windows():
         placements([2, 4], 4, [None, 0])
 
 
+def test_a_later_batch_job_computes_on_its_own_device_mesh(tmp_path):
+    """Two jobs on one rank, one after the other: the second job's DTensor results name its own
+    mesh's process groups, not those of an equal mesh the first job built and destroyed (run_job forgets
+    DTensor's cached meshes between jobs)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from autoplan.runtime.batch import _forget_device_meshes
+
+    outputs = []
+    for job in range(2):
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / f"store{job}"), 1), rank=0,
+                                world_size=1, timeout=timedelta(seconds=30))
+        try:
+            mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+            out = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]) * 2
+            outputs.append((mesh, out.device_mesh))
+        finally:
+            dist.destroy_process_group()
+            _forget_device_meshes()
+    (first, first_out), (second, second_out) = outputs
+    assert first == second and first is not second  # equal meshes, each naming its own job's groups
+    assert first_out is first and second_out is second
+
+
 def loader_source(batch_size_argument: bool):
     data = torch.utils.data.TensorDataset(torch.arange(12.0).reshape(12, 1), torch.arange(12))
 

@@ -77,6 +77,17 @@ def run_job(index: int, job: dict, local_rank: int, store_dir: Path, timeout_s: 
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        _forget_device_meshes()
+
+
+def _forget_device_meshes() -> None:
+    """Drop DTensor's sharding-propagation caches. They are keyed by equal-comparing DeviceMeshes and
+    hand back the first job's mesh, whose process-group names a later job on the same ranks never
+    registered ("Could not resolve the process group registered under the name 12")."""
+    if "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
 
 
 def main(argv: Sequence[str]) -> None:
