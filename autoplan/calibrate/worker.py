@@ -175,7 +175,8 @@ def run(out: Path, base: str | None, timeout_s: float) -> Measurements:
             "dtensor_op": lambda: frameworks.tensor_parallel_op_overhead_seconds(clock, world_mesh, tp_all_reduce),
             "ddp_tensor": lambda: frameworks.ddp_tensor_overhead_seconds(clock, ddp_all_reduce),
         })
-        # the same on every rank (its timings are the slowest rank's)
+        # rank 0's fit is written: its pairs are timed as the slowest rank's, split into forward and
+        # backward by rank 0's own forward share
         pipeline_constant, pipeline_slowdown = frameworks.pipeline_overheads(probed["pipeline_small"],
                                                                              probed["pipeline_large"])
         framework = [None] * world

@@ -192,8 +192,9 @@ def simulate(schedule: str, num_ranks: int, num_microbatches: int, stages: Seque
     own forward). A transfer between ranks takes the boundary's `send_s` and holds the sender's send
     stream and the receiver's receive stream (links are full duplex: a rank sends and receives at
     once), beside their compute; it starts no earlier than the receiver posts its receive, after the
-    operation torch's schedule posts it behind (cost/pipeline_recv.py: transfers are rendezvous). Events (an operation starts, an output is ready to send) are taken
-    from a heap in time order, so streams are claimed first come, first served.
+    operation torch's schedule posts it behind (cost/pipeline_recv.py: transfers are rendezvous).
+    Events (an operation starts, an output is ready to send) are taken from a heap in time order, so
+    streams are claimed first come, first served.
     """
     p = max(1, num_ranks)
     if len(stages) % p:

@@ -54,9 +54,10 @@ class Gpu:
     """How much slower a stage's compute runs inside torch.distributed.pipelining than alone, as a
     fraction (0.2: 20% slower): on a CPU the transfers' threads compete with the stage's ops for cores.
     With pipeline_microbatch_overhead_s it is fitted by `autoplan calibrate` so the simulated GPipe
-    steps of one-transformer-layer stages at two micro-batch sizes last as measured: the extra time per
-    stage and micro-batch grew with the stage's compute (0.2-0.4 of it on 2 CPU ranks, from 5 to 30 ms
-    of compute). ~0 on GPUs, whose kernels do not share cores with the host."""
+    steps of one-transformer-layer stages at two micro-batch sizes last as measured: on 2 CPU ranks the
+    extra time per stage and micro-batch grew with the stage's compute (0.9 ms beside 4.4 ms, 6.9 ms
+    beside 31 ms), and five calibrations fitted 0.04-0.19 with a constant of 0.6-2.0 ms. ~0 on GPUs,
+    whose kernels do not share cores with the host."""
     ddp_tensor_overhead_s: float = 0.0
     """Time DistributedDataParallel adds to a step per parameter tensor beyond its gradient all-reduce
     (autograd hooks, bucketing, and on a CPU the all-reduce's contention with the backward it runs
