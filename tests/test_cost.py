@@ -15,8 +15,9 @@ from autoplan.errors import UserError
 from autoplan.hardware.types import Link
 from autoplan.plan import Parallelism, Training
 from autoplan.solve import layouts
-from autoplan.solve.evaluate import Context, build_problem, evaluate
-from autoplan.solve.problem import Split
+from autoplan.cost.context import Context
+from autoplan.cost.evaluate import build_problem, evaluate
+from autoplan.cost.problem import Split
 
 PSI = 1_000_000
 

@@ -7,7 +7,7 @@ import pytest
 from chain_fixtures import gpt_param_formula, gpt_profile
 
 from autoplan.profile.types import ModelProfile, OpProfile
-from autoplan.solve.layers import build_chain
+from autoplan.chain.layers import build_chain
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -128,7 +128,7 @@ def test_real_capture_fixture_round_trips_to_the_generators_chain():
 def test_no_unit_splits_a_tensor_parallel_pair():
     """A stage boundary between a colwise and its rowwise Linear would send sharded activations across
     stages: modules holding tensor-parallel Linears stay whole units."""
-    from autoplan.solve.tensor_parallel import find_tensor_parallel_plan
+    from autoplan.chain.tensor_parallel import find_tensor_parallel_plan
 
     profile = ModelProfile.from_json((FIXTURES / "llama_capture.json").read_text())
     linears = find_tensor_parallel_plan(profile, vocab_parallel=False)

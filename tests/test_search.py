@@ -15,7 +15,7 @@ from autoplan.errors import Infeasible, UserError
 from autoplan.plan import Parallelism, Training
 from autoplan.solve.layouts import SUPPORTED
 from autoplan.solve import layouts
-from autoplan.solve.layers import build_chain
+from autoplan.chain.layers import build_chain
 from autoplan.solve.pins import Pins, parse_pins
 from autoplan.solve.search import estimate, search
 

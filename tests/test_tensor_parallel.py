@@ -13,7 +13,7 @@ from autoplan.profile.types import ModelProfile
 from autoplan.solve.layouts import SUPPORTED
 from autoplan.solve.pins import Pins
 from autoplan.solve.search import search
-from autoplan.solve.tensor_parallel import find_tensor_parallel_plan, tensor_parallel_facts
+from autoplan.chain.tensor_parallel import find_tensor_parallel_plan, tensor_parallel_facts
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MEGATRON_TP = SUPPORTED | {"tp_fused_split"}

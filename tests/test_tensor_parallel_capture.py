@@ -4,7 +4,7 @@ colwise -> rowwise pair (the sum would mix split and whole tensors); Linear -> G
 from pathlib import Path
 
 from autoplan.api import profile_only
-from autoplan.solve.tensor_parallel import find_tensor_parallel_plan
+from autoplan.chain.tensor_parallel import find_tensor_parallel_plan
 
 PAIRED = """
 import torch

@@ -29,7 +29,7 @@ from autoplan.cost import calibration, comm
 from autoplan.cost.dtypes import activation_scale, peak_flops
 from autoplan.cost.units import MODES, SPLIT_ROLES, ChainCosts, OpCost, UnitCosts, saved_by_mode
 from autoplan.hardware.types import Gpu, Link
-from autoplan.solve.layers import LayerChain
+from autoplan.chain.layers import LayerChain
 
 ADAMW_BYTES_PER_PARAM = 80
 """Memory traffic of one step of torch.optim.AdamW as the generated programs run it (the default:

@@ -1,10 +1,10 @@
 """What each op and each unit of the chain costs, as static data the time and memory models scale.
 
 Every op is classified once:
-- kind: "gemm" (a matmul with a weight: Linear, conv), "attention" (SDPA or an activation x
-  activation matmul), "view" (no kernel: view, transpose, split, ...), or "memory" (elementwise,
-  norms, embedding lookups, softmax outside attention: its cost is the bytes it moves);
-- tensor-parallel role (solve/tensor_parallel.py): split ops divide FLOPs, bytes and saved
+- kind (chain/ops.py): "gemm" (a matmul with a weight: Linear, conv), "attention" (SDPA or an
+  activation x activation matmul), "view" (no kernel: view, transpose, split, ...), or "memory"
+  (elementwise, norms, embedding lookups, softmax outside attention: its cost is the bytes it moves);
+- tensor-parallel role (chain/tensor_parallel.py): split ops divide FLOPs, bytes and saved
   activations by tp; "rowwise" outputs and everything outside regions stay whole.
 
 Per unit and per sample (capture dtype), with tp = 1, the activations kept for backward by
@@ -22,24 +22,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autoplan.chain.ops import cost_kind, has_trait
+from autoplan.chain.layers import LayerChain
+from autoplan.chain.tensor_parallel import TensorParallelFacts
 from autoplan.profile.types import ModelProfile, OpProfile
-from autoplan.solve.layers import LayerChain
-from autoplan.solve.tensor_parallel import ATTENTION_OPS, TensorParallelFacts, packet
 
-VIEW_OPS = frozenset({
-    "view", "_unsafe_view", "transpose", "permute", "t", "unsqueeze", "squeeze", "expand", "split",
-    "split_with_sizes", "chunk", "slice", "narrow", "unbind", "select", "alias", "detach", "as_strided",
-})
-"""Ops that return a view: no kernel, no traffic."""
-GEMM_WORDS = frozenset({"linear", "addmm", "mm", "matmul", "bmm", "baddbmm", "einsum", "convolution",
-                        "conv1d", "conv2d", "conv3d", "_grouped_mm", "addmv", "mv"})
 SPLIT_ROLES = frozenset({"colwise", "rowwise", "interior", "head"})
 """Tensor-parallel roles whose FLOPs and bytes divide by tp."""
 MODES = ("none", "selective", "full")
-MASK_SAVING_OPS = frozenset({"dropout", "native_dropout"})
-"""Ops whose saved tensor is a bool mask (1 byte per element, whatever the training dtype)."""
-
-
 @dataclass(frozen=True)
 class OpCost:
     """One op's cost inputs. Activation quantities are per sample in the capture dtype."""
@@ -108,26 +98,13 @@ class ChainCosts:
         return out
 
 
-def classify(op: OpProfile) -> str:
-    name = packet(op)
-    if name in VIEW_OPS:
-        return "view"
-    if name in ATTENTION_OPS and not op.params and (name not in ("softmax", "_softmax", "_safe_softmax")):
-        return "attention"
-    if (name in GEMM_WORDS or name.startswith("conv")) and op.params and op.flops_fwd > 0:
-        return "gemm"
-    if name in GEMM_WORDS and op.flops_fwd > 0:
-        return "attention"
-    return "memory"
-
-
 def op_cost(op: OpProfile, profile: ModelProfile, role: str) -> OpCost:
     batch = profile.batch_size
     param_bytes = sum(profile.parameters.get(p, 0) for p in op.params) * profile.parameter_bytes_per_element
     param_bytes = min(param_bytes, op.input_bytes)  # buffers read as params are not in `parameters`
     measured = op.source == "measured"
     return OpCost(
-        kind=classify(op),
+        kind=cost_kind(op),
         tp_role=role,
         flops_fwd=op.flops_fwd / batch,
         flops_bwd=op.flops_bwd / batch,
@@ -136,7 +113,7 @@ def op_cost(op: OpProfile, profile: ModelProfile, role: str) -> OpCost:
         input_activation_bytes=(op.input_bytes - param_bytes) / batch,
         output_bytes=op.output_bytes / batch,
         saved_bytes=op.saved_bytes / batch,
-        saved_scales=packet(op) not in MASK_SAVING_OPS,
+        saved_scales=not has_trait(op, "mask"),
         has_backward=op.flops_bwd > 0 or op.time_bwd_s > 0 or op.saved_bytes > 0,
         time_fwd_s=op.time_fwd_s if measured else 0.0,
         time_bwd_s=op.time_bwd_s if measured else 0.0,

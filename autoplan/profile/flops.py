@@ -91,16 +91,3 @@ def register_missing_formulas() -> None:
         missing = [op for op in ops if op not in flop_registry]
         if missing:
             register_flop_formula(missing)(formula)
-
-
-_MATMUL_WORDS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "matmul", "linear",
-                           "bilinear", "einsum", "tensordot", "attention", "conv", "convolution", "conv1d",
-                           "conv2d", "conv3d"})
-"""Words of an ATen op name (split at "_") that mark an op whose cost is FLOPs."""
-
-
-def is_matmul_like(op_name: str) -> bool:
-    """True for ops whose cost is FLOPs, so a missing formula matters ("aten.addmm.default")."""
-    parts = op_name.split(".")
-    packet = parts[1] if len(parts) > 1 else parts[0]  # "namespace.name.overload"
-    return any(word in _MATMUL_WORDS for word in packet.split("_"))

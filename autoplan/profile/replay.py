@@ -19,7 +19,8 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from autoplan.capture.graph import OpGraph, OpNode, ValueRef
-from autoplan.profile.flops import is_matmul_like, register_missing_formulas
+from autoplan.chain.ops import counts_flops
+from autoplan.profile.flops import register_missing_formulas
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -198,7 +199,7 @@ def replay_fake(call: OpCall, fake_mode: FakeTensorMode) -> ReplayResult:
         flops_bwd=float(flops_bwd),
         out_requires_grad=tuple(t.requires_grad for t in outputs),
         saved=_classify_saved(packed, [leaves, passed], outputs),
-        missing_formula=flops_fwd == 0 and has_elements and is_matmul_like(str(call.target)),
+        missing_formula=flops_fwd == 0 and has_elements and counts_flops(str(call.target)),
     )
 
 

@@ -35,7 +35,7 @@ class ModuleTime:
 
 def module_times(profile: ModelProfile, stages: tuple[Stage, ...], microbatch_size: int) -> list[ModuleTime]:
     """Roll the profile's ops up to the stage units, as the layer chain charges them
-    (autoplan.solve.layers): an op belongs to the innermost stage module in its module_stack; glue ops
+    (autoplan.chain.layers): an op belongs to the innermost stage module in its module_stack; glue ops
     in none go to the unit of the nearest preceding op that has one (or the first unit).
     Profile times are for profile.batch_size samples and scale linearly to a micro-batch."""
     owner: dict[str, int] = {}

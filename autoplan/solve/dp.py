@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autoplan.solve.problem import Assignment, ChainProblem, Split
+from autoplan.cost.problem import Assignment, ChainProblem, Split
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import pulp
 
 from autoplan.solve.ilp_backend import choose_backend, mip_gap, resolve_solver
-from autoplan.solve.problem import Assignment, ChainProblem, Split
+from autoplan.cost.problem import Assignment, ChainProblem, Split
 
 
 @dataclass

@@ -7,7 +7,8 @@ import math
 
 from autoplan.errors import Infeasible
 from autoplan.solve import layouts
-from autoplan.solve.evaluate import GIB, Candidate, Context, build_problem, gib
+from autoplan.cost.context import GIB, Context, gib
+from autoplan.cost.evaluate import Candidate, build_problem
 from autoplan.solve.pins import Pins
 from autoplan.solve.dp import leanest_assignment
 from autoplan.solve.split import greedy_split

@@ -28,13 +28,14 @@ from autoplan.plan import Parallelism, SolverInfo, Training
 from autoplan.profile.types import ModelProfile
 from autoplan.solve import layouts
 from autoplan.solve.dp import leanest_assignment, solve_dp
-from autoplan.solve.evaluate import Candidate, Context, build_problem, evaluate, gib, oom_reason
+from autoplan.cost.context import Context, gib
+from autoplan.cost.evaluate import Candidate, build_problem, evaluate, oom_reason
 from autoplan.solve.ilp import solve_ilp
 from autoplan.solve.ilp_backend import resolve_solver
 from autoplan.solve.infeasible import infeasible_message
-from autoplan.solve.layers import LayerChain
+from autoplan.chain.layers import LayerChain
 from autoplan.solve.pins import Pins
-from autoplan.solve.problem import Split
+from autoplan.cost.problem import Split
 from autoplan.solve.split import Slower, greedy_split
 
 TIE_TOLERANCE = 0.01

@@ -16,7 +16,7 @@ import math
 from functools import cached_property
 from itertools import accumulate
 
-from autoplan.solve.problem import Assignment, ChainProblem, Split
+from autoplan.cost.problem import Assignment, ChainProblem, Split
 
 BISECTION_TOLERANCE = 1e-3
 """Relative width at which the bisection on the bottleneck stops (the reported bottleneck is the

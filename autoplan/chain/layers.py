@@ -114,7 +114,7 @@ def build_chain(profile: ModelProfile, max_unit_share: float = 1 / 8) -> LayerCh
         raise ValueError(f"profile of {profile.model} has no ops")
     tree = _module_tree(ops)
     weight = _op_weights(ops)
-    from autoplan.solve.tensor_parallel import find_tensor_parallel_plan
+    from autoplan.chain.tensor_parallel import find_tensor_parallel_plan
 
     keep_whole = frozenset(find_tensor_parallel_plan(profile, vocab_parallel=False))
     units = _choose_units(ops, tree, weight, max_unit_share, keep_whole)

@@ -28,30 +28,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from autoplan.chain.ops import ops_with, packet
 from autoplan.profile.types import ModelProfile, OpProfile
 
-LINEAR_OPS = frozenset({"linear"})
-"""ATen packets of a Linear's forward as torch.export records it (aten.linear.default)."""
-EMBEDDING_OPS = frozenset({"embedding"})
-SHAPE_OPS = frozenset({
-    "view", "_unsafe_view", "reshape", "transpose", "permute", "t", "unsqueeze", "squeeze", "expand",
-    "split", "split_with_sizes", "chunk", "slice", "narrow", "unbind", "select", "alias", "detach",
-    "contiguous", "clone", "cat", "stack", "flatten", "unflatten", "_to_copy", "to", "type_as", "lift_fresh_copy",
-})
+LINEAR_OPS = ops_with("linear")
+EMBEDDING_OPS = ops_with("embedding")
+SHAPE_OPS = ops_with("reshape")
 """Ops that move or copy elements without mixing a feature dimension split evenly into heads."""
-ELEMENTWISE_OPS = frozenset({
-    "add", "sub", "mul", "div", "neg", "pow", "exp", "log", "sqrt", "rsqrt", "abs", "square", "tanh",
-    "sigmoid", "relu", "gelu", "silu", "erf", "sin", "cos", "clamp", "minimum", "maximum", "where",
-    "masked_fill", "dropout", "native_dropout", "hardtanh", "leaky_relu", "elu", "mish", "softplus",
-    "gelu_", "silu_", "relu_", "mul_", "add_", "bernoulli", "rand_like", "zeros_like", "ones_like",
-})
-ATTENTION_OPS = frozenset({
-    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu", "bmm", "matmul",
-    "baddbmm", "einsum", "softmax", "_softmax", "_safe_softmax",
-})
+ELEMENTWISE_OPS = ops_with("pointwise")
+ATTENTION_OPS = ops_with("per_head")
 """Attention over heads: each head's scores and outputs depend on that head's features only."""
-FUSED_SPLIT_OPS = frozenset({"split", "split_with_sizes", "chunk", "unbind", "narrow", "slice"})
+FUSED_SPLIT_OPS = ops_with("splits")
 """Ops that, applied straight to a column-parallel Linear's output, cut a fused projection (qkv) along
 the features the Linear shards. Megatron-LM interleaves such weights so each rank holds whole q, k, v
 heads; torch's ColwiseParallel shards the fused rows as they are, so DTensor all-gathers the output
@@ -64,12 +51,6 @@ degree inside an 8-GPU node divides it; torch TP cannot pad a vocabulary as Mega
 BROADCAST_RATIO = 2
 """A replicated operand may join a split tensor's elementwise op only when it has at most
 1/BROADCAST_RATIO of the split operand's bytes (a table broadcast over heads, not a full-width tensor)."""
-
-
-def packet(op: OpProfile) -> str:
-    """"aten.linear.default" -> "linear"."""
-    parts = op.op.split(".")
-    return parts[1] if len(parts) > 2 else parts[-1]
 
 
 def is_weight_linear(op: OpProfile) -> bool:

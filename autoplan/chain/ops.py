@@ -1,0 +1,119 @@
+"""The op-kind table: what autoplan knows about an ATen op from its name. One table for the profiler
+(which ops ought to have a FLOP formula), the cost model (an op's kind: gemm, attention, memory, view)
+and tensor parallelism (which ops a split tensor may pass through).
+
+An op is named by its packet: "aten.linear.default" -> "linear". Its traits:
+
+    view         returns a view of its input: no kernel, no memory traffic
+    reshape      moves or copies elements without mixing a feature dimension split evenly into heads
+    pointwise    elementwise math: a split tensor stays split
+    per_head     attention over heads: each head's output depends on that head's features only
+    attention    per_head ops that compute (SDPA, activation x activation matmuls); softmax is per_head
+                 only: its cost is the bytes it moves
+    gemm         a matmul-like op whose cost is FLOPs (with a weight: a "gemm"; without: "attention")
+    splits       cuts a tensor into pieces (what a fused qkv projection's split runs)
+    mask         saves a one-byte bool mask for backward, whatever the training dtype (dropout)
+    linear       nn.Linear's own op (tensor-parallel codegen shards Linear modules by name)
+    embedding    nn.Embedding's own op
+"""
+
+from __future__ import annotations
+
+from autoplan.profile.types import OpProfile
+
+_TABLE = """
+linear                                        | linear gemm
+addmm mm mv addmv                             | gemm
+bmm matmul baddbmm einsum                     | gemm attention per_head
+convolution conv1d conv2d conv3d _grouped_mm  | gemm
+scaled_dot_product_attention                  | attention per_head
+_scaled_dot_product_flash_attention           | attention per_head
+_scaled_dot_product_efficient_attention       | attention per_head
+_scaled_dot_product_cudnn_attention           | attention per_head
+_scaled_dot_product_flash_attention_for_cpu   | attention per_head
+softmax _softmax _safe_softmax                | per_head
+embedding                                     | embedding
+view _unsafe_view transpose permute t         | view reshape
+unsqueeze squeeze expand select alias detach  | view reshape
+split split_with_sizes chunk unbind narrow    | view reshape splits
+slice                                         | view reshape splits
+as_strided                                    | view
+reshape contiguous clone cat stack flatten    | reshape
+unflatten _to_copy to type_as lift_fresh_copy | reshape
+add sub mul div neg pow exp log sqrt rsqrt    | pointwise
+abs square tanh sigmoid relu gelu silu erf    | pointwise
+sin cos clamp minimum maximum where           | pointwise
+masked_fill hardtanh leaky_relu elu mish      | pointwise
+softplus gelu_ silu_ relu_ mul_ add_          | pointwise
+bernoulli rand_like zeros_like ones_like      | pointwise
+dropout native_dropout                        | pointwise mask
+"""
+"""Each line: op packets | the traits they all have."""
+
+TRAITS = ("view", "reshape", "pointwise", "per_head", "attention", "gemm", "splits", "mask", "linear", "embedding")
+
+
+def _parse(table: str) -> dict[str, frozenset[str]]:
+    traits: dict[str, set[str]] = {}
+    for line in table.strip().splitlines():
+        names, _, listed = line.partition("|")
+        unknown = set(listed.split()) - set(TRAITS)
+        if unknown:
+            raise ValueError(f"op table: unknown trait(s) {', '.join(sorted(unknown))} in {line!r}")
+        for name in names.split():
+            traits.setdefault(name, set()).update(listed.split())
+    return {name: frozenset(found) for name, found in traits.items()}
+
+
+OP_TRAITS: dict[str, frozenset[str]] = _parse(_TABLE)
+"""Packet -> its traits (see the module docstring)."""
+
+
+def ops_with(trait: str) -> frozenset[str]:
+    """Every packet of the table that has `trait`."""
+    if trait not in TRAITS:
+        raise ValueError(f"unknown op trait {trait!r} (known: {', '.join(TRAITS)})")
+    return frozenset(name for name, traits in OP_TRAITS.items() if trait in traits)
+
+
+def packet(op: OpProfile) -> str:
+    """"aten.linear.default" -> "linear"."""
+    return packet_of(op.op)
+
+
+def packet_of(op_name: str) -> str:
+    """"aten.linear.default" -> "linear" (a bare "linear" stays)."""
+    parts = op_name.split(".")
+    return parts[1] if len(parts) > 2 else parts[-1]
+
+
+def has_trait(op: OpProfile, trait: str) -> bool:
+    return trait in OP_TRAITS.get(packet(op), ())
+
+
+def cost_kind(op: OpProfile) -> str:
+    """The cost model's kind: "view" (no kernel), "attention" (activation x activation FLOPs), "gemm"
+    (FLOPs against a weight: Linear, conv, grouped expert matmuls) or "memory" (elementwise, norms,
+    embedding lookups, softmax: their cost is the bytes they move)."""
+    name = packet(op)
+    traits = OP_TRAITS.get(name, frozenset())
+    if "view" in traits:
+        return "view"
+    if "attention" in traits and not op.params:
+        return "attention"
+    if ("gemm" in traits or name.startswith("conv")) and op.params and op.flops_fwd > 0:
+        return "gemm"
+    if "gemm" in traits and op.flops_fwd > 0:
+        return "attention"
+    return "memory"
+
+
+_FLOP_WORDS = frozenset({"mm", "dot", "bilinear", "tensordot", "attention", "conv", "addbmm"})
+"""Words of an op name that mark FLOP-costed ops beyond the table's gemm packets (matched per word of
+the name split at "_", so "_scaled_dot_product_flash_attention_for_cpu" and "_grouped_mm" count)."""
+
+
+def counts_flops(op_name: str) -> bool:
+    """True for ops whose cost is FLOPs, so a missing FLOP formula matters ("aten.addmm.default")."""
+    words = set(packet_of(op_name).split("_"))
+    return bool(words & (ops_with("gemm") | _FLOP_WORDS))
