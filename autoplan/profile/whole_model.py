@@ -40,8 +40,7 @@ MAX_SECONDS_PER_RUN = 2.0
 def _step(source: ModelSource, model, inputs, targets):
     """One forward, loss and backward: what a training step computes (the loss is not in the captured
     graph, so the rescaled op times carry it)."""
-    from autoplan.runtime.data import call_model
-    from autoplan.runtime.loss import compute_loss
+    from autoplan.contract import call_model, compute_loss
 
     def step():
         compute_loss(source.loss_fn, call_model(model, inputs), targets).backward()

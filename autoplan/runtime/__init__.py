@@ -7,9 +7,8 @@ torch.utils.checkpoint, torch.distributed.checkpoint) wired up for a plan.
 """
 
 from autoplan.runtime.checkpoint import Checkpointer
-from autoplan.runtime.data import (TrainingData, call_model, microbatches, model_args, shard, step_batch,
-                                   to_device)
-from autoplan.runtime.loss import compute_loss, default_loss
+from autoplan.contract import call_model, compute_loss, default_loss, model_args
+from autoplan.runtime.data import TrainingData, microbatches, shard, step_batch, to_device
 from autoplan.runtime.materialize import ModelPart, TensorEntry, build_on_meta, catalog, materialize
 from autoplan.runtime.mesh import RankLayout, global_mean_loss, init_mesh, local_stages
 from autoplan.runtime.memory import PeakLiveMemory

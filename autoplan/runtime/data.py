@@ -18,20 +18,6 @@ DATA_SEED_OFFSET = 1000
 """Step t draws its batch with seed + DATA_SEED_OFFSET + t, away from the weight-init seed."""
 
 
-def model_args(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """(args, kwargs) for calling the model on `inputs`."""
-    if isinstance(inputs, dict):
-        return (), dict(inputs)
-    if isinstance(inputs, (tuple, list)):
-        return tuple(inputs), {}
-    return (inputs,), {}
-
-
-def call_model(model: Callable[..., Any], inputs: Any) -> Any:
-    args, kwargs = model_args(inputs)
-    return model(*args, **kwargs)
-
-
 def batch_size_of(tree: Any) -> int:
     sizes = {t.shape[0] for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.dim() > 0}
     if len(sizes) != 1:

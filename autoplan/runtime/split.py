@@ -31,8 +31,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from autoplan.errors import UserError
-from autoplan.runtime.data import model_args
-from autoplan.runtime.loss import LossFn, compute_loss
+from autoplan.contract import LossFn, compute_loss, model_args
 from autoplan.runtime.stage_graph import StagePlan, StateTensor, build_stage_module
 
 

@@ -17,8 +17,8 @@ from torch.utils import _pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.errors import UserError
-from autoplan.runtime.data import call_model, microbatches
-from autoplan.runtime.loss import LossFn, compute_loss
+from autoplan.contract import LossFn, call_model, compute_loss
+from autoplan.runtime.data import microbatches
 from autoplan.runtime.mesh import RankLayout
 from autoplan.runtime.parallel import gradient_sync
 from autoplan.runtime.split import PipelineSplit

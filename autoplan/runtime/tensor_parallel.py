@@ -15,7 +15,6 @@ the planned ones back into nn.Linear submodules at the same FQN so parallelize_m
 from __future__ import annotations
 
 import contextlib
-import operator
 from typing import Iterator, Mapping, Sequence
 
 import torch

@@ -1,4 +1,9 @@
-"""The loss the generated program and its single-device reference both use.
+"""The model contract at run time: how a model is called on a batch's inputs, and the loss it trains
+with. One home for what planning (profile/whole_model.py times the model) and the generated program
+(autoplan.runtime) both run, below both.
+
+Inputs from example_batch are a Tensor (one positional argument), a tuple/list (positional
+arguments) or a dict (keyword arguments).
 
 A model file may define loss_fn(output, targets); without one, the default below applies: take
 `.logits` from Hugging Face-style outputs, cross-entropy over the last dimension for integer targets,
@@ -16,6 +21,20 @@ from torch.nn import functional as F
 from autoplan.errors import UserError
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def model_args(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """(args, kwargs) for calling the model on `inputs`."""
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    return (inputs,), {}
+
+
+def call_model(model: Callable[..., Any], inputs: Any) -> Any:
+    args, kwargs = model_args(inputs)
+    return model(*args, **kwargs)
 
 
 def model_logits(output: Any) -> torch.Tensor:
