@@ -1,7 +1,13 @@
 """A plan as data: frozen dataclasses and a versioned JSON schema (plan.json).
 
-Field names follow torchtitan's parallelism config so a plan carries over. Loading validates the
-schema version and every field; nothing in an output folder is ever unpickled or executed.
+Field names follow torchtitan's parallelism config so a plan carries over (autoplan/layout.py lists
+each field's short name). Loading validates the schema version, every field and the layout's rules
+(layout.problems); nothing in an output folder is ever unpickled or executed.
+
+Schema versions: 1 had parallelism.zero_stage, an empty activation_checkpoint_modules meaning "every
+module", and alternatives[].why_not. 2 says what runs instead: data_parallel_shard_degree with
+fsdp_reshard_after_forward ("always" | "never"), activation_checkpoint_modules listed in full, and
+alternatives[].reason.
 """
 
 from __future__ import annotations
@@ -10,11 +16,12 @@ import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
-SCHEMA_VERSION = 1
+from autoplan.layout import RECOMPUTE, RESHARD, SCHEDULES, SUPPORTED, TENSOR_PARALLEL_STYLES, Layout, Scope, problems
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-RECOMPUTE = ("none", "selective", "full")
-TENSOR_PARALLEL_STYLES = ("colwise", "rowwise")
+SCHEMA_VERSION = 2
+SCHEMA_CHANGES = {1: "version 2 replaced parallelism.zero_stage with data_parallel_shard_degree and "
+                     "fsdp_reshard_after_forward, and lists activation_checkpoint_modules in full"}
+"""Per older schema version, what changed since (for the message that refuses it)."""
 
 
 class PlanError(ValueError):
@@ -28,7 +35,10 @@ class Parallelism:
     data_parallel_replicate_degree: int = 1
     """Replicas that all-reduce gradients (DDP; the replicate dimension of HSDP)."""
     data_parallel_shard_degree: int = 1
-    """Ranks that shard parameters, gradients and optimizer state (FSDP / ZeRO)."""
+    """Ranks that shard parameters, gradients and optimizer state (FSDP2); 1 = not sharded."""
+    fsdp_reshard_after_forward: str = "never"
+    """"always": FSDP2 frees gathered parameters after forward and gathers them again for backward
+    (ZeRO-3); "never": keeps them to backward (optimizer state and gradients sharded: ZeRO-1/2)."""
     tensor_parallel_degree: int = 1
     """Ranks that split each layer's matmuls (Megatron-style)."""
     pipeline_parallel_degree: int = 1
@@ -40,9 +50,7 @@ class Parallelism:
     pipeline_parallel_num_microbatches: int = 1
     """Micro-batches per step per data-parallel rank (gradient accumulation when pp = 1)."""
     activation_checkpoint: str = "none"
-    """"none", "selective" or "full"."""
-    zero_stage: int = 0
-    """0 = replicated (DDP), 1/2 = sharded optimizer state (and gradients), 3 = FSDP."""
+    """"none", "selective" or "full" (Plan.activation_checkpoint_modules lists the modules)."""
     pipeline_parallel_virtual_stages: int = 1
     """Stages per pipeline rank (> 1 only for the interleaved schedule). Plan.stages then holds
     pp * v stages and stage s runs on pipeline rank s % pp (torch.distributed.pipelining's loop order)."""
@@ -55,14 +63,32 @@ class Parallelism:
     def world_size(self) -> int:
         return self.data_parallel_degree * self.tensor_parallel_degree * self.pipeline_parallel_degree
 
+    @property
+    def sharded(self) -> bool:
+        """Parameters, gradients and optimizer state are sharded (FSDP2); else replicated (DDP)."""
+        return self.data_parallel_shard_degree > 1
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        return self.sharded and self.fsdp_reshard_after_forward == "always"
+
+    def layout(self) -> Layout:
+        """The same layout in layout.py's short names (what the rules read)."""
+        return Layout(dp=self.data_parallel_degree, dp_replicate=self.data_parallel_replicate_degree,
+                      dp_shard=self.data_parallel_shard_degree, reshard=self.fsdp_reshard_after_forward,
+                      tp=self.tensor_parallel_degree, pp=self.pipeline_parallel_degree,
+                      schedule=self.pipeline_parallel_schedule, virtual_stages=self.pipeline_parallel_virtual_stages,
+                      microbatch=self.pipeline_parallel_microbatch_size,
+                      microbatches=self.pipeline_parallel_num_microbatches, recompute=self.activation_checkpoint)
+
 
 @dataclass(frozen=True)
 class Stage:
-    """One pipeline stage: a contiguous run of the model's layers (units)."""
+    """One pipeline stage: a contiguous run of the modules of the model's chain."""
 
     index: int
     modules: tuple[str, ...]
-    """FQNs of the modules (units of the layer chain) that run on this stage, in order."""
+    """FQNs of the modules of the chain that run on this stage, in order."""
     predicted_time_s: float
     """Forward+backward time of one micro-batch on this stage's rank (compute, recompute, collectives and
     host time; not the transfers to neighbouring stages), seconds."""
@@ -119,6 +145,28 @@ class Training:
 
 
 @dataclass(frozen=True)
+class Alternative:
+    """A layout that lost to the plan's, and why."""
+
+    parallelism: Parallelism
+    step_time_s: float | None
+    """None when pruned by a bound before it was priced."""
+    peak_memory_bytes: float | None
+    fits: bool
+    reason: str
+    """Why it lost ("8% slower than the best", "OOM by 12.4 GiB on stage 0")."""
+
+    @staticmethod
+    def of(candidate: Any) -> "Alternative":
+        """From a priced layout (cost.evaluate.Candidate: parallelism, predicted, fits, reason)."""
+        predicted = candidate.predicted
+        return Alternative(parallelism=candidate.parallelism,
+                           step_time_s=predicted.step_time_s if predicted else None,
+                           peak_memory_bytes=predicted.peak_memory_bytes if predicted else None,
+                           fits=candidate.fits, reason=candidate.reason)
+
+
+@dataclass(frozen=True)
 class ModelRef:
     path: str
     """Path of the model.py the plan was made for (train.py loads the copy beside it)."""
@@ -143,13 +191,13 @@ class Plan:
     stages: tuple[Stage, ...]
     predicted: Prediction
     solver: SolverInfo
-    alternatives: tuple[dict[str, Any], ...] = ()
+    alternatives: tuple[Alternative, ...] = ()
     """The next best layouts: parallelism, predicted step time and memory, why each lost."""
     tensor_parallel_plan: dict[str, str] = field(default_factory=dict)
     """Module FQN -> "colwise" | "rowwise" (Megatron pairs found in the graph) when tp > 1, else empty."""
     activation_checkpoint_modules: tuple[str, ...] = ()
-    """Units recomputed in backward with the parallelism.activation_checkpoint mode; empty means every
-    unit when the mode is not "none"."""
+    """The modules recomputed in backward with the parallelism.activation_checkpoint mode, every one
+    listed (empty when the mode is "none")."""
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -158,18 +206,40 @@ class Plan:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
+    def problems(self, features: frozenset[str] | None = SUPPORTED) -> list[str]:
+        """Every layout rule this plan breaks (layout.problems), with `features` what may be used."""
+        scope = Scope(num_gpus=self.cluster.num_gpus, gpus_per_node=self.cluster.gpus_per_node,
+                      global_batch=self.training.global_batch_size, features=features,
+                      stage_modules=tuple(s.modules for s in self.stages),
+                      tensor_parallel_modules=len(self.tensor_parallel_plan))
+        found = problems(self.parallelism.layout(), scope)
+        recomputed = set(self.activation_checkpoint_modules)
+        if (self.parallelism.activation_checkpoint == "none") != (not recomputed):
+            found.append(f"recompute={self.parallelism.activation_checkpoint}, but recompute_modules lists "
+                         f"{len(recomputed)} modules")
+        unknown = recomputed - {m for s in self.stages for m in s.modules}
+        if unknown:
+            found.append(f"recompute_modules names {len(unknown)} module(s) no stage runs "
+                         f"(e.g. {sorted(unknown)[0]!r})")
+        return found
+
     @staticmethod
     def from_dict(raw: Any) -> "Plan":
         if not isinstance(raw, dict):
             raise PlanError("plan.json: top level must be an object")
         version = raw.get("schema_version")
         if version != SCHEMA_VERSION:
-            raise PlanError(f"plan.json: schema_version {version!r} is not {SCHEMA_VERSION}")
+            change = SCHEMA_CHANGES.get(version) if isinstance(version, int) else None
+            raise PlanError(f"plan.json: schema_version {version!r}, but this autoplan reads version "
+                            f"{SCHEMA_VERSION}" + (f" ({change})" if change else "") +
+                            ": re-run autoplan on the model to write a new plan")
         parallelism = _build(Parallelism, raw, "parallelism")
         if parallelism.pipeline_parallel_schedule not in SCHEDULES:
             raise PlanError(f"plan.json: parallelism.pipeline_parallel_schedule must be one of {SCHEDULES}")
         if parallelism.activation_checkpoint not in RECOMPUTE:
             raise PlanError(f"plan.json: parallelism.activation_checkpoint must be one of {RECOMPUTE}")
+        if parallelism.fsdp_reshard_after_forward not in RESHARD:
+            raise PlanError(f"plan.json: parallelism.fsdp_reshard_after_forward must be one of {RESHARD}")
         stages_raw = raw.get("stages")
         if not isinstance(stages_raw, list):
             raise PlanError("plan.json: stages must be a list")
@@ -178,9 +248,12 @@ class Plan:
             if isinstance(s, dict) else _fail("plan.json: each stage must be an object")
             for s in stages_raw
         )
-        alternatives = raw.get("alternatives", [])
-        if not isinstance(alternatives, list):
-            raise PlanError("plan.json: alternatives must be a list")
+        alternatives_raw = raw.get("alternatives", [])
+        if not isinstance(alternatives_raw, list) or not all(isinstance(a, dict) for a in alternatives_raw):
+            raise PlanError("plan.json: alternatives must be a list of objects")
+        alternatives = tuple(
+            _build(Alternative, {"alternative": {**a, "parallelism": _build(Parallelism, a, "parallelism")}},
+                   "alternative") for a in alternatives_raw)
         tp_plan = raw.get("tensor_parallel_plan", {})
         if not isinstance(tp_plan, dict) or any(
                 not isinstance(k, str) or v not in TENSOR_PARALLEL_STYLES for k, v in tp_plan.items()):
@@ -188,7 +261,7 @@ class Plan:
         recomputed = raw.get("activation_checkpoint_modules", [])
         if not isinstance(recomputed, list) or not all(isinstance(m, str) for m in recomputed):
             raise PlanError("plan.json: activation_checkpoint_modules must be a list of module names")
-        return Plan(
+        plan = Plan(
             model=_build(ModelRef, raw, "model"),
             cluster=_build(ClusterRef, raw, "cluster"),
             training=_build(Training, raw, "training"),
@@ -196,10 +269,14 @@ class Plan:
             stages=stages,
             predicted=_build(Prediction, raw, "predicted"),
             solver=_build(SolverInfo, raw, "solver"),
-            alternatives=tuple(alternatives),
+            alternatives=alternatives,
             tensor_parallel_plan=dict(tp_plan),
             activation_checkpoint_modules=tuple(recomputed),
         )
+        broken = plan.problems(features=None)
+        if broken:
+            raise PlanError("plan.json: the layout breaks its rules: " + "; ".join(broken))
+        return plan
 
     @staticmethod
     def from_json(text: str) -> "Plan":
@@ -211,6 +288,7 @@ class Plan:
 
 
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+"""Field annotation (before " |") -> the JSON types it accepts; other annotations are not checked."""
 
 
 def _fail(message: str):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
-from autoplan.plan import ClusterRef, ModelRef, Parallelism, Plan, Prediction, SolverInfo, Stage, Training
+from autoplan.plan import Alternative, ClusterRef, ModelRef, Parallelism, Plan, Prediction, SolverInfo, Stage, Training
 from autoplan.profile.types import ModelProfile, OpProfile
 
 EVIL = "<script>alert(1)</script>"
@@ -15,13 +15,14 @@ GIB = 2.0**30
 
 @dataclass(frozen=True)
 class FakeCandidate:
-    """Duck-typed stand-in for autoplan.solve.search.Candidate."""
+    """Duck-typed stand-in for autoplan.cost.evaluate.Candidate."""
 
     parallelism: Parallelism
     stages: tuple[Stage, ...]
     predicted: Prediction | None
     fits: bool
     reason: str
+    activation_checkpoint_modules: tuple[str, ...] = ()
 
 
 def make_op(index: int, module_stack: tuple[str, ...], time_fwd_s: float) -> OpProfile:
@@ -70,12 +71,12 @@ def make_plan(pp: int = 2, microbatches: int = 4, schedule: str = "1f1b", dp: in
                       pipeline_parallel_schedule=schedule, pipeline_parallel_num_microbatches=microbatches,
                       pipeline_parallel_virtual_stages=chunks)
     predicted = _prediction(0.02 * (microbatches + pp), stages[0].predicted_memory_bytes, 0.008, 0.004)
-    alternatives = ({"parallelism": replace(par, pipeline_parallel_schedule="gpipe").__dict__, "step_time_s": 0.2,
-                     "peak_memory_bytes": 40 * GIB, "fits": True, "why_not": f"GPipe keeps all {microbatches} "
-                     f"micro-batches' activations: 40 GiB vs 13 GiB, and is 1.1x slower"},
-                    {"parallelism": Parallelism(data_parallel_replicate_degree=dp * pp).__dict__,
-                     "step_time_s": 0.1, "peak_memory_bytes": 93.1 * GIB, "fits": False,
-                     "why_not": f"needs 93.1 GiB per GPU, has 80 GiB ({EVIL})"})
+    alternatives = (Alternative(parallelism=replace(par, pipeline_parallel_schedule="gpipe"), step_time_s=0.2,
+                                peak_memory_bytes=40 * GIB, fits=True, reason=f"GPipe keeps all {microbatches} "
+                                f"micro-batches' activations: 40 GiB vs 13 GiB, and is 1.1x slower"),
+                    Alternative(parallelism=Parallelism(data_parallel_replicate_degree=dp * pp), step_time_s=0.1,
+                                peak_memory_bytes=93.1 * GIB, fits=False,
+                                reason=f"needs 93.1 GiB per GPU, has 80 GiB ({EVIL})"))
     return Plan(model=ModelRef("examples/gpt.py", "build_model", 124_000_000),
                 cluster=ClusterRef("h100-sxm5-80gb", dp * pp, 8, 80 * GIB),
                 training=Training(global_batch_size=32, dtype="bf16", tokens_per_sample=32),

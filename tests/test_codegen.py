@@ -59,9 +59,10 @@ def test_writes_train_py_model_copy_and_launcher(tmp_path):
     assert "python train.py --reference" in train_py
     config = config_values(train_py)
     assert config["STAGES"] == [["inp", "layers.0"], ["layers.1", "out"]]
-    assert (config["DP_REPLICATE"], config["PP"], config["SCHEDULE"], config["NUM_MICROBATCHES"]) == (2, 2, "1f1b", 4)
+    assert (config["DP_REPLICATE"], config["PP"], config["SCHEDULE"], config["MICROBATCHES"]) == (2, 2, "1f1b", 4)
     assert config["GLOBAL_BATCH"] == 16 and config["LEARNING_RATE"] == 1e-3 and config["SEED"] == 0
-    assert (config["TP"], config["VIRTUAL_STAGES"], config["ZERO_STAGE"], config["DTYPE"]) == (1, 1, 0, "fp32")
+    assert (config["TP"], config["VIRTUAL_STAGES"], config["DP_SHARD"], config["RESHARD"], config["DTYPE"]) == (
+        1, 1, 1, "never", "fp32")
     assert config["TENSOR_PARALLEL_PLAN"] == {} and config["RECOMPUTE_MODULES"] == []
     assert config["MODEL_FLOPS_PER_STEP"] == 1e12
     assert config["PEAK_FLOPS_PER_GPU"] == 67e12  # the H100 SXM profile's dense fp32 peak
@@ -73,7 +74,7 @@ def test_layout_numbers_reach_the_program(tmp_path):
     tp_plan = {"layers.0": "colwise", "layers.1": "rowwise"}
     plan = make_plan(stages=(("inp",), ("layers.0",), ("layers.1",), ("out",)), tensor_parallel_plan=tp_plan,
                      recompute=("layers.1",), data_parallel_replicate_degree=1, data_parallel_shard_degree=2,
-                     zero_stage=3, tensor_parallel_degree=2, pipeline_parallel_virtual_stages=2,
+                     fsdp_reshard_after_forward="always", tensor_parallel_degree=2, pipeline_parallel_virtual_stages=2,
                      pipeline_parallel_schedule="interleaved", activation_checkpoint="selective", global_batch=16)
     plan = replace(plan, training=replace(plan.training, dtype="bf16"))
     write_program(plan, tmp_path, MLP)
@@ -82,11 +83,11 @@ def test_layout_numbers_reach_the_program(tmp_path):
     assert (config["DP_SHARD"], config["TP"], config["PP"], config["VIRTUAL_STAGES"]) == (2, 2, 2, 2)
     assert config["DTYPE"] == "bf16" and config["PEAK_FLOPS_PER_GPU"] == 989e12  # H100 SXM dense bf16
     assert config["TENSOR_PARALLEL_PLAN"] == tp_plan and config["RECOMPUTE_MODULES"] == ["layers.1"]
-    assert config["ACTIVATION_CHECKPOINT"] == "selective" and config["SCHEDULE"] == "interleaved"
+    assert config["RECOMPUTE"] == "selective" and config["SCHEDULE"] == "interleaved" and config["RESHARD"] == "always"
     docstring = ast.get_docstring(ast.parse(train_py))
     assert "torchrun --standalone --nproc-per-node 8 train.py" in docstring
     assert "2-way tensor parallel (2 Linears)" in docstring and "2 stages per rank" in docstring
-    assert "FSDP2, zero 3" in docstring and "selective activation checkpointing" in docstring
+    assert "FSDP2: dp_replicate 1 x dp_shard 2, reshard always" in docstring and "selective activation checkpointing" in docstring
     assert "bf16 mixed precision on GPUs" in docstring and "On CPU it trains in fp32" in docstring
 
 
@@ -109,7 +110,8 @@ def test_strange_module_and_file_names_cannot_change_the_program(tmp_path):
     model_file = model_dir / "my model's file.py"
     shutil.copyfile(MLP, model_file)
     plan = make_plan(stages=(evil[:2], evil[2:]), model=ModelRef(path=str(model_file), factory='build"\nmodel'),
-                     tensor_parallel_plan={evil[0]: "colwise", evil[4]: "rowwise"}, recompute=evil)
+                     tensor_parallel_plan={evil[0]: "colwise", evil[4]: "rowwise"}, recompute=evil,
+                     activation_checkpoint="full")
     out = tmp_path / "out"
     write_program(plan, out, model_file)
     train_py = (out / "train.py").read_text()
@@ -123,20 +125,21 @@ def test_strange_module_and_file_names_cannot_change_the_program(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(tensor_parallel_degree=2), r"tensor_parallel_degree is 2 but the plan's tensor_parallel_plan names no Linear"),
-    (dict(pipeline_parallel_virtual_stages=2), r"2 virtual stages per rank need the interleaved schedule"),
+    (dict(tensor_parallel_degree=2), r"tp=2, but the plan's tensor_parallel_plan names no module to shard"),
+    (dict(pipeline_parallel_virtual_stages=2),
+     r"virtual_stages=2 needs schedule=interleaved and pp > 1 \(schedule=1f1b, pp=2\)"),
     (dict(pipeline_parallel_schedule="interleaved", pipeline_parallel_num_microbatches=3, global_batch=12),
-     r"interleaved 1f1b needs micro-batches in multiples of pp: 3 % 2 = 1"),
+     r"schedule=interleaved needs a multiple of pp=2 micro-batches, but microbatches = 3"),
     (dict(pipeline_parallel_virtual_stages=2, pipeline_parallel_schedule="interleaved"),
-     r"pipeline_parallel_degree 2 x virtual stages 2 = 4 stages, but the plan lists 2"),
-    (dict(activation_checkpoint="most"), r"activation_checkpoint 'most' is not one of none, selective, full"),
-    (dict(pipeline_parallel_num_microbatches=3), r"global batch 16 != dp 2 x micro-batches 3 x micro-batch size 2 = 12"),
+     r"pp=2 x virtual_stages=2 = 4 stages, but the plan lists 2"),
+    (dict(activation_checkpoint="most"), r"recompute=most is not one of none, selective, full"),
+    (dict(pipeline_parallel_num_microbatches=3), r"microbatches=3, but global batch 16 / dp=2 / microbatch=2 = 4"),
     (dict(pipeline_parallel_num_microbatches=1, pipeline_parallel_microbatch_size=8),
-     r"1f1b needs at least as many micro-batches as stages: 1 < 2"),
-    (dict(data_parallel_replicate_degree=1, data_parallel_shard_degree=2), r"zero_stage 0 \(DDP\) replicates"),
-    (dict(zero_stage=4), r"zero_stage must be 0-3, got 4"),
+     r"schedule=1f1b needs at least pp=2 micro-batches, but microbatches = 1"),
+    (dict(fsdp_reshard_after_forward="always"), r"reshard=always needs dp_shard > 1"),
+    (dict(fsdp_reshard_after_forward="sometimes"), r"reshard=sometimes is not one of always, never"),
     (dict(pipeline_parallel_degree=4, data_parallel_replicate_degree=1, pipeline_parallel_num_microbatches=8),
-     r"pipeline_parallel_degree 4 x virtual stages 1 = 4 stages, but the plan lists 2"),
+     r"pp=4 x virtual_stages=1 = 4 stages, but the plan lists 2"),
 ])
 def test_plans_the_program_cannot_run_are_refused(tmp_path, change, message):
     plan = make_plan()

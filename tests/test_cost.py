@@ -14,7 +14,7 @@ from autoplan.cost.pipeline import (StageCost, bubble_fraction, microbatches_in_
 from autoplan.errors import UserError
 from autoplan.hardware.types import Link
 from autoplan.plan import Parallelism, Training
-from autoplan.solve import layouts
+from autoplan.layout import ALL_FEATURES, SUPPORTED
 from autoplan.cost.context import Context
 from autoplan.cost.evaluate import build_problem, evaluate
 from autoplan.cost.problem import Split
@@ -25,12 +25,13 @@ PSI = 1_000_000
 def _par(dp=1, pp=1, zero=0, schedule="1f1b", mbs=1, m=1, tp=1, v=1, replicate=None):
     shard = 1 if zero == 0 else dp // (replicate or 1)
     return Parallelism(data_parallel_replicate_degree=dp // shard, data_parallel_shard_degree=shard,
+                       fsdp_reshard_after_forward="always" if zero == 3 else "never",
                        tensor_parallel_degree=tp, pipeline_parallel_degree=pp, pipeline_parallel_schedule=schedule,
-                       pipeline_parallel_microbatch_size=mbs, pipeline_parallel_num_microbatches=m, zero_stage=zero,
+                       pipeline_parallel_microbatch_size=mbs, pipeline_parallel_num_microbatches=m,
                        pipeline_parallel_virtual_stages=v)
 
 
-def _ctx(profile=None, gpus=8, batch=8, dtype="bf16", features=layouts.SUPPORTED, **kw):
+def _ctx(profile=None, gpus=8, batch=8, dtype="bf16", features=SUPPORTED, **kw):
     return Context(profile or gpt_profile(n_layer=12), cluster(gpus, **kw), Training(batch, dtype), features)
 
 
@@ -72,7 +73,7 @@ def test_fsdp_under_a_pipeline_holds_the_stage_unsharded():
 
 
 def test_tensor_parallel_splits_the_paired_linears_and_the_vocabulary():
-    ctx = _ctx(features=layouts.ALL_FEATURES)
+    ctx = _ctx(features=ALL_FEATURES)
     block = ctx.chain.units[2]
     h = 128
     split = 3 * h * h + 3 * h + h * h + 4 * h * h + 4 * h + 4 * h * h  # qkv, proj, fc, proj (+ colwise biases)
@@ -109,7 +110,7 @@ def test_activation_memory_per_layer_follows_korthikanti():
     s, h, a = 64, 256, 8
     profile = gpt_profile(n_layer=8, n_embd=h, vocab=512, seq=s, batch=2, n_head=a, device="testgpu",
                           attention="megatron")
-    ctx = Context(profile, cluster(8), Training(8, "bf16"), layouts.SUPPORTED | {"tp_fused_split"})  # Megatron qkv
+    ctx = Context(profile, cluster(8), Training(8, "bf16"), SUPPORTED | {"tp_fused_split"})  # Megatron qkv
     block = ctx.chain.fqns.index("blocks.1")
     for t in (1, 2, 4):
         acts = ctx.table(t, 1).activation_bytes
@@ -129,7 +130,7 @@ def test_recompute_costs_the_forward_it_repeats():
 
 def test_tensor_parallel_layer_all_reduces_twice_forward_and_twice_backward():
     profile = gpt_profile(n_layer=12, device="testgpu")
-    ctx = Context(profile, cluster(8), Training(8, "bf16"), layouts.SUPPORTED | {"tp_fused_split"})  # Megatron qkv
+    ctx = Context(profile, cluster(8), Training(8, "bf16"), SUPPORTED | {"tp_fused_split"})  # Megatron qkv
     table = ctx.table(4, 2)
     one = comm.all_reduce_s(2 * 64 * 128 * 2, 4, ctx.group(4, 1).link)  # b s h elements, bf16
     assert table.tp_forward_s[2] == pytest.approx(2 * one)
@@ -140,10 +141,10 @@ def test_tensor_parallel_layer_all_reduces_twice_forward_and_twice_backward():
 
 def test_roofline_times_scale_with_dtype_and_measured_times_keep_launches_fixed():
     gpu_ctx = _ctx(gpt_profile(n_layer=12, device="testgpu"))
-    fp32 = Context(gpu_ctx.profile, gpu_ctx.cluster, Training(8, "fp32"), layouts.SUPPORTED)
+    fp32 = Context(gpu_ctx.profile, gpu_ctx.cluster, Training(8, "fp32"), SUPPORTED)
     assert all(b < f for b, f in zip(gpu_ctx.table(1, 1).time_s("none"), fp32.table(1, 1).time_s("none")))
     cpu = Context(gpt_profile(n_layer=12, batch=4), replace(cluster(8), hardware=replace(
-        cluster(8).hardware, gpu=replace(make_gpu(), name="cpu"))), Training(8, "fp32"), layouts.SUPPORTED)
+        cluster(8).hardware, gpu=replace(make_gpu(), name="cpu"))), Training(8, "fp32"), SUPPORTED)
     assert cpu.use_measured
     one, two, four = (cpu.table(1, b).forward_s[2] for b in (1, 2, 4))
     launches = sum(1 for n in cpu.chain.units[2].ops if not n.startswith(("split", "view", "transpose"))) * LAUNCH_S
@@ -179,7 +180,7 @@ def test_pipelined_stages_compute_slower_by_the_calibrated_fraction():
     hardware = free.cluster.hardware
     slowed_hardware = replace(hardware, gpu=replace(hardware.gpu, pipeline_compute_slowdown=0.25))
     slowed = Context(gpt_profile(n_layer=12), replace(free.cluster, hardware=slowed_hardware), Training(8, "bf16"),
-                     layouts.SUPPORTED)
+                     SUPPORTED)
     par, split = _par(pp=4, m=8), Split((0, 5, 8, 11, 16))
     before, after = (evaluate(c, par, build_problem(c, par, ("none",)),
                               build_problem(c, par, ("none",)).uniform(split), True) for c in (free, slowed))

@@ -11,7 +11,7 @@ from chain_fixtures import gpt_profile, paper_flops, read_runs, run_cluster, run
 from autoplan.plan import Training
 from autoplan.profile.types import ModelProfile
 from autoplan.solve.pins import parse_pins
-from autoplan.solve.layouts import ALL_FEATURES
+from autoplan.layout import ALL_FEATURES
 from autoplan.solve.search import search
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -47,4 +47,4 @@ def test_published_runs_pinned_are_predicted_within_10_percent_and_fit_80_gb(row
     measured = float(row["measured_tflops_per_gpu_incl_recompute"])
     assert predicted == pytest.approx(measured, rel=0.10)
     assert best.predicted.peak_memory_bytes <= 80e9 and best.fits
-    assert best.parallelism.activation_checkpoint == "full" and best.activation_checkpoint_modules == ()
+    assert best.parallelism.activation_checkpoint == "full" and best.activation_checkpoint_modules == result.chain.fqns

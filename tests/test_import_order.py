@@ -19,11 +19,11 @@ ORDER = (
     "errors", "layout", "plan", "hardware", "profile.types", "calibrate.types", "procs", "source",
     "chain", "cost", "solve",
     "contract", "capture", "profile", "runtime", "codegen", "report", "verify", "calibrate",
-    "api", "cli", "__main__", "autoplan",
+    "api", "autoplan", "cli", "__main__",
 )
 """Left to right: types and rules, the torch-free planning core (chain -> cost -> solve), the torch side
 (the model contract, capture, profile, the generated program's runtime), the writers and tools, then
-the API and the command line. `autoplan` is the package's __init__ (the public functions)."""
+the API, the package's __init__ (`autoplan`: the public functions) and the command line."""
 
 TORCH_FREE = ("errors", "layout", "plan", "hardware", "profile.types", "chain", "cost", "solve", "report")
 """Parts that never import torch, directly or through another part."""

@@ -1,10 +1,11 @@
 """plan.json round trip and validation: a plan is data, checked on load."""
 
 import json
+import re
 
 import pytest
 
-from autoplan.plan import (ClusterRef, ModelRef, Parallelism, Plan, PlanError, Prediction, SolverInfo, Stage,
+from autoplan.plan import (Alternative, ClusterRef, ModelRef, Parallelism, Plan, PlanError, Prediction, SolverInfo, Stage,
                            Training)
 
 
@@ -12,12 +13,15 @@ def make_plan() -> Plan:
     return Plan(
         model=ModelRef("model.py", "build_model", 1000),
         cluster=ClusterRef("cpu", 4, 4, 2.0**30),
-        training=Training(global_batch_size=8),
+        training=Training(global_batch_size=4),
         parallelism=Parallelism(data_parallel_replicate_degree=2, pipeline_parallel_degree=2,
                                 pipeline_parallel_num_microbatches=2),
         stages=(Stage(0, ("a", "b"), 0.1, 100.0, {"parameters": 50.0}), Stage(1, ("c",), 0.1, 90.0)),
         predicted=Prediction(0.5, 16.0, None, 1e9, 0.3, 100.0, {"parameters": 50.0}),
         solver=SolverInfo("highs", "optimal", 0.01, 3),
+        alternatives=(Alternative(Parallelism(data_parallel_shard_degree=4, fsdp_reshard_after_forward="always",
+                                              pipeline_parallel_num_microbatches=1), 0.6, 80.0, True,
+                                  "20% slower than the best"),),
     )
 
 
@@ -61,3 +65,26 @@ def test_invalid_plans_are_rejected_with_the_field_named(mutate, message):
 def test_not_json_is_rejected():
     with pytest.raises(PlanError, match="not valid JSON"):
         Plan.from_json("\x80\x04 pickle?")
+
+
+def test_a_schema_1_plan_is_refused_with_what_changed():
+    raw = make_plan().to_dict()
+    raw["schema_version"] = 1
+    with pytest.raises(PlanError, match=r"schema_version 1, but this autoplan reads version 2 \(version 2 "
+                                        r"replaced parallelism.zero_stage .*re-run autoplan"):
+        Plan.from_json(json.dumps(raw))
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda r: r["parallelism"].update(pipeline_parallel_num_microbatches=3),
+     "microbatches=3, but global batch 4 / dp=2 / microbatch=1 = 2"),
+    (lambda r: r["cluster"].update(num_gpus=8), "dp=2 x tp=1 x pp=2 = 4, not 8 GPUs"),
+    (lambda r: r["parallelism"].update(fsdp_reshard_after_forward="always"), "reshard=always needs dp_shard > 1"),
+    (lambda r: r.update(activation_checkpoint_modules=["a"]), "recompute=none, but recompute_modules lists 1"),
+])
+def test_plans_breaking_the_layout_rules_are_refused_on_load(mutate, message):
+    """Loading runs the same rules as the search and codegen (layout.problems), every one at once."""
+    raw = make_plan().to_dict()
+    mutate(raw)
+    with pytest.raises(PlanError, match=re.escape(message)):
+        Plan.from_json(json.dumps(raw))

@@ -13,8 +13,7 @@ from chain_fixtures import GIB, a100_cluster, cluster, gpt_profile
 
 from autoplan.errors import Infeasible, UserError
 from autoplan.plan import Parallelism, Training
-from autoplan.solve.layouts import SUPPORTED
-from autoplan.solve import layouts
+from autoplan.layout import SUPPORTED
 from autoplan.chain.layers import build_chain
 from autoplan.solve.pins import Pins, parse_pins
 from autoplan.solve.search import estimate, search
@@ -43,7 +42,7 @@ def test_parse_pins_lists_every_problem_at_once():
     with pytest.raises(UserError) as error:
         parse_pins("tp=x,foo=1,zero=5,schedule=zb,pp=0,dp,dp=2,dp=4")
     message = str(error.value)
-    for part in ("tp=x is not an integer", "unknown key 'foo'", "zero=5 is not a ZeRO stage",
+    for part in ("tp=x is not an integer", "unknown key 'foo'", "zero=5 is not one of 0, 1, 2, 3",
                  "schedule=zb is not one of", "pp=0 must be at least 1", "'dp' is not key=value",
                  "'dp' is given twice"):
         assert part in message
@@ -56,7 +55,7 @@ def test_ample_memory_picks_pure_data_parallelism_without_resharding():
             par.activation_checkpoint) == (8, 1, 1, "none")
     # parameters fit, so none are re-gathered per forward; sharding the optimizer state (ZeRO-1/2) may
     # still win: unfused AdamW streams 80 B per parameter, 8x less of it per rank
-    assert par.zero_stage < 3
+    assert not par.reshards_after_forward
     assert result.best.fits and result.best.reason == "" and len(result.best.stages) == 1
     assert result.solver.status == "optimal" and result.solver.candidates_evaluated >= len(result.candidates)
     assert all(c.reason for c in result.candidates[1:])
@@ -67,9 +66,9 @@ def test_memory_below_the_replicated_model_state_forces_sharding_or_a_pipeline()
     cap_gib = 0.75 * replicated / GIB
     result = search(gpt2_small(), capped(8, cap_gib), TRAINING)
     par = result.best.parallelism
-    assert par.zero_stage >= 2 or par.pipeline_parallel_degree > 1 or par.tensor_parallel_degree > 1
+    assert par.sharded or par.pipeline_parallel_degree > 1 or par.tensor_parallel_degree > 1
     assert result.best.predicted.peak_memory_bytes <= cap_gib * GIB
-    ddp = [c for c in result.candidates if c.parallelism.zero_stage == 0 and c.parallelism.world_size == 8
+    ddp = [c for c in result.candidates if not c.parallelism.sharded and c.parallelism.world_size == 8
            and c.parallelism.data_parallel_degree == 8]
     assert ddp and all(not c.fits and c.reason.startswith("OOM by") for c in ddp)
 
@@ -94,8 +93,8 @@ def test_pins_are_respected():
     result = search(gpt2_small(), cluster(8), TRAINING, pins)
     for c in result.candidates:
         par = c.parallelism
-        assert (par.pipeline_parallel_degree, par.zero_stage, par.pipeline_parallel_schedule,
-                par.pipeline_parallel_microbatch_size) == (2, 3, "gpipe", 2)
+        assert (par.pipeline_parallel_degree, par.reshards_after_forward, par.pipeline_parallel_schedule,
+                par.pipeline_parallel_microbatch_size) == (2, True, "gpipe", 2)
     best = result.best
     assert best.parallelism.data_parallel_degree == 4 and best.parallelism.pipeline_parallel_num_microbatches == 8
     assert [m for s in best.stages for m in s.modules] == list(result.chain.fqns)
@@ -112,9 +111,10 @@ def test_interleaved_pins_give_p_times_v_stages_on_ranks_in_turn():
 
 
 def test_the_switch_list_turns_features_off():
-    without = layouts.SUPPORTED - {"zero2", "tp", "interleaved"}
+    without = SUPPORTED - {"zero2", "tp", "interleaved"}
     result = search(gpt2_small(), capped(8, 0.9), TRAINING, features=without)
-    assert all(c.parallelism.zero_stage != 2 and c.parallelism.tensor_parallel_degree == 1
+    assert all(not (c.parallelism.sharded and not c.parallelism.reshards_after_forward)
+               and c.parallelism.tensor_parallel_degree == 1
                and c.parallelism.pipeline_parallel_schedule != "interleaved" for c in result.candidates)
     with pytest.raises(UserError, match="zero=2 is not supported yet"):
         search(gpt2_small(), cluster(8), TRAINING, Pins(zero=2), features=without)
@@ -141,10 +141,10 @@ def test_recompute_is_chosen_per_unit_when_memory_needs_some():
 @pytest.mark.parametrize("pins, num_gpus, batch, message", [
     (Pins(pp=3), 8, 64, "pp=3 does not divide 8 GPUs"),
     (Pins(dp=16), 16, 8, "dp=16 does not divide the global batch of 8"),
-    (Pins(pp=32), 32, 64, "pp=32 exceeds the 16 layers"),
+    (Pins(pp=32), 32, 64, "pp=32 exceeds the 16 modules the model splits into"),
     (Pins(tp=8), 8, 64, "tp=8 does not divide 12 attention heads"),
     (Pins(tp=16), 16, 64, "tp=16 does not divide the 8 GPUs of a node"),
-    (Pins(dp=2, pp=2), 8, 64, "dp=2 x pp=2 x tp=1 = 4, not 8 GPUs"),
+    (Pins(dp=2, pp=2, tp=1), 8, 64, "dp=2 x tp=1 x pp=2 = 4, not 8 GPUs"),
     (Pins(dp=2, microbatch=3), 8, 64, "microbatch=3 does not divide the 32 samples per data-parallel rank"),
     (Pins(dp=2, pp=4, microbatch=16, schedule="1f1b"), 8, 64, "global batch 64 / dp=2 / microbatch=16 = 2"),
     (Pins(dp=2, pp=4, microbatch=2, schedule="interleaved"), 8, 24, "needs a multiple of pp=4 micro-batches"),

@@ -10,7 +10,7 @@ from chain_fixtures import cluster, gpt_profile
 from autoplan.errors import UserError
 from autoplan.plan import Training
 from autoplan.profile.types import ModelProfile
-from autoplan.solve.layouts import SUPPORTED
+from autoplan.layout import SUPPORTED
 from autoplan.solve.pins import Pins
 from autoplan.solve.search import search
 from autoplan.chain.tensor_parallel import find_tensor_parallel_plan, tensor_parallel_facts

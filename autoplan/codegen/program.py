@@ -13,7 +13,8 @@ from pathlib import Path
 from autoplan.codegen.launch import Launch, launch_layout, launcher_files
 from autoplan.codegen.train_template import TRAIN_PY
 from autoplan.errors import UserError
-from autoplan.plan import RECOMPUTE, SCHEDULES, TENSOR_PARALLEL_STYLES, Plan
+from autoplan.layout import SUPPORTED, TENSOR_PARALLEL_STYLES
+from autoplan.plan import Plan
 
 
 def write_program(plan: Plan, out_dir: Path, model_file: Path) -> None:
@@ -33,60 +34,15 @@ def write_program(plan: Plan, out_dir: Path, model_file: Path) -> None:
 
 
 def check_supported(plan: Plan) -> None:
-    """Reject plans the generated program cannot run, with the numbers that conflict."""
-    p = plan.parallelism
-    problems = []
-    degrees = {"data_parallel_replicate_degree": p.data_parallel_replicate_degree,
-               "data_parallel_shard_degree": p.data_parallel_shard_degree,
-               "tensor_parallel_degree": p.tensor_parallel_degree,
-               "pipeline_parallel_degree": p.pipeline_parallel_degree,
-               "pipeline_parallel_virtual_stages": p.pipeline_parallel_virtual_stages,
-               "pipeline_parallel_microbatch_size": p.pipeline_parallel_microbatch_size,
-               "pipeline_parallel_num_microbatches": p.pipeline_parallel_num_microbatches}
-    problems += [f"{name} must be >= 1, got {value}" for name, value in degrees.items() if value < 1]
-    if p.zero_stage not in (0, 1, 2, 3):
-        problems.append(f"zero_stage must be 0-3, got {p.zero_stage}")
-    elif p.zero_stage == 0 and p.data_parallel_shard_degree > 1:
-        problems.append(f"zero_stage 0 (DDP) replicates, but data_parallel_shard_degree is {p.data_parallel_shard_degree}")
-    if p.pipeline_parallel_schedule not in SCHEDULES:
-        problems.append(f"pipeline schedule {p.pipeline_parallel_schedule!r} is not one of {', '.join(SCHEDULES)}")
-    if p.activation_checkpoint not in RECOMPUTE:
-        problems.append(f"activation_checkpoint {p.activation_checkpoint!r} is not one of {', '.join(RECOMPUTE)}")
-    if p.tensor_parallel_degree > 1 and not plan.tensor_parallel_plan:
-        problems.append(f"tensor_parallel_degree is {p.tensor_parallel_degree} but the plan's tensor_parallel_plan "
-                        "names no Linear to shard")
+    """Reject plans the generated program cannot run (layout.problems with what codegen supports), with
+    the numbers that conflict."""
+    found = plan.problems(SUPPORTED)
     bad_styles = sorted(k for k, v in plan.tensor_parallel_plan.items() if v not in TENSOR_PARALLEL_STYLES)
     if bad_styles:
-        problems.append(f"tensor_parallel_plan styles must be one of {TENSOR_PARALLEL_STYLES} "
-                        f"({len(bad_styles)} entries are not)")
-    if not problems:
-        problems += _batch_and_stage_problems(plan)
-    if problems:
-        raise UserError("cannot generate train.py for this plan: " + "; ".join(problems))
-
-
-def _batch_and_stage_problems(plan: Plan) -> list[str]:
-    p, t = plan.parallelism, plan.training
-    problems = []
-    per_step = p.data_parallel_degree * p.pipeline_parallel_num_microbatches * p.pipeline_parallel_microbatch_size
-    if t.global_batch_size != per_step:
-        problems.append(f"global batch {t.global_batch_size} != dp {p.data_parallel_degree} x micro-batches "
-                        f"{p.pipeline_parallel_num_microbatches} x micro-batch size "
-                        f"{p.pipeline_parallel_microbatch_size} = {per_step}")
-    pp, virtual, micro = p.pipeline_parallel_degree, p.pipeline_parallel_virtual_stages, p.pipeline_parallel_num_microbatches
-    if virtual > 1 and (pp == 1 or p.pipeline_parallel_schedule != "interleaved"):
-        problems.append(f"{virtual} virtual stages per rank need the interleaved schedule and pp > 1 "
-                        f"(schedule {p.pipeline_parallel_schedule}, pp {pp})")
-    if pp > 1 and len(plan.stages) != pp * virtual:
-        problems.append(f"pipeline_parallel_degree {pp} x virtual stages {virtual} = {pp * virtual} stages, "
-                        f"but the plan lists {len(plan.stages)}")
-    if pp > 1 and any(not stage.modules for stage in plan.stages):
-        problems.append("every pipeline stage must list at least one module")
-    if pp > 1 and p.pipeline_parallel_schedule == "1f1b" and micro < pp:
-        problems.append(f"1f1b needs at least as many micro-batches as stages: {micro} < {pp}")
-    if pp > 1 and p.pipeline_parallel_schedule == "interleaved" and micro % pp:
-        problems.append(f"interleaved 1f1b needs micro-batches in multiples of pp: {micro} % {pp} = {micro % pp}")
-    return problems
+        found.append(f"tensor_parallel_plan styles must be one of {TENSOR_PARALLEL_STYLES} "
+                     f"({len(bad_styles)} entries are not)")
+    if found:
+        raise UserError("cannot generate train.py for this plan: " + "; ".join(found))
 
 
 def render_train_py(plan: Plan, launch: Launch) -> str:
@@ -144,12 +100,12 @@ def _layout(plan: Plan) -> str:
     p = plan.parallelism
     dp = p.data_parallel_degree
     parts = []
-    if dp > 1 and p.zero_stage == 0:
+    if dp > 1 and not p.sharded:
         parts.append(f"{dp}-way data parallel (DDP)")
     elif dp > 1:
-        hybrid = " (HSDP)" if p.data_parallel_replicate_degree > 1 and p.data_parallel_shard_degree > 1 else ""
-        parts.append(f"{dp}-way data parallel with FSDP2, zero {p.zero_stage}{hybrid}: replicate "
-                     f"{p.data_parallel_replicate_degree} x shard {p.data_parallel_shard_degree}")
+        hybrid = " (HSDP)" if p.data_parallel_replicate_degree > 1 else ""
+        parts.append(f"{dp}-way data parallel with FSDP2{hybrid}: dp_replicate {p.data_parallel_replicate_degree} x "
+                     f"dp_shard {p.data_parallel_shard_degree}, reshard {p.fsdp_reshard_after_forward}")
     if p.tensor_parallel_degree > 1:
         parts.append(f"{p.tensor_parallel_degree}-way tensor parallel ({len(plan.tensor_parallel_plan)} Linears)")
     if p.pipeline_parallel_degree > 1:
@@ -191,14 +147,14 @@ def _config_block(plan: Plan) -> str:
         ("DTYPE", repr(t.dtype), '"bf16": mixed precision on GPUs (fp32 on CPU)'),
         ("DP_REPLICATE", repr(p.data_parallel_replicate_degree), "data-parallel replicas (DDP, or HSDP's replicate dim)"),
         ("DP_SHARD", repr(p.data_parallel_shard_degree), "data-parallel ranks sharding the model (FSDP2)"),
-        ("ZERO_STAGE", repr(p.zero_stage), "0 = DDP; 3 = FSDP2 resharding after forward; 1/2 = FSDP2 keeping params gathered"),
+        ("RESHARD", repr(p.fsdp_reshard_after_forward), "FSDP2 frees gathered parameters after forward: always | never"),
         ("TP", repr(p.tensor_parallel_degree), "tensor-parallel ranks (innermost mesh dim)"),
         ("PP", repr(p.pipeline_parallel_degree), "pipeline ranks"),
         ("VIRTUAL_STAGES", repr(p.pipeline_parallel_virtual_stages), "stages per pipeline rank (interleaved schedule)"),
         ("SCHEDULE", repr(p.pipeline_parallel_schedule), "pipeline schedule"),
-        ("MICROBATCH_SIZE", repr(p.pipeline_parallel_microbatch_size), "samples per micro-batch"),
-        ("NUM_MICROBATCHES", repr(p.pipeline_parallel_num_microbatches), "micro-batches per step per data-parallel rank"),
-        ("ACTIVATION_CHECKPOINT", repr(p.activation_checkpoint), "none | selective (keep matmul outputs) | full"),
+        ("MICROBATCH", repr(p.pipeline_parallel_microbatch_size), "samples per micro-batch"),
+        ("MICROBATCHES", repr(p.pipeline_parallel_num_microbatches), "micro-batches per step per data-parallel rank"),
+        ("RECOMPUTE", repr(p.activation_checkpoint), "activation checkpointing: none | selective (keep matmul outputs) | full"),
         ("TOKENS_PER_SAMPLE", repr(t.tokens_per_sample), "for tokens/s (None: not token inputs)"),
         ("MODEL_FLOPS_PER_STEP", repr(float(plan.predicted.model_flops_per_step)), "for MFU"),
         ("PEAK_FLOPS_PER_GPU", repr(_peak_flops_per_gpu(plan)), f"dense peak of the planned GPU in {t.dtype}, for MFU"),
@@ -208,9 +164,9 @@ def _config_block(plan: Plan) -> str:
     lines += _literal_block("TENSOR_PARALLEL_PLAN", "{}", [f"{fqn!r}: {style!r}," for fqn, style in
                                                            plan.tensor_parallel_plan.items()],
                             "nn.Linear FQN -> colwise | rowwise (when TP > 1)")
-    lines += _literal_block("RECOMPUTE_MODULES", "[]", [f"{unit!r}," for unit in plan.activation_checkpoint_modules],
-                            "units to recompute (empty: every unit, unless ACTIVATION_CHECKPOINT is none)")
-    lines.append("STAGES = [  # the modules (units) each pipeline stage runs, in order; stage s on pipeline rank s % PP")
+    lines += _literal_block("RECOMPUTE_MODULES", "[]", [f"{name!r}," for name in plan.activation_checkpoint_modules],
+                            "the modules recomputed in backward, in the RECOMPUTE mode")
+    lines.append("STAGES = [  # the modules each pipeline stage runs, in order; stage s on pipeline rank s % PP")
     lines += [f"    {list(stage.modules)!r}," for stage in sorted(plan.stages, key=lambda s: s.index)]
     lines.append("]")
     return "\n".join(lines)

@@ -65,7 +65,7 @@ def build_parallel_model(model_source, mesh, rank, device, dtype):
     weights = runtime.catalog(model)  # every tensor's names and shape, for the initial broadcast
     split = None
     if PP > 1:  # cut this rank's stages out of the exported graph of the real model
-        example_inputs, _ = model_source.example_batch(MICROBATCH_SIZE)
+        example_inputs, _ = model_source.example_batch(MICROBATCH)
         split = runtime.split_model(model, runtime.to_device(example_inputs, "meta"), STAGES, device)
         stage_ids = runtime.local_stages(rank.pp_rank, PP, VIRTUAL_STAGES)
         split.drop_other_stages(stage_ids)
@@ -77,12 +77,12 @@ def build_parallel_model(model_source, mesh, rank, device, dtype):
 
     for s, part in parts.items():  # order as in torchtitan: tensor parallel, recompute, FSDP
         part.module = runtime.tensor_parallel(part.module, mesh["tp"], TENSOR_PARALLEL_PLAN, units[s])
-        recomputed = [u for u in units[s] if not RECOMPUTE_MODULES or u in RECOMPUTE_MODULES]
-        part.module = runtime.checkpoint_units(part.module, recomputed, ACTIVATION_CHECKPOINT)
-        part.module = runtime.shard_data_parallel(part.module, mesh, ZERO_STAGE, units[s], dtype)
+        recomputed = [u for u in units[s] if u in RECOMPUTE_MODULES]
+        part.module = runtime.checkpoint_units(part.module, recomputed, RECOMPUTE)
+        part.module = runtime.shard_data_parallel(part.module, mesh, RESHARD == "always", units[s], dtype)
     runtime.materialize(parts.values(), weights, model_source, SEED, device)
     for part in parts.values():
-        part.module = runtime.replicate_data_parallel(part.module, mesh, ZERO_STAGE, device)  # DDP
+        part.module = runtime.replicate_data_parallel(part.module, mesh, device)  # DDP
     return {s: part.module for s, part in parts.items()}, split
 
 
@@ -105,10 +105,10 @@ def main(argv=None) -> list[float]:
 
     # forward + backward of one step over this rank's micro-batches
     if PP > 1:
-        forward_backward = runtime.PipelineStep(parts, split, mesh, rank, SCHEDULE, NUM_MICROBATCHES,
+        forward_backward = runtime.PipelineStep(parts, split, mesh, rank, SCHEDULE, MICROBATCHES,
                                                 model_source.loss_fn, device, dtype, tensor_parallel=TP > 1)
     else:
-        forward_backward = runtime.AccumulationStep(parts[0], NUM_MICROBATCHES, model_source.loss_fn, dtype,
+        forward_backward = runtime.AccumulationStep(parts[0], MICROBATCHES, model_source.loss_fn, dtype,
                                                     tensor_parallel=TP > 1)
 
     checkpoints = runtime.Checkpointer(args.checkpoint_dir, parts, optimizer, pipelined=PP > 1)

@@ -11,15 +11,15 @@ alpha and busbw.
 Overlap is modelled as "everything overlaps except the piece that cannot start before the compute
 ends": exposed = serial piece + max(0, rest - overlap window). The window is the compute time times
 Gpu.comm_overlap (1 on GPUs; measured on a CPU, whose gloo threads share the cores).
-- DDP (zero 0): gradients all-reduce in DDP_BUCKET_BYTES buckets during the backward of the last
+- DDP (dp_shard 1): gradients all-reduce in DDP_BUCKET_BYTES buckets during the backward of the last
   micro-batch (earlier ones run under no_sync); all but the last bucket hide behind that backward.
   DDP also costs time per parameter tensor (Gpu.ddp_tensor_overhead_s, measured; ~0 on GPUs).
-- FSDP2 (zero 3), pp = 1: per micro-batch, all-gather every unit in forward and again in backward,
-  reduce-scatter every unit in backward (one collective per unit); the first gather and the last
-  reduce-scatter are exposed, the rest hide behind the compute of that pass. HSDP adds an all-reduce
+- FSDP2 resharding after forward (reshard=always), pp = 1: per micro-batch, all-gather every unit in
+  forward and again in backward, reduce-scatter every unit in backward (one collective per unit); the
+  first gather and the last reduce-scatter are exposed, the rest hide behind the compute of that pass. HSDP adds an all-reduce
   of the sharded gradients over the replicas, hidden like the reduce-scatters.
-- FSDP2 without resharding after forward (zero 1/2), pp = 1: per micro-batch one all-gather (forward)
-  and one reduce-scatter (backward), exposed the same way.
+- FSDP2 without resharding after forward (reshard=never), pp = 1: per micro-batch one all-gather
+  (forward) and one reduce-scatter (backward), exposed the same way.
 - Any FSDP under a pipeline: parameters are gathered once per step (first micro-batch) and gradients
   reduce-scattered once after the last backward (torch.distributed.pipelining), which nothing hides.
 - FSDP2's hooks cost host time per unit and micro-batch (Gpu.fsdp_unit_overhead_s, measured; ~0 on GPUs).
@@ -122,32 +122,54 @@ def ddp_comm(grad_bytes: float, group: Group, backward_window_s: float, tensors:
     return DataParallelComm(0.0, exposed_s(total, last_bucket, backward_window_s) + hooks, total)
 
 
-def fsdp_comm(unit_param_bytes: list[float], zero_stage: int, shard: Group, replicate: Group, num_ranks: int,
-              num_microbatches: int, forward_window_s: float, backward_window_s: float,
-              copy_bytes_per_s: float, gradient_ratio: float = 1.0, unit_overhead_s: float = 0.0) -> DataParallelComm:
-    """FSDP2 collectives of one stage whose units hold `unit_param_bytes` (training dtype, unsharded on
-    the shard group); gradients are reduced at `gradient_ratio` x those bytes (2 for bf16 parameters
-    reduced in fp32). Windows are one micro-batch's compute; `copy_bytes_per_s` is the device's
-    achievable streaming bandwidth; `unit_overhead_s` the host time FSDP2 adds per unit and micro-batch
-    (Gpu.fsdp_unit_overhead_s)."""
-    stage_bytes = sum(unit_param_bytes)
+@dataclass(frozen=True)
+class FsdpStage:
+    """What FSDP2's collectives on one rank of a stage depend on."""
+
+    unit_param_bytes: tuple[float, ...]
+    """Parameter bytes of each FSDP unit (a module of the chain) of the stage, training dtype, unsharded."""
+    reshard_after_forward: bool
+    """Gathered again for backward (ZeRO-3) or kept from forward (ZeRO-1/2)."""
+    shard: Group
+    replicate: Group
+    """HSDP's replicas (size 1 without HSDP): they all-reduce the sharded gradients."""
+    pipelined: bool
+    """Under torch.distributed.pipelining (pp > 1): gathered once per step, reduced after the last backward."""
+    num_microbatches: int
+    forward_window_s: float
+    """One micro-batch's forward compute that communication can hide behind, seconds."""
+    backward_window_s: float
+    copy_bytes_per_s: float
+    """The device's achievable streaming bandwidth (FSDP2's copy-in and copy-out)."""
+    gradient_ratio: float = 1.0
+    """Gradient bytes reduced per parameter byte (2 for bf16 parameters reduced in fp32)."""
+    unit_overhead_s: float = 0.0
+    """Host time FSDP2 adds per unit and micro-batch (Gpu.fsdp_unit_overhead_s)."""
+
+
+def fsdp_comm(stage: FsdpStage) -> DataParallelComm:
+    """FSDP2 collectives of one rank of a stage (see the module docstring)."""
+    unit_bytes = stage.unit_param_bytes
+    stage_bytes = sum(unit_bytes)
+    shard, replicate = stage.shard, stage.replicate
     if shard.size <= 1 or stage_bytes <= 0:
         return NO_COMM
-    hooks = len(unit_param_bytes) * unit_overhead_s
+    hooks = len(unit_bytes) * stage.unit_overhead_s
     s, link, nodes = shard.size, shard.link, shard.nodes
-    copy_s = FSDP_COPY_TRAFFIC * stage_bytes / copy_bytes_per_s
-    gathers = [all_gather_s(b, s, link, nodes) for b in unit_param_bytes]
-    grads = [b * gradient_ratio for b in unit_param_bytes]
+    copy_s = FSDP_COPY_TRAFFIC * stage_bytes / stage.copy_bytes_per_s
+    gathers = [all_gather_s(b, s, link, nodes) for b in unit_bytes]
+    grads = [b * stage.gradient_ratio for b in unit_bytes]
     scatters = [reduce_scatter_s(g, s, link, nodes)
                 + all_reduce_s(g / s, replicate.size, replicate.link, replicate.nodes) for g in grads]
-    if num_ranks > 1:  # gathered once per step, reduced once after the last backward
-        first = exposed_s(sum(gathers), gathers[0], forward_window_s) + copy_s
+    if stage.pipelined:  # gathered once per step, reduced once after the last backward
+        first = exposed_s(sum(gathers), gathers[0], stage.forward_window_s) + copy_s
         return DataParallelComm(hooks, first + sum(scatters) + copy_s, sum(gathers) + sum(scatters), hooks / 2)
-    forward = exposed_s(sum(gathers), gathers[0], forward_window_s) + copy_s
-    if zero_stage == 3:
-        backward = exposed_s(sum(gathers) + sum(scatters), scatters[-1], backward_window_s) + 2 * copy_s
-        total = num_microbatches * (2 * sum(gathers) + sum(scatters))
+    forward = exposed_s(sum(gathers), gathers[0], stage.forward_window_s) + copy_s
+    m = stage.num_microbatches
+    if stage.reshard_after_forward:
+        backward = exposed_s(sum(gathers) + sum(scatters), scatters[-1], stage.backward_window_s) + 2 * copy_s
+        total = m * (2 * sum(gathers) + sum(scatters))
     else:
-        backward = exposed_s(sum(scatters), scatters[-1], backward_window_s) + copy_s
-        total = num_microbatches * (sum(gathers) + sum(scatters))
+        backward = exposed_s(sum(scatters), scatters[-1], stage.backward_window_s) + copy_s
+        total = m * (sum(gathers) + sum(scatters))
     return DataParallelComm(forward + backward + hooks, 0.0, total, forward + hooks / 2)

@@ -100,10 +100,10 @@ class Context:
     def group_numel(self, tp: int) -> list[float]:
         return [g.numel / (tp if split else 1) for g, split in zip(self.chain.tied_groups, self.costs.tied_split)]
 
-    def layout_memory(self, inputs: MemoryInputs, zero: int, shard: int, pp: int) -> LayoutMemory:
-        key = (id(inputs), zero, shard, pp > 1)
+    def layout_memory(self, inputs: MemoryInputs, shard: int, reshard_after_forward: bool, pp: int) -> LayoutMemory:
+        key = (id(inputs), shard, reshard_after_forward, pp > 1)
         if key not in self._layouts:
-            self._layouts[key] = layout_memory(inputs, self.dtype, zero, shard, pp)
+            self._layouts[key] = layout_memory(inputs, self.dtype, shard, reshard_after_forward, pp)
         return self._layouts[key]
 
     def memory_inputs(self, tp: int, microbatch: int) -> MemoryInputs:

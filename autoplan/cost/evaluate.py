@@ -44,7 +44,7 @@ class Candidate:
     tensor_parallel_plan: dict[str, str] = field(default_factory=dict)
     """Plan.tensor_parallel_plan: Linear FQN -> "colwise" | "rowwise" when tp > 1."""
     activation_checkpoint_modules: tuple[str, ...] = ()
-    """Plan.activation_checkpoint_modules: units recomputed; empty = all (when the mode is not none)."""
+    """Plan.activation_checkpoint_modules: every module recomputed (empty when none is)."""
     assignment: Assignment | None = None
     """The stage split and recompute per unit behind `stages`."""
 
@@ -55,7 +55,7 @@ def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> Cha
     m = par.pipeline_parallel_num_microbatches
     inputs = ctx.memory_inputs(tp, mbs)
     stages = pp * v
-    shared = ctx.layout_memory(inputs, par.zero_stage, par.data_parallel_shard_degree, pp)
+    shared = ctx.layout_memory(inputs, par.data_parallel_shard_degree, par.reshards_after_forward, pp)
     models = tuple(shared.stage(s, microbatches_in_flight(par.pipeline_parallel_schedule, pp, m, s, v))
                    for s in range(stages))
     table = ctx.table(tp, mbs)
@@ -120,10 +120,10 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
                                send))
         rank = s % pp
         per_step[rank] += dpc.per_step_s
-        updated = sum(numels) / (par.data_parallel_shard_degree if par.zero_stage >= 1 else 1)
+        updated = sum(numels) / par.data_parallel_shard_degree
         # FSDP2 parameters are DTensors (also over tensor-parallel replicas: runtime/parallel.py); without
         # it, only the tensor-parallel Linears' weights and biases are
-        if par.zero_stage >= 1 or (tp > 1 and par.data_parallel_degree > 1):
+        if par.sharded or (tp > 1 and par.data_parallel_degree > 1):
             dtensors = len(held)
         elif tp > 1:
             dtensors = sum(1 for p in held if p.rpartition(".")[0] in ctx.facts.plan)
@@ -166,9 +166,10 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     recomputed = tuple(chain.fqns[u] for u in range(n) if modes[u] != "none")
     mode = next((k for k in modes if k != "none"), "none")
     final = Parallelism(**{**par.__dict__, "activation_checkpoint": mode})
-    return Candidate(final, tuple(stages), predicted, fits, reason, peak.predicted_memory_bytes,
-                     dict(ctx.facts.plan) if tp > 1 else {},
-                     () if len(recomputed) == n else recomputed, assignment)
+    return Candidate(parallelism=final, stages=tuple(stages), predicted=predicted, fits=fits, reason=reason,
+                     memory_needed_bytes=peak.predicted_memory_bytes,
+                     tensor_parallel_plan=dict(ctx.facts.plan) if tp > 1 else {},
+                     activation_checkpoint_modules=recomputed, assignment=assignment)
 
 
 LOSS_BYTES = 4
@@ -196,15 +197,18 @@ def _data_parallel(par: Parallelism, groups: Groups, unit_bytes: list[float], m:
     gpu = ctx.cluster.gpu
     # what compute can hide; FSDP2 on a CPU device has no side streams: its all-gathers and
     # reduce-scatters block the compute thread (unshard(async_op=False) waits at once), so none
-    overlap = 0.0 if par.zero_stage >= 1 and gpu.name == "cpu" else gpu.comm_overlap
+    overlap = 0.0 if par.sharded and gpu.name == "cpu" else gpu.comm_overlap
     forward, backward = forward * overlap, backward * overlap
-    if par.zero_stage == 0:
+    if not par.sharded:
         # DDP proper only without tensor parallelism (with it, fully_shard replicates: runtime/parallel.py)
         hooks = gpu.ddp_tensor_overhead_s if par.tensor_parallel_degree == 1 else 0.0
         return comm.ddp_comm(sum(unit_bytes) * gradient_ratio, groups.replicate, backward, tensors, hooks)
     streaming = gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency
-    return comm.fsdp_comm(unit_bytes, par.zero_stage, groups.shard, groups.replicate, par.pipeline_parallel_degree,
-                          m, forward, backward, streaming, gradient_ratio, gpu.fsdp_unit_overhead_s)
+    return comm.fsdp_comm(comm.FsdpStage(
+        unit_param_bytes=tuple(unit_bytes), reshard_after_forward=par.reshards_after_forward, shard=groups.shard,
+        replicate=groups.replicate, pipelined=par.pipeline_parallel_degree > 1, num_microbatches=m,
+        forward_window_s=forward, backward_window_s=backward, copy_bytes_per_s=streaming,
+        gradient_ratio=gradient_ratio, unit_overhead_s=gpu.fsdp_unit_overhead_s))
 
 
 def _tied_gradient_sync(chain, assignment: Assignment, pp: int, tied: list[float], element: int,

@@ -7,10 +7,10 @@ memory(stage) = model states (parameters + gradients + AdamW state, sharded by Z
               + working set: the activations of the unit running its backward (recomputed or not),
                 plus the loss's copies of the logits on the output unit.
 Tensor parallelism divides the split parameters and activations by tp (cost/units.py).
-What runs for each ZeRO stage (the codegen contract): 0 = DDP; 1 and 2 = FSDP2 with
-reshard_after_forward=False (all of the rank's parameters gathered at peak, gradients and optimizer
-state sharded: ZeRO-2's 2 + 14/N bytes per parameter, so a pinned zero=1 is priced as 2); 3 = FSDP2
-(ZeRO-3's 16/N, plus gathered units). Under a pipeline, torch.distributed.pipelining keeps FSDP
+What runs (the codegen contract), in the ZeRO paper's stages: dp_shard 1 = DDP (ZeRO-0); dp_shard > 1
+with reshard=never = FSDP2 with reshard_after_forward=False (all of the rank's parameters gathered at
+peak, gradients and optimizer state sharded: ZeRO-2's 2 + 14/N bytes per parameter; a pinned zero=1
+runs and is priced so); reshard=always = FSDP2 (ZeRO-3's 16/N, plus gathered units). Under a pipeline, torch.distributed.pipelining keeps FSDP
 parameters unsharded and gradients unreduced until the last micro-batch (stage.py
 backward_maybe_with_nosync), so the whole stage's parameters and gradients are held unsharded.
 DDP is priced with gradient_as_bucket_view=True (its buckets are the gradients, no second copy).
@@ -50,9 +50,13 @@ def model_state_bytes(numel: float, train_dtype: str, zero_stage: int, data_para
     }
 
 
-def effective_zero(zero_stage: int) -> int:
-    """The ZeRO stage whose memory the generated program has (1 runs as FSDP2 without resharding = 2)."""
-    return 2 if zero_stage == 1 else zero_stage
+def zero_of(dp_shard: int, reshard_after_forward: bool) -> int:
+    """The ZeRO stage (the paper's notation) whose memory a data-parallel sharding has: 0 unsharded (DDP),
+    2 FSDP2 keeping gathered parameters to backward (gradients and optimizer state sharded), 3 FSDP2
+    resharding after forward."""
+    if dp_shard <= 1:
+        return 0
+    return 3 if reshard_after_forward else 2
 
 
 @dataclass(frozen=True)
@@ -174,11 +178,12 @@ class LayoutMemory:
                                 self.tied_group_units, self.largest_unit, self.cut_per_microbatch, in_flight)
 
 
-def layout_memory(inputs: MemoryInputs, train_dtype: str, zero_stage: int, shard: int, num_ranks: int) -> LayoutMemory:
+def layout_memory(inputs: MemoryInputs, train_dtype: str, shard: int, reshard_after_forward: bool,
+                  num_ranks: int) -> LayoutMemory:
     """The memory vectors of a layout. `shard` is the data-parallel sharding degree (dp_shard; 1 for
     DDP); `num_ranks` the pipeline degree."""
     dtype = training_dtype(train_dtype)
-    zero = effective_zero(zero_stage) if shard > 1 else 0
+    zero = zero_of(shard, reshard_after_forward)
     element = bytes_per_element(dtype)
     per_param = MODEL_STATE_BYTES_PER_PARAM[dtype]
     divisor = {c: shard if zero >= first else 1 for c, first in (("optimizer", 1), ("gradients", 2), ("parameters", 3))}

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from autoplan.plan import Alternative
 from autoplan.report import charts, verify_view
 from autoplan.report.rollup import (SCHEDULE_NAMES, chosen_candidate, describe_layout, ideal_scaling, plural,
                                     memory_segments, module_times, ranked_candidates)
@@ -70,12 +71,12 @@ footer{color:var(--muted);font-size:12.5px;text-align:center;margin-top:28px}
 """
 
 
-def write_report(result, out_dir: Path, verify: dict | None = None,
-                 scaling: list[tuple[int, float]] | None = None) -> None:
+def write_report(result, out_dir: Path, verify: dict | None = None, scaling: list[tuple] | None = None) -> None:
     """Write out_dir/report.html for a PlanResult (plan, profile, candidates).
 
     verify is the parsed verify.json (adds loss parity and predicted vs measured); scaling is
-    [(num_gpus, samples_per_s), ...] from re-planning at other GPU counts (adds the scaling curve).
+    [(num_gpus, samples_per_s), ...] or autoplan.api.ScalingPoint from searching other GPU counts (adds the
+    scaling curve; scaling_section).
     """
     Path(out_dir, "report.html").write_text(render_report(result, verify, scaling), encoding="utf-8")
 
@@ -90,7 +91,7 @@ def add_verification(out_dir: Path, verify: dict) -> None:
     path.write_text(pattern.sub(lambda _: block, page, count=1), encoding="utf-8")
 
 
-def render_report(result, verify: dict | None = None, scaling: list[tuple[int, float]] | None = None) -> str:
+def render_report(result, verify: dict | None = None, scaling: list[tuple] | None = None) -> str:
     plan = result.plan
     candidates = tuple(result.candidates or ())
     best = chosen_candidate(candidates, plan)
@@ -242,39 +243,55 @@ def _candidate_row(rank: int, c: Any, best: Any) -> str:
 def why_not_section(plan, candidates: tuple[Any, ...], best: Any) -> str:
     alternatives = list(plan.alternatives)
     if not alternatives:
-        alternatives = [{"parallelism": c.parallelism, "fits": c.fits, "why_not": c.reason,
-                         "step_time_s": c.predicted.step_time_s if c.predicted else None,
-                         "peak_memory_bytes": c.predicted.peak_memory_bytes if c.predicted else None}
-                        for c in ranked_candidates(candidates, best) if c is not best][:5]
+        alternatives = [Alternative.of(c) for c in ranked_candidates(candidates, best) if c is not best][:5]
     if not alternatives:
         return ""
     chosen = plan.predicted.step_time_s
     items = []
     for alt in alternatives:
-        step, memory = alt.get("step_time_s"), alt.get("peak_memory_bytes")
+        step, memory = alt.step_time_s, alt.peak_memory_bytes
         facts = []
         if isinstance(step, (int, float)) and step > 0 and chosen > 0:
             facts.append(f"{fmt_seconds(step)} per step ({step / chosen:.2f}× the chosen layout's)")
         if isinstance(memory, (int, float)):
             facts.append(f"{fmt_bytes(memory)} per GPU")
-        badge = ('<span class="badge ok">fits</span>' if alt.get("fits")
+        badge = ('<span class="badge ok">fits</span>' if alt.fits
                  else '<span class="badge bad">does not fit</span>')
-        items.append(f"<li><strong>{esc(describe_layout(alt.get('parallelism') or {}))}</strong> {badge}"
+        items.append(f"<li><strong>{esc(describe_layout(alt.parallelism))}</strong> {badge}"
                      f"<div>{esc(', '.join(facts))}</div>"
-                     f"<div class=\"reason\">{esc(alt.get('why_not') or '')}</div></li>")
+                     f"<div class=\"reason\">{esc(alt.reason)}</div></li>")
     return ('<h2>Why not the next best layouts?</h2><p class="lead">The closest runners-up and what ruled them '
             'out.</p><ol class="why">' + "".join(items) + "</ol>")
 
 
-def scaling_section(points: list[tuple[int, float]]) -> str:
-    points = sorted((int(g), float(r)) for g, r in points)
-    series = [("predicted", ACCENT, [(float(g), r) for g, r in points])]
-    if len(points) > 1:
-        series.append(("linear from fewest GPUs", "#9fb3c8", [(float(g), r) for g, r in ideal_scaling(points)]))
+def scaling_section(points: list[tuple]) -> str:
+    """Points are (GPUs, samples/s) or autoplan.api.ScalingPoint (GPUs, samples/s or None, layout, note):
+    a note says the search at that count was bounded (the best of the layouts priced within its time budget)
+    or why there is no point."""
+    rows = sorted((int(p[0]), None if p[1] is None else float(p[1]), str(p[2]) if len(p) > 2 else "",
+                   str(p[3]) if len(p) > 3 else "") for p in points)
+    rated = [(g, r) for g, r, _, _ in rows if r is not None]
+    series = [("predicted", ACCENT, [(float(g), r) for g, r in rated])]
+    if len(rated) > 1:
+        series.append(("linear from fewest GPUs", "#9fb3c8", [(float(g), r) for g, r in ideal_scaling(rated)]))
     chart = charts.line_chart(series, "GPUs", "samples per second", lambda v: f"{v:g}", fmt_number,
-                              "scaling curve", dashed=("linear from fewest GPUs",), zero_based=True, x_log=True)
-    return ('<h2>Scaling</h2><p class="lead">Predicted throughput when planning the same model for other GPU '
-            "counts (each point is a full re-plan).</p>" + chart)
+                              "scaling curve", dashed=("linear from fewest GPUs",), zero_based=True,
+                              x_log=True) if rated else ""
+    bounded = sum(1 for _, r, _, note in rows if r is not None and note)
+    lead = ("Predicted throughput of the best layout when planning the same model for other GPU counts with the "
+            "same batch per GPU. Each point is a layout search at that count; away from the planned count it keeps "
+            "the stage split of the fast packing (no MILP refinement, which could only make a step faster).")
+    if bounded:
+        lead += (f" At {plural(bounded, 'count')} the search stopped at its time budget: the point there is the best "
+                 "of the layouts priced by then, as the table says.")
+    table = ""
+    if any(layout or note for _, _, layout, note in rows):
+        cells = "".join(
+            f'<tr><td class="n">{g}</td><td class="n">{fmt_number(r) if r is not None else "–"}</td>'
+            f"<td>{esc(layout)}</td><td>{esc(note or 'complete')}</td></tr>" for g, r, layout, note in rows)
+        table = ('<table><tr><th class="n">GPUs</th><th class="n">samples/s</th><th>best layout</th>'
+                 f"<th>search</th></tr>{cells}</table>")
+    return f'<h2>Scaling</h2><p class="lead">{lead}</p>' + chart + table
 
 
 def verify_section(verify: Any) -> str:

@@ -78,12 +78,14 @@ def describe_layout(par: Parallelism | dict[str, Any]) -> str:
     parts = []
     dp = par.data_parallel_degree
     if dp > 1:
-        if par.zero_stage == 3 and par.data_parallel_replicate_degree > 1:
+        if par.sharded and par.data_parallel_replicate_degree > 1:
             parts.append(f"HSDP {par.data_parallel_replicate_degree}×{par.data_parallel_shard_degree}")
-        elif par.zero_stage == 3:
+        elif par.reshards_after_forward:
             parts.append(f"FSDP {dp}")
+        elif par.sharded:
+            parts.append(f"FSDP {dp} (no reshard)")
         else:
-            parts.append(f"DP {dp}" + (f" ZeRO-{par.zero_stage}" if par.zero_stage else ""))
+            parts.append(f"DP {dp}")
     if par.tensor_parallel_degree > 1:
         parts.append(f"TP {par.tensor_parallel_degree}")
     m, b = par.pipeline_parallel_num_microbatches, par.pipeline_parallel_microbatch_size

@@ -1,9 +1,10 @@
 """Data parallelism (DDP / FSDP2 / HSDP), mixed precision, tied weights across pipeline stages.
 
-ZeRO stages map onto FSDP2 (torch.distributed.fsdp.fully_shard): 3 reshards parameters after
-forward (and gathers them again for backward); 1 and 2 keep them gathered from forward to backward
-(reshard_after_forward=False: FSDP2 has no separate ZeRO-1/2, this is the closest: optimizer state
-and gradients stay sharded). zero 0 is DDP. Replicate x shard > 1 with zero 3 is HSDP.
+dp_shard > 1 runs FSDP2 (torch.distributed.fsdp.fully_shard) over the dp_shard ranks: with
+reshard_after_forward it frees parameters after forward and gathers them again for backward (ZeRO-3);
+without, it keeps them gathered from forward to backward (FSDP2 has no separate ZeRO-1/2, this is the
+closest: optimizer state and gradients stay sharded). dp_shard 1 is DDP over the dp_replicate ranks.
+dp_replicate x dp_shard with both > 1 is HSDP.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autoplan.errors import UserError
 from autoplan.runtime.mesh import RankLayout
 from autoplan.runtime.recompute import ROOT_UNIT, submodule
 from autoplan.runtime.split import PipelineSplit
@@ -34,22 +34,20 @@ def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, zero_stage: int, units: Sequence[str],
+def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool, units: Sequence[str],
                         dtype: torch.dtype = torch.float32) -> nn.Module:
-    """FSDP2 (zero 1-3): fully_shard each unit, then the root. Works on a meta-device module
-    (materialize afterwards). zero 0 is DDP (replicate_data_parallel), except with tensor
-    parallelism: DDP buckets plain tensors, not DTensors, so there fully_shard over a replicate-only
-    mesh (shard dim of size 1) replicates instead: full parameters on every replica, gradients
-    all-reduced, the same work as DDP."""
+    """FSDP2 over the mesh's dp_shard ranks (HSDP with dp_replicate): fully_shard each of the modules
+    `units`, then the root. Works on a meta-device module (materialize afterwards). With dp_shard 1 it
+    is DDP (replicate_data_parallel), except with tensor parallelism: DDP buckets plain tensors, not
+    DTensors, so there fully_shard over a replicate-only mesh (shard dim of size 1) replicates instead:
+    full parameters on every replica, gradients all-reduced, the same work as DDP."""
     replicate, shard, tp = mesh["dp_replicate"].size(), mesh["dp_shard"].size(), mesh["tp"].size()
-    if zero_stage == 0 and shard > 1:
-        raise UserError(f"zero_stage 0 (DDP) cannot shard: data_parallel_shard_degree is {shard}, expected 1")
-    if replicate * shard == 1 or (zero_stage == 0 and tp == 1):
+    if replicate * shard == 1 or (shard == 1 and tp == 1):
         return module
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dp_mesh = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp_shard"]
-    kwargs = dict(mesh=dp_mesh, reshard_after_forward=zero_stage == 3)
+    kwargs = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward and shard > 1)
     if dtype != torch.float32:  # compute in `dtype`, reduce gradients in fp32
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for path in _units_without_shared_parameters(module, units):
@@ -58,10 +56,10 @@ def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, zero_stage: int, un
     return module
 
 
-def replicate_data_parallel(module: nn.Module, mesh: DeviceMesh, zero_stage: int, device: torch.device) -> nn.Module:
-    """DDP over the data-parallel replicas (zero 0 without tensor parallelism). Needs materialized
+def replicate_data_parallel(module: nn.Module, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    """DDP over the data-parallel replicas (dp_shard 1, without tensor parallelism). Needs materialized
     parameters."""
-    if zero_stage != 0 or mesh["dp_replicate"].size() == 1 or mesh["tp"].size() > 1:
+    if mesh["dp_shard"].size() > 1 or mesh["dp_replicate"].size() == 1 or mesh["tp"].size() > 1:
         return module
     from torch.nn.parallel import DistributedDataParallel
 

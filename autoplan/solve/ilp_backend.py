@@ -2,12 +2,20 @@
 
 PuLP reports LpStatus "Optimal" even after a time limit; the solution status (prob.sol_status)
 tells an optimum from an incumbent. HiGHS gets the warm start through highspy's setSolution.
+Every back end is silent: msg=False sends the command-line solvers' output to os.devnull, and the
+banner highspy prints from C when a Highs object is created (before PuLP can set output_flag) goes to
+os.devnull through file descriptor 1 (see quiet_stdout).
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
+import os
+import sys
 import warnings
+from contextlib import contextmanager
+from functools import cache
 
 import pulp
 
@@ -23,6 +31,10 @@ class HighsWithStart(pulp.HiGHS):
         super().__init__(**kwargs)
         self.use_start = warm_start
 
+    def createAndConfigureSolver(self, lp):
+        with quiet_stdout():
+            super().createAndConfigureSolver(lp)
+
     def callSolver(self, lp):
         if self.use_start:
             import highspy  # importable whenever this class is chosen (pulp.HiGHS().available())
@@ -35,6 +47,38 @@ class HighsWithStart(pulp.HiGHS):
             start.value_valid = True
             lp.solverModel.setSolution(start)
         lp.solverModel.run()
+
+
+@cache
+def _c_library():
+    """This process's C library (for fflush), or None where ctypes has no handle to it (Windows)."""
+    try:
+        return ctypes.CDLL(None)
+    except (OSError, TypeError):
+        return None
+
+
+@contextmanager
+def quiet_stdout():
+    """Point file descriptor 1 at os.devnull for the block: C code (the HiGHS banner "Running HiGHS ...
+    Copyright ...") writes there directly, past sys.stdout. The C library's buffered output is flushed
+    before fd 1 is restored, so nothing from the block reaches the real stdout later."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no fd 1 (a closed stdout): nothing to protect
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        if _c_library() is not None:
+            _c_library().fflush(None)
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
 
 
 def resolve_solver(solver: str) -> str:

@@ -17,14 +17,14 @@ LARGER_GPU_COUNTS_TRIED = 6
 """How many larger power-of-two GPU counts an Infeasible message looks at."""
 
 
-def infeasible_message(ctx: Context, pins: Pins, candidates: list[Candidate], features: frozenset[str]) -> Infeasible:
+def infeasible_message(ctx: Context, pins: Pins, candidates: list[Candidate]) -> Infeasible:
     cluster, training = ctx.cluster, ctx.training
     cap = cluster.usable_memory_bytes
     leanest = _leanest(ctx, candidates)
     needed = leanest.memory_needed_bytes
     message = (f"no layout fits {cluster.num_gpus} GPUs with {gib(cap)} GiB usable each: the leanest "
                f"({layouts.describe(leanest.parallelism)}) needs {gib(needed)} GiB per GPU")
-    count = _smallest_fitting_count(ctx, pins, features)
+    count = _smallest_fitting_count(ctx, pins)
     largest = _larger_counts(cluster.num_gpus)[-1]
     if count is None:
         return Infeasible(message + (f"; no GPU count up to {largest} fits at global batch "
@@ -54,19 +54,17 @@ def _larger_counts(num_gpus: int) -> list[int]:
     return [first * 2**k for k in range(LARGER_GPU_COUNTS_TRIED)]
 
 
-def _smallest_fitting_count(ctx: Context, pins: Pins, features: frozenset[str]) -> int | None:
+def _smallest_fitting_count(ctx: Context, pins: Pins) -> int | None:
     """The smallest larger power-of-two GPU count (dp pin dropped) at which some layout fits, each family
     tried at its leanest variant (smallest micro-batch, most recompute)."""
     relaxed = dataclasses.replace(pins, dp=None)
-    batch, n = ctx.training.global_batch_size, len(ctx.chain)
     original = ctx.cluster
     try:
         for count in _larger_counts(original.num_gpus):
             ctx.cluster = dataclasses.replace(original, num_gpus=count)
-            fams = layouts.families(relaxed, count, original.gpus_per_node, batch, n, features,
-                                    lambda t: not ctx.facts.problems(t))
-            for fam in fams:
-                found = layouts.variants(fam, relaxed, batch, n, features)
+            scope = layouts.scope_of(ctx)
+            for fam in layouts.families(relaxed, scope):
+                found = layouts.variants(fam, relaxed, scope)
                 if not found:
                     continue
                 lean = min(found, key=layouts.leanness)

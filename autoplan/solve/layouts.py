@@ -1,49 +1,28 @@
-"""Which layouts the search may emit (one switch list), and pins checked with their arithmetic.
+"""The layouts the search enumerates: families (tp, pp, dp_replicate, dp_shard, reshard) times variants
+(schedule, virtual stages, micro-batch size, recompute mode); the recompute mode names what the solver
+may apply per module. Only layouts that layout.problems() accepts with the pins are emitted, and only
+features the program can run (layout.SUPPORTED) unless the caller prices other programs.
 
 Mesh dims in rank order ("pp", "dp_replicate", "dp_shard", "tp"): tp innermost and within a node.
-A layout is a family (tp, pp, dp_replicate, dp_shard, zero) times a variant (schedule, virtual stages,
-micro-batch size, recompute mode); the recompute mode names what the solver may apply per unit.
-zero 1 and 2 run as FSDP2 without resharding after forward (dp_shard = dp); HSDP (dp_replicate > 1
-and dp_shard > 1) only with zero 3, its shard group within a node or over a power of two of nodes.
-The search emits only what SUPPORTED lists; ALL_FEATURES is what the cost model can price.
+The search's own scope (not validity): reshard=never shards over every data-parallel rank; HSDP
+(dp_replicate > 1 and dp_shard > 1) only with reshard=always, its shard group within a node or over a
+power of two of nodes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from autoplan.cost.context import Context
 from autoplan.errors import UserError
+from autoplan.layout import RECOMPUTE, Layout, Scope, problems
 from autoplan.plan import Parallelism
 from autoplan.solve.pins import Pins
-
-ALL_FEATURES = frozenset({
-    "tp", "tp_vocab_parallel", "zero2", "zero3", "hsdp", "gpipe", "1f1b", "interleaved", "selective", "full",
-    "pp_scatter_gather",  # Megatron-LM's pipeline sends split over tensor-parallel ranks (not in torch)
-    "tp_fused_split",     # Megatron-LM's fused qkv with interleaved weights, split per rank (not in torch TP)
-})
-"""Everything the cost model can price (what estimates of other programs, e.g. Megatron-LM's published
-runs, may use even where codegen cannot run it yet)."""
-
-SUPPORTED = frozenset({
-    "tp",                 # Megatron colwise/rowwise pairs (Plan.tensor_parallel_plan)
-    "zero2",              # FSDP2 reshard_after_forward=False (zero=1 and zero=2)
-    "zero3",              # FSDP2 fully_shard
-    "hsdp",               # dp_replicate > 1 and dp_shard > 1 with zero 3
-    "gpipe",
-    "1f1b",
-    "interleaved",        # virtual stages (ScheduleInterleaved1F1B)
-    "selective",          # selective activation checkpointing per unit
-    "full",               # full activation checkpointing per unit
-})
-"""What codegen can run. Remove a name to stop the search from emitting (or accepting a pin of) it.
-Not yet: tp_vocab_parallel (codegen shards nn.Linear pairs only), pp_scatter_gather and tp_fused_split
-(not in torch)."""
 
 MAX_VIRTUAL_STAGES = 8
 """Largest number of stages per pipeline rank tried with the interleaved schedule."""
 SCHEDULE_PREFERENCE = ("1f1b", "interleaved", "gpipe")
 """Among equal step times: 1F1B holds fewer micro-batches than GPipe and needs no virtual stages."""
-RECOMPUTE_PREFERENCE = ("none", "selective", "full")
 
 
 def divisors(n: int) -> list[int]:
@@ -56,101 +35,53 @@ class Family:
 
     tp: int
     pp: int
-    replicate: int
-    shard: int
-    zero: int
+    dp_replicate: int
+    dp_shard: int
+    reshard: bool
+    """FSDP2 reshards after forward (only with dp_shard > 1)."""
 
     @property
     def dp(self) -> int:
-        return self.replicate * self.shard
+        return self.dp_replicate * self.dp_shard
 
 
-def unsupported_pins(pins: Pins, features: frozenset[str]) -> list[str]:
-    problems = []
-    if pins.tp is not None and pins.tp > 1 and "tp" not in features:
-        problems.append(f"tensor parallelism is not supported yet (tp={pins.tp}; use tp=1)")
-    zero_feature = {1: "zero2", 2: "zero2", 3: "zero3"}.get(pins.zero or 0)
-    if zero_feature and zero_feature not in features:
-        problems.append(f"zero={pins.zero} is not supported yet (supported: {', '.join(_zeros(features))})")
-    if pins.schedule is not None and pins.schedule not in features:
-        problems.append(f"schedule={pins.schedule} is not supported yet (supported: {', '.join(_schedules(features))})")
-    if pins.recompute not in (None, "none") and pins.recompute not in features:
-        problems.append(f"recompute={pins.recompute} is not supported yet")
-    return problems
+def scope_of(ctx: Context) -> Scope:
+    """What every layout of a search must fit (layout.problems): the cluster, the batch, the model's
+    modules and its tensor-parallel facts, the features in use."""
+    cluster = ctx.cluster
+    return Scope(num_gpus=cluster.num_gpus, gpus_per_node=cluster.gpus_per_node,
+                 global_batch=ctx.training.global_batch_size, num_modules=len(ctx.chain), features=ctx.features,
+                 tensor_parallel_problems=ctx.facts.problems)
 
 
-def _zeros(features) -> list[str]:
-    return ["0 = DDP"] + (["1/2 = FSDP without resharding"] if "zero2" in features else []) + \
-        (["3 = FSDP"] if "zero3" in features else [])
-
-
-def _schedules(features) -> list[str]:
-    return [s for s in SCHEDULE_PREFERENCE if s in features]
-
-
-def check_pins(pins: Pins, num_gpus: int, gpus_per_node: int, global_batch: int, num_units: int,
-               features: frozenset[str], tp_problems: list[str]) -> None:
+def check_pins(pins: Pins, scope: Scope) -> None:
     """UserError listing every pin that cannot hold, with the arithmetic."""
-    problems = unsupported_pins(pins, features) + tp_problems
-    tp = pins.tp or 1
-    if pins.tp is not None and num_gpus % pins.tp:
-        problems.append(f"tp={pins.tp} does not divide {num_gpus} GPUs")
-    if pins.tp is not None and gpus_per_node % pins.tp:
-        problems.append(f"tp={pins.tp} does not divide the {gpus_per_node} GPUs of a node (tensor parallelism "
-                        f"stays inside a node)")
-    if pins.pp is not None:
-        if num_gpus % pins.pp:
-            problems.append(f"pp={pins.pp} does not divide {num_gpus} GPUs")
-        if pins.pp > num_units:
-            problems.append(f"pp={pins.pp} exceeds the {num_units} layers the model splits into")
-    if pins.dp is not None:
-        if num_gpus % pins.dp:
-            problems.append(f"dp={pins.dp} does not divide {num_gpus} GPUs")
-        if global_batch % pins.dp:
-            problems.append(f"dp={pins.dp} does not divide the global batch of {global_batch}")
-    if pins.dp is not None and pins.pp is not None and pins.dp * pins.pp * tp != num_gpus:
-        problems.append(f"dp={pins.dp} x pp={pins.pp} x tp={tp} = {pins.dp * pins.pp * tp}, not {num_gpus} GPUs")
-    if pins.microbatch is not None:
-        if pins.dp is not None and global_batch % pins.dp == 0 and (global_batch // pins.dp) % pins.microbatch:
-            per_rank = global_batch // pins.dp
-            problems.append(f"microbatch={pins.microbatch} does not divide the {per_rank} samples per "
-                            f"data-parallel rank (global batch {global_batch} / dp={pins.dp})")
-        elif pins.microbatch > global_batch:
-            problems.append(f"microbatch={pins.microbatch} exceeds the global batch of {global_batch}")
-    if (pins.schedule in ("1f1b", "interleaved") and None not in (pins.dp, pins.pp, pins.microbatch) and pins.pp > 1
-            and global_batch % (pins.dp * pins.microbatch) == 0):
-        m = global_batch // (pins.dp * pins.microbatch)
-        if m < pins.pp or (pins.schedule == "interleaved" and m % pins.pp):
-            need = "a multiple of" if pins.schedule == "interleaved" else "at least"
-            problems.append(f"schedule={pins.schedule} needs {need} pp={pins.pp} micro-batches, but global batch "
-                            f"{global_batch} / dp={pins.dp} / microbatch={pins.microbatch} = {m}")
-    if pins.schedule == "interleaved" and pins.pp is not None and 2 * pins.pp > num_units:
-        problems.append(f"schedule=interleaved needs at least 2 x pp={pins.pp} layers, the model splits into "
-                        f"{num_units}")
-    if problems:
-        raise UserError("pins cannot hold: " + "; ".join(problems))
+    found = problems(pins.layout(), scope)
+    if found:
+        raise UserError("pins cannot hold: " + "; ".join(found))
 
 
-def families(pins: Pins, num_gpus: int, gpus_per_node: int, global_batch: int, num_units: int,
-             features: frozenset[str], tp_ok) -> list[Family]:
-    """Every (tp, pp, replicate, shard, zero) within scope that satisfies the pins. `tp_ok(tp)` says
-    whether the model's tensor-parallel facts allow tp (tp must also divide the node)."""
+def families(pins: Pins, scope: Scope) -> list[Family]:
+    """Every (tp, pp, dp_replicate, dp_shard, reshard) the pins allow that layout.problems() accepts in
+    `scope` (whose tensor_parallel_problems says which tp the model allows)."""
+    gpus, per_node, features = scope.num_gpus, scope.gpus_per_node or scope.num_gpus, scope.features or frozenset()
+    pinned = pins.layout()
     out = []
-    tps = [pins.tp] if pins.tp else [t for t in divisors(gpus_per_node)
-                                     if num_gpus % t == 0 and (t == 1 or "tp" in features) and tp_ok(t)]
-    for tp in tps:
-        for pp in divisors(num_gpus // tp):
-            dp = num_gpus // (tp * pp)
-            if pp > num_units or global_batch % dp or (pins.pp or pp) != pp or (pins.dp or dp) != dp:
+    for tp in [pins.tp] if pins.tp else [t for t in divisors(per_node) if t == 1 or "tp" in features]:
+        for pp in [pins.pp] if pins.pp else divisors(max(1, gpus // tp)):
+            if problems(replace(pinned, tp=tp, pp=pp), scope):
                 continue
-            if pp > 1 and not ({"1f1b", "gpipe", "interleaved"} & features):
+            dp = gpus // (tp * pp)
+            if pins.dp not in (None, dp):
                 continue
-            for zero in _zero_options(pins, dp, features):
-                shards = [1] if zero == 0 else [dp]
-                if zero == 3 and "hsdp" in features:
-                    shards += [s for s in divisors(dp) if 1 < s < dp and _whole_nodes(s * tp, gpus_per_node)]
-                for shard in shards:
-                    out.append(Family(tp, pp, dp // shard, shard, zero))
+            for shard, reshard in _sharding_options(pins, dp, features):
+                if 1 < shard < dp and not _whole_nodes(shard * tp, per_node):
+                    continue
+                family = Family(tp, pp, dp // shard, shard, reshard)
+                layout = replace(pinned, dp=dp, dp_replicate=dp // shard, dp_shard=shard,
+                                 reshard="always" if reshard else "never", tp=tp, pp=pp)
+                if not problems(layout, scope):
+                    out.append(family)
     return out
 
 
@@ -162,62 +93,69 @@ def _whole_nodes(ranks: int, gpus_per_node: int) -> bool:
     return ranks % gpus_per_node == 0 and nodes & (nodes - 1) == 0
 
 
-def _zero_options(pins: Pins, dp: int, features: frozenset[str]) -> list[int]:
+def _sharding_options(pins: Pins, dp: int, features: frozenset[str]) -> list[tuple[int, bool]]:
+    """(dp_shard, reshard) pairs to try: DDP, FSDP2 over every data-parallel rank without and with
+    resharding, and HSDP's smaller shard groups (resharding); a zero pin keeps its own."""
+    wanted = {0: [(1, False)], 1: [(dp, False)], 2: [(dp, False)], 3: [(dp, True)]}
     if pins.zero is not None:
-        return [pins.zero] if dp > 1 or pins.zero == 0 else []
-    if dp == 1:
-        return [0]
-    return [0] + ([2] if "zero2" in features else []) + ([3] if "zero3" in features else [])
+        options = wanted[pins.zero] if dp > 1 or pins.zero == 0 else []
+    elif dp == 1:
+        options = [(1, False)]
+    else:
+        options = [(1, False)] + ([(dp, False)] if "zero2" in features else []) + ([(dp, True)] if "zero3" in features else [])
+    if "hsdp" in features and any(reshard for _, reshard in options):
+        options += [(s, True) for s in divisors(dp) if 1 < s < dp]
+    return options
 
 
 @dataclass(frozen=True)
 class Variant:
     schedule: str
-    virtual: int
+    virtual_stages: int
     microbatch: int
-    num_microbatches: int
+    microbatches: int
     recompute: str
 
 
-def variants(family: Family, pins: Pins, global_batch: int, num_units: int, features: frozenset[str]) -> list[Variant]:
-    per_rank = global_batch // family.dp
+def variants(family: Family, pins: Pins, scope: Scope) -> list[Variant]:
+    """Every (schedule, virtual stages, micro-batch size, recompute mode) of `family` the pins allow that
+    layout.problems() accepts."""
+    features = scope.features or frozenset()
+    per_rank = scope.global_batch // family.dp
     pp = family.pp
     if pp == 1:
         schedules = [(pins.schedule or "1f1b", 1)]
     else:
         names = [pins.schedule] if pins.schedule else [s for s in SCHEDULE_PREFERENCE if s in features]
-        schedules = []
-        for name in names:
-            if name == "interleaved":
-                schedules += [(name, v) for v in range(2, MAX_VIRTUAL_STAGES + 1) if pp * v <= num_units]
-            else:
-                schedules.append((name, 1))
+        schedules = [(name, v) for name in names
+                     for v in (range(2, MAX_VIRTUAL_STAGES + 1) if name == "interleaved" else (1,))]
     sizes = [pins.microbatch] if pins.microbatch else divisors(per_rank)
-    modes = [pins.recompute] if pins.recompute else [r for r in RECOMPUTE_PREFERENCE if r == "none" or r in features]
+    modes = [pins.recompute] if pins.recompute else [r for r in RECOMPUTE if r == "none" or r in features]
+    base = Layout(dp=family.dp, tp=family.tp, pp=pp)
+    shape_scope = replace(scope, features=None, tensor_parallel_problems=None)  # the family passed those
     out = []
     for schedule, virtual in schedules:
         for mbs in sizes:
-            if per_rank % mbs:
+            shape = replace(base, schedule=schedule, virtual_stages=virtual, microbatch=mbs,
+                            microbatches=per_rank // mbs if per_rank % mbs == 0 else None)
+            if shape.microbatches is None or problems(shape, shape_scope):
                 continue
-            m = per_rank // mbs
-            if pp > 1 and schedule != "gpipe" and (m < pp or (schedule == "interleaved" and m % pp)):
-                continue  # 1F1B needs m >= p; torch's interleaved 1F1B needs m a multiple of p
-            out += [Variant(schedule, virtual, mbs, m, mode) for mode in modes]
+            out += [Variant(schedule, virtual, mbs, shape.microbatches, mode) for mode in modes]
     return out
 
 
 def parallelism(family: Family, variant: Variant, recompute: str) -> Parallelism:
     return Parallelism(
-        data_parallel_replicate_degree=family.replicate,
-        data_parallel_shard_degree=family.shard,
+        data_parallel_replicate_degree=family.dp_replicate,
+        data_parallel_shard_degree=family.dp_shard,
+        fsdp_reshard_after_forward="always" if family.reshard else "never",
         tensor_parallel_degree=family.tp,
         pipeline_parallel_degree=family.pp,
         pipeline_parallel_schedule=variant.schedule,
         pipeline_parallel_microbatch_size=variant.microbatch,
-        pipeline_parallel_num_microbatches=variant.num_microbatches,
+        pipeline_parallel_num_microbatches=variant.microbatches,
         activation_checkpoint=recompute,
-        zero_stage=family.zero,
-        pipeline_parallel_virtual_stages=variant.virtual,
+        pipeline_parallel_virtual_stages=variant.virtual_stages,
     )
 
 
@@ -225,12 +163,14 @@ def describe(par: Parallelism) -> str:
     text = f"dp={par.data_parallel_degree}"
     if par.data_parallel_replicate_degree > 1 and par.data_parallel_shard_degree > 1:
         text += f" ({par.data_parallel_replicate_degree}x{par.data_parallel_shard_degree} HSDP)"
-    text += f" tp={par.tensor_parallel_degree} pp={par.pipeline_parallel_degree} zero={par.zero_stage}"
+    text += f" tp={par.tensor_parallel_degree} pp={par.pipeline_parallel_degree}"
+    if par.sharded:
+        text += f" dp_shard={par.data_parallel_shard_degree} reshard={par.fsdp_reshard_after_forward}"
     if par.pipeline_parallel_degree > 1:
         text += f" schedule={par.pipeline_parallel_schedule}"
         if par.pipeline_parallel_virtual_stages > 1:
-            text += f" v={par.pipeline_parallel_virtual_stages}"
-    text += f" microbatch={par.pipeline_parallel_microbatch_size} x{par.pipeline_parallel_num_microbatches}"
+            text += f" virtual_stages={par.pipeline_parallel_virtual_stages}"
+    text += f" microbatch={par.pipeline_parallel_microbatch_size} microbatches={par.pipeline_parallel_num_microbatches}"
     if par.activation_checkpoint != "none":
         text += f" recompute={par.activation_checkpoint}"
     return text
@@ -245,4 +185,4 @@ def modes_for(recompute: str, pinned: bool) -> tuple[str, ...]:
 
 def leanness(var: Variant) -> tuple:
     """Order variants from the least memory: small micro-batches, most recompute, 1F1B."""
-    return (var.microbatch, -RECOMPUTE_PREFERENCE.index(var.recompute), var.schedule != "1f1b", var.virtual)
+    return (var.microbatch, -RECOMPUTE.index(var.recompute), var.schedule != "1f1b", var.virtual_stages)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from autoplan.errors import UserError
-from autoplan.plan import RECOMPUTE, SCHEDULES
+from autoplan.layout import Layout, Scope, problems
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,8 @@ class Pins:
     pp: int | None = None
     """Pipeline stages."""
     zero: int | None = None
-    """ZeRO stage 0-3 (3 = FSDP)."""
+    """Shorthand for dp_shard and reshard: 0 = DDP; 1, 2 = FSDP2 keeping parameters gathered; 3 = FSDP2
+    resharding after forward (layout.VOCABULARY)."""
     schedule: str | None = None
     """Pipeline schedule: "gpipe", "1f1b" or "interleaved"."""
     microbatch: int | None = None
@@ -30,16 +31,20 @@ class Pins:
     def as_text(self) -> str:
         return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if getattr(self, f.name) is not None)
 
+    def layout(self) -> Layout:
+        """The pinned part of a layout (the pin keys are layout.py's short names)."""
+        return Layout(**{f.name: getattr(self, f.name) for f in fields(self)})
 
-_POSITIVE_INTS = ("dp", "tp", "pp", "microbatch")
-_CHOICES = {"schedule": SCHEDULES, "recompute": RECOMPUTE}
-_ZERO_STAGES = (0, 1, 2, 3)
+
+_WORDS = ("schedule", "recompute")
+"""Pin keys whose values are words; the others are integers."""
 
 
 def parse_pins(text: str) -> Pins:
-    """Parse "key=value,..."; every problem found is listed in one UserError."""
+    """Parse "key=value,..."; every problem found (layout.problems() checks the values) is listed in one
+    UserError."""
     values: dict[str, object] = {}
-    problems: list[str] = []
+    found: list[str] = []
     known = [f.name for f in fields(Pins)]
     for item in (part.strip() for part in text.split(",")):
         if not item:
@@ -47,34 +52,18 @@ def parse_pins(text: str) -> Pins:
         key, sep, raw = (s.strip() for s in item.partition("="))
         key = key.lower()
         if not sep or not raw:
-            problems.append(f"'{item}' is not key=value")
+            found.append(f"'{item}' is not key=value")
         elif key not in known:
-            problems.append(f"unknown key '{key}' (known: {', '.join(known)})")
+            found.append(f"unknown key '{key}' (known: {', '.join(known)})")
         elif key in values:
-            problems.append(f"'{key}' is given twice")
+            found.append(f"'{key}' is given twice")
+        elif key in _WORDS:
+            values[key] = raw.lower()
+        elif raw.lstrip("-").isdigit():
+            values[key] = int(raw)
         else:
-            value, problem = _parse_value(key, raw)
-            if problem:
-                problems.append(problem)
-            else:
-                values[key] = value
-    if problems:
-        raise UserError(f"invalid --pin '{text}': " + "; ".join(problems))
+            found.append(f"{key}={raw} is not an integer")
+    found += problems(Layout(**values), Scope())
+    if found:
+        raise UserError(f"invalid --pin '{text}': " + "; ".join(found))
     return Pins(**values)
-
-
-def _parse_value(key: str, raw: str) -> tuple[object, str]:
-    if key in _CHOICES:
-        choice = raw.lower()
-        if choice not in _CHOICES[key]:
-            return None, f"{key}={raw} is not one of {', '.join(_CHOICES[key])}"
-        return choice, ""
-    try:
-        number = int(raw)
-    except ValueError:
-        return None, f"{key}={raw} is not an integer"
-    if key == "zero" and number not in _ZERO_STAGES:
-        return None, f"zero={number} is not a ZeRO stage (0, 1, 2 or 3)"
-    if key in _POSITIVE_INTS and number < 1:
-        return None, f"{key}={number} must be at least 1"
-    return number, ""

@@ -21,9 +21,10 @@ import math
 import time
 from dataclasses import dataclass
 
-from autoplan.cost.memory import effective_zero, model_state_bytes
+from autoplan.cost.memory import model_state_bytes, zero_of
 from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster
+from autoplan.layout import RECOMPUTE, SUPPORTED, problems
 from autoplan.plan import Parallelism, SolverInfo, Training
 from autoplan.profile.types import ModelProfile
 from autoplan.solve import layouts
@@ -66,37 +67,35 @@ def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: Pi
            features: frozenset[str] | None = None) -> SearchResult:
     started = time.perf_counter()
     resolve_solver(solver)
-    features = layouts.SUPPORTED if features is None else frozenset(features)
+    features = SUPPORTED if features is None else frozenset(features)
     ctx = Context(profile, cluster, training, features)
-    n, batch = len(ctx.chain), training.global_batch_size
-    tp_problems = ctx.facts.problems(pins.tp) if pins.tp else []
-    layouts.check_pins(pins, cluster.num_gpus, cluster.gpus_per_node, batch, n, features, tp_problems)
-    fams = layouts.families(pins, cluster.num_gpus, cluster.gpus_per_node, batch, n, features,
-                            lambda t: not ctx.facts.problems(t))
+    batch = training.global_batch_size
+    scope = layouts.scope_of(ctx)
+    layouts.check_pins(pins, scope)
     work, pruned, considered = [], [], 0
-    for fam in fams:
-        found = layouts.variants(fam, pins, batch, n, features)
+    for fam in layouts.families(pins, scope):
+        found = layouts.variants(fam, pins, scope)
         considered += len(found)
         bound = family_memory_bound(ctx, fam)
         if bound > cluster.usable_memory_bytes and found:
             lean = min(found, key=layouts.leanness)
-            par = layouts.parallelism(fam, lean, lean.recompute)
             reason = (f"OOM by at least {gib(bound - cluster.usable_memory_bytes)} GiB (memory lower bound, "
                       "no split tried)")
-            pruned.append(Candidate(par, (), None, False, reason, bound))
+            pruned.append(Candidate(parallelism=layouts.parallelism(fam, lean, lean.recompute), stages=(),
+                                    predicted=None, fits=False, reason=reason, memory_needed_bytes=bound))
             continue
-        for var in found:
-            work.append((time_lower_bound(ctx, fam, var, pins.recompute is not None), fam, var))
+        work += [Work(time_lower_bound(ctx, fam, var, pins.recompute is not None), fam, var) for var in found]
     if not work and not pruned:
         raise UserError(f"no layout satisfies the pins '{pins.as_text()}' on {cluster.num_gpus} GPUs at global "
                         f"batch {batch} (dp must divide the batch, pp the GPU count)")
-    work.sort(key=lambda w: w[0])
+    work.sort(key=lambda w: w.time_bound_s)
     tried, best_time = [], math.inf
-    for bound, fam, var in work:
-        if bound > best_time * (1 + TIE_TOLERANCE):
+    for item in work:
+        fam, var = item.family, item.variant
+        if item.time_bound_s > best_time * (1 + TIE_TOLERANCE):
             break  # sorted by bound: nothing after this can win
         # every rank runs m micro-batches: no step is shorter than m x its busiest rank's slot
-        cutoff = best_time * (1 + TIE_TOLERANCE) / var.num_microbatches
+        cutoff = best_time * (1 + TIE_TOLERANCE) / var.microbatches
         try:
             candidate = try_layout(ctx, layouts.parallelism(fam, var, var.recompute),
                                    layouts.modes_for(var.recompute, pins.recompute is not None), cutoff)
@@ -109,7 +108,7 @@ def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: Pi
             best_time = min(best_time, candidate.predicted.step_time_s)
     fitting = sorted((c for c in tried if c.fits), key=_by_time)
     if not fitting:
-        raise infeasible_message(ctx, pins, tried + pruned, features)
+        raise infeasible_message(ctx, pins, tried + pruned)
     chosen = choose(fitting)
     best, info = refine_with_ilp(ctx, chosen, pins.recompute is not None, solver, time_limit_s)
     others = (dataclasses.replace(c, reason=_losing_reason(c, best)) for c in fitting if c is not chosen)
@@ -121,14 +120,23 @@ def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: Pi
     return SearchResult(best, tuple((ranked + rest)[:MAX_LISTED]), info, ctx.chain)
 
 
+@dataclass(frozen=True)
+class Work:
+    """A variant of a family waiting to be priced, and the step time no split of it can beat."""
+
+    time_bound_s: float
+    family: layouts.Family
+    variant: layouts.Variant
+
+
 def choose(fitting: list[Candidate]) -> Candidate:
     """The simplest of the layouts within TIE_TOLERANCE of the fastest; a replicated (DDP) layout within
     SHARDING_MARGIN of a sharded winner is preferred to it."""
     fastest = fitting[0].predicted.step_time_s
     chosen = min((c for c in fitting if c.predicted.step_time_s <= fastest * (1 + TIE_TOLERANCE)), key=_simplicity)
-    if chosen.parallelism.zero_stage == 0:
+    if not chosen.parallelism.sharded:
         return chosen
-    close = [c for c in fitting if c.parallelism.zero_stage == 0
+    close = [c for c in fitting if not c.parallelism.sharded
              and c.predicted.step_time_s <= chosen.predicted.step_time_s * (1 + SHARDING_MARGIN)]
     return min(close, key=_simplicity) if close else chosen
 
@@ -136,8 +144,8 @@ def choose(fitting: list[Candidate]) -> Candidate:
 def family_memory_bound(ctx: Context, fam: layouts.Family) -> float:
     """Model states of the average pipeline rank: no split of this family can do better."""
     numel = ctx.total_numel(fam.tp)
-    zero = effective_zero(fam.zero) if fam.shard > 1 else 0
-    states = sum(model_state_bytes(numel, ctx.dtype, zero, fam.shard).values())
+    zero = zero_of(fam.dp_shard, fam.reshard)
+    states = sum(model_state_bytes(numel, ctx.dtype, zero, fam.dp_shard).values())
     if fam.pp > 1 and zero >= 2:  # unreduced gradients (and unsharded FSDP parameters) under pipelining
         states += numel * (2 if zero == 3 else 1) * ctx.dtype_bytes
     return states / fam.pp
@@ -148,7 +156,7 @@ def time_lower_bound(ctx: Context, fam: layouts.Family, var: layouts.Variant, pi
     table = ctx.table(fam.tp, var.microbatch)
     mode = "none" if not pinned else var.recompute
     slot = table.total_s[mode] / fam.pp
-    return (var.num_microbatches + (fam.pp - 1) / var.virtual) * slot
+    return (var.microbatches + (fam.pp - 1) / var.virtual_stages) * slot
 
 
 def try_layout(ctx: Context, par: Parallelism, modes: tuple[str, ...], cutoff: float = math.inf) -> Candidate | None:
@@ -157,12 +165,14 @@ def try_layout(ctx: Context, par: Parallelism, modes: tuple[str, ...], cutoff: f
     bound = problem.memory_lower_bound()
     if bound > cap:
         reason = f"OOM by at least {gib(bound - cap)} GiB (memory lower bound, no split tried)"
-        return Candidate(par, (), None, False, reason, bound)
+        return Candidate(parallelism=par, stages=(), predicted=None, fits=False, reason=reason,
+                         memory_needed_bytes=bound)
     found = greedy_split(problem, modes[0] if len(modes) == 1 else None, cutoff if cutoff < math.inf else None)
     if found is None:
         leanest = leanest_assignment(problem)
         if leanest is None:
-            return Candidate(par, (), None, False, f"more stages than the {problem.num_units} layers", bound)
+            return Candidate(parallelism=par, stages=(), predicted=None, fits=False,
+                             reason=f"more stages than the {problem.num_units} modules", memory_needed_bytes=bound)
         candidate = evaluate(ctx, par, problem, leanest, False)
         return dataclasses.replace(candidate, reason=oom_reason(candidate, cap))
     if len(modes) > 1 and all(k == "none" for k in found.modes):
@@ -201,23 +211,14 @@ def refine_with_ilp(ctx: Context, candidate: Candidate, pinned: bool, solver: st
 def estimate(profile: ModelProfile, cluster: Cluster, training: Training, parallelism: Parallelism,
              stage_modules: tuple[tuple[str, ...], ...] | None = None, solver: str = "highs",
              time_limit_s: float | None = None, features: frozenset[str] | None = None) -> Candidate:
-    """Price exactly one layout, every unit in parallelism.activation_checkpoint. The stage split is
+    """Price exactly one layout, every module in parallelism.activation_checkpoint. The stage split is
     the best one unless `stage_modules` gives it."""
-    features = layouts.SUPPORTED if features is None else frozenset(features)
+    features = SUPPORTED if features is None else frozenset(features)
     ctx = Context(profile, cluster, training, features)
     par = parallelism
-    pins = Pins(dp=par.data_parallel_degree, tp=par.tensor_parallel_degree, pp=par.pipeline_parallel_degree,
-                zero=par.zero_stage, schedule=par.pipeline_parallel_schedule,
-                microbatch=par.pipeline_parallel_microbatch_size, recompute=par.activation_checkpoint)
-    tp_problems = ctx.facts.problems(par.tensor_parallel_degree)
-    layouts.check_pins(pins, cluster.num_gpus, cluster.gpus_per_node, training.global_batch_size, len(ctx.chain),
-                       features, tp_problems)
-    per_rank = training.global_batch_size // par.data_parallel_degree
-    m = per_rank // par.pipeline_parallel_microbatch_size
-    if m != par.pipeline_parallel_num_microbatches:
-        raise UserError(f"pipeline_parallel_num_microbatches={par.pipeline_parallel_num_microbatches}, but "
-                        f"global batch {training.global_batch_size} / dp={par.data_parallel_degree} / "
-                        f"microbatch={par.pipeline_parallel_microbatch_size} = {m}")
+    found = problems(par.layout(), layouts.scope_of(ctx))
+    if found:
+        raise UserError("the layout cannot run: " + "; ".join(found))
     modes = (par.activation_checkpoint,)
     if stage_modules is None:
         candidate = try_layout(ctx, par, modes)
@@ -239,11 +240,18 @@ def _by_time(c: Candidate) -> tuple:
 def _simplicity(c: Candidate) -> tuple:
     par = c.parallelism
     schedule = layouts.SCHEDULE_PREFERENCE.index(par.pipeline_parallel_schedule)
-    recompute = layouts.RECOMPUTE_PREFERENCE.index(par.activation_checkpoint)
-    return (par.pipeline_parallel_degree, par.tensor_parallel_degree, par.zero_stage,
+    recompute = RECOMPUTE.index(par.activation_checkpoint)
+    return (par.pipeline_parallel_degree, par.tensor_parallel_degree,
+            zero_of(par.data_parallel_shard_degree, par.reshards_after_forward),
             par.data_parallel_shard_degree > 1 and par.data_parallel_replicate_degree > 1, schedule,
-            par.pipeline_parallel_virtual_stages, recompute, len(c.activation_checkpoint_modules),
+            par.pipeline_parallel_virtual_stages, recompute, _partial_recompute(c),
             c.predicted.step_time_s, -par.pipeline_parallel_microbatch_size, par.data_parallel_degree)
+
+
+def _partial_recompute(c: Candidate) -> int:
+    """Modules recomputed when only some are (recomputing all of them is one switch: as simple as none)."""
+    recomputed = len(c.activation_checkpoint_modules)
+    return 0 if recomputed == sum(len(s.modules) for s in c.stages) else recomputed
 
 
 def _losing_reason(c: Candidate, best: Candidate) -> str:
@@ -260,7 +268,7 @@ def _losing_reason(c: Candidate, best: Candidate) -> str:
 def _split_from_modules(chain: LayerChain, stage_modules, num_stages: int) -> Split:
     flat = [fqn for stage in stage_modules for fqn in stage]
     if len(stage_modules) != num_stages or flat != list(chain.fqns) or any(not s for s in stage_modules):
-        raise UserError(f"stage modules must list the {len(chain)} units {', '.join(chain.fqns)} in order, "
+        raise UserError(f"stage modules must list the {len(chain)} modules {', '.join(chain.fqns)} in order, "
                         f"split into {num_stages} non-empty stages")
     bounds = [0]
     for stage in stage_modules:

@@ -1,0 +1,313 @@
+"""A layout's vocabulary and the rules of a valid layout: the one place for both.
+
+Vocabulary. Every concept has one long name, the plan.json field (torchtitan's parallelism config where
+torchtitan has one), and one short name used everywhere else: --pin keys, CSV columns, the generated
+train.py's constants (upper case), mesh dimension names and messages ("tp=8 does not divide ...").
+VOCABULARY lists them; README.md shows the table.
+
+Rules. `problems(layout, scope)` lists every rule a layout breaks, each with its arithmetic. A layout
+may be partial (None: not chosen yet, as in --pin before the search) and a scope may lack facts (the
+model's modules before capture): a rule runs only when everything it reads is known. The pins, the
+search, plan loading and codegen all call it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Callable
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+RECOMPUTE = ("none", "selective", "full")
+RESHARD = ("always", "never")
+"""fsdp_reshard_after_forward: FSDP2 frees gathered parameters after forward ("always", ZeRO-3) or keeps
+them to backward ("never", the closest FSDP2 has to ZeRO-1/2). torchtitan's "default" is not used."""
+TENSOR_PARALLEL_STYLES = ("colwise", "rowwise")
+ZERO_STAGES = (0, 1, 2, 3)
+
+ALL_FEATURES = frozenset({
+    "tp", "tp_vocab_parallel", "zero2", "zero3", "hsdp", "gpipe", "1f1b", "interleaved", "selective", "full",
+    "pp_scatter_gather",  # Megatron-LM's pipeline sends split over tensor-parallel ranks (not in torch)
+    "tp_fused_split",     # Megatron-LM's fused qkv with interleaved weights, split per rank (not in torch TP)
+})
+"""Everything the cost model can price (what estimates of other programs, e.g. Megatron-LM's published
+runs, may use even where codegen cannot run it yet)."""
+
+SUPPORTED = frozenset({
+    "tp",                 # Megatron colwise/rowwise pairs (Plan.tensor_parallel_plan)
+    "zero2",              # FSDP2 reshard_after_forward=False (zero=1 and zero=2)
+    "zero3",              # FSDP2 fully_shard
+    "hsdp",               # dp_replicate > 1 and dp_shard > 1 with zero 3
+    "gpipe",
+    "1f1b",
+    "interleaved",        # virtual stages (ScheduleInterleaved1F1B)
+    "selective",          # selective activation checkpointing per module
+    "full",               # full activation checkpointing per module
+})
+"""What codegen can run. Remove a name to stop the search from emitting (or accepting a pin of) it.
+Not yet: tp_vocab_parallel (codegen shards nn.Linear pairs only), pp_scatter_gather and tp_fused_split
+(not in torch)."""
+
+
+@dataclass(frozen=True)
+class Term:
+    short: str
+    """Pin key, CSV column, train.py constant (upper case), mesh dimension, name in messages."""
+    plan_field: str
+    """plan.json field ("parallelism." unless it says otherwise), or "" when the term is derived."""
+    meaning: str
+
+
+VOCABULARY = (
+    Term("dp", "", "data-parallel degree, dp_replicate x dp_shard (a pin fixes the total)"),
+    Term("dp_replicate", "data_parallel_replicate_degree", "replicas that all-reduce gradients (DDP, HSDP's "
+         "replicate dimension)"),
+    Term("dp_shard", "data_parallel_shard_degree", "ranks that shard parameters, gradients and optimizer "
+         "state (FSDP2)"),
+    Term("reshard", "fsdp_reshard_after_forward", "always: FSDP2 frees gathered parameters after forward "
+         "(ZeRO-3); never: keeps them to backward (ZeRO-1/2)"),
+    Term("zero", "", "pin shorthand: 0 = dp_shard 1 (DDP); 1 or 2 = dp_shard dp, reshard never; 3 = "
+         "reshard always"),
+    Term("tp", "tensor_parallel_degree", "ranks that split each layer's matmuls (Megatron pairs)"),
+    Term("pp", "pipeline_parallel_degree", "pipeline ranks"),
+    Term("schedule", "pipeline_parallel_schedule", "gpipe, 1f1b or interleaved"),
+    Term("virtual_stages", "pipeline_parallel_virtual_stages", "stages per pipeline rank (interleaved)"),
+    Term("microbatch", "pipeline_parallel_microbatch_size", "samples per micro-batch"),
+    Term("microbatches", "pipeline_parallel_num_microbatches", "micro-batches per step per data-parallel "
+         "rank (gradient accumulation when pp = 1)"),
+    Term("recompute", "activation_checkpoint", "activation checkpointing mode: none, selective or full"),
+    Term("recompute_modules", "activation_checkpoint_modules (top level)", "the modules recomputed in "
+         "backward, listed in full"),
+    Term("modules", "stages[].modules", "the modules of the model's chain a pipeline stage runs (nn.Module "
+         "FQNs; stages are cut between them)"),
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A layout, whole or in part: None means not chosen (yet). Field names are the short names."""
+
+    dp: int | None = None
+    dp_replicate: int | None = None
+    dp_shard: int | None = None
+    reshard: str | None = None
+    zero: int | None = None
+    """Only from --pin (the shorthand for dp_shard and reshard)."""
+    tp: int | None = None
+    pp: int | None = None
+    schedule: str | None = None
+    virtual_stages: int | None = None
+    microbatch: int | None = None
+    microbatches: int | None = None
+    recompute: str | None = None
+
+    @property
+    def data_parallel(self) -> int | None:
+        """dp, or dp_replicate x dp_shard when both are known."""
+        if self.dp is not None:
+            return self.dp
+        if self.dp_replicate is not None and self.dp_shard is not None:
+            return self.dp_replicate * self.dp_shard
+        return None
+
+    def text(self) -> str:
+        """"dp=2,tp=4,..." with the chosen fields, in this class's order."""
+        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if getattr(self, f.name) is not None)
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What a layout must fit: the cluster, the batch and the model, each None when not known."""
+
+    num_gpus: int | None = None
+    gpus_per_node: int | None = None
+    global_batch: int | None = None
+    num_modules: int | None = None
+    """Modules of the model's chain (pipeline stages are cut between them)."""
+    features: frozenset[str] | None = None
+    """What may be used (SUPPORTED for a program to run, ALL_FEATURES for a price); None: not checked."""
+    tensor_parallel_problems: Callable[[int], list[str]] | None = None
+    """The model's own reasons a tensor-parallel degree cannot split it (heads, features, vocabulary)."""
+    stage_modules: tuple[tuple[str, ...], ...] | None = None
+    """A plan's stages, each its modules."""
+    tensor_parallel_modules: int | None = None
+    """Modules a plan's tensor_parallel_plan shards."""
+
+
+def problems(layout: Layout, scope: Scope) -> list[str]:
+    """Every rule `layout` breaks in `scope`, each as one clause with its arithmetic (empty: valid as far
+    as is known)."""
+    found: list[str] = []
+    for rule in RULES:
+        found += rule(layout, scope)
+    return found
+
+
+def _values(layout: Layout, scope: Scope) -> list[str]:
+    out = [f"{name}={value} must be at least 1" for name, value in
+           (("dp", layout.dp), ("dp_replicate", layout.dp_replicate), ("dp_shard", layout.dp_shard),
+            ("tp", layout.tp), ("pp", layout.pp), ("virtual_stages", layout.virtual_stages),
+            ("microbatch", layout.microbatch), ("microbatches", layout.microbatches))
+           if value is not None and value < 1]
+    for name, value, allowed in (("schedule", layout.schedule, SCHEDULES), ("recompute", layout.recompute, RECOMPUTE),
+                                 ("reshard", layout.reshard, RESHARD), ("zero", layout.zero, ZERO_STAGES)):
+        if value is not None and value not in allowed:
+            out.append(f"{name}={value} is not one of {', '.join(map(str, allowed))}")
+    return out
+
+
+def _positive(*values: int | None) -> bool:
+    return all(v is not None and v >= 1 for v in values)
+
+
+def _features(layout: Layout, scope: Scope) -> list[str]:
+    have = scope.features
+    if have is None:
+        return []
+    out = []
+    if _positive(layout.tp) and layout.tp > 1 and "tp" not in have:
+        out.append(f"tensor parallelism is not supported yet (tp={layout.tp}; use tp=1)")
+    sharded = _sharding(layout)
+    if sharded is not None and sharded[0]:
+        needed = "zero3" if sharded[1] == "always" else "zero2"
+        if needed not in have:
+            allowed = ["0 = DDP"] + (["1/2 = FSDP without resharding"] if "zero2" in have else []) + \
+                (["3 = FSDP"] if "zero3" in have else [])
+            out.append(f"{_sharding_text(layout)} is not supported yet (supported: zero {', '.join(allowed)})")
+        if _positive(layout.dp_replicate) and layout.dp_replicate > 1 and "hsdp" not in have:
+            out.append(f"HSDP (dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard}) is not supported yet")
+    if layout.schedule in SCHEDULES and layout.schedule not in have and (layout.pp is None or layout.pp > 1):
+        out.append(f"schedule={layout.schedule} is not supported yet (supported: "
+                   f"{', '.join(s for s in SCHEDULES if s in have)})")
+    if layout.recompute in RECOMPUTE and layout.recompute != "none" and layout.recompute not in have:
+        out.append(f"recompute={layout.recompute} is not supported yet")
+    return out
+
+
+def _sharding(layout: Layout) -> tuple[bool, str] | None:
+    """(sharded, reshard) from zero or from dp_shard and reshard; None when not known."""
+    if layout.zero in ZERO_STAGES:
+        return layout.zero > 0, "always" if layout.zero == 3 else "never"
+    if _positive(layout.dp_shard):
+        return layout.dp_shard > 1, layout.reshard or "never"
+    return None
+
+
+def _sharding_text(layout: Layout) -> str:
+    return f"zero={layout.zero}" if layout.zero is not None else f"dp_shard={layout.dp_shard} reshard={layout.reshard}"
+
+
+def _degrees(layout: Layout, scope: Scope) -> list[str]:
+    out, gpus = [], scope.num_gpus
+    if gpus is None:
+        return out
+    tp, pp, dp = layout.tp, layout.pp, layout.data_parallel
+    if _positive(tp):
+        if gpus % tp:
+            out.append(f"tp={tp} does not divide {gpus} GPUs")
+        if scope.gpus_per_node is not None and scope.gpus_per_node % tp:
+            out.append(f"tp={tp} does not divide the {scope.gpus_per_node} GPUs of a node (tensor parallelism "
+                       f"stays inside a node)")
+        if tp > 1 and scope.tensor_parallel_problems is not None:
+            out += scope.tensor_parallel_problems(tp)
+        if tp > 1 and scope.tensor_parallel_modules == 0:
+            out.append(f"tp={tp}, but the plan's tensor_parallel_plan names no module to shard")
+    if _positive(pp):
+        if gpus % pp:
+            out.append(f"pp={pp} does not divide {gpus} GPUs")
+        if scope.num_modules is not None and pp > scope.num_modules:
+            out.append(f"pp={pp} exceeds the {scope.num_modules} modules the model splits into")
+    if _positive(dp):
+        if gpus % dp:
+            out.append(f"dp={dp} does not divide {gpus} GPUs")
+        if scope.global_batch is not None and scope.global_batch % dp:
+            out.append(f"dp={dp} does not divide the global batch of {scope.global_batch}")
+    if _positive(layout.dp, layout.dp_replicate, layout.dp_shard) and \
+            layout.dp != layout.dp_replicate * layout.dp_shard:
+        out.append(f"dp={layout.dp} is not dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard}")
+    known = {k: v for k, v in (("dp", dp), ("tp", tp), ("pp", pp)) if _positive(v)}
+    product = 1
+    for value in known.values():
+        product *= value
+    shown = " x ".join(f"{k}={v}" for k, v in known.items())
+    if len(known) == 3 and product != gpus:
+        out.append(f"{shown} = {product}, not {gpus} GPUs")
+    elif len(known) == 2 and gpus % product and all(gpus % v == 0 for v in known.values()):
+        out.append(f"{shown} = {product} does not divide {gpus} GPUs")
+    return out
+
+
+def _sharding_rules(layout: Layout, scope: Scope) -> list[str]:
+    out = []
+    if layout.zero == 0 and _positive(layout.dp_shard) and layout.dp_shard > 1:
+        out.append(f"zero=0 (DDP) replicates, but dp_shard={layout.dp_shard}")
+    if layout.reshard == "always" and _positive(layout.dp_shard) and layout.dp_shard == 1:
+        out.append("reshard=always needs dp_shard > 1 (nothing is sharded to free after forward)")
+    return out
+
+
+def _batch(layout: Layout, scope: Scope) -> list[str]:
+    out, batch, dp, mbs = [], scope.global_batch, layout.data_parallel, layout.microbatch
+    if batch is None or not _positive(mbs):
+        return out
+    if _positive(dp) and batch % dp == 0:
+        per_rank = batch // dp
+        if per_rank % mbs:
+            out.append(f"microbatch={mbs} does not divide the {per_rank} samples per data-parallel rank "
+                       f"(global batch {batch} / dp={dp})")
+        elif _positive(layout.microbatches) and layout.microbatches != per_rank // mbs:
+            out.append(f"microbatches={layout.microbatches}, but global batch {batch} / dp={dp} / "
+                       f"microbatch={mbs} = {per_rank // mbs}")
+    elif mbs > batch:
+        out.append(f"microbatch={mbs} exceeds the global batch of {batch}")
+    return out
+
+
+def _microbatches(layout: Layout, scope: Scope) -> int | None:
+    if _positive(layout.microbatches):
+        return layout.microbatches
+    batch, dp, mbs = scope.global_batch, layout.data_parallel, layout.microbatch
+    if batch is not None and _positive(dp, mbs) and batch % (dp * mbs) == 0:
+        return batch // (dp * mbs)
+    return None
+
+
+def _schedule(layout: Layout, scope: Scope) -> list[str]:
+    out, pp, v, schedule = [], layout.pp, layout.virtual_stages, layout.schedule
+    if _positive(v) and v > 1 and (schedule not in (None, "interleaved") or (_positive(pp) and pp == 1)):
+        out.append(f"virtual_stages={v} needs schedule=interleaved and pp > 1 (schedule={schedule}, pp={pp})")
+    if not _positive(pp) or pp == 1:
+        return out
+    m = _microbatches(layout, scope)
+    if schedule in ("1f1b", "interleaved") and m is not None and \
+            (m < pp or (schedule == "interleaved" and m % pp)):
+        need = "a multiple of" if schedule == "interleaved" else "at least"
+        out.append(f"schedule={schedule} needs {need} pp={pp} micro-batches, but {_microbatches_text(layout, scope)}"
+                   f" = {m}")
+    if schedule == "interleaved" and scope.num_modules is not None:
+        stages = pp * max(v or 2, 2)
+        if stages > scope.num_modules:
+            out.append(f"schedule=interleaved needs at least {max(v or 2, 2)} x pp={pp} = {stages} modules, the "
+                       f"model splits into {scope.num_modules}")
+    return out
+
+
+def _microbatches_text(layout: Layout, scope: Scope) -> str:
+    if _positive(layout.microbatches):
+        return "microbatches"
+    return f"global batch {scope.global_batch} / dp={layout.data_parallel} / microbatch={layout.microbatch}"
+
+
+def _stages(layout: Layout, scope: Scope) -> list[str]:
+    stages = scope.stage_modules
+    if stages is None or not _positive(layout.pp):
+        return []
+    out, v = [], layout.virtual_stages if _positive(layout.virtual_stages) else 1
+    if layout.pp > 1 and len(stages) != layout.pp * v:
+        out.append(f"pp={layout.pp} x virtual_stages={v} = {layout.pp * v} stages, but the plan lists {len(stages)}")
+    if any(not modules for modules in stages):
+        out.append("every pipeline stage must list at least one module")
+    return out
+
+
+RULES = (_values, _features, _degrees, _sharding_rules, _batch, _schedule, _stages)
+"""Every rule, in the order their messages read best."""

@@ -1,0 +1,67 @@
+"""One vocabulary and one home for the rules of a valid layout (autoplan/layout.py)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from autoplan.layout import VOCABULARY, Layout, Scope, problems
+from autoplan.plan import Parallelism
+from autoplan.report.csv import CANDIDATE_COLUMNS
+from autoplan.solve.pins import Pins
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_readme_lists_the_vocabulary():
+    readme = (ROOT / "README.md").read_text()
+    for term in VOCABULARY:
+        assert f"| `{term.short}` |" in readme, f"README's table lacks {term.short}"
+        if term.plan_field:
+            assert f"`{term.plan_field}`" in readme
+
+
+def test_pins_csv_and_plan_fields_use_the_vocabulary():
+    short = {t.short for t in VOCABULARY}
+    assert {f.name for f in fields(Pins)} <= short
+    assert {f.name for f in fields(Layout)} <= short
+    layout_columns = set(CANDIDATE_COLUMNS) - {"rank", "fits", "step_time_s", "peak_memory_gib", "reason"}
+    assert layout_columns <= short
+    plan_fields = {t.plan_field for t in VOCABULARY}
+    assert {f.name for f in fields(Parallelism)} <= plan_fields
+
+
+def test_every_rule_is_reported_at_once_with_its_arithmetic():
+    layout = Layout(dp=3, tp=16, pp=4, schedule="interleaved", microbatch=5, recompute="full")
+    found = problems(layout, Scope(num_gpus=8, gpus_per_node=8, global_batch=12, num_modules=6,
+                                   features=frozenset({"tp", "1f1b"})))
+    text = "; ".join(found)
+    for part in ("tp=16 does not divide 8 GPUs", "dp=3 does not divide 8 GPUs", "dp=3 x tp=16 x pp=4 = 192, not 8",
+                 "microbatch=5 does not divide the 4 samples per data-parallel rank",
+                 "schedule=interleaved is not supported yet", "recompute=full is not supported yet",
+                 "schedule=interleaved needs at least 2 x pp=4 = 8 modules, the model splits into 6"):
+        assert part in text, text
+
+
+def test_unknown_facts_skip_their_rules():
+    """A pin before capture: only what the cluster decides is checked."""
+    assert problems(Layout(pp=64, microbatch=3), Scope(num_gpus=64)) == []
+    assert problems(Layout(pp=64), Scope(num_gpus=64, num_modules=10)) == [
+        "pp=64 exceeds the 10 modules the model splits into"]
+
+
+@pytest.mark.parametrize("phrase", ["does not divide", "micro-batches, but", "must be at least 1", "is not one of",
+                                    "needs schedule=", "stages, but the plan lists"])
+def test_layout_rules_are_written_only_in_layout_py(phrase):
+    """The rules' messages live in autoplan/layout.py; the model's own tensor-parallel facts (heads,
+    features, vocabulary) come from chain/tensor_parallel.py through Scope.tensor_parallel_problems."""
+    allowed = {ROOT / "autoplan" / "layout.py", ROOT / "autoplan" / "chain" / "tensor_parallel.py"}
+    unrelated = re.compile(r"(--steps|batch size) must be at least 1")
+    for path in (ROOT / "autoplan").rglob("*.py"):
+        if path in allowed:
+            continue
+        lines = [line for line in path.read_text().splitlines() if phrase in line and not unrelated.search(line)]
+        assert not lines, f"{path.relative_to(ROOT)} writes a layout rule: {lines[0].strip()}"
