@@ -15,11 +15,11 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster, HardwareProfile
-from autoplan.plan import ClusterRef, ModelRef, Plan, Training
+from autoplan.plan import Alternative, ClusterRef, ModelRef, Plan, Training
 from autoplan.profile.types import ModelProfile
 
 log = logging.getLogger("autoplan")
@@ -58,8 +58,8 @@ class PlanResult:
     profile: ModelProfile
     candidates: tuple[Any, ...]
     """autoplan.solve.search.Candidate for every layout tried."""
-    scaling: tuple[tuple[int, float], ...] = ()
-    """(GPUs, predicted samples/s) of the best layout at N/8 .. 4N GPUs, same batch per GPU."""
+    scaling: tuple[ScalingPoint, ...] = ()
+    """The best layout at N/8 .. 4N GPUs, same batch per GPU (scaling_curve)."""
 
 
 def load_cluster(gpus: Any, gpu: str, gpus_per_node: Any, memory_per_gpu: Any, hardware: str | None) -> Cluster:
@@ -126,7 +126,7 @@ def plan_model(
 ) -> PlanResult:
     """Plan a model for `gpus` accelerators; with `out`, also write the output folder."""
     from autoplan.profile import profile_model
-    from autoplan.solve.pins import parse_pins
+    from autoplan.solve.pins import Pins, parse_pins
     from autoplan.solve.search import search
 
     started = time.perf_counter()
@@ -150,7 +150,7 @@ def plan_model(
     if time_limit is not None and not float(time_limit) > 0:
         errors.append(f"--time-limit must be positive seconds, got {time_limit!r}")
     if cluster is not None and pins is not None:
-        errors += _pin_arithmetic(pins, cluster.num_gpus)
+        errors += _pin_arithmetic(pins, cluster)
     if errors:
         raise UserError("; ".join(errors))
     source = _source(model, example_batch)
@@ -170,16 +170,7 @@ def plan_model(
     if result.solver.status == "time_limit":
         log.warning("the solver hit the %s s time limit: this is the best plan found, within %.1f%% of optimal",
                     time_limit, 100 * result.solver.gap)
-    alternatives = tuple(
-        {
-            "parallelism": c.parallelism.__dict__,
-            "step_time_s": c.predicted.step_time_s if c.predicted else None,
-            "peak_memory_bytes": c.predicted.peak_memory_bytes if c.predicted else None,
-            "fits": c.fits,
-            "why_not": c.reason,
-        }
-        for c in _next_best(result.candidates, best, 5)
-    )
+    alternatives = tuple(Alternative.of(c) for c in _next_best(result.candidates, best, 5))
     plan = Plan(
         model=ModelRef(path=str(source.path), factory=source.factory_name, param_count=profile.param_count),
         cluster=ClusterRef(cluster.gpu.name, cluster.num_gpus, cluster.gpus_per_node, cluster.usable_memory_bytes),
@@ -194,7 +185,8 @@ def plan_model(
     )
     if out is not None:
         log.info("scaling curve: best layouts at %d/8 .. 4x%d GPUs", cluster.num_gpus, cluster.num_gpus)
-    scaling = scaling_curve(profile, cluster, training, solver) if out is not None else ()
+    unpinned = pins == _pins_for_capture(Pins(), profile, warn=False)  # the curve's N point is then the plan's
+    scaling = scaling_curve(profile, cluster, training, best if unpinned else None) if out is not None else ()
     planned = PlanResult(plan, profile, tuple(result.candidates), scaling)
     log.info("planned in %.2f s", time.perf_counter() - started)
     if out is not None:
@@ -205,42 +197,91 @@ def plan_model(
 
 SCALING_FACTORS = (1 / 8, 1 / 4, 1 / 2, 1, 2, 4)
 """GPU counts of the report's scaling curve, as multiples of the planned count."""
+SCALING_POINT_BUDGET_S = 1.0
+"""Seconds the scaling curve spends pricing layouts at each GPU count. Past it, the point is the best of
+the layouts priced so far, and the report says so (bounded). The planned count is not searched again."""
 
 
-def scaling_curve(profile: ModelProfile, cluster: Cluster, training: Training, solver: str) -> tuple[tuple[int, float], ...]:
-    """Best predicted throughput at other GPU counts (weak scaling: the same batch per GPU). Counts where
-    nothing fits are left out."""
+class ScalingPoint(NamedTuple):
+    """One GPU count of the scaling curve (weak scaling: the same batch per GPU as the plan)."""
+
+    gpus: int
+    samples_per_s: float | None
+    """Predicted throughput of the best layout found; None when none fits (or none priced within the budget did)."""
+    layout: str = ""
+    """layouts.describe() of that layout."""
+    note: str = ""
+    """"" for a search that ran to the end; else how the point is bounded, or why there is none."""
+
+
+def scaling_curve(profile: ModelProfile, cluster: Cluster, training: Training, planned: Any = None,
+                  budget_s: float = SCALING_POINT_BUDGET_S) -> tuple[ScalingPoint, ...]:
+    """The best predicted throughput at N/8 .. 4N GPUs, the same batch per GPU, each count searched for
+    at most `budget_s` seconds. `planned` (a Candidate) is the unpinned search's winner at N GPUs: its
+    point is taken as is instead of searching again.
+
+    Each count runs the search's branch and bound (families, variants in order of their step-time lower
+    bound, the fast stage packing) on one shared Context per node size: the chain, the tensor-parallel
+    facts, the unit tables and the memory inputs do not depend on the GPU count or the batch. Unlike the
+    full search it skips the MILP refinement of the winner's split (only samples/s is drawn) and does not
+    work out why nothing fits (the leanest split and a GPU count that would fit)."""
+    import copy
     from dataclasses import replace
 
+    from autoplan.cost.context import Context
+    from autoplan.layout import SUPPORTED as features
+    from autoplan.solve import layouts
     from autoplan.solve.pins import Pins
-    from autoplan.solve.search import search
 
     pins = _pins_for_capture(Pins(), profile, warn=False)
+    contexts: dict[int, Context] = {}  # by GPUs per node: the unit tables' tensor-parallel links depend on it
     points = []
     for count in sorted({max(1, round(cluster.num_gpus * f)) for f in SCALING_FACTORS}):
-        batch = max(1, training.global_batch_size * count // cluster.num_gpus)
-        other = replace(cluster, num_gpus=count, gpus_per_node=min(cluster.gpus_per_node, count))
-        try:
-            best = search(profile, other, replace(training, global_batch_size=batch), pins, solver=solver).best
-        except UserError as e:
-            log.debug("scaling curve: nothing at %d GPUs (%s)", count, e)
+        if count == cluster.num_gpus and planned is not None:
+            points.append(ScalingPoint(count, planned.predicted.samples_per_s, layouts.describe(planned.parallelism)))
             continue
-        points.append((count, best.predicted.samples_per_s))
+        per_node = min(cluster.gpus_per_node, count)
+        if per_node not in contexts:
+            contexts[per_node] = Context(profile, replace(cluster, gpus_per_node=per_node), training, features)
+        ctx = copy.copy(contexts[per_node])  # shares the caches; this count's cluster and batch below
+        ctx.cluster = replace(cluster, num_gpus=count, gpus_per_node=per_node)
+        ctx.training = replace(training, global_batch_size=max(1, training.global_batch_size * count
+                                                                // cluster.num_gpus))
+        started = time.perf_counter()
+        point = _scaling_point(ctx, pins, budget_s)
+        log.debug("scaling curve: %d GPUs in %.2f s: %s", count, time.perf_counter() - started, point)
+        points.append(point)
     return tuple(points)
 
 
-def _pin_arithmetic(pins, num_gpus: int) -> list[str]:
-    """Pinned degrees that cannot multiply into the GPU count, found before the model is captured."""
-    degrees = {k: v for k, v in (("dp", pins.dp), ("tp", pins.tp), ("pp", pins.pp)) if v is not None}
-    product = 1
-    for value in degrees.values():
-        product *= value
-    if not degrees or num_gpus % product == 0 and (len(degrees) < 3 or product == num_gpus):
-        return []
-    shown = " x ".join(f"{k}={v}" for k, v in degrees.items())
-    if num_gpus % product:
-        return [f"--pin {shown} = {product} does not divide {num_gpus} GPUs"]
-    return [f"--pin {shown} = {product} GPUs, but --gpus is {num_gpus}"]
+def _scaling_point(ctx, pins, budget_s: float) -> ScalingPoint:
+    """The search's branch and bound at ctx's GPU count (autoplan.solve.search.explore), without the MILP
+    refinement and the infeasibility explanation, stopped after `budget_s` seconds."""
+    from autoplan.solve import layouts
+    from autoplan.solve.search import choose, explore
+
+    try:
+        explored = explore(ctx, pins, deadline=time.perf_counter() + budget_s)
+    except UserError as e:
+        return ScalingPoint(ctx.cluster.num_gpus, None, "", str(e))
+    fitting = sorted((c for c in explored.tried if c.fits), key=lambda c: c.predicted.step_time_s)
+    left = f"{explored.considered - explored.priced} of {explored.considered} layouts left unpriced"
+    bounded = explored.stopped_by_deadline
+    if not fitting:
+        why = (f"none of the {explored.priced} layouts priced within the {budget_s:g} s budget fits ({left})"
+               if bounded else "no layout fits")
+        return ScalingPoint(ctx.cluster.num_gpus, None, "", why)
+    best = choose(fitting)
+    note = f"best of the {explored.priced} layouts priced within the {budget_s:g} s budget ({left})" if bounded else ""
+    return ScalingPoint(ctx.cluster.num_gpus, best.predicted.samples_per_s, layouts.describe(best.parallelism), note)
+
+
+def _pin_arithmetic(pins, cluster: Cluster) -> list[str]:
+    """Pins that cannot hold on this cluster whatever the model (layout.problems without the model's
+    facts), found before the model is captured."""
+    from autoplan.layout import Scope, problems
+
+    return problems(pins.layout(), Scope(num_gpus=cluster.num_gpus, gpus_per_node=cluster.gpus_per_node))
 
 
 def _pins_for_capture(pins, profile: ModelProfile, warn: bool = True):
@@ -310,18 +351,6 @@ def _replace_folder(staging: Path, out: Path) -> None:
     else:
         staging.rename(out)
     out.chmod(0o755)
-
-
-def load_plan(out_dir: str | os.PathLike) -> Plan:
-    path = Path(out_dir) / "plan.json"
-    if not path.is_file():
-        raise UserError(f"no plan.json in {out_dir}")
-    from autoplan.plan import PlanError
-
-    try:
-        return Plan.from_json(path.read_text())
-    except PlanError as e:
-        raise UserError(str(e)) from None
 
 
 def _has_cuda() -> bool:

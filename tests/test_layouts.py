@@ -4,7 +4,7 @@ against the single-device reference; checkpoint save at step k + resume = an uni
 a model with its own make_dataloader (DistributedSampler).
 
 Process start-up costs more than these tiny models' training, so everything runs in ONE launch of 8
-CPU processes (autoplan.verify.verify_many): each generated train.py's main runs on the first
+CPU processes (tests/helpers/verify_many.py): each generated train.py's main runs on the first
 world-size ranks of a window, in a process group of its own; the idle ranks run other jobs.
 Plans are built by hand (no solver) with units as a layer chain gives them.
 """
@@ -16,7 +16,8 @@ import pytest
 
 from autoplan.codegen import write_program
 from autoplan.plan import ClusterRef, ModelRef, Parallelism, Plan, Prediction, SolverInfo, Stage, Training
-from autoplan.verify import PARITY_TOLERANCE, BatchJob, verify_many
+from autoplan.verify import PARITY_TOLERANCE
+from helpers.verify_many import BatchJob, verify_many
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 STEPS = 2
@@ -139,27 +140,27 @@ def mb(count: int, size: int) -> dict:
 # every layout of issue 5's list, then HSDP, ZeRO-1, DDP-style replication with TP and selective recompute
 LAYOUTS = {
     "dp=4": dict(data_parallel_replicate_degree=4, **mb(1, 2)),
-    "dp=4,zero=3": dict(data_parallel_shard_degree=4, zero_stage=3, **mb(1, 2)),
+    "dp=4,zero=3": dict(data_parallel_shard_degree=4, fsdp_reshard_after_forward="always", **mb(1, 2)),
     "pp=4,gpipe": dict(pipeline_parallel_degree=4, pipeline_parallel_schedule="gpipe", **mb(4, 2)),
     "pp=4,1f1b": dict(pipeline_parallel_degree=4, pipeline_parallel_schedule="1f1b", **mb(4, 2)),
     "pp=2,interleaved": dict(pipeline_parallel_degree=2, pipeline_parallel_virtual_stages=2,
                              pipeline_parallel_schedule="interleaved", **mb(4, 2)),
     "tp=2": dict(tensor_parallel_degree=2, **mb(2, 4)),
     "dp=2,pp=2": dict(data_parallel_replicate_degree=2, pipeline_parallel_degree=2, **mb(2, 2)),
-    "dp=2,zero=3,tp=2": dict(data_parallel_shard_degree=2, zero_stage=3, tensor_parallel_degree=2, **mb(1, 4)),
+    "dp=2,zero=3,tp=2": dict(data_parallel_shard_degree=2, fsdp_reshard_after_forward="always", tensor_parallel_degree=2, **mb(1, 4)),
     "pp=2,tp=2": dict(pipeline_parallel_degree=2, tensor_parallel_degree=2, **mb(4, 2)),
     "dp=2,pp=2,tp=2": dict(data_parallel_replicate_degree=2, pipeline_parallel_degree=2, tensor_parallel_degree=2,
                            **mb(2, 2)),
     "pp=2,recompute=full": dict(pipeline_parallel_degree=2, activation_checkpoint="full", **mb(4, 2)),
 }
 EXTRA_LAYOUTS = {
-    ("gpt", "hsdp=2x2"): dict(data_parallel_replicate_degree=2, data_parallel_shard_degree=2, zero_stage=3, **mb(1, 2)),
-    ("llama", "dp=2,zero=1,recompute=selective"): dict(data_parallel_shard_degree=2, zero_stage=1,
+    ("gpt", "hsdp=2x2"): dict(data_parallel_replicate_degree=2, data_parallel_shard_degree=2, fsdp_reshard_after_forward="always", **mb(1, 2)),
+    ("llama", "dp=2,zero=1,recompute=selective"): dict(data_parallel_shard_degree=2,
                                                       activation_checkpoint="selective", **mb(2, 2)),
     ("llama", "dp=2,tp=2,zero=0"): dict(data_parallel_replicate_degree=2, tensor_parallel_degree=2, **mb(1, 4)),
     ("gpt", "tp=2,recompute=selective"): dict(tensor_parallel_degree=2, activation_checkpoint="selective", **mb(1, 8)),
     ("gpt", "dp=2,zero=3,pp=2,interleaved,recompute=full"): dict(
-        data_parallel_shard_degree=2, zero_stage=3, pipeline_parallel_degree=2, pipeline_parallel_virtual_stages=2,
+        data_parallel_shard_degree=2, fsdp_reshard_after_forward="always", pipeline_parallel_degree=2, pipeline_parallel_virtual_stages=2,
         pipeline_parallel_schedule="interleaved", activation_checkpoint="full", **mb(2, 2)),
 }
 OTHER_MODELS = {
@@ -185,6 +186,7 @@ def make_plan(model_file: Path, stages, tensor_parallel_plan=None, **parallelism
                              mfu=0.1, peak_memory_bytes=1e6),
         solver=SolverInfo(name="pinned", status="optimal", time_s=0.0, candidates_evaluated=1),
         tensor_parallel_plan=dict(tensor_parallel_plan or {}) if par.tensor_parallel_degree > 1 else {},
+        activation_checkpoint_modules=() if par.activation_checkpoint == "none" else tuple(m for s in stages for m in s),
     )
 
 

@@ -69,43 +69,9 @@ def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: Pi
     resolve_solver(solver)
     features = SUPPORTED if features is None else frozenset(features)
     ctx = Context(profile, cluster, training, features)
-    batch = training.global_batch_size
-    scope = layouts.scope_of(ctx)
-    layouts.check_pins(pins, scope)
-    work, pruned, considered = [], [], 0
-    for fam in layouts.families(pins, scope):
-        found = layouts.variants(fam, pins, scope)
-        considered += len(found)
-        bound = family_memory_bound(ctx, fam)
-        if bound > cluster.usable_memory_bytes and found:
-            lean = min(found, key=layouts.leanness)
-            reason = (f"OOM by at least {gib(bound - cluster.usable_memory_bytes)} GiB (memory lower bound, "
-                      "no split tried)")
-            pruned.append(Candidate(parallelism=layouts.parallelism(fam, lean, lean.recompute), stages=(),
-                                    predicted=None, fits=False, reason=reason, memory_needed_bytes=bound))
-            continue
-        work += [Work(time_lower_bound(ctx, fam, var, pins.recompute is not None), fam, var) for var in found]
-    if not work and not pruned:
-        raise UserError(f"no layout satisfies the pins '{pins.as_text()}' on {cluster.num_gpus} GPUs at global "
-                        f"batch {batch} (dp must divide the batch, pp the GPU count)")
-    work.sort(key=lambda w: w.time_bound_s)
-    tried, best_time = [], math.inf
-    for item in work:
-        fam, var = item.family, item.variant
-        if item.time_bound_s > best_time * (1 + TIE_TOLERANCE):
-            break  # sorted by bound: nothing after this can win
-        # every rank runs m micro-batches: no step is shorter than m x its busiest rank's slot
-        cutoff = best_time * (1 + TIE_TOLERANCE) / var.microbatches
-        try:
-            candidate = try_layout(ctx, layouts.parallelism(fam, var, var.recompute),
-                                   layouts.modes_for(var.recompute, pins.recompute is not None), cutoff)
-        except Slower:
-            continue  # no split within the time that would tie the best so far
-        if candidate is None:
-            continue  # recompute allowed but not used: the same layout as its recompute=none variant
-        tried.append(candidate)
-        if candidate.fits:
-            best_time = min(best_time, candidate.predicted.step_time_s)
+    layouts.check_pins(pins, layouts.scope_of(ctx))
+    explored = explore(ctx, pins)
+    tried, pruned, considered = explored.tried, explored.pruned, explored.considered
     fitting = sorted((c for c in tried if c.fits), key=_by_time)
     if not fitting:
         raise infeasible_message(ctx, pins, tried + pruned)
@@ -127,6 +93,67 @@ class Work:
     time_bound_s: float
     family: layouts.Family
     variant: layouts.Variant
+
+
+@dataclass(frozen=True)
+class Explored:
+    """What the branch and bound over a search's layouts found."""
+
+    tried: list[Candidate]
+    """Layouts priced (fitting or not), in the order they were priced."""
+    pruned: list[Candidate]
+    """Families whose model states alone overflow memory, each at its leanest variant."""
+    considered: int
+    """Variants enumerated."""
+    priced: int
+    """Variants priced before the bound (or the deadline) stopped the search."""
+    stopped_by_deadline: bool
+
+
+def explore(ctx: Context, pins: Pins, deadline: float | None = None) -> Explored:
+    """The branch and bound (module docstring, steps 1-3) over every layout the pins allow, stopped at
+    `deadline` (time.perf_counter() seconds) when one is given."""
+    cluster, batch = ctx.cluster, ctx.training.global_batch_size
+    scope = layouts.scope_of(ctx)
+    work, pruned, considered = [], [], 0
+    for fam in layouts.families(pins, scope):
+        found = layouts.variants(fam, pins, scope)
+        considered += len(found)
+        bound = family_memory_bound(ctx, fam)
+        if bound > cluster.usable_memory_bytes and found:
+            lean = min(found, key=layouts.leanness)
+            reason = (f"OOM by at least {gib(bound - cluster.usable_memory_bytes)} GiB (memory lower bound, "
+                      "no split tried)")
+            pruned.append(Candidate(parallelism=layouts.parallelism(fam, lean, lean.recompute), stages=(),
+                                    predicted=None, fits=False, reason=reason, memory_needed_bytes=bound))
+            continue
+        work += [Work(time_lower_bound(ctx, fam, var, pins.recompute is not None), fam, var) for var in found]
+    if not work and not pruned:
+        raise UserError(f"no layout satisfies the pins '{pins.as_text()}' on {cluster.num_gpus} GPUs at global "
+                        f"batch {batch} (dp must divide the batch, pp the GPU count)")
+    work.sort(key=lambda w: w.time_bound_s)
+    tried, best_time, priced, stopped = [], math.inf, 0, False
+    for item in work:
+        fam, var = item.family, item.variant
+        if item.time_bound_s > best_time * (1 + TIE_TOLERANCE):
+            break  # sorted by bound: nothing after this can win
+        if deadline is not None and time.perf_counter() > deadline:
+            stopped = True
+            break
+        priced += 1
+        # every rank runs m micro-batches: no step is shorter than m x its busiest rank's slot
+        cutoff = best_time * (1 + TIE_TOLERANCE) / var.microbatches
+        try:
+            candidate = try_layout(ctx, layouts.parallelism(fam, var, var.recompute),
+                                   layouts.modes_for(var.recompute, pins.recompute is not None), cutoff)
+        except Slower:
+            continue  # no split within the time that would tie the best so far
+        if candidate is None:
+            continue  # recompute allowed but not used: the same layout as its recompute=none variant
+        tried.append(candidate)
+        if candidate.fits:
+            best_time = min(best_time, candidate.predicted.step_time_s)
+    return Explored(tried, pruned, considered, priced, stopped)
 
 
 def choose(fitting: list[Candidate]) -> Candidate:
