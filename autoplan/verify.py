@@ -5,10 +5,6 @@ Two runs of DIR/train.py, each in its own process group (session) with a time li
   distributed  python -m torch.distributed.run ...   the planned layout on K CPU processes (gloo)
 Both start from the same weights, draw the same batches and use the same optimizer, so their
 per-step losses agree to float rounding (|diff| <= PARITY_TOLERANCE) when the program is right.
-
-verify_many checks several folders in ONE torchrun launch (autoplan.runtime.batch): process
-start-up, not training, dominates a small model's check, so the folders' programs and references
-share the processes.
 """
 
 from __future__ import annotations
@@ -21,9 +17,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from autoplan.errors import UserError
 from autoplan.procs import kill_process_tree, running_ranks
@@ -51,7 +47,8 @@ class VerifyResult:
     measured: dict[str, Any] = field(default_factory=dict)
     """With measure=True: measured vs predicted step time and peak memory."""
     error: str = ""
-    """verify_many: why a run produced no losses (then passed is False and the losses are empty)."""
+    """Why a run produced no losses, when a caller checks several runs at once and reports each
+    (then passed is False and the losses are empty); "" otherwise."""
 
 
 def verify(out_dir: Path | str, nproc: int | None = None, steps: int = 3, timeout_s: float = 300,
@@ -104,98 +101,6 @@ def _compare(out_dir: Path, nproc: int, steps: int, reference_losses: list[float
         report["error"] = error
     (out_dir / "verify.json").write_text(json.dumps(report, indent=2) + "\n")
     return result
-
-
-@dataclass(frozen=True)
-class BatchJob:
-    """One train.py run inside a shared launch (see autoplan.runtime.batch)."""
-
-    out_dir: Path
-    """The folder whose train.py runs."""
-    argv: tuple[str, ...]
-    """Its command-line arguments."""
-    world: int
-    """Ranks it needs (1 for --reference)."""
-    same_ranks_as: int | None = None
-    """Index of an earlier job to run after, on the same ranks (e.g. to resume its checkpoint)."""
-
-
-def run_batch(jobs: list[BatchJob], nproc: int | None = None, timeout_s: float = 600,
-              job_timeout_s: float = 120) -> list[str]:
-    """Run the jobs in one torchrun launch of nproc (default: the largest job) CPU processes, all
-    within timeout_s; a job's collectives time out after job_timeout_s (a failed rank leaves its
-    partners waiting). Returns per job "" or the first failing rank's traceback."""
-    nproc = nproc or max(job.world for job in jobs)
-    with tempfile.TemporaryDirectory(prefix="autoplan-batch-") as tmp:
-        spec = {"store_dir": tmp, "timeout_s": job_timeout_s, "wait_s": timeout_s, "jobs": [
-            {"dir": str(Path(job.out_dir).resolve()), "argv": list(job.argv), "world": job.world,
-             "errors": str(Path(tmp) / f"job{i}.error"), "same_ranks_as": job.same_ranks_as}
-            for i, job in enumerate(jobs)]}
-        (Path(tmp) / "jobs.json").write_text(json.dumps(spec))
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                   "-m", "autoplan.runtime.batch", str(Path(tmp) / "jobs.json")]
-        _run_all([_Run(f"batch run ({nproc} processes)", command, Path(tmp), Path(tmp))], timeout_s, sequential=True)
-        errors = []
-        for i in range(len(jobs)):
-            failed = sorted(Path(tmp).glob(f"job{i}.error.rank*"))
-            errors.append(failed[0].read_text() if failed else "")
-        return errors
-
-
-@dataclass(frozen=True)
-class VerifyBatch:
-    results: list[VerifyResult]
-    """One per folder, in order."""
-    extra_errors: list[str]
-    """One per extra job: "" or the first failing rank's traceback."""
-
-
-def verify_many(out_dirs: list[Path | str], steps: int = 3, timeout_s: float = 600, nproc: int | None = None,
-                extra_jobs: Sequence[BatchJob] = ()) -> VerifyBatch:
-    """verify() for several folders in one torchrun launch; each folder gets its verify.json.
-    Folders whose reference runs would be identical (same model file, training settings and
-    data-parallel degree) share one. `extra_jobs` (e.g. checkpoint and resume runs) share the
-    launch too; they run after the verification jobs."""
-    if steps < 1:
-        raise UserError(f"--steps must be at least 1, got {steps}")
-    out_dirs = [Path(d) for d in out_dirs]
-    plans = [_load_plan(d) for d in out_dirs]
-    with tempfile.TemporaryDirectory(prefix="autoplan-verify-") as tmp:
-        common = ("--device", "cpu", "--steps", str(steps))
-        jobs, references, reference_of = [], {}, []
-        for i, (out_dir, plan) in enumerate(zip(out_dirs, plans)):
-            key = ((out_dir / "model.py").read_bytes(), plan.model.factory, json.dumps(plan.to_dict()["training"]),
-                   plan.parallelism.data_parallel_degree)
-            if key not in references:
-                references[key] = Path(tmp) / f"reference{len(references)}.json"
-                jobs.append(BatchJob(out_dir, ("--reference", *common, "--losses-out", str(references[key])), 1))
-            reference_of.append(references[key])
-        runs = [BatchJob(out_dir, (*common, "--losses-out", str(Path(tmp) / f"losses{i}.json")),
-                         plan.parallelism.world_size) for i, (out_dir, plan) in enumerate(zip(out_dirs, plans))]
-        # the largest jobs first: the one-rank references then fill the gaps
-        jobs = sorted(runs, key=lambda job: -job.world) + jobs
-        offset = len(jobs)
-        jobs += [replace(job, same_ranks_as=None if job.same_ranks_as is None else job.same_ranks_as + offset)
-                 for job in extra_jobs]
-        errors = run_batch(jobs, nproc, timeout_s)
-        error_of = {str(job.argv[-1]): error for job, error in zip(jobs, errors)}
-        results = []
-        for i, (out_dir, plan) in enumerate(zip(out_dirs, plans)):
-            losses_path = Path(tmp) / f"losses{i}.json"
-            error = error_of[str(reference_of[i])] or error_of[str(losses_path)]
-            reference = _read_list(reference_of[i]) if not error else []
-            losses = _read_list(losses_path) if not error else []
-            if not error and (len(reference) != steps or len(losses) != steps):
-                error = f"expected {steps} losses, got {len(reference)} (reference) and {len(losses)}"
-            results.append(_compare(out_dir, plan.parallelism.world_size, steps, reference, losses, {}, error))
-        return VerifyBatch(results, errors[offset:])
-
-
-def _read_list(path: Path) -> list[float]:
-    try:
-        return [float(x) for x in json.loads(path.read_text())]
-    except (OSError, ValueError, TypeError):
-        return []
 
 
 def _load_plan(out_dir: Path) -> Plan:

@@ -16,10 +16,10 @@ from torch import fx, nn
 from autoplan.errors import UserError
 from autoplan.runtime import (ModelPart, TrainingData, build_on_meta, catalog, checkpoint_units, compute_dtype,
                               materialize, restore_linears, split_model, step_batch)
-from autoplan.runtime.batch import placements
 from autoplan.runtime.recompute import _save_matmuls, saved_ops
 from autoplan.runtime.steps import CastOutputs
 from autoplan.source import load_source
+from helpers.batch import placements
 from test_runtime import load_example, run_stages
 
 GPT_UNITS = [("wte", "wpe", "blocks.0"), ("blocks.1", "ln_f", "lm_head")]
@@ -43,7 +43,7 @@ def test_a_later_batch_job_computes_on_its_own_device_mesh(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from autoplan.runtime.batch import _forget_device_meshes
+    from helpers.batch import _forget_device_meshes
 
     outputs = []
     for job in range(2):

@@ -13,7 +13,8 @@ import pytest
 from autoplan.codegen import write_program
 from autoplan.errors import UserError
 from autoplan.plan import ClusterRef, ModelRef, Parallelism, Plan, Prediction, SolverInfo, Stage, Training
-from autoplan.verify import verify, verify_many
+from autoplan.verify import verify
+from helpers.verify_many import verify_many
 from test_layouts import SKIP_NET, TINY_GPT
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -1,4 +1,4 @@
-"""Run many generated programs inside one torchrun launch (autoplan.verify.verify_many uses it).
+"""Run many generated programs inside one torchrun launch (tests/helpers/verify_many.py uses it).
 
 Starting processes costs more than training a small model (importing torch and the model's
 libraries, seconds per process), so one launch of W processes runs a list of jobs: each job is a
@@ -7,7 +7,10 @@ a file), and the ranks not in a job go on to their next one. Jobs are placed on 
 windows by a fixed greedy schedule every rank computes alike; each rank runs its jobs in list
 order, so a job starts once all of its ranks are done with earlier jobs (no deadlock).
 
-    python -m torch.distributed.run --standalone --nproc-per-node W -m autoplan.runtime.batch JOBS.json
+    python -m torch.distributed.run --standalone --nproc-per-node W tests/helpers/batch.py JOBS.json
+
+Run as a script, it imports only torch and the standard library (its folder, not the tests', is on
+sys.path); the programs it runs import autoplan from the installed package.
 
 JOBS.json: {"store_dir": str, "timeout_s": float (collectives), "wait_s": float (ranks meeting),
 "jobs": [{"dir", "argv", "world", "errors"}, ...]}; a job with "same_ranks_as": i runs on job i's

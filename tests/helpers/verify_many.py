@@ -1,0 +1,124 @@
+"""autoplan.verify's loss-parity check for several output folders in ONE torchrun launch
+(tests/helpers/batch.py): process start-up, not training, dominates a small model's check, so the
+folders' programs and references share the processes. Loading plans, comparing losses and
+running subprocesses are autoplan.verify's own.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Sequence
+
+from autoplan.errors import UserError
+from autoplan.plan import Plan
+from autoplan.verify import VerifyResult, _compare, _load_plan, _Run, _run_all
+
+BATCH_SCRIPT = Path(__file__).with_name("batch.py")
+"""The batch runner, launched by path (tests/ is not a package on the children's sys.path)."""
+
+
+@dataclass(frozen=True)
+class BatchJob:
+    """One train.py run inside a shared launch (see tests/helpers/batch.py)."""
+
+    out_dir: Path
+    """The folder whose train.py runs."""
+    argv: tuple[str, ...]
+    """Its command-line arguments."""
+    world: int
+    """Ranks it needs (1 for --reference)."""
+    same_ranks_as: int | None = None
+    """Index of an earlier job to run after, on the same ranks (e.g. to resume its checkpoint)."""
+
+
+def run_batch(jobs: list[BatchJob], nproc: int | None = None, timeout_s: float = 600,
+              job_timeout_s: float = 120) -> list[str]:
+    """Run the jobs in one torchrun launch of nproc (default: the largest job) CPU processes, all
+    within timeout_s seconds; a job's collectives time out after job_timeout_s seconds (a failed rank
+    leaves its partners waiting). Returns per job "" or the first failing rank's traceback."""
+    nproc = nproc or max(job.world for job in jobs)
+    with tempfile.TemporaryDirectory(prefix="autoplan-batch-") as tmp:
+        spec = {"store_dir": tmp, "timeout_s": job_timeout_s, "wait_s": timeout_s, "jobs": [
+            {"dir": str(Path(job.out_dir).resolve()), "argv": list(job.argv), "world": job.world,
+             "errors": str(Path(tmp) / f"job{i}.error"), "same_ranks_as": job.same_ranks_as}
+            for i, job in enumerate(jobs)]}
+        (Path(tmp) / "jobs.json").write_text(json.dumps(spec))
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                   str(BATCH_SCRIPT), str(Path(tmp) / "jobs.json")]
+        _run_all([_Run(f"batch run ({nproc} processes)", command, Path(tmp), Path(tmp))], timeout_s, sequential=True)
+        return [_first_error(Path(tmp), i) for i in range(len(jobs))]
+
+
+def _first_error(tmp: Path, index: int) -> str:
+    """The lowest failing rank's traceback for job `index`, or ""."""
+    failed = sorted(tmp.glob(f"job{index}.error.rank*"))
+    return failed[0].read_text() if failed else ""
+
+
+@dataclass(frozen=True)
+class VerifyBatch:
+    results: list[VerifyResult]
+    """One per folder, in order."""
+    extra_errors: list[str]
+    """One per extra job: "" or the first failing rank's traceback."""
+
+
+def verify_many(out_dirs: list[Path | str], steps: int = 3, timeout_s: float = 600, nproc: int | None = None,
+                extra_jobs: Sequence[BatchJob] = ()) -> VerifyBatch:
+    """autoplan.verify.verify() for several folders in one torchrun launch, within timeout_s seconds;
+    each folder gets its verify.json. Folders whose reference runs would be identical (same model
+    file, training settings and data-parallel degree) share one. `extra_jobs` (e.g. checkpoint and
+    resume runs) share the launch too; they run after the verification jobs."""
+    if steps < 1:
+        raise UserError(f"--steps must be at least 1, got {steps}")
+    out_dirs = [Path(d) for d in out_dirs]
+    plans = [_load_plan(d) for d in out_dirs]
+    with tempfile.TemporaryDirectory(prefix="autoplan-verify-") as tmp:
+        jobs, reference_of = _verification_jobs(out_dirs, plans, steps, Path(tmp))
+        offset = len(jobs)
+        jobs += [replace(job, same_ranks_as=None if job.same_ranks_as is None else job.same_ranks_as + offset)
+                 for job in extra_jobs]
+        errors = run_batch(jobs, nproc, timeout_s)
+        error_of = {str(job.argv[-1]): error for job, error in zip(jobs, errors)}
+        results = []
+        for i, (out_dir, plan) in enumerate(zip(out_dirs, plans)):
+            losses_path = Path(tmp) / f"losses{i}.json"
+            error = error_of[str(reference_of[i])] or error_of[str(losses_path)]
+            reference = _read_list(reference_of[i]) if not error else []
+            losses = _read_list(losses_path) if not error else []
+            if not error and (len(reference) != steps or len(losses) != steps):
+                error = f"expected {steps} losses, got {len(reference)} (reference) and {len(losses)}"
+            results.append(_compare(out_dir, plan.parallelism.world_size, steps, reference, losses, {}, error))
+        return VerifyBatch(results, errors[offset:])
+
+
+def _verification_jobs(out_dirs: list[Path], plans: list[Plan], steps: int,
+                       tmp: Path) -> tuple[list[BatchJob], list[Path]]:
+    """The distributed run of each folder (writing tmp/losses<i>.json), largest first, then the
+    reference runs they need; and per folder, the file its reference writes its losses to."""
+    common = ("--device", "cpu", "--steps", str(steps))
+    references: dict[tuple, Path] = {}
+    reference_jobs, reference_of = [], []
+    for out_dir, plan in zip(out_dirs, plans):
+        key = ((out_dir / "model.py").read_bytes(), plan.model.factory, json.dumps(plan.to_dict()["training"]),
+               plan.parallelism.data_parallel_degree)
+        if key not in references:
+            references[key] = tmp / f"reference{len(references)}.json"
+            reference_jobs.append(BatchJob(out_dir, ("--reference", *common, "--losses-out", str(references[key])), 1))
+        reference_of.append(references[key])
+    runs = [BatchJob(out_dir, (*common, "--losses-out", str(tmp / f"losses{i}.json")), plan.parallelism.world_size)
+            for i, (out_dir, plan) in enumerate(zip(out_dirs, plans))]
+    # the largest jobs first: the one-rank references then fill the gaps
+    return sorted(runs, key=lambda job: -job.world) + reference_jobs, reference_of
+
+
+def _read_list(path: Path) -> list[float]:
+    """The losses a run wrote to `path`, or [] if it wrote none."""
+    try:
+        return [float(x) for x in json.loads(path.read_text())]
+    except (OSError, ValueError, TypeError):
+        return []
