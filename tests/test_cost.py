@@ -9,8 +9,7 @@ from autoplan.cost import comm
 from autoplan.cost.compute import mfu
 from autoplan.cost.dtypes import peak_flops
 from autoplan.cost.memory import model_state_bytes
-from autoplan.cost.pipeline import (StageCost, bubble_fraction, microbatches_in_flight, pipeline_time, simulate,
-                                    simulated_step_s)
+from autoplan.cost.pipeline import StageCost, microbatches_in_flight, pipeline_time, simulate, simulated_step_s
 from autoplan.errors import UserError
 from autoplan.hardware.types import Link
 from autoplan.plan import Parallelism, Training
@@ -153,10 +152,10 @@ def test_roofline_times_scale_with_dtype_and_measured_times_keep_launches_fixed(
 
 
 def test_bubble_is_p_minus_1_over_v_m_of_the_ideal_time():
-    assert bubble_fraction(4, 8) == pytest.approx(3 / 8)
-    assert bubble_fraction(4, 8, 2) == pytest.approx(3 / 16)
     timing = pipeline_time(slot_s=2.0, num_ranks=4, num_microbatches=8)
     assert timing.bubble_s / timing.busy_s == pytest.approx(3 / 8) and timing.total_s == pytest.approx(22.0)
+    interleaved = pipeline_time(slot_s=2.0, num_ranks=4, num_microbatches=8, virtual=2)
+    assert interleaved.bubble_s / interleaved.busy_s == pytest.approx(3 / 16)
 
 
 def test_priced_pipeline_is_its_simulated_schedule_when_communication_is_free():

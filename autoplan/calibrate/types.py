@@ -5,9 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
-"""Operations timed per link tier. Message size is the full (unsharded) tensor for the collectives
-and the bytes sent for p2p, as in autoplan/cost/comm.py."""
 ROUNDS = 3
 """Times each probe of a calibration's framework phase runs, in turns (every probe once, then again);
 the median is kept. One run of each on 2 CPU ranks ranged over 2x between runs a minute apart (FSDP2
@@ -21,7 +18,9 @@ class TierTimes:
     group_size: int
     """Ranks in each collective's group (2 for p2p)."""
     seconds: dict[str, dict[int, float]]
-    """op name (COLLECTIVES) -> message bytes -> seconds (median over repeats of the slowest rank)."""
+    """op name (all_reduce, all_gather, reduce_scatter, p2p) -> message bytes -> seconds (median over
+    repeats of the slowest rank). Message bytes are the full (unsharded) tensor for the collectives and
+    the bytes sent for p2p, as in autoplan/cost/comm.py."""
     copied_from: str = ""
     """Non-empty when this tier was not measured but copied (e.g. "intra_node" on a single node)."""
 

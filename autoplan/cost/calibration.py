@@ -32,15 +32,6 @@ FSDP_PREFETCH_UNITS = 2
 """Units FSDP2 holds unsharded at once: the one computing and the next one prefetched
 (fully_shard's implicit forward/backward prefetch of one module ahead)."""
 
-P2P_OVERLAP = 0.0
-"""Share of pipeline point-to-point transfer time hidden behind compute. torch.distributed.pipelining
-posts a stage's receive only when it is about to compute (rendezvous NCCL send/recv), so transfers are
-counted as exposed."""
-
-TP_COMM_OVERLAP = 0.0
-"""Share of tensor-parallel all-reduce time hidden behind compute: torch TP (and Megatron-LM without
-sequence parallelism) issue them synchronously between the matmuls that need them."""
-
 GRADIENT_REDUCE_BYTES = 4
 """Bytes per gradient element the data-parallel reduction moves: fp32, whatever the training dtype.
 The generated program reduces in fp32 (FSDP2 MixedPrecisionPolicy(reduce_dtype=float32); DDP over

@@ -55,11 +55,6 @@ def microbatches_in_flight(schedule: str, num_ranks: int, num_microbatches: int,
     raise ValueError(f"schedule {schedule!r} is not priced (supported: {SCHEDULES_SUPPORTED})")
 
 
-def bubble_fraction(num_ranks: int, num_microbatches: int, virtual: int = 1) -> float:
-    """Idle time over ideal time: (p - 1) / (v m)."""
-    return (num_ranks - 1) / (virtual * num_microbatches)
-
-
 @dataclass(frozen=True)
 class PipelineTime:
     """One optimizer step of a pipeline whose slowest rank takes `slot_s` per micro-batch."""
