@@ -1,5 +1,5 @@
 """Calibrate this machine's CPU (2 gloo ranks by default) and print the measured numbers next to the
-packaged, uncalibrated autoplan/profiles/cpu.yaml defaults.
+packaged, uncalibrated profiles/cpu.yaml defaults.
 
     python benchmarks/calibrate_cpu.py [--nproc 2] [--out cpu-calibrated.yaml]
 """

@@ -11,8 +11,6 @@ import pytest
 import torch
 import yaml
 
-import autoplan
-
 from autoplan.api import plan_model
 from autoplan.calibrate import calibrate, refit
 from autoplan.calibrate.fit import bus_factor, fit_alpha_beta, link_points
@@ -22,7 +20,7 @@ from autoplan.calibrate.writer import default_base, write_profile
 from autoplan.cli import main
 from autoplan.cost.pipeline import StageCost, simulate
 from autoplan.errors import UserError
-from autoplan.hardware.profiles import HOST_OVERHEADS, load_hardware
+from autoplan.hardware.profiles import HOST_OVERHEADS, load_hardware, profiles_dir
 
 TINY_GPT = Path(__file__).resolve().parent / "models" / "tiny_gpt.py"
 
@@ -190,7 +188,7 @@ def test_refit_splits_compute_and_comm_when_measured_apart(tmp_path):
 
 
 def test_refit_scales_each_host_overhead_with_its_side(tmp_path):
-    raw = yaml.safe_load((Path(autoplan.__file__).parent / "profiles" / "h100-sxm5-80gb.yaml").read_text())
+    raw = yaml.safe_load((profiles_dir() / "h100-sxm5-80gb.yaml").read_text())
     raw["gpu"].update({f"{name}_us": 100.0 for name in HOST_OVERHEADS})
     source = tmp_path / "with_host.yaml"
     source.write_text(yaml.safe_dump(raw))

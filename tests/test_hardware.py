@@ -1,18 +1,65 @@
-"""Hardware profiles: the packaged YAML files load with the right units, round-trip, and bad files
-give one-line errors naming the file and the field."""
+"""Hardware profiles: the YAML files of the top-level profiles/ folder are the names a checkout and a
+built wheel know, they load with the right units, round-trip, and bad files give one-line errors naming
+the file and the field."""
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
 
 import pytest
 
 from autoplan.errors import UserError
 from autoplan.hardware.profiles import (GB, GIB, half_of_ram_bytes, hardware_to_yaml, known_hardware,
-                                        load_hardware, parse_hardware)
+                                        load_hardware, parse_hardware, profiles_dir)
 from autoplan.hardware.types import Cluster
 
 REQUIRED = {"a100-sxm4-80gb", "h100-sxm5-80gb", "h200-sxm-141gb", "cpu"}
+ROOT = Path(__file__).resolve().parent.parent
+"""The source checkout: pyproject.toml, autoplan/, profiles/, tests/."""
 
 
 def test_packaged_profiles_include_the_common_gpus_and_this_machine():
     assert REQUIRED <= set(known_hardware())
+
+
+def test_names_are_the_files_of_the_top_level_profiles_folder():
+    # a file a user adds to profiles/ in a checkout is a name (--gpu NAME) without reinstalling
+    assert profiles_dir() == ROOT / "profiles"
+    assert known_hardware() == sorted(p.stem for p in (ROOT / "profiles").glob("*.yaml"))
+
+
+def test_pyproject_ships_every_package_and_the_profiles_folder_as_autoplan_profiles():
+    tomllib = pytest.importorskip("tomllib")
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "autoplan").rglob("__init__.py")}
+    assert set(setuptools["packages"]) == packages | {"autoplan.profiles"}, "list new packages in pyproject.toml"
+    assert setuptools["package-dir"] == {"autoplan.profiles": "profiles"}
+    assert setuptools["package-data"]["autoplan.profiles"] == ["*.yaml"]
+
+
+@pytest.mark.slow
+def test_a_built_wheel_ships_and_loads_the_top_level_profiles(tmp_path):
+    pytest.importorskip("setuptools", minversion="70.1")  # builds without the network (bdist_wheel built in)
+    source = tmp_path / "source"
+    for folder in ("autoplan", "profiles"):
+        shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                            "-w", str(tmp_path / "dist"), str(source)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    wheel = zipfile.ZipFile(next((tmp_path / "dist").glob("*.whl")))
+    shipped = sorted(Path(n).stem for n in wheel.namelist() if n.startswith("autoplan/profiles/"))
+    assert shipped == known_hardware()
+    site = tmp_path / "site"
+    wheel.extractall(site)  # what pip install does with a pure-Python wheel
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from autoplan.hardware import profiles as p; "
+            "print(p.profiles_dir()); print(','.join(p.known_hardware())); print(p.load_hardware('h100-sxm5-80gb').gpu.name)")
+    run = subprocess.run([sys.executable, "-c", code, str(site)], cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [str(site / "autoplan" / "profiles"), ",".join(shipped), "h100-sxm5-80gb"]
 
 
 @pytest.mark.parametrize("name", known_hardware())

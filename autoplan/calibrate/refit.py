@@ -38,7 +38,7 @@ import yaml
 
 from autoplan.calibrate.writer import profile_text, write_checked
 from autoplan.errors import UserError
-from autoplan.hardware.profiles import HOST_OVERHEADS, known_hardware, load_hardware
+from autoplan.hardware.profiles import HOST_OVERHEADS, known_hardware, load_hardware, profiles_dir
 from autoplan.plan import Plan, PlanError
 
 MAX_FACTOR = 10.0
@@ -102,7 +102,7 @@ def _profile_path(hardware: str) -> Path:
     if path.is_file():
         return path
     if hardware in known_hardware():
-        return Path(__file__).resolve().parent.parent / "profiles" / f"{hardware}.yaml"
+        return profiles_dir() / f"{hardware}.yaml"
     load_hardware(hardware)  # raises the loader's message (unknown name, missing file)
     raise UserError(f"cannot find hardware profile {hardware}")
 

@@ -1,4 +1,4 @@
-"""Measurements -> a hardware profile YAML in the format of autoplan/profiles/ (no torch).
+"""Measurements -> a hardware profile YAML in the format of profiles/ (no torch).
 
 The profile's fields are what the planner reads; the raw measurements go under a top-level
 `measurements:` key, which load_hardware ignores, so a person can see what the fit was made from.

@@ -1,4 +1,4 @@
-"""Hardware profiles as YAML (autoplan/profiles/*.yaml) <-> HardwareProfile.
+"""Hardware profiles as YAML (profiles/*.yaml, see profiles_dir()) <-> HardwareProfile.
 
 The YAML carries units in its field names (peak_tflops, memory_gib, bus_bandwidth_gb_per_s, latency_us,
 ...) so a person can read and edit it; this module converts to the SI units of hardware/types.py
@@ -39,14 +39,30 @@ AUTO_MEMORY = "auto"
 """memory_gib value meaning "half of this machine's RAM, read at load time" (for the cpu profile)."""
 
 
-def _packaged_dir() -> Path:
-    """autoplan/profiles/, shipped as package data next to this package."""
-    return Path(__file__).resolve().parent.parent / "profiles"
+def _checkout_profiles() -> Path | None:
+    """The top-level profiles/ folder when autoplan runs from its source checkout (an editable install,
+    or the checkout on sys.path), else None."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        ours = 'name = "torch-autoplan"' in (root / "pyproject.toml").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    return root / "profiles" if ours and (root / "profiles").is_dir() else None
+
+
+def profiles_dir() -> Path:
+    """The folder the hardware profiles are read from, by name.
+
+    In a source checkout that is its top-level profiles/ folder, where a user reads them and adds more
+    (a file NAME.yaml there is `--gpu NAME`). An installed wheel carries the same files as the package
+    autoplan.profiles (pyproject.toml maps that package to the folder profiles/), i.e. autoplan/profiles/
+    next to this package."""
+    return _checkout_profiles() or Path(__file__).resolve().parent.parent / "profiles"
 
 
 def known_hardware() -> list[str]:
-    """Names of the packaged hardware profiles, sorted."""
-    return sorted(p.stem for p in _packaged_dir().glob("*.yaml"))
+    """Names of the hardware profiles in profiles_dir(), sorted."""
+    return sorted(p.stem for p in profiles_dir().glob("*.yaml"))
 
 
 def _resolve(name_or_path: str) -> Path:
@@ -56,7 +72,7 @@ def _resolve(name_or_path: str) -> Path:
         if not path.is_file():
             raise UserError(f"hardware profile file not found: {path}")
         return path
-    path = _packaged_dir() / f"{name_or_path}.yaml"
+    path = profiles_dir() / f"{name_or_path}.yaml"
     if not path.is_file():
         raise UserError(f"unknown hardware {name_or_path!r}: known profiles are {', '.join(known_hardware())} "
                         f"(or pass a path to a .yaml file)")
@@ -199,7 +215,7 @@ def parse_hardware(text: str, path: Path) -> HardwareProfile:
 
 
 def load_hardware(name_or_path: str) -> HardwareProfile:
-    """A packaged profile by name (see known_hardware()) or a .yaml file by path."""
+    """A profile by name (a file in profiles_dir(), see known_hardware()) or a .yaml file by path."""
     path = _resolve(name_or_path)
     try:
         text = path.read_text(encoding="utf-8")
