@@ -110,29 +110,62 @@ def measured_scale(costs: ChainCosts, gpu: Gpu) -> MeasuredScale:
     return MeasuredScale(fixed=intercept / fixed if fixed > 0 else 1.0, per_sample=slope / per_sample)
 
 
-def unit_table(costs: ChainCosts, gpu: Gpu, capture_dtype: str, train_dtype: str, tp: int, microbatch: int,
-               tp_link: Link, use_measured: bool) -> UnitTable:
+@dataclass(frozen=True)
+class TableSetting:
+    """What a unit table is priced for."""
+
+    gpu: Gpu
+    capture_dtype: str
+    """ModelProfile.dtype: the dtype the profile's bytes are in."""
+    train_dtype: str
+    tp: int
+    """Tensor-parallel degree."""
+    microbatch: int
+    """Samples per micro-batch."""
+    tp_link: Link
+    """The link the tensor-parallel group's collectives run over."""
+    use_measured: bool
+    """Price from the op times measured on this machine (the plan is for it) rather than the roofline."""
+
+
+@dataclass(frozen=True)
+class _UnitRow:
+    """One unit's costs for one micro-batch (a row of UnitTable)."""
+
+    forward_s: float
+    backward_s: float
+    tp_forward_s: float
+    tp_backward_s: float
+    cheap_forward_s: float
+    activation_bytes: dict[str, float]
+    working_bytes: float
+
+
+def unit_table(costs: ChainCosts, setting: TableSetting) -> UnitTable:
     """Per-unit costs; identical units (ChainCosts.signature) are computed once."""
-    scale = activation_scale(capture_dtype, train_dtype)
-    timing = measured_scale(costs, gpu) if use_measured else MeasuredScale()
-    done: dict[int, tuple] = {}
+    timing = measured_scale(costs, setting.gpu) if setting.use_measured else MeasuredScale()
+    done: dict[int, _UnitRow] = {}
     rows = []
     for u, unit in enumerate(costs.units):
         key = costs.signature[u]
         if key not in done:
-            done[key] = _unit_row(unit, gpu, train_dtype, scale, tp, microbatch, tp_link, use_measured, timing)
+            done[key] = _unit_row(unit, setting, timing)
         rows.append(done[key])
-    columns = list(zip(*rows))
-    activations = {m: tuple(r[5][m] for r in rows) for m in MODES}
-    return UnitTable(*(tuple(c) for c in columns[:5]), activations, tuple(columns[6]))
+    return UnitTable(
+        forward_s=tuple(r.forward_s for r in rows), backward_s=tuple(r.backward_s for r in rows),
+        tp_forward_s=tuple(r.tp_forward_s for r in rows), tp_backward_s=tuple(r.tp_backward_s for r in rows),
+        cheap_forward_s=tuple(r.cheap_forward_s for r in rows),
+        activation_bytes={m: tuple(r.activation_bytes[m] for r in rows) for m in MODES},
+        working_bytes=tuple(r.working_bytes for r in rows))
 
 
-def _unit_row(unit: UnitCosts, gpu: Gpu, dtype: str, scale: float, tp: int, b: int, link: Link, measured: bool,
-              timing: MeasuredScale):
+def _unit_row(unit: UnitCosts, setting: TableSetting, timing: MeasuredScale) -> _UnitRow:
+    gpu, tp, b, link = setting.gpu, setting.tp, setting.microbatch, setting.tp_link
+    scale = activation_scale(setting.capture_dtype, setting.train_dtype)
     fwd = bwd = cheap = tp_fwd = tp_bwd = 0.0
     for op in unit.ops:
-        f, g = (_measured(op, gpu, tp, b, timing) if measured and op.measured
-                else _roofline(op, gpu, dtype, scale, tp, b))
+        f, g = (_measured(op, gpu, tp, b, timing) if setting.use_measured and op.measured
+                else _roofline(op, gpu, setting.train_dtype, scale, tp, b))
         if tp > 1 and op.tp_role in DTENSOR_ROLES:  # the op runs on DTensors: their host cost on top
             forward_ops, backward_ops = _dtensor_ops(op)
             f += forward_ops * gpu.dtensor_op_overhead_s
@@ -143,9 +176,9 @@ def _unit_row(unit: UnitCosts, gpu: Gpu, dtype: str, scale: float, tp: int, b: i
         tp_fwd += _tp_forward(op, tp, b * scale, link)
         tp_bwd += _tp_backward(op, tp, b * scale, link)
     saved = saved_by_mode(unit, tp, scale)
-    activations = {m: saved[m] * b for m in MODES}
     working = saved["none"] * b + calibration.LOSS_BUFFER_FACTOR * unit.output_buffer_bytes * b * scale
-    return fwd, bwd, tp_fwd, tp_bwd, cheap, activations, working
+    return _UnitRow(forward_s=fwd, backward_s=bwd, tp_forward_s=tp_fwd, tp_backward_s=tp_bwd, cheap_forward_s=cheap,
+                    activation_bytes={m: saved[m] * b for m in MODES}, working_bytes=working)
 
 
 DTENSOR_ROLES = frozenset({"colwise", "rowwise", "interior"})

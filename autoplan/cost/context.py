@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from autoplan.chain.layers import build_chain
 from autoplan.chain.tensor_parallel import tensor_parallel_facts
 from autoplan.cost import comm
-from autoplan.cost.compute import UnitTable, unit_table
+from autoplan.cost.compute import TableSetting, UnitTable, unit_table
 from autoplan.cost.dtypes import activation_scale, bytes_per_element, training_dtype
 from autoplan.cost.memory import LayoutMemory, MemoryInputs, layout_memory
 from autoplan.cost.units import chain_costs
@@ -86,8 +86,9 @@ class Context:
     def table(self, tp: int, microbatch: int) -> UnitTable:
         key = (tp, microbatch)
         if key not in self._tables:
-            self._tables[key] = unit_table(self.costs, self.cluster.gpu, self.chain.capture_dtype, self.dtype, tp,
-                                           microbatch, self.group(tp, 1).link, self.use_measured)
+            self._tables[key] = unit_table(self.costs, TableSetting(
+                gpu=self.cluster.gpu, capture_dtype=self.chain.capture_dtype, train_dtype=self.dtype, tp=tp,
+                microbatch=microbatch, tp_link=self.group(tp, 1).link, use_measured=self.use_measured))
         return self._tables[key]
 
     def total_numel(self, tp: int) -> float:

@@ -108,8 +108,8 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
             if held:
                 numels[held[0] - a] += tied[g]
         held = {p for u in units for p in chain.units[u].parameters}
-        dpc = _data_parallel(par, groups, [x * element for x in numels], m, forward, backward + recompute, ctx,
-                             len(held))
+        dpc = _data_parallel(ctx, par, groups, unit_bytes=[x * element for x in numels], forward_s=forward,
+                             backward_s=backward + recompute, tensors=len(held))
         parts.append({"compute": forward + backward, "recompute": recompute,
                       "tensor_parallel_comm": tp_forward + tp_backward, "data_parallel_comm": dpc.per_microbatch_s,
                       "pipeline_comm": host + slowdown * (forward + backward + recompute)})
@@ -191,14 +191,16 @@ def _recompute(table: UnitTable, u: int, mode: str) -> float:
     return 0.0
 
 
-def _data_parallel(par: Parallelism, groups: Groups, unit_bytes: list[float], m: int, forward: float,
-                   backward: float, ctx: Context, tensors: int = 0) -> comm.DataParallelComm:
+def _data_parallel(ctx: Context, par: Parallelism, groups: Groups, *, unit_bytes: list[float], forward_s: float,
+                   backward_s: float, tensors: int) -> comm.DataParallelComm:
+    """Data-parallel communication of one rank of a stage whose modules hold `unit_bytes` of parameters
+    (training dtype), behind one micro-batch's forward and backward compute; `tensors` parameter tensors."""
     gradient_ratio = calibration.GRADIENT_REDUCE_BYTES / ctx.dtype_bytes
     gpu = ctx.cluster.gpu
     # what compute can hide; FSDP2 on a CPU device has no side streams: its all-gathers and
     # reduce-scatters block the compute thread (unshard(async_op=False) waits at once), so none
     overlap = 0.0 if par.sharded and gpu.name == "cpu" else gpu.comm_overlap
-    forward, backward = forward * overlap, backward * overlap
+    forward, backward = forward_s * overlap, backward_s * overlap
     if not par.sharded:
         # DDP proper only without tensor parallelism (with it, fully_shard replicates: runtime/parallel.py)
         hooks = gpu.ddp_tensor_overhead_s if par.tensor_parallel_degree == 1 else 0.0
@@ -206,8 +208,8 @@ def _data_parallel(par: Parallelism, groups: Groups, unit_bytes: list[float], m:
     streaming = gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency
     return comm.fsdp_comm(comm.FsdpStage(
         unit_param_bytes=tuple(unit_bytes), reshard_after_forward=par.reshards_after_forward, shard=groups.shard,
-        replicate=groups.replicate, pipelined=par.pipeline_parallel_degree > 1, num_microbatches=m,
-        forward_window_s=forward, backward_window_s=backward, copy_bytes_per_s=streaming,
+        replicate=groups.replicate, pipelined=par.pipeline_parallel_degree > 1,
+        num_microbatches=par.pipeline_parallel_num_microbatches, forward_window_s=forward, backward_window_s=backward, copy_bytes_per_s=streaming,
         gradient_ratio=gradient_ratio, unit_overhead_s=gpu.fsdp_unit_overhead_s))
 
 

@@ -189,7 +189,8 @@ def solve_ilp(problem: ChainProblem, solver: str = "highs", time_limit_s: float 
     resolve_solver(solver)
     started = time.perf_counter()
     if problem.num_stages > problem.num_units:
-        return IlpResult(None, None, "infeasible", 0.0, solver, "none", 0.0)
+        return IlpResult(assignment=None, objective=None, status="infeasible", gap=0.0, solver=solver, backend="none",
+                         time_s=0.0)
     prob, v = build_model(problem, upper_bound)
     if warm_start is not None:
         _set_initial_values(v, problem, warm_start)
@@ -199,13 +200,16 @@ def solve_ilp(problem: ChainProblem, solver: str = "highs", time_limit_s: float 
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         stopped = time_limit_s is not None and prob.sol_status == pulp.LpSolutionNoSolutionFound
         status = "time_limit" if stopped else "infeasible"
-        return IlpResult(None, None, status, 1.0 if status == "time_limit" else 0.0, name, backend.name, elapsed)
+        return IlpResult(assignment=None, objective=None, status=status, gap=1.0 if status == "time_limit" else 0.0,
+                         solver=name, backend=backend.name, time_s=elapsed)
     found = _read_assignment(v, problem)
     objective = problem.bottleneck(found)
     if prob.sol_status == pulp.LpSolutionOptimal:
-        return IlpResult(found, objective, "optimal", 0.0, name, backend.name, elapsed)
+        return IlpResult(assignment=found, objective=objective, status="optimal", gap=0.0, solver=name,
+                         backend=backend.name, time_s=elapsed)
     gap = mip_gap(prob, objective, problem.time_lower_bound())
-    return IlpResult(found, objective, "time_limit", gap, name, backend.name, elapsed)
+    return IlpResult(assignment=found, objective=objective, status="time_limit", gap=gap, solver=name,
+                    backend=backend.name, time_s=elapsed)
 
 
 def _read_assignment(v: IlpVariables, problem: ChainProblem) -> Assignment:
