@@ -9,6 +9,8 @@
 
 Exit codes: 0 success, 2 bad input or infeasible (one line on stderr), 1 internal error,
 130 interrupted (Ctrl-C), 143 terminated (SIGTERM).
+
+The user's help (`autoplan --help`) is USAGE, DESCRIPTION, the plan options and EPILOG below.
 """
 
 from __future__ import annotations
@@ -31,6 +33,30 @@ from autoplan.errors import UserError
 
 SUBCOMMANDS = ("plan", "profile", "verify", "calibrate")
 
+USAGE = """autoplan MODEL.py --gpus N [options]             (same as: autoplan plan MODEL.py --gpus N ...)
+       autoplan profile|verify|calibrate ...             (autoplan SUBCOMMAND --help for its options)
+       autoplan --version"""
+
+DESCRIPTION = """\
+autoplan finds how to train an unmodified PyTorch model on N GPUs (data, tensor and pipeline
+parallelism, micro-batches, recompute), predicts its step time and memory, and writes the torchrun
+program that trains it.
+
+subcommands:
+  plan MODEL.py --gpus N    (the default) choose a layout; write plan.json, train.py, launch/, report.html
+  profile MODEL.py          capture and profile the model only: ops.csv, modules.csv (FLOPs, bytes, time)
+  verify DIR                run a planned program on CPU/gloo processes and check its loss matches one device
+  calibrate --out P.yaml    measure this machine into a hardware profile (--refit DIR rescales a profile)
+
+MODEL.py defines build_model() and example_batch(batch_size) (loss_fn optional);
+MODEL.py:factory names another factory than build_model."""
+
+EPILOG = """\
+exit codes: 0 success; 2 bad input or no layout fits (one line on stderr, --debug for a traceback);
+1 internal error (verify: loss parity failed); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM).
+
+example: autoplan examples/llama.py:llama3_8b --gpus 8 --out llama_plan"""
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line (exit 2) instead of usage + message."""
@@ -44,39 +70,58 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="print only errors")
 
 
+def _gpu_help(default: str) -> str:
+    """--gpu's help: the packaged hardware profiles by name."""
+    from autoplan.hardware.profiles import known_hardware
+
+    names = ", ".join(known_hardware()) or "a profile name"
+    return f"hardware profile: {names} (default {default}; cpu = processes on this machine, measured op timings)"
+
+
 def _plan_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="model.py, or model.py:factory")
-    parser.add_argument("--gpus", required=True, help="number of accelerators")
-    parser.add_argument("--gpu", default="h100-sxm5-80gb", help="hardware profile name, or 'cpu' for this machine")
-    parser.add_argument("--gpus-per-node", default=None)
-    parser.add_argument("--global-batch", default=None, help="samples per optimizer step (default 4 per GPU)")
-    parser.add_argument("--dtype", default=None, help="bf16 or fp32 (default bf16 on GPUs, fp32 on cpu)")
-    parser.add_argument("--memory-per-gpu", default=None, help="cap usable memory per GPU, e.g. 40GiB")
-    parser.add_argument("--pin", default=None, help="fix layout choices, e.g. tp=8,pp=4,dp=2,zero=3")
-    parser.add_argument("--hardware", default=None, help="a hardware profile YAML file (overrides --gpu)")
-    parser.add_argument("--out", default="autoplan_out", help="output folder (default autoplan_out)")
-    parser.add_argument("--solver", default="highs", help="highs (default) or cbc")
-    parser.add_argument("--time-limit", default=None, type=float, help="solver time limit, seconds")
-    parser.add_argument("--json", action="store_true", help="print plan.json to stdout")
+    parser.add_argument("model", metavar="MODEL.py", help="the model file, or MODEL.py:factory")
+    parser.add_argument("--gpus", metavar="N", required=True, help="number of accelerators (GPUs, or cpu processes)")
+    parser.add_argument("--gpu", metavar="NAME", default="h100-sxm5-80gb", help=_gpu_help("h100-sxm5-80gb"))
+    parser.add_argument("--gpus-per-node", metavar="K", default=None,
+                        help="GPUs per node: groups within a node use the profile's intra-node link (NVLink), "
+                        "across nodes its network (default: the profile's node size, 8 for the GPUs)")
+    parser.add_argument("--global-batch", metavar="B", default=None,
+                        help="samples per optimizer step (default 4 per GPU)")
+    parser.add_argument("--dtype", metavar="bf16|fp32", default=None,
+                        help="training precision (default bf16 on GPUs, fp32 on cpu)")
+    parser.add_argument("--memory-per-gpu", metavar="SIZE", default=None, help="cap usable memory per GPU, e.g. 40GiB")
+    parser.add_argument("--pin", metavar="K=V,...", default=None,
+                        help="fix layout choices: dp, tp, pp (degrees), zero (0-3), schedule (gpipe, 1f1b, "
+                        "interleaved), microbatch, recompute (none, selective, full); e.g. tp=8,pp=4,dp=2,zero=3")
+    parser.add_argument("--hardware", metavar="PROFILE.yaml", default=None,
+                        help="a hardware profile file, e.g. from autoplan calibrate (overrides --gpu)")
+    parser.add_argument("--out", metavar="DIR", default="autoplan_out", help="output folder (default autoplan_out)")
+    parser.add_argument("--solver", metavar="highs|cbc", default="highs", help="MILP solver (default highs)")
+    parser.add_argument("--time-limit", metavar="S", default=None, type=float, help="solver time limit, seconds")
+    parser.add_argument("--json", action="store_true", help="print plan.json to stdout instead of the summary")
     _common(parser)
 
 
 def build_parser() -> dict[str, argparse.ArgumentParser]:
-    plan = _Parser(prog="autoplan plan", description="Plan a model for N GPUs and write a torchrun program.")
+    plan = _Parser(prog="autoplan plan", usage=USAGE, description=DESCRIPTION, epilog=EPILOG,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     _plan_args(plan)
     profile = _Parser(prog="autoplan profile", description="Capture and profile a model: ops.csv, modules.csv.")
-    profile.add_argument("model")
-    profile.add_argument("--gpu", default="cpu")
-    profile.add_argument("--hardware", default=None)
+    profile.add_argument("model", metavar="MODEL.py", help="the model file, or MODEL.py:factory")
+    profile.add_argument("--gpu", metavar="NAME", default="cpu", help=_gpu_help("cpu"))
+    profile.add_argument("--hardware", metavar="PROFILE.yaml", default=None,
+                         help="a hardware profile file (overrides --gpu)")
     profile.add_argument("--measure", action="store_true", help="time ops on this machine")
-    profile.add_argument("--out", default="autoplan_profile")
+    profile.add_argument("--out", metavar="DIR", default="autoplan_profile",
+                         help="output folder (default autoplan_profile)")
     _common(profile)
     verify = _Parser(prog="autoplan verify", description="Run a generated program on CPU/gloo and check loss parity.")
-    verify.add_argument("dir")
-    verify.add_argument("--nproc", type=int, default=None)
-    verify.add_argument("--steps", type=int, default=3)
+    verify.add_argument("dir", metavar="DIR", help="an output folder of autoplan plan")
+    verify.add_argument("--nproc", type=int, default=None, help="processes to run (default: the plan's GPU count)")
+    verify.add_argument("--steps", type=int, default=3, help="training steps compared (default 3)")
     verify.add_argument("--timeout", type=float, default=600.0, help="seconds per run before it is killed")
-    verify.add_argument("--measure", action="store_true")
+    verify.add_argument("--measure", action="store_true",
+                        help="also record step time and peak memory next to the prediction (verify.json)")
     _common(verify)
     calibrate = _Parser(prog="autoplan calibrate", description="Measure this machine into a hardware profile "
                         "YAML (launches torchrun, or runs under it); with --refit, rescale a profile to a verified run.")
@@ -240,6 +285,18 @@ class _StatusHandler(logging.Handler):
             self.status.update(f"{escape(record.getMessage())} ...")
 
 
+def _version() -> str:
+    """The installed distribution's version (torch-autoplan), else the source tree's autoplan.__version__."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch-autoplan")
+    except PackageNotFoundError:
+        import autoplan
+
+        return autoplan.__version__
+
+
 def _terminate(signum, frame):
     from autoplan.errors import Terminated
 
@@ -254,8 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         name, rest = "plan", argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip(), file=sys.stdout if argv else sys.stderr)
+        print(build_parser()["plan"].format_help().rstrip(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
+    if argv[0] == "--version":
+        print(f"autoplan {_version()}")
+        return 0
     signal.signal(signal.SIGTERM, _terminate)
     try:
         args = build_parser()[name].parse_args(rest)

@@ -2,9 +2,9 @@
 
 Defaults are Llama-3-8B's shapes. Every shape is a module-level constant, so a test or benchmark can
 shrink or grow the model (set e.g. LAYERS before calling build_model), or pass config overrides:
-build_model(num_hidden_layers=2).
+build_model(num_hidden_layers=2). llama3_8b() is Llama-3-8B by name, whatever the constants are set to.
 
-    autoplan examples/llama.py --gpus 8
+    autoplan examples/llama.py:llama3_8b --gpus 8
 """
 
 import torch
@@ -31,6 +31,16 @@ def config(**overrides) -> LlamaConfig:
 
 def build_model(**overrides) -> LlamaForCausalLM:
     return LlamaForCausalLM(config(**overrides))
+
+
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8)
+"""Llama-3-8B's shapes (Meta-Llama-3-8B's config.json): 8.03e9 parameters."""
+
+
+def llama3_8b() -> LlamaForCausalLM:
+    """Llama-3-8B, trained here on SEQ_LEN-token sequences (2048 unless changed)."""
+    return build_model(**LLAMA3_8B)
 
 
 def example_batch(batch_size: int):

@@ -1,5 +1,7 @@
-"""Bad input: one clear line on stderr, exit code 2, no output folder."""
+"""The command line: bad input (one clear line on stderr, exit code 2, no output folder), --help,
+--version, and no solver banner in a real process's output."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +86,44 @@ def test_interrupted_run_leaves_nothing_and_exits_130_or_143(tmp_path, signal_na
     assert "Traceback" not in proc.stderr.read()
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "__pycache__") == ["slow.py", "slow.started"]
+
+
+def test_help_is_user_help_with_subcommands_options_profiles_and_exit_codes(capsys):
+    from autoplan.hardware.profiles import known_hardware
+
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    assert "thin over autoplan.api" not in text
+    for word in ("plan MODEL.py", "profile MODEL.py", "verify DIR", "calibrate --out", "--gpus N", "--pin",
+                 "--memory-per-gpu", "--out DIR", "--version", "exit codes: 0 success; 2 bad input"):
+        assert word in text, word
+    names = known_hardware()
+    assert "h100-sxm5-80gb" in names and all(name in text for name in names)
+    gpus_per_node = text[text.index("--gpus-per-node K"):text.index("--global-batch")]
+    assert "GPUs per node" in gpus_per_node
+    assert main(["-h"]) == 0 and capsys.readouterr().out == text
+
+
+def test_no_arguments_prints_the_help_on_stderr_and_exits_2(capsys):
+    assert main([]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "subcommands:" in captured.err and "exit codes" in captured.err
+
+
+def test_version_names_the_package_version(capsys):
+    import autoplan
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"autoplan {autoplan.__version__}\n"
+
+
+def test_solver_prints_no_banner_in_a_real_process(tmp_path):
+    """pp=2 sends the stage split to the MILP; HiGHS writes its banner from C to fd 1 unless silenced."""
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "autoplan", MLP, "--gpus", "4", "--pin", "pp=2", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    solver = json.loads((out / "plan.json").read_text())["solver"]
+    assert solver["time_s"] > 0  # the MILP ran (a single stage skips it with time 0)
+    for text in (run.stdout, run.stderr):
+        assert "Running HiGHS" not in text and "Copyright" not in text and "Welcome to the CBC" not in text
