@@ -219,12 +219,10 @@ def cmd_calibrate(args) -> int:
 
 def summary(plan, out: str | None) -> Group:
     """The chosen layout, its prediction and its stages, as rich renderables."""
+    from autoplan.solve.layouts import describe
+
     p, pred, gib = plan.parallelism, plan.predicted, 2**30
-    layout = (f"dp={p.data_parallel_degree} (replicate {p.data_parallel_replicate_degree} x shard "
-              f"{p.data_parallel_shard_degree}, zero {p.zero_stage})  tp={p.tensor_parallel_degree}  "
-              f"pp={p.pipeline_parallel_degree} ({p.pipeline_parallel_schedule})  micro-batch "
-              f"{p.pipeline_parallel_microbatch_size} x {p.pipeline_parallel_num_microbatches}  "
-              f"recompute {p.activation_checkpoint}")
+    layout = describe(p)
     throughput = f"{pred.samples_per_s:,.1f} samples/s" + (f", {pred.tokens_per_s:,.0f} tokens/s" if pred.tokens_per_s else "")
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
