@@ -38,6 +38,7 @@ def planned(calibrated):
     return plan_model(str(TINY_GPT), 2, "cpu", hardware=str(calibrated))
 
 
+@pytest.mark.slow
 def test_calibrated_profile_loads_with_sane_numbers(calibrated):
     profile = load_hardware(str(calibrated))
     gpu = profile.gpu
@@ -58,6 +59,7 @@ def test_calibrated_profile_loads_with_sane_numbers(calibrated):
     assert "copied from intra_node" in profile.inter_node.source
 
 
+@pytest.mark.slow
 def test_calibrated_profile_records_the_run(calibrated):
     raw = yaml.safe_load(calibrated.read_text())
     assert raw["gpu"]["memory_gib"] == "auto"
@@ -73,6 +75,7 @@ def test_calibrated_profile_records_the_run(calibrated):
     assert "# inter_node is a copy of intra_node" in calibrated.read_text()
 
 
+@pytest.mark.slow
 def test_calibrated_profile_plans_a_small_gpt(planned, calibrated):
     plan = planned.plan
     assert plan.cluster.gpu == "cpu" and plan.cluster.num_gpus == 2
@@ -80,6 +83,7 @@ def test_calibrated_profile_plans_a_small_gpt(planned, calibrated):
     assert 0 < plan.predicted.step_time_s < 10
 
 
+@pytest.mark.slow
 def test_cli_plans_with_the_calibrated_profile(calibrated, capsys):
     assert main(["plan", str(TINY_GPT), "--gpus", "2", "--gpu", "cpu", "--hardware", str(calibrated), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["cluster"]["gpu"] == "cpu"
@@ -214,6 +218,7 @@ def test_refit_clamps_factors_and_efficiencies(tmp_path):
     assert result.comm_factor == 1.0
 
 
+@pytest.mark.slow
 def test_refit_of_a_cpu_plan_moves_the_next_prediction_toward_the_measurement(planned, calibrated, tmp_path):
     plan = planned.plan
     predicted = plan.predicted.step_time_s
@@ -261,6 +266,7 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 def test_calibrate_past_its_timeout_is_killed_with_its_ranks(tmp_path):
     out = tmp_path / "never-written.yaml"
     # 3 s: torchrun and its ranks are up (importing torch), and far from done measuring (~10 s)

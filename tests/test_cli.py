@@ -65,6 +65,7 @@ def example_batch(batch_size):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signal_name, code", [("SIGTERM", 143), ("SIGINT", 130)])
 def test_interrupted_run_leaves_nothing_and_exits_130_or_143(tmp_path, signal_name, code):
     import signal

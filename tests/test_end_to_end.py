@@ -29,6 +29,7 @@ def verify_cli(tmp_path: Path, capsys) -> dict:
     return report
 
 
+@pytest.mark.slow
 def test_pure_data_parallel_gpt_on_two_processes(tmp_path, capsys):
     # pinned: on CPU the fastest layout depends on measured op times, and this test is about pure DP
     plan = plan_cli(tmp_path, "tiny_gpt.py", "--gpus", "2", "--global-batch", "8", "--pin", "dp=2")
@@ -42,6 +43,7 @@ def test_pure_data_parallel_gpt_on_two_processes(tmp_path, capsys):
     verify_cli(tmp_path, capsys)
 
 
+@pytest.mark.slow
 def test_pinned_dp2_pp2_gpt_on_four_processes(tmp_path, capsys):
     plan = plan_cli(tmp_path, "tiny_gpt.py", "--gpus", "4", "--global-batch", "8", "--pin", "dp=2,pp=2")
     par = plan["parallelism"]
@@ -57,6 +59,7 @@ def test_pinned_dp2_pp2_gpt_on_four_processes(tmp_path, capsys):
     verify_cli(tmp_path, capsys)
 
 
+@pytest.mark.slow
 def test_memory_cap_below_the_replicated_model_changes_the_plan(tmp_path, capsys):
     replicated = plan_cli(tmp_path, "tiny_mlp.py", "--gpus", "2", "--global-batch", "8", "--pin", "dp=2,zero=0")
     assert replicated["parallelism"]["data_parallel_replicate_degree"] == 2
@@ -89,6 +92,7 @@ def test_shipped_examples_plan_for_eight_h100(tmp_path, example):
     assert 0 < plan["predicted"]["mfu"] < 1
 
 
+@pytest.mark.slow
 def test_the_readme_cpu_example_plans_and_verifies(tmp_path, capsys):
     """README: autoplan examples/mlp.py --gpus 2 --gpu cpu --out DIR && autoplan verify DIR"""
     examples = Path(__file__).parent.parent / "examples"

@@ -19,6 +19,8 @@ from autoplan.plan import ClusterRef, ModelRef, Parallelism, Plan, Prediction, S
 from autoplan.verify import PARITY_TOLERANCE
 from helpers.verify_many import BatchJob, verify_many
 
+pytestmark = pytest.mark.slow  # one 8-process torchrun launch (~80 s on 2 cores)
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 STEPS = 2
 

@@ -10,6 +10,8 @@ import pytest
 from autoplan.api import plan_model
 from helpers.verify_many import verify_many
 
+pytestmark = pytest.mark.slow  # plans 14 layouts and trains them under one torchrun launch (~75 s)
+
 MODELS = Path(__file__).parent / "models"
 PINS = {  # pin -> GPUs
     "dp=4": 4, "dp=4,zero=3": 4, "pp=4,schedule=gpipe": 4, "pp=4,schedule=1f1b": 4,

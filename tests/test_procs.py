@@ -6,6 +6,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from autoplan.procs import descendants, kill_process_tree, running_ranks
 
 CHILD = "import time; time.sleep(60)"
@@ -21,6 +23,7 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow
 def test_ranks_below_a_launcher_are_named_and_killed_with_their_own_sessions():
     launcher = subprocess.Popen([sys.executable, "-c", PARENT], env={**os.environ, "RANK": "3"},
                                 start_new_session=True)

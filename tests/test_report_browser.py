@@ -103,6 +103,7 @@ def _unfilter_sequential(kind: int, cur: list[int], up: list[int], bpp: int) -> 
     return cur
 
 
+@pytest.mark.slow
 def test_report_renders_in_headless_chromium(tmp_path):
     write_report(make_result(pp=4, microbatches=8, layers=8), tmp_path, VERIFY, SCALING)
     page = tmp_path / "report.html"
@@ -126,6 +127,7 @@ def test_report_renders_in_headless_chromium(tmp_path):
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in dom and "<script>alert(1)" not in dom
 
 
+@pytest.mark.slow
 def test_the_checks_catch_a_broken_page(tmp_path):
     # The same detectors flag a page with a console error and a network fetch, so passing means something.
     page = tmp_path / "broken.html"

@@ -249,6 +249,7 @@ def test_errors_and_their_badges():
     assert error_badge(None, TIME_TOLERANCE) == "–" and not math.isnan(relative_error(2.0, 4.0))
 
 
+@pytest.mark.slow
 def test_full_section_renders_in_headless_chromium(tmp_path):
     from test_report_browser import console_messages, page_requests, run_chromium
 

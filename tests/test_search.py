@@ -4,7 +4,6 @@ more PP or TP), pins, the switch list, errors with arithmetic, Infeasible, estim
 import re
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from functools import lru_cache
 
@@ -180,12 +179,11 @@ def test_infeasible_without_a_larger_count_says_so():
         search(gpt2_small(), capped(8, 0.001), TRAINING)
 
 
-def test_search_is_deterministic_and_fast():
+def test_search_is_deterministic():
+    # how fast these searches are: benchmarks/search_time.py
     profile = gpt_profile(n_layer=12)
-    started = time.perf_counter()
     first = search(profile, cluster(8), Training(global_batch_size=32), Pins(pp=4))
-    search(profile, cluster(8), Training(global_batch_size=32))
-    assert time.perf_counter() - started < 3.0
+    assert search(profile, cluster(8), Training(global_batch_size=32)).best.fits
     second = search(profile, cluster(8), Training(global_batch_size=32), Pins(pp=4))
     assert first.best == second.best and first.candidates == second.candidates
 

@@ -1,9 +1,8 @@
 """The full search at scale: a 1T GPT (128 layers, h 25600, 160 heads, seq 2048, vocab 51200) on 3072
-A100s within 60 s, and its plan predicted at least as fast as the published tp=8, pp=64 layout
-(both priced with every feature the cost model knows, vocabulary-parallel head included, as
-Megatron-LM ran it)."""
+A100s, and its plan predicted at least as fast as the published tp=8, pp=64 layout (both priced with
+every feature the cost model knows, vocabulary-parallel head included, as Megatron-LM ran it).
+How long the search takes (bound: 60 s): benchmarks/search_time.py."""
 
-import time
 from pathlib import Path
 
 from chain_fixtures import read_runs, run_cluster, run_pins, run_profile
@@ -16,14 +15,11 @@ from autoplan.solve.search import search
 ONE_T = next(r for r in read_runs(Path(__file__).parent / "fixtures" / "published_runs.csv") if r["pp"] == "64")
 
 
-def test_1t_gpt_on_3072_gpus_is_planned_within_a_minute_and_beats_or_ties_the_published_layout():
+def test_1t_gpt_on_3072_gpus_is_planned_and_beats_or_ties_the_published_layout():
     profile, cluster = run_profile(ONE_T), run_cluster(ONE_T)
     training = Training(global_batch_size=int(ONE_T["global_batch_seqs"]), dtype="bf16")
-    started = time.perf_counter()
     result = search(profile, cluster, training, features=ALL_FEATURES)
-    elapsed = time.perf_counter() - started
     published = search(profile, cluster, training, parse_pins(run_pins(ONE_T)), features=ALL_FEATURES).best
-    assert elapsed <= 60.0
     assert result.best.fits and result.best.predicted.peak_memory_bytes <= cluster.usable_memory_bytes
     assert result.best.predicted.step_time_s <= published.predicted.step_time_s * (1 + 1e-9)
     assert result.solver.candidates_evaluated > 10_000 and result.solver.status in ("optimal", "time_limit")

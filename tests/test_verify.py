@@ -59,6 +59,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_parity_with_the_single_device_reference(tmp_path, case):
     model_text, model_file, plan_args = CASES[case]
@@ -94,6 +95,7 @@ def fake_program(tmp_path: Path, body: str) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_a_hung_run_is_killed_with_its_whole_process_group(tmp_path):
     out = fake_program(tmp_path, f"""
         open({str(tmp_path)!r} + f"/pid.{{os.getpid()}}", "w").close()
@@ -119,6 +121,7 @@ def is_alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow
 def test_a_failing_rank_is_reported_with_its_traceback(tmp_path):
     out = fake_program(tmp_path, """
         if not reference and rank == 1:
@@ -130,6 +133,7 @@ def test_a_failing_rank_is_reported_with_its_traceback(tmp_path):
         verify(out, steps=2)
 
 
+@pytest.mark.slow
 def test_diverging_losses_fail_and_are_written_down(tmp_path):
     out = fake_program(tmp_path, """
         if reference or rank == 0:
@@ -152,6 +156,7 @@ def main(argv):
 """
 
 
+@pytest.mark.slow
 def test_verify_many_reports_a_failing_program_and_checks_the_others(tmp_path):
     folders = []
     for name, fail in (("good", False), ("bad", True)):
