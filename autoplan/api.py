@@ -197,9 +197,10 @@ def plan_model(
 
 SCALING_FACTORS = (1 / 8, 1 / 4, 1 / 2, 1, 2, 4)
 """GPU counts of the report's scaling curve, as multiples of the planned count."""
-SCALING_POINT_BUDGET_S = 1.0
-"""Seconds the scaling curve spends pricing layouts at each GPU count. Past it, the point is the best of
-the layouts priced so far, and the report says so (bounded). The planned count is not searched again."""
+SCALING_BUDGET_S = 4.0
+"""Seconds the scaling curve may spend pricing layouts, all its GPU counts together (the planned count is not
+searched again). Each count gets an equal share of what is left, so a count that finishes early leaves more
+to the next; a count whose share runs out shows the best of the layouts priced by then, and the report says so."""
 
 
 class ScalingPoint(NamedTuple):
@@ -215,16 +216,16 @@ class ScalingPoint(NamedTuple):
 
 
 def scaling_curve(profile: ModelProfile, cluster: Cluster, training: Training, planned: Any = None,
-                  budget_s: float = SCALING_POINT_BUDGET_S) -> tuple[ScalingPoint, ...]:
-    """The best predicted throughput at N/8 .. 4N GPUs, the same batch per GPU, each count searched for
-    at most `budget_s` seconds. `planned` (a Candidate) is the unpinned search's winner at N GPUs: its
-    point is taken as is instead of searching again.
+                  budget_s: float = SCALING_BUDGET_S) -> tuple[ScalingPoint, ...]:
+    """The best predicted throughput at N/8 .. 4N GPUs, the same batch per GPU, pricing layouts for at most
+    `budget_s` seconds in all. `planned` (a Candidate) is the unpinned search's winner at N GPUs: its point
+    is taken as is instead of searching again.
 
-    Each count runs the search's branch and bound (families, variants in order of their step-time lower
-    bound, the fast stage packing) on one shared Context per node size: the chain, the tensor-parallel
-    facts, the unit tables and the memory inputs do not depend on the GPU count or the batch. Unlike the
-    full search it skips the MILP refinement of the winner's split (only samples/s is drawn) and does not
-    work out why nothing fits (the leanest split and a GPU count that would fit)."""
+    Each count runs the search's branch and bound (autoplan.solve.search.explore) on one shared Context per
+    node size: the chain, the tensor-parallel facts, the unit tables and the memory inputs do not depend on
+    the GPU count or the batch. Unlike the full search it skips the MILP refinement of the winner's split
+    (only samples/s is drawn) and does not work out why nothing fits (the leanest split and a GPU count
+    that would fit)."""
     import copy
     from dataclasses import replace
 
@@ -235,9 +236,12 @@ def scaling_curve(profile: ModelProfile, cluster: Cluster, training: Training, p
 
     pins = _pins_for_capture(Pins(), profile, warn=False)
     contexts: dict[int, Context] = {}  # by GPUs per node: the unit tables' tensor-parallel links depend on it
+    counts = sorted({max(1, round(cluster.num_gpus * f)) for f in SCALING_FACTORS})
+    searched = [c for c in counts if c != cluster.num_gpus or planned is None]
+    deadline = time.perf_counter() + budget_s
     points = []
-    for count in sorted({max(1, round(cluster.num_gpus * f)) for f in SCALING_FACTORS}):
-        if count == cluster.num_gpus and planned is not None:
+    for count in counts:
+        if count not in searched:
             points.append(ScalingPoint(count, planned.predicted.samples_per_s, layouts.describe(planned.parallelism)))
             continue
         per_node = min(cluster.gpus_per_node, count)
@@ -248,8 +252,10 @@ def scaling_curve(profile: ModelProfile, cluster: Cluster, training: Training, p
         ctx.training = replace(training, global_batch_size=max(1, training.global_batch_size * count
                                                                 // cluster.num_gpus))
         started = time.perf_counter()
-        point = _scaling_point(ctx, pins, budget_s)
-        log.debug("scaling curve: %d GPUs in %.2f s: %s", count, time.perf_counter() - started, point)
+        share = max(0.0, deadline - started) / (len(searched) - searched.index(count))
+        point = _scaling_point(ctx, pins, share)
+        log.debug("scaling curve: %d GPUs in %.2f s (share %.2f s): %s", count, time.perf_counter() - started,
+                  share, point)
         points.append(point)
     return tuple(points)
 
@@ -260,20 +266,22 @@ def _scaling_point(ctx, pins, budget_s: float) -> ScalingPoint:
     from autoplan.solve import layouts
     from autoplan.solve.search import choose, explore
 
+    count = ctx.cluster.num_gpus
     try:
         explored = explore(ctx, pins, deadline=time.perf_counter() + budget_s)
     except UserError as e:
-        return ScalingPoint(ctx.cluster.num_gpus, None, "", str(e))
+        return ScalingPoint(count, None, "", str(e))
     fitting = sorted((c for c in explored.tried if c.fits), key=lambda c: c.predicted.step_time_s)
-    left = f"{explored.considered - explored.priced} of {explored.considered} layouts left unpriced"
-    bounded = explored.stopped_by_deadline
+    # explore checks its bound before the deadline: when the deadline stopped it, the next layout could still win
+    budget = f"the {budget_s:.2g} s this count had of the curve's time budget"
     if not fitting:
-        why = (f"none of the {explored.priced} layouts priced within the {budget_s:g} s budget fits ({left})"
-               if bounded else "no layout fits")
-        return ScalingPoint(ctx.cluster.num_gpus, None, "", why)
+        why = (f"none of the {explored.priced} layouts priced in {budget} fits; the search did not finish"
+               if explored.stopped_by_deadline else "no layout fits")
+        return ScalingPoint(count, None, "", why)
     best = choose(fitting)
-    note = f"best of the {explored.priced} layouts priced within the {budget_s:g} s budget ({left})" if bounded else ""
-    return ScalingPoint(ctx.cluster.num_gpus, best.predicted.samples_per_s, layouts.describe(best.parallelism), note)
+    note = (f"bounded: best of the {explored.priced} layouts priced in {budget}; unpriced ones could be faster"
+            if explored.stopped_by_deadline else "")
+    return ScalingPoint(count, best.predicted.samples_per_s, layouts.describe(best.parallelism), note)
 
 
 def _pin_arithmetic(pins, cluster: Cluster) -> list[str]:

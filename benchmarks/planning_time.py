@@ -1,19 +1,24 @@
 """Planning time across 12..128 layers and 8..4096 GPUs, and how it grows.
 
-    python benchmarks/planning_time.py [--quick] [--skip-capture]
+    python benchmarks/planning_time.py [--quick] [--skip-capture] [--cli-only]
 
 Each cell is one full search (autoplan.solve.search.search: every degree, ZeRO stage, HSDP split,
 schedule, virtual stages, micro-batch size and recompute mode, then the MILP on the winner) for a
 GPT of that depth on A100 80GB nodes of 8, bf16, global batch max(512, GPUs) sequences of 2048 tokens.
 Profiles come from the GPT profile generator (the same numbers capture gives, tests/chain_fixtures.py);
 the last part times the real capture path (plan_model: torch.export on fake tensors + profile + search)
-for the 1.7B GPT of examples/gpt.py, and the 1T GPT on 3072 GPUs against its published layout.
+for the 1.7B GPT of examples/gpt.py, the 1T GPT on 3072 GPUs against its published layout, and the whole
+`autoplan` command for that 1T GPT (benchmarks/models/megatron_gpt.py at the published shape: start-up,
+capture + profile, search, scaling curve, report and program writing) against CLI_BOUND_S.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -26,13 +31,15 @@ from chain_fixtures import a100_cluster, gpt_profile, read_runs, run_cluster, ru
 
 from autoplan.plan import Training  # noqa: E402
 from autoplan.solve import layouts  # noqa: E402
-from autoplan.solve.layouts import ALL_FEATURES  # noqa: E402
+from autoplan.layout import ALL_FEATURES  # noqa: E402
 from autoplan.solve.pins import parse_pins  # noqa: E402
 from autoplan.solve.search import search  # noqa: E402
 
 SHAPES = {12: (768, 12), 24: (2304, 24), 48: (8192, 64), 96: (12288, 96), 128: (25600, 160)}
 """Layers -> (hidden, heads): GPT-3 / Megatron-LM family shapes."""
 GPU_COUNTS = (8, 64, 512, 4096)
+CLI_BOUND_S = 10.0
+"""The whole `autoplan` run for the 1T GPT on 3072 A100s, seconds, on a 2-core machine."""
 
 
 def plan_once(layers: int, gpus: int) -> tuple[float, int, str]:
@@ -101,11 +108,15 @@ def capture_path() -> None:
               f"{plan.solver.candidates_evaluated} layouts, chose {layouts.describe(plan.parallelism)}")
 
 
-def one_trillion() -> None:
+def one_trillion_row() -> dict[str, str]:
     runs = ROOT.parent / "shared" / "reference" / "runs.csv"
     if not runs.is_file():
         runs = ROOT / "tests" / "fixtures" / "published_runs.csv"
-    row = next(r for r in read_runs(runs) if r["pp"] == "64")
+    return next(r for r in read_runs(runs) if r["pp"] == "64")
+
+
+def one_trillion() -> None:
+    row = one_trillion_row()
     profile, cluster = run_profile(row), run_cluster(row)
     training = Training(global_batch_size=int(row["global_batch_seqs"]), dtype="bf16")
     started = time.perf_counter()
@@ -121,11 +132,69 @@ def one_trillion() -> None:
           f"(chosen is {100 * (1 - best / published.predicted.step_time_s):.1f}% faster)")
 
 
+MEGATRON_FILE = '''import sys
+sys.path.insert(0, {folder!r})
+import megatron_gpt
+megatron_gpt.N_LAYER, megatron_gpt.N_HEAD, megatron_gpt.N_EMBD = {layers}, {heads}, {hidden}
+megatron_gpt.SEQ_LEN, megatron_gpt.VOCAB = {seq}, {vocab}
+from megatron_gpt import GPT, example_batch, loss_fn
+
+def build_model():
+    return GPT()
+'''
+PHASES = (("capture + profile", "start-up (imports)"), ("search ", "capture + profile"),
+          ("scaling curve", "search"), ("planned in", "scaling curve"), ("writing", "-"))
+"""(log line prefix after "autoplan: ", the phase that line ends): the CLI logs each phase as it starts."""
+
+
+def whole_cli() -> None:
+    """`autoplan MODEL.py --gpus 3072 --gpu a100-sxm4-80gb --global-batch 3072` for the 1T GPT as a user runs
+    it, in a fresh process; phases are timed by when the CLI's log lines arrive."""
+    row = one_trillion_row()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "gpt_1t.py"
+        path.write_text(MEGATRON_FILE.format(folder=str(ROOT / "benchmarks" / "models"), layers=row["layers"],
+                                             heads=row["heads"], hidden=row["hidden"], seq=row["seq_len"],
+                                             vocab=row["vocab"]))
+        command = [sys.executable, "-m", "autoplan", str(path), "--gpus", row["gpus"], "--gpu", row["gpu"],
+                   "--gpus-per-node", row["gpus_per_node"], "--global-batch", row["global_batch_seqs"],
+                   "--out", str(Path(tmp) / "out")]
+        cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        started = time.perf_counter()
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        marks, last = [], started
+        for line in proc.stderr:
+            message = line.removeprefix("autoplan: ")
+            for prefix, ended in PHASES:
+                if message.startswith(prefix) and ended != "-":
+                    now = time.perf_counter()
+                    marks.append((ended, now - last))
+                    last = now
+        code = proc.wait()
+        total = time.perf_counter() - started
+        cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (cpu_after.ru_utime + cpu_after.ru_stime) - (cpu_before.ru_utime + cpu_before.ru_stime)
+    if code != 0:
+        print(f"\n## Whole CLI run, 1T GPT on {row['gpus']} A100s: exit {code} after {total:.1f} s")
+        return
+    marks.append(("report + program writing, exit", total - (last - started)))
+    phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in marks)
+    verdict = "within" if total <= CLI_BOUND_S else "OVER"
+    print(f"\n## Whole CLI run, 1T GPT (128 x 25600) on {row['gpus']} A100s: {total:.1f} s end to end "
+          f"({verdict} the {CLI_BOUND_S:g} s bound), {cpu:.1f} s CPU (a busy machine shows in the difference; "
+          f"load average {os.getloadavg()[0]:.1f})\n{phases}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="12/48/128 layers and 8/512 GPUs only")
-    parser.add_argument("--skip-capture", action="store_true", help="skip the real capture path")
+    parser.add_argument("--skip-capture", action="store_true", help="skip the real capture paths")
+    parser.add_argument("--cli-only", action="store_true", help="only the whole CLI run for the 1T GPT")
     args = parser.parse_args()
+    if args.cli_only:
+        whole_cli()
+        return
     if args.quick:
         grid((12, 48, 128), (8, 512))
     else:
@@ -133,6 +202,7 @@ def main() -> None:
     one_trillion()
     if not args.skip_capture:
         capture_path()
+        whole_cli()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,48 @@
+"""The report's scaling curve (autoplan.api.scaling_curve): every point is the search's choice at that GPU
+count, the planned count is the plan's own, and a point cut short by the time budget says so."""
+
+from dataclasses import replace
+
+import pytest
+from chain_fixtures import GIB, cluster, gpt_profile
+
+from autoplan.api import SCALING_FACTORS, scaling_curve
+from autoplan.errors import UserError
+from autoplan.plan import Training
+from autoplan.solve import layouts
+from autoplan.solve.search import search
+
+PROFILE = gpt_profile(n_layer=6, n_embd=256, vocab=1024, seq=128, batch=2, n_head=4)
+TRAINING = Training(global_batch_size=32, dtype="bf16")
+
+
+def test_points_are_the_search_choice_at_each_count():
+    planned = cluster(8)
+    points = scaling_curve(PROFILE, planned, TRAINING, budget_s=60.0)
+    assert [p.gpus for p in points] == sorted({max(1, round(8 * f)) for f in SCALING_FACTORS})
+    for point in points:
+        other = replace(planned, num_gpus=point.gpus, gpus_per_node=min(8, point.gpus))
+        batch = TRAINING.global_batch_size * point.gpus // 8
+        best = search(PROFILE, other, replace(TRAINING, global_batch_size=batch)).best
+        assert point.note == "" and point.layout == layouts.describe(best.parallelism)
+        # the curve skips the MILP refinement of the split, which can only make the step faster
+        assert point.samples_per_s == pytest.approx(best.predicted.samples_per_s, rel=0.05)
+        assert point.samples_per_s <= best.predicted.samples_per_s * (1 + 1e-9)
+
+
+def test_the_planned_count_is_the_plan_and_a_spent_budget_is_said():
+    planned = cluster(8)
+    best = search(PROFILE, planned, TRAINING).best
+    points = scaling_curve(PROFILE, planned, TRAINING, planned=best, budget_s=0.0)
+    at_plan = next(p for p in points if p.gpus == 8)
+    assert at_plan.samples_per_s == best.predicted.samples_per_s and at_plan.note == ""
+    others = [p for p in points if p.gpus != 8]
+    assert others and all(p.samples_per_s is None and "did not finish" in p.note for p in others)
+
+
+def test_a_count_where_nothing_fits_is_kept_with_its_reason():
+    tight = replace(cluster(8), memory_per_gpu_bytes=0.05 * GIB)
+    with pytest.raises(UserError):
+        search(PROFILE, replace(tight, num_gpus=1, gpus_per_node=1), replace(TRAINING, global_batch_size=4))
+    point = scaling_curve(PROFILE, tight, TRAINING, budget_s=60.0)[0]
+    assert point.gpus == 1 and point.samples_per_s is None and point.note == "no layout fits"
