@@ -1,20 +1,43 @@
 """autoplan.codegen: the files write_program writes, that no plan string can change the program,
-that train.py's main is importable, and the plans it refuses (with the numbers that conflict).
-The launchers are tested in test_codegen_launch.py."""
+that train.py's main is importable, and the plans it refuses (with the numbers that conflict); the
+template train.py is made from (it lints, it imports, it renders to tests/golden/train.py) and the
+runtime API version a generated program checks first. The launchers are tested in test_codegen_launch.py.
+
+When a change to the template or to the plan's fields changes train.py on purpose, regenerate the golden
+file and review its diff:
+
+    AUTOPLAN_UPDATE_GOLDEN=1 pytest tests/test_codegen.py -k golden && git diff tests/golden/
+"""
 
 import ast
+import difflib
 import importlib.util
+import io
+import os
 import shutil
+import subprocess
+import sys
+import zipfile
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from pyflakes.api import check as pyflakes_check
+from pyflakes.reporter import Reporter
 
-from autoplan.codegen import write_program
+from autoplan import runtime
+from autoplan.codegen import check_supported, render_train_py, write_program
+from autoplan.codegen.launch import launch_layout
+from autoplan.codegen.template import placeholder_config, template_text
 from autoplan.errors import UserError
 from autoplan.plan import ClusterRef, ModelRef, Parallelism, Plan, Prediction, SolverInfo, Stage, Training
 
-MLP = Path(__file__).resolve().parents[1] / "examples" / "mlp.py"
+ROOT = Path(__file__).resolve().parents[1]
+MLP = ROOT / "examples" / "mlp.py"
+TEMPLATE = ROOT / "autoplan" / "codegen" / "templates" / "train.py"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "train.py"
+UPDATE_GOLDEN = "AUTOPLAN_UPDATE_GOLDEN"
+"""Set it to 1 to rewrite the golden files from the current code instead of comparing with them."""
 
 
 def make_plan(stages=(("inp", "layers.0"), ("layers.1", "out")), gpus_per_node=8, global_batch=16,
@@ -155,3 +178,183 @@ def test_plans_the_program_cannot_run_are_refused(tmp_path, change, message):
 def test_missing_model_file(tmp_path):
     with pytest.raises(UserError, match="model file not found"):
         write_program(make_plan(), tmp_path / "out", tmp_path / "nope.py")
+
+
+def lint(source: str, filename: str) -> list[str]:
+    """pyflakes' findings on `source` (undefined names, unused imports, syntax errors), one per line."""
+    out, err = io.StringIO(), io.StringIO()
+    pyflakes_check(source, filename, Reporter(out, err))
+    return (out.getvalue() + err.getvalue()).splitlines()
+
+
+def top_level_names(source: str) -> set[str]:
+    """The names a module assigns at its top level (its config constants)."""
+    return {target.id for node in ast.parse(source).body if isinstance(node, ast.Assign)
+            for target in node.targets if isinstance(target, ast.Name)}
+
+
+def load_module(path: Path, name: str):
+    """Import the file `path` as module `name` (not registered in sys.modules); importing runs no main."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def golden_plan() -> Plan:
+    """A fixed plan that reaches every branch of the rendering: two nodes, HSDP with resharding, tensor
+    parallel, an interleaved pipeline, selective recompute, bf16. Built by hand (no capture), with a
+    relative model path, so its train.py is the same on every machine."""
+    parallelism = Parallelism(
+        data_parallel_replicate_degree=2, data_parallel_shard_degree=2, fsdp_reshard_after_forward="always",
+        tensor_parallel_degree=2, pipeline_parallel_degree=2, pipeline_parallel_virtual_stages=2,
+        pipeline_parallel_schedule="interleaved", pipeline_parallel_microbatch_size=2,
+        pipeline_parallel_num_microbatches=4, activation_checkpoint="selective")
+    stages = (("inp", "layers.0"), ("layers.1", "layers.2"), ("layers.3", "layers.4"), ("layers.5", "out"))
+    return Plan(
+        model=ModelRef(path="examples/mlp.py", factory="build_model"),
+        cluster=ClusterRef(gpu="h100-sxm5-80gb", num_gpus=16, gpus_per_node=8, memory_per_gpu_bytes=80 * 2**30),
+        training=Training(global_batch_size=32, dtype="bf16", learning_rate=3e-4, seed=7),
+        parallelism=parallelism,
+        stages=tuple(Stage(index=i, modules=m, predicted_time_s=0.01, predicted_memory_bytes=2**30)
+                     for i, m in enumerate(stages)),
+        predicted=Prediction(step_time_s=0.2, samples_per_s=160.0, tokens_per_s=None, model_flops_per_step=4e12,
+                             mfu=0.3, peak_memory_bytes=2**30),
+        solver=SolverInfo(name="highs", status="optimal", time_s=0.1, candidates_evaluated=12),
+        tensor_parallel_plan={"layers.0.0": "colwise", "layers.1.0": "rowwise"},
+        activation_checkpoint_modules=("layers.1", "layers.3"),
+    )
+
+
+def render_golden_plan() -> str:
+    plan = golden_plan()
+    check_supported(plan)  # the golden program is one autoplan would write
+    return render_train_py(plan, launch_layout(plan))
+
+
+def test_lint_finds_undefined_names_and_unused_imports():
+    """The check below can fail: pyflakes reports what it is there to find."""
+    findings = lint("import os\nprint(UNDEFINED)\n", "bad.py")
+    assert len(findings) == 2
+    assert "'os' imported but unused" in findings[0] and "undefined name 'UNDEFINED'" in findings[1]
+
+
+def test_template_lints_clean():
+    assert lint(TEMPLATE.read_text(), str(TEMPLATE)) == []
+
+
+def test_golden_train_py_lints_clean():
+    """The rendered program defines every name the template uses (config block and placeholders agree)."""
+    assert lint(render_golden_plan(), "train.py") == []
+
+
+def test_template_imports_with_its_placeholder_config_without_running_main(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train.py", "--steps", "not-a-number"])  # main would exit on these
+    program = load_module(TEMPLATE, "autoplan_train_template")
+    assert program.RUNTIME_API == runtime.RUNTIME_API, "bump RUNTIME_API in the template with autoplan.runtime's"
+    assert (program.DP, program.PP, program.TP, program.FACTORY) == (1, 1, 1, "build_model")
+    assert program.parse_args(["--steps", "3", "--reference"]).steps == 3 and callable(program.main)
+    assert "autoplan.codegen.templates.train" not in sys.modules  # nothing imports it as autoplan code
+
+
+def test_rendering_sets_exactly_the_template_placeholders():
+    """render_train_py's config block assigns the names the template's placeholder block does: a name
+    renamed in one and not the other fails here (and in the lint of the golden program)."""
+    placeholders = top_level_names(placeholder_config())
+    rendered = top_level_names(render_golden_plan()) - (top_level_names(template_text()) - placeholders)
+    assert rendered == placeholders, (f"only in the rendered config: {sorted(rendered - placeholders)}; "
+                                      f"only in the template's placeholders: {sorted(placeholders - rendered)}")
+    assert {"STAGES", "DP_SHARD", "TENSOR_PARALLEL_PLAN"} <= placeholders
+
+
+def test_rendering_replaces_the_template_docstring_and_markers_and_keeps_the_rest():
+    train_py = render_golden_plan()
+    assert train_py.startswith('"""Distributed training program generated by autoplan.\n')
+    assert "# --- plan config" not in train_py and "Template of the train.py" not in train_py
+    template_body = template_text().split("# --- plan config end ---\n")[1]
+    assert train_py.endswith(template_body)
+    assert "\nDP_SHARD = 2 " in train_py and "\nSTAGES = [  #" in train_py
+
+
+def test_golden_train_py():
+    """train.py for a fixed plan, byte for byte (regenerate: see this module's docstring)."""
+    rendered = render_golden_plan()
+    if os.environ.get(UPDATE_GOLDEN) == "1":
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(rendered)
+        pytest.skip(f"rewrote {GOLDEN.relative_to(ROOT)}: review it with git diff")
+    golden = GOLDEN.read_text() if GOLDEN.exists() else ""
+    if rendered != golden:
+        diff = "".join(difflib.unified_diff(golden.splitlines(keepends=True), rendered.splitlines(keepends=True),
+                                            "tests/golden/train.py", "rendered now", n=1))
+        pytest.fail(f"the rendered train.py differs from {GOLDEN.relative_to(ROOT)} ({len(diff.splitlines())} "
+                    f"diff lines below). If the change is intended, regenerate and review it:\n"
+                    f"    {UPDATE_GOLDEN}=1 pytest tests/test_codegen.py -k golden && git diff tests/golden/\n"
+                    f"{diff[:6000]}", pytrace=False)
+
+
+def test_runtime_api_match_passes(capsys):
+    assert runtime.runtime_api_mismatch(runtime.RUNTIME_API) is None
+    assert runtime.check_runtime_api(runtime.RUNTIME_API) is None
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("offset", [-1, 1], ids=["older program", "newer program"])
+def test_runtime_api_mismatch_exits_with_one_line(capsys, monkeypatch, offset):
+    program_api = runtime.RUNTIME_API + offset
+    monkeypatch.setattr(sys, "argv", ["/some/dir/train.py"])
+    with pytest.raises(SystemExit) as exited:
+        runtime.check_runtime_api(program_api)
+    assert exited.value.code == runtime.MISMATCH_EXIT_CODE == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("train.py: error: ")
+    assert f"generated for autoplan runtime API {program_api}," in err
+    assert f"provides runtime API {runtime.RUNTIME_API}:" in err
+    assert "re-run autoplan on the model" in err and "to regenerate train.py" in err
+    assert f"or install the autoplan that generated it (runtime API {program_api})" in err
+
+
+def run_reference(program_dir: Path) -> subprocess.CompletedProcess:
+    """python train.py --reference --steps 1, on CPU, in `program_dir`."""
+    return subprocess.run([sys.executable, "train.py", "--reference", "--steps", "1", "--device", "cpu"],
+                          cwd=program_dir, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_a_program_for_another_runtime_api_stops_before_building_anything(tmp_path):
+    plan = make_plan(data_parallel_replicate_degree=1, pipeline_parallel_degree=1, stages=[["inp", "out"]],
+                     pipeline_parallel_num_microbatches=2, pipeline_parallel_microbatch_size=8)
+    write_program(plan, tmp_path, MLP)
+    matching = run_reference(tmp_path)
+    assert matching.returncode == 0 and "step 0 | loss" in matching.stdout, matching.stderr
+
+    train_py = tmp_path / "train.py"
+    line = f"RUNTIME_API = {runtime.RUNTIME_API}  #"
+    assert train_py.read_text().count(line) == 1
+    train_py.write_text(train_py.read_text().replace(line, f"RUNTIME_API = {runtime.RUNTIME_API + 1}  #"))
+    other = run_reference(tmp_path)
+    assert other.returncode == 2 and other.stdout == ""
+    assert other.stderr.splitlines() == [f"train.py: error: {runtime.runtime_api_mismatch(runtime.RUNTIME_API + 1)}"]
+
+
+@pytest.mark.slow
+def test_a_built_wheel_ships_the_template_and_renders_from_it(tmp_path):
+    pytest.importorskip("setuptools", minversion="70.1")  # builds without the network (bdist_wheel built in)
+    source = tmp_path / "source"
+    for folder in ("autoplan", "profiles"):
+        shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                            "-w", str(tmp_path / "dist"), str(source)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    wheel = zipfile.ZipFile(next((tmp_path / "dist").glob("*.whl")))
+    assert wheel.read("autoplan/codegen/templates/train.py").decode() == TEMPLATE.read_text()
+    site = tmp_path / "site"
+    wheel.extractall(site)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import autoplan.codegen.template as t; "
+            "print(t.__file__); print(t.template_text() == open(sys.argv[2]).read())")
+    run = subprocess.run([sys.executable, "-c", code, str(site), str(TEMPLATE)], cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [str(site / "autoplan" / "codegen" / "template.py"), "True"]

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from autoplan.codegen.launch import Launch, launch_layout, launcher_files
-from autoplan.codegen.train_template import TRAIN_PY
+from autoplan.codegen.template import fill
 from autoplan.errors import UserError
 from autoplan.layout import SUPPORTED, TENSOR_PARALLEL_STYLES
 from autoplan.plan import Plan
@@ -46,7 +46,9 @@ def check_supported(plan: Plan) -> None:
 
 
 def render_train_py(plan: Plan, launch: Launch) -> str:
-    return TRAIN_PY.replace("__DOCSTRING__", _docstring(plan, launch)).replace("__CONFIG__", _config_block(plan))
+    """The text of train.py for `plan`: the template codegen/templates/train.py with this plan's docstring
+    and config block in place of its own (codegen/template.py)."""
+    return fill(_docstring(plan, launch), _config_block(plan))
 
 
 def _docstring(plan: Plan, launch: Launch) -> str:

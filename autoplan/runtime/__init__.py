@@ -1,5 +1,6 @@
 """Helpers the generated train.py imports: mesh, data, pipeline split, parallel wrappers, steps,
-initial weights, checkpoints and metrics.
+initial weights, checkpoints and metrics; RUNTIME_API, the version of that interface, which a train.py
+checks first (check_runtime_api).
 
 Kept out of train.py so the program reads top to bottom like a plain training script. Everything
 here is PyTorch's own parallelism (DDP, FSDP2, DTensor tensor parallel, torch.distributed.pipelining,
@@ -8,6 +9,7 @@ torch.utils.checkpoint, torch.distributed.checkpoint) wired up for a plan.
 
 from autoplan.runtime.checkpoint import Checkpointer
 from autoplan.contract import call_model, compute_loss, default_loss, model_args
+from autoplan.runtime.interface import MISMATCH_EXIT_CODE, RUNTIME_API, check_runtime_api, runtime_api_mismatch
 from autoplan.runtime.data import TrainingData, microbatches, shard, step_batch, to_device
 from autoplan.runtime.materialize import ModelPart, TensorEntry, build_on_meta, catalog, materialize
 from autoplan.runtime.mesh import RankLayout, global_mean_loss, init_mesh, local_stages
@@ -21,10 +23,11 @@ from autoplan.runtime.steps import AccumulationStep, PipelineStep
 from autoplan.runtime.tensor_parallel import restore_linears, tensor_parallel, tensor_parallel_context
 
 __all__ = [
-    "AccumulationStep", "Checkpointer", "ModelPart", "PeakLiveMemory", "PipelineSplit", "PipelineStep", "RankLayout", "StepMetrics",
+    "AccumulationStep", "Checkpointer", "MISMATCH_EXIT_CODE", "ModelPart", "PeakLiveMemory", "PipelineSplit", "PipelineStep",
+    "RUNTIME_API", "RankLayout", "StepMetrics",
     "TensorEntry", "TiedGradients", "TiedParameter", "TrainingData", "build_on_meta", "call_model", "catalog",
-    "checkpoint_units", "compute_dtype", "compute_loss", "default_loss", "gather_rank_metrics", "global_mean_loss", "init_mesh",
+    "check_runtime_api", "checkpoint_units", "compute_dtype", "compute_loss", "default_loss", "gather_rank_metrics", "global_mean_loss", "init_mesh",
     "local_stages", "materialize", "microbatches", "model_args", "peak_memory_bytes", "replicate_data_parallel",
-    "restore_linears", "shard", "shard_data_parallel", "split_model", "step_batch", "tensor_parallel",
+    "restore_linears", "runtime_api_mismatch", "shard", "shard_data_parallel", "split_model", "step_batch", "tensor_parallel",
     "tensor_parallel_context", "to_device",
 ]

@@ -1,7 +1,10 @@
-"""The body of the generated train.py. codegen/program.py fills in the docstring and the config
-block (__DOCSTRING__, __CONFIG__); everything else is the same for every plan."""
+"""Template of the train.py that autoplan writes for a plan (autoplan/codegen/program.py).
 
-TRAIN_PY = '''"""__DOCSTRING__"""
+render_train_py writes the plan's own docstring (layout, launch command) in place of this one and the
+plan's numbers in place of the placeholder lines between the two plan config markers; every other line
+is copied as it is. The placeholders keep this file a valid program: a linter checks it and a test
+imports it (tests/test_codegen.py). autoplan itself never imports it: it reads it as text.
+"""
 
 import argparse
 import contextlib
@@ -16,9 +19,35 @@ import torch.distributed as dist
 from autoplan import runtime
 from autoplan.source import load_source
 
+RUNTIME_API = 1  # the version of autoplan.runtime's interface this program was generated for
+
 # ----------------------------------------------------------------------------------------------
 # The plan (numbers from plan.json)
-__CONFIG__
+# --- plan config begin ---
+MODEL_SOURCE = "model.py"  # placeholders, replaced by the plan's values (program.py, _config_block)
+MODEL_FILE = Path(MODEL_SOURCE) if Path(MODEL_SOURCE).is_file() else Path(__file__).with_name("model.py")
+FACTORY = "build_model"
+SEED = 0
+LEARNING_RATE = 1e-3
+GLOBAL_BATCH = 1
+DTYPE = "fp32"
+DP_REPLICATE = 1
+DP_SHARD = 1
+RESHARD = "never"
+TP = 1
+PP = 1
+VIRTUAL_STAGES = 1
+SCHEDULE = "1f1b"
+MICROBATCH = 1
+MICROBATCHES = 1
+RECOMPUTE = "none"
+TOKENS_PER_SAMPLE = None
+MODEL_FLOPS_PER_STEP = 0.0
+PEAK_FLOPS_PER_GPU = None
+TENSOR_PARALLEL_PLAN = {}
+RECOMPUTE_MODULES = []
+STAGES = [[]]
+# --- plan config end ---
 DP = DP_REPLICATE * DP_SHARD
 # ----------------------------------------------------------------------------------------------
 
@@ -87,6 +116,7 @@ def build_parallel_model(model_source, mesh, rank, device, dtype):
 
 
 def main(argv=None) -> list[float]:
+    runtime.check_runtime_api(RUNTIME_API)  # before anything else: one line and exit 2 if autoplan differs
     args = parse_args(argv)
     device = torch.device(args.device)
     model_source = load_source(f"{MODEL_FILE}:{FACTORY}")
@@ -150,4 +180,3 @@ def main(argv=None) -> list[float]:
 
 if __name__ == "__main__":
     main()
-'''

@@ -1,0 +1,50 @@
+"""The version of the interface between a generated train.py and autoplan.runtime.
+
+A train.py calls runtime.* by name with arguments in a given order and meaning. Each program records the
+RUNTIME_API it was generated for and calls check_runtime_api first, so a program and an installed autoplan
+that do not match stop at once with one line that says what to do, instead of failing later (or, worse,
+training differently) on a renamed function or a changed argument.
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+RUNTIME_API = 1
+"""Bump it (and RUNTIME_API in codegen/templates/train.py) with any change to autoplan.runtime that a
+train.py generated before would call wrongly: a name, a signature, a meaning."""
+
+MISMATCH_EXIT_CODE = 2
+"""What a program exits with on a mismatch: 2, the exit code of autoplan's own user errors (the user fixes
+it by regenerating train.py or installing another autoplan; nothing crashed)."""
+
+
+def runtime_api_mismatch(program_api: int) -> str | None:
+    """None if this autoplan.runtime provides `program_api`, else the one-line message that says which
+    version the program needs, which this autoplan provides and what to do."""
+    if program_api == RUNTIME_API:
+        return None
+    return (f"this train.py was generated for autoplan runtime API {program_api}, but the installed "
+            f"{_installed_autoplan()} provides runtime API {RUNTIME_API}: re-run autoplan on the model "
+            f"(autoplan MODEL.py --gpus N ...) to regenerate train.py, or install the autoplan that "
+            f"generated it (runtime API {program_api})")
+
+
+def check_runtime_api(program_api: int) -> None:
+    """Return if this autoplan.runtime provides `program_api`, else print the mismatch as one line on
+    stderr and exit with MISMATCH_EXIT_CODE (SystemExit: no traceback)."""
+    problem = runtime_api_mismatch(program_api)
+    if problem is None:
+        return
+    print(f"{Path(sys.argv[0]).name or 'train.py'}: error: {problem}", file=sys.stderr)
+    raise SystemExit(MISMATCH_EXIT_CODE)
+
+
+def _installed_autoplan() -> str:
+    """"autoplan 0.1.0" (the installed distribution torch-autoplan), else "autoplan" from a bare source tree."""
+    try:
+        return f"autoplan {version('torch-autoplan')}"
+    except PackageNotFoundError:
+        return "autoplan"
