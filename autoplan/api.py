@@ -186,7 +186,8 @@ def plan_model(
     if out is not None:
         log.info("scaling curve: best layouts at %d/8 .. 4x%d GPUs", cluster.num_gpus, cluster.num_gpus)
     unpinned = pins == _pins_for_capture(Pins(), profile, warn=False)  # the curve's N point is then the plan's
-    scaling = scaling_curve(profile, cluster, training, best if unpinned else None) if out is not None else ()
+    scaling = (scaling_curve(profile, cluster, training, best if unpinned else None, context=result.context)
+               if out is not None else ())
     planned = PlanResult(plan, profile, tuple(result.candidates), scaling)
     log.info("planned in %.2f s", time.perf_counter() - started)
     if out is not None:
@@ -216,17 +217,17 @@ class ScalingPoint(NamedTuple):
 
 
 def scaling_curve(profile: ModelProfile, cluster: Cluster, training: Training, planned: Any = None,
-                  budget_s: float = SCALING_BUDGET_S) -> tuple[ScalingPoint, ...]:
+                  budget_s: float = SCALING_BUDGET_S, context: Any = None) -> tuple[ScalingPoint, ...]:
     """The best predicted throughput at N/8 .. 4N GPUs, the same batch per GPU, pricing layouts for at most
     `budget_s` seconds in all. `planned` (a Candidate) is the unpinned search's winner at N GPUs: its point
-    is taken as is instead of searching again.
+    is taken as is instead of searching again. `context` (the search's cost.context.Context) lends its
+    priced modules to the counts with the same GPUs per node.
 
     Each count runs the search's branch and bound (autoplan.solve.search.explore) on one shared Context per
     node size: the chain, the tensor-parallel facts, the unit tables and the memory inputs do not depend on
     the GPU count or the batch. Unlike the full search it skips the MILP refinement of the winner's split
     (only samples/s is drawn) and does not work out why nothing fits (the leanest split and a GPU count
     that would fit)."""
-    import copy
     from dataclasses import replace
 
     from autoplan.cost.context import Context
@@ -235,7 +236,8 @@ def scaling_curve(profile: ModelProfile, cluster: Cluster, training: Training, p
     from autoplan.solve.pins import Pins
 
     pins = _pins_for_capture(Pins(), profile, warn=False)
-    contexts: dict[int, Context] = {}  # by GPUs per node: the unit tables' tensor-parallel links depend on it
+    # by GPUs per node: the unit tables' tensor-parallel links depend on it
+    contexts: dict[int, Context] = {cluster.gpus_per_node: context} if context is not None else {}
     counts = sorted({max(1, round(cluster.num_gpus * f)) for f in SCALING_FACTORS})
     searched = [c for c in counts if c != cluster.num_gpus or planned is None]
     deadline = time.perf_counter() + budget_s
@@ -247,10 +249,9 @@ def scaling_curve(profile: ModelProfile, cluster: Cluster, training: Training, p
         per_node = min(cluster.gpus_per_node, count)
         if per_node not in contexts:
             contexts[per_node] = Context(profile, replace(cluster, gpus_per_node=per_node), training, features)
-        ctx = copy.copy(contexts[per_node])  # shares the caches; this count's cluster and batch below
-        ctx.cluster = replace(cluster, num_gpus=count, gpus_per_node=per_node)
-        ctx.training = replace(training, global_batch_size=max(1, training.global_batch_size * count
-                                                                // cluster.num_gpus))
+        batch = max(1, training.global_batch_size * count // cluster.num_gpus)
+        ctx = contexts[per_node].at(replace(cluster, num_gpus=count, gpus_per_node=per_node),
+                                    replace(training, global_batch_size=batch))
         started = time.perf_counter()
         share = max(0.0, deadline - started) / (len(searched) - searched.index(count))
         point = _scaling_point(ctx, pins, share)
@@ -268,7 +269,7 @@ def _scaling_point(ctx, pins, budget_s: float) -> ScalingPoint:
 
     count = ctx.cluster.num_gpus
     try:
-        explored = explore(ctx, pins, deadline=time.perf_counter() + budget_s)
+        explored = explore(ctx, pins, deadline=time.perf_counter() + budget_s, explain=False)
     except UserError as e:
         return ScalingPoint(count, None, "", str(e))
     fitting = sorted((c for c in explored.tried if c.fits), key=lambda c: c.predicted.step_time_s)

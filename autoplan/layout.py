@@ -142,6 +142,12 @@ def problems(layout: Layout, scope: Scope) -> list[str]:
     return found
 
 
+def schedule_problems(layout: Layout, scope: Scope) -> list[str]:
+    """The schedule's rules alone: all that a micro-batch variant (schedule, virtual stages, micro-batch
+    size dividing the rank's samples) of a layout problems() accepted can break. The search's inner loop."""
+    return _schedule(layout, scope)
+
+
 def _values(layout: Layout, scope: Scope) -> list[str]:
     out = [f"{name}={value} must be at least 1" for name, value in
            (("dp", layout.dp), ("dp_replicate", layout.dp_replicate), ("dp_shard", layout.dp_shard),

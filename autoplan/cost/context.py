@@ -8,6 +8,7 @@ pipeline stride tp x dp.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -55,6 +56,18 @@ class Context:
         self._tables: dict[tuple[int, int], UnitTable] = {}
         self._inputs: dict[tuple[int, int], MemoryInputs] = {}
         self._layouts: dict[tuple, LayoutMemory] = {}
+
+    def at(self, cluster: Cluster, training: Training) -> "Context":
+        """This context for another GPU count or global batch, sharing the chain, the tensor-parallel facts,
+        the static costs and the per-(tp, micro-batch) tables, which depend on the GPU, its node size and
+        the training dtype only (those must be the same)."""
+        same = (cluster.hardware, cluster.gpus_per_node, training.dtype) == (
+            self.cluster.hardware, self.cluster.gpus_per_node, self.training.dtype)
+        if not same:
+            raise ValueError("Context.at: the hardware, GPUs per node and dtype must stay the same")
+        other = copy.copy(self)
+        other.cluster, other.training = cluster, training
+        return other
 
     def group(self, size: int, stride: int) -> comm.Group:
         """A mesh-dim communicator. Across nodes, NCCL runs one ring per NIC, so a group with k GPUs

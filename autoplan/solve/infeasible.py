@@ -35,18 +35,24 @@ def infeasible_message(ctx: Context, pins: Pins, candidates: list[Candidate]) ->
 
 
 def _leanest(ctx: Context, candidates: list[Candidate]) -> Candidate:
-    """The candidate needing the least memory per GPU, pruned ones solved for their leanest split."""
-    exact = []
-    for c in candidates:
-        if c.stages:
-            exact.append(c)
-            continue
+    """The candidate needing the least memory per GPU, pruned ones solved for their leanest split (on a
+    tie, the first in `candidates`). A pruned candidate's memory_needed_bytes is a lower bound of its
+    leanest split's, so they are solved in the order of that bound until it reaches the best found."""
+    exact = [(c.memory_needed_bytes, i, c) for i, c in enumerate(candidates) if c.stages]
+    pruned = sorted(((c.memory_needed_bytes, i, c) for i, c in enumerate(candidates) if not c.stages),
+                    key=lambda entry: entry[:2])
+    best = min(exact, key=lambda entry: entry[:2], default=None)
+    for bound, i, c in pruned:
+        if best is not None and bound > best[0]:
+            break  # no split of this one or of any after it needs less than the best
         par = c.parallelism
         problem = build_problem(ctx, par, layouts.modes_for(par.activation_checkpoint, False))
         found = leanest_assignment(problem)
-        needed = max(problem.peak_memory(found)) if found else c.memory_needed_bytes
-        exact.append(dataclasses.replace(c, memory_needed_bytes=needed))
-    return min(exact, key=lambda c: c.memory_needed_bytes)
+        needed = max(problem.peak_memory(found)) if found else bound
+        entry = (needed, i, dataclasses.replace(c, memory_needed_bytes=needed))
+        if best is None or entry[:2] < best[:2]:
+            best = entry
+    return best[2]
 
 
 def _larger_counts(num_gpus: int) -> list[int]:
@@ -58,19 +64,15 @@ def _smallest_fitting_count(ctx: Context, pins: Pins) -> int | None:
     """The smallest larger power-of-two GPU count (dp pin dropped) at which some layout fits, each family
     tried at its leanest variant (smallest micro-batch, most recompute)."""
     relaxed = dataclasses.replace(pins, dp=None)
-    original = ctx.cluster
-    try:
-        for count in _larger_counts(original.num_gpus):
-            ctx.cluster = dataclasses.replace(original, num_gpus=count)
-            scope = layouts.scope_of(ctx)
-            for fam in layouts.families(relaxed, scope):
-                found = layouts.variants(fam, relaxed, scope)
-                if not found:
-                    continue
-                lean = min(found, key=layouts.leanness)
-                problem = build_problem(ctx, layouts.parallelism(fam, lean, lean.recompute), (lean.recompute,))
-                if problem.memory_lower_bound() <= problem.memory_cap_bytes and greedy_split(problem, lean.recompute):
-                    return count
-        return None
-    finally:
-        ctx.cluster = original
+    for count in _larger_counts(ctx.cluster.num_gpus):
+        larger = ctx.at(dataclasses.replace(ctx.cluster, num_gpus=count), ctx.training)
+        scope = layouts.scope_of(larger)
+        for fam in layouts.families(relaxed, scope):
+            found = layouts.variants(fam, relaxed, scope)
+            if not found:
+                continue
+            lean = min(found, key=layouts.leanness)
+            problem = build_problem(larger, layouts.parallelism(fam, lean, lean.recompute), (lean.recompute,))
+            if problem.memory_lower_bound() <= problem.memory_cap_bytes and greedy_split(problem, lean.recompute):
+                return count
+    return None

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from autoplan.cost.context import Context
 from autoplan.errors import UserError
-from autoplan.layout import RECOMPUTE, Layout, Scope, problems
+from autoplan.layout import RECOMPUTE, Layout, Scope, problems, schedule_problems
 from autoplan.plan import Parallelism
 from autoplan.solve.pins import Pins
 
@@ -132,13 +132,12 @@ def variants(family: Family, pins: Pins, scope: Scope) -> list[Variant]:
     sizes = [pins.microbatch] if pins.microbatch else divisors(per_rank)
     modes = [pins.recompute] if pins.recompute else [r for r in RECOMPUTE if r == "none" or r in features]
     base = Layout(dp=family.dp, tp=family.tp, pp=pp)
-    shape_scope = replace(scope, features=None, tensor_parallel_problems=None)  # the family passed those
     out = []
     for schedule, virtual in schedules:
         for mbs in sizes:
             shape = replace(base, schedule=schedule, virtual_stages=virtual, microbatch=mbs,
                             microbatches=per_rank // mbs if per_rank % mbs == 0 else None)
-            if shape.microbatches is None or problems(shape, shape_scope):
+            if shape.microbatches is None or schedule_problems(shape, scope):  # the family passed the rest
                 continue
             out += [Variant(schedule, virtual, mbs, shape.microbatches, mode) for mode in modes]
     return out

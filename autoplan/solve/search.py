@@ -59,7 +59,10 @@ class SearchResult:
     """Layouts tried, the best first, then the other fitting ones by step time, then the rest."""
     solver: SolverInfo
     chain: LayerChain
-    """The units the stages were cut from."""
+    """The modules the stages were cut from."""
+    context: Context
+    """The profile priced on the cluster (its unit tables cached): Context.at prices more layouts of the
+    same model at other GPU counts without pricing its modules again."""
 
 
 def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: Pins = Pins(),
@@ -83,7 +86,8 @@ def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: Pi
     fully_pinned = pins.dp is not None and pins.pp is not None
     info = dataclasses.replace(info, name="pinned" if fully_pinned else info.name,
                                time_s=time.perf_counter() - started, candidates_evaluated=considered)
-    return SearchResult(best, tuple((ranked + rest)[:MAX_LISTED]), info, ctx.chain)
+    return SearchResult(best=best, candidates=tuple((ranked + rest)[:MAX_LISTED]), solver=info, chain=ctx.chain,
+                        context=ctx)
 
 
 @dataclass(frozen=True)
@@ -110,9 +114,10 @@ class Explored:
     stopped_by_deadline: bool
 
 
-def explore(ctx: Context, pins: Pins, deadline: float | None = None) -> Explored:
+def explore(ctx: Context, pins: Pins, deadline: float | None = None, explain: bool = True) -> Explored:
     """The branch and bound (module docstring, steps 1-3) over every layout the pins allow, stopped at
-    `deadline` (time.perf_counter() seconds) when one is given."""
+    `deadline` (time.perf_counter() seconds) when one is given. Without `explain`, a layout that does not
+    fit is not priced at its leanest split (what the "why not" and infeasibility messages show)."""
     cluster, batch = ctx.cluster, ctx.training.global_batch_size
     scope = layouts.scope_of(ctx)
     work, pruned, considered = [], [], 0
@@ -145,11 +150,12 @@ def explore(ctx: Context, pins: Pins, deadline: float | None = None) -> Explored
         cutoff = best_time * (1 + TIE_TOLERANCE) / var.microbatches
         try:
             candidate = try_layout(ctx, layouts.parallelism(fam, var, var.recompute),
-                                   layouts.modes_for(var.recompute, pins.recompute is not None), cutoff)
+                                   layouts.modes_for(var.recompute, pins.recompute is not None), cutoff, explain)
         except Slower:
             continue  # no split within the time that would tie the best so far
         if candidate is None:
-            continue  # recompute allowed but not used: the same layout as its recompute=none variant
+            continue  # recompute allowed but not used (the same layout as its recompute=none variant), or
+            # unexplained: fits nowhere
         tried.append(candidate)
         if candidate.fits:
             best_time = min(best_time, candidate.predicted.step_time_s)
@@ -186,7 +192,10 @@ def time_lower_bound(ctx: Context, fam: layouts.Family, var: layouts.Variant, pi
     return (var.microbatches + (fam.pp - 1) / var.virtual_stages) * slot
 
 
-def try_layout(ctx: Context, par: Parallelism, modes: tuple[str, ...], cutoff: float = math.inf) -> Candidate | None:
+def try_layout(ctx: Context, par: Parallelism, modes: tuple[str, ...], cutoff: float = math.inf,
+               explain: bool = True) -> Candidate | None:
+    """`par` priced at its best split (None when a recompute mode was allowed and not used), or, when no
+    split fits, at its leanest split with the OOM reason (None without `explain`)."""
     problem = build_problem(ctx, par, modes)
     cap = problem.memory_cap_bytes
     bound = problem.memory_lower_bound()
@@ -196,6 +205,8 @@ def try_layout(ctx: Context, par: Parallelism, modes: tuple[str, ...], cutoff: f
                          memory_needed_bytes=bound)
     found = greedy_split(problem, modes[0] if len(modes) == 1 else None, cutoff if cutoff < math.inf else None)
     if found is None:
+        if not explain:
+            return None
         leanest = leanest_assignment(problem)
         if leanest is None:
             return Candidate(parallelism=par, stages=(), predicted=None, fits=False,
