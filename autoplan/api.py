@@ -224,7 +224,7 @@ def scaling_curve(profile: ModelProfile, cluster: Cluster, training: Training, p
     priced modules to the counts with the same GPUs per node.
 
     Each count runs the search's branch and bound (autoplan.solve.search.explore) on one shared Context per
-    node size: the chain, the tensor-parallel facts, the unit tables and the memory inputs do not depend on
+    node size: the chain, the tensor-parallel facts, the module tables and the memory inputs do not depend on
     the GPU count or the batch. Unlike the full search it skips the MILP refinement of the winner's split
     (only samples/s is drawn) and does not work out why nothing fits (the leanest split and a GPU count
     that would fit)."""
@@ -236,7 +236,7 @@ def scaling_curve(profile: ModelProfile, cluster: Cluster, training: Training, p
     from autoplan.solve.pins import Pins
 
     pins = _pins_for_capture(Pins(), profile, warn=False)
-    # by GPUs per node: the unit tables' tensor-parallel links depend on it
+    # by GPUs per node: the module tables' tensor-parallel links depend on it
     contexts: dict[int, Context] = {cluster.gpus_per_node: context} if context is not None else {}
     counts = sorted({max(1, round(cluster.num_gpus * f)) for f in SCALING_FACTORS})
     searched = [c for c in counts if c != cluster.num_gpus or planned is None]

@@ -57,8 +57,8 @@ def test_whole_model_states_are_16_psi_replicated_16_psi_over_n_sharded_and_zero
     assert _states(ctx, _par(dp=8))[1] == pytest.approx(16 * psi)
     fsdp, total = _states(ctx, _par(dp=8, zero=3))
     assert total == pytest.approx(16 * psi / 8)
-    largest = max(u.parameter_numel for u in ctx.chain.units)
-    assert fsdp["gathered_parameters"] == pytest.approx(2 * 2 * largest)  # bf16, computing + prefetched unit
+    largest = max(u.parameter_numel for u in ctx.chain.modules)
+    assert fsdp["gathered_parameters"] == pytest.approx(2 * 2 * largest)  # bf16, computing + prefetched module
     assert _states(ctx, _par(dp=8, zero=1))[1] == pytest.approx(2 * psi + 14 * psi / 8)  # FSDP2 without reshard
     assert _states(ctx, _par(dp=8, zero=3, replicate=2))[1] == pytest.approx(16 * psi / 4)  # HSDP 2 x 4
 
@@ -66,18 +66,18 @@ def test_whole_model_states_are_16_psi_replicated_16_psi_over_n_sharded_and_zero
 def test_fsdp_under_a_pipeline_holds_the_stage_unsharded():
     ctx = _ctx(dtype="fp32")
     part, _ = _states(ctx, _par(dp=4, pp=2, zero=3, m=4), 2, 8)
-    numel = sum(u.parameter_numel for u in ctx.chain.units[2:8])
+    numel = sum(u.parameter_numel for u in ctx.chain.modules[2:8])
     assert part["gathered_parameters"] == part["unsharded_gradients"] == pytest.approx(4 * numel)
     assert part["optimizer"] == pytest.approx(8 * numel / 4)
 
 
 def test_tensor_parallel_splits_the_paired_linears_and_the_vocabulary():
     ctx = _ctx(features=ALL_FEATURES)
-    block = ctx.chain.units[2]
+    block = ctx.chain.modules[2]
     h = 128
     split = 3 * h * h + 3 * h + h * h + 4 * h * h + 4 * h + 4 * h * h  # qkv, proj, fc, proj (+ colwise biases)
-    assert ctx.costs.units[2].split_numel == split
-    assert ctx.unit_numel(4)[2] == pytest.approx(block.parameter_numel - split + split / 4)
+    assert ctx.costs.modules[2].split_numel == split
+    assert ctx.module_numel(4)[2] == pytest.approx(block.parameter_numel - split + split / 4)
     assert ctx.costs.tied_split == (True,)  # wte rowwise + lm_head colwise: the tied weight splits too
     assert _ctx().costs.tied_split == (False,)  # without vocab-parallel (not in codegen yet) it stays whole
 
@@ -88,8 +88,8 @@ def test_tied_parameters_are_held_once_per_stage_that_uses_them():
     whole = _states(ctx, _par())[0]["parameters"]
     first, last = _states(ctx, _par(), 0, 2)[0]["parameters"], _states(ctx, _par(), 15, 16)[0]["parameters"]
     assert whole == pytest.approx(4 * ctx.chain.parameter_numel)
-    assert first + last == pytest.approx(4 * (ctx.chain.units[0].parameter_numel + ctx.chain.units[1].parameter_numel
-                                              + tied))
+    modules = ctx.chain.modules
+    assert first + last == pytest.approx(4 * (modules[0].parameter_numel + modules[1].parameter_numel + tied))
 
 
 def test_in_flight_micro_batches_per_schedule():
@@ -146,9 +146,9 @@ def test_roofline_times_scale_with_dtype_and_measured_times_keep_launches_fixed(
         cluster(8).hardware, gpu=replace(make_gpu(), name="cpu"))), Training(8, "fp32"), SUPPORTED)
     assert cpu.use_measured
     one, two, four = (cpu.table(1, b).forward_s[2] for b in (1, 2, 4))
-    launches = sum(1 for n in cpu.chain.units[2].ops if not n.startswith(("split", "view", "transpose"))) * LAUNCH_S
+    launches = sum(1 for n in cpu.chain.modules[2].ops if not n.startswith(("split", "view", "transpose"))) * LAUNCH_S
     assert two - one == pytest.approx(one - launches, rel=1e-6)  # only the part above the launches grows
-    assert four == pytest.approx(cpu.chain.units[2].time_fwd_s * 4)  # the profiled batch: as measured
+    assert four == pytest.approx(cpu.chain.modules[2].time_fwd_s * 4)  # the profiled batch: as measured
 
 
 def test_bubble_is_p_minus_1_over_v_m_of_the_ideal_time():
@@ -341,5 +341,5 @@ def test_ddp_pays_its_measured_time_per_parameter_tensor():
     ddp = _par(dp=2, m=4)
     added = data_parallel_comm(1e-3, ddp) - data_parallel_comm(0.0, ddp)
     assert added == pytest.approx(len(base.profile.parameters) * 1e-3)
-    fsdp = _par(dp=2, zero=3, m=4)  # FSDP2 is not DDP: its own per-unit overhead applies
+    fsdp = _par(dp=2, zero=3, m=4)  # FSDP2 is not DDP: its own per-module overhead applies
     assert data_parallel_comm(1e-3, fsdp) == pytest.approx(data_parallel_comm(0.0, fsdp))

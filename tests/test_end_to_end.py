@@ -50,7 +50,7 @@ def test_pinned_dp2_pp2_gpt_on_four_processes(tmp_path, capsys):
     assert par["pipeline_parallel_degree"] == 2
     assert par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"] == 2
     assert len(plan["stages"]) == 2 * par["pipeline_parallel_virtual_stages"]
-    # the stages split the layer chain in order: every block (or its parts) lands on a stage, and no
+    # the stages split the module chain in order: every block (or its parts) lands on a stage, and no
     # block of a stage comes after a block of a later stage
     blocks = [[int(m.split(".")[1]) for m in stage["modules"] if m.startswith("h.")] for stage in plan["stages"]]
     assert sorted({b for stage in blocks for b in stage}) == [0, 1, 2, 3]

@@ -1,5 +1,5 @@
 """Stage split + recompute: MILP (HiGHS and CBC) == brute force == exact DP on random small chains,
-including interleaved ranks and per-unit recompute; the fast packing is never better than optimal."""
+including interleaved ranks and per-module recompute; the fast packing is never better than optimal."""
 
 import itertools
 import random
@@ -26,21 +26,21 @@ def _random_problem(rng: random.Random, n: int, p: int, v: int = 1, modes=("none
     largest = tuple(pick(0, 5))
     cuts = tuple(pick(0, 3)[: n - 1])
     models = tuple(StageMemoryModel(
-        stage_index=s, per_unit={"states": tuple(base)}, activations_per_microbatch={k: acts[k] for k in modes},
-        per_tied_group={"states": group_bytes}, tied_group_units=tuple(groups), largest_unit={"working": largest},
+        stage_index=s, per_module={"states": tuple(base)}, activations_per_microbatch={k: acts[k] for k in modes},
+        per_tied_group={"states": group_bytes}, tied_group_modules=tuple(groups), largest_module={"working": largest},
         cut_per_microbatch=cuts, in_flight=p * v - s) for s in range(p * v))  # more in flight early, as 1F1B
     times = [round(rng.uniform(0.1, 5.0), 3) for _ in range(n)] if not identical else [1.0] * n
-    unit_time = {"none": tuple(times), "selective": tuple(t * 1.1 for t in times),
+    module_time = {"none": tuple(times), "selective": tuple(t * 1.1 for t in times),
                  "full": tuple(t * 4 / 3 for t in times)}
     whole = sum(base) + sum(acts["none"]) * p * v + sum(group_bytes) + max(largest)
     cap = rng.uniform(0.1, 0.9) * whole / p  # some instances fit, some do not
     overhead = tuple(round(rng.uniform(0, 0.3), 3) for _ in range(p * v))
-    return ChainProblem({k: unit_time[k] for k in modes}, models, cap, p, modes, overhead,
+    return ChainProblem({k: module_time[k] for k in modes}, models, cap, p, modes, overhead,
                         (0,) * n if identical else ())
 
 
 def _all_assignments(problem: ChainProblem):
-    n, stages = problem.num_units, problem.num_stages
+    n, stages = problem.num_modules, problem.num_stages
     for cuts in itertools.combinations(range(1, n), stages - 1):
         split = Split((0, *cuts, n))
         for modes in itertools.product(problem.modes, repeat=n):
@@ -146,7 +146,7 @@ def test_warm_start_and_bound_keep_the_optimum(index):
 def test_min_peak_memory_split_is_the_leanest(index):
     problem = CASES[index]
     model = problem.memory[0]
-    modes = tuple(min(problem.modes, key=lambda k: model.activations[k][u]) for u in range(problem.num_units))
+    modes = tuple(min(problem.modes, key=lambda k: model.activations[k][u]) for u in range(problem.num_modules))
     splits = {a.split for a in _all_assignments(problem)}
     leanest = min(max(problem.memory[s].total(a, b, modes) for s, (a, b) in enumerate(split.ranges()))
                   for split in splits)
@@ -159,9 +159,9 @@ def test_memory_lower_bound_never_exceeds_the_leanest_assignment():
         assert problem.memory_lower_bound() <= leanest + 1e-9
 
 
-def test_more_stages_than_units_is_infeasible_and_unknown_solvers_are_refused():
+def test_more_stages_than_modules_is_infeasible_and_unknown_solvers_are_refused():
     problem = next(p for p in CASES if p.virtual == 1 and len(p.modes) == 1)
-    crowded = ChainProblem(problem.unit_time_s, problem.memory * (problem.num_units + 1), problem.memory_cap_bytes)
+    crowded = ChainProblem(problem.module_time_s, problem.memory * (problem.num_modules + 1), problem.memory_cap_bytes)
     assert solve_dp(crowded) is None and solve_ilp(crowded).status == "infeasible" and greedy_split(crowded) is None
     with pytest.raises(UserError, match="gurobi"):
         solve_ilp(problem, solver="gurobi")
@@ -170,7 +170,7 @@ def test_more_stages_than_units_is_infeasible_and_unknown_solvers_are_refused():
 def test_a_time_limit_reports_the_incumbent_and_a_finite_gap():
     rng = random.Random(3)
     large = _random_problem(rng, 60, 12, 1, ("none", "full"))
-    large = ChainProblem(large.unit_time_s, large.memory, large.memory_cap_bytes * 100, 12, large.modes)
+    large = ChainProblem(large.module_time_s, large.memory, large.memory_cap_bytes * 100, 12, large.modes)
     start = greedy_split(large)
     result = solve_ilp(large, time_limit_s=0.0, warm_start=start)
     assert result.status == "time_limit" and 0.0 <= result.gap < 1.0

@@ -101,10 +101,10 @@ def test_imports_point_one_way():
 
 
 @pytest.mark.parametrize("module, source", [
-    ("autoplan.cost.units", "from autoplan.solve.layouts import SUPPORTED\n"),
+    ("autoplan.cost.module_costs", "from autoplan.solve.layouts import SUPPORTED\n"),
     ("autoplan.cost.compute", "def f():\n    from autoplan.solve import search\n"),
     ("autoplan.profile.whole_model", "from autoplan.runtime.data import call_model\n"),
-    ("autoplan.chain.layers", "import torch\n"),
+    ("autoplan.chain.modules", "import torch\n"),
     ("autoplan.solve.search", "from torch import nn\n"),
 ])
 def test_the_check_finds_edges_against_the_order(module, source):

@@ -6,7 +6,7 @@ a model with its own make_dataloader (DistributedSampler).
 Process start-up costs more than these tiny models' training, so everything runs in ONE launch of 8
 CPU processes (tests/helpers/verify_many.py): each generated train.py's main runs on the first
 world-size ranks of a window, in a process group of its own; the idle ranks run other jobs.
-Plans are built by hand (no solver) with units as a layer chain gives them.
+Plans are built by hand (no solver) with chain modules as the module chain gives them.
 """
 
 from dataclasses import dataclass
@@ -60,7 +60,7 @@ loss_fn = llama.loss_fn
 '''
 
 SKIP_NET = '''
-"""Dict inputs; h and the input `scale` skip from the first stage over the second one's units."""
+"""Dict inputs; h and the input `scale` skip from the first stage over the second one's chain modules."""
 import torch
 from torch import nn
 
@@ -105,31 +105,33 @@ def make_dataloader(rank, world_size, batch_size):
 @dataclass(frozen=True)
 class ModelCase:
     source: str
-    units: tuple[str, ...]
-    """The layer chain's units in order."""
+    chain_modules: tuple[str, ...]
+    """The module chain's chain modules in order."""
     four_stages: tuple[tuple[str, ...], ...]
-    """The units cut in four stages (pp=4, or pp=2 with 2 virtual stages)."""
+    """The chain modules cut in four stages (pp=4, or pp=2 with 2 virtual stages)."""
     tensor_parallel_plan: dict[str, str]
 
 
 def gpt_case() -> ModelCase:
-    units = ("wte", "wpe", "blocks.0", "blocks.1", "ln_f", "lm_head")
+    chain_modules = ("wte", "wpe", "blocks.0", "blocks.1", "ln_f", "lm_head")
     plan = {}
     for i in range(2):
         plan.update({f"blocks.{i}.attn.qkv": "colwise", f"blocks.{i}.attn.proj": "rowwise",
                      f"blocks.{i}.mlp.fc": "colwise", f"blocks.{i}.mlp.proj": "rowwise"})
-    return ModelCase(TINY_GPT, units, (units[:2], units[2:3], units[3:4], units[4:]), plan)
+    four = (chain_modules[:2], chain_modules[2:3], chain_modules[3:4], chain_modules[4:])
+    return ModelCase(TINY_GPT, chain_modules, four, plan)
 
 
 def llama_case() -> ModelCase:
-    units = ("model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head")
+    chain_modules = ("model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head")
     plan = {}
     for i in range(2):
         layer = f"model.layers.{i}"
         plan.update({f"{layer}.self_attn.{p}_proj": "colwise" for p in "qkv"})
         plan.update({f"{layer}.self_attn.o_proj": "rowwise", f"{layer}.mlp.gate_proj": "colwise",
                      f"{layer}.mlp.up_proj": "colwise", f"{layer}.mlp.down_proj": "rowwise"})
-    return ModelCase(TINY_LLAMA, units, (units[:1], units[1:2], units[2:3], units[3:]), plan)
+    four = (chain_modules[:1], chain_modules[1:2], chain_modules[2:3], chain_modules[3:])
+    return ModelCase(TINY_LLAMA, chain_modules, four, plan)
 
 
 MODELS = {"gpt": gpt_case(), "llama": llama_case()}
@@ -206,8 +208,9 @@ def write_case(root: Path, name: str, source: str, stages, tensor_parallel_plan=
 def model_layout(root: Path, model: str, layout: str, parallelism: dict) -> Path:
     case = MODELS[model]
     pp = parallelism.get("pipeline_parallel_degree", 1) * parallelism.get("pipeline_parallel_virtual_stages", 1)
-    half = len(case.units) // 2
-    stages = {1: [case.units], 2: [case.units[:half], case.units[half:]], 4: case.four_stages}[pp]
+    half = len(case.chain_modules) // 2
+    modules = case.chain_modules
+    stages = {1: [modules], 2: [modules[:half], modules[half:]], 4: case.four_stages}[pp]
     return write_case(root, f"{model} {layout}", case.source, stages, case.tensor_parallel_plan, **parallelism)
 
 

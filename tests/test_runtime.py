@@ -31,7 +31,7 @@ def tiny_gpt() -> nn.Module:
 
 
 class SkipTied(nn.Module):
-    """Three units; h0 and the input x skip stage 1; c is tied to a; `pos` reads nothing."""
+    """Three chain modules; h0 and the input x skip stage 1; c is tied to a; `pos` reads nothing."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -88,8 +88,8 @@ def test_gpt_split_in_two_matches_the_model_and_sums_tied_gradients():
     assert tied.fqn == "wte.weight" and tied.stages == (0, 1) and tied.names == ("wte.weight", "lm_head.weight")
     first, last = split.stages[0].get_parameter("wte.weight"), split.stages[1].get_parameter("lm_head.weight")
     assert first is model.wte.weight and last is not first and torch.equal(first, last)
-    # every unit is a submodule the stage calls (FSDP and checkpointing wrap these)
-    assert split.units == [tuple(s) for s in GPT_STAGES]
+    # every chain module is a submodule the stage calls (FSDP and checkpointing wrap these)
+    assert split.chain_modules == [tuple(s) for s in GPT_STAGES]
     block = split.stages[1].get_submodule("blocks.2")
     assert isinstance(block, fx.GraphModule) and "attn.qkv.weight" in dict(block.named_parameters())
     calls = [n.target for n in split.stages[1].graph.nodes if n.op == "call_module"]
@@ -128,7 +128,7 @@ def test_a_module_called_twice_stays_inline():
 
     torch.manual_seed(0)
     split = assert_chain_matches_model(Twice(), [("f", "g")], torch.randn(2, 4), torch.randn(2, 4))
-    assert split.units == [("g",)]  # f runs before and after g: it cannot be one call
+    assert split.chain_modules == [("g",)]  # f runs before and after g: it cannot be one call
 
 
 def test_a_view_crossing_a_stage_boundary_is_sent_contiguous():

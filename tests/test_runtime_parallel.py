@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from autoplan.errors import UserError
-from autoplan.runtime import (ModelPart, TrainingData, build_on_meta, catalog, checkpoint_units, compute_dtype,
+from autoplan.runtime import (ModelPart, TrainingData, build_on_meta, catalog, checkpoint_modules, compute_dtype,
                               materialize, restore_linears, split_model, step_batch)
 from autoplan.runtime.recompute import _save_matmuls, saved_ops
 from autoplan.runtime.steps import CastOutputs
@@ -143,14 +143,15 @@ def test_meta_build_materializes_to_the_single_device_values_with_ties_kept(tmp_
 TINY_GPT = Path(__file__).parent / "models" / "tiny_gpt.py"  # MultiheadAttention; forward makes a mask with no device
 
 
-@pytest.mark.parametrize("model_file, units", [
+@pytest.mark.parametrize("model_file, chain_modules", [
     (None, GPT_UNITS), (TINY_GPT, [("tok", "h.0", "h.1"), ("h.2", "h.3", "norm", "head")])])
-def test_a_meta_model_splits_into_stages_that_run_on_the_real_device(tmp_path, one_rank_group, model_file, units):
+def test_a_meta_model_splits_into_stages_that_run_on_the_real_device(tmp_path, one_rank_group, model_file,
+                                                                     chain_modules):
     source = load_source(str(model_file)) if model_file else gpt_source(tmp_path)
     model = build_on_meta(source)
     entries = catalog(model)
     idx = source.example_batch(2)[0]
-    split = split_model(model, idx.to("meta"), units, torch.device("cpu"))
+    split = split_model(model, idx.to("meta"), chain_modules, torch.device("cpu"))
     for stage in split.stages:  # no op still creates tensors on meta
         for node in stage.graph.nodes:
             assert torch.device("meta") not in [*node.args, *node.kwargs.values()], node.format_node()
@@ -175,13 +176,13 @@ def test_planned_linears_are_restored_as_modules_in_an_exported_stage():
     calls = [n.target for n in stage.get_submodule("blocks.1").graph.nodes if n.op == "call_module"]
     assert calls == ["attn.qkv", "mlp.proj"]
     torch.testing.assert_close(split.unflatten_output(run_stages(split, idx)), reference(idx), rtol=0, atol=1e-6)
-    # in one stage the tied lm_head weight is read by two units: not a plain Linear, left alone
+    # in one stage the tied lm_head weight is read by two chain modules: not a plain Linear, left alone
     (whole,) = split_model(model, idx, [tuple(u for stage in GPT_UNITS for u in stage)]).stages
     assert restore_linears(whole, {"lm_head", "blocks.0.mlp.fc"}) == {"blocks.0.mlp.fc"}
 
 
-def test_a_unit_that_is_itself_a_planned_linear_becomes_the_linear_the_stage_calls():
-    # the solver's chain cuts small models finer than blocks: each attention Linear is a unit
+def test_a_chain_module_that_is_itself_a_planned_linear_becomes_the_linear_the_stage_calls():
+    # the solver's chain cuts small models finer than blocks: each attention Linear is a chain module
     torch.manual_seed(0)
     model = load_example("gpt").GPT(vocab=64, seq_len=8, n_layer=2, n_head=2, n_embd=16)
     reference = copy.deepcopy(model)
@@ -195,7 +196,7 @@ def test_a_unit_that_is_itself_a_planned_linear_becomes_the_linear_the_stage_cal
         linear = stage.get_submodule(fqn)
         assert isinstance(linear, nn.Linear) and linear.weight is model.get_parameter(f"{fqn}.weight")
     calls = [n.target for n in stage.graph.nodes if n.op == "call_module"]
-    assert calls == list(fine)  # the Linears are called where their units were, with their result
+    assert calls == list(fine)  # the Linears are called where their chain modules were, with their result
     assert set(dict(stage.named_parameters())) == set(split.state_fqns[0])  # names unchanged
     torch.testing.assert_close(split.unflatten_output(run_stages(split, idx)), reference(idx), rtol=0, atol=1e-6)
 
@@ -211,14 +212,14 @@ def test_selective_recompute_keeps_matmuls_and_gives_the_same_gradients():
     model = load_example("gpt").GPT(vocab=64, seq_len=8, n_layer=2, n_head=2, n_embd=16)
     reference = copy.deepcopy(model)
     idx = torch.randint(0, 64, (2, 8))
-    checkpoint_units(model, ["blocks.0", "blocks.1"], "selective")
+    checkpoint_modules(model, ["blocks.0", "blocks.1"], "selective")
     assert type(model.blocks[0]).__name__ == "CheckpointWrapper"
     model(idx).square().mean().backward()
     reference(idx).square().mean().backward()
     for (name, p), q in zip(reference.named_parameters(), model.parameters()):
         torch.testing.assert_close(q.grad, p.grad, msg=name)
     with pytest.raises(UserError, match="activation_checkpoint must be one of"):
-        checkpoint_units(model, [], "some")
+        checkpoint_modules(model, [], "some")
 
 
 def test_mixed_precision_stage_outputs_keep_the_pipeline_dtypes():

@@ -29,7 +29,7 @@ MemTracker on a GPT-2-sized model shows 3 x the logits beyond the saved activati
 (benchmarks/accuracy.py, one-GPU section)."""
 
 FSDP_PREFETCH_UNITS = 2
-"""Units FSDP2 holds unsharded at once: the one computing and the next one prefetched
+"""Modules FSDP2 holds unsharded at once: the one computing and the next one prefetched
 (fully_shard's implicit forward/backward prefetch of one module ahead)."""
 
 GRADIENT_REDUCE_BYTES = 4

@@ -14,15 +14,16 @@ Gpu.comm_overlap (1 on GPUs; measured on a CPU, whose gloo threads share the cor
 - DDP (dp_shard 1): gradients all-reduce in DDP_BUCKET_BYTES buckets during the backward of the last
   micro-batch (earlier ones run under no_sync); all but the last bucket hide behind that backward.
   DDP also costs time per parameter tensor (Gpu.ddp_tensor_overhead_s, measured; ~0 on GPUs).
-- FSDP2 resharding after forward (reshard=always), pp = 1: per micro-batch, all-gather every unit in
-  forward and again in backward, reduce-scatter every unit in backward (one collective per unit); the
-  first gather and the last reduce-scatter are exposed, the rest hide behind the compute of that pass. HSDP adds an all-reduce
-  of the sharded gradients over the replicas, hidden like the reduce-scatters.
+- FSDP2 resharding after forward (reshard=always), pp = 1: per micro-batch, all-gather every module in
+  forward and again in backward, reduce-scatter every module in backward (one collective per module);
+  the first gather and the last reduce-scatter are exposed, the rest hide behind the compute of that
+  pass. HSDP adds an all-reduce of the sharded gradients over the replicas, hidden like the
+  reduce-scatters.
 - FSDP2 without resharding after forward (reshard=never), pp = 1: per micro-batch one all-gather
   (forward) and one reduce-scatter (backward), exposed the same way.
 - Any FSDP under a pipeline: parameters are gathered once per step (first micro-batch) and gradients
   reduce-scattered once after the last backward (torch.distributed.pipelining), which nothing hides.
-- FSDP2's hooks cost host time per unit and micro-batch (Gpu.fsdp_unit_overhead_s, measured; ~0 on GPUs).
+- FSDP2's hooks cost host time per module and micro-batch (Gpu.fsdp_unit_overhead_s, measured; ~0 on GPUs).
 - FSDP2 also copies every gathered parameter out of the all-gather buffer and every gradient into
   the reduce-scatter buffer on the compute stream (fully_shard's copy-out / chunk-cat copy-in): each
   reads and writes the unsharded bytes once, at the device's streaming bandwidth, never hidden.
@@ -126,8 +127,8 @@ def ddp_comm(grad_bytes: float, group: Group, backward_window_s: float, tensors:
 class FsdpStage:
     """What FSDP2's collectives on one rank of a stage depend on."""
 
-    unit_param_bytes: tuple[float, ...]
-    """Parameter bytes of each FSDP unit (a module of the chain) of the stage, training dtype, unsharded."""
+    module_param_bytes: tuple[float, ...]
+    """Parameter bytes of each module of the stage (FSDP2 shards each as one unit), training dtype, unsharded."""
     reshard_after_forward: bool
     """Gathered again for backward (ZeRO-3) or kept from forward (ZeRO-1/2)."""
     shard: Group
@@ -144,21 +145,21 @@ class FsdpStage:
     gradient_ratio: float = 1.0
     """Gradient bytes reduced per parameter byte (2 for bf16 parameters reduced in fp32)."""
     unit_overhead_s: float = 0.0
-    """Host time FSDP2 adds per unit and micro-batch (Gpu.fsdp_unit_overhead_s)."""
+    """Host time FSDP2 adds per module and micro-batch (Gpu.fsdp_unit_overhead_s)."""
 
 
 def fsdp_comm(stage: FsdpStage) -> DataParallelComm:
     """FSDP2 collectives of one rank of a stage (see the module docstring)."""
-    unit_bytes = stage.unit_param_bytes
-    stage_bytes = sum(unit_bytes)
+    module_bytes = stage.module_param_bytes
+    stage_bytes = sum(module_bytes)
     shard, replicate = stage.shard, stage.replicate
     if shard.size <= 1 or stage_bytes <= 0:
         return NO_COMM
-    hooks = len(unit_bytes) * stage.unit_overhead_s
+    hooks = len(module_bytes) * stage.unit_overhead_s
     s, link, nodes = shard.size, shard.link, shard.nodes
     copy_s = FSDP_COPY_TRAFFIC * stage_bytes / stage.copy_bytes_per_s
-    gathers = [all_gather_s(b, s, link, nodes) for b in unit_bytes]
-    grads = [b * stage.gradient_ratio for b in unit_bytes]
+    gathers = [all_gather_s(b, s, link, nodes) for b in module_bytes]
+    grads = [b * stage.gradient_ratio for b in module_bytes]
     scatters = [reduce_scatter_s(g, s, link, nodes)
                 + all_reduce_s(g / s, replicate.size, replicate.link, replicate.nodes) for g in grads]
     if stage.pipelined:  # gathered once per step, reduced once after the last backward

@@ -1,6 +1,6 @@
-"""Time and activation memory of every unit for one micro-batch, model FLOPs and the optimizer step.
+"""Time and activation memory of every module for one micro-batch, model FLOPs and the optimizer step.
 
-Per op (cost/units.py), at micro-batch size b, tensor-parallel degree t (split ops only) and the
+Per op (cost/module_costs.py), at micro-batch size b, tensor-parallel degree t (split ops only) and the
 training dtype (bytes scaled by its element size over the capture's):
 
     forward  = max(F / (peak x eff_kind), bytes / (HBM x memory_efficiency)) + launches x overhead
@@ -15,7 +15,7 @@ divided by t.
 Ops of a tensor-parallel region (its Linears and everything between them) run on DTensors and also
 pay their host cost (Gpu.dtensor_op_overhead_s per DTensor op).
 
-Tensor-parallel collectives per unit: an all-reduce of each rowwise Linear's output (and of a
+Tensor-parallel collectives per module: an all-reduce of each rowwise Linear's output (and of a
 vocabulary-parallel embedding's output) in forward, of each colwise Linear's input gradient in
 backward, and an all-gather of a vocabulary-parallel head's logits in forward (alpha-beta, cost/comm.py).
 """
@@ -27,9 +27,9 @@ from functools import cached_property
 
 from autoplan.cost import calibration, comm
 from autoplan.cost.dtypes import activation_scale, peak_flops
-from autoplan.cost.units import MODES, SPLIT_ROLES, ChainCosts, OpCost, UnitCosts, saved_by_mode
+from autoplan.cost.module_costs import MODES, SPLIT_ROLES, ChainCosts, OpCost, ModuleCosts, saved_by_mode
 from autoplan.hardware.types import Gpu, Link
-from autoplan.chain.layers import LayerChain
+from autoplan.chain.modules import ModuleChain
 
 ADAMW_BYTES_PER_PARAM = 80
 """Memory traffic of one step of torch.optim.AdamW as the generated programs run it (the default:
@@ -41,8 +41,8 @@ denominator) (16). The fused kernel (fused=True) would move 28. On 2 CPU ranks t
 
 
 @dataclass(frozen=True)
-class UnitTable:
-    """Costs of every unit for one micro-batch at one (tensor-parallel degree, micro-batch size)."""
+class ModuleTable:
+    """Costs of every module for one micro-batch at one (tensor-parallel degree, micro-batch size)."""
 
     forward_s: tuple[float, ...]
     """Forward compute, seconds."""
@@ -53,25 +53,25 @@ class UnitTable:
     cheap_forward_s: tuple[float, ...]
     """Forward of the memory-bound ops: what selective recompute repeats, seconds."""
     activation_bytes: dict[str, tuple[float, ...]]
-    """Recompute mode -> bytes each unit keeps for backward per micro-batch (training dtype)."""
+    """Recompute mode -> bytes each module keeps for backward per micro-batch (training dtype)."""
     working_bytes: tuple[float, ...]
-    """Transient bytes while the unit runs its backward (its full activations, and the loss's logits
-    copies on the output unit)."""
+    """Transient bytes while the module runs its backward (its full activations, and the loss's logits
+    copies on the output module)."""
 
     def time_s(self, mode: str) -> tuple[float, ...]:
-        """Forward + backward (+ recompute) + tensor-parallel collectives of each unit, seconds."""
+        """Forward + backward (+ recompute) + tensor-parallel collectives of each module, seconds."""
         return self._times[mode]
 
     @cached_property
     def _times(self) -> dict[str, tuple[float, ...]]:
-        return {m: tuple(self._unit_time(u, m) for u in range(len(self.forward_s))) for m in MODES}
+        return {m: tuple(self._module_time(u, m) for u in range(len(self.forward_s))) for m in MODES}
 
     @cached_property
     def total_s(self) -> dict[str, float]:
-        """Sum over units of time_s(mode)."""
+        """Sum over modules of time_s(mode)."""
         return {m: sum(t) for m, t in self._times.items()}
 
-    def _unit_time(self, u: int, mode: str) -> float:
+    def _module_time(self, u: int, mode: str) -> float:
         base = self.forward_s[u] + self.backward_s[u] + self.tp_forward_s[u] + self.tp_backward_s[u]
         if mode == "selective":
             return base + self.cheap_forward_s[u]
@@ -98,8 +98,8 @@ def measured_scale(costs: ChainCosts, gpu: Gpu) -> MeasuredScale:
         return MeasuredScale()
     (b1, t1), (b2, t2) = costs.whole_model_times_s[0], costs.whole_model_times_s[-1]
     fixed = per_sample = 0.0
-    for unit in costs.units:
-        for op in unit.ops:
+    for module in costs.modules:
+        for op in module.ops:
             if op.measured:
                 for part in _measured_parts(op, gpu):
                     fixed, per_sample = fixed + part[0], per_sample + part[1]
@@ -112,7 +112,7 @@ def measured_scale(costs: ChainCosts, gpu: Gpu) -> MeasuredScale:
 
 @dataclass(frozen=True)
 class TableSetting:
-    """What a unit table is priced for."""
+    """What a module table is priced for."""
 
     gpu: Gpu
     capture_dtype: str
@@ -129,8 +129,8 @@ class TableSetting:
 
 
 @dataclass(frozen=True)
-class _UnitRow:
-    """One unit's costs for one micro-batch (a row of UnitTable)."""
+class _ModuleRow:
+    """One module's costs for one micro-batch (a row of ModuleTable)."""
 
     forward_s: float
     backward_s: float
@@ -141,17 +141,17 @@ class _UnitRow:
     working_bytes: float
 
 
-def unit_table(costs: ChainCosts, setting: TableSetting) -> UnitTable:
-    """Per-unit costs; identical units (ChainCosts.signature) are computed once."""
+def module_table(costs: ChainCosts, setting: TableSetting) -> ModuleTable:
+    """Per-module costs; identical modules (ChainCosts.signature) are computed once."""
     timing = measured_scale(costs, setting.gpu) if setting.use_measured else MeasuredScale()
-    done: dict[int, _UnitRow] = {}
+    done: dict[int, _ModuleRow] = {}
     rows = []
-    for u, unit in enumerate(costs.units):
+    for u, module in enumerate(costs.modules):
         key = costs.signature[u]
         if key not in done:
-            done[key] = _unit_row(unit, setting, timing)
+            done[key] = _module_row(module, setting, timing)
         rows.append(done[key])
-    return UnitTable(
+    return ModuleTable(
         forward_s=tuple(r.forward_s for r in rows), backward_s=tuple(r.backward_s for r in rows),
         tp_forward_s=tuple(r.tp_forward_s for r in rows), tp_backward_s=tuple(r.tp_backward_s for r in rows),
         cheap_forward_s=tuple(r.cheap_forward_s for r in rows),
@@ -159,11 +159,11 @@ def unit_table(costs: ChainCosts, setting: TableSetting) -> UnitTable:
         working_bytes=tuple(r.working_bytes for r in rows))
 
 
-def _unit_row(unit: UnitCosts, setting: TableSetting, timing: MeasuredScale) -> _UnitRow:
+def _module_row(module: ModuleCosts, setting: TableSetting, timing: MeasuredScale) -> _ModuleRow:
     gpu, tp, b, link = setting.gpu, setting.tp, setting.microbatch, setting.tp_link
     scale = activation_scale(setting.capture_dtype, setting.train_dtype)
     fwd = bwd = cheap = tp_fwd = tp_bwd = 0.0
-    for op in unit.ops:
+    for op in module.ops:
         f, g = (_measured(op, gpu, tp, b, timing) if setting.use_measured and op.measured
                 else _roofline(op, gpu, setting.train_dtype, scale, tp, b))
         if tp > 1 and op.tp_role in DTENSOR_ROLES:  # the op runs on DTensors: their host cost on top
@@ -175,9 +175,9 @@ def _unit_row(unit: UnitCosts, setting: TableSetting, timing: MeasuredScale) -> 
             cheap += f
         tp_fwd += _tp_forward(op, tp, b * scale, link)
         tp_bwd += _tp_backward(op, tp, b * scale, link)
-    saved = saved_by_mode(unit, tp, scale)
-    working = saved["none"] * b + calibration.LOSS_BUFFER_FACTOR * unit.output_buffer_bytes * b * scale
-    return _UnitRow(forward_s=fwd, backward_s=bwd, tp_forward_s=tp_fwd, tp_backward_s=tp_bwd, cheap_forward_s=cheap,
+    saved = saved_by_mode(module, tp, scale)
+    working = saved["none"] * b + calibration.LOSS_BUFFER_FACTOR * module.output_buffer_bytes * b * scale
+    return _ModuleRow(forward_s=fwd, backward_s=bwd, tp_forward_s=tp_fwd, tp_backward_s=tp_bwd, cheap_forward_s=cheap,
                     activation_bytes={m: saved[m] * b for m in MODES}, working_bytes=working)
 
 
@@ -260,7 +260,7 @@ def optimizer_step_time(parameters_on_rank: float, gpu: Gpu, tensors: int = 0, d
     return streaming + plain * gpu.optimizer_tensor_overhead_s + dtensors * gpu.optimizer_dtensor_overhead_s
 
 
-def model_flops_per_step(chain: LayerChain, global_batch_size: int) -> float:
+def model_flops_per_step(chain: ModuleChain, global_batch_size: int) -> float:
     """Forward + backward FLOPs of one optimizer step, without recomputation."""
     return chain.flops_per_sample * global_batch_size
 

@@ -1,5 +1,5 @@
 """A profile prepared for pricing layouts on a cluster: the chain, its tensor-parallel facts and static
-costs, unit tables and memory inputs cached per (tp, micro-batch), and the mesh's communicators.
+costs, module tables and memory inputs cached per (tp, micro-batch), and the mesh's communicators.
 
 Mesh dims in rank order ("pp", "dp_replicate", "dp_shard", "tp"): tensor parallel groups are
 contiguous (stride 1, inside a node), dp_shard has stride tp, dp_replicate stride tp x dp_shard and the
@@ -12,13 +12,13 @@ import copy
 import math
 from dataclasses import dataclass
 
-from autoplan.chain.layers import build_chain
+from autoplan.chain.modules import build_chain
 from autoplan.chain.tensor_parallel import tensor_parallel_facts
 from autoplan.cost import comm
-from autoplan.cost.compute import TableSetting, UnitTable, unit_table
+from autoplan.cost.compute import TableSetting, ModuleTable, module_table
 from autoplan.cost.dtypes import activation_scale, bytes_per_element, training_dtype
 from autoplan.cost.memory import LayoutMemory, MemoryInputs, layout_memory
-from autoplan.cost.units import chain_costs
+from autoplan.cost.module_costs import chain_costs
 from autoplan.hardware.types import Cluster
 from autoplan.plan import Parallelism, Training
 from autoplan.profile.types import ModelProfile
@@ -41,7 +41,7 @@ class Groups:
 
 
 class Context:
-    """A profile prepared for pricing layouts on a cluster; unit tables cached per (tp, micro-batch)."""
+    """A profile prepared for pricing layouts on a cluster; module tables cached per (tp, micro-batch)."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, training: Training, features: frozenset[str]) -> None:
         self.profile, self.cluster, self.training, self.features = profile, cluster, training, features
@@ -53,7 +53,7 @@ class Context:
         self.dtype_bytes = bytes_per_element(self.dtype)
         self.scale = activation_scale(self.chain.capture_dtype, self.dtype)
         self.use_measured = self.costs.measured and cluster.gpu.name == "cpu"
-        self._tables: dict[tuple[int, int], UnitTable] = {}
+        self._tables: dict[tuple[int, int], ModuleTable] = {}
         self._inputs: dict[tuple[int, int], MemoryInputs] = {}
         self._layouts: dict[tuple, LayoutMemory] = {}
 
@@ -96,20 +96,20 @@ class Context:
             return comm.p2p_s(nbytes, link)
         return comm.p2p_s(nbytes / tp, link) + comm.all_gather_s(nbytes, tp, self.group(tp, 1).link)
 
-    def table(self, tp: int, microbatch: int) -> UnitTable:
+    def table(self, tp: int, microbatch: int) -> ModuleTable:
         key = (tp, microbatch)
         if key not in self._tables:
-            self._tables[key] = unit_table(self.costs, TableSetting(
+            self._tables[key] = module_table(self.costs, TableSetting(
                 gpu=self.cluster.gpu, capture_dtype=self.chain.capture_dtype, train_dtype=self.dtype, tp=tp,
                 microbatch=microbatch, tp_link=self.group(tp, 1).link, use_measured=self.use_measured))
         return self._tables[key]
 
     def total_numel(self, tp: int) -> float:
         """Parameter elements on a tensor-parallel rank, tied ones once."""
-        return sum(self.unit_numel(tp)) + sum(self.group_numel(tp))
+        return sum(self.module_numel(tp)) + sum(self.group_numel(tp))
 
-    def unit_numel(self, tp: int) -> list[float]:
-        return [u.replicated_numel + u.split_numel / tp for u in self.costs.units]
+    def module_numel(self, tp: int) -> list[float]:
+        return [u.replicated_numel + u.split_numel / tp for u in self.costs.modules]
 
     def group_numel(self, tp: int) -> list[float]:
         return [g.numel / (tp if split else 1) for g, split in zip(self.chain.tied_groups, self.costs.tied_split)]
@@ -128,13 +128,13 @@ class Context:
 
     def _memory_inputs(self, tp: int, microbatch: int) -> MemoryInputs:
         table = self.table(tp, microbatch)
-        own, groups = self.unit_numel(tp), self.group_numel(tp)
-        whole = [own[u] + sum(n for n, g in zip(groups, self.chain.tied_groups) if u in g.units)
+        own, groups = self.module_numel(tp), self.group_numel(tp)
+        whole = [own[u] + sum(n for n, g in zip(groups, self.chain.tied_groups) if u in g.modules)
                  for u in range(len(own))]
         return MemoryInputs(
-            unit_numel=tuple(own), group_numel=tuple(groups),
-            tied_group_units=tuple(g.units for g in self.chain.tied_groups),
-            unit_largest_numel=tuple(whole), activations=table.activation_bytes,
+            module_numel=tuple(own), group_numel=tuple(groups),
+            tied_group_modules=tuple(g.modules for g in self.chain.tied_groups),
+            module_largest_numel=tuple(whole), activations=table.activation_bytes,
             working_bytes=table.working_bytes,
             cut_bytes=tuple(c * microbatch * self.scale for c in self.chain.cut_bytes),
         )

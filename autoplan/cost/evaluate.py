@@ -1,4 +1,4 @@
-"""Price one layout with one assignment (stage split + recompute per unit): time, memory, MFU.
+"""Price one layout with one assignment (stage split + recompute per module): time, memory, MFU.
 
 Step time (seconds), p pipeline ranks with v stages each, m micro-batches, q the slowest rank:
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from autoplan.cost import calibration, comm
-from autoplan.cost.compute import UnitTable, mfu, model_flops_per_step, optimizer_step_time
+from autoplan.cost.compute import ModuleTable, mfu, model_flops_per_step, optimizer_step_time
 from autoplan.cost.context import Context, Groups, gib
 from autoplan.cost.dtypes import bytes_per_element
 from autoplan.cost.pipeline import StageCost, microbatches_in_flight, simulated_step_s
@@ -46,7 +46,7 @@ class Candidate:
     activation_checkpoint_modules: tuple[str, ...] = ()
     """Plan.activation_checkpoint_modules: every module recomputed (empty when none is)."""
     assignment: Assignment | None = None
-    """The stage split and recompute per unit behind `stages`."""
+    """The stage split and recompute per module behind `stages`."""
 
 
 def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> ChainProblem:
@@ -67,7 +67,7 @@ def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> Cha
         host = ctx.cluster.gpu.pipeline_microbatch_overhead_s
         overhead = tuple(send * ((s > 0) + (s < stages - 1)) + host for s in range(stages))
     return ChainProblem(
-        unit_time_s={k: table.time_s(k) for k in modes},
+        module_time_s={k: table.time_s(k) for k in modes},
         memory=models,
         memory_cap_bytes=ctx.cluster.usable_memory_bytes,
         num_ranks=pp,
@@ -79,13 +79,13 @@ def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> Cha
 
 def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: Assignment, fits: bool,
              reason: str = "") -> Candidate:
-    """Predictions for `par` with `assignment` (memory models and unit times from `problem`)."""
+    """Predictions for `par` with `assignment` (memory models and module times from `problem`)."""
     pp, tp = par.pipeline_parallel_degree, par.tensor_parallel_degree
     m, mbs = par.pipeline_parallel_num_microbatches, par.pipeline_parallel_microbatch_size
     table, chain, gpu = ctx.table(tp, mbs), ctx.chain, ctx.cluster.gpu
     groups = ctx.groups(par)
     element = bytes_per_element(ctx.dtype)
-    own, tied = ctx.unit_numel(tp), ctx.group_numel(tp)
+    own, tied = ctx.module_numel(tp), ctx.group_numel(tp)
     cut = [c * mbs * ctx.scale for c in chain.cut_bytes]
     n, ranges, modes = len(chain), assignment.split.ranges(), assignment.modes
     parts: list[dict[str, float]] = []
@@ -96,19 +96,19 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     host = gpu.pipeline_microbatch_overhead_s if pp > 1 else 0.0
     slowdown = gpu.pipeline_compute_slowdown if pp > 1 else 0.0
     for s, (a, b) in enumerate(ranges):
-        units = range(a, b)
-        forward = sum(table.forward_s[u] for u in units)
-        backward = sum(table.backward_s[u] for u in units)
-        tp_forward = sum(table.tp_forward_s[u] for u in units)
-        tp_backward = sum(table.tp_backward_s[u] for u in units)
-        recompute = sum(_recompute(table, u, modes[u]) for u in units)
-        numels = [own[u] for u in units]
+        modules = range(a, b)
+        forward = sum(table.forward_s[u] for u in modules)
+        backward = sum(table.backward_s[u] for u in modules)
+        tp_forward = sum(table.tp_forward_s[u] for u in modules)
+        tp_backward = sum(table.tp_backward_s[u] for u in modules)
+        recompute = sum(_recompute(table, u, modes[u]) for u in modules)
+        numels = [own[u] for u in modules]
         for g, group in enumerate(chain.tied_groups):
-            held = [u for u in group.units if a <= u < b]
+            held = [u for u in group.modules if a <= u < b]
             if held:
                 numels[held[0] - a] += tied[g]
-        held = {p for u in units for p in chain.units[u].parameters}
-        dpc = _data_parallel(ctx, par, groups, unit_bytes=[x * element for x in numels], forward_s=forward,
+        held = {p for u in modules for p in chain.modules[u].parameters}
+        dpc = _data_parallel(ctx, par, groups, module_bytes=[x * element for x in numels], forward_s=forward,
                              backward_s=backward + recompute, tensors=len(held))
         parts.append({"compute": forward + backward, "recompute": recompute,
                       "tensor_parallel_comm": tp_forward + tp_backward, "data_parallel_comm": dpc.per_microbatch_s,
@@ -183,7 +183,7 @@ def _loss_all_reduce(ctx: Context, par: Parallelism) -> float:
     return comm.all_reduce_s(LOSS_BYTES, world.size, world.link, world.nodes)
 
 
-def _recompute(table: UnitTable, u: int, mode: str) -> float:
+def _recompute(table: ModuleTable, u: int, mode: str) -> float:
     if mode == "selective":
         return table.cheap_forward_s[u]
     if mode == "full":
@@ -191,9 +191,9 @@ def _recompute(table: UnitTable, u: int, mode: str) -> float:
     return 0.0
 
 
-def _data_parallel(ctx: Context, par: Parallelism, groups: Groups, *, unit_bytes: list[float], forward_s: float,
+def _data_parallel(ctx: Context, par: Parallelism, groups: Groups, *, module_bytes: list[float], forward_s: float,
                    backward_s: float, tensors: int) -> comm.DataParallelComm:
-    """Data-parallel communication of one rank of a stage whose modules hold `unit_bytes` of parameters
+    """Data-parallel communication of one rank of a stage whose modules hold `module_bytes` of parameters
     (training dtype), behind one micro-batch's forward and backward compute; `tensors` parameter tensors."""
     gradient_ratio = calibration.GRADIENT_REDUCE_BYTES / ctx.dtype_bytes
     gpu = ctx.cluster.gpu
@@ -204,13 +204,14 @@ def _data_parallel(ctx: Context, par: Parallelism, groups: Groups, *, unit_bytes
     if not par.sharded:
         # DDP proper only without tensor parallelism (with it, fully_shard replicates: runtime/parallel.py)
         hooks = gpu.ddp_tensor_overhead_s if par.tensor_parallel_degree == 1 else 0.0
-        return comm.ddp_comm(sum(unit_bytes) * gradient_ratio, groups.replicate, backward, tensors, hooks)
+        return comm.ddp_comm(sum(module_bytes) * gradient_ratio, groups.replicate, backward, tensors, hooks)
     streaming = gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency
     return comm.fsdp_comm(comm.FsdpStage(
-        unit_param_bytes=tuple(unit_bytes), reshard_after_forward=par.reshards_after_forward, shard=groups.shard,
+        module_param_bytes=tuple(module_bytes), reshard_after_forward=par.reshards_after_forward, shard=groups.shard,
         replicate=groups.replicate, pipelined=par.pipeline_parallel_degree > 1,
-        num_microbatches=par.pipeline_parallel_num_microbatches, forward_window_s=forward, backward_window_s=backward, copy_bytes_per_s=streaming,
-        gradient_ratio=gradient_ratio, unit_overhead_s=gpu.fsdp_unit_overhead_s))
+        num_microbatches=par.pipeline_parallel_num_microbatches, forward_window_s=forward,
+        backward_window_s=backward, copy_bytes_per_s=streaming, gradient_ratio=gradient_ratio,
+        unit_overhead_s=gpu.fsdp_unit_overhead_s))
 
 
 def _tied_gradient_sync(chain, assignment: Assignment, pp: int, tied: list[float], element: int,
@@ -219,7 +220,7 @@ def _tied_gradient_sync(chain, assignment: Assignment, pp: int, tied: list[float
     stage_of = {u: s % pp for s, (a, b) in enumerate(assignment.split.ranges()) for u in range(a, b)}
     total = 0.0
     for g, numel in zip(chain.tied_groups, tied):
-        holders = len({stage_of[u] for u in g.units})
+        holders = len({stage_of[u] for u in g.modules})
         total += comm.all_reduce_s(numel * element, holders, group.link, group.nodes)
     return total
 

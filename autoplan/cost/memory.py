@@ -1,18 +1,19 @@
 """Peak memory of one rank of a pipeline stage.
 
 memory(stage) = model states (parameters + gradients + AdamW state, sharded by ZeRO over dp_shard)
-              + unsharded copies FSDP holds (prefetched units when pp = 1; the whole stage when pp > 1)
+              + unsharded copies FSDP holds (prefetched modules when pp = 1; the whole stage when pp > 1)
               + activations (kept bytes per recompute mode x micro-batches in flight)
               + the stage's outputs kept for backward (pipeline boundary, same in-flight count)
-              + working set: the activations of the unit running its backward (recomputed or not),
-                plus the loss's copies of the logits on the output unit.
-Tensor parallelism divides the split parameters and activations by tp (cost/units.py).
+              + working set: the activations of the module running its backward (recomputed or not),
+                plus the loss's copies of the logits on the output module.
+Tensor parallelism divides the split parameters and activations by tp (cost/module_costs.py).
 What runs (the codegen contract), in the ZeRO paper's stages: dp_shard 1 = DDP (ZeRO-0); dp_shard > 1
 with reshard=never = FSDP2 with reshard_after_forward=False (all of the rank's parameters gathered at
 peak, gradients and optimizer state sharded: ZeRO-2's 2 + 14/N bytes per parameter; a pinned zero=1
-runs and is priced so); reshard=always = FSDP2 (ZeRO-3's 16/N, plus gathered units). Under a pipeline, torch.distributed.pipelining keeps FSDP
-parameters unsharded and gradients unreduced until the last micro-batch (stage.py
-backward_maybe_with_nosync), so the whole stage's parameters and gradients are held unsharded.
+runs and is priced so); reshard=always = FSDP2 (ZeRO-3's 16/N, plus gathered modules). Under a
+pipeline, torch.distributed.pipelining keeps FSDP parameters unsharded and gradients unreduced until
+the last micro-batch (stage.py backward_maybe_with_nosync), so the whole stage's parameters and
+gradients are held unsharded.
 DDP is priced with gradient_as_bucket_view=True (its buckets are the gradients, no second copy).
 Allocator fragmentation, the CUDA context and NCCL/cuBLAS workspaces are the hardware profile's
 Gpu.memory_reserved_bytes (the "stated fragmentation allowance", ~5% of HBM plus ~1.5 GiB), already
@@ -61,80 +62,80 @@ def zero_of(dp_shard: int, reshard_after_forward: bool) -> int:
 
 @dataclass(frozen=True)
 class StageMemoryModel:
-    """Memory of a rank of stage `stage_index` as a function of the contiguous units [a, b) it holds and
+    """Memory of a rank of stage `stage_index` as a function of the contiguous modules [a, b) it holds and
     the recompute mode r(u) of each:
 
-        memory = sum_{u in [a,b)} (per_unit[c][u] + f x activations_per_microbatch[r(u)][u])
+        memory = sum_{u in [a,b)} (per_module[c][u] + f x activations_per_microbatch[r(u)][u])
                + sum_{g touching [a,b)} per_tied_group[c][g]
-               + max_{u in [a,b)} largest_unit[c][u]  +  f x cut_per_microbatch[b-1]  (when b < n)
+               + max_{u in [a,b)} largest_module[c][u]  +  f x cut_per_microbatch[b-1]  (when b < n)
 
-    summed over categories c, with f = in_flight, the micro-batches the stage keeps. The per-unit
+    summed over categories c, with f = in_flight, the micro-batches the stage keeps. The per-module
     vectors are shared by every stage of a layout; only f differs. The solvers (split.py, dp.py,
     ilp.py) use the flattened vectors."""
 
     stage_index: int
-    per_unit: dict[str, tuple[float, ...]]
-    """category -> bytes each unit adds whatever its recompute mode (model states)."""
+    per_module: dict[str, tuple[float, ...]]
+    """category -> bytes each module adds whatever its recompute mode (model states)."""
     activations_per_microbatch: dict[str, tuple[float, ...]]
-    """recompute mode -> bytes each unit keeps for backward per micro-batch."""
+    """recompute mode -> bytes each module keeps for backward per micro-batch."""
     per_tied_group: dict[str, tuple[float, ...]]
-    """category -> bytes of each tied group, counted once if the stage holds any of its units."""
-    tied_group_units: tuple[tuple[int, ...], ...]
-    """Units of each tied group (LayerChain.tied_groups order)."""
-    largest_unit: dict[str, tuple[float, ...]]
-    """category -> per-unit bytes of which the stage adds the maximum over its units."""
+    """category -> bytes of each tied group, counted once if the stage holds any of its modules."""
+    tied_group_modules: tuple[tuple[int, ...], ...]
+    """Modules of each tied group (ModuleChain.tied_groups order)."""
+    largest_module: dict[str, tuple[float, ...]]
+    """category -> per-module bytes of which the stage adds the maximum over its modules."""
     cut_per_microbatch: tuple[float, ...] = ()
-    """Bytes per micro-batch the stage keeps when it ends after unit i (its outputs; i < n - 1)."""
+    """Bytes per micro-batch the stage keeps when it ends after module i (its outputs; i < n - 1)."""
     in_flight: int = 1
     """Micro-batches whose activations and outputs this stage keeps (cost/pipeline.py)."""
 
     @cached_property
     def state_bytes(self) -> tuple[float, ...]:
-        return tuple(map(sum, zip(*self.per_unit.values())))
+        return tuple(map(sum, zip(*self.per_module.values())))
 
     @cached_property
     def activations(self) -> dict[str, tuple[float, ...]]:
-        """recompute mode -> bytes each unit keeps on this stage (x micro-batches in flight)."""
+        """recompute mode -> bytes each module keeps on this stage (x micro-batches in flight)."""
         f = self.in_flight
         return {m: tuple(a * f for a in act) for m, act in self.activations_per_microbatch.items()}
 
-    def unit_bytes(self, mode: str) -> tuple[float, ...]:
-        """Linear bytes per unit when every unit uses `mode`."""
-        return self._unit_bytes[mode]
+    def module_bytes(self, mode: str) -> tuple[float, ...]:
+        """Linear bytes per module when every module uses `mode`."""
+        return self._module_bytes[mode]
 
     @cached_property
-    def _unit_bytes(self) -> dict[str, tuple[float, ...]]:
+    def _module_bytes(self) -> dict[str, tuple[float, ...]]:
         return {m: tuple(s + a for s, a in zip(self.state_bytes, act)) for m, act in self.activations.items()}
 
     @cached_property
     def group_bytes(self) -> tuple[float, ...]:
-        return tuple(map(sum, zip(*self.per_tied_group.values()))) if self.tied_group_units else ()
+        return tuple(map(sum, zip(*self.per_tied_group.values()))) if self.tied_group_modules else ()
 
     @property
     def max_vectors(self) -> tuple[tuple[float, ...], ...]:
-        return tuple(self.largest_unit.values())
+        return tuple(self.largest_module.values())
 
     @cached_property
     def largest_bytes(self) -> tuple[float, ...]:
-        """Sum of the largest-unit terms of each unit (what a stage holding only that unit adds)."""
-        return tuple(map(sum, zip(*self.largest_unit.values())))
+        """Sum of the largest-module terms of each module (what a stage holding only that module adds)."""
+        return tuple(map(sum, zip(*self.largest_module.values())))
 
     @cached_property
     def cut_bytes(self) -> tuple[float, ...]:
         return tuple(c * self.in_flight for c in self.cut_per_microbatch)
 
     def breakdown(self, start: int, end: int, modes: tuple[str, ...] | str = "none") -> dict[str, float]:
-        """Bytes per category for units [start, end); `modes` is one mode or one per unit of the chain."""
+        """Bytes per category for modules [start, end); `modes` is one mode or one per module of the chain."""
         out: dict[str, float] = {}
-        for c, vec in self.per_unit.items():
+        for c, vec in self.per_module.items():
             out[c] = sum(vec[start:end])
         acts = self.activations_per_microbatch
         out["activations"] = self.in_flight * sum(acts[modes if isinstance(modes, str) else modes[u]][u]
                                                   for u in range(start, end))
         for c, vec in self.per_tied_group.items():
-            out[c] = out.get(c, 0.0) + sum(v for v, us in zip(vec, self.tied_group_units)
+            out[c] = out.get(c, 0.0) + sum(v for v, us in zip(vec, self.tied_group_modules)
                                            if any(start <= u < end for u in us))
-        for c, vec in self.largest_unit.items():
+        for c, vec in self.largest_module.items():
             out[c] = out.get(c, 0.0) + max(vec[start:end])
         if end - 1 < len(self.cut_per_microbatch):
             out["activations"] += self.in_flight * self.cut_per_microbatch[end - 1]
@@ -146,36 +147,36 @@ class StageMemoryModel:
 
 @dataclass(frozen=True)
 class MemoryInputs:
-    """What the memory model needs to know about a layout, per unit (already tensor-parallel split)."""
+    """What the memory model needs to know about a layout, per module (already tensor-parallel split)."""
 
-    unit_numel: tuple[float, ...]
-    """Parameter elements each unit alone holds on a tensor-parallel rank."""
+    module_numel: tuple[float, ...]
+    """Parameter elements each module alone holds on a tensor-parallel rank."""
     group_numel: tuple[float, ...]
     """Elements of each tied group on a tensor-parallel rank."""
-    tied_group_units: tuple[tuple[int, ...], ...]
-    unit_largest_numel: tuple[float, ...]
-    """All parameter elements a unit reads (tied included), per tensor-parallel rank (FSDP gathers)."""
+    tied_group_modules: tuple[tuple[int, ...], ...]
+    module_largest_numel: tuple[float, ...]
+    """All parameter elements a module reads (tied included), per tensor-parallel rank (FSDP gathers)."""
     activations: dict[str, tuple[float, ...]]
-    """mode -> bytes per micro-batch each unit keeps (UnitTable.activation_bytes)."""
+    """mode -> bytes per micro-batch each module keeps (ModuleTable.activation_bytes)."""
     working_bytes: tuple[float, ...]
     cut_bytes: tuple[float, ...]
-    """Bytes per micro-batch crossing a boundary after each unit (training dtype)."""
+    """Bytes per micro-batch crossing a boundary after each module (training dtype)."""
 
 
 @dataclass(frozen=True)
 class LayoutMemory:
-    """The per-unit vectors every stage of one layout shares (build once, then stage() per stage)."""
+    """The per-module vectors every stage of one layout shares (build once, then stage() per stage)."""
 
-    per_unit: dict[str, tuple[float, ...]]
+    per_module: dict[str, tuple[float, ...]]
     activations_per_microbatch: dict[str, tuple[float, ...]]
     per_tied_group: dict[str, tuple[float, ...]]
-    tied_group_units: tuple[tuple[int, ...], ...]
-    largest_unit: dict[str, tuple[float, ...]]
+    tied_group_modules: tuple[tuple[int, ...], ...]
+    largest_module: dict[str, tuple[float, ...]]
     cut_per_microbatch: tuple[float, ...]
 
     def stage(self, stage_index: int, in_flight: int) -> StageMemoryModel:
-        return StageMemoryModel(stage_index, self.per_unit, self.activations_per_microbatch, self.per_tied_group,
-                                self.tied_group_units, self.largest_unit, self.cut_per_microbatch, in_flight)
+        return StageMemoryModel(stage_index, self.per_module, self.activations_per_microbatch, self.per_tied_group,
+                                self.tied_group_modules, self.largest_module, self.cut_per_microbatch, in_flight)
 
 
 def layout_memory(inputs: MemoryInputs, train_dtype: str, shard: int, reshard_after_forward: bool,
@@ -200,6 +201,6 @@ def layout_memory(inputs: MemoryInputs, train_dtype: str, shard: int, reshard_af
     largest = {"working": inputs.working_bytes}
     if zero == 3 and num_ranks == 1:
         largest["gathered_parameters"] = tuple(calibration.FSDP_PREFETCH_UNITS * n * element
-                                               for n in inputs.unit_largest_numel)
-    return LayoutMemory(states(inputs.unit_numel), inputs.activations, states(inputs.group_numel),
-                        inputs.tied_group_units, largest, inputs.cut_bytes)
+                                               for n in inputs.module_largest_numel)
+    return LayoutMemory(states(inputs.module_numel), inputs.activations, states(inputs.group_numel),
+                        inputs.tied_group_modules, largest, inputs.cut_bytes)

@@ -1,11 +1,11 @@
 """The stage-split problem the solvers answer (split.py fast, dp.py exact DP, ilp.py MILP).
 
-Units 0..n-1 of the chain go to S = p x v contiguous non-empty stages in order; stage s runs on
-pipeline rank s % p (v > 1 is interleaved 1F1B). Each unit also gets a recompute mode from
-ChainProblem.modes. A rank's time per micro-batch is the sum over its stages of their units' times
+Modules 0..n-1 of the chain go to S = p x v contiguous non-empty stages in order; stage s runs on
+pipeline rank s % p (v > 1 is interleaved 1F1B). Each module also gets a recompute mode from
+ChainProblem.modes. A rank's time per micro-batch is the sum over its stages of their modules' times
 (plus each stage's constant point-to-point overhead); the objective is the slowest rank. A rank's
 memory is the sum over its stages of their linear, tied-group and boundary bytes, plus the largest
-transient term of any unit it holds (one unit runs backward at a time); it must fit the cap.
+transient term of any module it holds (one module runs backward at a time); it must fit the cap.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from autoplan.cost.memory import StageMemoryModel
 
 @dataclass(frozen=True)
 class Split:
-    """A partition of units 0..n-1 into contiguous non-empty stages."""
+    """A partition of modules 0..n-1 into contiguous non-empty stages."""
 
     bounds: tuple[int, ...]
-    """Stage s holds units [bounds[s], bounds[s+1]); bounds[0] = 0, bounds[-1] = n."""
+    """Stage s holds modules [bounds[s], bounds[s+1]); bounds[0] = 0, bounds[-1] = n."""
 
     @property
     def num_stages(self) -> int:
@@ -31,27 +31,27 @@ class Split:
         return list(zip(self.bounds[:-1], self.bounds[1:]))
 
     @staticmethod
-    def from_stage_of_unit(stage_of_unit: list[int]) -> "Split":
-        bounds = [0] + [u for u in range(1, len(stage_of_unit)) if stage_of_unit[u] != stage_of_unit[u - 1]]
-        return Split(tuple(bounds + [len(stage_of_unit)]))
+    def from_stage_of_module(stage_of_module: list[int]) -> "Split":
+        bounds = [0] + [u for u in range(1, len(stage_of_module)) if stage_of_module[u] != stage_of_module[u - 1]]
+        return Split(tuple(bounds + [len(stage_of_module)]))
 
 
 @dataclass(frozen=True)
 class Assignment:
-    """A solution: the stage split and each unit's recompute mode."""
+    """A solution: the stage split and each module's recompute mode."""
 
     split: Split
     modes: tuple[str, ...]
-    """Recompute mode of each unit ("none", "selective", "full")."""
+    """Recompute mode of each module ("none", "selective", "full")."""
 
 
 @dataclass(frozen=True)
 class ChainProblem:
-    """Assign units to stages and recompute modes, minimizing the slowest rank's time per micro-batch
+    """Assign modules to stages and recompute modes, minimizing the slowest rank's time per micro-batch
     with every rank's memory <= memory_cap_bytes."""
 
-    unit_time_s: dict[str, tuple[float, ...]]
-    """Recompute mode -> forward + backward (+ recompute) time of each unit per micro-batch, seconds."""
+    module_time_s: dict[str, tuple[float, ...]]
+    """Recompute mode -> forward + backward (+ recompute) time of each module per micro-batch, seconds."""
     memory: tuple[StageMemoryModel, ...]
     """memory[s]: the memory model of stage s (len = number of stages = p x v)."""
     memory_cap_bytes: float
@@ -59,30 +59,30 @@ class ChainProblem:
     num_ranks: int = 0
     """Pipeline ranks p (0 means one rank per stage)."""
     modes: tuple[str, ...] = ("none",)
-    """Recompute modes the solver may give a unit."""
+    """Recompute modes the solver may give a module."""
     stage_overhead_s: tuple[float, ...] = ()
     """Constant time per micro-batch of each stage (point-to-point sends), seconds; empty = none."""
     signature: tuple[int, ...] = ()
-    """Units with equal signatures cost the same (identical layers); empty = all distinct."""
+    """Modules with equal signatures cost the same (identical layers); empty = all distinct."""
 
     @cached_property
     def signatures(self) -> tuple[int, ...]:
-        return self.signature or tuple(range(self.num_units))
+        return self.signature or tuple(range(self.num_modules))
 
     def runs(self) -> list[tuple[int, int]]:
-        """Maximal runs [start, end) of consecutive identical units; units of tied groups stand alone."""
-        tied = {u for units in self.memory[0].tied_group_units for u in units}
+        """Maximal runs [start, end) of consecutive identical modules; modules of tied groups stand alone."""
+        tied = {u for modules in self.memory[0].tied_group_modules for u in modules}
         sig = self.signatures
         out, start = [], 0
-        for u in range(1, self.num_units + 1):
-            if u == self.num_units or sig[u] != sig[start] or u in tied or start in tied:
+        for u in range(1, self.num_modules + 1):
+            if u == self.num_modules or sig[u] != sig[start] or u in tied or start in tied:
                 out.append((start, u))
                 start = u
         return out
 
     @property
-    def num_units(self) -> int:
-        return len(next(iter(self.unit_time_s.values())))
+    def num_modules(self) -> int:
+        return len(next(iter(self.module_time_s.values())))
 
     @property
     def num_stages(self) -> int:
@@ -103,10 +103,10 @@ class ChainProblem:
         return range(rank, self.num_stages, self.ranks)
 
     def uniform(self, split: Split, mode: str | None = None) -> Assignment:
-        return Assignment(split, (mode or self.modes[0],) * self.num_units)
+        return Assignment(split, (mode or self.modes[0],) * self.num_modules)
 
     def stage_time(self, start: int, end: int, modes: tuple[str, ...]) -> float:
-        return sum(self.unit_time_s[modes[u]][u] for u in range(start, end))
+        return sum(self.module_time_s[modes[u]][u] for u in range(start, end))
 
     def rank_times(self, a: Assignment) -> list[float]:
         ranges = a.split.ranges()
@@ -124,8 +124,8 @@ class ChainProblem:
         for s in self.stages_of_rank(rank):
             start, end = ranges[s]
             for c, v in self.memory[s].breakdown(start, end, a.modes).items():
-                if c in self.memory[s].largest_unit:
-                    part = max(self.memory[s].largest_unit[c][start:end])
+                if c in self.memory[s].largest_module:
+                    part = max(self.memory[s].largest_module[c][start:end])
                     transient[c] = max(transient.get(c, 0.0), part)
                     v -= part
                 out[c] = out.get(c, 0.0) + v
@@ -141,41 +141,41 @@ class ChainProblem:
         return all(m <= self.memory_cap_bytes * (1 + tolerance) for m in self.peak_memory(a))
 
     @cached_property
-    def fastest_unit_time(self) -> tuple[float, ...]:
-        return tuple(min(self.unit_time_s[m][u] for m in self.modes) for u in range(self.num_units))
+    def fastest_module_time(self) -> tuple[float, ...]:
+        return tuple(min(self.module_time_s[m][u] for m in self.modes) for u in range(self.num_modules))
 
     def time_lower_bound(self) -> float:
-        """No assignment beats an even share of the fastest times, or a rank's single largest unit."""
-        share = (sum(self.fastest_unit_time) + sum(self.overhead(s) for s in range(self.num_stages))) / self.ranks
-        return max(max(self.fastest_unit_time), share)
+        """No assignment beats an even share of the fastest times, or a rank's single largest module."""
+        share = (sum(self.fastest_module_time) + sum(self.overhead(s) for s in range(self.num_stages))) / self.ranks
+        return max(max(self.fastest_module_time), share)
 
     def leanest_stages(self) -> list[StageMemoryModel]:
         """One stage per distinct set of shared vectors: the one keeping the fewest micro-batches."""
         lean: dict[tuple, StageMemoryModel] = {}
         for m in self.memory:
-            key = (id(m.per_unit), id(m.activations_per_microbatch), id(m.largest_unit), id(m.per_tied_group))
+            key = (id(m.per_module), id(m.activations_per_microbatch), id(m.largest_module), id(m.per_tied_group))
             if key not in lean or m.in_flight < lean[key].in_flight:
                 lean[key] = m
         return list(lean.values())
 
     def memory_lower_bound(self) -> float:
         """A bound on the peak rank memory of any assignment, cheap enough to prune before solving: the
-        average over ranks of the leanest bytes of every unit and tied group, and the cheapest place
-        any single unit could sit (boundary activations left out: they depend on the cut)."""
-        n, p = self.num_units, self.ranks
+        average over ranks of the leanest bytes of every module and tied group, and the cheapest place
+        any single module could sit (boundary activations left out: they depend on the cut)."""
+        n, p = self.num_modules, self.ranks
         if self.num_stages == 1:
             return self.memory[0].total(0, n, self._leanest_modes(0))
         lean = self.leanest_stages()
         groups = range(len(self.memory[0].group_bytes))
-        leanest = [min(m.unit_bytes(k)[u] for m in lean for k in self.modes) for u in range(n)]
+        leanest = [min(m.module_bytes(k)[u] for m in lean for k in self.modes) for u in range(n)]
         cheapest_group = [min(m.group_bytes[g] for m in lean) for g in groups]
         average = (sum(leanest) + sum(cheapest_group)) / p
-        tied = [sum(self.memory[0].group_bytes[g] for g in groups if u in self.memory[0].tied_group_units[g])
+        tied = [sum(self.memory[0].group_bytes[g] for g in groups if u in self.memory[0].tied_group_modules[g])
                 for u in range(n)]
-        alone = [min(m.unit_bytes(k)[u] + m.largest_bytes[u] for m in lean for k in self.modes) + tied[u]
+        alone = [min(m.module_bytes(k)[u] + m.largest_bytes[u] for m in lean for k in self.modes) + tied[u]
                  for u in range(n)]
         return max(average, max(alone))
 
     def _leanest_modes(self, stage: int) -> tuple[str, ...]:
         model = self.memory[stage]
-        return tuple(min(self.modes, key=lambda k: model.activations[k][u]) for u in range(self.num_units))
+        return tuple(min(self.modes, key=lambda k: model.activations[k][u]) for u in range(self.num_modules))

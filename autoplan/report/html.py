@@ -183,10 +183,10 @@ def modules_section(result) -> str:
     chart = charts.stacked_bars(rows, fmt_seconds, f"forward + backward seconds per micro-batch of {b} "
                                 f"(profiled on {profile.device})", "time per module", color_by_group=True,
                                 group_names=names, row_height=22 if len(rows) < 40 else 14)
-    return ('<h2>Time per module, with stage boundaries</h2><p class="lead">Profiled time of each unit of the layer '
-            "chain, coloured by the pipeline stage it runs on (dashed lines are stage boundaries): darker is "
-            "forward, lighter backward. Ops outside every unit (residual adds, the loss) count with the "
-            "unit before them. A stage's predicted time also counts parallelism and communication.</p>" + chart)
+    return ('<h2>Time per module, with stage boundaries</h2><p class="lead">Profiled time of each module of the '
+            "model's chain, coloured by the pipeline stage it runs on (dashed lines are stage boundaries): darker is "
+            "forward, lighter backward. Ops outside every module (residual adds, the loss) count with the "
+            "module before them. A stage's predicted time also counts parallelism and communication.</p>" + chart)
 
 
 def schedule_section(plan) -> str:

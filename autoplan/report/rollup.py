@@ -17,7 +17,7 @@ SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 
 
 @dataclass(frozen=True)
 class ModuleTime:
-    """Profiled time of one stage unit (a module of Stage.modules), scaled to one micro-batch."""
+    """Profiled time of one stage module (a module of Stage.modules), scaled to one micro-batch."""
 
     module: str
     """Module FQN (OUTSIDE when the stages name no module the ops ran in)."""
@@ -30,34 +30,34 @@ class ModuleTime:
     ops: int
     """Number of ops rolled up, glue included."""
     glue_ops: int = 0
-    """Ops in no unit's module (residual adds, root-level ops) charged to this unit."""
+    """Ops in no module's module (residual adds, root-level ops) charged to this module."""
 
 
 def module_times(profile: ModelProfile, stages: tuple[Stage, ...], microbatch_size: int) -> list[ModuleTime]:
-    """Roll the profile's ops up to the stage units, as the layer chain charges them
-    (autoplan.chain.layers): an op belongs to the innermost stage module in its module_stack; glue ops
-    in none go to the unit of the nearest preceding op that has one (or the first unit).
+    """Roll the profile's ops up to the stage modules, as the module chain charges them
+    (autoplan.chain.modules): an op belongs to the innermost stage module in its module_stack; glue ops
+    in none go to the module of the nearest preceding op that has one (or the first module).
     Profile times are for profile.batch_size samples and scale linearly to a micro-batch."""
     owner: dict[str, int] = {}
-    units: list[tuple[str, int]] = []
+    modules: list[tuple[str, int]] = []
     for stage in sorted(stages, key=lambda s: s.index):
         for module in stage.modules:
-            owner.setdefault(module, len(units))
-            units.append((module, stage.index))
-    totals = [[0.0, 0.0, 0, 0] for _ in units] or [[0.0, 0.0, 0, 0]]
+            owner.setdefault(module, len(modules))
+            modules.append((module, stage.index))
+    totals = [[0.0, 0.0, 0, 0] for _ in modules] or [[0.0, 0.0, 0, 0]]
     scale = microbatch_size / max(1, profile.batch_size)
     previous = 0
     for op in profile.ops:
-        unit = next((owner[m] for m in reversed((op.module,) + op.module_stack) if m in owner), None)
-        bucket = totals[previous if unit is None else unit]
-        previous = previous if unit is None else unit
+        module = next((owner[m] for m in reversed((op.module,) + op.module_stack) if m in owner), None)
+        bucket = totals[previous if module is None else module]
+        previous = previous if module is None else module
         bucket[0] += op.time_fwd_s * scale
         bucket[1] += op.time_bwd_s * scale
         bucket[2] += 1
-        bucket[3] += unit is None
-    if not units:
+        bucket[3] += module is None
+    if not modules:
         return [ModuleTime(OUTSIDE, -1, *totals[0])] if profile.ops else []
-    return [ModuleTime(name, stage, *t) for (name, stage), t in zip(units, totals)]
+    return [ModuleTime(name, stage, *t) for (name, stage), t in zip(modules, totals)]
 
 
 def memory_segments(breakdown: dict[str, float], total: float) -> tuple[tuple[str, float], ...]:

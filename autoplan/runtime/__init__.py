@@ -17,7 +17,7 @@ from autoplan.runtime.memory import PeakLiveMemory
 from autoplan.runtime.metrics import StepMetrics, gather_rank_metrics
 from autoplan.runtime.parallel import (TiedGradients, compute_dtype, peak_memory_bytes, replicate_data_parallel,
                                        shard_data_parallel)
-from autoplan.runtime.recompute import checkpoint_units
+from autoplan.runtime.recompute import checkpoint_modules
 from autoplan.runtime.split import PipelineSplit, TiedParameter, split_model
 from autoplan.runtime.steps import AccumulationStep, PipelineStep
 from autoplan.runtime.tensor_parallel import restore_linears, tensor_parallel, tensor_parallel_context
@@ -26,7 +26,7 @@ __all__ = [
     "AccumulationStep", "Checkpointer", "MISMATCH_EXIT_CODE", "ModelPart", "PeakLiveMemory", "PipelineSplit", "PipelineStep",
     "RUNTIME_API", "RankLayout", "StepMetrics",
     "TensorEntry", "TiedGradients", "TiedParameter", "TrainingData", "build_on_meta", "call_model", "catalog",
-    "check_runtime_api", "checkpoint_units", "compute_dtype", "compute_loss", "default_loss", "gather_rank_metrics", "global_mean_loss", "init_mesh",
+    "check_runtime_api", "checkpoint_modules", "compute_dtype", "compute_loss", "default_loss", "gather_rank_metrics", "global_mean_loss", "init_mesh",
     "local_stages", "materialize", "microbatches", "model_args", "peak_memory_bytes", "replicate_data_parallel",
     "restore_linears", "runtime_api_mismatch", "shard", "shard_data_parallel", "split_model", "step_batch", "tensor_parallel",
     "tensor_parallel_context", "to_device",

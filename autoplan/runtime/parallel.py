@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.runtime.mesh import RankLayout
-from autoplan.runtime.recompute import ROOT_UNIT, submodule
+from autoplan.runtime.recompute import ROOT_MODULE, submodule
 from autoplan.runtime.split import PipelineSplit
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
@@ -34,10 +34,10 @@ def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool, units: Sequence[str],
+def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool, chain_modules: Sequence[str],
                         dtype: torch.dtype = torch.float32) -> nn.Module:
     """FSDP2 over the mesh's dp_shard ranks (HSDP with dp_replicate): fully_shard each of the modules
-    `units`, then the root. Works on a meta-device module (materialize afterwards). With dp_shard 1 it
+    `chain_modules`, then the root. Works on a meta-device module (materialize afterwards). With dp_shard 1 it
     is DDP (replicate_data_parallel), except with tensor parallelism: DDP buckets plain tensors, not
     DTensors, so there fully_shard over a replicate-only mesh (shard dim of size 1) replicates instead:
     full parameters on every replica, gradients all-reduced, the same work as DDP."""
@@ -50,7 +50,7 @@ def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, reshard_after_forwa
     kwargs = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward and shard > 1)
     if dtype != torch.float32:  # compute in `dtype`, reduce gradients in fp32
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for path in _units_without_shared_parameters(module, units):
+    for path in _chain_modules_without_shared_parameters(module, chain_modules):
         fully_shard(submodule(module, path), **kwargs)
     fully_shard(module, **kwargs)
     return module
@@ -69,16 +69,16 @@ def replicate_data_parallel(module: nn.Module, mesh: DeviceMesh, device: torch.d
                                    gradient_as_bucket_view=True)
 
 
-def _units_without_shared_parameters(module: nn.Module, units: Sequence[str]) -> list[str]:
-    """Units that own all their parameters. A parameter shared by two units (tied weights) must be
+def _chain_modules_without_shared_parameters(module: nn.Module, chain_modules: Sequence[str]) -> list[str]:
+    """Chain modules that own all their parameters. A parameter shared by two chain modules (tied weights) must be
     managed by their common parent (FSDP2's rule), here the root."""
-    units = [u for u in units if u != ROOT_UNIT]  # the root is sharded last in any case
+    chain_modules = [u for u in chain_modules if u != ROOT_MODULE]  # the root is sharded last in any case
     owners: dict[int, set[str]] = {}
-    for path in units:
+    for path in chain_modules:
         for param in submodule(module, path).parameters():
             owners.setdefault(id(param), set()).add(path)
     shared = {u for paths in owners.values() if len(paths) > 1 for u in paths}
-    return [u for u in units if u not in shared and any(True for _ in submodule(module, u).parameters())]
+    return [u for u in chain_modules if u not in shared and any(True for _ in submodule(module, u).parameters())]
 
 
 @contextmanager

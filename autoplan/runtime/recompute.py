@@ -1,7 +1,7 @@
-"""Activation checkpointing of the plan's units: recompute activations in backward instead of
+"""Activation checkpointing of the plan's chain modules: recompute activations in backward instead of
 keeping them.
 
-  "full"       keep only each unit's inputs; rerun the whole unit in backward.
+  "full"       keep only each chain module's inputs; rerun the whole chain module in backward.
   "selective"  keep the outputs of matmuls and attention (the expensive ops) and recompute the
                rest (norms, activations, elementwise): op-level selective checkpointing as in
                torchtitan, with torch.utils.checkpoint.create_selective_checkpoint_contexts.
@@ -17,8 +17,8 @@ from torch import nn
 
 from autoplan.errors import UserError
 
-ROOT_UNIT = ""
-"""The unit name of the root module (a model whose root runs every op itself is one unit)."""
+ROOT_MODULE = ""
+"""The chain module name of the root module (a model whose root runs every op itself is one chain module)."""
 MODES = ("none", "selective", "full")
 _SAVED_OP_NAMES = (
     "mm", "addmm", "bmm", "baddbmm", "_scaled_mm",
@@ -46,9 +46,9 @@ def selective_context():
     return create_selective_checkpoint_contexts(partial(_save_matmuls, saved_ops()))
 
 
-def checkpoint_units(module: nn.Module, units: Sequence[str], mode: str) -> nn.Module:
-    """Wrap each unit (a submodule path; "" = the module itself) for recomputation. Returns the
-    module, wrapped itself if it is a unit."""
+def checkpoint_modules(module: nn.Module, chain_modules: Sequence[str], mode: str) -> nn.Module:
+    """Wrap each chain module (a submodule path; "" = the module itself) for recomputation. Returns the
+    module, wrapped itself if it is a chain module."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     if mode not in MODES:
@@ -56,8 +56,8 @@ def checkpoint_units(module: nn.Module, units: Sequence[str], mode: str) -> nn.M
     if mode == "none":
         return module
     kwargs = {"context_fn": selective_context} if mode == "selective" else {}
-    for path in units:
-        if path == ROOT_UNIT:
+    for path in chain_modules:
+        if path == ROOT_MODULE:
             return checkpoint_wrapper(module, **kwargs)
         parent_path, _, leaf = path.rpartition(".")
         setattr(submodule(module, parent_path), leaf, checkpoint_wrapper(submodule(module, path), **kwargs))

@@ -2,7 +2,7 @@
 
 torch.export (non-strict) traces the model on one micro-batch; every op carries the FQNs of the
 modules it ran in (meta["nn_module_stack"]). An op belongs to stage k when one of those modules
-equals or lies under a unit of plan.stages[k].modules. Other ops:
+equals or lies under a chain module of plan.stages[k].modules. Other ops:
   - getitem follows the op whose result it unpacks;
   - ops that read no parameter and no input (arange, masks from constants) are recomputed by every
     stage that uses them, so they are never sent between stages;
@@ -51,9 +51,9 @@ class TiedParameter:
 class PipelineSplit:
     stages: list[fx.GraphModule | None]
     """One module per stage (None once dropped); stage k's forward takes stage k - 1's outputs as positional args."""
-    units: list[tuple[str, ...]]
-    """Per stage: the units that are submodules the stage calls (wrap these with FSDP or
-    checkpointing). A unit whose ops interleave with other code stays inlined and is not listed."""
+    chain_modules: list[tuple[str, ...]]
+    """Per stage: the chain modules that are submodules the stage calls (wrap these with FSDP or
+    checkpointing). A chain module whose ops interleave with other code stays inlined and is not listed."""
     tied: tuple[TiedParameter, ...]
     """Parameters whose copies on several stages must receive the summed gradient."""
     boundary_meta: list[tuple[tuple[tuple[int, ...], torch.dtype, bool], ...]]
@@ -98,7 +98,7 @@ class PipelineSplit:
         return pipeline_loss
 
 
-def split_model(model: nn.Module, inputs: Any, stage_units: Sequence[Sequence[str]],
+def split_model(model: nn.Module, inputs: Any, stage_chain_modules: Sequence[Sequence[str]],
                 device: torch.device | None = None) -> PipelineSplit:
     """Export `model` on `inputs` (one micro-batch) and cut it into len(stage_units) stages. A model
     on the meta device is exported on meta inputs; `device` then replaces the meta device that
@@ -114,7 +114,7 @@ def split_model(model: nn.Module, inputs: Any, stage_units: Sequence[Sequence[st
         raise UserError(f"torch.export could not trace the model for the pipeline split: {type(e).__name__}: {first}") from None
     if device is not None:
         _replace_meta_device(exported.graph_module, torch.device(device))
-    return split_exported(exported, model, stage_units)
+    return split_exported(exported, model, stage_chain_modules)
 
 
 def _replace_meta_device(graph_module: nn.Module, device: torch.device) -> None:
@@ -133,17 +133,17 @@ def _replace_meta_device(graph_module: nn.Module, device: torch.device) -> None:
 
 
 def split_exported(exported: torch.export.ExportedProgram, model: nn.Module,
-                   stage_units: Sequence[Sequence[str]]) -> PipelineSplit:
-    num_stages = len(stage_units)
+                   stage_chain_modules: Sequence[Sequence[str]]) -> PipelineSplit:
+    num_stages = len(stage_chain_modules)
     if num_stages < 1:
         raise UserError("the pipeline split needs at least one stage")
     state, user_inputs = _state_placeholders(exported, model)
     model_state = {fqn for fqn, _ in [*model.named_parameters(remove_duplicate=False),
                                       *model.named_buffers(remove_duplicate=False)]}
-    unit_stage = _unit_stage_map(stage_units)
+    chain_module_stage = _chain_module_stage_map(stage_chain_modules)
     graph = exported.graph_module.graph
-    assignment = _assign(graph, state, unit_stage)
-    _check_units_used(assignment, unit_stage)
+    assignment = _assign(graph, state, chain_module_stage)
+    _check_chain_modules_used(assignment, chain_module_stage)
 
     order = {node: i for i, node in enumerate(graph.nodes)}
     output_node = next(n for n in graph.nodes if n.op == "output")
@@ -155,17 +155,17 @@ def split_exported(exported: torch.export.ExportedProgram, model: nn.Module,
         for k in range(1, num_stages)
     ]
     first_holder: dict[int, int] = {}
-    stages, units, fqns, state_fqns, holders = [], [], [], [], {}
+    stages, chain_modules, fqns, state_fqns, holders = [], [], [], [], {}
     for k in range(num_stages):
         outputs = boundary[k + 1] if k + 1 < num_stages else model_outputs
         own = [n for n in graph.nodes if assignment.stage.get(n) == k and n.op != "placeholder"]
         nodes = _with_free_inputs(own, outputs, assignment.free, order)
         plan = StagePlan(index=k, inputs=list(boundary[k]), nodes=nodes, outputs=outputs,
-                         unit_of={n: assignment.unit.get(n) for n in nodes},
+                         chain_module_of={n: assignment.chain_module.get(n) for n in nodes},
                          state=_stage_state(nodes, state, k, first_holder), attributes=exported.graph_module)
-        module, names, called_units = build_stage_module(plan)
+        module, names, called_chain_modules = build_stage_module(plan)
         stages.append(module)
-        units.append(called_units)
+        chain_modules.append(called_chain_modules)
         params = {name: t for name, t in names.items() if t.is_parameter}
         fqns.append({name: t.fqn for name, t in params.items()})
         state_fqns.append({name: t.fqn for name, t in names.items() if t.is_parameter or t.fqn in model_state})
@@ -177,7 +177,7 @@ def split_exported(exported: torch.export.ExportedProgram, model: nn.Module,
     )
     carries_grad = _carries_grad(graph, state)
     metas = [tuple(_meta_of(v, carries_grad) for v in values) for values in [*boundary, model_outputs]]
-    return PipelineSplit(stages, units, tied, metas, fqns, state_fqns, exported.call_spec.in_spec,
+    return PipelineSplit(stages, chain_modules, tied, metas, fqns, state_fqns, exported.call_spec.in_spec,
                          exported.call_spec.out_spec)
 
 
@@ -233,38 +233,39 @@ def _state_placeholders(exported, model: nn.Module) -> tuple[dict[str, StateTens
     return state, user_inputs
 
 
-def _unit_stage_map(stage_units: Sequence[Sequence[str]]) -> dict[str, int]:
-    unit_stage: dict[str, int] = {}
-    for k, units in enumerate(stage_units):
-        for unit in units:
-            if unit in unit_stage:
-                raise UserError(f"module {unit!r} is listed on stages {unit_stage[unit]} and {k}")
-            unit_stage[unit] = k
-    for unit in unit_stage:
-        parent = unit.rpartition(".")[0]
+def _chain_module_stage_map(stage_chain_modules: Sequence[Sequence[str]]) -> dict[str, int]:
+    chain_module_stage: dict[str, int] = {}
+    for k, chain_modules in enumerate(stage_chain_modules):
+        for chain_module in chain_modules:
+            if chain_module in chain_module_stage:
+                raise UserError(f"module {chain_module!r} is listed on stages {chain_module_stage[chain_module]} "
+                                f"and {k}")
+            chain_module_stage[chain_module] = k
+    for chain_module in chain_module_stage:
+        parent = chain_module.rpartition(".")[0]
         while parent:
-            if parent in unit_stage:
-                raise UserError(f"stage units must not nest: {unit!r} lies inside {parent!r}")
+            if parent in chain_module_stage:
+                raise UserError(f"stage chain modules must not nest: {chain_module!r} lies inside {parent!r}")
             parent = parent.rpartition(".")[0]
-    return unit_stage
+    return chain_module_stage
 
 
 @dataclass
 class _Assignment:
     stage: dict[fx.Node, int]
     """Stage of every value (user inputs and ops that are not free)."""
-    unit: dict[fx.Node, str | None]
-    """The unit an op runs in, None for glue between units."""
+    chain_module: dict[fx.Node, str | None]
+    """The chain module an op runs in, None for glue between chain modules."""
     free: set[fx.Node]
     """Ops that read no parameter and no input: recomputed wherever used."""
 
 
-def _matched_unit(node: fx.Node, unit_stage: dict[str, int]) -> str | None:
-    """The innermost unit among the node's module FQNs and their parents."""
+def _matched_chain_module(node: fx.Node, chain_module_stage: dict[str, int]) -> str | None:
+    """The innermost chain module among the node's module FQNs and their parents."""
     paths = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
     for path in reversed(paths):
         while path:
-            if path in unit_stage:
+            if path in chain_module_stage:
                 return path
             path = path.rpartition(".")[0]
     return None
@@ -275,12 +276,12 @@ def _is_seeded_random(node: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in tags
 
 
-def _assign(graph: fx.Graph, state: dict[str, StateTensor], unit_stage: dict[str, int]) -> _Assignment:
+def _assign(graph: fx.Graph, state: dict[str, StateTensor], chain_module_stage: dict[str, int]) -> _Assignment:
     result = _Assignment({}, {}, set())
     for node in graph.nodes:
         if node.op == "placeholder":
             if node.name not in state:
-                result.stage[node], result.unit[node] = 0, None
+                result.stage[node], result.chain_module[node] = 0, None
             continue
         if node.op in ("get_attr", "output"):
             continue  # get_attr: subgraphs of higher-order ops, copied wherever used
@@ -292,30 +293,30 @@ def _assign(graph: fx.Graph, state: dict[str, StateTensor], unit_stage: dict[str
             result.free.add(node)
             continue
         if node.target is operator.getitem and inputs and inputs[0] in result.stage:
-            stage, unit = result.stage[inputs[0]], result.unit[inputs[0]]
+            stage, chain_module = result.stage[inputs[0]], result.chain_module[inputs[0]]
         else:
-            unit = _matched_unit(node, unit_stage)
+            chain_module = _matched_chain_module(node, chain_module_stage)
             reads_only_constants = all(
                 i in result.free or i.op == "get_attr" or (i.name in state and not state[i.name].is_parameter)
                 for i in inputs
             )
-            if unit is None and reads_only_constants and not _is_seeded_random(node):
+            if chain_module is None and reads_only_constants and not _is_seeded_random(node):
                 result.free.add(node)
                 continue
             latest = max((result.stage[i] for i in values), default=0)
-            stage = unit_stage[unit] if unit is not None else latest
+            stage = chain_module_stage[chain_module] if chain_module is not None else latest
         for value in values:
             if result.stage[value] > stage:
                 raise UserError(
-                    f"op {node.name} ({unit or 'glue'}) would run on stage {stage} but uses {value.name} from "
+                    f"op {node.name} ({chain_module or 'glue'}) would run on stage {stage} but uses {value.name} from "
                     f"stage {result.stage[value]}: the plan's stages are not in the order the model runs them")
-        result.stage[node], result.unit[node] = stage, unit
+        result.stage[node], result.chain_module[node] = stage, chain_module
     return result
 
 
-def _check_units_used(assignment: _Assignment, unit_stage: dict[str, int]) -> None:
-    used = {u for u in assignment.unit.values() if u is not None}
-    missing = [u for u in unit_stage if u not in used]
+def _check_chain_modules_used(assignment: _Assignment, chain_module_stage: dict[str, int]) -> None:
+    used = {u for u in assignment.chain_module.values() if u is not None}
+    missing = [u for u in chain_module_stage if u not in used]
     if missing:
         raise UserError(f"stage module(s) {', '.join(map(repr, missing))} run no op in the model's forward: "
                         "the plan does not match this model")

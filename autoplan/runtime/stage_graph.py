@@ -1,10 +1,10 @@
-"""Build one pipeline stage as a GraphModule whose units are submodules it calls.
+"""Build one pipeline stage as a GraphModule whose chain modules are submodules it calls.
 
-Inside a stage, the ops of each unit (e.g. "blocks.3") move into a child GraphModule placed at the
-unit's FQN, and the stage graph calls it. FSDP2 and activation checkpointing work through module
-calls (pre-forward hooks), so this keeps per-block sharding and recomputation possible. A unit
-holds the parameters only its ops read; a parameter read by several units or by glue stays on the
-stage and is passed to the units as an argument. A unit whose ops interleave with the rest of the
+Inside a stage, the ops of each chain module (e.g. "blocks.3") move into a child GraphModule placed at the
+chain module's FQN, and the stage graph calls it. FSDP2 and activation checkpointing work through module
+calls (pre-forward hooks), so this keeps per-block sharding and recomputation possible. A chain module
+holds the parameters only its ops read; a parameter read by several chain modules or by glue stays on the
+stage and is passed to the chain modules as an argument. A chain module whose ops interleave with the rest of the
 stage (a module called twice, with other work in between) cannot be one call; it stays inlined.
 """
 
@@ -19,7 +19,7 @@ import torch
 from torch import fx, nn
 
 ROOT = ""
-"""Partition name of the stage's own graph (glue between units)."""
+"""Partition name of the stage's own graph (glue between chain modules)."""
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,8 @@ class StagePlan:
     """The ops this stage runs, in graph order."""
     outputs: list[Any]
     """Nodes (or literals) this stage returns, as a tuple."""
-    unit_of: dict[fx.Node, str | None]
-    """Unit of each op, None for glue."""
+    chain_module_of: dict[fx.Node, str | None]
+    """Chain module of each op, None for glue."""
     state: dict[fx.Node, StateTensor]
     """Placeholders of parameters/buffers/constants this stage reads."""
     attributes: nn.Module
@@ -64,16 +64,16 @@ class StagePlan:
 
 
 def build_stage_module(plan: StagePlan) -> tuple[fx.GraphModule, dict[str, StateTensor], tuple[str, ...]]:
-    """The stage module, its state by attribute path, and the units it calls as submodules."""
-    unit_of = dict(plan.unit_of)
-    _inline_non_convex_units(plan, unit_of)
-    partition = {n: unit_of.get(n) or ROOT for n in plan.nodes}
-    units = list(dict.fromkeys(p for p in partition.values() if p != ROOT))
+    """The stage module, its state by attribute path, and the chain modules it calls as submodules."""
+    chain_module_of = dict(plan.chain_module_of)
+    _inline_non_convex_chain_modules(plan, chain_module_of)
+    partition = {n: chain_module_of.get(n) or ROOT for n in plan.nodes}
+    chain_modules = list(dict.fromkeys(p for p in partition.values() if p != ROOT))
     owner = _state_owners(plan, partition)
 
     root = nn.Module()
     names: dict[str, StateTensor] = {}
-    root_attrs = _AttributeNames(root, names, prefix=ROOT, units=set(units))
+    root_attrs = _AttributeNames(root, names, prefix=ROOT, chain_modules=set(chain_modules))
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {n: graph.placeholder(n.name) for n in plan.inputs}
 
@@ -89,14 +89,14 @@ def build_stage_module(plan: StagePlan) -> tuple[fx.GraphModule, dict[str, State
         if isinstance(item, fx.Node):
             env[item] = graph.node_copy(item, value)
             continue
-        unit_nodes = [n for n in plan.nodes if partition[n] == item]
-        module, external, results = _unit_module(item, unit_nodes, plan, partition, owner, names)
+        chain_module_nodes = [n for n in plan.nodes if partition[n] == item]
+        module, external, results = _chain_module_module(item, chain_module_nodes, plan, partition, owner, names)
         _set_nested(root, item, module)
         call = graph.call_module(item, tuple(value(n) for n in external))
         for i, result in enumerate(results):
             env[result] = graph.call_function(operator.getitem, (call, i))
     graph.output(tuple(_contiguous(graph, value(o), o) if isinstance(o, fx.Node) else o for o in plan.outputs))
-    return fx.GraphModule(root, graph, class_name=f"Stage{plan.index}"), names, tuple(units)
+    return fx.GraphModule(root, graph, class_name=f"Stage{plan.index}"), names, tuple(chain_modules)
 
 
 def _contiguous(graph: fx.Graph, node: fx.Node, original: fx.Node) -> fx.Node:
@@ -108,22 +108,22 @@ def _contiguous(graph: fx.Graph, node: fx.Node, original: fx.Node) -> fx.Node:
     return graph.call_method("contiguous", (node,))
 
 
-def _inline_non_convex_units(plan: StagePlan, unit_of: dict[fx.Node, str | None]) -> None:
-    """Turn units that cannot be a single call (a cycle through other partitions) into glue."""
+def _inline_non_convex_chain_modules(plan: StagePlan, chain_module_of: dict[fx.Node, str | None]) -> None:
+    """Turn chain modules that cannot be a single call (a cycle through other partitions) into glue."""
     while True:
-        graph = _item_graph(plan, {n: unit_of.get(n) or ROOT for n in plan.nodes})
+        graph = _item_graph(plan, {n: chain_module_of.get(n) or ROOT for n in plan.nodes})
         try:
             cycle = nx.find_cycle(graph)
         except nx.NetworkXNoCycle:
             return
-        unit = next(item for edge in cycle for item in edge[:2] if isinstance(item, str))
+        chain_module = next(item for edge in cycle for item in edge[:2] if isinstance(item, str))
         for node in plan.nodes:
-            if unit_of.get(node) == unit:
-                unit_of[node] = None
+            if chain_module_of.get(node) == chain_module:
+                chain_module_of[node] = None
 
 
 def _item(node: fx.Node, partition: dict[fx.Node, str]) -> Any:
-    """A glue op is its own item; the ops of a unit form one item (the unit's name)."""
+    """A glue op is its own item; the ops of a chain module form one item (the chain module's name)."""
     return node if partition[node] == ROOT else partition[node]
 
 
@@ -138,7 +138,7 @@ def _item_graph(plan: StagePlan, partition: dict[fx.Node, str]) -> nx.DiGraph:
 
 
 def _item_order(plan: StagePlan, partition: dict[fx.Node, str]) -> list[Any]:
-    """Glue ops and unit calls in a dependency order that stays close to the graph order."""
+    """Glue ops and chain module calls in a dependency order that stays close to the graph order."""
     first = {}
     for i, node in enumerate(plan.nodes):
         first.setdefault(_item(node, partition), i)
@@ -146,7 +146,7 @@ def _item_order(plan: StagePlan, partition: dict[fx.Node, str]) -> list[Any]:
 
 
 def _state_owners(plan: StagePlan, partition: dict[fx.Node, str]) -> dict[int, str]:
-    """Tensor key -> the unit that alone reads it, else ROOT (the stage passes it to the units)."""
+    """Tensor key -> the chain module that alone reads it, else ROOT (the stage passes it to the chain modules)."""
     readers: dict[int, set[str]] = {}
     for node in plan.nodes:
         for inp in node.all_input_nodes:
@@ -155,12 +155,12 @@ def _state_owners(plan: StagePlan, partition: dict[fx.Node, str]) -> dict[int, s
     return {key: parts.pop() if len(parts) == 1 else ROOT for key, parts in readers.items()}
 
 
-def _unit_module(unit: str, nodes: list[fx.Node], plan: StagePlan, partition: dict[fx.Node, str],
+def _chain_module_module(chain_module: str, nodes: list[fx.Node], plan: StagePlan, partition: dict[fx.Node, str],
                  owner: dict[int, str], names: dict[str, StateTensor]):
-    """The unit as a GraphModule, the stage-level nodes it takes, and the nodes it returns."""
+    """The chain module as a GraphModule, the stage-level nodes it takes, and the nodes it returns."""
     inside = set(nodes)
     container = nn.Module()
-    attrs = _AttributeNames(container, names, prefix=unit, units=set())
+    attrs = _AttributeNames(container, names, prefix=chain_module, chain_modules=set())
     graph = fx.Graph()
     local: dict[fx.Node, fx.Node] = {}
     external: list[fx.Node] = []
@@ -168,7 +168,7 @@ def _unit_module(unit: str, nodes: list[fx.Node], plan: StagePlan, partition: di
     def value(node: fx.Node) -> fx.Node:
         if node in local:
             return local[node]
-        if node in plan.state and owner[plan.state[node].key] == unit:
+        if node in plan.state and owner[plan.state[node].key] == chain_module:
             local[node] = graph.get_attr(attrs.name_for(plan.state[node]))
         elif node.op == "get_attr":
             local[node] = graph.get_attr(attrs.submodule(node.target, plan.attributes))
@@ -182,14 +182,14 @@ def _unit_module(unit: str, nodes: list[fx.Node], plan: StagePlan, partition: di
     stage_outputs = {o for o in plan.outputs if isinstance(o, fx.Node)}
     results = [n for n in nodes if n in stage_outputs or any(u in partition and u not in inside for u in n.users)]
     graph.output(tuple(local[n] for n in results))
-    return fx.GraphModule(container, graph, class_name="Unit"), external, results
+    return fx.GraphModule(container, graph, class_name="Chain module"), external, results
 
 
 class _AttributeNames:
-    """Registers state on a module under the model's FQN (relative to the unit) where possible."""
+    """Registers state on a module under the model's FQN (relative to the chain module) where possible."""
 
-    def __init__(self, module: nn.Module, names: dict[str, StateTensor], prefix: str, units: set[str]) -> None:
-        self.module, self.names, self.prefix, self.units = module, names, prefix, units
+    def __init__(self, module: nn.Module, names: dict[str, StateTensor], prefix: str, chain_modules: set[str]) -> None:
+        self.module, self.names, self.prefix, self.chain_modules = module, names, prefix, chain_modules
         self.by_key: dict[int, str] = {}
 
     def name_for(self, tensor: StateTensor) -> str:
@@ -198,7 +198,7 @@ class _AttributeNames:
         if self.prefix:
             name = tensor.name_under(self.prefix) or tensor.fqn.replace(".", "_")
         else:
-            name = next((f for f in tensor.fqns if not self._under_unit(f)), tensor.fqn.replace(".", "_"))
+            name = next((f for f in tensor.fqns if not self._under_chain_module(f)), tensor.fqn.replace(".", "_"))
         while _has_attr(self.module, name):
             name += "_"
         _set_nested(self.module, name, tensor.value)
@@ -206,10 +206,10 @@ class _AttributeNames:
         self.names[f"{self.prefix}.{name}" if self.prefix else name] = tensor
         return name
 
-    def _under_unit(self, fqn: str) -> bool:
-        """True if a parent of `fqn` is a unit submodule here (then the stage cannot use that path)."""
+    def _under_chain_module(self, fqn: str) -> bool:
+        """True if a parent of `fqn` is a chain module submodule here (then the stage cannot use that path)."""
         parts = fqn.split(".")
-        return any(".".join(parts[:i]) in self.units for i in range(1, len(parts) + 1))
+        return any(".".join(parts[:i]) in self.chain_modules for i in range(1, len(parts) + 1))
 
     def submodule(self, target: str, source: nn.Module) -> str:
         name = target.replace(".", "_")

@@ -27,9 +27,9 @@ STYLES = ("colwise", "rowwise")
 
 
 def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, str],
-                    units: Sequence[str] = ()) -> nn.Module:
+                    chain_modules: Sequence[str] = ()) -> nn.Module:
     """Shard the planned Linears of `module` over the tensor-parallel mesh (in place). For a
-    pipeline stage (an exported graph running `units`), the planned Linears inside its units."""
+    pipeline stage (an exported graph running `chain_modules`), the planned Linears inside its chain modules."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -37,7 +37,7 @@ def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, s
         return module
     _register_cpu_attention_sharding()
     if isinstance(module, fx.GraphModule):
-        plan = _stage_plan(module, plan, units)
+        plan = _stage_plan(module, plan, chain_modules)
     styles = {}
     for fqn, style in plan.items():
         try:
@@ -58,16 +58,16 @@ def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, s
     return module
 
 
-def _stage_plan(stage: fx.GraphModule, plan: Mapping[str, str], units: Sequence[str]) -> dict[str, str]:
-    """The part of the plan inside a stage's units, its Linears restored as modules."""
+def _stage_plan(stage: fx.GraphModule, plan: Mapping[str, str], chain_modules: Sequence[str]) -> dict[str, str]:
+    """The part of the plan inside a stage's chain modules, its Linears restored as modules."""
     def in_stage(fqn: str) -> bool:
-        return any(fqn == u or fqn.startswith(u + ".") or not u for u in units)
+        return any(fqn == u or fqn.startswith(u + ".") or not u for u in chain_modules)
 
     wanted = {fqn for fqn in plan if in_stage(fqn)}
     missing = wanted - restore_linears(stage, wanted)
     if missing:
         raise UserError(f"tensor parallel: {', '.join(sorted(map(repr, missing)))} run no linear op in the "
-                        "exported graph of their stage (not an nn.Linear, or its unit was inlined)")
+                        "exported graph of their stage (not an nn.Linear, or its chain module was inlined)")
     return {fqn: plan[fqn] for fqn in wanted}
 
 
@@ -87,11 +87,11 @@ def restore_linears(module: nn.Module, fqns: set[str]) -> set[str]:
     """Turn aten.linear calls of the Linears named in `fqns` (FQNs in `module`) back into nn.Linear
     submodules that hold the same parameters. Returns the FQNs restored.
 
-    A Linear lies inside a unit's GraphModule (unit "blocks.0", weight "attn.qkv.weight"), in the
-    stage's own graph (an inlined unit), or is a unit itself (unit "blocks.0.attn.qkv", weight
-    "weight"): then the unit's GraphModule is replaced by the Linear in the graph that calls it."""
+    A Linear lies inside a chain module's GraphModule (chain module "blocks.0", weight "attn.qkv.weight"), in the
+    stage's own graph (an inlined chain module), or is a chain module itself (chain module "blocks.0.attn.qkv", weight
+    "weight"): then the chain module's GraphModule is replaced by the Linear in the graph that calls it."""
     restored = set()
-    whole_units = []
+    whole_chain_modules = []
     for prefix, graph_module in list(module.named_modules()):
         if not isinstance(graph_module, fx.GraphModule):
             continue
@@ -110,12 +110,12 @@ def restore_linears(module: nn.Module, fqns: set[str]) -> set[str]:
                 _linear_node_to_module(graph_module, node, path, fqn)
                 changed = True
             else:
-                whole_units.append((prefix, graph_module, node))
+                whole_chain_modules.append((prefix, graph_module, node))
             restored.add(fqn)
         if changed:
             graph_module.recompile()
-    for prefix, unit, node in whole_units:
-        _linear_unit_to_module(module, prefix, unit, node)
+    for prefix, chain_module, node in whole_chain_modules:
+        _linear_chain_module_to_module(module, prefix, chain_module, node)
     return restored
 
 
@@ -132,27 +132,28 @@ def _linear_node_to_module(graph_module: fx.GraphModule, node: fx.Node, path: st
         graph_module.graph.erase_node(param)
 
 
-def _linear_unit_to_module(root: nn.Module, path: str, unit: fx.GraphModule, node: fx.Node) -> None:
-    """Replace the unit GraphModule at `path` (in `root`), which runs only the linear `node`, by an
-    nn.Linear, and its call (unit calls return a tuple) by a call of the Linear."""
+def _linear_chain_module_to_module(root: nn.Module, path: str, chain_module: fx.GraphModule, node: fx.Node) -> None:
+    """Replace the chain module GraphModule at `path` (in `root`), which runs only the linear `node`, by an
+    nn.Linear, and its call (chain module calls return a tuple) by a call of the Linear."""
     _linear_parameters(node, path)
-    ops = [n for n in unit.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
-    inputs = [n for n in unit.graph.nodes if n.op == "placeholder"]
-    output = next(n for n in unit.graph.nodes if n.op == "output")
+    ops = [n for n in chain_module.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    inputs = [n for n in chain_module.graph.nodes if n.op == "placeholder"]
+    output = next(n for n in chain_module.graph.nodes if n.op == "output")
     if ops != [node] or inputs != [node.args[0]] or tuple(output.args[0]) != (node,):
-        raise UserError(f"tensor parallel: unit {path!r} runs more than its Linear in the exported graph, "
+        raise UserError(f"tensor parallel: chain module {path!r} runs more than its Linear in the exported graph, "
                         "so it cannot be sharded as a Linear")
     caller_path, target, calls = _callers(root, path)
     if len(calls) != 1:
-        raise UserError(f"tensor parallel: unit {path!r} is called {len(calls)} times in its stage, expected once")
+        raise UserError(f"tensor parallel: chain module {path!r} is called {len(calls)} times in its stage, "
+                        "expected once")
     (call,) = calls
-    linear = _as_linear(unit, node, path)
+    linear = _as_linear(chain_module, node, path)
     parent_path, _, leaf = path.rpartition(".")
     setattr(root.get_submodule(parent_path) if parent_path else root, leaf, linear)
     caller = root.get_submodule(caller_path)
     with caller.graph.inserting_before(call):
         direct = caller.graph.call_module(target, call.args)
-    for user in list(call.users):  # getitem(call, 0): the unit returned (linear,)
+    for user in list(call.users):  # getitem(call, 0): the chain module returned (linear,)
         user.replace_all_uses_with(direct)
         caller.graph.erase_node(user)
     caller.graph.erase_node(call)

@@ -102,7 +102,8 @@ def _sharding_options(pins: Pins, dp: int, features: frozenset[str]) -> list[tup
     elif dp == 1:
         options = [(1, False)]
     else:
-        options = [(1, False)] + ([(dp, False)] if "zero2" in features else []) + ([(dp, True)] if "zero3" in features else [])
+        options = [(1, False)] + ([(dp, False)] if "zero2" in features else []) \
+            + ([(dp, True)] if "zero3" in features else [])
     if "hsdp" in features and any(reshard for _, reshard in options):
         options += [(s, True) for s in divisors(dp) if 1 < s < dp]
     return options
@@ -176,7 +177,7 @@ def describe(par: Parallelism) -> str:
 
 
 def modes_for(recompute: str, pinned: bool) -> tuple[str, ...]:
-    """Recompute modes the solver may give units: a pin fixes every unit, else none or the mode."""
+    """Recompute modes the solver may give modules: a pin fixes every module, else none or the mode."""
     if pinned or recompute == "none":
         return (recompute,)
     return ("none", recompute)

@@ -1,12 +1,12 @@
 """Search over layouts: degrees, ZeRO stage, HSDP, schedule, virtual stages, micro-batch size,
-recompute mode, and the stage split with recompute per unit.
+recompute mode, and the stage split with recompute per module.
 
 1. Families (tp, pp, dp_replicate, dp_shard, zero; layouts.py) whose model states alone overflow the
    memory cap are pruned with that bound.
 2. Every variant (schedule, v, micro-batch, recompute) gets a step-time lower bound (perfect balance
-   of the fastest unit times plus the bubble); variants are priced in order of that bound, and the
+   of the fastest module times plus the bubble); variants are priced in order of that bound, and the
    search stops once the bound exceeds the best step time found (branch and bound).
-3. A priced variant is split by the fast packing (split.py), recompute chosen per unit, and priced
+3. A priced variant is split by the fast packing (split.py), recompute chosen per module, and priced
    (evaluate.py); a packing that cannot reach the time that would tie the best so far stops early.
 The fastest fitting layout wins, except that step times within TIE_TOLERANCE of the fastest count
 as equal and the simplest of those wins (and DDP is kept unless sharding gains SHARDING_MARGIN).
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from autoplan.cost.memory import model_state_bytes, zero_of
 from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster
-from autoplan.layout import RECOMPUTE, SUPPORTED, problems
+from autoplan.layout import RECOMPUTE, SUPPORTED
 from autoplan.plan import Parallelism, SolverInfo, Training
 from autoplan.profile.types import ModelProfile
 from autoplan.solve import layouts
@@ -34,9 +34,8 @@ from autoplan.cost.evaluate import Candidate, build_problem, evaluate, oom_reaso
 from autoplan.solve.ilp import solve_ilp
 from autoplan.solve.ilp_backend import resolve_solver
 from autoplan.solve.infeasible import infeasible_message
-from autoplan.chain.layers import LayerChain
+from autoplan.chain.modules import ModuleChain
 from autoplan.solve.pins import Pins
-from autoplan.cost.problem import Split
 from autoplan.solve.split import Slower, greedy_split
 
 TIE_TOLERANCE = 0.01
@@ -58,10 +57,10 @@ class SearchResult:
     candidates: tuple[Candidate, ...]
     """Layouts tried, the best first, then the other fitting ones by step time, then the rest."""
     solver: SolverInfo
-    chain: LayerChain
+    chain: ModuleChain
     """The modules the stages were cut from."""
     context: Context
-    """The profile priced on the cluster (its unit tables cached): Context.at prices more layouts of the
+    """The profile priced on the cluster (its module tables cached): Context.at prices more layouts of the
     same model at other GPU counts without pricing its modules again."""
 
 
@@ -185,7 +184,7 @@ def family_memory_bound(ctx: Context, fam: layouts.Family) -> float:
 
 
 def time_lower_bound(ctx: Context, fam: layouts.Family, var: layouts.Variant, pinned: bool) -> float:
-    """(m + (p - 1) / v) x the slowest rank's slot if the fastest unit times balanced perfectly."""
+    """(m + (p - 1) / v) x the slowest rank's slot if the fastest module times balanced perfectly."""
     table = ctx.table(fam.tp, var.microbatch)
     mode = "none" if not pinned else var.recompute
     slot = table.total_s[mode] / fam.pp
@@ -210,7 +209,7 @@ def try_layout(ctx: Context, par: Parallelism, modes: tuple[str, ...], cutoff: f
         leanest = leanest_assignment(problem)
         if leanest is None:
             return Candidate(parallelism=par, stages=(), predicted=None, fits=False,
-                             reason=f"more stages than the {problem.num_units} modules", memory_needed_bytes=bound)
+                             reason=f"more stages than the {problem.num_modules} modules", memory_needed_bytes=bound)
         candidate = evaluate(ctx, par, problem, leanest, False)
         return dataclasses.replace(candidate, reason=oom_reason(candidate, cap))
     if len(modes) > 1 and all(k == "none" for k in found.modes):
@@ -246,31 +245,6 @@ def refine_with_ilp(ctx: Context, candidate: Candidate, pinned: bool, solver: st
     return candidate, info
 
 
-def estimate(profile: ModelProfile, cluster: Cluster, training: Training, parallelism: Parallelism,
-             stage_modules: tuple[tuple[str, ...], ...] | None = None, solver: str = "highs",
-             time_limit_s: float | None = None, features: frozenset[str] | None = None) -> Candidate:
-    """Price exactly one layout, every module in parallelism.activation_checkpoint. The stage split is
-    the best one unless `stage_modules` gives it."""
-    features = SUPPORTED if features is None else frozenset(features)
-    ctx = Context(profile, cluster, training, features)
-    par = parallelism
-    found = problems(par.layout(), layouts.scope_of(ctx))
-    if found:
-        raise UserError("the layout cannot run: " + "; ".join(found))
-    modes = (par.activation_checkpoint,)
-    if stage_modules is None:
-        candidate = try_layout(ctx, par, modes)
-        if candidate.fits and len(candidate.stages) > 1:
-            candidate, _ = refine_with_ilp(ctx, candidate, True, solver, time_limit_s)
-        return candidate
-    problem = build_problem(ctx, par, modes)
-    split = _split_from_modules(ctx.chain, stage_modules, problem.num_stages)
-    assignment = problem.uniform(split)
-    fits = problem.fits(assignment)
-    candidate = evaluate(ctx, par, problem, assignment, fits)
-    return candidate if fits else dataclasses.replace(candidate, reason=oom_reason(candidate, problem.memory_cap_bytes))
-
-
 def _by_time(c: Candidate) -> tuple:
     return (c.predicted.step_time_s, _simplicity(c))
 
@@ -301,14 +275,3 @@ def _losing_reason(c: Candidate, best: Candidate) -> str:
         return f"{percent:+.2f}% step time vs the best, a tie within {TIE_TOLERANCE:.0%}: the best is simpler"
     digits = 0 if percent >= 1 else 1
     return f"{percent:.{digits}f}% slower than the best"
-
-
-def _split_from_modules(chain: LayerChain, stage_modules, num_stages: int) -> Split:
-    flat = [fqn for stage in stage_modules for fqn in stage]
-    if len(stage_modules) != num_stages or flat != list(chain.fqns) or any(not s for s in stage_modules):
-        raise UserError(f"stage modules must list the {len(chain)} modules {', '.join(chain.fqns)} in order, "
-                        f"split into {num_stages} non-empty stages")
-    bounds = [0]
-    for stage in stage_modules:
-        bounds.append(bounds[-1] + len(stage))
-    return Split(tuple(bounds))

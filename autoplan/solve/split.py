@@ -1,12 +1,12 @@
-"""Fast stage split with per-unit recompute: greedy packing inside a bisection on the bottleneck.
+"""Fast stage split with per-module recompute: greedy packing inside a bisection on the bottleneck.
 
-For a bottleneck T, stages are packed left to right, each taking as many units as fit in T / v
+For a bottleneck T, stages are packed left to right, each taking as many modules as fit in T / v
 (v stages per rank, so every rank fits T) and in what memory its rank has left. A stage's cost is exact for a
-uniform recompute mode; with several modes allowed, units start with no recompute and the stage buys
-the memory it lacks at the cheapest time per byte (the lower convex hull of each unit's
-(bytes saved, time added) options, a greedy multiple-choice knapsack). Identical units (same
+uniform recompute mode; with several modes allowed, modules start with no recompute and the stage buys
+the memory it lacks at the cheapest time per byte (the lower convex hull of each module's
+(bytes saved, time added) options, a greedy multiple-choice knapsack). Identical modules (same
 signature) are taken in runs, by binary search on how many fit, so a pass costs O(stages x runs).
-Packing is exact for the min-max split when a stage's feasibility only shrinks as it takes more units
+Packing is exact for the min-max split when a stage's feasibility only shrinks as it takes more modules
 (a left-shrunk stage stays feasible); the MILP (ilp.py) then refines the winner.
 """
 
@@ -28,13 +28,13 @@ def _prefix(values) -> list[float]:
 
 
 class _Tables:
-    """Prefix sums over units (per stage where the memory model differs by stage)."""
+    """Prefix sums over modules (per stage where the memory model differs by stage)."""
 
     def __init__(self, problem: ChainProblem, signature: tuple[int, ...]) -> None:
         self.p = problem
-        self.n = problem.num_units
+        self.n = problem.num_modules
         self.modes = problem.modes
-        self.time = {m: _prefix(problem.unit_time_s[m]) for m in self.modes}
+        self.time = {m: _prefix(problem.module_time_s[m]) for m in self.modes}
         self.signature = signature
         self.sigs = sorted(set(signature))
         self.first_of = {s: signature.index(s) for s in self.sigs}
@@ -56,7 +56,7 @@ class _Tables:
         """Prefix sums of stage s: shared with every stage built from the same vectors, scaled by f."""
         if s not in self._stage:
             model = self.p.memory[s]
-            key = (id(model.per_unit), id(model.activations_per_microbatch), id(model.largest_unit),
+            key = (id(model.per_module), id(model.activations_per_microbatch), id(model.largest_module),
                    id(model.per_tied_group), id(model.cut_per_microbatch))
             if key not in self._shared:
                 self._shared[key] = {
@@ -64,7 +64,7 @@ class _Tables:
                     "act": {m: _prefix(model.activations_per_microbatch[m]) for m in self.modes},
                     "act_vec": model.activations_per_microbatch,
                     "largest": list(model.largest_bytes) if model.max_vectors else [0.0] * self.n,
-                    "groups": list(zip(model.group_bytes, model.tied_group_units)),
+                    "groups": list(zip(model.group_bytes, model.tied_group_modules)),
                     "cut": model.cut_per_microbatch,
                 }
             self._stage[s] = {**self._shared[key], "f": model.in_flight}
@@ -72,12 +72,12 @@ class _Tables:
 
     def evaluate(self, s: int, a: int, b: int, mode: str | None, cap: float, prior_max: float = 0.0):
         """(time, counts) of stage s holding [a, b) within `cap`, or None when it cannot fit.
-        counts: {(signature, mode): units} of the recompute chosen (mixed) or the uniform mode.
+        counts: {(signature, mode): modules} of the recompute chosen (mixed) or the uniform mode.
         `prior_max` is the largest transient term the rank already has from its earlier stages."""
         t = self.stage(s)
         f = t["f"]
         memory = t["state"][b] - t["state"][a] + max(prior_max, *t["largest"][a:b])
-        memory += sum(g for g, units in t["groups"] if any(a <= u < b for u in units))
+        memory += sum(g for g, modules in t["groups"] if any(a <= u < b for u in modules))
         if b < self.n:
             memory += t["cut"][b - 1] * f
         overhead = self.p.overhead(s)
@@ -99,10 +99,10 @@ class _Tables:
                 increments += self._hull(t, sig, count)
         chosen: dict[tuple, int] = {}
         for _, saved, added, count, key in sorted(increments, key=lambda x: x[0]):
-            units = min(count, math.ceil(need / saved))
-            chosen[key] = units
-            need -= units * saved
-            time += units * added
+            modules = min(count, math.ceil(need / saved))
+            chosen[key] = modules
+            need -= modules * saved
+            time += modules * added
             if need <= 0:
                 return time, _modes_from_increments(chosen)
         return None
@@ -112,12 +112,12 @@ class _Tables:
         t = self.stage(s)
         base, f = mode or self.modes[0], t["f"]
         linear = t["state"][b] - t["state"][a] + (t["act"][base][b] - t["act"][base][a]) * f
-        linear += sum(g for g, units in t["groups"] if any(a <= u < b for u in units))
+        linear += sum(g for g, modules in t["groups"] if any(a <= u < b for u in modules))
         linear += t["cut"][b - 1] * f if b < self.n else 0.0
         if mode is None:
-            for (sig, m), units in counts.items():
+            for (sig, m), modules in counts.items():
                 u = self.first_of[sig]
-                linear -= units * (t["act_vec"][base][u] - t["act_vec"][m][u]) * f
+                linear -= modules * (t["act_vec"][base][u] - t["act_vec"][m][u]) * f
         return linear, max(t["largest"][a:b])
 
     @cached_property
@@ -133,10 +133,10 @@ class _Tables:
 
     def _hull(self, t: dict, sig: int, count: int) -> list[tuple]:
         """Increments (time per byte, bytes saved, time added, count, (sig, mode)) along the lower
-        convex hull of one unit's recompute options (bytes saved, time added) from (0, 0)."""
+        convex hull of one module's recompute options (bytes saved, time added) from (0, 0)."""
         u, base = self.first_of[sig], self.modes[0]
         points = [((t["act_vec"][base][u] - t["act_vec"][m][u]) * t["f"],
-                   self.p.unit_time_s[m][u] - self.p.unit_time_s[base][u], m) for m in self.modes[1:]]
+                   self.p.module_time_s[m][u] - self.p.module_time_s[base][u], m) for m in self.modes[1:]]
         hull, at_saved, at_added = [], 0.0, 0.0
         while True:
             ahead = [((dt - at_added) / (dm - at_saved), -dm, dm, dt, m)
@@ -149,16 +149,16 @@ class _Tables:
 
 
 def _modes_from_increments(chosen: dict[tuple, int]) -> dict[tuple, int]:
-    """Units per (signature, final mode): a unit that took a later increment ends in that mode."""
+    """Modules per (signature, final mode): a module that took a later increment ends in that mode."""
     out: dict[tuple, int] = {}
     by_sig: dict[int, list[tuple[str, int]]] = {}
-    for (sig, mode), units in chosen.items():
-        by_sig.setdefault(sig, []).append((mode, units))
+    for (sig, mode), modules in chosen.items():
+        by_sig.setdefault(sig, []).append((mode, modules))
     for sig, steps in by_sig.items():
         taken_after = 0
-        for mode, units in reversed(steps):
-            out[(sig, mode)] = units - taken_after
-            taken_after = units
+        for mode, modules in reversed(steps):
+            out[(sig, mode)] = modules - taken_after
+            taken_after = modules
     return {k: v for k, v in out.items() if v > 0}
 
 
@@ -182,7 +182,7 @@ def _pack(tables: _Tables, stage_time: float, cap: float, mode: str | None) -> l
             if fits is not None:
                 best, end = (run_end, fits), run_end + 1
                 continue
-            lo, hi = end, run_end - 1  # the run's units are identical: binary search how many fit
+            lo, hi = end, run_end - 1  # the run's modules are identical: binary search how many fit
             while lo <= hi:
                 mid = (lo + hi) // 2
                 fits = _fits(tables, s, start, mid, mode, room, stage_time, largest[rank])
@@ -215,10 +215,10 @@ def _assignment(tables: _Tables, packed, mode: str | None) -> Assignment:
     for a, b, counts in packed:
         if mode is not None:
             continue
-        for (sig, m), units in counts.items():
+        for (sig, m), modules in counts.items():
             for u in range(a, b):
-                if units and tables.signature[u] == sig and modes[u] == tables.modes[0]:
-                    modes[u], units = m, units - 1
+                if modules and tables.signature[u] == sig and modes[u] == tables.modes[0]:
+                    modes[u], modules = m, modules - 1
     return Assignment(Split(tuple([0] + [b for _, b, _ in packed])), tuple(modes))
 
 
@@ -227,16 +227,16 @@ class Slower(Exception):
 
 
 def greedy_split(problem: ChainProblem, mode: str | None = None, cutoff: float | None = None) -> Assignment | None:
-    """The best assignment the packing finds: every unit in `mode`, or (None) each unit's mode chosen
-    among problem.modes; None when nothing fits (or there are more stages than units). With `cutoff`
+    """The best assignment the packing finds: every module in `mode`, or (None) each module's mode chosen
+    among problem.modes; None when nothing fits (or there are more stages than modules). With `cutoff`
     (a rank time per micro-batch), raises Slower when no packing within it exists."""
-    n, stages, v = problem.num_units, problem.num_stages, problem.virtual
+    n, stages, v = problem.num_modules, problem.num_stages, problem.virtual
     if stages > n:
         return None
     tables = _Tables(problem, problem.signatures)
     cap = problem.memory_cap_bytes
     low = (problem.time_lower_bound() if mode is None else _uniform_lower_bound(problem, mode)) / v
-    everything = sum(max(problem.unit_time_s[m][u] for m in problem.modes) for u in range(n)) + \
+    everything = sum(max(problem.module_time_s[m][u] for m in problem.modes) for u in range(n)) + \
         sum(problem.overhead(s) for s in range(stages))
     limit, step, found = low, 0.01, None
     if cutoff is not None:  # a tighter limit may pack where a loose one ran its ranks out of memory
@@ -269,13 +269,13 @@ def _stage_times(tables: _Tables, packed, mode: str | None) -> list[float]:
 def _mixed_time(tables: _Tables, s: int, a: int, b: int, counts: dict) -> float:
     base = tables.modes[0]
     time = tables.time[base][b] - tables.time[base][a] + tables.p.overhead(s)
-    for (sig, m), units in counts.items():
+    for (sig, m), modules in counts.items():
         u = tables.first_of[sig]
-        time += units * (tables.p.unit_time_s[m][u] - tables.p.unit_time_s[base][u])
+        time += modules * (tables.p.module_time_s[m][u] - tables.p.module_time_s[base][u])
     return time
 
 
 def _uniform_lower_bound(problem: ChainProblem, mode: str) -> float:
-    times = problem.unit_time_s[mode]
+    times = problem.module_time_s[mode]
     overhead = sum(problem.overhead(s) for s in range(problem.num_stages))
     return max(max(times), (sum(times) + overhead) / problem.ranks)

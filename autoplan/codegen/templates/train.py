@@ -99,16 +99,16 @@ def build_parallel_model(model_source, mesh, rank, device, dtype):
         stage_ids = runtime.local_stages(rank.pp_rank, PP, VIRTUAL_STAGES)
         split.drop_other_stages(stage_ids)
         parts = {s: runtime.ModelPart(split.stages[s], split.state_fqns[s]) for s in stage_ids}
-        units = {s: split.units[s] for s in stage_ids}
+        chain_modules = {s: split.chain_modules[s] for s in stage_ids}
     else:
-        parts, units = {0: runtime.ModelPart(model)}, {0: [u for stage in STAGES for u in stage]}
+        parts, chain_modules = {0: runtime.ModelPart(model)}, {0: [u for stage in STAGES for u in stage]}
     del model  # this rank keeps only its stages
 
     for s, part in parts.items():  # order as in torchtitan: tensor parallel, recompute, FSDP
-        part.module = runtime.tensor_parallel(part.module, mesh["tp"], TENSOR_PARALLEL_PLAN, units[s])
-        recomputed = [u for u in units[s] if u in RECOMPUTE_MODULES]
-        part.module = runtime.checkpoint_units(part.module, recomputed, RECOMPUTE)
-        part.module = runtime.shard_data_parallel(part.module, mesh, RESHARD == "always", units[s], dtype)
+        part.module = runtime.tensor_parallel(part.module, mesh["tp"], TENSOR_PARALLEL_PLAN, chain_modules[s])
+        recomputed = [u for u in chain_modules[s] if u in RECOMPUTE_MODULES]
+        part.module = runtime.checkpoint_modules(part.module, recomputed, RECOMPUTE)
+        part.module = runtime.shard_data_parallel(part.module, mesh, RESHARD == "always", chain_modules[s], dtype)
     runtime.materialize(parts.values(), weights, model_source, SEED, device)
     for part in parts.values():
         part.module = runtime.replicate_data_parallel(part.module, mesh, device)  # DDP

@@ -1,4 +1,4 @@
-"""What each op and each unit of the chain costs, as static data the time and memory models scale.
+"""What each op and each module of the chain costs, as static data the time and memory models scale.
 
 Every op is classified once:
 - kind (chain/ops.py): "gemm" (a matmul with a weight: Linear, conv), "attention" (SDPA or an
@@ -7,14 +7,14 @@ Every op is classified once:
 - tensor-parallel role (chain/tensor_parallel.py): split ops divide FLOPs, bytes and saved
   activations by tp; "rowwise" outputs and everything outside regions stay whole.
 
-Per unit and per sample (capture dtype), with tp = 1, the activations kept for backward by
-recompute mode (parallelism.activation_checkpoint, chosen per unit):
+Per module and per sample (capture dtype), with tp = 1, the activations kept for backward by
+recompute mode (parallelism.activation_checkpoint, chosen per module):
 - none:      every saved tensor (OpProfile.saved_bytes);
-- selective: the unit's input plus the outputs of its gemm and attention ops (torch selective
+- selective: the module's input plus the outputs of its gemm and attention ops (torch selective
              activation checkpointing that saves matmul and attention outputs; Korthikanti et al.
              2022 keep matmul outputs and recompute the cheap ops the same way). Recompute costs
              the forward time of the "memory" ops;
-- full:      the unit's input only (the checkpoint boundary); recompute costs the whole forward.
+- full:      the module's input only (the checkpoint boundary); recompute costs the whole forward.
 Each is capped by "none" (recomputing never keeps more).
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoplan.chain.ops import cost_kind, has_trait
-from autoplan.chain.layers import LayerChain
+from autoplan.chain.modules import ModuleChain
 from autoplan.chain.tensor_parallel import TensorParallelFacts
 from autoplan.profile.types import ModelProfile, OpProfile
 
@@ -60,39 +60,39 @@ class OpCost:
 
 
 @dataclass(frozen=True)
-class UnitCosts:
-    """The ops of one unit and what sits around them."""
+class ModuleCosts:
+    """The ops of one module and what sits around them."""
 
     ops: tuple[OpCost, ...]
     input_bytes: float
-    """Bytes per sample entering the unit from earlier units (what full recompute keeps)."""
+    """Bytes per sample entering the module from earlier modules (what full recompute keeps)."""
     output_buffer_bytes: float
-    """Bytes per sample of model outputs this unit produces (logits the loss holds), else 0."""
+    """Bytes per sample of model outputs this module produces (logits the loss holds), else 0."""
     replicated_numel: int
-    """Parameter elements only this unit reads that every tensor-parallel rank keeps whole."""
+    """Parameter elements only this module reads that every tensor-parallel rank keeps whole."""
     split_numel: int
-    """Parameter elements only this unit reads that tensor parallelism splits."""
+    """Parameter elements only this module reads that tensor parallelism splits."""
 
 
 @dataclass(frozen=True)
 class ChainCosts:
-    """Static costs of every unit of a chain, and which units are identical (share a signature)."""
+    """Static costs of every module of a chain, and which modules are identical (share a signature)."""
 
-    units: tuple[UnitCosts, ...]
+    modules: tuple[ModuleCosts, ...]
     signature: tuple[int, ...]
-    """signature[u]: index of the first unit with exactly the same costs (identical layers tie)."""
+    """signature[u]: index of the first module with exactly the same costs (identical layers tie)."""
     tied_split: tuple[bool, ...]
-    """Per LayerChain.tied_groups entry: True when tensor parallelism splits that parameter."""
+    """Per ModuleChain.tied_groups entry: True when tensor parallelism splits that parameter."""
     measured: bool
     """Times come from measurements on this machine (profile device "cpu")."""
     whole_model_times_s: tuple[tuple[int, float], ...] = ()
     """(batch size, forward+backward seconds) of the whole model measured here (ModelProfile)."""
 
     def runs(self) -> list[tuple[int, int]]:
-        """Maximal runs [start, end) of consecutive units with the same signature."""
+        """Maximal runs [start, end) of consecutive modules with the same signature."""
         out, start = [], 0
-        for u in range(1, len(self.units) + 1):
-            if u == len(self.units) or self.signature[u] != self.signature[start]:
+        for u in range(1, len(self.modules) + 1):
+            if u == len(self.modules) or self.signature[u] != self.signature[start]:
                 out.append((start, u))
                 start = u
         return out
@@ -122,26 +122,26 @@ def op_cost(op: OpProfile, profile: ModelProfile, role: str) -> OpCost:
     )
 
 
-def chain_costs(profile: ModelProfile, chain: LayerChain, facts: TensorParallelFacts) -> ChainCosts:
+def chain_costs(profile: ModelProfile, chain: ModuleChain, facts: TensorParallelFacts) -> ChainCosts:
     by_node = {op.node: op for op in profile.ops}
     outputs = set(profile.output_nodes)
     tied = {g.parameter for g in chain.tied_groups}
-    units, signatures, seen = [], [], {}
-    for i, unit in enumerate(chain.units):
-        ops = tuple(op_cost(by_node[n], profile, facts.role.get(n, "")) for n in unit.ops)
-        own = [p for p in unit.parameters if p not in tied]
+    modules, signatures, seen = [], [], {}
+    for i, module in enumerate(chain.modules):
+        ops = tuple(op_cost(by_node[n], profile, facts.role.get(n, "")) for n in module.ops)
+        own = [p for p in module.parameters if p not in tied]
         split = sum(profile.parameters[p] for p in own if p in facts.sharded_parameters)
-        costs = UnitCosts(
+        costs = ModuleCosts(
             ops=ops,
             input_bytes=chain.cut_bytes[i - 1] if i > 0 else 0.0,
-            output_buffer_bytes=sum(by_node[n].output_bytes for n in unit.ops if n in outputs) / profile.batch_size,
+            output_buffer_bytes=sum(by_node[n].output_bytes for n in module.ops if n in outputs) / profile.batch_size,
             replicated_numel=sum(profile.parameters[p] for p in own) - split,
             split_numel=split,
         )
-        units.append(costs)
+        modules.append(costs)
         signatures.append(seen.setdefault(costs, i))
     return ChainCosts(
-        units=tuple(units),
+        modules=tuple(modules),
         signature=tuple(signatures),
         tied_split=tuple(g.parameter in facts.sharded_parameters for g in chain.tied_groups),
         measured=profile.device == "cpu" and any(op.source == "measured" for op in profile.ops),
@@ -149,14 +149,14 @@ def chain_costs(profile: ModelProfile, chain: LayerChain, facts: TensorParallelF
     )
 
 
-def saved_by_mode(unit: UnitCosts, tp: int, scale: float) -> dict[str, float]:
+def saved_by_mode(module: ModuleCosts, tp: int, scale: float) -> dict[str, float]:
     """Activation bytes per sample kept for backward under each recompute mode, in the training dtype
     (`scale` = its element size over the capture's)."""
     def share(nbytes: float, split: bool) -> float:
         return nbytes / tp if split else nbytes
 
     none = sum(share(op.saved_bytes * (scale if op.saved_scales else 1.0), op.tp_role in ("rowwise", "interior"))
-               for op in unit.ops)
-    kept = scale * (unit.input_bytes + sum(share(op.output_bytes, op.tp_role in ("colwise", "interior"))
-                                           for op in unit.ops if op.kind in ("gemm", "attention")))
-    return {"none": none, "selective": min(none, kept), "full": min(none, scale * unit.input_bytes)}
+               for op in module.ops)
+    kept = scale * (module.input_bytes + sum(share(op.output_bytes, op.tp_role in ("colwise", "interior"))
+                                           for op in module.ops if op.kind in ("gemm", "attention")))
+    return {"none": none, "selective": min(none, kept), "full": min(none, scale * module.input_bytes)}

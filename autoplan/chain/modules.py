@@ -1,16 +1,16 @@
-"""Coarsen a profile's ops into an ordered chain of units (module FQNs) that pipeline stages split.
+"""Coarsen a profile's ops into an ordered chain of modules (module FQNs) that pipeline stages split.
 
-Starting from the root module's children, the unit holding the largest share of the work is
-expanded into its child modules until no unit exceeds `max_unit_share` of the total (or it is a
+Starting from the root module's children, the module holding the largest share of the work is
+expanded into its child modules until no module exceeds `max_module_share` of the total (or it is a
 leaf); containers that run no op themselves and whose children are numbered (ModuleList) are always
 expanded. A GPT gives [wte, wpe, blocks.0, ..., blocks.N, ln_f, lm_head].
 
-Contract with codegen: a stage is a contiguous slice of units; an op belongs to the unit whose FQN
-appears in its module_stack. Ops in no unit ("glue", e.g. root-level adds or a block's residual add
-once the block was expanded) are charged, for cost, to the unit of the nearest preceding op that has
-one (or to the first unit).
+Contract with codegen: a stage is a contiguous slice of modules; an op belongs to the module whose FQN
+appears in its module_stack. Ops in no module ("glue", e.g. root-level adds or a block's residual add
+once the block was expanded) are charged, for cost, to the module of the nearest preceding op that has
+one (or to the first module).
 
-Every quantity on a Unit is PER SAMPLE (divided by ModelProfile.batch_size) in the capture dtype.
+Every quantity on a ChainModule is PER SAMPLE (divided by ModelProfile.batch_size) in the capture dtype.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ ROOT = ""
 
 
 @dataclass(frozen=True)
-class Unit:
+class ChainModule:
     """One link of the chain: a module whose ops always run on the same pipeline stage."""
 
     index: int
@@ -34,7 +34,7 @@ class Unit:
     fqn: str
     """Fully qualified module name; it appears in the module_stack of every op it owns."""
     ops: tuple[str, ...]
-    """Node names of the ops charged to this unit (its own ops and attached glue), in graph order."""
+    """Node names of the ops charged to this module (its own ops and attached glue), in graph order."""
     flops_fwd: float
     """Forward FLOPs per sample."""
     flops_bwd: float
@@ -46,37 +46,37 @@ class Unit:
     op_count: int
     """Number of ops (each launches at least one kernel; not per sample)."""
     parameter_numel: int
-    """Elements of every parameter the unit's ops read, tied ones included."""
+    """Elements of every parameter the module's ops read, tied ones included."""
     exclusive_parameter_numel: int
-    """Elements of the parameters only this unit reads (parameter_numel minus its tied groups)."""
+    """Elements of the parameters only this module reads (parameter_numel minus its tied groups)."""
     saved_bytes: float
     """Bytes autograd keeps for backward, per sample, capture dtype."""
     memory_traffic_bytes: float
     """Bytes the forward reads and writes (inputs + outputs of its ops), per sample."""
     parameters: tuple[str, ...] = ()
-    """FQNs of the parameters charged to this unit (tied ones included), sorted."""
+    """FQNs of the parameters charged to this module (tied ones included), sorted."""
 
 
 @dataclass(frozen=True)
 class TiedGroup:
-    """A parameter read by several units (e.g. an embedding tied to the LM head)."""
+    """A parameter read by several modules (e.g. an embedding tied to the LM head)."""
 
     parameter: str
     """FQN of the parameter as named in ModelProfile.parameters."""
     numel: int
     """Elements of the parameter."""
-    units: tuple[int, ...]
-    """Indices of the units that read it (two or more), ascending."""
+    modules: tuple[int, ...]
+    """Indices of the modules that read it (two or more), ascending."""
 
 
 @dataclass(frozen=True)
-class LayerChain:
-    """The model as an ordered chain of units."""
+class ModuleChain:
+    """The model as an ordered chain of modules."""
 
-    units: tuple[Unit, ...]
+    modules: tuple[ChainModule, ...]
     cut_bytes: tuple[float, ...]
-    """cut_bytes[i]: bytes per sample of op outputs from units <= i read by units > i (each producer
-    once); what a pipeline boundary after unit i sends forward. Length len(units) - 1."""
+    """cut_bytes[i]: bytes per sample of op outputs from modules <= i read by modules > i (each producer
+    once); what a pipeline boundary after module i sends forward. Length len(modules) - 1."""
     tied_groups: tuple[TiedGroup, ...]
     profile_batch_size: int
     """ModelProfile.batch_size the per-sample numbers were divided by."""
@@ -87,28 +87,28 @@ class LayerChain:
     tokens_per_sample: int | None = None
 
     def __len__(self) -> int:
-        return len(self.units)
+        return len(self.modules)
 
     @property
     def fqns(self) -> tuple[str, ...]:
-        return tuple(u.fqn for u in self.units)
+        return tuple(u.fqn for u in self.modules)
 
     @property
     def flops_per_sample(self) -> float:
         """Forward + backward FLOPs of one sample, no recomputation."""
-        return sum(u.flops_fwd + u.flops_bwd for u in self.units)
+        return sum(u.flops_fwd + u.flops_bwd for u in self.modules)
 
     @property
     def parameter_numel(self) -> int:
         """Elements of all parameters, tied ones counted once."""
-        return sum(u.exclusive_parameter_numel for u in self.units) + sum(g.numel for g in self.tied_groups)
+        return sum(u.exclusive_parameter_numel for u in self.modules) + sum(g.numel for g in self.tied_groups)
 
     def tied_groups_of(self, index: int) -> tuple[TiedGroup, ...]:
-        return tuple(g for g in self.tied_groups if index in g.units)
+        return tuple(g for g in self.tied_groups if index in g.modules)
 
 
-def build_chain(profile: ModelProfile, max_unit_share: float = 1 / 8) -> LayerChain:
-    """The chain of units of `profile`; see the module docstring."""
+def build_chain(profile: ModelProfile, max_module_share: float = 1 / 8) -> ModuleChain:
+    """The chain of modules of `profile`; see the module docstring."""
     ops = profile.ops
     if not ops:
         raise ValueError(f"profile of {profile.model} has no ops")
@@ -117,24 +117,24 @@ def build_chain(profile: ModelProfile, max_unit_share: float = 1 / 8) -> LayerCh
     from autoplan.chain.tensor_parallel import find_tensor_parallel_plan
 
     keep_whole = frozenset(find_tensor_parallel_plan(profile, vocab_parallel=False))
-    units = _choose_units(ops, tree, weight, max_unit_share, keep_whole)
-    assignment = _assign_ops(ops, units)
-    order = sorted(units, key=lambda u: assignment.first_op[u])
+    modules = _choose_modules(ops, tree, weight, max_module_share, keep_whole)
+    assignment = _assign_ops(ops, modules)
+    order = sorted(modules, key=lambda u: assignment.first_op[u])
     index_of = {fqn: i for i, fqn in enumerate(order)}
-    op_unit = [index_of[u] for u in assignment.unit_of_op]
+    op_module = [index_of[u] for u in assignment.module_of_op]
     batch = profile.batch_size
-    param_units = _parameter_units(profile, op_unit, order)
+    param_modules = _parameter_modules(profile, op_module, order)
     tied = tuple(
         TiedGroup(name, profile.parameters[name], tuple(sorted(us)))
-        for name, us in sorted(param_units.items()) if len(us) > 1
+        for name, us in sorted(param_modules.items()) if len(us) > 1
     )
     built = []
     for i, fqn in enumerate(order):
-        mine = [op for op, u in zip(ops, op_unit) if u == i]
-        params = [name for name, us in param_units.items() if i in us]
+        mine = [op for op, u in zip(ops, op_module) if u == i]
+        params = [name for name, us in param_modules.items() if i in us]
         numel = sum(profile.parameters[p] for p in params)
-        tied_numel = sum(g.numel for g in tied if i in g.units)
-        built.append(Unit(
+        tied_numel = sum(g.numel for g in tied if i in g.modules)
+        built.append(ChainModule(
             index=i, fqn=fqn, ops=tuple(op.node for op in mine),
             flops_fwd=sum(op.flops_fwd for op in mine) / batch,
             flops_bwd=sum(op.flops_bwd for op in mine) / batch,
@@ -147,9 +147,9 @@ def build_chain(profile: ModelProfile, max_unit_share: float = 1 / 8) -> LayerCh
             memory_traffic_bytes=sum(op.input_bytes + op.output_bytes for op in mine) / batch,
             parameters=tuple(sorted(params)),
         ))
-    return LayerChain(
-        units=tuple(built),
-        cut_bytes=tuple(b / batch for b in _cut_bytes(ops, op_unit, len(order))),
+    return ModuleChain(
+        modules=tuple(built),
+        cut_bytes=tuple(b / batch for b in _cut_bytes(ops, op_module, len(order))),
         tied_groups=tied,
         profile_batch_size=batch,
         capture_dtype=profile.dtype,
@@ -200,14 +200,14 @@ def _is_numbered_container(tree: nx.DiGraph, fqn: str) -> bool:
     )
 
 
-def _choose_units(ops, tree: nx.DiGraph, weight: list[float], max_unit_share: float,
+def _choose_modules(ops, tree: nx.DiGraph, weight: list[float], max_module_share: float,
                   tensor_parallel_linears: frozenset[str] = frozenset()) -> list[str]:
-    """Expand the heaviest units into their children; a module whose children include tensor-parallel
+    """Expand the heaviest modules into their children; a module whose children include tensor-parallel
     Linears stays whole, so no pipeline stage boundary cuts a colwise -> rowwise pair apart (the
     sharded activations between them never cross stages)."""
-    units = _children(tree, ROOT)
-    if not units:
-        return [ROOT]  # the root runs every op itself: one unit, a single pipeline stage
+    modules = _children(tree, ROOT)
+    if not modules:
+        return [ROOT]  # the root runs every op itself: one module, a single pipeline stage
     total = sum(weight) or 1.0
 
     def share(fqn: str) -> float:
@@ -215,37 +215,37 @@ def _choose_units(ops, tree: nx.DiGraph, weight: list[float], max_unit_share: fl
 
     while True:
         expandable = [
-            u for u in units
-            if tree.out_degree(u) > 0 and (share(u) > max_unit_share or _is_numbered_container(tree, u))
+            u for u in modules
+            if tree.out_degree(u) > 0 and (share(u) > max_module_share or _is_numbered_container(tree, u))
             and not any(child in tensor_parallel_linears for child in _children(tree, u))
         ]
         if not expandable:
-            return units
+            return modules
         containers = [u for u in expandable if _is_numbered_container(tree, u)]
-        target = containers[0] if containers else max(expandable, key=lambda u: (share(u), -units.index(u)))
-        at = units.index(target)
-        units[at:at + 1] = _children(tree, target)
+        target = containers[0] if containers else max(expandable, key=lambda u: (share(u), -modules.index(u)))
+        at = modules.index(target)
+        modules[at:at + 1] = _children(tree, target)
 
 
 @dataclass
 class _Assignment:
-    unit_of_op: list[str]
+    module_of_op: list[str]
     first_op: dict[str, int]
 
 
-def _assign_ops(ops: tuple[OpProfile, ...], units: list[str]) -> _Assignment:
-    """Each op's unit (glue -> the nearest preceding op's unit, else the first unit in order)."""
-    unit_set = set(units)
+def _assign_ops(ops: tuple[OpProfile, ...], modules: list[str]) -> _Assignment:
+    """Each op's module (glue -> the nearest preceding op's module, else the first module in order)."""
+    module_set = set(modules)
     own: list[str | None] = []
     first: dict[str, int] = {}
     for i, op in enumerate(ops):
-        found = ROOT if units == [ROOT] else next((m for m in op.module_stack if m in unit_set), None)
+        found = ROOT if modules == [ROOT] else next((m for m in op.module_stack if m in module_set), None)
         own.append(found)
         if found is not None:
             first.setdefault(found, i)
-    for fqn in units:  # a unit with no op of its own cannot occur: units come from module stacks
+    for fqn in modules:  # a module with no op of its own cannot occur: modules come from module stacks
         assert fqn in first, fqn
-    earliest = min(units, key=lambda u: first[u])
+    earliest = min(modules, key=lambda u: first[u])
     resolved, previous = [], earliest
     for found in own:
         previous = found if found is not None else previous
@@ -253,11 +253,11 @@ def _assign_ops(ops: tuple[OpProfile, ...], units: list[str]) -> _Assignment:
     return _Assignment(resolved, first)
 
 
-def _parameter_units(profile: ModelProfile, op_unit: list[int], order: list[str]) -> dict[str, set[int]]:
-    """Parameter FQN -> units whose ops read it; unread parameters go to the unit whose FQN is the
-    longest dotted prefix of their name (else the first unit)."""
+def _parameter_modules(profile: ModelProfile, op_module: list[int], order: list[str]) -> dict[str, set[int]]:
+    """Parameter FQN -> modules whose ops read it; unread parameters go to the module whose FQN is the
+    longest dotted prefix of their name (else the first module)."""
     readers: dict[str, set[int]] = {name: set() for name in profile.parameters}
-    for op, u in zip(profile.ops, op_unit):
+    for op, u in zip(profile.ops, op_module):
         for name in op.params:
             if name in readers:
                 readers[name].add(u)
@@ -268,22 +268,22 @@ def _parameter_units(profile: ModelProfile, op_unit: list[int], order: list[str]
     return readers
 
 
-def _cut_bytes(ops: tuple[OpProfile, ...], op_unit: list[int], n_units: int) -> list[float]:
+def _cut_bytes(ops: tuple[OpProfile, ...], op_module: list[int], n_modules: int) -> list[float]:
     """Bytes crossing each boundary, from the data-flow graph (each producer counted once)."""
     flow = nx.DiGraph()
     flow.add_nodes_from(range(len(ops)))
     position = {op.node: i for i, op in enumerate(ops)}
     flow.add_edges_from((position[src], i) for i, op in enumerate(ops) for src in op.inputs if src in position)
-    crossing = [0.0] * n_units  # difference array over cut indices
+    crossing = [0.0] * n_modules  # difference array over cut indices
     for producer in flow.nodes:
-        consumers = [op_unit[c] for c in flow.successors(producer)]
-        last = max(consumers, default=op_unit[producer])
-        first_cut = op_unit[producer]
+        consumers = [op_module[c] for c in flow.successors(producer)]
+        last = max(consumers, default=op_module[producer])
+        first_cut = op_module[producer]
         if last > first_cut:
             crossing[first_cut] += ops[producer].output_bytes
             crossing[last] -= ops[producer].output_bytes
     cuts, running = [], 0.0
-    for i in range(n_units - 1):
+    for i in range(n_modules - 1):
         running += crossing[i]
         cuts.append(running)
     return cuts
