@@ -125,8 +125,9 @@ def plan_model(
     out: str | os.PathLike | None = None,
 ) -> PlanResult:
     """Plan a model for `gpus` accelerators; with `out`, also write the output folder."""
+    from autoplan.layout import Layout
     from autoplan.profile import profile_model
-    from autoplan.solve.pins import Pins, parse_pins
+    from autoplan.solve.pins import parse_pins
     from autoplan.solve.search import search
 
     started = time.perf_counter()
@@ -185,7 +186,7 @@ def plan_model(
     )
     if out is not None:
         log.info("scaling curve: best layouts at %d/8 .. 4x%d GPUs", cluster.num_gpus, cluster.num_gpus)
-    unpinned = pins == _pins_for_capture(Pins(), profile, warn=False)  # the curve's N point is then the plan's
+    unpinned = pins == _pins_for_capture(Layout(), profile, warn=False)  # the curve's N point is then the plan's
     scaling = (scaling_curve(profile, cluster, training, best if unpinned else None, context=result.context)
                if out is not None else ())
     planned = PlanResult(plan, profile, tuple(result.candidates), scaling)
@@ -232,10 +233,10 @@ def scaling_curve(profile: ModelProfile, cluster: Cluster, training: Training, p
 
     from autoplan.cost.context import Context
     from autoplan.layout import SUPPORTED as features
+    from autoplan.layout import Layout
     from autoplan.solve import layouts
-    from autoplan.solve.pins import Pins
 
-    pins = _pins_for_capture(Pins(), profile, warn=False)
+    pins = _pins_for_capture(Layout(), profile, warn=False)
     # by GPUs per node: the module tables' tensor-parallel links depend on it
     contexts: dict[int, Context] = {cluster.gpus_per_node: context} if context is not None else {}
     counts = sorted({max(1, round(cluster.num_gpus * f)) for f in SCALING_FACTORS})
@@ -290,7 +291,7 @@ def _pin_arithmetic(pins, cluster: Cluster) -> list[str]:
     facts), found before the model is captured."""
     from autoplan.layout import Scope, problems
 
-    return problems(pins.layout(), Scope(num_gpus=cluster.num_gpus, gpus_per_node=cluster.gpus_per_node))
+    return problems(pins, Scope(num_gpus=cluster.num_gpus, gpus_per_node=cluster.gpus_per_node))
 
 
 def _pins_for_capture(pins, profile: ModelProfile, warn: bool = True):

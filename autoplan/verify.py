@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from autoplan.errors import UserError
-from autoplan.procs import kill_process_tree, running_ranks
 from autoplan.plan import Plan, PlanError
+from autoplan.procs import kill_process_tree, running_ranks
 
 PARITY_TOLERANCE = 1e-4
 """Largest per-step |loss difference| accepted in fp32 (DESIGN.md, "How we know it works")."""

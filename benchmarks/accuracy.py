@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT / "tests"))  # the GPT profile generator lives with 
 
 from chain_fixtures import paper_flops, read_runs, run_cluster, run_pins, run_profile  # noqa: E402
 
-from autoplan.plan import Training  # noqa: E402
 from autoplan.layout import ALL_FEATURES  # noqa: E402
+from autoplan.plan import Training  # noqa: E402
 from autoplan.solve.pins import parse_pins  # noqa: E402
 from autoplan.solve.search import search  # noqa: E402
 

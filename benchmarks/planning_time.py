@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT / "tests"))  # the GPT profile generator lives with 
 
 from chain_fixtures import a100_cluster, gpt_profile, read_runs, run_cluster, run_pins, run_profile  # noqa: E402
 
+from autoplan.layout import ALL_FEATURES  # noqa: E402
 from autoplan.plan import Training  # noqa: E402
 from autoplan.solve import layouts  # noqa: E402
-from autoplan.layout import ALL_FEATURES  # noqa: E402
 from autoplan.solve.pins import parse_pins  # noqa: E402
 from autoplan.solve.search import search  # noqa: E402
 

@@ -27,10 +27,10 @@ sys.path.insert(0, str(ROOT / "tests"))  # the GPT profile generator and cluster
 
 from chain_fixtures import cluster, gpt_profile, read_runs, run_cluster, run_pins, run_profile  # noqa: E402
 
-from autoplan.layout import ALL_FEATURES  # noqa: E402
+from autoplan.layout import ALL_FEATURES, Layout  # noqa: E402
 from autoplan.plan import Training  # noqa: E402
 from autoplan.solve import layouts  # noqa: E402
-from autoplan.solve.pins import Pins, parse_pins  # noqa: E402
+from autoplan.solve.pins import parse_pins  # noqa: E402
 from autoplan.solve.search import search  # noqa: E402
 
 SMALL_BOUND_S = 3.0
@@ -55,7 +55,7 @@ def verdict(seconds: float, bound: float) -> str:
 def small(repeats: int) -> None:
     profile = gpt_profile(n_layer=12)
     training = Training(global_batch_size=32)
-    pinned_s, _, pinned = timed(lambda: search(profile, cluster(8), training, Pins(pp=4)), repeats)
+    pinned_s, _, pinned = timed(lambda: search(profile, cluster(8), training, Layout(pp=4)), repeats)
     free_s, _, free = timed(lambda: search(profile, cluster(8), training), repeats)
     total = pinned_s + free_s
     print(f"## 12-layer GPT on 8 GPUs, global batch 32 (median of {repeats})")

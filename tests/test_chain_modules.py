@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 from chain_fixtures import gpt_param_formula, gpt_profile
 
-from autoplan.profile.types import ModelProfile, OpProfile
 from autoplan.chain.modules import build_chain
+from autoplan.profile.types import ModelProfile, OpProfile
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -7,16 +7,16 @@ from chain_fixtures import LAUNCH_S, cluster, gpt_profile, make_gpu
 
 from autoplan.cost import comm
 from autoplan.cost.compute import mfu
+from autoplan.cost.context import Context
 from autoplan.cost.dtypes import peak_flops
+from autoplan.cost.evaluate import build_problem, evaluate
 from autoplan.cost.memory import model_state_bytes
 from autoplan.cost.pipeline import StageCost, microbatches_in_flight, pipeline_time, simulate, simulated_step_s
+from autoplan.cost.problem import Split
 from autoplan.errors import UserError
 from autoplan.hardware.types import Link
-from autoplan.plan import Parallelism, Training
 from autoplan.layout import ALL_FEATURES, SUPPORTED
-from autoplan.cost.context import Context
-from autoplan.cost.evaluate import build_problem, evaluate
-from autoplan.cost.problem import Split
+from autoplan.plan import Parallelism, Training
 
 PSI = 1_000_000
 

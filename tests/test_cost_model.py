@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from chain_fixtures import gpt_profile, paper_flops, read_runs, run_cluster, run_pins, run_profile
 
+from autoplan.layout import ALL_FEATURES
 from autoplan.plan import Training
 from autoplan.profile.types import ModelProfile
 from autoplan.solve.pins import parse_pins
-from autoplan.layout import ALL_FEATURES
 from autoplan.solve.search import search
 
 FIXTURES = Path(__file__).parent / "fixtures"

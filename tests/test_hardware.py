@@ -2,10 +2,8 @@
 built wheel know, they load with the right units, round-trip, and bad files give one-line errors naming
 the file and the field."""
 
-import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -40,21 +38,10 @@ def test_pyproject_ships_every_package_and_the_profiles_folder_as_autoplan_profi
 
 
 @pytest.mark.slow
-def test_a_built_wheel_ships_and_loads_the_top_level_profiles(tmp_path):
-    pytest.importorskip("setuptools", minversion="70.1")  # builds without the network (bdist_wheel built in)
-    source = tmp_path / "source"
-    for folder in ("autoplan", "profiles"):
-        shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, source / name)
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                            "-w", str(tmp_path / "dist"), str(source)], capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr
-    wheel = zipfile.ZipFile(next((tmp_path / "dist").glob("*.whl")))
-    shipped = sorted(Path(n).stem for n in wheel.namelist() if n.startswith("autoplan/profiles/"))
+def test_a_built_wheel_ships_and_loads_the_top_level_profiles(tmp_path, built_wheel):
+    shipped = sorted(Path(n).stem for n in built_wheel.wheel.namelist() if n.startswith("autoplan/profiles/"))
     assert shipped == known_hardware()
-    site = tmp_path / "site"
-    wheel.extractall(site)  # what pip install does with a pure-Python wheel
+    site = built_wheel.site
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from autoplan.hardware import profiles as p; "
             "print(p.profiles_dir()); print(','.join(p.known_hardware())); print(p.load_hardware('h100-sxm5-80gb').gpu.name)")
     run = subprocess.run([sys.executable, "-c", code, str(site)], cwd=tmp_path, capture_output=True, text=True)

@@ -7,10 +7,10 @@ import random
 import pytest
 
 from autoplan.cost.memory import StageMemoryModel
+from autoplan.cost.problem import Assignment, ChainProblem, Split
 from autoplan.errors import UserError
 from autoplan.solve.dp import min_peak_memory_split, solve_dp
 from autoplan.solve.ilp import solve_ilp
-from autoplan.cost.problem import Assignment, ChainProblem, Split
 from autoplan.solve.split import greedy_split
 
 

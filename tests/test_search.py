@@ -8,11 +8,11 @@ from functools import lru_cache
 import pytest
 from chain_fixtures import GIB, a100_cluster, cluster, gpt_profile
 
-from autoplan.errors import Infeasible, UserError
-from autoplan.plan import Training
-from autoplan.layout import SUPPORTED
 from autoplan.chain.modules import build_chain
-from autoplan.solve.pins import Pins, parse_pins
+from autoplan.errors import Infeasible, UserError
+from autoplan.layout import SUPPORTED, Layout
+from autoplan.plan import Training
+from autoplan.solve.pins import parse_pins
 from autoplan.solve.search import search
 
 
@@ -31,8 +31,8 @@ TRAINING = Training(global_batch_size=64, dtype="bf16")
 
 def test_parse_pins_reads_every_key():
     pins = parse_pins("tp=8, pp=4,dp=2,zero=3,schedule=1F1B,microbatch=1,recompute=full")
-    assert pins == Pins(dp=2, tp=8, pp=4, zero=3, schedule="1f1b", microbatch=1, recompute="full")
-    assert parse_pins("") == Pins()
+    assert pins == Layout(dp=2, tp=8, pp=4, zero=3, schedule="1f1b", microbatch=1, recompute="full")
+    assert parse_pins("") == Layout()
 
 
 def test_parse_pins_lists_every_problem_at_once():
@@ -77,7 +77,7 @@ def test_more_data_parallelism_beats_more_pipeline_or_tensor_parallelism_for_a_5
     training = Training(global_batch_size=512, dtype="bf16")
 
     def best(**pins):
-        return search(profile, a100_cluster(64), training, Pins(**pins)).best.predicted.step_time_s
+        return search(profile, a100_cluster(64), training, Layout(**pins)).best.predicted.step_time_s
 
     data = best(tp=1, pp=1)
     assert data < best(pp=2, tp=1) and data < best(tp=2, pp=1) and data < best(pp=4, tp=2)
@@ -86,7 +86,7 @@ def test_more_data_parallelism_beats_more_pipeline_or_tensor_parallelism_for_a_5
 
 
 def test_pins_are_respected():
-    pins = Pins(pp=2, zero=3, schedule="gpipe", microbatch=2)
+    pins = Layout(pp=2, zero=3, schedule="gpipe", microbatch=2)
     result = search(gpt2_small(), cluster(8), TRAINING, pins)
     for c in result.candidates:
         par = c.parallelism
@@ -98,7 +98,7 @@ def test_pins_are_respected():
 
 
 def test_interleaved_pins_give_p_times_v_stages_on_ranks_in_turn():
-    result = search(gpt2_small(), cluster(8), TRAINING, Pins(pp=2, schedule="interleaved", microbatch=4, dp=4))
+    result = search(gpt2_small(), cluster(8), TRAINING, Layout(pp=2, schedule="interleaved", microbatch=4, dp=4))
     par = result.best.parallelism
     v = par.pipeline_parallel_virtual_stages
     assert v >= 2 and len(result.best.stages) == 2 * v
@@ -114,21 +114,21 @@ def test_the_switch_list_turns_features_off():
                and c.parallelism.tensor_parallel_degree == 1
                and c.parallelism.pipeline_parallel_schedule != "interleaved" for c in result.candidates)
     with pytest.raises(UserError, match="zero=2 is not supported yet"):
-        search(gpt2_small(), cluster(8), TRAINING, Pins(zero=2), features=without)
+        search(gpt2_small(), cluster(8), TRAINING, Layout(zero=2), features=without)
 
 
 def test_fully_pinned_layout_reports_pinned_and_runs_the_milp_on_its_split():
-    result = search(gpt2_small(), cluster(8), TRAINING, Pins(dp=2, pp=4, microbatch=4))
+    result = search(gpt2_small(), cluster(8), TRAINING, Layout(dp=2, pp=4, microbatch=4))
     assert result.solver.name == "pinned" and result.solver.status == "optimal"
     assert len(result.best.stages) == 4 and all(s.modules for s in result.best.stages)
 
 
 def test_recompute_is_chosen_per_module_when_memory_needs_some():
     profile = gpt_profile(n_layer=12, n_embd=512, vocab=1024, seq=1024, batch=1, n_head=8, device="testgpu")
-    roomy = search(profile, cluster(8), Training(global_batch_size=64, dtype="bf16"), Pins(dp=8, pp=1, microbatch=8))
+    roomy = search(profile, cluster(8), Training(global_batch_size=64, dtype="bf16"), Layout(dp=8, pp=1, microbatch=8))
     needed = roomy.best.predicted.peak_memory_bytes
     tight = replace(cluster(8), memory_per_gpu_bytes=0.8 * needed)
-    result = search(profile, tight, Training(global_batch_size=64, dtype="bf16"), Pins(dp=8, pp=1, microbatch=8))
+    result = search(profile, tight, Training(global_batch_size=64, dtype="bf16"), Layout(dp=8, pp=1, microbatch=8))
     best = result.best
     assert best.parallelism.activation_checkpoint in ("selective", "full")
     assert 0 < len(best.activation_checkpoint_modules) < len(result.chain)  # some modules, not all
@@ -136,15 +136,15 @@ def test_recompute_is_chosen_per_module_when_memory_needs_some():
 
 
 @pytest.mark.parametrize("pins, num_gpus, batch, message", [
-    (Pins(pp=3), 8, 64, "pp=3 does not divide 8 GPUs"),
-    (Pins(dp=16), 16, 8, "dp=16 does not divide the global batch of 8"),
-    (Pins(pp=32), 32, 64, "pp=32 exceeds the 16 modules the model splits into"),
-    (Pins(tp=8), 8, 64, "tp=8 does not divide 12 attention heads"),
-    (Pins(tp=16), 16, 64, "tp=16 does not divide the 8 GPUs of a node"),
-    (Pins(dp=2, pp=2, tp=1), 8, 64, "dp=2 x tp=1 x pp=2 = 4, not 8 GPUs"),
-    (Pins(dp=2, microbatch=3), 8, 64, "microbatch=3 does not divide the 32 samples per data-parallel rank"),
-    (Pins(dp=2, pp=4, microbatch=16, schedule="1f1b"), 8, 64, "global batch 64 / dp=2 / microbatch=16 = 2"),
-    (Pins(dp=2, pp=4, microbatch=2, schedule="interleaved"), 8, 24, "needs a multiple of pp=4 micro-batches"),
+    (Layout(pp=3), 8, 64, "pp=3 does not divide 8 GPUs"),
+    (Layout(dp=16), 16, 8, "dp=16 does not divide the global batch of 8"),
+    (Layout(pp=32), 32, 64, "pp=32 exceeds the 16 modules the model splits into"),
+    (Layout(tp=8), 8, 64, "tp=8 does not divide 12 attention heads"),
+    (Layout(tp=16), 16, 64, "tp=16 does not divide the 8 GPUs of a node"),
+    (Layout(dp=2, pp=2, tp=1), 8, 64, "dp=2 x tp=1 x pp=2 = 4, not 8 GPUs"),
+    (Layout(dp=2, microbatch=3), 8, 64, "microbatch=3 does not divide the 32 samples per data-parallel rank"),
+    (Layout(dp=2, pp=4, microbatch=16, schedule="1f1b"), 8, 64, "global batch 64 / dp=2 / microbatch=16 = 2"),
+    (Layout(dp=2, pp=4, microbatch=2, schedule="interleaved"), 8, 24, "needs a multiple of pp=4 micro-batches"),
 ])
 def test_pin_errors_show_the_arithmetic(pins, num_gpus, batch, message):
     megatron_tp = SUPPORTED | {"tp_fused_split"}  # gpt2_small fuses q, k, v: its heads split as in Megatron-LM
@@ -154,7 +154,7 @@ def test_pin_errors_show_the_arithmetic(pins, num_gpus, batch, message):
 
 def test_pin_errors_are_gathered():
     with pytest.raises(UserError) as error:
-        search(gpt2_small(), cluster(8), Training(global_batch_size=64), Pins(pp=3, dp=5, tp=8),
+        search(gpt2_small(), cluster(8), Training(global_batch_size=64), Layout(pp=3, dp=5, tp=8),
                features=SUPPORTED | {"tp_fused_split"})
     message = str(error.value)
     assert "pp=3 does not divide 8 GPUs" in message and "dp=5 does not divide 8 GPUs" in message
@@ -180,9 +180,9 @@ def test_infeasible_without_a_larger_count_says_so():
 def test_search_is_deterministic():
     # how fast these searches are: benchmarks/search_time.py
     profile = gpt_profile(n_layer=12)
-    first = search(profile, cluster(8), Training(global_batch_size=32), Pins(pp=4))
+    first = search(profile, cluster(8), Training(global_batch_size=32), Layout(pp=4))
     assert search(profile, cluster(8), Training(global_batch_size=32)).best.fits
-    second = search(profile, cluster(8), Training(global_batch_size=32), Pins(pp=4))
+    second = search(profile, cluster(8), Training(global_batch_size=32), Layout(pp=4))
     assert first.best == second.best and first.candidates == second.candidates
 
 

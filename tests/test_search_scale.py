@@ -7,9 +7,9 @@ from pathlib import Path
 
 from chain_fixtures import read_runs, run_cluster, run_pins, run_profile
 
+from autoplan.layout import ALL_FEATURES
 from autoplan.plan import Training
 from autoplan.solve.pins import parse_pins
-from autoplan.layout import ALL_FEATURES
 from autoplan.solve.search import search
 
 ONE_T = next(r for r in read_runs(Path(__file__).parent / "fixtures" / "published_runs.csv") if r["pp"] == "64")

@@ -7,13 +7,12 @@ from pathlib import Path
 import pytest
 from chain_fixtures import cluster, gpt_profile
 
+from autoplan.chain.tensor_parallel import find_tensor_parallel_plan, tensor_parallel_facts
 from autoplan.errors import UserError
+from autoplan.layout import SUPPORTED, Layout
 from autoplan.plan import Training
 from autoplan.profile.types import ModelProfile
-from autoplan.layout import SUPPORTED
-from autoplan.solve.pins import Pins
 from autoplan.solve.search import search
-from autoplan.chain.tensor_parallel import find_tensor_parallel_plan, tensor_parallel_facts
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MEGATRON_TP = SUPPORTED | {"tp_fused_split"}
@@ -83,7 +82,7 @@ def test_no_pairs_means_no_tensor_parallelism():
 def test_pinned_tp_that_does_not_divide_the_heads_says_so():
     profile = gpt_profile(n_layer=8, n_embd=96, vocab=128, seq=32, n_head=6)
     with pytest.raises(UserError, match="tp=4 does not divide 6 attention heads"):
-        search(profile, cluster(8), Training(global_batch_size=8), Pins(tp=4), features=MEGATRON_TP)
+        search(profile, cluster(8), Training(global_batch_size=8), Layout(tp=4), features=MEGATRON_TP)
 
 
 def test_tensor_parallel_stays_inside_a_node_and_the_plan_names_the_pairs():
@@ -91,12 +90,12 @@ def test_tensor_parallel_stays_inside_a_node_and_the_plan_names_the_pairs():
     tight = replace(cluster(16, gpus_per_node=4), memory_per_gpu_bytes=None)
     result = search(profile, tight, Training(global_batch_size=16, dtype="bf16"), features=MEGATRON_TP)
     assert all(c.parallelism.tensor_parallel_degree <= 4 for c in result.candidates)
-    pinned = search(profile, tight, Training(global_batch_size=16, dtype="bf16"), Pins(tp=4, pp=1),
+    pinned = search(profile, tight, Training(global_batch_size=16, dtype="bf16"), Layout(tp=4, pp=1),
                     features=MEGATRON_TP)
     assert pinned.best.tensor_parallel_plan["blocks.0.attn.qkv"] == "colwise"
     assert pinned.best.tensor_parallel_plan["blocks.11.mlp.proj"] == "rowwise"
     with pytest.raises(UserError, match="tp=8"):
-        search(profile, tight, Training(global_batch_size=16, dtype="bf16"), Pins(tp=8))
+        search(profile, tight, Training(global_batch_size=16, dtype="bf16"), Layout(tp=8))
 
 
 def test_a_fused_qkv_split_is_not_sharded_where_torch_tp_would_gather_it():

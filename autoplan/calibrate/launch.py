@@ -17,9 +17,9 @@ import tempfile
 from pathlib import Path
 
 from autoplan.errors import UserError
-from autoplan.procs import kill_process_tree
 from autoplan.hardware.profiles import load_hardware
 from autoplan.hardware.types import HardwareProfile
+from autoplan.procs import kill_process_tree
 
 log = logging.getLogger("autoplan")
 

@@ -25,11 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from autoplan.chain.modules import ModuleChain
 from autoplan.cost import calibration, comm
 from autoplan.cost.dtypes import activation_scale, peak_flops
 from autoplan.cost.module_costs import MODES, SPLIT_ROLES, ChainCosts, OpCost, ModuleCosts, saved_by_mode
 from autoplan.hardware.types import Gpu, Link
-from autoplan.chain.modules import ModuleChain
 
 ADAMW_BYTES_PER_PARAM = 80
 """Memory traffic of one step of torch.optim.AdamW as the generated programs run it (the default:

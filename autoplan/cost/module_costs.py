@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoplan.chain.ops import cost_kind, has_trait
 from autoplan.chain.modules import ModuleChain
+from autoplan.chain.ops import cost_kind, has_trait
 from autoplan.chain.tensor_parallel import TensorParallelFacts
 from autoplan.profile.types import ModelProfile, OpProfile
 

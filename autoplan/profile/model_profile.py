@@ -10,8 +10,8 @@ from autoplan.profile.measure import OpTimer, device_description, measure_device
 from autoplan.profile.replay import FakeReplayer, OpCall, ReplayResult, SavedTensor, op_call
 from autoplan.profile.roofline import backward_bytes, peak_flops, roofline_seconds
 from autoplan.profile.timing_cache import TimingCache, cache_key
-from autoplan.profile.whole_model import time_whole_model
 from autoplan.profile.types import ModelProfile, OpProfile
+from autoplan.profile.whole_model import time_whole_model
 from autoplan.source import ModelSource
 
 

@@ -30,8 +30,8 @@ from torch import fx, nn
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
-from autoplan.errors import UserError
 from autoplan.contract import LossFn, compute_loss, model_args
+from autoplan.errors import UserError
 from autoplan.runtime.stage_graph import StagePlan, StateTensor, build_stage_module
 
 

@@ -16,8 +16,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 
-from autoplan.errors import UserError
 from autoplan.contract import LossFn, call_model, compute_loss
+from autoplan.errors import UserError
 from autoplan.runtime.data import microbatches
 from autoplan.runtime.mesh import RankLayout
 from autoplan.runtime.parallel import gradient_sync

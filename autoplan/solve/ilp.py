@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import pulp
 
-from autoplan.solve.ilp_backend import choose_backend, mip_gap, resolve_solver
 from autoplan.cost.problem import Assignment, ChainProblem, Split
+from autoplan.solve.ilp_backend import choose_backend, mip_gap, resolve_solver
 
 
 @dataclass

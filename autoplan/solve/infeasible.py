@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from autoplan.errors import Infeasible
-from autoplan.solve import layouts
 from autoplan.cost.context import GIB, Context, gib
 from autoplan.cost.evaluate import Candidate, build_problem
-from autoplan.solve.pins import Pins
+from autoplan.errors import Infeasible
+from autoplan.layout import Layout
+from autoplan.solve import layouts
 from autoplan.solve.dp import leanest_assignment
 from autoplan.solve.split import greedy_split
 
@@ -17,7 +17,7 @@ LARGER_GPU_COUNTS_TRIED = 6
 """How many larger power-of-two GPU counts an Infeasible message looks at."""
 
 
-def infeasible_message(ctx: Context, pins: Pins, candidates: list[Candidate]) -> Infeasible:
+def infeasible_message(ctx: Context, pins: Layout, candidates: list[Candidate]) -> Infeasible:
     cluster, training = ctx.cluster, ctx.training
     cap = cluster.usable_memory_bytes
     leanest = _leanest(ctx, candidates)
@@ -60,7 +60,7 @@ def _larger_counts(num_gpus: int) -> list[int]:
     return [first * 2**k for k in range(LARGER_GPU_COUNTS_TRIED)]
 
 
-def _smallest_fitting_count(ctx: Context, pins: Pins) -> int | None:
+def _smallest_fitting_count(ctx: Context, pins: Layout) -> int | None:
     """The smallest larger power-of-two GPU count (dp pin dropped) at which some layout fits, each family
     tried at its leanest variant (smallest micro-batch, most recompute)."""
     relaxed = dataclasses.replace(pins, dp=None)

@@ -17,7 +17,6 @@ from autoplan.cost.context import Context
 from autoplan.errors import UserError
 from autoplan.layout import RECOMPUTE, Layout, Scope, problems, schedule_problems
 from autoplan.plan import Parallelism
-from autoplan.solve.pins import Pins
 
 MAX_VIRTUAL_STAGES = 8
 """Largest number of stages per pipeline rank tried with the interleaved schedule."""
@@ -54,18 +53,18 @@ def scope_of(ctx: Context) -> Scope:
                  tensor_parallel_problems=ctx.facts.problems)
 
 
-def check_pins(pins: Pins, scope: Scope) -> None:
+def check_pins(pins: Layout, scope: Scope) -> None:
     """UserError listing every pin that cannot hold, with the arithmetic."""
-    found = problems(pins.layout(), scope)
+    found = problems(pins, scope)
     if found:
         raise UserError("pins cannot hold: " + "; ".join(found))
 
 
-def families(pins: Pins, scope: Scope) -> list[Family]:
+def families(pins: Layout, scope: Scope) -> list[Family]:
     """Every (tp, pp, dp_replicate, dp_shard, reshard) the pins allow that layout.problems() accepts in
     `scope` (whose tensor_parallel_problems says which tp the model allows)."""
     gpus, per_node, features = scope.num_gpus, scope.gpus_per_node or scope.num_gpus, scope.features or frozenset()
-    pinned = pins.layout()
+    pinned = pins
     out = []
     for tp in [pins.tp] if pins.tp else [t for t in divisors(per_node) if t == 1 or "tp" in features]:
         for pp in [pins.pp] if pins.pp else divisors(max(1, gpus // tp)):
@@ -93,7 +92,7 @@ def _whole_nodes(ranks: int, gpus_per_node: int) -> bool:
     return ranks % gpus_per_node == 0 and nodes & (nodes - 1) == 0
 
 
-def _sharding_options(pins: Pins, dp: int, features: frozenset[str]) -> list[tuple[int, bool]]:
+def _sharding_options(pins: Layout, dp: int, features: frozenset[str]) -> list[tuple[int, bool]]:
     """(dp_shard, reshard) pairs to try: DDP, FSDP2 over every data-parallel rank without and with
     resharding, and HSDP's smaller shard groups (resharding); a zero pin keeps its own."""
     wanted = {0: [(1, False)], 1: [(dp, False)], 2: [(dp, False)], 3: [(dp, True)]}
@@ -118,7 +117,7 @@ class Variant:
     recompute: str
 
 
-def variants(family: Family, pins: Pins, scope: Scope) -> list[Variant]:
+def variants(family: Family, pins: Layout, scope: Scope) -> list[Variant]:
     """Every (schedule, virtual stages, micro-batch size, recompute mode) of `family` the pins allow that
     layout.problems() accepts."""
     features = scope.features or frozenset()

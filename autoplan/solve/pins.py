@@ -1,51 +1,26 @@
-"""--pin: the parts of a layout the user fixes ("tp=8,pp=4,dp=2,zero=3,schedule=1f1b,microbatch=1")."""
+"""--pin: the parts of a layout the user fixes ("tp=8,pp=4,dp=2,zero=3,schedule=1f1b,microbatch=1"), as a
+partial layout.Layout (None: the search chooses)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass, fields
 
 from autoplan.errors import UserError
 from autoplan.layout import Layout, Scope, problems
 
 
-@dataclass(frozen=True)
-class Pins:
-    """Fixed choices; None leaves the choice to the search."""
-
-    dp: int | None = None
-    """Total data-parallel degree (sharded when zero = 3)."""
-    tp: int | None = None
-    """Tensor-parallel degree."""
-    pp: int | None = None
-    """Pipeline stages."""
-    zero: int | None = None
-    """Shorthand for dp_shard and reshard: 0 = DDP; 1, 2 = FSDP2 keeping parameters gathered; 3 = FSDP2
-    resharding after forward (layout.VOCABULARY)."""
-    schedule: str | None = None
-    """Pipeline schedule: "gpipe", "1f1b" or "interleaved"."""
-    microbatch: int | None = None
-    """Samples per micro-batch."""
-    recompute: str | None = None
-    """Activation recomputation: "none", "selective" or "full"."""
-
-    def as_text(self) -> str:
-        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if getattr(self, f.name) is not None)
-
-    def layout(self) -> Layout:
-        """The pinned part of a layout (the pin keys are layout.py's short names)."""
-        return Layout(**{f.name: getattr(self, f.name) for f in fields(self)})
+PIN_KEYS = ("dp", "tp", "pp", "zero", "schedule", "microbatch", "recompute")
+"""What --pin may fix: these short names of a Layout (layout.VOCABULARY); the rest is left to the search."""
 
 
 _WORDS = ("schedule", "recompute")
 """Pin keys whose values are words; the others are integers."""
 
 
-def parse_pins(text: str) -> Pins:
+def parse_pins(text: str) -> Layout:
     """Parse "key=value,..."; every problem found (layout.problems() checks the values) is listed in one
     UserError."""
     values: dict[str, object] = {}
     found: list[str] = []
-    known = [f.name for f in fields(Pins)]
+    known = PIN_KEYS
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
@@ -66,4 +41,4 @@ def parse_pins(text: str) -> Pins:
     found += problems(Layout(**values), Scope())
     if found:
         raise UserError(f"invalid --pin '{text}': " + "; ".join(found))
-    return Pins(**values)
+    return Layout(**values)

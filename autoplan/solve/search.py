@@ -21,21 +21,20 @@ import math
 import time
 from dataclasses import dataclass
 
+from autoplan.chain.modules import ModuleChain
+from autoplan.cost.context import Context, gib
+from autoplan.cost.evaluate import Candidate, build_problem, evaluate, oom_reason
 from autoplan.cost.memory import model_state_bytes, zero_of
 from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster
-from autoplan.layout import RECOMPUTE, SUPPORTED
+from autoplan.layout import RECOMPUTE, SUPPORTED, Layout
 from autoplan.plan import Parallelism, SolverInfo, Training
 from autoplan.profile.types import ModelProfile
 from autoplan.solve import layouts
 from autoplan.solve.dp import leanest_assignment, solve_dp
-from autoplan.cost.context import Context, gib
-from autoplan.cost.evaluate import Candidate, build_problem, evaluate, oom_reason
 from autoplan.solve.ilp import solve_ilp
 from autoplan.solve.ilp_backend import resolve_solver
 from autoplan.solve.infeasible import infeasible_message
-from autoplan.chain.modules import ModuleChain
-from autoplan.solve.pins import Pins
 from autoplan.solve.split import Slower, greedy_split
 
 TIE_TOLERANCE = 0.01
@@ -64,7 +63,7 @@ class SearchResult:
     same model at other GPU counts without pricing its modules again."""
 
 
-def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: Pins = Pins(),
+def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: Layout = Layout(),
            solver: str = "highs", time_limit_s: float | None = None,
            features: frozenset[str] | None = None) -> SearchResult:
     started = time.perf_counter()
@@ -113,7 +112,7 @@ class Explored:
     stopped_by_deadline: bool
 
 
-def explore(ctx: Context, pins: Pins, deadline: float | None = None, explain: bool = True) -> Explored:
+def explore(ctx: Context, pins: Layout, deadline: float | None = None, explain: bool = True) -> Explored:
     """The branch and bound (module docstring, steps 1-3) over every layout the pins allow, stopped at
     `deadline` (time.perf_counter() seconds) when one is given. Without `explain`, a layout that does not
     fit is not priced at its leanest split (what the "why not" and infeasibility messages show)."""
@@ -133,7 +132,7 @@ def explore(ctx: Context, pins: Pins, deadline: float | None = None, explain: bo
             continue
         work += [Work(time_lower_bound(ctx, fam, var, pins.recompute is not None), fam, var) for var in found]
     if not work and not pruned:
-        raise UserError(f"no layout satisfies the pins '{pins.as_text()}' on {cluster.num_gpus} GPUs at global "
+        raise UserError(f"no layout satisfies the pins '{pins.text()}' on {cluster.num_gpus} GPUs at global "
                         f"batch {batch} (dp must divide the batch, pp the GPU count)")
     work.sort(key=lambda w: w.time_bound_s)
     tried, best_time, priced, stopped = [], math.inf, 0, False
