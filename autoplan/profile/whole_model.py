@@ -2,7 +2,7 @@
 
 Ops timed one by one (measure.py) miss how they run together: an op replayed alone starts with cold
 caches and pays the autograd engine's start-up for its backward, while in the model consecutive ops
-share caches and one backward pass runs them all. The sum over ops is the right *shape* (which unit
+share caches and one backward pass runs them all. The sum over ops is the right *shape* (which module
 costs what, how time grows with the batch) but not the right total. Two whole-model timings fix the
 total: the cost model rescales the per-op times' fixed and per-sample parts so that their sum at these
 two batch sizes is what the real model takes (cost/compute.py, `MeasuredScale`).
