@@ -78,6 +78,16 @@ def _gpu_help(default: str) -> str:
     return f"hardware profile: {names} (default {default}; cpu = processes on this machine, measured op timings)"
 
 
+def _pin_help() -> str:
+    """--pin's help: the pin keys and the values of the word-valued ones (autoplan/layout.py)."""
+    from autoplan.layout import RECOMPUTE, SCHEDULES, ZERO_STAGES
+    from autoplan.solve.pins import PIN_KEYS
+
+    return (f"fix layout choices: {', '.join(PIN_KEYS)}; schedule is {' | '.join(SCHEDULES)}, recompute "
+            f"{' | '.join(RECOMPUTE)}, zero {' | '.join(map(str, ZERO_STAGES))}; e.g. tp=8,pp=4,dp=2,zero=3 "
+            "(the README lists every name)")
+
+
 def _plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL.py", help="the model file, or MODEL.py:factory")
     parser.add_argument("--gpus", metavar="N", required=True, help="number of accelerators (GPUs, or cpu processes)")
@@ -90,9 +100,7 @@ def _plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", metavar="bf16|fp32", default=None,
                         help="training precision (default bf16 on GPUs, fp32 on cpu)")
     parser.add_argument("--memory-per-gpu", metavar="SIZE", default=None, help="cap usable memory per GPU, e.g. 40GiB")
-    parser.add_argument("--pin", metavar="K=V,...", default=None,
-                        help="fix layout choices: dp, tp, pp (degrees), zero (0-3), schedule (gpipe, 1f1b, "
-                        "interleaved), microbatch, recompute (none, selective, full); e.g. tp=8,pp=4,dp=2,zero=3")
+    parser.add_argument("--pin", metavar="K=V,...", default=None, help=_pin_help())
     parser.add_argument("--hardware", metavar="PROFILE.yaml", default=None,
                         help="a hardware profile file, e.g. from autoplan calibrate (overrides --gpu)")
     parser.add_argument("--out", metavar="DIR", default="autoplan_out", help="output folder (default autoplan_out)")
