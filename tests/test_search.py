@@ -13,6 +13,7 @@ from autoplan.errors import Infeasible, UserError
 from autoplan.layout import SUPPORTED, Layout
 from autoplan.plan import Training
 from autoplan.solve.pins import parse_pins
+from autoplan.solve import search as search_module
 from autoplan.solve.search import search
 
 
@@ -190,3 +191,17 @@ def test_pruned_layouts_are_listed_with_their_reason():
     result = search(gpt2_small(), capped(8, 0.7), TRAINING)
     pruned = [c for c in result.candidates if c.predicted is None]
     assert pruned and all("memory lower bound" in c.reason and not c.fits for c in pruned)
+
+
+def test_a_layout_whose_leanest_split_fits_is_planned_when_the_packing_finds_none(monkeypatch):
+    """The fast packing is a heuristic: when it finds no split, the leanest split decides. If that one
+    fits, the layout fits (priced at it), so "no layout fits" never names a layout within the memory."""
+    pins = parse_pins("dp=4,pp=2,microbatch=4")
+    expected = search(gpt2_small(), cluster(8), TRAINING, pins).best
+    monkeypatch.setattr(search_module, "greedy_split", lambda *args, **kwargs: None)
+    found = search(gpt2_small(), cluster(8), TRAINING, pins)
+    assert found.best.fits and found.best.parallelism == expected.parallelism
+    with pytest.raises(Infeasible) as error:
+        search(gpt2_small(), capped(8, 0.5), TRAINING, pins)
+    needed = float(re.search(r"needs ([0-9.]+) GiB per GPU", str(error.value)).group(1))
+    assert needed > 0.5

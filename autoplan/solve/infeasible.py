@@ -22,6 +22,7 @@ def infeasible_message(ctx: Context, pins: Layout, candidates: list[Candidate]) 
     cap = cluster.usable_memory_bytes
     leanest = _leanest(ctx, candidates)
     needed = leanest.memory_needed_bytes
+    assert needed > cap, f"the leanest layout needs {needed} bytes, within the {cap} usable: it fits"
     message = (f"no layout fits {cluster.num_gpus} GPUs with {gib(cap)} GiB usable each: the leanest "
                f"({layouts.describe(leanest.parallelism)}) needs {gib(needed)} GiB per GPU")
     count = _smallest_fitting_count(ctx, pins)

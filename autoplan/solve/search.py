@@ -192,8 +192,9 @@ def time_lower_bound(ctx: Context, fam: layouts.Family, var: layouts.Variant, pi
 
 def try_layout(ctx: Context, par: Parallelism, modes: tuple[str, ...], cutoff: float = math.inf,
                explain: bool = True) -> Candidate | None:
-    """`par` priced at its best split (None when a recompute mode was allowed and not used), or, when no
-    split fits, at its leanest split with the OOM reason (None without `explain`)."""
+    """`par` priced at its best split (None when a recompute mode was allowed and not used), or, when the
+    packing finds no split that fits, at its leanest split: fitting if that one fits (the packing is a
+    heuristic), else with the OOM reason (None without `explain`)."""
     problem = build_problem(ctx, par, modes)
     cap = problem.memory_cap_bytes
     bound = problem.memory_lower_bound()
@@ -209,6 +210,8 @@ def try_layout(ctx: Context, par: Parallelism, modes: tuple[str, ...], cutoff: f
         if leanest is None:
             return Candidate(parallelism=par, stages=(), predicted=None, fits=False,
                              reason=f"more stages than the {problem.num_modules} modules", memory_needed_bytes=bound)
+        if problem.fits(leanest):
+            return evaluate(ctx, par, problem, leanest, True)
         candidate = evaluate(ctx, par, problem, leanest, False)
         return dataclasses.replace(candidate, reason=oom_reason(candidate, cap))
     if len(modes) > 1 and all(k == "none" for k in found.modes):
