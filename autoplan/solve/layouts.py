@@ -64,11 +64,10 @@ def families(pins: Layout, scope: Scope) -> list[Family]:
     """Every (tp, pp, dp_replicate, dp_shard, reshard) the pins allow that layout.problems() accepts in
     `scope` (whose tensor_parallel_problems says which tp the model allows)."""
     gpus, per_node, features = scope.num_gpus, scope.gpus_per_node or scope.num_gpus, scope.features or frozenset()
-    pinned = pins
     out = []
     for tp in [pins.tp] if pins.tp else [t for t in divisors(per_node) if t == 1 or "tp" in features]:
         for pp in [pins.pp] if pins.pp else divisors(max(1, gpus // tp)):
-            if problems(replace(pinned, tp=tp, pp=pp), scope):
+            if problems(replace(pins, tp=tp, pp=pp), scope):
                 continue
             dp = gpus // (tp * pp)
             if pins.dp not in (None, dp):
@@ -77,7 +76,7 @@ def families(pins: Layout, scope: Scope) -> list[Family]:
                 if 1 < shard < dp and not _whole_nodes(shard * tp, per_node):
                     continue
                 family = Family(tp, pp, dp // shard, shard, reshard)
-                layout = replace(pinned, dp=dp, dp_replicate=dp // shard, dp_shard=shard,
+                layout = replace(pins, dp=dp, dp_replicate=dp // shard, dp_shard=shard,
                                  reshard="always" if reshard else "never", tp=tp, pp=pp)
                 if not problems(layout, scope):
                     out.append(family)
