@@ -183,6 +183,7 @@ def plan_model(
         alternatives=alternatives,
         tensor_parallel_plan=dict(best.tensor_parallel_plan),
         activation_checkpoint_modules=tuple(best.activation_checkpoint_modules),
+        batch_norm_modules=result.context.batch_norm_modules,
     )
     if out is not None:
         log.info("scaling curve: best layouts at %d/8 .. 4x%d GPUs", cluster.num_gpus, cluster.num_gpus)

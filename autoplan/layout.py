@@ -79,6 +79,9 @@ VOCABULARY = (
          "backward, listed in full"),
     Term("modules", "stages[].modules", "the modules of the model's chain a pipeline stage runs (nn.Module "
          "FQNs; stages are cut between them)"),
+    Term("batch_norm_modules", "batch_norm_modules (top level)", "modules that normalize over the batch "
+         "(BatchNorm): statistics synchronized over the data-parallel ranks (SyncBatchNorm), never split into "
+         "micro-batches"),
 )
 
 
@@ -131,6 +134,8 @@ class Scope:
     """A plan's stages, each its modules."""
     tensor_parallel_modules: int | None = None
     """Modules a plan's tensor_parallel_plan shards."""
+    batch_norm_modules: tuple[str, ...] | None = None
+    """Modules that normalize over the batch they see (BatchNorm in training mode; chain/batch_statistics.py)."""
 
 
 def problems(layout: Layout, scope: Scope) -> list[str]:
@@ -145,7 +150,7 @@ def problems(layout: Layout, scope: Scope) -> list[str]:
 def schedule_problems(layout: Layout, scope: Scope) -> list[str]:
     """The schedule's rules alone: all that a micro-batch variant (schedule, virtual stages, micro-batch
     size dividing the rank's samples) of a layout problems() accepted can break. The search's inner loop."""
-    return _schedule(layout, scope)
+    return _schedule(layout, scope) + _batch_norm_microbatches(layout, scope)
 
 
 def _values(layout: Layout, scope: Scope) -> list[str]:
@@ -315,5 +320,32 @@ def _stages(layout: Layout, scope: Scope) -> list[str]:
     return out
 
 
-RULES = (_values, _features, _degrees, _sharding_rules, _batch, _schedule, _stages)
+def _batch_norm_microbatches(layout: Layout, scope: Scope) -> list[str]:
+    """The single-device model normalizes over the whole global batch: SyncBatchNorm's statistics over all
+    data-parallel ranks equal it only when each rank's share runs as one micro-batch."""
+    m = _microbatches(layout, scope)
+    if not scope.batch_norm_modules or m is None or m == 1:
+        return []
+    split = f"microbatches={m}" if _positive(layout.microbatches) else f"{_microbatches_text(layout, scope)} = {m}"
+    return [f"{split} micro-batches per data-parallel rank, but "
+            f"{_batch_norm_text(scope.batch_norm_modules)} normalizes over the batch it sees (the single-device "
+            f"model: the whole global batch), so it cannot be split into micro-batches (use microbatches=1)"]
+
+
+def _batch_norm_pipeline(layout: Layout, scope: Scope) -> list[str]:
+    """SyncBatchNorm replaces nn.Module BatchNorms; a pipeline's stages are exported graphs without them."""
+    pp, dp = layout.pp, layout.data_parallel
+    if not scope.batch_norm_modules or not _positive(pp, dp) or pp == 1 or dp == 1:
+        return []
+    return [f"pp={pp} with dp={dp}: {_batch_norm_text(scope.batch_norm_modules)} needs SyncBatchNorm over the "
+            f"data-parallel ranks, which a pipeline stage's exported graph cannot run (use pp=1 or dp=1)"]
+
+
+def _batch_norm_text(modules: tuple[str, ...]) -> str:
+    more = f" (and {len(modules) - 1} more)" if len(modules) > 1 else ""
+    return f"BatchNorm module '{modules[0]}'{more}"
+
+
+RULES = (_values, _features, _degrees, _sharding_rules, _batch, _schedule, _batch_norm_microbatches,
+         _batch_norm_pipeline, _stages)
 """Every rule, in the order their messages read best."""

@@ -198,6 +198,10 @@ class Plan:
     activation_checkpoint_modules: tuple[str, ...] = ()
     """The modules recomputed in backward with the parallelism.activation_checkpoint mode, every one
     listed (empty when the mode is "none")."""
+    batch_norm_modules: tuple[str, ...] = ()
+    """Modules that normalize over the batch (BatchNorm): train.py synchronizes their statistics over the
+    data-parallel ranks (SyncBatchNorm) and the layout never splits a rank's batch into micro-batches.
+    Optional in schema 2 (absent: none)."""
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -211,7 +215,8 @@ class Plan:
         scope = Scope(num_gpus=self.cluster.num_gpus, gpus_per_node=self.cluster.gpus_per_node,
                       global_batch=self.training.global_batch_size, features=features,
                       stage_modules=tuple(s.modules for s in self.stages),
-                      tensor_parallel_modules=len(self.tensor_parallel_plan))
+                      tensor_parallel_modules=len(self.tensor_parallel_plan),
+                      batch_norm_modules=self.batch_norm_modules)
         found = problems(self.parallelism.layout(), scope)
         recomputed = set(self.activation_checkpoint_modules)
         if (self.parallelism.activation_checkpoint == "none") != (not recomputed):
@@ -261,6 +266,9 @@ class Plan:
         recomputed = raw.get("activation_checkpoint_modules", [])
         if not isinstance(recomputed, list) or not all(isinstance(m, str) for m in recomputed):
             raise PlanError("plan.json: activation_checkpoint_modules must be a list of module names")
+        batch_norm = raw.get("batch_norm_modules", [])
+        if not isinstance(batch_norm, list) or not all(isinstance(m, str) for m in batch_norm):
+            raise PlanError("plan.json: batch_norm_modules must be a list of module names")
         plan = Plan(
             model=_build(ModelRef, raw, "model"),
             cluster=_build(ClusterRef, raw, "cluster"),
@@ -272,6 +280,7 @@ class Plan:
             alternatives=alternatives,
             tensor_parallel_plan=dict(tp_plan),
             activation_checkpoint_modules=tuple(recomputed),
+            batch_norm_modules=tuple(batch_norm),
         )
         broken = plan.problems(features=None)
         if broken:

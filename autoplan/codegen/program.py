@@ -168,6 +168,8 @@ def _config_block(plan: Plan) -> str:
                             "nn.Linear FQN -> colwise | rowwise (when TP > 1)")
     lines += _literal_block("RECOMPUTE_MODULES", "[]", [f"{name!r}," for name in plan.activation_checkpoint_modules],
                             "the modules recomputed in backward, in the RECOMPUTE mode")
+    lines += _literal_block("BATCH_NORM_MODULES", "[]", [f"{name!r}," for name in plan.batch_norm_modules],
+                            "BatchNorm modules: statistics synchronized over the DP ranks")
     lines.append("STAGES = [  # the modules each pipeline stage runs, in order; stage s on pipeline rank s % PP")
     lines += [f"    {list(stage.modules)!r}," for stage in sorted(plan.stages, key=lambda s: s.index)]
     lines.append("]")

@@ -27,12 +27,17 @@ Gpu.comm_overlap (1 on GPUs; measured on a CPU, whose gloo threads share the cor
 - FSDP2 also copies every gathered parameter out of the all-gather buffer and every gradient into
   the reduce-scatter buffer on the compute stream (fully_shard's copy-out / chunk-cat copy-in): each
   reads and writes the unsharded bytes once, at the device's streaming bandwidth, never hidden.
+- SyncBatchNorm (a model with BatchNorm under data parallelism): every BatchNorm call all-reduces its
+  per-channel sum and sum of squares and the sample count in forward (2C + 1 fp32 values) and the two
+  per-channel gradient sums in backward (2C values) over the data-parallel ranks, per micro-batch. The
+  next op needs the result at once, so nothing hides them: small collectives, mostly latency.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 from autoplan.hardware.types import Link
 
@@ -174,3 +179,20 @@ def fsdp_comm(stage: FsdpStage) -> DataParallelComm:
         backward = exposed_s(sum(scatters), scatters[-1], stage.backward_window_s) + copy_s
         total = m * (sum(gathers) + sum(scatters))
     return DataParallelComm(forward + backward + hooks, 0.0, total, forward + hooks / 2)
+
+
+SYNC_STATISTICS_BYTES = 4
+"""Bytes per synchronized BatchNorm statistic: fp32 (runtime/batchnorm.py reduces in fp32)."""
+
+
+def sync_batch_norm_s(channels: Sequence[int], group: Group) -> float:
+    """Exposed seconds of SyncBatchNorm's all-reduces for one micro-batch's forward and backward, one
+    BatchNorm call per entry of `channels` (its channel count C)."""
+    if group.size <= 1:
+        return 0.0
+    total = 0.0
+    for c in channels:
+        forward = all_reduce_s((2 * c + 1) * SYNC_STATISTICS_BYTES, group.size, group.link, group.nodes)
+        backward = all_reduce_s(2 * c * SYNC_STATISTICS_BYTES, group.size, group.link, group.nodes)
+        total += forward + backward
+    return total

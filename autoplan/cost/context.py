@@ -12,6 +12,7 @@ import copy
 import math
 from dataclasses import dataclass
 
+from autoplan.chain.batch_statistics import batch_statistics, batch_statistics_modules
 from autoplan.chain.modules import build_chain
 from autoplan.chain.tensor_parallel import tensor_parallel_facts
 from autoplan.cost import comm
@@ -49,6 +50,9 @@ class Context:
         self.facts = tensor_parallel_facts(profile, vocab_parallel="tp_vocab_parallel" in features,
                                            fused_split="tp_fused_split" in features)
         self.costs = chain_costs(profile, self.chain, self.facts)
+        self.batch_statistics = batch_statistics(profile)
+        """Calls of modules that normalize over the batch (BatchNorm), in graph order."""
+        self.batch_norm_modules = batch_statistics_modules(self.batch_statistics)
         self.dtype = training_dtype(training.dtype)
         self.dtype_bytes = bytes_per_element(self.dtype)
         self.scale = activation_scale(self.chain.capture_dtype, self.dtype)

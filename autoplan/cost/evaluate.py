@@ -11,6 +11,7 @@ Step time (seconds), p pipeline ranks with v stages each, m micro-batches, q the
             + all-reduce of tied parameters split over stages
             + max over ranks of the AdamW step            (cost/compute.py)
             + the all-reduce of the step's loss over every rank (train.py logs the global mean)
+            + SyncBatchNorm's statistics all-reduces, per micro-batch (batch_norm_sync; cost/comm.py)
 """
 
 from __future__ import annotations
@@ -146,6 +147,8 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     breakdown["pipeline_comm"] += _tied_gradient_sync(chain, assignment, pp, tied, element, groups.pipeline)
     breakdown["optimizer"] = max(optimizer)
     breakdown["loss_all_reduce"] = _loss_all_reduce(ctx, par)
+    if ctx.batch_statistics and par.data_parallel_degree > 1:
+        breakdown["batch_norm_sync"] = m * _batch_norm_sync(ctx, par)
     step = sum(breakdown.values())
     stages = []
     rank_memory = [problem.rank_breakdown(r, assignment) for r in range(pp)]
@@ -181,6 +184,13 @@ def _loss_all_reduce(ctx: Context, par: Parallelism) -> float:
     log the global-batch mean: one scalar, so the link's latency, and a point where every rank waits."""
     world = ctx.group(par.world_size, 1)
     return comm.all_reduce_s(LOSS_BYTES, world.size, world.link, world.nodes)
+
+
+def _batch_norm_sync(ctx: Context, par: Parallelism) -> float:
+    """SyncBatchNorm's all-reduces of one micro-batch over all data-parallel ranks (replicate x shard,
+    stride tp), seconds."""
+    group = ctx.group(par.data_parallel_degree, par.tensor_parallel_degree)
+    return comm.sync_batch_norm_s([call.channels for call in ctx.batch_statistics], group)
 
 
 def _recompute(table: ModuleTable, u: int, mode: str) -> float:

@@ -35,12 +35,17 @@ def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool, chain_modules: Sequence[str],
-                        dtype: torch.dtype = torch.float32) -> nn.Module:
+                        dtype: torch.dtype = torch.float32, batch_norm_modules: Sequence[str] = ()) -> nn.Module:
     """FSDP2 over the mesh's dp_shard ranks (HSDP with dp_replicate): fully_shard each of the modules
     `chain_modules`, then the root. Works on a meta-device module (materialize afterwards). With dp_shard 1 it
     is DDP (replicate_data_parallel), except with tensor parallelism: DDP buckets plain tensors, not
     DTensors, so there fully_shard over a replicate-only mesh (shard dim of size 1) replicates instead:
-    full parameters on every replica, gradients all-reduced, the same work as DDP."""
+    full parameters on every replica, gradients all-reduced, the same work as DDP. First, with any data
+    parallelism, the BatchNorm modules `batch_norm_modules` (the plan's) synchronize their statistics over
+    the data-parallel ranks (runtime/batchnorm.py)."""
+    from autoplan.runtime.batchnorm import sync_batch_norm
+
+    module = sync_batch_norm(module, mesh, batch_norm_modules)
     replicate, shard, tp = mesh["dp_replicate"].size(), mesh["dp_shard"].size(), mesh["tp"].size()
     if replicate * shard == 1 or (shard == 1 and tp == 1):
         return module

@@ -46,11 +46,11 @@ class Family:
 
 def scope_of(ctx: Context) -> Scope:
     """What every layout of a search must fit (layout.problems): the cluster, the batch, the model's
-    modules and its tensor-parallel facts, the features in use."""
+    modules, its tensor-parallel facts and its BatchNorm modules, the features in use."""
     cluster = ctx.cluster
     return Scope(num_gpus=cluster.num_gpus, gpus_per_node=cluster.gpus_per_node,
                  global_batch=ctx.training.global_batch_size, num_modules=len(ctx.chain), features=ctx.features,
-                 tensor_parallel_problems=ctx.facts.problems)
+                 tensor_parallel_problems=ctx.facts.problems, batch_norm_modules=ctx.batch_norm_modules)
 
 
 def check_pins(pins: Layout, scope: Scope) -> None:

@@ -72,6 +72,7 @@ RECOMPUTE_MODULES = [  # the modules recomputed in backward, in the RECOMPUTE mo
     'layers.1',
     'layers.3',
 ]
+BATCH_NORM_MODULES = []             # BatchNorm modules: statistics synchronized over the DP ranks
 STAGES = [  # the modules each pipeline stage runs, in order; stage s on pipeline rank s % PP
     ['inp', 'layers.0'],
     ['layers.1', 'layers.2'],
@@ -138,7 +139,8 @@ def build_parallel_model(model_source, mesh, rank, device, dtype):
         part.module = runtime.tensor_parallel(part.module, mesh["tp"], TENSOR_PARALLEL_PLAN, chain_modules[s])
         recomputed = [u for u in chain_modules[s] if u in RECOMPUTE_MODULES]
         part.module = runtime.checkpoint_modules(part.module, recomputed, RECOMPUTE)
-        part.module = runtime.shard_data_parallel(part.module, mesh, RESHARD == "always", chain_modules[s], dtype)
+        part.module = runtime.shard_data_parallel(part.module, mesh, RESHARD == "always", chain_modules[s], dtype,
+                                                  batch_norm_modules=BATCH_NORM_MODULES)  # SyncBatchNorm if DP > 1
     runtime.materialize(parts.values(), weights, model_source, SEED, device)
     for part in parts.values():
         part.module = runtime.replicate_data_parallel(part.module, mesh, device)  # DDP

@@ -46,6 +46,7 @@ MODEL_FLOPS_PER_STEP = 0.0
 PEAK_FLOPS_PER_GPU = None
 TENSOR_PARALLEL_PLAN = {}
 RECOMPUTE_MODULES = []
+BATCH_NORM_MODULES = []
 STAGES = [[]]
 # --- plan config end ---
 DP = DP_REPLICATE * DP_SHARD
@@ -108,7 +109,8 @@ def build_parallel_model(model_source, mesh, rank, device, dtype):
         part.module = runtime.tensor_parallel(part.module, mesh["tp"], TENSOR_PARALLEL_PLAN, chain_modules[s])
         recomputed = [u for u in chain_modules[s] if u in RECOMPUTE_MODULES]
         part.module = runtime.checkpoint_modules(part.module, recomputed, RECOMPUTE)
-        part.module = runtime.shard_data_parallel(part.module, mesh, RESHARD == "always", chain_modules[s], dtype)
+        part.module = runtime.shard_data_parallel(part.module, mesh, RESHARD == "always", chain_modules[s], dtype,
+                                                  batch_norm_modules=BATCH_NORM_MODULES)  # SyncBatchNorm if DP > 1
     runtime.materialize(parts.values(), weights, model_source, SEED, device)
     for part in parts.values():
         part.module = runtime.replicate_data_parallel(part.module, mesh, device)  # DDP
