@@ -81,7 +81,7 @@ VOCABULARY = (
          "FQNs; stages are cut between them)"),
     Term("batch_norm_modules", "batch_norm_modules (top level)", "modules that normalize over the batch "
          "(BatchNorm): statistics synchronized over the data-parallel ranks (SyncBatchNorm), never split into "
-         "micro-batches"),
+         "micro-batches nor recomputed"),
 )
 
 
@@ -341,11 +341,20 @@ def _batch_norm_pipeline(layout: Layout, scope: Scope) -> list[str]:
             f"data-parallel ranks, which a pipeline stage's exported graph cannot run (use pp=1 or dp=1)"]
 
 
+def _batch_norm_recompute(layout: Layout, scope: Scope) -> list[str]:
+    """Recomputation re-runs a module's forward in backward: a BatchNorm's running statistics would take the
+    batch in twice (torch.utils.checkpoint does not restore buffers)."""
+    if not scope.batch_norm_modules or layout.recompute not in ("selective", "full"):
+        return []
+    return [f"recompute={layout.recompute} re-runs forwards in backward, and {_batch_norm_text(scope.batch_norm_modules)}"
+            f" would update its running statistics twice per step (use recompute=none)"]
+
+
 def _batch_norm_text(modules: tuple[str, ...]) -> str:
     more = f" (and {len(modules) - 1} more)" if len(modules) > 1 else ""
     return f"BatchNorm module '{modules[0]}'{more}"
 
 
 RULES = (_values, _features, _degrees, _sharding_rules, _batch, _schedule, _batch_norm_microbatches,
-         _batch_norm_pipeline, _stages)
+         _batch_norm_pipeline, _batch_norm_recompute, _stages)
 """Every rule, in the order their messages read best."""

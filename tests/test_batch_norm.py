@@ -173,6 +173,15 @@ class _Dim:
         return self._group
 
 
+def test_recomputing_a_batch_norm_model_is_refused():
+    """torch.utils.checkpoint re-runs the forward: BatchNorm's running statistics would move twice."""
+    scope = Scope(num_gpus=2, global_batch=8, batch_norm_modules=BN)
+    found = problems(Layout(dp=2, recompute="full"), scope)
+    assert found == ["recompute=full re-runs forwards in backward, and BatchNorm module 'stem.1' (and 1 more) would "
+                     "update its running statistics twice per step (use recompute=none)"]
+    assert problems(Layout(dp=2, recompute="none"), scope) == []
+
+
 # planning, pricing and plan.json ----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -197,6 +206,7 @@ def test_the_search_never_splits_a_batch_norm_model_into_micro_batches(resnet_pr
     chosen = [result.best.parallelism] + [c.parallelism for c in result.candidates]
     assert all(p.pipeline_parallel_num_microbatches == 1 for p in chosen)
     assert all(p.pipeline_parallel_degree == 1 or p.data_parallel_degree == 1 for p in chosen)
+    assert all(p.activation_checkpoint == "none" for p in chosen)
     assert result.context.batch_norm_modules[0] == "stem.1"
 
 
@@ -207,6 +217,8 @@ def test_pinned_micro_batches_are_refused_naming_the_module(resnet_profile):
     with pytest.raises(UserError, match=r"pins cannot hold: .*microbatch=2 = 4 micro-batches per data-parallel rank, "
                                         r"but BatchNorm module 'stem.1' \(and 14 more\) normalizes over the batch"):
         _search(resnet_profile, 8, 64, parse_pins("dp=8,microbatch=2"))
+    with pytest.raises(UserError, match="recompute=selective re-runs forwards in backward, and BatchNorm module"):
+        _search(resnet_profile, 8, 64, parse_pins("recompute=selective"))
 
 
 def test_sync_batch_norm_is_priced_per_call_and_data_parallel_rank(resnet_profile):

@@ -130,6 +130,7 @@ def variants(family: Family, pins: Layout, scope: Scope) -> list[Variant]:
                      for v in (range(2, MAX_VIRTUAL_STAGES + 1) if name == "interleaved" else (1,))]
     sizes = [pins.microbatch] if pins.microbatch else divisors(per_rank)
     modes = [pins.recompute] if pins.recompute else [r for r in RECOMPUTE if r == "none" or r in features]
+    modes = [r for r in modes if not problems(Layout(recompute=r), scope)]  # e.g. BatchNorm: none only
     base = Layout(dp=family.dp, tp=family.tp, pp=pp)
     out = []
     for schedule, virtual in schedules:
