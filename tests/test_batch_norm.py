@@ -300,6 +300,29 @@ def test_resnet_dp2_matches_the_reference_losses_and_running_statistics(tmp_path
         assert not torch.allclose(buffers["stem.1.running_var"], torch.ones(16))  # the statistics did move
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("pin, world", [("zero=3", 2), ("pp=2,schedule=gpipe", 2)])
+def test_fsdp_and_pipeline_stages_keep_the_reference_running_statistics(tmp_path, pin, world):
+    """FSDP2 with the synchronized BatchNorm, and a pipeline (dp=1, one micro-batch) whose exported stages
+    run BatchNorm themselves: after one step every running statistic equals the reference's."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / "plan"
+    subprocess.run([sys.executable, "-m", "autoplan.cli", str(RESNET), "--gpus", str(world), "--gpu", "cpu",
+                    "--global-batch", "8", "--pin", pin, "--out", str(out)], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+                    "train.py", "--device", "cpu", "--steps", "1", "--checkpoint-dir", str(tmp_path / "ckpt")],
+                   cwd=out, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    dcp_to_torch_save(tmp_path / "ckpt" / "step_1", tmp_path / "step_1.pt")
+    trained = torch.load(tmp_path / "step_1.pt", weights_only=True)["model"]
+    by_name = {name.partition(".")[2] if name.startswith("stage") else name: t for name, t in trained.items()}
+    buffers = dict(_reference_model(out, 1).named_buffers())
+    for name, expected in buffers.items():
+        torch.testing.assert_close(by_name[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    assert not torch.allclose(buffers["stem.1.running_var"], torch.ones(16))
+
+
 def _reference_model(out: Path, steps: int):
     """The generated train.py's own single-device reference (train_reference), keeping the model it trains."""
     import importlib.util
