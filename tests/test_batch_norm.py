@@ -132,6 +132,53 @@ def test_cpu_sync_batch_norm_trains_like_batch_norm(one_process_group, momentum)
     torch.testing.assert_close(synced(x), reference(x), rtol=1e-5, atol=1e-5)
 
 
+TWO_RANKS = """
+import sys
+import torch
+import torch.distributed as dist
+from torch import nn
+from autoplan.runtime.batchnorm import _data_parallel_copy
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+reference = nn.BatchNorm2d(6)
+with torch.no_grad():
+    reference.weight.uniform_(0.5, 1.5)
+    reference.bias.uniform_(-0.5, 0.5)
+synced = _data_parallel_copy(nn.BatchNorm2d(6).requires_grad_(), dist.group.WORLD)
+synced.load_state_dict(reference.state_dict())
+x = torch.randn(8, 6, 3, 3) * 2 + 1  # the same global batch on both ranks (same seed)
+grad = torch.randn(8, 6, 3, 3)
+whole = x.clone().requires_grad_()
+reference(whole).backward(grad)
+mine = x[4 * rank:4 * rank + 4].clone().requires_grad_()
+out = synced(mine)
+out.backward(grad[4 * rank:4 * rank + 4])
+for p in (synced.weight, synced.bias):  # DDP's gradient all-reduce (a sum: the loss is a sum over samples)
+    dist.all_reduce(p.grad)
+torch.testing.assert_close(mine.grad, whole.grad[4 * rank:4 * rank + 4], rtol=1e-4, atol=1e-5)
+torch.testing.assert_close(synced.weight.grad, reference.weight.grad, rtol=1e-4, atol=1e-5)
+torch.testing.assert_close(synced.bias.grad, reference.bias.grad, rtol=1e-4, atol=1e-5)
+torch.testing.assert_close(synced.running_var, reference.running_var, rtol=1e-5, atol=1e-6)
+torch.testing.assert_close(synced.running_mean, reference.running_mean, rtol=1e-5, atol=1e-6)
+print("rank", rank, "matches")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_sync_batch_norm_equals_batch_norm_on_the_concatenated_batch(tmp_path):
+    """Each of 2 gloo ranks normalizes half the batch; outputs' input gradients, parameter gradients (summed
+    over ranks) and running statistics equal one nn.BatchNorm2d's on the whole batch."""
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script)], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("matches") == 2
+
+
 def _clone(module):
     import copy
 
