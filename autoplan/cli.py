@@ -185,6 +185,8 @@ def cmd_verify(args) -> int:
 
         add_verification(Path(args.dir), json.loads((Path(args.dir) / "verify.json").read_text()))
     if not args.quiet:
+        if result.dropout:
+            print(f"dropout: {result.dropout}")
         print(f"loss parity over {result.steps} steps on {result.nproc} processes: "
               f"max |diff| = {result.parity_max_abs_diff:.3g} ({'PASS' if result.passed else 'FAIL'}, limit 1e-4)")
     return 0 if result.passed else 1

@@ -5,6 +5,9 @@ Two runs of DIR/train.py, each in its own process group (session) with a time li
   distributed  python -m torch.distributed.run ...   the planned layout on K CPU processes (gloo)
 Both start from the same weights, draw the same batches and use the same optimizer, so their
 per-step losses agree to float rounding (|diff| <= PARITY_TOLERANCE) when the program is right.
+Both run with --no-dropout (every dropout the identity, runtime/dropout.py): the ranks would draw other
+random numbers than the reference. The reference counts the dropout calls it disabled; verify.json's
+"dropout" says how dropout was handled.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class VerifyResult:
     """parity_max_abs_diff <= PARITY_TOLERANCE."""
     measured: dict[str, Any] = field(default_factory=dict)
     """With measure=True: measured vs predicted step time and peak memory."""
+    dropout: str = ""
+    """How dropout was handled: "disabled in both runs (N dropout calls per step)", "none in the model", ...."""
     error: str = ""
     """Why a run produced no losses, when a caller checks several runs at once and reports each
     (then passed is False and the losses are empty); "" otherwise."""
@@ -68,9 +73,11 @@ def verify(out_dir: Path | str, nproc: int | None = None, steps: int = 3, timeou
         raise UserError(f"{out_dir} has no train.py: run `autoplan MODEL.py --out {out_dir}` first")
 
     with tempfile.TemporaryDirectory(prefix="autoplan-verify-") as tmp:
-        ref_out, dist_out, metrics_out = (Path(tmp) / n for n in ("reference.json", "losses.json", "metrics.json"))
-        common = ["--device", "cpu", "--steps", str(steps)]
-        reference = [sys.executable, "train.py", "--reference", *common, "--losses-out", str(ref_out)]
+        ref_out, dist_out, metrics_out, dropout_out = (
+            Path(tmp) / n for n in ("reference.json", "losses.json", "metrics.json", "dropout.json"))
+        common = ["--device", "cpu", "--steps", str(steps), "--no-dropout"]
+        reference = [sys.executable, "train.py", "--reference", *common, "--losses-out", str(ref_out),
+                     "--dropout-out", str(dropout_out)]
         distributed = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                        "train.py", *common, "--losses-out", str(dist_out)]
         if measure:
@@ -82,21 +89,36 @@ def verify(out_dir: Path | str, nproc: int | None = None, steps: int = 3, timeou
         reference_losses = _read_losses(ref_out, runs[0], steps)
         losses = _read_losses(dist_out, runs[1], steps)
         metrics = json.loads(metrics_out.read_text()) if measure else {}
+        dropout = dropout_handling(dropout_out)
 
-    return _compare(out_dir, nproc, steps, reference_losses, losses, _measured(plan, metrics) if measure else {})
+    return _compare(out_dir, nproc, steps, reference_losses, losses, _measured(plan, metrics) if measure else {},
+                    dropout=dropout)
+
+
+def dropout_handling(path: Path) -> str:
+    """How dropout was handled, from the reference run's --dropout-out file (dropout calls per step)."""
+    try:
+        calls = float(json.loads(path.read_text())["disabled_calls_per_step"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return "not reported by train.py (no --dropout-out file): dropout may not have been disabled"
+    if calls <= 0:
+        return "none in the model (no dropout call with p > 0 ran)"
+    return f"disabled in both runs ({calls:g} dropout call{'s' if calls != 1 else ''} per step); training keeps it"
 
 
 def _compare(out_dir: Path, nproc: int, steps: int, reference_losses: list[float], losses: list[float],
-             measured: dict[str, Any], error: str = "") -> VerifyResult:
+             measured: dict[str, Any], error: str = "", dropout: str = "") -> VerifyResult:
     """The parity verdict, also written to out_dir/verify.json."""
     diffs = [abs(a - b) for a, b in zip(reference_losses, losses)]
     max_diff = math.inf if error or any(math.isnan(d) for d in diffs) else max(diffs)
     result = VerifyResult(nproc=nproc, steps=steps, reference_losses=tuple(reference_losses), losses=tuple(losses),
                           parity_max_abs_diff=max_diff, passed=max_diff <= PARITY_TOLERANCE, measured=measured,
-                          error=error)
+                          dropout=dropout, error=error)
     report = {"nproc": nproc, "steps": steps, "reference_losses": list(reference_losses), "losses": list(losses),
               "parity_max_abs_diff": max_diff if math.isfinite(max_diff) else None,
               "parity_tolerance": PARITY_TOLERANCE, "passed": result.passed, **measured}
+    if dropout:
+        report["dropout"] = dropout
     if error:
         report["error"] = error
     (out_dir / "verify.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -188,7 +210,13 @@ class _Run:
             kill_process_tree(self.process)
 
     def stderr_tail(self) -> str:
+        """The first exception of any rank on one line (root_cause), then the last lines of stderr."""
         lines = self.stderr_path.read_text(errors="replace").splitlines() if self.stderr_path.exists() else []
+        cause = root_cause(lines)
+        return (f"first exception: {cause}\n" if cause else "") + f"last lines of its stderr:\n{self._tail(lines)}"
+
+    @staticmethod
+    def _tail(lines: list[str]) -> str:
         shown = first_traceback(lines)[-STDERR_TAIL_LINES:]
         if shown and not shown[0].startswith("[rank"):  # no rank's traceback: a rank died by a signal?
             # and what a native abort printed (a C++ exception's message, a fatal Python error)
@@ -210,6 +238,95 @@ def first_traceback(lines: list[str]) -> list[str]:
         return lines
     end = next((j for j in range(start + 1, len(lines)) if lines[j] and not lines[j][0].isspace()), len(lines) - 1)
     return lines[start:end + 1]
+
+
+ROOT_CAUSE_CHARS = 400
+"""A root-cause line longer than this is cut (a message that prints a whole tensor)."""
+_RANK_PREFIX = re.compile(r"\[rank(\d+)\]: ?(.*)")
+_FRAME = re.compile(r'\s*File "([^"]+)", line (\d+), in (\S+)')
+_LIBRARY_FILE = re.compile(r"[/\\]torch[/\\]|^<|[/\\]lib[/\\]python3[.\d]*[/\\](?!site-packages)")
+"""Frames of torch, generated code (<eval_with_key>, <frozen ...>) and the Python library: not where a
+model's failure is."""
+
+
+def root_cause(lines: list[str]) -> str | None:
+    """The first exception of the failing rank's stderr as one line: "<Type>: <message> (rank R, at
+    FILE:LINE in FUNC)", FILE:LINE the innermost frame outside torch and the Python library, if any.
+
+    Chained exceptions print the original first ("raise RuntimeError(...) from e", as torch's pipeline
+    stages do around a failing forward: "[Stage 1] failed to run forward: args: ..."), so the first
+    traceback of a rank holds the root cause. The rank is the one torchrun names as the root cause, else
+    the first rank with a traceback; without rank prefixes the lines are one process's. None when no
+    traceback ends in an exception line."""
+    by_rank: dict[str | None, list[str]] = {}
+    for line in lines:
+        match = _RANK_PREFIX.match(line)
+        rank, text = (match.group(1), match.group(2)) if match else (None, line)
+        by_rank.setdefault(rank, []).append(text)
+    ranks = [r for r in by_rank if r is not None]
+    named = _torchrun_root_rank(lines)
+    order = ([named] if named in ranks else []) + [r for r in ranks if r != named] or [None]
+    for rank in order:
+        found = _first_exception(by_rank.get(rank, []))
+        if found:
+            exception, where = found
+            context = ", ".join(([f"rank {rank}"] if rank is not None else []) + ([f"at {where}"] if where else []))
+            line = exception + (f" ({context})" if context else "")
+            return line if len(line) <= ROOT_CAUSE_CHARS else line[:ROOT_CAUSE_CHARS - 3] + "..."
+    return None
+
+
+def _torchrun_root_rank(lines: list[str]) -> str | None:
+    """The rank torchrun's summary names under "Root Cause (first observed failure)", if any."""
+    start = next((i for i, line in enumerate(lines) if line.startswith("Root Cause (first observed failure)")), None)
+    if start is None:
+        return None
+    for line in lines[start + 1:]:
+        match = re.match(r"\s*rank\s*:\s*(\d+)", line)
+        if match:
+            return match.group(1)
+    return None
+
+
+def _first_exception(lines: list[str]) -> tuple[str, str | None] | None:
+    """("<Type>: <message>", innermost non-library frame or None) of the first traceback in `lines`."""
+    start = next((i for i, line in enumerate(lines) if line.strip() == "Traceback (most recent call last):"), None)
+    if start is None:
+        return None
+    where = None
+    for i in range(start + 1, len(lines)):
+        line = lines[i]
+        frame = _FRAME.match(line)
+        if frame and not _LIBRARY_FILE.search(frame.group(1)):
+            where = f"{_short_path(frame.group(1))}:{frame.group(2)} in {frame.group(3)}"
+        if line.strip() and not line[0].isspace():
+            return _exception_text(lines[i:]), where
+    return None
+
+
+_CHAIN_LINES = ("The above exception was the direct cause", "During handling of the above exception",
+                "Traceback (most recent call last)")
+"""What follows an exception's message in a chain (torchrun drops the blank line before it from the
+rank-prefixed lines)."""
+
+
+def _exception_text(lines: list[str]) -> str:
+    """The exception line and its message's continuation lines (up to a blank line or the next exception
+    of a chain) joined into one."""
+    text = []
+    for line in lines:
+        if not line.strip() or line.startswith(_CHAIN_LINES):
+            break
+        text.append(line.strip())
+    return " ".join(text)
+
+
+def _short_path(path: str) -> str:
+    """A path relative to the working directory when under it, else as printed."""
+    try:
+        return str(Path(path).relative_to(Path.cwd()))
+    except ValueError:
+        return path
 
 
 def _run_all(runs: list[_Run], timeout_s: float, sequential: bool) -> None:
@@ -236,18 +353,18 @@ def _wait(run: _Run, deadline: float, timeout_s: float) -> None:
         stuck = running_ranks(run.process.pid)
         run.kill()
         ranks = f" (rank{'s' if len(stuck) > 1 else ''} {', '.join(map(str, stuck))} still running)" if stuck else ""
-        raise UserError(f"the {run.name} did not finish within {timeout_s:g} s and was killed{ranks}; "
-                        f"last lines of its stderr:\n{run.stderr_tail()}") from None
+        raise UserError(f"the {run.name} did not finish within {timeout_s:g} s and was killed{ranks};\n"
+                        f"{run.stderr_tail()}") from None
     if code != 0:
-        raise UserError(f"the {run.name} failed (exit code {code}); last lines of its stderr:\n{run.stderr_tail()}")
+        raise UserError(f"the {run.name} failed (exit code {code}):\n{run.stderr_tail()}")
 
 
 def _read_losses(path: Path, run: _Run, steps: int) -> list[float]:
     try:
         losses = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
-        raise UserError(f"the {run.name} wrote no losses to {path.name}; "
-                        f"last lines of its stderr:\n{run.stderr_tail()}") from None
+        raise UserError(f"the {run.name} wrote no losses to {path.name};\n"
+                        f"{run.stderr_tail()}") from None
     if not isinstance(losses, list) or len(losses) != steps:
         count = len(losses) if isinstance(losses, list) else "no list of"
         raise UserError(f"the {run.name} wrote {count} losses, expected {steps}")

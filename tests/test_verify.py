@@ -13,11 +13,13 @@ import pytest
 from autoplan.codegen import write_program
 from autoplan.errors import UserError
 from autoplan.plan import ClusterRef, ModelRef, Parallelism, Plan, Prediction, SolverInfo, Stage, Training
-from autoplan.verify import verify
+from autoplan.cli import main
+from autoplan.verify import ROOT_CAUSE_CHARS, root_cause, verify
 from helpers.verify_many import verify_many
 from test_layouts import SKIP_NET, TINY_GPT
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+MODELS = Path(__file__).parent / "models"
 GPT_STAGES = [("wte", "wpe", "blocks.0"), ("blocks.1", "ln_f", "lm_head")]
 MLP_UNITS = [("inp", *(f"layers.{i}" for i in range(6)), "out")]
 
@@ -168,3 +170,85 @@ def test_verify_many_reports_a_failing_program_and_checks_the_others(tmp_path):
     assert good.passed and good.losses == (1.0, 0.5) and not good.error
     assert not bad.passed and "stage 1 blew up" in bad.error
     assert json.loads((folders[1] / "verify.json").read_text())["passed"] is False
+
+
+PIPELINE_STDERR = """\
+[rank0]: Traceback (most recent call last):
+[rank0]:   File "/home/user/out/train.py", line 185, in main
+[rank0]:     local_loss = forward_backward(inputs, targets)
+[rank0]:   File "/usr/lib/python3.11/site-packages/torch/distributed/pipelining/schedules.py", line 683, in _wait_batch_p2p
+[rank0]:     w.wait()
+[rank0]: RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:10948.
+[rank1]: Traceback (most recent call last):
+[rank1]:   File "/usr/lib/python3.11/site-packages/torch/distributed/pipelining/stage.py", line 892, in forward_one_chunk
+[rank1]:     output = self.forward_maybe_with_nosync(*composite_args, **composite_kwargs)
+[rank1]:   File "<eval_with_key>.12", line 8, in forward
+[rank1]:   File "/usr/lib/python3.11/site-packages/torch/_ops.py", line 875, in __call__
+[rank1]:     return self._op(*args, **kwargs)
+[rank1]:   File "/home/user/models/failing_stage.py", line 17, in rank_check
+[rank1]:     raise ValueError(MESSAGE)
+[rank1]:   File "/usr/lib/python3.11/site-packages/torch/_library/custom_ops.py", line 502, in wrapped_fn
+[rank1]:     return fn(*args, **kwargs)
+[rank1]: ValueError: rank-only failure: values out of range in the last block
+
+[rank1]: The above exception was the direct cause of the following exception:
+
+[rank1]: Traceback (most recent call last):
+[rank1]:   File "/home/user/out/train.py", line 185, in main
+[rank1]:     local_loss = forward_backward(inputs, targets)
+[rank1]:   File "/usr/lib/python3.11/site-packages/torch/distributed/pipelining/stage.py", line 900, in forward_one_chunk
+[rank1]:     raise RuntimeError(exc_msg) from e
+[rank1]: RuntimeError:
+[rank1]:             [Stage 1] failed to run forward:
+[rank1]:             args: ('Tensor(torch.Size([4, 16]), grad=True, dtype=torch.float32)',)
+[rank1]:             kwargs: {}
+[rank1]:
+E1123 21:49:02.900000 21100 site-packages/torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1)
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+train.py FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-23_21:49:02
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 21145)
+============================================================
+"""
+
+
+def test_root_cause_is_the_original_exception_of_the_rank_torchrun_names():
+    # rank 0's broken connection prints first; torchrun names rank 1, whose first traceback is the
+    # original exception, chained under the pipeline stage's "[Stage 1] failed to run forward"
+    lines = PIPELINE_STDERR.splitlines()
+    assert root_cause(lines) == ("ValueError: rank-only failure: values out of range in the last block "
+                                 "(rank 1, at /home/user/models/failing_stage.py:17 in rank_check)")
+    without_summary = lines[:lines.index("============================================================")]
+    assert root_cause(without_summary).startswith("RuntimeError: [../gloo/transport")  # then the first rank's
+    assert "rank 0, at /home/user/out/train.py:185 in main" in root_cause(without_summary)
+
+
+def test_root_cause_of_one_process_joins_a_multi_line_message_and_is_none_without_a_traceback():
+    lines = ["Traceback (most recent call last):",
+             '  File "/usr/lib/python3.11/site-packages/torch/x.py", line 3, in f', "    g()", "RuntimeError: ", "    [Stage 0] failed to run forward:", "    args: ()", "",
+             "something printed later"]
+    assert root_cause(lines) == "RuntimeError: [Stage 0] failed to run forward: args: ()"
+    assert root_cause(["W1123 a warning", "Killed"]) is None
+    assert len(root_cause(["Traceback (most recent call last):", "ValueError: " + "x" * 1000])) == ROOT_CAUSE_CHARS
+
+
+@pytest.mark.slow
+def test_a_failing_pipeline_stage_shows_its_root_cause_first(tmp_path):
+    out = tmp_path / "out"
+    assert main([str(MODELS / "failing_stage.py"), "--gpus", "2", "--gpu", "cpu", "--global-batch", "4",
+                 "--pin", "pp=2", "--out", str(out), "--quiet"]) == 0
+    with pytest.raises(UserError) as failure:
+        verify(out, steps=2, timeout_s=240)
+    message = str(failure.value).splitlines()
+    assert message[0] == "the distributed run (2 processes) failed (exit code 1):"
+    assert message[1].startswith("first exception: ValueError: rank-only failure: values out of range in the "
+                                 "last block (rank 1, at ")
+    assert message[1].endswith("failing_stage.py:17 in rank_check)")
+    assert message[2] == "last lines of its stderr:"

@@ -314,7 +314,7 @@ def verify_section(verify: Any) -> str:
         detail = f"max |difference| {diff:.2e} (tolerance {tolerance:g})"
     html = (f'<section id="verification"><h2>Verification {badge}</h2><p class="lead">The generated program on '
             f"{esc(verify.get('nproc', '?'))} CPU processes (gloo) against the single-process model, same weights and "
-            f"batches: {esc(detail)}.</p>")
+            f"batches: {esc(detail)}.</p>") + verify_view.dropout_html(verify)
     error = verify.get("error")
     if isinstance(error, str) and error:
         html += f"<details><summary>The run failed</summary><pre>{esc(error)}</pre></details>"

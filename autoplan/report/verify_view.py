@@ -168,6 +168,14 @@ def parse_ranks(verify: dict) -> list[RankRow]:
 
 # ---- the section's parts ----
 
+def dropout_html(verify: dict) -> str:
+    """How the check handled dropout (verify.json's "dropout", written by `autoplan verify`), or "" without it."""
+    dropout = verify.get("dropout")
+    if not isinstance(dropout, str) or not dropout:
+        return ""
+    return f'<p class="dropout">Dropout: {esc(dropout)}.</p>'
+
+
 def comparison_html(verify: dict) -> str:
     """Everything measured: overall errors (text and bars), then per stage and per rank when present."""
     return overall_html(verify) + stages_html(parse_stages(verify)) + ranks_html(parse_ranks(verify))

@@ -9,6 +9,7 @@ keeping them.
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Sequence
 
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from autoplan.errors import UserError
+from autoplan.runtime.dropout import recompute_context
 
 ROOT_MODULE = ""
 """The chain module name of the root module (a model whose root runs every op itself is one chain module)."""
@@ -46,6 +48,19 @@ def selective_context():
     return create_selective_checkpoint_contexts(partial(_save_matmuls, saved_ops()))
 
 
+@contextmanager
+def _both(first, second):
+    with first, second:
+        yield
+
+
+def _contexts(selective: bool):
+    """torch.utils.checkpoint's context_fn: the forward and recomputation contexts ("selective": what to
+    save), the recomputation also with dropout off while runtime.NoDropout is active (runtime/dropout.py)."""
+    forward, recompute = selective_context() if selective else (nullcontext(), nullcontext())
+    return forward, _both(recompute, recompute_context())
+
+
 def checkpoint_modules(module: nn.Module, chain_modules: Sequence[str], mode: str) -> nn.Module:
     """Wrap each chain module (a submodule path; "" = the module itself) for recomputation. Returns the
     module, wrapped itself if it is a chain module."""
@@ -55,7 +70,7 @@ def checkpoint_modules(module: nn.Module, chain_modules: Sequence[str], mode: st
         raise UserError(f"activation_checkpoint must be one of {MODES}, got {mode!r}")
     if mode == "none":
         return module
-    kwargs = {"context_fn": selective_context} if mode == "selective" else {}
+    kwargs = {"context_fn": partial(_contexts, mode == "selective")}
     for path in chain_modules:
         if path == ROOT_MODULE:
             return checkpoint_wrapper(module, **kwargs)

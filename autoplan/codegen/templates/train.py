@@ -19,7 +19,7 @@ import torch.distributed as dist
 from autoplan import runtime
 from autoplan.source import load_source
 
-RUNTIME_API = 1  # the version of autoplan.runtime's interface this program was generated for
+RUNTIME_API = 2  # the version of autoplan.runtime's interface this program was generated for
 
 # ----------------------------------------------------------------------------------------------
 # The plan (numbers from plan.json)
@@ -64,6 +64,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--metrics-out", type=Path, help="write losses, step times and peak memory here (JSON)")
     parser.add_argument("--reference", action="store_true",
                         help="train the unsplit model on one device on the whole global batch (no torchrun)")
+    parser.add_argument("--no-dropout", action="store_true",
+                        help="make every dropout the identity (autoplan verify runs both sides so: ranks and the "
+                             "reference draw different random numbers)")
+    parser.add_argument("--dropout-out", type=Path,
+                        help="with --no-dropout: write the dropout calls it disabled per step here (JSON)")
     args = parser.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
@@ -122,10 +127,14 @@ def main(argv=None) -> list[float]:
     args = parse_args(argv)
     device = torch.device(args.device)
     model_source = load_source(f"{MODEL_FILE}:{FACTORY}")
+    dropout = runtime.NoDropout(enabled=args.no_dropout)  # entered around the training steps only
     if args.reference:
-        losses = train_reference(model_source, device, args.steps)
+        with dropout:
+            losses = train_reference(model_source, device, args.steps)
         if args.losses_out:
             args.losses_out.write_text(json.dumps(losses))
+        if args.dropout_out:
+            args.dropout_out.write_text(json.dumps({"disabled_calls_per_step": dropout.calls / max(args.steps, 1)}))
         return losses
 
     # processes and the device mesh ("pp", "dp_replicate", "dp_shard", "tp")
@@ -154,7 +163,7 @@ def main(argv=None) -> list[float]:
     for step in range(first_step, args.steps):
         tracked = args.metrics_out is not None and step == args.steps - 1
         start = time.perf_counter()
-        with memory if tracked else contextlib.nullcontext():
+        with dropout, memory if tracked else contextlib.nullcontext():
             inputs, targets = runtime.to_device(data.batch(step), device)  # this data-parallel rank's share
             optimizer.zero_grad(set_to_none=True)
             local_loss = forward_backward(inputs, targets)
