@@ -1,0 +1,31 @@
+"""ConvNeXt: depthwise 7x7 convolutions, channels-last LayerNorm, layer scale.
+
+Built from a transformers config at tiny shapes (no download, no weights). Dropout is 0 so the
+distributed program can match the single-process reference exactly. Follows the model contract
+(build_model, example_batch, loss_fn); run by benchmarks/model_zoo.py.
+"""
+
+import torch
+from torch.nn import functional as F
+from transformers import ConvNextConfig, ConvNextForImageClassification
+
+IMAGE_SIZE = 32
+CLASSES = 10
+
+
+def config() -> ConvNextConfig:
+    return ConvNextConfig(num_channels=3, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], image_size=IMAGE_SIZE,
+                          drop_path_rate=0.0, num_labels=CLASSES)
+
+
+def build_model() -> ConvNextForImageClassification:
+    return ConvNextForImageClassification(config())
+
+
+def example_batch(batch_size: int):
+    images = torch.randn(batch_size, 3, IMAGE_SIZE, IMAGE_SIZE)
+    return {"pixel_values": images}, torch.randint(0, CLASSES, (batch_size,))
+
+
+def loss_fn(output, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output.logits, targets)

@@ -1,0 +1,33 @@
+"""Phi(-2): parallel attention + MLP block, partial rotary (factor 0.5), biased lm_head.
+
+Built from a transformers config at tiny shapes (no download, no weights). Dropout is 0 so the
+distributed program can match the single-process reference exactly. Follows the model contract
+(build_model, example_batch, loss_fn); run by benchmarks/model_zoo.py.
+"""
+
+import torch
+from torch.nn import functional as F
+from transformers import PhiConfig, PhiForCausalLM
+
+VOCAB = 256
+SEQ_LEN = 32
+
+
+def config() -> PhiConfig:
+    return PhiConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, max_position_embeddings=SEQ_LEN, partial_rotary_factor=0.5,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, use_cache=False)
+
+
+def build_model() -> PhiForCausalLM:
+    return PhiForCausalLM(config())
+
+
+def example_batch(batch_size: int):
+    ids = torch.randint(0, VOCAB, (batch_size, SEQ_LEN + 1))
+    return {"input_ids": ids[:, :-1]}, ids[:, 1:]
+
+
+def loss_fn(output, targets: torch.Tensor) -> torch.Tensor:
+    logits = output.logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
