@@ -244,9 +244,11 @@ ROOT_CAUSE_CHARS = 400
 """A root-cause line longer than this is cut (a message that prints a whole tensor)."""
 _RANK_PREFIX = re.compile(r"\[rank(\d+)\]: ?(.*)")
 _FRAME = re.compile(r'\s*File "([^"]+)", line (\d+), in (\S+)')
-_LIBRARY_FILE = re.compile(r"[/\\]torch[/\\]|^<|[/\\]lib[/\\]python3[.\d]*[/\\](?!site-packages)")
-"""Frames of torch, generated code (<eval_with_key>, <frozen ...>) and the Python library: not where a
-model's failure is."""
+_LIBRARY_FILE = re.compile(r"[/\\]torch[/\\]|^<|[/\\]lib[/\\]python3[.\d]*[/\\](?!site-packages)"
+                           r"|[/\\]autoplan[/\\]runtime[/\\]dropout\.py$")
+"""Frames of torch, generated code (<eval_with_key>, <frozen ...>), the Python library and autoplan's
+no-dropout mode (a torch-function mode every op passes through under verify): not where a model's
+failure is."""
 
 
 def root_cause(lines: list[str]) -> str | None:

@@ -266,6 +266,11 @@ def test_pinned_micro_batches_are_refused_naming_the_module(resnet_profile):
         _search(resnet_profile, 8, 64, parse_pins("dp=8,microbatch=2"))
     with pytest.raises(UserError, match="recompute=selective re-runs forwards in backward, and BatchNorm module"):
         _search(resnet_profile, 8, 64, parse_pins("recompute=selective"))
+    # dp left to the search: every family it could pick splits the batch, and the message says why
+    with pytest.raises(UserError, match=r"no layout satisfies the pins 'pp=2,microbatch=1' on 2 GPUs at global "
+                                        r"batch 4: .*= 4 micro-batches per data-parallel rank, but BatchNorm module "
+                                        r"'stem.1'"):
+        _search(resnet_profile, 2, 4, parse_pins("pp=2,microbatch=1"))
 
 
 def test_sync_batch_norm_is_priced_per_call_and_data_parallel_rank(resnet_profile):

@@ -239,6 +239,15 @@ def test_root_cause_of_one_process_joins_a_multi_line_message_and_is_none_withou
     assert len(root_cause(["Traceback (most recent call last):", "ValueError: " + "x" * 1000])) == ROOT_CAUSE_CHARS
 
 
+def test_root_cause_points_past_the_no_dropout_mode_to_the_model():
+    """Under verify every op passes through autoplan's no-dropout mode: its frame is not the failure's."""
+    lines = ["Traceback (most recent call last):",
+             '  File "/work/out/model.py", line 17, in forward', "    return self.proj(x)",
+             '  File "/venv/site-packages/autoplan/runtime/dropout.py", line 111, in __torch_function__',
+             "    return func(*args, **kwargs)", "IndexError: index 9 is out of bounds"]
+    assert root_cause(lines) == "IndexError: index 9 is out of bounds (at /work/out/model.py:17 in forward)"
+
+
 @pytest.mark.slow
 def test_a_failing_pipeline_stage_shows_its_root_cause_first(tmp_path):
     out = tmp_path / "out"

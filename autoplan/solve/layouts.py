@@ -60,9 +60,10 @@ def check_pins(pins: Layout, scope: Scope) -> None:
         raise UserError("pins cannot hold: " + "; ".join(found))
 
 
-def families(pins: Layout, scope: Scope) -> list[Family]:
+def families(pins: Layout, scope: Scope, rejected: list[str] | None = None) -> list[Family]:
     """Every (tp, pp, dp_replicate, dp_shard, reshard) the pins allow that layout.problems() accepts in
-    `scope` (whose tensor_parallel_problems says which tp the model allows)."""
+    `scope` (whose tensor_parallel_problems says which tp the model allows); the rules the others of
+    those degrees break are added to `rejected` when it is given."""
     gpus, per_node, features = scope.num_gpus, scope.gpus_per_node or scope.num_gpus, scope.features or frozenset()
     out = []
     for tp in [pins.tp] if pins.tp else [t for t in divisors(per_node) if t == 1 or "tp" in features]:
@@ -78,8 +79,11 @@ def families(pins: Layout, scope: Scope) -> list[Family]:
                 family = Family(tp, pp, dp // shard, shard, reshard)
                 layout = replace(pins, dp=dp, dp_replicate=dp // shard, dp_shard=shard,
                                  reshard="always" if reshard else "never", tp=tp, pp=pp)
-                if not problems(layout, scope):
+                broken = problems(layout, scope)
+                if not broken:
                     out.append(family)
+                elif rejected is not None:
+                    rejected += broken
     return out
 
 
@@ -116,9 +120,9 @@ class Variant:
     recompute: str
 
 
-def variants(family: Family, pins: Layout, scope: Scope) -> list[Variant]:
+def variants(family: Family, pins: Layout, scope: Scope, rejected: list[str] | None = None) -> list[Variant]:
     """Every (schedule, virtual stages, micro-batch size, recompute mode) of `family` the pins allow that
-    layout.problems() accepts."""
+    layout.problems() accepts; the rules the others break are added to `rejected` when it is given."""
     features = scope.features or frozenset()
     per_rank = scope.global_batch // family.dp
     pp = family.pp
@@ -137,7 +141,12 @@ def variants(family: Family, pins: Layout, scope: Scope) -> list[Variant]:
         for mbs in sizes:
             shape = replace(base, schedule=schedule, virtual_stages=virtual, microbatch=mbs,
                             microbatches=per_rank // mbs if per_rank % mbs == 0 else None)
-            if shape.microbatches is None or schedule_problems(shape, scope):  # the family passed the rest
+            if shape.microbatches is None:
+                continue
+            broken = schedule_problems(shape, scope)  # the family passed the rest
+            if broken:
+                if rejected is not None:
+                    rejected += broken
                 continue
             out += [Variant(schedule, virtual, mbs, shape.microbatches, mode) for mode in modes]
     return out

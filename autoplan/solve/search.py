@@ -132,8 +132,7 @@ def explore(ctx: Context, pins: Layout, deadline: float | None = None, explain: 
             continue
         work += [Work(time_lower_bound(ctx, fam, var, pins.recompute is not None), fam, var) for var in found]
     if not work and not pruned:
-        raise UserError(f"no layout satisfies the pins '{pins.text()}' on {cluster.num_gpus} GPUs at global "
-                        f"batch {batch} (dp must divide the batch, pp the GPU count)")
+        raise UserError(_nothing_allowed(pins, scope, cluster.num_gpus, batch))
     work.sort(key=lambda w: w.time_bound_s)
     tried, best_time, priced, stopped = [], math.inf, 0, False
     for item in work:
@@ -158,6 +157,17 @@ def explore(ctx: Context, pins: Layout, deadline: float | None = None, explain: 
         if candidate.fits:
             best_time = min(best_time, candidate.predicted.step_time_s)
     return Explored(tried, pruned, considered, priced, stopped)
+
+
+def _nothing_allowed(pins: Layout, scope, num_gpus: int, batch: int) -> str:
+    """Why the pins leave no layout: the first rules the candidate families and their micro-batch
+    variants broke."""
+    rejected: list[str] = []
+    for fam in layouts.families(pins, scope, rejected):
+        layouts.variants(fam, pins, scope, rejected)
+    shown = list(dict.fromkeys(rejected))[:3]
+    why = "; ".join(shown) if shown else "dp must divide the batch, pp the GPU count"
+    return f"no layout satisfies the pins '{pins.text()}' on {num_gpus} GPUs at global batch {batch}: {why}"
 
 
 def choose(fitting: list[Candidate]) -> Candidate:
