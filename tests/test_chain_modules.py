@@ -102,6 +102,24 @@ def test_modules_are_ordered_by_their_first_op_and_containers_expand():
     assert chain.fqns == ("late", "stack.0", "stack.1", "early")
 
 
+def test_a_module_called_again_after_a_sibling_keeps_its_parent_whole():
+    """Phi's resid_dropout (and the Megatron GPT's dropout) run after the attention and again after the
+    MLP: cut between them, the second call would land on the stage before its input (the program
+    refused such plans after they were written). The block stays one module; its neighbours still split."""
+    ops = [_op("embed", ("embed",)),
+           _op("attn", ("layers", "layers.0", "layers.0.attn"), ("embed",), time=5.0),
+           _op("drop1", ("layers", "layers.0", "layers.0.drop"), ("attn",)),
+           _op("mlp", ("layers", "layers.0", "layers.0.mlp"), ("drop1",), time=5.0),
+           _op("drop2", ("layers", "layers.0", "layers.0.drop"), ("mlp",)),
+           _op("attn1", ("layers", "layers.1", "layers.1.attn"), ("drop2",), time=5.0),
+           _op("mlp1", ("layers", "layers.1", "layers.1.mlp"), ("attn1",), time=5.0),
+           _op("head", ("head",), ("mlp1",))]
+    chain = build_chain(_profile(ops))
+    assert chain.fqns == ("embed", "layers.0", "layers.1.attn", "layers.1.mlp", "head")
+    twice_at_root = [_op("a", ("a",)), _op("b", ("b",), ("a",)), _op("c", ("a",), ("b",))]
+    assert build_chain(_profile(twice_at_root)).fqns == ("",)
+
+
 def test_a_model_whose_root_runs_every_op_is_one_module():
     chain = build_chain(_profile([_op("a", ()), _op("b", (), ("a",))], {"w": 3}))
     assert chain.fqns == ("",) and chain.modules[0].parameter_numel == 3 and chain.cut_bytes == ()

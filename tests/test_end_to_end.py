@@ -60,6 +60,15 @@ def test_pinned_dp2_pp2_gpt_on_four_processes(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_a_module_called_twice_around_a_sibling_stays_on_one_stage_and_trains(tmp_path, capsys):
+    """The heavy block's halves would balance two stages, but its LayerNorm runs after each half: cut
+    between them, the program refused the plan it was given (issue 17's crash after planning)."""
+    plan = plan_cli(tmp_path, "reused_module.py", "--gpus", "2", "--global-batch", "4", "--pin", "pp=2")
+    assert [m for stage in plan["stages"] for m in stage["modules"]] == ["embed", "block", "head"]
+    verify_cli(tmp_path, capsys)
+
+
+@pytest.mark.slow
 def test_memory_cap_below_the_replicated_model_changes_the_plan(tmp_path, capsys):
     replicated = plan_cli(tmp_path, "tiny_mlp.py", "--gpus", "2", "--global-batch", "8", "--pin", "dp=2,zero=0")
     assert replicated["parallelism"]["data_parallel_replicate_degree"] == 2

@@ -202,12 +202,14 @@ def _is_numbered_container(tree: nx.DiGraph, fqn: str) -> bool:
 
 def _choose_modules(ops, tree: nx.DiGraph, weight: list[float], max_module_share: float,
                   tensor_parallel_linears: frozenset[str] = frozenset()) -> list[str]:
-    """Expand the heaviest modules into their children; a module whose children include tensor-parallel
-    Linears stays whole, so no pipeline stage boundary cuts a colwise -> rowwise pair apart (the
-    sharded activations between them never cross stages)."""
+    """Expand the heaviest modules into their children. A module stays whole when its children include
+    tensor-parallel Linears, so no pipeline stage boundary cuts a colwise -> rowwise pair apart (the
+    sharded activations between them never cross stages), and when a child is called again after a
+    sibling ran (a dropout module applied to the attention output and again to the MLP's): stages are
+    contiguous runs of modules, and such a child's calls would straddle a boundary."""
     modules = _children(tree, ROOT)
-    if not modules:
-        return [ROOT]  # the root runs every op itself: one module, a single pipeline stage
+    if not modules or _interleaved(tree, ROOT):
+        return [ROOT]  # the root runs every op itself, or its children interleave: a single pipeline stage
     total = sum(weight) or 1.0
 
     def share(fqn: str) -> float:
@@ -218,6 +220,7 @@ def _choose_modules(ops, tree: nx.DiGraph, weight: list[float], max_module_share
             u for u in modules
             if tree.out_degree(u) > 0 and (share(u) > max_module_share or _is_numbered_container(tree, u))
             and not any(child in tensor_parallel_linears for child in _children(tree, u))
+            and not _interleaved(tree, u)
         ]
         if not expandable:
             return modules
@@ -225,6 +228,12 @@ def _choose_modules(ops, tree: nx.DiGraph, weight: list[float], max_module_share
         target = containers[0] if containers else max(expandable, key=lambda u: (share(u), -modules.index(u)))
         at = modules.index(target)
         modules[at:at + 1] = _children(tree, target)
+
+
+def _interleaved(tree: nx.DiGraph, fqn: str) -> bool:
+    """Some child of `fqn` runs ops after a later sibling started (a module called twice around it)."""
+    spans = sorted((min(tree.nodes[c]["ops"]), max(tree.nodes[c]["ops"])) for c in tree.successors(fqn))
+    return any(end > next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
 
 
 @dataclass
