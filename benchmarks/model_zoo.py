@@ -1,4 +1,6 @@
-"""Plan and verify every model family in benchmarks/zoo/ (tiny transformers configs, no download).
+"""Plan and verify every model family in benchmarks/zoo/ (tiny transformers configs, no download). The
+zoo's files group families by task (causal_lm, masked_lm, classification, seq2seq, vision); each names
+its factories in FAMILIES, planned as FILE.py:FAMILY.
 
 For each model it plans three layouts and checks the two that run here:
 
@@ -24,6 +26,7 @@ failed parity, else 0.
 from __future__ import annotations
 
 import argparse
+import ast
 import csv
 import json
 import re
@@ -36,6 +39,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ZOO = Path(__file__).resolve().parent / "zoo"
+
+
+def zoo_families() -> dict[str, Path]:
+    """Family name -> the zoo file whose factory it is (each file's FAMILIES)."""
+    found = {}
+    for path in sorted(ZOO.glob("*.py")):
+        for name in ast.literal_eval(next(node.value for node in ast.parse(path.read_text()).body
+                                          if isinstance(node, ast.Assign) and node.targets[0].id == "FAMILIES")):
+            found[name] = path
+    return found
 
 LAYOUTS = {
     "dp2": (["--gpus", "2", "--gpu", "cpu", "--pin", "dp=2", "--global-batch", "4"], True),
@@ -95,10 +108,10 @@ def run(command: list[str], timeout_s: float) -> tuple[int | None, float, str, s
     return done.returncode, time.perf_counter() - start, done.stdout, done.stderr
 
 
-def plan_and_verify(model: Path, layout: str, out: Path, timeout_s: float) -> Row:
+def plan_and_verify(name: str, model: Path, layout: str, out: Path, timeout_s: float) -> Row:
     arguments, verify = LAYOUTS[layout]
-    row = Row(model.stem, layout)
-    rc, row.plan_s, _, stderr = run([sys.executable, "-m", "autoplan", str(model), *arguments, "--quiet",
+    row = Row(name, layout)
+    rc, row.plan_s, _, stderr = run([sys.executable, "-m", "autoplan", f"{model}:{name}", *arguments, "--quiet",
                                      "--out", str(out)], timeout_s)
     if rc is None:
         row.plan, row.message = "HANG", f"no plan in {timeout_s:g} s"
@@ -137,9 +150,10 @@ def main() -> int:
     parser.add_argument("--csv", default="model_zoo.csv", help="where the table is written")
     parser.add_argument("--work", default="", help="keep the plan folders here (default: a temporary folder)")
     args = parser.parse_args()
-    names = [n for n in args.models.split(",") if n] or sorted(p.stem for p in ZOO.glob("*.py"))
+    families = zoo_families()
+    names = [n for n in args.models.split(",") if n] or sorted(families)
     layouts = [n for n in args.layouts.split(",") if n]
-    unknown = [n for n in layouts if n not in LAYOUTS] + [n for n in names if not (ZOO / f"{n}.py").exists()]
+    unknown = [n for n in layouts if n not in LAYOUTS] + [n for n in names if n not in families]
     if unknown:
         parser.error(f"unknown layout or model: {', '.join(unknown)}")
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="autoplan_zoo_"))
@@ -153,7 +167,7 @@ def main() -> int:
         writer.writeheader()
         for name in names:
             for layout in layouts:
-                row = plan_and_verify(ZOO / f"{name}.py", layout, work / f"{name}_{layout}", args.timeout)
+                row = plan_and_verify(name, families[name], layout, work / f"{name}_{layout}", args.timeout)
                 rows.append(row)
                 writer.writerow({k: round(v, 1) if isinstance(v, float) else v for k, v in asdict(row).items()})
                 stream.flush()
