@@ -141,10 +141,12 @@ def test_meta_build_materializes_to_the_single_device_values_with_ties_kept(tmp_
 
 
 TINY_GPT = Path(__file__).parent / "models" / "tiny_gpt.py"  # MultiheadAttention; forward makes a mask with no device
+DEVICE_BRANCH = Path(__file__).parent / "models" / "device_branch.py"  # forward branches on the device type
 
 
 @pytest.mark.parametrize("model_file, chain_modules", [
-    (None, GPT_UNITS), (TINY_GPT, [("tok", "h.0", "h.1"), ("h.2", "h.3", "norm", "head")])])
+    (None, GPT_UNITS), (TINY_GPT, [("tok", "h.0", "h.1"), ("h.2", "h.3", "norm", "head")]),
+    (DEVICE_BRANCH, [("a",), ("b",)])])
 def test_a_meta_model_splits_into_stages_that_run_on_the_real_device(tmp_path, one_rank_group, model_file,
                                                                      chain_modules):
     source = load_source(str(model_file)) if model_file else gpt_source(tmp_path)

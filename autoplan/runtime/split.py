@@ -100,36 +100,57 @@ class PipelineSplit:
 
 def split_model(model: nn.Module, inputs: Any, stage_chain_modules: Sequence[Sequence[str]],
                 device: torch.device | None = None) -> PipelineSplit:
-    """Export `model` on `inputs` (one micro-batch) and cut it into len(stage_units) stages. A model
-    on the meta device is exported on meta inputs; `device` then replaces the meta device that
-    ops such as arange recorded, so the stages run where they will be materialized."""
+    """Export `model` on `inputs` (one micro-batch) and cut it into len(stage_units) stages.
+
+    A model on the meta device with a `device` to run on is exported on fake tensors of that device (no
+    memory), so code that branches on the device type takes the branch the stages will run (transformers'
+    MoE counts tokens per expert with a float histogram on CPU: traced on meta it recorded the integer
+    one, which CPU lacks). Without a `device`, a meta model is exported on meta."""
     args, kwargs = model_args(inputs)
     on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     try:
-        # on meta, tensors the forward creates without a device (torch.ones(n)) must be meta too
-        with torch.device("meta") if on_meta else contextlib.nullcontext():
-            exported = torch.export.export(model, args, kwargs, strict=False)
+        if on_meta and device is not None:
+            exported = _export_on_fake_device(model, args, kwargs, torch.device(device))
+        else:
+            # on meta, tensors the forward creates without a device (torch.ones(n)) must be meta too
+            with torch.device("meta") if on_meta else contextlib.nullcontext():
+                exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # noqa: BLE001 - any tracing failure in user code is reported as one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise UserError(f"torch.export could not trace the model for the pipeline split: {type(e).__name__}: {first}") from None
-    if device is not None:
-        _replace_meta_device(exported.graph_module, torch.device(device))
     return split_exported(exported, model, stage_chain_modules)
 
 
-def _replace_meta_device(graph_module: nn.Module, device: torch.device) -> None:
-    """Rewrite device=meta arguments (recorded when tracing a meta model) to `device`."""
-    meta = torch.device("meta")
+def _export_on_fake_device(model: nn.Module, args: tuple, kwargs: dict, device: torch.device):
+    """torch.export of a meta `model` with its parameters, buffers and inputs swapped for fake tensors on
+    `device` (the same fake for every name of a shared tensor); the meta tensors are put back after."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    def swap(value: Any) -> Any:
-        return device if isinstance(value, torch.device) and value == meta else value
+    mode = FakeTensorMode()
+    fakes: dict[int, torch.Tensor] = {}
 
-    for module in graph_module.modules():
-        if isinstance(module, fx.GraphModule):
-            for node in module.graph.nodes:
-                node.args = fx.node.map_aggregate(node.args, swap)
-                node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
-            module.recompile()
+    def fake(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in fakes:
+            with mode:
+                made = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+            fakes[id(tensor)] = nn.Parameter(made, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else made
+        return fakes[id(tensor)]
+
+    originals = []
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for name, tensor in store.items():
+                if tensor is not None:
+                    originals.append((store, name, tensor))
+                    store[name] = fake(tensor)
+    try:
+        swap = lambda value: fake(value) if isinstance(value, torch.Tensor) else value  # noqa: E731
+        with torch.device(device):
+            return torch.export.export(model, pytree.tree_map(swap, args), pytree.tree_map(swap, kwargs),
+                                       strict=False)
+    finally:
+        for store, name, tensor in originals:
+            store[name] = tensor
 
 
 def split_exported(exported: torch.export.ExportedProgram, model: nn.Module,
