@@ -75,7 +75,7 @@ def verify(out_dir: Path | str, nproc: int | None = None, steps: int = 3, timeou
     with tempfile.TemporaryDirectory(prefix="autoplan-verify-") as tmp:
         ref_out, dist_out, metrics_out, dropout_out = (
             Path(tmp) / n for n in ("reference.json", "losses.json", "metrics.json", "dropout.json"))
-        common = ["--device", "cpu", "--steps", str(steps), "--no-dropout"]
+        common = list(run_args(steps))
         reference = [sys.executable, "train.py", "--reference", *common, "--losses-out", str(ref_out),
                      "--dropout-out", str(dropout_out)]
         distributed = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
@@ -93,6 +93,11 @@ def verify(out_dir: Path | str, nproc: int | None = None, steps: int = 3, timeou
 
     return _compare(out_dir, nproc, steps, reference_losses, losses, _measured(plan, metrics) if measure else {},
                     dropout=dropout)
+
+
+def run_args(steps: int) -> tuple[str, ...]:
+    """train.py arguments both runs of a parity check take: CPU, `steps` steps, dropout the identity."""
+    return ("--device", "cpu", "--steps", str(steps), "--no-dropout")
 
 
 def dropout_handling(path: Path) -> str:

@@ -15,7 +15,7 @@ from typing import Sequence
 
 from autoplan.errors import UserError
 from autoplan.plan import Plan
-from autoplan.verify import VerifyResult, _compare, _load_plan, _Run, _run_all
+from autoplan.verify import VerifyResult, _compare, _load_plan, _Run, _run_all, run_args
 
 BATCH_SCRIPT = Path(__file__).with_name("batch.py")
 """The batch runner, launched by path (tests/ is not a package on the children's sys.path)."""
@@ -100,7 +100,7 @@ def _verification_jobs(out_dirs: list[Path], plans: list[Plan], steps: int,
                        tmp: Path) -> tuple[list[BatchJob], list[Path]]:
     """The distributed run of each folder (writing tmp/losses<i>.json), largest first, then the
     reference runs they need; and per folder, the file its reference writes its losses to."""
-    common = ("--device", "cpu", "--steps", str(steps))
+    common = run_args(steps)  # the same runs as autoplan verify's, dropout disabled on both sides
     references: dict[tuple, Path] = {}
     reference_jobs, reference_of = [], []
     for out_dir, plan in zip(out_dirs, plans):
