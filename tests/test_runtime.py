@@ -166,6 +166,44 @@ def test_dict_inputs_and_dict_outputs_round_trip():
     torch.testing.assert_close(split.loss(None)(run_stages(split, inputs), targets), expected)
 
 
+class MaskedLinear(nn.Linear):
+    """Writes its input in place through a view before the matmul (DeBERTa's masked_fill_ of a score)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.t().masked_fill_(torch.eye(8, x.shape[0], dtype=torch.bool), 0.0)
+        return super().forward(x)
+
+
+class WritesInPlace(nn.Module):
+    """Stage b writes the activation it receives in place, and c reads the written value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), MaskedLinear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.c(self.b(h) + h)
+
+
+def test_a_stage_that_writes_its_received_activation_in_place_writes_a_clone():
+    # the pipeline hands a stage its inputs as leaves that require grad: autograd refuses to write one in place
+    torch.manual_seed(0)
+    model, x = WritesInPlace(), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    expected = reference(x)
+    expected.sum().backward()
+    split = split_model(model, x, [("a",), ("b", "c")])
+    (received,) = (v.detach().requires_grad_() for v in split.stages[0](*split.flatten_inputs(x)))
+    (output,) = split.stages[1](received)
+    torch.testing.assert_close(output, expected, rtol=0, atol=1e-6)
+    output.sum().backward()
+    (boundary,) = split.stages[0](*split.flatten_inputs(x))
+    boundary.backward(received.grad)
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(model.get_parameter(name).grad, param.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("stages, message", [
     ([("blocks.2", "blocks.3", "ln_f", "lm_head"), ("wte", "wpe", "blocks.0", "blocks.1")], "not in the order"),
     ([("wte", "wpe", "blocks.0", "blocks.1"), ("blocks.2", "blocks.3", "ln_f", "lm_head", "no_such")], "run no op"),

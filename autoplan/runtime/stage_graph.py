@@ -76,6 +76,8 @@ def build_stage_module(plan: StagePlan) -> tuple[fx.GraphModule, dict[str, State
     root_attrs = _AttributeNames(root, names, prefix=ROOT, chain_modules=set(chain_modules))
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {n: graph.placeholder(n.name) for n in plan.inputs}
+    for node in _inputs_written_in_place(plan):
+        env[node] = graph.call_method("clone", (env[node],))
 
     def value(node: fx.Node) -> fx.Node:
         if node not in env:
@@ -97,6 +99,40 @@ def build_stage_module(plan: StagePlan) -> tuple[fx.GraphModule, dict[str, State
             env[result] = graph.call_function(operator.getitem, (call, i))
     graph.output(tuple(_contiguous(graph, value(o), o) if isinstance(o, fx.Node) else o for o in plan.outputs))
     return fx.GraphModule(root, graph, class_name=f"Stage{plan.index}"), names, tuple(chain_modules)
+
+
+def _inputs_written_in_place(plan: StagePlan) -> list[fx.Node]:
+    """Stage inputs that an op of the stage writes in place, directly or through a view (`x.masked_fill_`
+    in the exported graph). In the whole model such a value was an intermediate; arriving from another
+    stage it is a leaf that requires grad, which autograd forbids to write in place, so the stage writes
+    a clone (later uses in the stage, and the stage's outputs, read the clone, as they read the written
+    value in the whole model)."""
+    base = {node: node for node in plan.inputs}
+    written = []
+    for node in plan.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None:
+            continue
+        for argument, value in _schema_arguments(schema, node):
+            if not isinstance(value, fx.Node) or value not in base or argument.alias_info is None:
+                continue
+            if argument.alias_info.is_write:
+                written.append(base[value])
+            elif any(r.alias_info is not None and r.alias_info.before_set & argument.alias_info.before_set
+                     for r in schema.returns):
+                base[node] = base[value]
+    return list(dict.fromkeys(written))
+
+
+def _schema_arguments(schema: torch.FunctionSchema, node: fx.Node) -> list[tuple[Any, Any]]:
+    """(schema argument, the value the node passes for it) for each argument the node passes."""
+    passed = []
+    for i, argument in enumerate(schema.arguments):
+        if i < len(node.args):
+            passed.append((argument, node.args[i]))
+        elif argument.name in node.kwargs:
+            passed.append((argument, node.kwargs[argument.name]))
+    return passed
 
 
 def _contiguous(graph: fx.Graph, node: fx.Node, original: fx.Node) -> fx.Node:
