@@ -3,6 +3,7 @@ backward), the data slicing, the default loss and gradient accumulation."""
 
 import copy
 import importlib.util
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,6 +14,7 @@ from torch.nn import functional as F
 
 from autoplan.errors import UserError
 from autoplan.runtime import AccumulationStep, default_loss, microbatches, shard, split_model, step_batch
+from autoplan.runtime.failures import NOTE_PREFIX, stage_failures
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 GPT_STAGES = [("wte", "wpe", "blocks.0", "blocks.1"), ("blocks.2", "blocks.3", "ln_f", "lm_head")]
@@ -251,3 +253,21 @@ def test_gradient_accumulation_equals_the_whole_batch():
     torch.testing.assert_close(loss, default_loss(reference(x), y).detach())
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_an_error_inside_a_stage_is_noted_with_its_op_module_stage_and_source_line():
+    torch.manual_seed(0)
+    model = WritesInPlace()
+    split = split_model(model, torch.randn(4, 8), [("a",), ("b", "c")])
+    with pytest.raises(RuntimeError) as raised, stage_failures({1: split.stages[1]}):
+        try:
+            split.stages[1](torch.randn(4, 5))  # the wrong width: b's matmul fails
+        except RuntimeError as error:  # as torch's pipeline stage does around a failing forward
+            raise RuntimeError("[Stage 1] failed to run forward") from error
+    (note,) = raised.value.__cause__.__notes__
+    assert note.startswith(f"{NOTE_PREFIX}aten.") and " in b (MaskedLinear), pipeline stage 1, from " in note
+    assert re.search(r"test_runtime\.py:\d+ in forward$", note), note
+    # an exception from outside the stages' code gets no note
+    with pytest.raises(ValueError) as plain, stage_failures({1: split.stages[1]}):
+        raise ValueError("not a stage")
+    assert not getattr(plain.value, "__notes__", None)

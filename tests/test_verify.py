@@ -4,6 +4,7 @@ reports hung, failing and diverging runs (stand-in train.py files that do not im
 Parity of every layout: test_layouts.py (one shared launch)."""
 
 import json
+import re
 import textwrap
 import time
 from pathlib import Path
@@ -258,6 +259,9 @@ def test_a_failing_pipeline_stage_shows_its_root_cause_first(tmp_path):
     message = str(failure.value).splitlines()
     assert message[0] == "the distributed run (2 processes) failed (exit code 1):"
     assert message[1].startswith("first exception: ValueError: rank-only failure: values out of range in the "
-                                 "last block (rank 1, at ")
+                                 "last block autoplan: at ")
     assert message[1].endswith("failing_stage.py:17 in rank_check)")
+    # the op, module and model line inside the generated stage code (runtime.failures)
+    assert re.search(r"last block autoplan: at autoplan_test\.rank_check\.default in \S+ \(Checked\), pipeline "
+                     r"stage 1, from failing_stage\.py:\d+ in forward \(rank 1", message[1]), message[1]
     assert message[2] == "last lines of its stderr:"

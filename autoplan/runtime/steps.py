@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autoplan.contract import LossFn, call_model, compute_loss
 from autoplan.errors import UserError
 from autoplan.runtime.data import microbatches
+from autoplan.runtime.failures import stage_failures
 from autoplan.runtime.mesh import RankLayout
 from autoplan.runtime.parallel import gradient_sync
 from autoplan.runtime.split import PipelineSplit
@@ -100,7 +101,7 @@ class PipelineStep:
         if schedule != "interleaved" and len(parts) != 1:
             raise UserError(f"the {schedule} schedule runs one stage per rank, this rank has {len(parts)}: "
                             "use the interleaved schedule for virtual stages")
-        self.split, self.layout, self.tensor_parallel = split, layout, tensor_parallel
+        self.split, self.layout, self.tensor_parallel, self.parts = split, layout, tensor_parallel, dict(parts)
         num_stages = len(split.stages)
         stages = []
         for index, module in sorted(parts.items()):
@@ -119,7 +120,7 @@ class PipelineStep:
 
     def __call__(self, inputs: Any, targets: Any) -> torch.Tensor | None:
         args = self.split.flatten_inputs(inputs) if self.layout.is_first_stage else ()
-        with tensor_parallel_context(self.tensor_parallel):
+        with tensor_parallel_context(self.tensor_parallel), stage_failures(self.parts):
             if not self.layout.is_last_stage:
                 self.schedule.step(*args, return_outputs=False)
                 return None
