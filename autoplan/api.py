@@ -60,6 +60,8 @@ class PlanResult:
     """autoplan.solve.search.Candidate for every layout tried."""
     scaling: tuple[ScalingPoint, ...] = ()
     """The best layout at N/8 .. 4N GPUs, same batch per GPU (scaling_curve)."""
+    not_planned: tuple[str, ...] = ()
+    """A line per dimension the model cannot take, naming the module and why (not_planned)."""
 
 
 def load_cluster(gpus: Any, gpu: str, gpus_per_node: Any, memory_per_gpu: Any, hardware: str | None) -> Cluster:
@@ -127,6 +129,7 @@ def plan_model(
     """Plan a model for `gpus` accelerators; with `out`, also write the output folder."""
     from autoplan.layout import Layout
     from autoplan.profile import profile_model
+    from autoplan.profile.unsupported import NO_PIPELINE, pipeline_refusal
     from autoplan.solve.pins import parse_pins
     from autoplan.solve.search import search
 
@@ -190,7 +193,10 @@ def plan_model(
     unpinned = pins == _pins_for_capture(Layout(), profile, warn=False)  # the curve's N point is then the plan's
     scaling = (scaling_curve(profile, cluster, training, best if unpinned else None, context=result.context)
                if out is not None else ())
-    planned = PlanResult(plan, profile, tuple(result.candidates), scaling)
+    planned = PlanResult(plan, profile, tuple(result.candidates), scaling, not_planned(result.context))
+    for line in planned.not_planned:
+        if not line.startswith(NO_PIPELINE) or pipeline_refusal(profile) is None:  # that one was said above
+            log.warning("planning with %s", line)
     log.info("planned in %.2f s", time.perf_counter() - started)
     if out is not None:
         log.info("writing %s", out)
@@ -295,18 +301,40 @@ def _pin_arithmetic(pins, cluster: Cluster) -> list[str]:
     return problems(pins, Scope(num_gpus=cluster.num_gpus, gpus_per_node=cluster.gpus_per_node))
 
 
+def not_planned(context) -> tuple[str, ...]:
+    """A line for each dimension this model cannot take on this cluster whatever the layout (a pipeline
+    without torch.export's graph or with one module; tensor parallelism at every degree a node allows),
+    each naming the module and why. Written to unsupported_ops.txt; the search never tries these."""
+    from autoplan.profile.unsupported import NO_PIPELINE, pipeline_refusal
+    from autoplan.solve.layouts import divisors
+
+    lines = []
+    refusal = pipeline_refusal(context.profile)
+    if refusal:
+        lines.append(refusal)
+    elif len(context.chain) == 1 and context.cluster.num_gpus > 1:
+        lines.append(f"{NO_PIPELINE}: {context.chain.whole_reason or 'the model splits into one module'}")
+    degrees = [t for t in divisors(context.cluster.gpus_per_node) if t > 1]
+    if degrees and "tp" in context.features and all(context.facts.problems(t) for t in degrees):
+        lines.append(f"no tensor parallelism (tp=1): {'; '.join(context.facts.problems(degrees[0]))}")
+    return tuple(lines)
+
+
 def _pins_for_capture(pins, profile: ModelProfile, warn: bool = True):
     """Pipeline stages are cut from the exported graph: without one (export failed and capture fell
     back), only layouts that keep the model whole can be generated."""
     from dataclasses import replace
 
-    if profile.capture_method == "export":
+    from autoplan.profile.unsupported import export_failure, pipeline_refusal
+
+    failure = export_failure(profile)
+    if failure is None:
         return pins
     if pins.pp not in (None, 1):
-        raise UserError(f"pp={pins.pp} needs the model's graph, but torch.export could not capture it "
-                        f"(captured by {profile.capture_method}): pin pp=1 or make the forward exportable")
+        raise UserError(f"pp={pins.pp} needs the model's graph from torch.export (pipeline stages are cut from it), "
+                        f"but torch.export failed: {failure}; pin pp=1 or make the forward exportable")
     if warn:
-        log.warning("torch.export could not capture the model: planning without pipeline parallelism")
+        log.warning("planning with %s", pipeline_refusal(profile))
     return replace(pins, pp=1)
 
 
@@ -330,7 +358,7 @@ def write_outputs(result: PlanResult, out: Path, model_file: Path) -> None:
     with _staged_folder(out) as staging:
         (staging / "plan.json").write_text(result.plan.to_json())
         write_csvs(result, staging)
-        (staging / UNSUPPORTED_FILE).write_text(unsupported_ops_text(result.profile))
+        (staging / UNSUPPORTED_FILE).write_text(unsupported_ops_text(result.profile, result.not_planned))
         write_report(result, staging, scaling=list(result.scaling) or None)
         write_trace(result.plan, staging)
         write_program(result.plan, staging, model_file)

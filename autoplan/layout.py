@@ -126,6 +126,8 @@ class Scope:
     global_batch: int | None = None
     num_modules: int | None = None
     """Modules of the model's chain (pipeline stages are cut between them)."""
+    whole_reason: str | None = None
+    """Why the model's chain is a single module, naming the module (ModuleChain.whole_reason)."""
     features: frozenset[str] | None = None
     """What may be used (SUPPORTED for a program to run, ALL_FEATURES for a price); None: not checked."""
     tensor_parallel_problems: Callable[[int], list[str]] | None = None
@@ -226,7 +228,8 @@ def _degrees(layout: Layout, scope: Scope) -> list[str]:
         if gpus % pp:
             out.append(f"pp={pp} does not divide {gpus} GPUs")
         if scope.num_modules is not None and pp > scope.num_modules:
-            out.append(f"pp={pp} exceeds the {scope.num_modules} modules the model splits into")
+            why = f" ({scope.whole_reason})" if scope.whole_reason and scope.num_modules == 1 else ""
+            out.append(f"pp={pp} exceeds the {scope.num_modules} modules the model splits into{why}")
     if _positive(dp):
         if gpus % dp:
             out.append(f"dp={dp} does not divide {gpus} GPUs")

@@ -42,6 +42,31 @@ def example_batch(b): return torch.randn(b, 4), torch.randn(b, 2)
 """
 
 
+ONE_MODULE = """
+import torch
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act, self.out = torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 2)
+    def forward(self, x):
+        return self.out(self.act(self.fc(self.act(self.fc(x)))))  # fc runs again after act
+def build_model(): return M()
+def example_batch(b): return torch.randn(b, 8), torch.randn(b, 2)
+"""
+
+ODD_PAIR = """
+import torch
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 15), torch.nn.Linear(15, 8)
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+def build_model(): return M()
+def example_batch(b): return torch.randn(b, 8), torch.randn(b, 8)
+"""
+
+
 def run(tmp_path, capsys, *args) -> tuple[int, str]:
     code = main([*map(str, args), "--out", str(tmp_path / "out"), "--quiet"])
     return code, capsys.readouterr().err
@@ -99,8 +124,29 @@ def test_data_dependent_control_flow_still_plans_without_pipelines(tmp_path, cap
     assert code == 0, err
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())
     assert plan["parallelism"]["pipeline_parallel_degree"] == 1
+    # the module and the line where torch.export failed (`if h.sum() > 0:`, line 10 of the file)
+    where = f"(in module the model's root (M), at {path.name}:10 in forward)"
+    unsupported = (tmp_path / "out" / "unsupported_ops.txt").read_text()
+    assert "## dimensions not planned\nno pipeline parallelism (pp=1): " in unsupported and where in unsupported
     code, err = run(tmp_path, capsys, path, "--gpus", "2", "--gpu", "cpu", "--pin", "pp=2")
-    assert code == 2 and "pp=2 needs the model's graph" in err
+    assert code == 2 and "pp=2 needs the model's graph from torch.export" in err and where in err
+    assert err.strip().splitlines()[-1].startswith("autoplan: error: pp=2 needs")
+
+
+@pytest.mark.parametrize("text, pin, line", [
+    (ONE_MODULE, "pp=2", "no pipeline parallelism (pp=1): the model stays one module: its child module 'fc' runs "
+                         "again after 'act' started, so no stage boundary can fall between them"),
+    (ODD_PAIR, "tp=2", "no tensor parallelism (tp=1): tp=2 does not divide in_features 15 of down"),
+])
+def test_a_dimension_the_model_cannot_take_is_left_out_with_the_module_and_why(tmp_path, capsys, text, pin, line):
+    path = model_file(tmp_path, text)
+    code, err = run(tmp_path, capsys, path, "--gpus", "2", "--gpu", "cpu")
+    assert code == 0, err
+    assert f"## dimensions not planned\n{line}\n" in (tmp_path / "out" / "unsupported_ops.txt").read_text()
+    assert f"autoplan: planning with {line}" in err
+    code, err = run(tmp_path, capsys, path, "--gpus", "2", "--gpu", "cpu", "--pin", pin)
+    assert code == 2 and err.strip().splitlines()[-1].startswith(f"autoplan: error: pins cannot hold: {pin}")
+    assert line.split(": ", 1)[1].split("tp=2 ")[-1] in err
 
 
 def test_verify_rejects_a_tampered_plan(tmp_path, capsys):

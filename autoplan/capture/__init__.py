@@ -18,7 +18,10 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+from pathlib import Path
 from typing import Callable, Iterator
+
+from torch import nn
 
 from autoplan.capture.dispatch import DataDependentError, capture_dispatch
 from autoplan.capture.export import capture_export
@@ -39,9 +42,30 @@ tensors cannot run: 1 GiB, a small fraction of a laptop's memory."""
 log = logging.getLogger(__name__)
 
 
-def _one_line(error: BaseException) -> str:
+def _one_line(error: BaseException, model: nn.Module | None = None) -> str:
+    """"Type: first line of the message", and with the `model` traced, where in it the error arose."""
     text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
+    where = _where_in_model(error, model) if model is not None else None
+    return f"{type(error).__name__}: {text[0] if text else ''}" + (f" ({where})" if where else "")
+
+
+def _where_in_model(error: BaseException, model: nn.Module) -> str | None:
+    """"in module NAME (Type), at FILE:LINE in FUNC": the innermost frame of `error`'s traceback that runs a
+    method of one of `model`'s modules (the model's own code, wherever its file lies: a transformers
+    model's is under site-packages). None when no frame does."""
+    names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
+    found = None
+    traceback = error.__traceback__
+    while traceback is not None:
+        owner = traceback.tb_frame.f_locals.get("self")
+        if id(owner) in names and isinstance(owner, nn.Module):
+            found = (names[id(owner)], type(owner).__name__, traceback.tb_frame.f_code, traceback.tb_lineno)
+        traceback = traceback.tb_next
+    if found is None:
+        return None
+    name, kind, code, line = found
+    module = f"{name} ({kind})" if name else f"the model's root ({kind})"
+    return f"in module {module}, at {Path(code.co_filename).name}:{line} in {code.co_name}"
 
 
 _NOISY_LOGGERS = ("torch._subclasses.fake_tensor", "torch.export", "torch._export",
@@ -119,7 +143,7 @@ def _capture_chain(fake: FakeModel, source: ModelSource, method: str, allow_real
         except Exception as e:  # noqa: BLE001 - tracing fails in many ways; each means "try the next method"
             if method == name:
                 raise UserError(f"{_DESCRIPTIONS[name]} of {source.path.name} failed: {_one_line(e)}") from None
-            failures.append(f"{name}: {_one_line(e)}")
+            failures.append(f"{name}: {_one_line(e, fake.model)}")
     return _capture_by_running(fake, source, failures, allow_real)
 
 

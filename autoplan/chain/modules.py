@@ -85,6 +85,8 @@ class ModuleChain:
     device: str
     """ModelProfile.device ("cpu" = measured here, else the hardware profile of the roofline)."""
     tokens_per_sample: int | None = None
+    whole_reason: str | None = None
+    """Why the model is a single module (no pipeline stage can be cut), naming the module; None otherwise."""
 
     def __len__(self) -> int:
         return len(self.modules)
@@ -118,6 +120,7 @@ def build_chain(profile: ModelProfile, max_module_share: float = 1 / 8) -> Modul
 
     keep_whole = frozenset(find_tensor_parallel_plan(profile, vocab_parallel=False))
     modules = _choose_modules(ops, tree, weight, max_module_share, keep_whole)
+    whole_reason = _whole_reason(tree) if modules == [ROOT] else None
     assignment = _assign_ops(ops, modules)
     order = sorted(modules, key=lambda u: assignment.first_op[u])
     index_of = {fqn: i for i, fqn in enumerate(order)}
@@ -155,6 +158,7 @@ def build_chain(profile: ModelProfile, max_module_share: float = 1 / 8) -> Modul
         capture_dtype=profile.dtype,
         device=profile.device,
         tokens_per_sample=profile.tokens_per_sample,
+        whole_reason=whole_reason,
     )
 
 
@@ -232,8 +236,26 @@ def _choose_modules(ops, tree: nx.DiGraph, weight: list[float], max_module_share
 
 def _interleaved(tree: nx.DiGraph, fqn: str) -> bool:
     """Some child of `fqn` runs ops after a later sibling started (a module called twice around it)."""
-    spans = sorted((min(tree.nodes[c]["ops"]), max(tree.nodes[c]["ops"])) for c in tree.successors(fqn))
-    return any(end > next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+    return _interleaving(tree, fqn) is not None
+
+
+def _interleaving(tree: nx.DiGraph, fqn: str) -> tuple[str, str] | None:
+    """(child, sibling): a child of `fqn` that runs ops again after the sibling started; None if none does."""
+    spans = sorted((min(tree.nodes[c]["ops"]), max(tree.nodes[c]["ops"]), c) for c in tree.successors(fqn))
+    for (_, end, child), (next_start, _, sibling) in zip(spans, spans[1:]):
+        if end > next_start:
+            return child, sibling
+    return None
+
+
+def _whole_reason(tree: nx.DiGraph) -> str:
+    """Why the root could not be cut into child modules (the model runs as one pipeline stage)."""
+    pair = _interleaving(tree, ROOT) if _children(tree, ROOT) else None
+    if pair is None:
+        return "the model's forward runs its ops itself, in no child module"
+    child, sibling = pair
+    return (f"the model stays one module: its child module {child!r} runs again after {sibling!r} started, so no "
+            f"stage boundary can fall between them")
 
 
 @dataclass

@@ -49,7 +49,8 @@ def scope_of(ctx: Context) -> Scope:
     modules, its tensor-parallel facts and its BatchNorm modules, the features in use."""
     cluster = ctx.cluster
     return Scope(num_gpus=cluster.num_gpus, gpus_per_node=cluster.gpus_per_node,
-                 global_batch=ctx.training.global_batch_size, num_modules=len(ctx.chain), features=ctx.features,
+                 global_batch=ctx.training.global_batch_size, num_modules=len(ctx.chain),
+                 whole_reason=ctx.chain.whole_reason, features=ctx.features,
                  tensor_parallel_problems=ctx.facts.problems, batch_norm_modules=ctx.batch_norm_modules)
 
 
