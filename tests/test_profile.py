@@ -267,3 +267,16 @@ def test_unsupported_ops_text_names_ops_without_a_flop_formula_and_says_when_all
                                               "and timed or estimated\n")
     lacking = dataclasses.replace(gpt, unsupported_ops=("aten.linear.default",))
     assert "aten.linear.default (17 ops)" in unsupported_ops_text(lacking)
+
+
+def test_unsupported_ops_text_says_where_op_times_come_from(gpt):
+    n = len(gpt.ops)
+    measured = dataclasses.replace(gpt, device="cpu", ops=tuple(dataclasses.replace(o, source="measured")
+                                                                  for o in gpt.ops))
+    assert unsupported_ops_text(measured).splitlines()[1] == f"op times: measured on this machine (cpu), {n} ops"
+    mixed = dataclasses.replace(measured, ops=(dataclasses.replace(gpt.ops[0], source="estimated"),
+                                               *measured.ops[1:]))
+    assert unsupported_ops_text(mixed).splitlines()[1].startswith(
+        f"op times: measured on this machine for {n - 1} ops; estimated for cpu by a roofline")
+    estimated = dataclasses.replace(gpt, ops=tuple(dataclasses.replace(o, source="estimated") for o in gpt.ops))
+    assert unsupported_ops_text(estimated).splitlines()[1].endswith(f"plus a launch cost), {n} ops")

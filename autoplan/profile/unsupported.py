@@ -45,7 +45,7 @@ def unsupported_ops_text(profile: ModelProfile, not_planned: tuple[str, ...] | N
     the pipeline's refusal when torch.export failed)."""
     counts = Counter(op.op for op in profile.ops)
     lines = [f"# {profile.model}: captured by {_METHODS.get(profile.capture_method, profile.capture_method)}, "
-             f"{len(profile.ops)} ops"]
+             f"{len(profile.ops)} ops", _times(profile)]
     if not_planned is None:
         not_planned = tuple(filter(None, [pipeline_refusal(profile)]))
     if not_planned:
@@ -63,3 +63,16 @@ def unsupported_ops_text(profile: ModelProfile, not_planned: tuple[str, ...] | N
     if not (not_planned or profile.capture_failures or profile.unsupported_ops or profile.op_failures):
         lines += ["", "nothing unsupported: every op has a FLOP formula and was replayed and timed or estimated"]
     return "\n".join(lines) + "\n"
+
+
+def _times(profile: ModelProfile) -> str:
+    """Where the op times come from: measured here, or estimated (an approximation, named as such)."""
+    sources = Counter(op.source for op in profile.ops)
+    measured, estimated = sources.get("measured", 0), sources.get("estimated", 0)
+    if not estimated:
+        return f"op times: measured on this machine ({profile.device}), {measured} ops"
+    how = (f"estimated for {profile.device} by a roofline (the slower of FLOPs at its peak rate and bytes at its "
+           f"memory bandwidth, times the profile's efficiencies, plus a launch cost)")
+    if not measured:
+        return f"op times: {how}, {estimated} ops"
+    return f"op times: measured on this machine for {measured} ops; {how} for {estimated}"
