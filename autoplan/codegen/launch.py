@@ -161,8 +161,8 @@ source "$VENV/bin/activate"
 cd "$OUT_DIR"
 
 # the first node of the allocation hosts the c10d rendezvous; rank 0 may land on any node
-MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
-export MASTER_ADDR MASTER_PORT
+mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")  # no pipe to head: SIGPIPE under pipefail
+export MASTER_ADDR="${{NODES[0]}}" MASTER_PORT
 export OMP_NUM_THREADS=$(( SLURM_CPUS_PER_TASK / {per} > 0 ? SLURM_CPUS_PER_TASK / {per} : 1 ))
 
 # since Slurm 22.05 srun does not inherit --cpus-per-task from sbatch: pass it on, and bind the task to them
