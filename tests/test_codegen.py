@@ -89,7 +89,7 @@ def test_writes_train_py_model_copy_and_launcher(tmp_path):
     assert config["MODEL_FLOPS_PER_STEP"] == 1e12
     assert config["PEAK_FLOPS_PER_GPU"] == 67e12  # the H100 SXM profile's dense fp32 peak
     assert sorted(p.name for p in (tmp_path / "launch").iterdir()) == [
-        "job.sbatch", "pytorchjob.yaml", "torchrun.sh", "trainjob.yaml"]
+        "Dockerfile", "job.sbatch", "pytorchjob.yaml", "torchrun.sh", "trainjob.yaml"]
 
 
 def test_layout_numbers_reach_the_program(tmp_path):

@@ -10,7 +10,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from autoplan.codegen.launch import Launch, launch_layout, launcher_files
+from autoplan.codegen.kubernetes import pytorchjob_yaml, trainjob_yaml
+from autoplan.codegen.launch import Launch, dockerfile, launch_layout, sbatch_script, torchrun_script
 from autoplan.codegen.template import fill
 from autoplan.errors import UserError
 from autoplan.layout import SUPPORTED, TENSOR_PARALLEL_STYLES
@@ -30,7 +31,14 @@ def write_program(plan: Plan, out_dir: Path, model_file: Path) -> None:
     (out_dir / "train.py").write_text(render_train_py(plan, launch))
     for name, text in launcher_files(launch).items():
         (out_dir / "launch" / name).write_text(text)
-    (out_dir / "launch" / "torchrun.sh").chmod(0o755)
+    for script in ("torchrun.sh", "job.sbatch"):
+        (out_dir / "launch" / script).chmod(0o755)
+
+
+def launcher_files(launch: Launch) -> dict[str, str]:
+    """File name in launch/ -> contents."""
+    return {"torchrun.sh": torchrun_script(launch), "job.sbatch": sbatch_script(launch), "Dockerfile": dockerfile(),
+            "trainjob.yaml": trainjob_yaml(launch), "pytorchjob.yaml": pytorchjob_yaml(launch)}
 
 
 def check_supported(plan: Plan) -> None:
@@ -67,12 +75,19 @@ def _docstring(plan: Plan, launch: Launch) -> str:
     if launch.nnodes == 1:
         lines += ["Launch:", f"    {launch.command}"]
     else:
-        lines += [f"Launch on each of the {launch.nnodes} nodes (MASTER_ADDR: a host name of node 0):",
-                  f"    NNODES={launch.nnodes} MASTER_ADDR=<node 0 host> bash launch/torchrun.sh",
-                  "which runs:", f"    {launch.command}"]
+        lines += [f"Launch on each of the {launch.nnodes} nodes, with the same MASTER_ADDR (a host name of one",
+                  "of them that all can reach: it hosts the c10d rendezvous):",
+                  f"    NNODES={launch.nnodes} MASTER_ADDR=<that host> bash launch/torchrun.sh",
+                  "which runs:", f"    {launch.command}",
+                  "The rendezvous assigns the ranks: rank 0, which prints the losses and writes --losses-out and",
+                  "--metrics-out, can land on any node."]
     lines += [
-        "or on a cluster: sbatch launch/job.sbatch (SLURM), kubectl apply -f launch/trainjob.yaml",
-        "(Kubeflow Trainer) or launch/pytorchjob.yaml (Kubeflow Training Operator v1).",
+        "On a cluster, from this folder: sbatch launch/job.sbatch (SLURM), or build launch/Dockerfile and",
+        "kubectl create -f launch/trainjob.yaml (Kubeflow Trainer v2.2+) or launch/pytorchjob.yaml",
+        "(Kubeflow Training Operator v1.7+). Set the values at the top of each file first.",
+        "",
+        "Model: model.py beside this file, the copy made at planning (--model-file planned imports the",
+        "file it was planned from instead, MODEL_SOURCE, with the edits made there since).",
         "",
         "Data: the model file's make_dataloader(rank, world_size[, batch_size]) if it has one (shard",
         "with a DistributedSampler), else synthetic batches from its example_batch.",
@@ -139,9 +154,8 @@ def _peak_flops_per_gpu(plan: Plan) -> float | None:
 def _config_block(plan: Plan) -> str:
     p, t = plan.parallelism, plan.training
     rows = [
-        ("MODEL_SOURCE", repr(plan.model.path), "the planned model file (its imports and paths work there)"),
-        ("MODEL_FILE", 'Path(MODEL_SOURCE) if Path(MODEL_SOURCE).is_file() else Path(__file__).with_name("model.py")',
-         "else the copy beside this file"),
+        ("MODEL_SOURCE", repr(plan.model.path), "the file it was planned from (used with --model-file planned)"),
+        ("MODEL_FILE", 'Path(__file__).with_name("model.py")', "the copy made at planning: what trains by default"),
         ("FACTORY", repr(plan.model.factory), "function in model.py that builds the model"),
         ("SEED", repr(t.seed), "weights: manual_seed(SEED); step t's batch: SEED + 1000 + t"),
         ("LEARNING_RATE", repr(t.learning_rate), "AdamW"),

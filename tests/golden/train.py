@@ -6,12 +6,19 @@ Precision: bf16 mixed precision on GPUs (FSDP2's MixedPrecisionPolicy, else torc
 fp32 weights, optimizer and gradient reduction). On CPU it trains in fp32: that is what
 `autoplan verify` compares with the single-device run.
 
-Launch on each of the 2 nodes (MASTER_ADDR: a host name of node 0):
-    NNODES=2 MASTER_ADDR=<node 0 host> bash launch/torchrun.sh
+Launch on each of the 2 nodes, with the same MASTER_ADDR (a host name of one
+of them that all can reach: it hosts the c10d rendezvous):
+    NNODES=2 MASTER_ADDR=<that host> bash launch/torchrun.sh
 which runs:
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:$MASTER_PORT --rdzv-id $RDZV_ID train.py
-or on a cluster: sbatch launch/job.sbatch (SLURM), kubectl apply -f launch/trainjob.yaml
-(Kubeflow Trainer) or launch/pytorchjob.yaml (Kubeflow Training Operator v1).
+The rendezvous assigns the ranks: rank 0, which prints the losses and writes --losses-out and
+--metrics-out, can land on any node.
+On a cluster, from this folder: sbatch launch/job.sbatch (SLURM), or build launch/Dockerfile and
+kubectl create -f launch/trainjob.yaml (Kubeflow Trainer v2.2+) or launch/pytorchjob.yaml
+(Kubeflow Training Operator v1.7+). Set the values at the top of each file first.
+
+Model: model.py beside this file, the copy made at planning (--model-file planned imports the
+file it was planned from instead, MODEL_SOURCE, with the edits made there since).
 
 Data: the model file's make_dataloader(rank, world_size[, batch_size]) if it has one (shard
 with a DistributedSampler), else synthetic batches from its example_batch.
@@ -44,8 +51,8 @@ RUNTIME_API = 2  # the version of autoplan.runtime's interface this program was 
 
 # ----------------------------------------------------------------------------------------------
 # The plan (numbers from plan.json)
-MODEL_SOURCE = 'examples/mlp.py'    # the planned model file (its imports and paths work there)
-MODEL_FILE = Path(MODEL_SOURCE) if Path(MODEL_SOURCE).is_file() else Path(__file__).with_name("model.py")  # else the copy beside this file
+MODEL_SOURCE = 'examples/mlp.py'    # the file it was planned from (used with --model-file planned)
+MODEL_FILE = Path(__file__).with_name("model.py")  # the copy made at planning: what trains by default
 FACTORY = 'build_model'             # function in model.py that builds the model
 SEED = 7                            # weights: manual_seed(SEED); step t's batch: SEED + 1000 + t
 LEARNING_RATE = 0.0003              # AdamW
@@ -87,6 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10, help="train until this many optimizer steps are done")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model-file", choices=("copy", "planned"), default="copy",
+                        help="copy: model.py beside this file, the copy made at planning (default); planned: the file "
+                             "it was planned from, MODEL_SOURCE, as it is now (its edits since then train too)")
     parser.add_argument("--checkpoint-dir", type=Path, help="save checkpoints here (torch.distributed.checkpoint)")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: at the end only)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
@@ -156,7 +166,7 @@ def main(argv=None) -> list[float]:
     runtime.check_runtime_api(RUNTIME_API)  # before anything else: one line and exit 2 if autoplan differs
     args = parse_args(argv)
     device = torch.device(args.device)
-    model_source = load_source(f"{MODEL_FILE}:{FACTORY}")
+    model_source = load_source(f"{MODEL_SOURCE if args.model_file == 'planned' else MODEL_FILE}:{FACTORY}")
     dropout = runtime.NoDropout(enabled=args.no_dropout)  # entered around the training steps only
     if args.reference:
         with dropout:

@@ -5,8 +5,12 @@ from pathlib import Path
 
 import torch
 
-_spec = importlib.util.spec_from_file_location("autoplan_small_gpt",
-                                               Path(__file__).resolve().parents[2] / "examples" / "gpt.py")
+import autoplan
+
+EXAMPLES = Path(autoplan.__file__).resolve().parents[1] / "examples"
+"""Found through the package, not this file: train.py imports a copy of this file from its own folder."""
+
+_spec = importlib.util.spec_from_file_location("autoplan_small_gpt", EXAMPLES / "gpt.py")
 gpt = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpt)
 VOCAB, SEQ = 64, 8

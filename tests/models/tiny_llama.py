@@ -3,8 +3,12 @@
 import importlib.util
 from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location("autoplan_tiny_llama",
-                                               Path(__file__).resolve().parents[2] / "examples" / "llama.py")
+import autoplan
+
+EXAMPLES = Path(autoplan.__file__).resolve().parents[1] / "examples"
+"""Found through the package, not this file: train.py imports a copy of this file from its own folder."""
+
+_spec = importlib.util.spec_from_file_location("autoplan_tiny_llama", EXAMPLES / "llama.py")
 llama = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(llama)
 llama.VOCAB, llama.HIDDEN, llama.INTERMEDIATE, llama.LAYERS, llama.HEADS, llama.KV_HEADS, llama.SEQ_LEN = (

@@ -25,7 +25,7 @@ RUNTIME_API = 2  # the version of autoplan.runtime's interface this program was 
 # The plan (numbers from plan.json)
 # --- plan config begin ---
 MODEL_SOURCE = "model.py"  # placeholders, replaced by the plan's values (program.py, _config_block)
-MODEL_FILE = Path(MODEL_SOURCE) if Path(MODEL_SOURCE).is_file() else Path(__file__).with_name("model.py")
+MODEL_FILE = Path(__file__).with_name("model.py")
 FACTORY = "build_model"
 SEED = 0
 LEARNING_RATE = 1e-3
@@ -57,6 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10, help="train until this many optimizer steps are done")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model-file", choices=("copy", "planned"), default="copy",
+                        help="copy: model.py beside this file, the copy made at planning (default); planned: the file "
+                             "it was planned from, MODEL_SOURCE, as it is now (its edits since then train too)")
     parser.add_argument("--checkpoint-dir", type=Path, help="save checkpoints here (torch.distributed.checkpoint)")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: at the end only)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
@@ -126,7 +129,7 @@ def main(argv=None) -> list[float]:
     runtime.check_runtime_api(RUNTIME_API)  # before anything else: one line and exit 2 if autoplan differs
     args = parse_args(argv)
     device = torch.device(args.device)
-    model_source = load_source(f"{MODEL_FILE}:{FACTORY}")
+    model_source = load_source(f"{MODEL_SOURCE if args.model_file == 'planned' else MODEL_FILE}:{FACTORY}")
     dropout = runtime.NoDropout(enabled=args.no_dropout)  # entered around the training steps only
     if args.reference:
         with dropout:

@@ -1,0 +1,121 @@
+"""The generated launchers run as written: launch/torchrun.sh as two torchrun agents (NNODES=2, a c10d
+rendezvous on 127.0.0.1), and launch/job.sbatch under bash with stand-in `srun` and `scontrol` (srun
+starts its command once per node with the SLURM_* variables sbatch and srun set), on a plan of 2
+nodes x 1 CPU process. Both train, and their losses match the single-device reference as
+`autoplan verify` requires."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autoplan.api import plan_model
+from autoplan.verify import PARITY_TOLERANCE, run_args
+from test_codegen import MLP
+
+pytestmark = pytest.mark.slow  # two runs of 2 torchrun agents and a reference (~30 s)
+
+STEPS = 3
+TIMEOUT_S = 300
+
+SRUN = """#!/bin/bash
+# stand-in srun: drop its options, start the command once per node as srun would, wait for all
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for node in $(seq 0 $((SLURM_NNODES - 1))); do
+    SLURM_NODEID=$node SLURM_PROCID=$node SLURM_LOCALID=0 SLURM_STEP_ID=0 "$@" &
+    pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit $status
+"""
+SCONTROL = """#!/bin/bash
+# stand-in scontrol: `scontrol show hostnames LIST` prints one host per node
+[ "$1 $2" = "show hostnames" ] || exit 1
+for _ in $(seq 1 "$SLURM_NNODES"); do echo 127.0.0.1; done
+"""
+ACTIVATE = """# stand-in venv: the Python running the tests, and the stand-in srun/scontrol
+export PATH="{bin}:{python_bin}:$PATH"
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(commands: list[list[str]], cwd: Path, envs: list[dict]) -> list[subprocess.CompletedProcess]:
+    """Run the commands at once, each in its own process group; kill them all on a timeout."""
+    procs = [subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              stdin=subprocess.DEVNULL, start_new_session=True) for command, env in zip(commands, envs)]
+    try:
+        outputs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+
+
+def child_env(**extra: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    return env
+
+
+@pytest.fixture(scope="module")
+def two_node_plan(tmp_path_factory):
+    """A 2-node plan (1 CPU process per node) and its single-device reference losses."""
+    out = tmp_path_factory.mktemp("two_nodes")
+    plan = plan_model(str(MLP), 2, "cpu", gpus_per_node=1, pin="dp=2", out=out).plan
+    assert (plan.cluster.gpus_per_node, plan.parallelism.world_size) == (1, 2)
+    reference = out / "reference_losses.json"
+    done = subprocess.run([sys.executable, "train.py", "--reference", *run_args(STEPS), "--losses-out", str(reference)],
+                          cwd=out, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    return out, json.loads(reference.read_text())
+
+
+def assert_parity(losses_file: Path, reference: list[float], runs: list[subprocess.CompletedProcess]):
+    assert all(r.returncode == 0 for r in runs), "\n".join(r.stderr[-3000:] for r in runs)
+    losses = json.loads(losses_file.read_text())
+    assert len(losses) == len(reference) == STEPS
+    assert max(abs(a - b) for a, b in zip(losses, reference)) <= PARITY_TOLERANCE, (losses, reference)
+
+
+def test_torchrun_sh_as_two_agents_trains_like_the_reference(two_node_plan, tmp_path):
+    out, reference = two_node_plan
+    assert "NNODES=\"${NNODES:-2}\"" in (out / "launch" / "torchrun.sh").read_text()
+    losses = tmp_path / "losses.json"
+    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RDZV_ID="two-agents")
+    command = ["bash", str(out / "launch" / "torchrun.sh"), *run_args(STEPS), "--losses-out", str(losses)]
+    runs = run([command, command], tmp_path, [env, env])  # from another folder: the script finds its own
+    assert_parity(losses, reference, runs)
+
+
+def test_sbatch_script_with_stand_in_srun_trains_like_the_reference(two_node_plan, tmp_path):
+    out, reference = two_node_plan
+    bin_dir, venv = tmp_path / "bin", tmp_path / "venv"
+    for folder in (bin_dir, venv / "bin"):
+        folder.mkdir(parents=True)
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    (venv / "bin" / "activate").write_text(ACTIVATE.format(bin=bin_dir, python_bin=Path(sys.executable).parent))
+    losses = tmp_path / "losses.json"
+    env = {**child_env(), "VENV": str(venv), "MASTER_PORT": str(free_port()), "STEPS": "1000",
+           # what sbatch sets for `sbatch launch/job.sbatch` submitted from the output folder
+           "SLURM_SUBMIT_DIR": str(out), "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[1-2]",
+           "SLURM_NNODES": "2", "SLURM_CPUS_PER_TASK": "2", "SLURM_JOB_NAME": "autoplan-train"}
+    env["PATH"] = "/usr/bin:/bin"  # torchrun and python come from the venv's activate
+    runs = run([["bash", str(out / "launch" / "job.sbatch"), *run_args(STEPS), "--losses-out", str(losses)]],
+               tmp_path, [env])
+    assert_parity(losses, reference, runs)
+    assert sorted(p.name for p in (out / "checkpoints" / "4242").iterdir()) == [f"step_{STEPS}"]
