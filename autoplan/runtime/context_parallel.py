@@ -1,0 +1,93 @@
+"""Ring attention for the CPU attention kernel, so torch's context parallelism runs on CPU/gloo.
+
+`torch.distributed.tensor.experimental.context_parallel` shards the sequence of q, k and v over a mesh
+dimension and sends `scaled_dot_product_attention` on those shards to a ring: each rank attends its
+queries to every rank's keys and values in turn and merges the partial results by their logsumexp. Its
+handlers cover the CUDA kernels only (flash, memory-efficient, cuDNN); on CPU, SDPA dispatches to
+`aten._scaled_dot_product_flash_attention_for_cpu`, which DTensor then refuses ("does not have a sharding
+strategy registered"). That kernel returns the logsumexp the merge needs, and its backward takes it, so
+`register_cpu_ring_attention` gives both the same treatment torch gives the CUDA flash kernel: torch's own
+ring (`_templated_ring_attention` and its backward, with their causal load balancing), run on the local
+shards, and the results wrapped back as sequence-sharded DTensors. This lets context parallelism be
+checked for loss parity here; on GPUs torch's own handlers run.
+
+The handlers join torch's context-parallel op table, so they are active exactly while a
+`context_parallel` region is (and DTensor's plain dispatch never sees a sequence-sharded attention).
+Attention masks are not handled (torch's CUDA handlers refuse them too): causal or full attention only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+SEQUENCE_DIM = 2
+"""The sequence dimension of SDPA's (batch, heads, sequence, head_dim) tensors, as torch's ring uses."""
+
+_aten = torch.ops.aten
+FORWARD = _aten._scaled_dot_product_flash_attention_for_cpu.default
+BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def register_cpu_ring_attention() -> None:
+    """Add the CPU kernel's ring handlers to torch's context-parallel op table (idempotent)."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    _attention.custom_ops[FORWARD] = _ring_forward
+    _attention.custom_ops[BACKWARD] = _ring_backward
+
+
+def _ring_forward(op_call, args: tuple, kwargs: dict) -> tuple[DTensor, DTensor]:
+    """(output, logsumexp) of attention over the whole sequence, from the ranks' sequence shards."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    query, key, value = args[:3]
+    dropout_p = args[3] if len(args) > 3 else kwargs.get("dropout_p", 0.0)
+    is_causal = args[4] if len(args) > 4 else kwargs.get("is_causal", False)
+    _refuse_mask(kwargs)
+    out, logsumexp = _attention._templated_ring_attention(
+        query.device_mesh.get_group(), SEQUENCE_DIM, FORWARD, query=_local(query), key=_local(key),
+        value=_local(value), is_causal=is_causal, dropout_p=dropout_p, scale=kwargs.get("scale"))
+    return _sharded(out, query), _sharded(logsumexp, query)
+
+
+def _ring_backward(op_call, args: tuple, kwargs: dict) -> tuple[DTensor, DTensor, DTensor]:
+    """Gradients of query, key and value, each on its rank's sequence shard."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    grad_out, query, key, value, out, logsumexp, dropout_p, is_causal = args[:8]
+    _refuse_mask(kwargs)
+    grads = _attention._templated_ring_attention_backward(
+        query.device_mesh.get_group(), SEQUENCE_DIM, BACKWARD, grad_out=_local(grad_out), grad_out_name="grad_out",
+        query=_local(query), key=_local(key), value=_local(value), out=_local(out), logsumexp=_local(logsumexp),
+        is_causal=is_causal, dropout_p=dropout_p, scale=kwargs.get("scale"))
+    return tuple(_sharded(grad, like) for grad, like in zip(grads[:3], (query, key, value)))
+
+
+def _refuse_mask(kwargs: dict) -> None:
+    if kwargs.get("attn_mask") is not None:
+        raise NotImplementedError("context parallel ring attention on CPU takes is_causal or no mask, not an "
+                                  "attn_mask tensor (torch's CUDA ring handlers refuse one too)")
+
+
+def _local(tensor):
+    """The rank's sequence shard of a DTensor sharded on the sequence (and only on it)."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    if tuple(tensor.placements) != (Shard(SEQUENCE_DIM),):
+        raise NotImplementedError(f"context parallel ring attention needs q, k, v sharded on the sequence "
+                                  f"(Shard({SEQUENCE_DIM})) over one mesh dimension, got {tensor.placements}")
+    return tensor._local_tensor
+
+
+def _sharded(local: torch.Tensor, like: DTensor) -> DTensor:
+    """`local` as the rank's shard of a sequence-sharded DTensor on `like`'s mesh (the global shape has
+    `like`'s sequence length)."""
+    shape = list(local.shape)
+    shape[SEQUENCE_DIM] = like.shape[SEQUENCE_DIM]
+    global_shape = torch.Size(shape)
+    stride = torch.empty(global_shape, device="meta").stride()
+    spec = DTensorSpec(like.device_mesh, (Shard(SEQUENCE_DIM),),
+                       tensor_meta=TensorMeta(global_shape, stride, local.dtype))
+    return DTensor(local, spec, requires_grad=False)

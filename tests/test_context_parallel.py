@@ -1,0 +1,57 @@
+"""autoplan.runtime.context_parallel: torch's context_parallel (ring attention over sequence shards) on the
+CPU attention kernel, on 2 and 4 gloo ranks: outputs and q/k/v gradients equal one device's SDPA on the
+whole sequence, causal (with torch's round-robin load balancing) and full attention."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+RING = """
+import sys
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.experimental import context_parallel
+from torch.distributed.tensor.experimental._attention import _cp_options, context_parallel_unshard
+from autoplan.runtime.context_parallel import register_cpu_ring_attention
+
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
+register_cpu_ring_attention()
+for causal, kv_heads in ((True, 4), (False, 4), (True, 2)):
+    torch.manual_seed(0)
+    batch, heads, seq, dim = 2, 4, 16, 8
+    q = torch.randn(batch, heads, seq, dim)
+    k, v = (torch.randn(batch, kv_heads, seq, dim) for _ in range(2))
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*whole, is_causal=causal, enable_gqa=kv_heads != heads)
+    expected.backward(torch.ones_like(expected))
+    shards = [t.clone() for t in (q, k, v)]
+    balance, _cp_options.enable_load_balance = _cp_options.enable_load_balance, causal  # causal only
+    with context_parallel(mesh, buffers=shards, buffer_seq_dims=[2, 2, 2]):
+        mine = [t.clone().requires_grad_() for t in shards]
+        out = F.scaled_dot_product_attention(*mine, is_causal=causal, enable_gqa=kv_heads != heads)
+        out.backward(torch.ones_like(out))
+    gathered = context_parallel_unshard(mesh, [out.detach()] + [t.grad for t in mine], [2] * 4)
+    _cp_options.enable_load_balance = balance
+    assert out.shape[2] == seq // dist.get_world_size()  # each rank held its share of the sequence
+    for name, got, want in zip("out q k v".split(), gathered, [expected.detach()] + [t.grad for t in whole]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"{name}, causal={causal}, kv_heads={kv_heads}")
+print("rank", dist.get_rank(), "matches")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_ring_attention_on_the_cpu_kernel_equals_attention_over_the_whole_sequence(tmp_path, ranks):
+    script = tmp_path / "ring.py"
+    script.write_text(RING)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                          str(ranks), str(script)], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("matches") == ranks
