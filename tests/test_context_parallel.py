@@ -1,14 +1,24 @@
-"""autoplan.runtime.context_parallel: torch's context_parallel (ring attention over sequence shards) on the
-CPU attention kernel, on 2 and 4 gloo ranks: outputs and q/k/v gradients equal one device's SDPA on the
-whole sequence, causal (with torch's round-robin load balancing) and full attention."""
+"""autoplan.runtime.context_parallel on 2 and 4 gloo ranks:
+
+- torch's context_parallel (ring attention over sequence shards) on the CPU attention kernel: outputs and
+  q/k/v gradients equal one device's SDPA on the whole sequence, causal (with torch's load balancing),
+  full and grouped-query attention;
+- unmodified models (HF Llama with rotary positions and grouped-query attention, the from-scratch GPT
+  with learned positions) with their blocks fed sequence shards: the loss averaged over the ranks and the
+  gradients averaged over them equal one device's on the whole sequence."""
 
 import os
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 
+MODELS = Path(__file__).parent / "models"
+
 RING = """
+import copy
 import sys
 import torch
 import torch.distributed as dist
@@ -16,7 +26,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.experimental import context_parallel
 from torch.distributed.tensor.experimental._attention import _cp_options, context_parallel_unshard
-from autoplan.runtime.context_parallel import register_cpu_ring_attention
+from autoplan.runtime.context_parallel import SequenceShards, register_cpu_ring_attention, shard_block_inputs
 
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
@@ -40,6 +50,37 @@ for causal, kv_heads in ((True, 4), (False, 4), (True, 2)):
     assert out.shape[2] == seq // dist.get_world_size()  # each rank held its share of the sequence
     for name, got, want in zip("out q k v".split(), gathered, [expected.detach()] + [t.grad for t in whole]):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"{name}, causal={causal}, kv_heads={kv_heads}")
+
+
+def check_model(model, inputs, targets, loss_fn, blocks):
+    reference = copy.deepcopy(model)
+    expected = loss_fn(reference(**inputs) if isinstance(inputs, dict) else reference(inputs), targets)
+    expected.backward()
+    local_targets = targets.clone()
+    with context_parallel(mesh, buffers=[local_targets], buffer_seq_dims=[1]):
+        handles = shard_block_inputs(blocks(model), SequenceShards(mesh, targets.shape[1], torch.device("cpu")))
+        assert local_targets.shape[1] == targets.shape[1] // dist.get_world_size()
+        loss = loss_fn(model(**inputs) if isinstance(inputs, dict) else model(inputs), local_targets)
+        loss.backward()
+    for handle in handles:
+        handle.remove()
+    dist.all_reduce(loss := loss.detach().clone())  # every rank's mean over as many tokens
+    torch.testing.assert_close(loss / dist.get_world_size(), expected.detach(), rtol=1e-5, atol=1e-6)
+    for (name, param), want in zip(model.named_parameters(), reference.parameters()):
+        dist.all_reduce(grad := param.grad.clone())
+        torch.testing.assert_close(grad / dist.get_world_size(), want.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+sys.path.insert(0, MODELS)
+import tiny_llama
+import small_gpt
+torch.manual_seed(0)
+inputs, targets = tiny_llama.example_batch(2)
+check_model(tiny_llama.build_model(attn_implementation="sdpa"), inputs, targets, tiny_llama.loss_fn,
+            lambda model: model.model.layers)
+torch.manual_seed(0)
+inputs, targets = small_gpt.example_batch(2)
+check_model(small_gpt.build_model(), inputs, targets, small_gpt.loss_fn, lambda model: model.blocks)
 print("rank", dist.get_rank(), "matches")
 dist.destroy_process_group()
 """
@@ -47,9 +88,9 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_ring_attention_on_the_cpu_kernel_equals_attention_over_the_whole_sequence(tmp_path, ranks):
+def test_ring_attention_and_models_on_sequence_shards_equal_one_device_on_the_whole_sequence(tmp_path, ranks):
     script = tmp_path / "ring.py"
-    script.write_text(RING)
+    script.write_text(f"MODELS = {str(MODELS)!r}\n" + RING)
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                           str(ranks), str(script)], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})

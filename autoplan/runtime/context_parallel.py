@@ -91,3 +91,58 @@ def _sharded(local: torch.Tensor, like: DTensor) -> DTensor:
     spec = DTensorSpec(like.device_mesh, (Shard(SEQUENCE_DIM),),
                        tensor_meta=TensorMeta(global_shape, stride, local.dtype))
     return DTensor(local, spec, requires_grad=False)
+
+
+ACTIVATION_SEQUENCE_DIM = 1
+"""The sequence dimension of a block's batch-first activations (batch, sequence, ...): hidden states,
+position ids, rotary cos/sin."""
+
+
+class SequenceShards:
+    """This rank's share of a sequence under context parallelism, in torch's order: with causal load
+    balancing (torch's head-tail balancer, on when `context_parallel` turned it on) rank r of c holds the
+    r-th and (2c-1-r)-th of 2c chunks, so every rank attends to as many earlier tokens; else the r-th of c.
+    Made inside a `context_parallel` region, so it agrees with how that region shards the targets."""
+
+    def __init__(self, mesh, seq_len: int, device: torch.device) -> None:
+        from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
+            _create_default_load_balancer,
+        )
+
+        self.seq_len, self.size, self.rank = seq_len, mesh.size(), mesh.get_local_rank()
+        if seq_len % self.size:
+            raise ValueError(f"context parallel {self.size} does not divide the sequence of {seq_len} tokens")
+        balancer = _create_default_load_balancer(seq_len, self.size, device)
+        self.order = balancer._generate_indices()[0] if balancer is not None else None
+        """Token positions in sharding order (None: in their own order)."""
+
+    def shard(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """The rank's share of `tensor` along `dim` (differentiable: gradients flow to the whole tensor)."""
+        if self.order is not None:
+            tensor = tensor.index_select(dim, self.order.to(tensor.device))
+        return tensor.chunk(self.size, dim)[self.rank]
+
+    def shard_sequences(self, value):
+        """Every tensor in `value` (nested) whose sequence dimension is the whole sequence, sharded."""
+        from torch.utils import _pytree as pytree
+
+        def one(item):
+            if (isinstance(item, torch.Tensor) and item.dim() > ACTIVATION_SEQUENCE_DIM
+                    and item.shape[ACTIVATION_SEQUENCE_DIM] == self.seq_len):
+                return self.shard(item, ACTIVATION_SEQUENCE_DIM)
+            return item
+
+        return pytree.tree_map(one, value)
+
+
+def shard_block_inputs(blocks, shards: "SequenceShards"):
+    """Hooks that hand each block (a transformer layer) its rank's share of every whole-sequence input:
+    the first block's hidden states, and the position embeddings the model computed for the whole
+    sequence (rotary cos/sin) at every block; later blocks' hidden states arrive sharded already. What
+    runs before the first block (embeddings, positions, masks) sees the whole sequence, so an unmodified
+    model keeps its positions right; what runs after the last block (norm, head, loss) sees the shard.
+    Returns the hook handles (remove them to undo)."""
+    def pre_hook(module, args, kwargs):
+        return shards.shard_sequences(args), shards.shard_sequences(kwargs)
+
+    return [block.register_forward_pre_hook(pre_hook, with_kwargs=True) for block in blocks]
