@@ -1,0 +1,112 @@
+"""Expert parallelism: shard a mixture of experts' expert weights over ranks and send each token to the
+rank that holds its expert, as torchtitan does (all-to-all dispatch, local expert compute, all-to-all
+combine).
+
+An experts module is what transformers' MoE families (Mixtral, Qwen2-MoE, OLMoE, ...) call after the
+router: `experts(hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H)`, whose
+parameters are stacked per expert on dimension 0 (`gate_up_proj` (E, 2I, H), `down_proj` (E, H, I)) and
+whose `num_experts` says E. `shard_experts` keeps rank r's E/ep experts on each of the ep ranks of a
+group (the module's own parameters, sliced, under their own names) and replaces its forward by:
+
+1. every (token, slot) pair goes to the rank holding its expert: one all-to-all of the hidden states with
+   uneven splits (and one of the expert ids);
+2. that rank runs the module's own forward (any experts implementation transformers offers) on what it
+   received, each row its own token with weight 1;
+3. a second all-to-all brings the rows back, and the sender weights them by the router's top-k weights and
+   adds them up per token (so the router's gradient stays on the sender).
+
+Both all-to-alls are autograd functions (torch's functional collectives), so backward retraces the route.
+The ep ranks hold different data (ep borrows ranks from data parallelism): a rank's expert gradients
+sum the contributions of every token of the group routed to its experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """The experts one rank holds."""
+
+    num_experts: int
+    """Experts in the model's module (E)."""
+    degree: int
+    """Expert-parallel ranks sharing them (ep)."""
+    rank: int
+    """This rank's index in the expert-parallel group."""
+
+    @property
+    def local(self) -> int:
+        """Experts per rank (E / ep)."""
+        return self.num_experts // self.degree
+
+    @property
+    def first(self) -> int:
+        """The global index of this rank's first expert."""
+        return self.rank * self.local
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """An experts module as transformers' MoE families write it: `num_experts`, and parameters stacked per
+    expert on dimension 0, weight matrices among them (a router's (E, H) weight is not stacked matrices)."""
+    experts = getattr(module, "num_experts", None)
+    params = list(module.parameters(recurse=False))
+    return (isinstance(experts, int) and any(p.dim() == 3 for p in params)
+            and all(p.dim() >= 2 and p.shape[0] == experts for p in params))
+
+
+def shard_experts(module: nn.Module, group: dist.ProcessGroup) -> ExpertShard:
+    """Keep this rank's experts of `module` and make its forward route tokens over `group`."""
+    if not is_experts_module(module):
+        raise ValueError(f"{type(module).__name__} is not an experts module (num_experts and weight matrices "
+                         f"stacked per expert on dimension 0)")
+    shard = ExpertShard(module.num_experts, dist.get_world_size(group), dist.get_rank(group))
+    if shard.num_experts % shard.degree:
+        raise ValueError(f"expert parallel {shard.degree} does not divide the {shard.num_experts} experts")
+    for name, param in list(module.named_parameters(recurse=False)):
+        local = param.detach()[shard.first:shard.first + shard.local].clone()
+        setattr(module, name, nn.Parameter(local, requires_grad=param.requires_grad))
+    module.num_experts = shard.local
+    local_forward = module.forward
+
+    def routed_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor) -> torch.Tensor:
+        return _route(local_forward, shard, group, hidden_states, top_k_index, top_k_weights)
+
+    module.forward = routed_forward
+    return shard
+
+
+def _route(local_forward, shard: ExpertShard, group: dist.ProcessGroup, hidden_states: torch.Tensor,
+           top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+
+    tokens, slots = top_k_index.shape
+    expert = top_k_index.reshape(-1)
+    token = torch.arange(tokens, device=expert.device).repeat_interleave(slots)
+    destination = torch.div(expert, shard.local, rounding_mode="floor")
+    order = torch.argsort(destination, stable=True)
+    send = torch.bincount(destination, minlength=shard.degree)
+    receive = _waited(all_to_all_single(send, [1] * shard.degree, [1] * shard.degree, group))
+    send_sizes, receive_sizes = send.tolist(), receive.tolist()
+    rows = all_to_all_single_autograd(hidden_states[token[order]], receive_sizes, send_sizes, group)
+    local_expert = all_to_all_single(expert[order] - destination[order] * shard.local, receive_sizes, send_sizes,
+                                     group)
+    local_expert = _waited(local_expert)
+    outputs = local_forward(rows, local_expert.reshape(-1, 1), torch.ones(len(rows), 1, dtype=top_k_weights.dtype,
+                                                                         device=rows.device))
+    back = all_to_all_single_autograd(outputs, send_sizes, receive_sizes, group)
+    weights = top_k_weights.reshape(-1)[order].unsqueeze(-1).to(back.dtype)
+    combined = torch.zeros_like(hidden_states)
+    return combined.index_add(0, token[order], (back * weights).to(combined.dtype))
+
+
+def _waited(tensor: torch.Tensor) -> torch.Tensor:
+    """A functional collective's result, waited for (an AsyncCollectiveTensor until then)."""
+    wait = getattr(tensor, "wait", None)
+    return wait() if callable(wait) else tensor

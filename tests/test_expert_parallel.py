@@ -1,0 +1,98 @@
+"""autoplan.runtime.expert_parallel on 2 and 4 gloo ranks: transformers' MoE models (Mixtral with grouped
+matmul experts, OLMoE, Qwen2-MoE with a shared expert; built from configs) with their experts sharded over
+the ranks and tokens routed by all-to-all. Each rank trains on its own quarter or half of the batch (ep
+borrows data-parallel ranks): the loss averaged over the ranks equals one device's on the whole batch;
+non-expert gradients averaged over the ranks, and each rank's expert gradients divided by the rank count,
+equal one device's (for the experts that rank holds)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+ROUTED = """
+import copy
+import importlib.util
+import sys
+import torch
+import torch.distributed as dist
+from autoplan.runtime.expert_parallel import is_experts_module, shard_experts
+
+
+def load(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+mixtral = load(f"{ROOT}/examples/mixtral.py", "autoplan_test_mixtral")
+(mixtral.VOCAB, mixtral.HIDDEN, mixtral.INTERMEDIATE, mixtral.LAYERS, mixtral.HEADS, mixtral.KV_HEADS, mixtral.EXPERTS,
+ mixtral.EXPERTS_PER_TOKEN, mixtral.SEQ_LEN) = 64, 16, 32, 2, 4, 2, 4, 2, 8
+zoo = load(f"{ROOT}/benchmarks/zoo/causal_lm.py", "autoplan_test_zoo_causal_lm")
+dist.init_process_group("gloo")
+ranks, rank = dist.get_world_size(), dist.get_rank()
+for name, build, batch, loss_fn in (("mixtral", mixtral.build_model, mixtral.example_batch, mixtral.loss_fn),
+                                    ("olmoe", zoo.olmoe, zoo.example_batch, None),
+                                    ("qwen2_moe", zoo.qwen2_moe, zoo.example_batch, None)):
+    torch.manual_seed(0)
+    model = build()
+    loss_fn = loss_fn or (lambda output, targets: torch.nn.functional.cross_entropy(
+        output.logits.reshape(-1, output.logits.shape[-1]), targets.reshape(-1)))
+    reference = copy.deepcopy(model)
+    inputs, targets = batch(2 * ranks)
+    expected = loss_fn(reference(**inputs), targets)
+    expected.backward()
+    shards = {fqn: shard_experts(module, dist.group.WORLD) for fqn, module in list(model.named_modules())
+              if is_experts_module(module)}
+    assert shards, name
+    mine = slice(2 * rank, 2 * rank + 2)
+    loss = loss_fn(model(**{k: v[mine] for k, v in inputs.items()}), targets[mine])
+    loss.backward()
+    dist.all_reduce(total := loss.detach().clone())
+    torch.testing.assert_close(total / ranks, expected.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    wanted = dict(reference.named_parameters())
+    for fqn, param in model.named_parameters():
+        owner, want = fqn.rsplit(".", 1)[0], wanted[fqn].grad
+        if owner in shards:
+            shard = shards[owner]
+            assert param.shape[0] == shard.local == shard.num_experts // ranks
+            want = want[shard.first:shard.first + shard.local]
+            grad = param.grad / ranks
+        else:
+            dist.all_reduce(grad := param.grad.clone())
+            grad = grad / ranks
+        torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-6, msg=f"{name} {fqn}")
+print("rank", rank, "matches")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_moe_models_with_experts_sharded_and_tokens_routed_train_as_one_device(tmp_path, ranks):
+    script = tmp_path / "routed.py"
+    script.write_text(f"ROOT = {str(ROOT)!r}\n" + ROUTED)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                          str(ranks), str(script)], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("matches") == ranks
+
+
+def test_experts_modules_are_told_from_routers_and_plain_mlps():
+    import importlib.util
+
+    from autoplan.runtime.expert_parallel import is_experts_module
+
+    spec = importlib.util.spec_from_file_location("autoplan_test_mixtral_find", ROOT / "examples" / "mixtral.py")
+    mixtral = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mixtral)
+    model = mixtral.build_model(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    found = [name for name, module in model.named_modules() if is_experts_module(module)]
+    assert found == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]  # not the routers (mlp.gate)
