@@ -64,9 +64,26 @@ def run(commands: list[list[str]], cwd: Path, envs: list[dict]) -> list[subproce
     return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
 
 
-def child_env(**extra: str) -> dict:
+TORCHRUN = f"""#!/bin/bash
+# torchrun of the Python running the tests (a venv over system packages has no torchrun script of its own)
+exec {sys.executable} -m torch.distributed.run "$@"
+"""
+
+
+def python_bin(tmp: Path) -> Path:
+    """A folder with `python` and `torchrun` of the interpreter running the tests."""
+    folder = tmp / "python_bin"
+    folder.mkdir(exist_ok=True)
+    (folder / "torchrun").write_text(TORCHRUN)
+    (folder / "torchrun").chmod(0o755)
+    if not (folder / "python").exists():
+        (folder / "python").symlink_to(sys.executable)
+    return folder
+
+
+def child_env(tmp: Path, **extra: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
-    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    env["PATH"] = f"{python_bin(tmp)}:{env['PATH']}"
     return env
 
 
@@ -78,7 +95,7 @@ def two_node_plan(tmp_path_factory):
     assert (plan.cluster.gpus_per_node, plan.parallelism.world_size) == (1, 2)
     reference = out / "reference_losses.json"
     done = subprocess.run([sys.executable, "train.py", "--reference", *run_args(STEPS), "--losses-out", str(reference)],
-                          cwd=out, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+                          cwd=out, env=child_env(tmp_path_factory.mktemp("reference")), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr
     return out, json.loads(reference.read_text())
 
@@ -94,7 +111,7 @@ def test_torchrun_sh_as_two_agents_trains_like_the_reference(two_node_plan, tmp_
     out, reference = two_node_plan
     assert "NNODES=\"${NNODES:-2}\"" in (out / "launch" / "torchrun.sh").read_text()
     losses = tmp_path / "losses.json"
-    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RDZV_ID="two-agents")
+    env = child_env(tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RDZV_ID="two-agents")
     command = ["bash", str(out / "launch" / "torchrun.sh"), *run_args(STEPS), "--losses-out", str(losses)]
     runs = run([command, command], tmp_path, [env, env])  # from another folder: the script finds its own
     assert_parity(losses, reference, runs)
@@ -108,9 +125,9 @@ def test_sbatch_script_with_stand_in_srun_trains_like_the_reference(two_node_pla
     for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    (venv / "bin" / "activate").write_text(ACTIVATE.format(bin=bin_dir, python_bin=Path(sys.executable).parent))
+    (venv / "bin" / "activate").write_text(ACTIVATE.format(bin=bin_dir, python_bin=python_bin(tmp_path)))
     losses = tmp_path / "losses.json"
-    env = {**child_env(), "VENV": str(venv), "MASTER_PORT": str(free_port()), "STEPS": "1000",
+    env = {**child_env(tmp_path), "VENV": str(venv), "MASTER_PORT": str(free_port()), "STEPS": "1000",
            # what sbatch sets for `sbatch launch/job.sbatch` submitted from the output folder
            "SLURM_SUBMIT_DIR": str(out), "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[1-2]",
            "SLURM_NNODES": "2", "SLURM_CPUS_PER_TASK": "2", "SLURM_JOB_NAME": "autoplan-train"}
