@@ -19,13 +19,15 @@ from typing import Callable
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
 RESHARD = ("always", "never")
+SEQUENCE_PARALLEL = ("on", "off")
+"""sp: enable_sequence_parallel true ("on", the default whenever tp > 1) or false."""
 """fsdp_reshard_after_forward: FSDP2 frees gathered parameters after forward ("always", ZeRO-3) or keeps
 them to backward ("never", the closest FSDP2 has to ZeRO-1/2). torchtitan's "default" is not used."""
 TENSOR_PARALLEL_STYLES = ("colwise", "rowwise")
 ZERO_STAGES = (0, 1, 2, 3)
 
 ALL_FEATURES = frozenset({
-    "tp", "tp_vocab_parallel", "zero2", "zero3", "hsdp", "gpipe", "1f1b", "interleaved", "selective", "full",
+    "tp", "sp", "tp_vocab_parallel", "zero2", "zero3", "hsdp", "gpipe", "1f1b", "interleaved", "selective", "full",
     "pp_scatter_gather",  # Megatron-LM's pipeline sends split over tensor-parallel ranks (not in torch)
     "tp_fused_split",     # Megatron-LM's fused qkv with interleaved weights, split per rank (not in torch TP)
 })
@@ -34,6 +36,7 @@ runs, may use even where codegen cannot run it yet)."""
 
 SUPPORTED = frozenset({
     "tp",                 # Megatron colwise/rowwise pairs (Plan.tensor_parallel_plan)
+    "sp",                 # sequence parallel between the pairs (Parallelism.enable_sequence_parallel)
     "zero2",              # FSDP2 reshard_after_forward=False (zero=1 and zero=2)
     "zero3",              # FSDP2 fully_shard
     "hsdp",               # dp_replicate > 1 and dp_shard > 1 with zero 3
@@ -68,6 +71,8 @@ VOCABULARY = (
     Term("zero", "", "pin shorthand: 0 = dp_shard 1 (DDP); 1 or 2 = dp_shard dp, reshard never; 3 = "
          "reshard always"),
     Term("tp", "tensor_parallel_degree", "ranks that split each layer's matmuls (Megatron pairs)"),
+    Term("sp", "enable_sequence_parallel", "sequence parallel (on or off; on by default whenever tp > 1): "
+         "norms, dropout and residual adds between the tensor-parallel pairs run on sequence shards"),
     Term("pp", "pipeline_parallel_degree", "pipeline ranks"),
     Term("schedule", "pipeline_parallel_schedule", "gpipe, 1f1b or interleaved"),
     Term("virtual_stages", "pipeline_parallel_virtual_stages", "stages per pipeline rank (interleaved)"),
@@ -96,6 +101,8 @@ class Layout:
     zero: int | None = None
     """Only from --pin (the shorthand for dp_shard and reshard)."""
     tp: int | None = None
+    sp: str | None = None
+    """"on" or "off" (SEQUENCE_PARALLEL); only matters when tp > 1."""
     pp: int | None = None
     schedule: str | None = None
     virtual_stages: int | None = None
@@ -160,7 +167,8 @@ def _values(layout: Layout, scope: Scope) -> list[str]:
             ("microbatch", layout.microbatch), ("microbatches", layout.microbatches))
            if value is not None and value < 1]
     for name, value, allowed in (("schedule", layout.schedule, SCHEDULES), ("recompute", layout.recompute, RECOMPUTE),
-                                 ("reshard", layout.reshard, RESHARD), ("zero", layout.zero, ZERO_STAGES)):
+                                 ("reshard", layout.reshard, RESHARD), ("zero", layout.zero, ZERO_STAGES),
+                                 ("sp", layout.sp, SEQUENCE_PARALLEL)):
         if value is not None and value not in allowed:
             out.append(f"{name}={value} is not one of {', '.join(map(str, allowed))}")
     return out
@@ -177,6 +185,8 @@ def _features(layout: Layout, scope: Scope) -> list[str]:
     out = []
     if _positive(layout.tp) and layout.tp > 1 and "tp" not in have:
         out.append(f"tensor parallelism is not supported yet (tp={layout.tp}; use tp=1)")
+    if _positive(layout.tp) and layout.tp > 1 and layout.sp == "on" and "sp" not in have:
+        out.append(f"sequence parallelism is not supported yet (tp={layout.tp}, sp=on; use sp=off)")
     sharded = _sharding(layout)
     if sharded is not None and sharded[0]:
         needed = "zero3" if sharded[1] == "always" else "zero2"

@@ -54,6 +54,10 @@ class Parallelism:
     pipeline_parallel_virtual_stages: int = 1
     """Stages per pipeline rank (> 1 only for the interleaved schedule). Plan.stages then holds
     pp * v stages and stage s runs on pipeline rank s % pp (torch.distributed.pipelining's loop order)."""
+    enable_sequence_parallel: bool = True
+    """With tensor_parallel_degree > 1: the ops between the tensor-parallel pairs (norms, dropout, residual
+    adds) run on sequence shards, the pairs all-gather and reduce-scatter (Korthikanti et al. 2022). A
+    plan.json without the key (written before it existed) runs with it on, the default."""
 
     @property
     def data_parallel_degree(self) -> int:
@@ -79,7 +83,8 @@ class Parallelism:
                       tp=self.tensor_parallel_degree, pp=self.pipeline_parallel_degree,
                       schedule=self.pipeline_parallel_schedule, virtual_stages=self.pipeline_parallel_virtual_stages,
                       microbatch=self.pipeline_parallel_microbatch_size,
-                      microbatches=self.pipeline_parallel_num_microbatches, recompute=self.activation_checkpoint)
+                      microbatches=self.pipeline_parallel_num_microbatches, recompute=self.activation_checkpoint,
+                      sp="on" if self.enable_sequence_parallel else "off")
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,11 @@ def test_layout_numbers_reach_the_program(tmp_path):
     assert config["RECOMPUTE"] == "selective" and config["SCHEDULE"] == "interleaved" and config["RESHARD"] == "always"
     docstring = ast.get_docstring(ast.parse(train_py))
     assert "torchrun --standalone --nproc-per-node 8 train.py" in docstring
-    assert "2-way tensor parallel (2 Linears)" in docstring and "2 stages per rank" in docstring
+    assert "2-way tensor parallel (2 Linears, sequence parallel)" in docstring and "2 stages per rank" in docstring
+    assert config["SP"] == "on"  # the default whenever TP > 1
+    write_program(replace(plan, parallelism=replace(plan.parallelism, enable_sequence_parallel=False)), tmp_path, MLP)
+    train_py = (tmp_path / "train.py").read_text()
+    assert config_values(train_py)["SP"] == "off" and "2-way tensor parallel (2 Linears)" in train_py
     assert "FSDP2: dp_replicate 1 x dp_shard 2, reshard always" in docstring and "selective activation checkpointing" in docstring
     assert "bf16 mixed precision on GPUs" in docstring and "On CPU it trains in fp32" in docstring
 

@@ -22,7 +22,7 @@ from autoplan.runtime.data import microbatches
 from autoplan.runtime.mesh import RankLayout
 from autoplan.runtime.parallel import gradient_sync
 from autoplan.runtime.split import PipelineSplit
-from autoplan.runtime.tensor_parallel import tensor_parallel_context
+from autoplan.runtime.tensor_parallel import reduce_partial_gradients, tensor_parallel_context
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -63,6 +63,8 @@ class AccumulationStep:
                     loss = compute_loss(self.loss_fn, output, micro_targets) / len(parts)
                     loss.backward()
                 total = total + loss.detach().float().cpu()
+        if self.tensor_parallel:
+            reduce_partial_gradients(self.module)
         return total
 
 
@@ -101,6 +103,7 @@ class PipelineStep:
             raise UserError(f"the {schedule} schedule runs one stage per rank, this rank has {len(parts)}: "
                             "use the interleaved schedule for virtual stages")
         self.split, self.layout, self.tensor_parallel = split, layout, tensor_parallel
+        self.modules = [module for _, module in sorted(parts.items())]
         num_stages = len(split.stages)
         stages = []
         for index, module in sorted(parts.items()):
@@ -122,9 +125,15 @@ class PipelineStep:
         with tensor_parallel_context(self.tensor_parallel):
             if not self.layout.is_last_stage:
                 self.schedule.step(*args, return_outputs=False)
-                return None
-            if not isinstance(targets, torch.Tensor):
-                raise UserError(f"pipeline parallelism needs the targets as one tensor, got {type(targets).__name__}")
-            losses: list[torch.Tensor] = []
-            self.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
+            else:
+                if not isinstance(targets, torch.Tensor):
+                    raise UserError(f"pipeline parallelism needs the targets as one tensor, got "
+                                    f"{type(targets).__name__}")
+                losses: list[torch.Tensor] = []
+                self.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
+        if self.tensor_parallel:
+            for module in self.modules:
+                reduce_partial_gradients(module)
+        if not self.layout.is_last_stage:
+            return None
         return torch.stack([loss.detach().float() for loss in losses]).mean()

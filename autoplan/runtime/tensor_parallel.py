@@ -8,6 +8,20 @@ each rank's shard (heads split along the sharded dim), and the row-parallel Line
 to a plain replicated tensor. Plain tensors that meet a DTensor on the way (rotary cos/sin, masks)
 count as replicated (implicit_replication, around forward and backward: tensor_parallel_context).
 
+Sequence parallelism (`sequence_parallel`, Korthikanti et al. 2022): the ops between the pairs (norms,
+dropout, residual adds) run on sequence shards. A row-parallel Linear reduce-scatters its partial
+outputs onto the sequence dimension (RowwiseParallel(output_layouts=Shard(1))) instead of all-reducing
+them, and a column-parallel Linear all-gathers its sequence-sharded input (ColwiseParallel(input_layouts=
+Shard(1))). Between them the residual stream is a DTensor sharded on dim 1 (batch-first [b, s, h], as
+unmodified PyTorch and Hugging Face models are): DTensor runs the norms and adds on each rank's shard.
+The parameters the plan does not shard (norm weights, biases, position tables) become replicated
+DTensors on the tensor-parallel mesh, as SequenceParallel does for a norm, so their gradients, computed
+from a sequence shard, are summed over the ranks (reduce_partial_gradients, after backward). A module's plain floating-point inputs (a pipeline
+stage's activations) enter as replicated DTensors, and a plain tensor reaching a column-parallel Linear
+counts as replicated. The module's
+outputs leave as plain tensors, all-gathered (outputs_to_plain: the loss and a pipeline send see the
+full tensors). A rowwise output without a sequence dimension (2-D) is all-reduced as before.
+
 Pipeline stages are exported graphs, where a Linear is an aten.linear call: restore_linears turns
 the planned ones back into nn.Linear submodules at the same FQN so parallelize_module applies.
 """
@@ -20,6 +34,8 @@ from typing import Iterator, Mapping, Sequence
 import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import RowwiseParallel
 
 from autoplan.errors import UserError
 
@@ -27,11 +43,11 @@ STYLES = ("colwise", "rowwise")
 
 
 def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, str],
-                    chain_modules: Sequence[str] = ()) -> nn.Module:
+                    chain_modules: Sequence[str] = (), sequence_parallel: bool = False) -> nn.Module:
     """Shard the planned Linears of `module` over the tensor-parallel mesh (in place). For a
-    pipeline stage (an exported graph running `chain_modules`), the planned Linears inside its chain modules."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    pipeline stage (an exported graph running `chain_modules`), the planned Linears inside its chain modules.
+    With `sequence_parallel`, the ops between the pairs run on sequence shards (see the module docstring)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     if not plan or tp_mesh.size() == 1:
         return module
@@ -52,10 +68,121 @@ def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, s
         if parts % tp_mesh.size():
             dim = "output" if style == "colwise" else "input"
             raise UserError(f"{fqn!r} has {parts} {dim} features, not divisible by tp {tp_mesh.size()}")
-        styles[fqn] = (ColwiseParallel(use_local_output=False) if style == "colwise"
-                       else RowwiseParallel(input_layouts=Shard(-1)))
+        if style == "colwise" and sequence_parallel:
+            layer.register_forward_pre_hook(_plain_input_replicated(tp_mesh))  # runs before ColwiseParallel's
+            styles[fqn] = ColwiseParallel(input_layouts=Shard(1), use_local_output=False)
+        elif style == "colwise":
+            styles[fqn] = ColwiseParallel(use_local_output=False)
+        else:
+            styles[fqn] = SequenceRowwiseParallel(input_layouts=Shard(-1),
+                                           output_layouts=Shard(1) if sequence_parallel else Replicate(),
+                                           use_local_output=not sequence_parallel)
     parallelize_module(module, tp_mesh, styles)
+    if sequence_parallel:
+        replicate_parameters(module, tp_mesh)
+        if isinstance(module, fx.GraphModule):
+            _drop_metadata_asserts(module)
+        module.register_forward_pre_hook(_float_inputs_replicated(tp_mesh), with_kwargs=True)
+        module.register_forward_hook(outputs_to_plain)
     return module
+
+
+def _float_inputs_replicated(tp_mesh: DeviceMesh):
+    """A forward pre-hook: the module's plain floating-point inputs (a pipeline stage's activations) become
+    replicated DTensors, whose gradients come back whole (DTensor.from_local is differentiable)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils import _pytree as pytree
+
+    def replicated(t):
+        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.is_floating_point():
+            return DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False)
+        return t
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        return pytree.tree_map(replicated, (args, kwargs))
+
+    return hook
+
+
+def _drop_metadata_asserts(stage: fx.GraphModule) -> None:
+    """Remove the export's aten._assert_tensor_metadata checks (no DTensor sharding rule; they check only)."""
+    for graph_module in stage.modules():
+        if not isinstance(graph_module, fx.GraphModule):
+            continue
+        asserts = [n for n in graph_module.graph.nodes if n.op == "call_function"
+                   and n.target is torch.ops.aten._assert_tensor_metadata.default]
+        for node in asserts:
+            graph_module.graph.erase_node(node)
+        if asserts:
+            graph_module.recompile()
+
+
+class SequenceRowwiseParallel(RowwiseParallel):
+    """RowwiseParallel whose output_layouts Shard(1) (sequence parallel) applies to outputs with a
+    sequence dimension ([b, s, h]); a 2-D output has none and is all-reduced (Replicate)."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if tuple(output_layouts) == (Shard(1),) and outputs.ndim < 3:
+            output_layouts = (Replicate(),)
+        return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+
+def _plain_input_replicated(tp_mesh: DeviceMesh):
+    """A forward pre-hook: a plain tensor input is the full (replicated) tensor, not a sequence shard."""
+    from torch.distributed.tensor import DTensor
+
+    def hook(module: nn.Module, args: tuple) -> tuple | None:
+        if args and isinstance(args[0], torch.Tensor) and not isinstance(args[0], DTensor):
+            return (DTensor.from_local(args[0], tp_mesh, [Replicate()], run_check=False), *args[1:])
+        return None
+
+    return hook
+
+
+def replicate_parameters(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Every parameter of `module` that is not a DTensor yet becomes a replicated DTensor on `tp_mesh`
+    (as SequenceParallel does for a norm's), keeping tied parameters tied."""
+    from torch.distributed.tensor import DTensor
+
+    replaced: dict[int, nn.Parameter] = {}
+    for owner in module.modules():
+        for name, param in list(owner._parameters.items()):
+            if param is None or isinstance(param, DTensor):
+                continue
+            if id(param) not in replaced:
+                replaced[id(param)] = nn.Parameter(DTensor.from_local(param.data, tp_mesh, [Replicate()],
+                                                                      run_check=False),
+                                                   requires_grad=param.requires_grad)
+            owner.register_parameter(name, replaced[id(param)])
+
+
+@torch.no_grad()
+def reduce_partial_gradients(module: nn.Module) -> None:
+    """Sum the gradients left partial over the tensor-parallel ranks: a replicated parameter that met a
+    sequence shard (a norm's weight) gets one part of its gradient per rank. After backward, before the
+    optimizer and TiedGradients (which add this rank's local gradients)."""
+    from torch.distributed.tensor import DTensor
+
+    for param in module.parameters():
+        grad = param.grad
+        if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements \
+                and any(p.is_partial() for p in grad.placements):
+            param.grad = grad.redistribute(placements=param.placements)
+
+
+def outputs_to_plain(module: nn.Module, args: tuple, output):
+    """A forward hook: every DTensor in the output becomes the plain full tensor (all-gathered when sharded)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils import _pytree as pytree
+
+    def plain(t):
+        if not isinstance(t, DTensor):
+            return t
+        return t.redistribute(placements=[Replicate()] * t.device_mesh.ndim).to_local(
+            grad_placements=[Replicate()] * t.device_mesh.ndim)
+
+    return pytree.tree_map(plain, output)
 
 
 def _stage_plan(stage: fx.GraphModule, plan: Mapping[str, str], chain_modules: Sequence[str]) -> dict[str, str]:
@@ -205,7 +332,6 @@ def _register_cpu_attention_sharding() -> None:
     global _registered
     if _registered:
         return
-    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.experimental import register_sharding
 
     aten = torch.ops.aten
