@@ -37,6 +37,7 @@ runs, may use even where codegen cannot run it yet)."""
 SUPPORTED = frozenset({
     "tp",                 # Megatron colwise/rowwise pairs (Plan.tensor_parallel_plan)
     "sp",                 # sequence parallel between the pairs (Parallelism.enable_sequence_parallel)
+    "tp_vocab_parallel",  # the word embedding rowwise, the head colwise, the loss on its sharded logits
     "zero2",              # FSDP2 reshard_after_forward=False (zero=1 and zero=2)
     "zero3",              # FSDP2 fully_shard
     "hsdp",               # dp_replicate > 1 and dp_shard > 1 with zero 3
@@ -47,8 +48,7 @@ SUPPORTED = frozenset({
     "full",               # full activation checkpointing per module
 })
 """What codegen can run. Remove a name to stop the search from emitting (or accepting a pin of) it.
-Not yet: tp_vocab_parallel (codegen shards nn.Linear pairs only), pp_scatter_gather and tp_fused_split
-(not in torch)."""
+Not yet: pp_scatter_gather and tp_fused_split (not in torch)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,9 @@ VOCABULARY = (
     Term("tp", "tensor_parallel_degree", "ranks that split each layer's matmuls (Megatron pairs)"),
     Term("sp", "enable_sequence_parallel", "sequence parallel (on or off; on by default whenever tp > 1): "
          "norms, dropout and residual adds between the tensor-parallel pairs run on sequence shards"),
+    Term("loss_parallel", "disable_loss_parallel", "on: the cross-entropy runs on the logits sharded on the "
+         "vocabulary by the tensor-parallel head (loss_parallel); off: they are gathered first (plan.json stores "
+         "the negation, torchtitan's name)"),
     Term("pp", "pipeline_parallel_degree", "pipeline ranks"),
     Term("schedule", "pipeline_parallel_schedule", "gpipe, 1f1b or interleaved"),
     Term("virtual_stages", "pipeline_parallel_virtual_stages", "stages per pipeline rank (interleaved)"),
@@ -137,6 +140,8 @@ class Scope:
     """What may be used (SUPPORTED for a program to run, ALL_FEATURES for a price); None: not checked."""
     tensor_parallel_problems: Callable[[int], list[str]] | None = None
     """The model's own reasons a tensor-parallel degree cannot split it (heads, features, vocabulary)."""
+    sequence_parallel_problem: str | None = None
+    """Why the model's ops between the tensor-parallel pairs cannot run on sequence shards ("" if they can)."""
     stage_modules: tuple[tuple[str, ...], ...] | None = None
     """A plan's stages, each its modules."""
     tensor_parallel_modules: int | None = None
@@ -202,6 +207,13 @@ def _features(layout: Layout, scope: Scope) -> list[str]:
     if layout.recompute in RECOMPUTE and layout.recompute != "none" and layout.recompute not in have:
         out.append(f"recompute={layout.recompute} is not supported yet")
     return out
+
+
+def _sequence_parallel(layout: Layout, scope: Scope) -> list[str]:
+    """sp=on needs every op between the model's tensor-parallel pairs to compute token by token."""
+    if _positive(layout.tp) and layout.tp > 1 and layout.sp == "on" and scope.sequence_parallel_problem:
+        return [f"sp=on with tp={layout.tp}: {scope.sequence_parallel_problem} (use sp=off)"]
+    return []
 
 
 def _sharding(layout: Layout) -> tuple[bool, str] | None:
@@ -365,6 +377,6 @@ def _batch_norm_text(modules: tuple[str, ...]) -> str:
     return f"BatchNorm module '{modules[0]}'{more}"
 
 
-RULES = (_values, _features, _degrees, _sharding_rules, _batch, _schedule, _batch_norm_microbatches,
+RULES = (_values, _features, _sequence_parallel, _degrees, _sharding_rules, _batch, _schedule, _batch_norm_microbatches,
          _batch_norm_pipeline, _batch_norm_recompute, _stages)
 """Every rule, in the order their messages read best."""

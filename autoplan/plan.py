@@ -54,10 +54,15 @@ class Parallelism:
     pipeline_parallel_virtual_stages: int = 1
     """Stages per pipeline rank (> 1 only for the interleaved schedule). Plan.stages then holds
     pp * v stages and stage s runs on pipeline rank s % pp (torch.distributed.pipelining's loop order)."""
-    enable_sequence_parallel: bool = True
+    enable_sequence_parallel: bool = False
     """With tensor_parallel_degree > 1: the ops between the tensor-parallel pairs (norms, dropout, residual
-    adds) run on sequence shards, the pairs all-gather and reduce-scatter (Korthikanti et al. 2022). A
-    plan.json without the key (written before it existed) runs with it on, the default."""
+    adds) run on sequence shards, the pairs all-gather and reduce-scatter (Korthikanti et al. 2022). The
+    search turns it on whenever tp > 1 and the model allows it (pin sp=off to keep it off); false when tp = 1
+    and in a plan.json written before the key existed (what it was priced as)."""
+    disable_loss_parallel: bool = False
+    """With tensor_parallel_degree > 1 and the head column-sharded on the vocabulary (tensor_parallel_plan):
+    false computes the cross-entropy on the sharded logits (torch's loss_parallel; the program gathers them
+    instead, and says so, if the model's loss_fn cannot run on them); true gathers the logits first."""
 
     @property
     def data_parallel_degree(self) -> int:

@@ -79,7 +79,8 @@ def test_tensor_parallel_splits_the_paired_linears_and_the_vocabulary():
     assert ctx.costs.modules[2].split_numel == split
     assert ctx.module_numel(4)[2] == pytest.approx(block.parameter_numel - split + split / 4)
     assert ctx.costs.tied_split == (True,)  # wte rowwise + lm_head colwise: the tied weight splits too
-    assert _ctx().costs.tied_split == (False,)  # without vocab-parallel (not in codegen yet) it stays whole
+    assert _ctx().costs.tied_split == (True,)  # codegen runs the vocabulary-parallel pair too
+    assert _ctx(features=SUPPORTED - {"tp_vocab_parallel"}).costs.tied_split == (False,)  # without it: whole
 
 
 def test_tied_parameters_are_held_once_per_stage_that_uses_them():

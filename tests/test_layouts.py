@@ -178,6 +178,7 @@ RESUMED = [("llama", "dp=2,zero=3,tp=2"), ("gpt", "dp=2,pp=2")]
 
 
 def make_plan(model_file: Path, stages, tensor_parallel_plan=None, **parallelism) -> Plan:
+    parallelism.setdefault("enable_sequence_parallel", parallelism.get("tensor_parallel_degree", 1) > 1)
     par = Parallelism(**parallelism)
     return Plan(
         model=ModelRef(path=str(model_file)),

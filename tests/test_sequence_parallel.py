@@ -1,7 +1,9 @@
-"""Sequence parallelism (plan enable_sequence_parallel, the default with tp > 1) trains like the single-device
-model: the from-scratch GPT (tied head) and HF Llama, under tp=2, dp=2 x tp=2 (DDP and FSDP2) and pp=2 x tp=2,
-in one 4-process torchrun launch (tests/helpers/verify_many.py), with the same plans as tests/test_layouts.py.
-The same layouts with sp off run too: both programs train alike."""
+"""Tensor parallelism as large-scale programs run it trains like the single-device model: sequence parallel
+(plan enable_sequence_parallel, the default with tp > 1), the vocabulary-parallel embedding and head (tied in the
+GPT) and the cross-entropy on the sharded logits (loss_parallel), on the from-scratch GPT and HF Llama under
+tp=2, dp=2 x tp=2 (DDP and FSDP2) and pp=2 x tp=2, in one 4-process torchrun launch
+(tests/helpers/verify_many.py), with the plans of tests/test_layouts.py plus the embedding and head. The
+pairs alone with sp on and off, and the gathered-logits fallback (disable_loss_parallel), train alike too."""
 
 import json
 
@@ -9,34 +11,54 @@ import pytest
 
 from autoplan.verify import PARITY_TOLERANCE
 from helpers.verify_many import verify_many
-from test_layouts import LAYOUTS, MODELS, mb, model_layout
+from test_layouts import LAYOUTS, MODELS, mb, write_case
 
 pytestmark = pytest.mark.slow  # one 4-process torchrun launch
 
 STEPS = 2
-SP_LAYOUTS = {
+TP_LAYOUTS = {
     "tp=2": LAYOUTS["tp=2"],
     "dp=2,tp=2": dict(data_parallel_replicate_degree=2, tensor_parallel_degree=2, **mb(1, 4)),
     "dp=2,zero=3,tp=2": LAYOUTS["dp=2,zero=3,tp=2"],
     "pp=2,tp=2": LAYOUTS["pp=2,tp=2"],
 }
-CASES = [(model, layout, sp) for model in MODELS for layout in SP_LAYOUTS for sp in (True, False)
-         if sp or layout == "tp=2"]
+VOCAB = {"gpt": {"wte": "rowwise", "lm_head": "colwise"},
+         "llama": {"model.embed_tokens": "rowwise", "lm_head": "colwise"}}
+"""The word embedding (rows split on the vocabulary) and the head (logits sharded on it)."""
+VARIANTS = {
+    "vocab": dict(enable_sequence_parallel=True),
+    "vocab,gathered": dict(enable_sequence_parallel=True, disable_loss_parallel=True),
+    "pairs": dict(enable_sequence_parallel=True),
+    "pairs,sp=off": dict(enable_sequence_parallel=False),
+}
+CASES = [(model, layout, variant) for model in MODELS for layout in TP_LAYOUTS for variant in VARIANTS
+         if variant == "vocab" or layout == "tp=2"]
+
+
+def _folder(root, model: str, layout: str, variant: str):
+    case, parallelism = MODELS[model], dict(TP_LAYOUTS[layout], **VARIANTS[variant])
+    plan = dict(case.tensor_parallel_plan, **(VOCAB[model] if variant.startswith("vocab") else {}))
+    modules = case.chain_modules
+    half = len(modules) // 2
+    stages = [modules] if parallelism.get("pipeline_parallel_degree", 1) == 1 else [modules[:half], modules[half:]]
+    return write_case(root, f"{model} {layout} {variant}", case.source, stages, plan, **parallelism)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("sequence_parallel")
-    folders = [model_layout(root, model, f"{layout} sp={sp}", dict(SP_LAYOUTS[layout], enable_sequence_parallel=sp))
-               for model, layout, sp in CASES]
-    batch = verify_many(folders, steps=STEPS, timeout_s=600, nproc=4)
+    folders = [_folder(root, *case) for case in CASES]
+    batch = verify_many(folders, steps=STEPS, timeout_s=900, nproc=4)
     return dict(zip(CASES, zip(folders, batch.results)))
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}:{c[1]}:sp={'on' if c[2] else 'off'}")
-def test_sequence_parallel_trains_like_the_single_device_model(results, case):
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ":".join(c))
+def test_tensor_parallel_program_trains_like_the_single_device_model(results, case):
     folder, result = results[case]
-    assert f"SP = {'on' if case[2] else 'off'!r}" in (folder / "train.py").read_text()
+    config = (folder / "train.py").read_text()
+    assert f"SP = {'off' if 'sp=off' in case[2] else 'on'!r}" in config
+    assert f"LOSS_PARALLEL = {'off' if 'gathered' in case[2] else 'on'!r}" in config
+    assert ("'lm_head': 'colwise'" in config) == case[2].startswith("vocab")
     assert not result.error, result.error[-3000:]
     assert result.passed and result.parity_max_abs_diff <= PARITY_TOLERANCE, (result.reference_losses, result.losses)
     assert len(result.losses) == STEPS and result.reference_losses[0] != result.reference_losses[1]

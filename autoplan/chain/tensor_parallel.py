@@ -14,14 +14,22 @@ replicated.
 Examples: GPT attn.qkv -> attn.proj and mlp.fc -> mlp.proj; HF Llama q/k/v_proj -> o_proj and
 gate/up_proj -> down_proj.
 
-With the vocabulary-parallel option (layouts.SUPPORTED "tp_vocab_parallel") the output head (a
-Linear whose output is a model output) is also "colwise" with its logits all-gathered
-(ColwiseParallel(output_layouts=Replicate())), and a large input embedding, or one tied to that
-head or with as many rows as the head has outputs (the word embedding, not a position table), is
-"rowwise" (RowwiseParallel on nn.Embedding: vocabulary rows split, outputs all-reduced).
+With the vocabulary-parallel option (layout.SUPPORTED "tp_vocab_parallel") the output head (a
+Linear whose output is a model output) is also "colwise", its logits left sharded on the vocabulary for
+the loss (loss_parallel; gathered when the plan disables it), and an input embedding tied to that
+head or with as many rows as the head has outputs (the word embedding, not a position table) is
+"rowwise" (RowwiseParallel on nn.Embedding: vocabulary rows split, outputs reduce-scattered onto the
+sequence with sequence parallelism, else all-reduced). runtime/tensor_parallel.py runs both.
+
+Sequence parallelism (Korthikanti et al. 2022): the outputs of rowwise Linears (and of the vocabulary-
+parallel embedding) are reduce-scattered onto the sequence dimension, and the ops that read them up to the
+next colwise Linear or head (which all-gather) run on sequence shards: role "sequence". Those ops must work
+token by token (SEQUENCE_LOCAL_OPS: elementwise, norms, casts, dropout, a Linear outside the pairs); any
+other op reading a sequence shard (attention left whole, a reshape of the sequence) makes sequence
+parallelism unavailable for the model: TensorParallelFacts.sequence_parallel_problem says which op.
 
 Roles per op (TensorParallelFacts.role): "colwise", "rowwise", "interior" (inside a region),
-"head", "embedding", or absent (replicated on every tensor-parallel rank).
+"head", "embedding", "sequence", or absent (replicated on every tensor-parallel rank).
 """
 
 from __future__ import annotations
@@ -48,6 +56,11 @@ the region is dropped (its Linears stay replicated) unless the layout feature "t
 VOCAB_MULTIPLE = 8
 """The head and embedding split by vocabulary only when it is a multiple of this (every tensor-parallel
 degree inside an 8-GPU node divides it; torch TP cannot pad a vocabulary as Megatron-LM does)."""
+SEQUENCE_LOCAL_OPS = ELEMENTWISE_OPS | LINEAR_OPS | frozenset({
+    "native_layer_norm", "layer_norm", "rms_norm", "_fused_rms_norm", "mean", "var_mean", "_to_copy", "to",
+    "type_as", "clone", "contiguous", "detach", "alias", "lift_fresh_copy"})
+"""Ops that compute each token from that token alone (the reductions are a norm's, over the features): a
+sequence shard stays a sequence shard through them."""
 BROADCAST_RATIO = 2
 """A replicated operand may join a split tensor's elementwise op only when it has at most
 1/BROADCAST_RATIO of the split operand's bytes (a table broadcast over heads, not a full-width tensor)."""
@@ -87,6 +100,8 @@ class TensorParallelFacts:
     of colwise Linears); the rest are replicated on every rank."""
     divisibility: tuple[DivisibilityFact, ...] = field(default=())
     """Sizes tp must divide: out_features of colwise, in_features of rowwise, heads, vocabulary."""
+    sequence_parallel_problem: str = ""
+    """Why the ops between the pairs cannot run on sequence shards (the first op that mixes tokens), or ""."""
 
     def problems(self, tp: int) -> list[str]:
         """Why `tp` cannot split this model (empty when it can)."""
@@ -130,6 +145,7 @@ def tensor_parallel_facts(profile: ModelProfile, vocab_parallel: bool = True,
                 facts += _region_facts(region, ops, consumers)
     if vocab_parallel:
         facts += _vocab_parallel(profile, ops, consumers, role)
+    problem = _sequence_parallel(ops, consumers, role) if role else ""
     plan: dict[str, str] = {}
     sharded: set[str] = set()
     for node, r in role.items():
@@ -141,7 +157,34 @@ def tensor_parallel_facts(profile: ModelProfile, vocab_parallel: bool = True,
             plan[op.module] = "rowwise"
             sharded.add(_weight(op))
     unique = {(f.size, f.what): f for f in facts}
-    return TensorParallelFacts(plan, role, frozenset(sharded), tuple(sorted(unique.values(), key=lambda f: f.what)))
+    return TensorParallelFacts(plan, role, frozenset(sharded), tuple(sorted(unique.values(), key=lambda f: f.what)),
+                               problem)
+
+
+def _sequence_parallel(ops, consumers, role: dict[str, str]) -> str:
+    """Mark the ops that run on sequence shards ("sequence"); returns why they cannot ("" when they can)."""
+    def sequence_output(op: OpProfile) -> bool:  # a [b, s, h] output: the input (rowwise) or indices (embedding)
+        shapes = op.input_shapes
+        return (len(shapes) > 0 and len(shapes[0]) >= 3) if role[op.node] == "rowwise" else \
+            (len(shapes) > 1 and len(shapes[1]) >= 2)
+
+    work = [n for n, r in role.items() if r in ("rowwise", "embedding") and sequence_output(ops[n])]
+    seen = set(work)
+    while work:
+        node = work.pop()
+        for c in consumers[node]:
+            r = role.get(c, "")
+            if r in ("colwise", "head") or c in seen:
+                continue  # a colwise Linear all-gathers the sequence
+            op = ops[c]
+            if r in ("", "sequence") and packet(op) in SEQUENCE_LOCAL_OPS:
+                role[c] = "sequence"
+                seen.add(c)
+                work.append(c)
+                continue
+            where = f" in {op.module}" if op.module else ""
+            return f"{op.op}{where} would read a sequence shard, and it does not compute token by token"
+    return ""
 
 
 def _weight(op: OpProfile) -> str:

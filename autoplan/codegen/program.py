@@ -154,6 +154,8 @@ def _config_block(plan: Plan) -> str:
         ("TP", repr(p.tensor_parallel_degree), "tensor-parallel ranks (innermost mesh dim)"),
         ("SP", repr("on" if p.enable_sequence_parallel else "off"),
          "sequence parallel between the TP pairs (when TP > 1): on | off"),
+        ("LOSS_PARALLEL", repr("off" if p.disable_loss_parallel else "on"),
+         "cross-entropy on the vocabulary-sharded logits (TP head): on | off"),
         ("PP", repr(p.pipeline_parallel_degree), "pipeline ranks"),
         ("VIRTUAL_STAGES", repr(p.pipeline_parallel_virtual_stages), "stages per pipeline rank (interleaved schedule)"),
         ("SCHEDULE", repr(p.pipeline_parallel_schedule), "pipeline schedule"),

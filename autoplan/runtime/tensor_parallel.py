@@ -60,10 +60,18 @@ def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, s
             layer = module.get_submodule(fqn)
         except AttributeError:
             raise UserError(f"the tensor-parallel plan names {fqn!r}, which the model does not have") from None
-        if not isinstance(layer, nn.Linear):
-            raise UserError(f"the tensor-parallel plan names {fqn!r}, a {type(layer).__name__}, not an nn.Linear")
         if style not in STYLES:
             raise UserError(f"tensor-parallel style of {fqn!r} must be one of {STYLES}, got {style!r}")
+        if isinstance(layer, nn.Embedding) and style == "rowwise":  # vocabulary rows split, looked up locally
+            if layer.num_embeddings % tp_mesh.size():
+                raise UserError(f"{fqn!r} has {layer.num_embeddings} rows, not divisible by tp {tp_mesh.size()}")
+            styles[fqn] = RowwiseParallel(input_layouts=Replicate(),
+                                          output_layouts=Shard(1) if sequence_parallel else Replicate(),
+                                          use_local_output=not sequence_parallel)
+            continue
+        if not isinstance(layer, nn.Linear):
+            kind = "nn.Linear or (rowwise) nn.Embedding"
+            raise UserError(f"the tensor-parallel plan names {fqn!r}, a {type(layer).__name__}, not an {kind}")
         parts = layer.out_features if style == "colwise" else layer.in_features
         if parts % tp_mesh.size():
             dim = "output" if style == "colwise" else "input"
@@ -71,20 +79,51 @@ def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, s
         if style == "colwise" and sequence_parallel:
             layer.register_forward_pre_hook(_plain_input_replicated(tp_mesh))  # runs before ColwiseParallel's
             styles[fqn] = ColwiseParallel(input_layouts=Shard(1), use_local_output=False)
-        elif style == "colwise":
+        elif style == "colwise":  # a pair's first half, or the head: its logits stay sharded on the vocabulary
             styles[fqn] = ColwiseParallel(use_local_output=False)
         else:
             styles[fqn] = SequenceRowwiseParallel(input_layouts=Shard(-1),
-                                           output_layouts=Shard(1) if sequence_parallel else Replicate(),
-                                           use_local_output=not sequence_parallel)
+                                                  output_layouts=Shard(1) if sequence_parallel else Replicate(),
+                                                  use_local_output=not sequence_parallel)
+    ties = _tied_parameters(module)
     parallelize_module(module, tp_mesh, styles)
+    _retie(module, ties)
     if sequence_parallel:
         replicate_parameters(module, tp_mesh)
         if isinstance(module, fx.GraphModule):
             _drop_metadata_asserts(module)
         module.register_forward_pre_hook(_float_inputs_replicated(tp_mesh), with_kwargs=True)
-        module.register_forward_hook(outputs_to_plain)
+    module.register_forward_hook(outputs_to_plain)
     return module
+
+
+def _tied_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The (owner, name) slots of every parameter held in two or more places (a head tied to the embedding)."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for owner in module.modules():
+        for name, param in owner._parameters.items():
+            if param is not None:
+                slots.setdefault(id(param), []).append((owner, name))
+    return [group for group in slots.values() if len(group) > 1]
+
+
+def _retie(module: nn.Module, ties: list[list[tuple[nn.Module, str]]]) -> None:
+    """parallelize_module gives each module its own new parameter: put one back in every slot of a tie. A
+    weight sharded by one user (the vocabulary-parallel embedding) and plain in another (a replicated head)
+    keeps the shard: DTensor computes the plain user's op on it correctly. Two users that shard it differently
+    cannot share it."""
+    from torch.distributed.tensor import DTensor
+
+    for group in ties:
+        params = [owner._parameters[name] for owner, name in group]
+        sharded = [p for p in params if isinstance(p, DTensor)]
+        keep = sharded[0] if sharded else params[0]
+        if any(p.placements != keep.placements for p in sharded):
+            names = ", ".join(f"{type(owner).__name__}.{name}" for owner, name in group)
+            raise UserError(f"tensor parallel: tied parameters ({names}) are sharded differently: "
+                            f"{sorted({str(p.placements) for p in sharded})}")
+        for owner, name in group:
+            owner.register_parameter(name, keep)
 
 
 def _float_inputs_replicated(tp_mesh: DeviceMesh):
@@ -159,30 +198,91 @@ def replicate_parameters(module: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 @torch.no_grad()
 def reduce_partial_gradients(module: nn.Module) -> None:
-    """Sum the gradients left partial over the tensor-parallel ranks: a replicated parameter that met a
-    sequence shard (a norm's weight) gets one part of its gradient per rank. After backward, before the
-    optimizer and TiedGradients (which add this rank's local gradients)."""
+    """Give every tensor-parallel gradient its parameter's placements: a replicated parameter that met a
+    sequence shard (a norm's weight) gets one part of its gradient per rank (Partial: summed here), and a
+    sharded one may come back in another layout (a vocabulary-parallel embedding in a pipeline stage). After
+    backward, before the optimizer and TiedGradients (which add this rank's local gradients)."""
     from torch.distributed.tensor import DTensor
 
     for param in module.parameters():
         grad = param.grad
-        if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements \
-                and any(p.is_partial() for p in grad.placements):
+        if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
             param.grad = grad.redistribute(placements=param.placements)
 
 
 def outputs_to_plain(module: nn.Module, args: tuple, output):
-    """A forward hook: every DTensor in the output becomes the plain full tensor (all-gathered when sharded)."""
-    from torch.distributed.tensor import DTensor
+    """A forward hook: every DTensor in the output becomes the plain full tensor (all-gathered when sharded),
+    but logits sharded on their last dimension (the vocabulary-parallel head's) inside loss_parallel_context:
+    the loss runs on them sharded."""
     from torch.utils import _pytree as pytree
 
-    def plain(t):
-        if not isinstance(t, DTensor):
-            return t
-        return t.redistribute(placements=[Replicate()] * t.device_mesh.ndim).to_local(
-            grad_placements=[Replicate()] * t.device_mesh.ndim)
+    return pytree.tree_map(lambda t: t if _keep_sharded(t) else plain_tensor(t), output)
 
-    return pytree.tree_map(plain, output)
+
+def plain_tensor(t):
+    """A DTensor as the plain full tensor (all-gathered when sharded); anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t
+    return t.redistribute(placements=[Replicate()] * t.device_mesh.ndim).to_local(
+        grad_placements=[Replicate()] * t.device_mesh.ndim)
+
+
+_loss_parallel_active = False
+
+
+def _keep_sharded(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return _loss_parallel_active and isinstance(t, DTensor) and t.ndim >= 2 and \
+        tuple(t.placements) == (Shard(t.ndim - 1),)
+
+
+@contextlib.contextmanager
+def loss_parallel_context(enabled: bool) -> Iterator[None]:
+    """Around forward and backward: the vocabulary-parallel head's logits reach the loss sharded and the
+    cross-entropy runs on the shards (torch.distributed.tensor.parallel.loss_parallel)."""
+    global _loss_parallel_active
+    if not enabled:
+        yield
+        return
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    _loss_parallel_active = True
+    try:
+        with loss_parallel():
+            yield
+    finally:
+        _loss_parallel_active = False
+
+
+LOSS_PARALLEL_FAILURES = (NotImplementedError, RuntimeError, ValueError, AssertionError)
+"""What DTensor raises for an op it cannot run on vocabulary-sharded logits (no sharding strategy, or one
+loss_parallel rejects)."""
+
+
+class ParallelLoss:
+    """The loss of a model whose logits may arrive sharded on the vocabulary (loss_parallel_context). A
+    loss_fn that cannot run on them (an op DTensor has no rule for) runs on the gathered logits instead, from
+    then on, and says so once (the plan's disable_loss_parallel avoids the attempt)."""
+
+    def __init__(self, loss_fn) -> None:
+        self.loss_fn, self.sharded = loss_fn, True
+
+    def __call__(self, output, targets) -> torch.Tensor:
+        from torch.utils import _pytree as pytree
+
+        from autoplan.contract import compute_loss
+
+        if self.sharded and any(_keep_sharded(t) for t in pytree.tree_leaves(output)):
+            try:
+                return compute_loss(self.loss_fn, output, targets)
+            except LOSS_PARALLEL_FAILURES as e:
+                self.sharded = False
+                print(f"loss parallel: the loss cannot run on vocabulary-sharded logits ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}); gathering the logits instead", flush=True)
+        return compute_loss(self.loss_fn, pytree.tree_map(plain_tensor, output), targets)
 
 
 def _stage_plan(stage: fx.GraphModule, plan: Mapping[str, str], chain_modules: Sequence[str]) -> dict[str, str]:
@@ -210,9 +310,23 @@ def tensor_parallel_context(enabled: bool) -> Iterator[None]:
         yield
 
 
+_MODULE_OPS = {"linear": (0, 1, slice(1, 3)), "embedding": (1, 0, slice(0, 1))}
+"""aten op name -> (index of the input, of the weight, slice of the parameters) in its arguments."""
+
+
+def _op_kind(node: fx.Node) -> str | None:
+    """"linear" or "embedding" for an aten.linear / aten.embedding call, else None."""
+    if node.op != "call_function":
+        return None
+    for kind, op in (("linear", torch.ops.aten.linear.default), ("embedding", torch.ops.aten.embedding.default)):
+        if node.target is op:
+            return kind
+    return None
+
+
 def restore_linears(module: nn.Module, fqns: set[str]) -> set[str]:
-    """Turn aten.linear calls of the Linears named in `fqns` (FQNs in `module`) back into nn.Linear
-    submodules that hold the same parameters. Returns the FQNs restored.
+    """Turn aten.linear (aten.embedding) calls of the Linears (Embeddings) named in `fqns` (FQNs in `module`)
+    back into nn.Linear (nn.Embedding) submodules that hold the same parameters. Returns the FQNs restored.
 
     A Linear lies inside a chain module's GraphModule (chain module "blocks.0", weight "attn.qkv.weight"), in the
     stage's own graph (an inlined chain module), or is a chain module itself (chain module "blocks.0.attn.qkv", weight
@@ -224,9 +338,10 @@ def restore_linears(module: nn.Module, fqns: set[str]) -> set[str]:
             continue
         changed = False
         for node in list(graph_module.graph.nodes):
-            if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
+            kind = _op_kind(node)
+            if kind is None:
                 continue
-            weight = node.args[1]
+            weight = node.args[_MODULE_OPS[kind][1]]
             if not isinstance(weight, fx.Node) or weight.op != "get_attr" or weight.target.rpartition(".")[2] != "weight":
                 continue
             path = weight.target.rpartition(".")[0]
@@ -252,7 +367,7 @@ def _linear_node_to_module(graph_module: fx.GraphModule, node: fx.Node, path: st
     parent_path, _, leaf = path.rpartition(".")
     setattr(graph_module.get_submodule(parent_path) if parent_path else graph_module, leaf, linear)
     with graph_module.graph.inserting_before(node):
-        call = graph_module.graph.call_module(path, (node.args[0],))
+        call = graph_module.graph.call_module(path, (node.args[_MODULE_OPS[_op_kind(node)][0]],))
     node.replace_all_uses_with(call)
     graph_module.graph.erase_node(node)
     for param in params:
@@ -266,7 +381,7 @@ def _linear_chain_module_to_module(root: nn.Module, path: str, chain_module: fx.
     ops = [n for n in chain_module.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
     inputs = [n for n in chain_module.graph.nodes if n.op == "placeholder"]
     output = next(n for n in chain_module.graph.nodes if n.op == "output")
-    if ops != [node] or inputs != [node.args[0]] or tuple(output.args[0]) != (node,):
+    if ops != [node] or inputs != [node.args[_MODULE_OPS[_op_kind(node)][0]]] or tuple(output.args[0]) != (node,):
         raise UserError(f"tensor parallel: chain module {path!r} runs more than its Linear in the exported graph, "
                         "so it cannot be sharded as a Linear")
     caller_path, target, calls = _callers(root, path)
@@ -288,20 +403,25 @@ def _linear_chain_module_to_module(root: nn.Module, path: str, chain_module: fx.
 
 
 def _linear_parameters(node: fx.Node, fqn: str) -> list[fx.Node]:
-    """The weight and bias get_attr nodes of a linear op, which must read them alone."""
-    params = [p for p in node.args[1:3] if p is not None]
+    """The weight and bias get_attr nodes of a linear (embedding) op, which must read them alone."""
+    params = [p for p in node.args[_MODULE_OPS[_op_kind(node)][2]] if p is not None]
     if any(len(p.users) != 1 for p in params):
         raise UserError(f"tensor parallel: the weight of {fqn!r} is also used outside its Linear (tied?), "
                         "so it cannot be sharded as a Linear")
     return params
 
 
-def _as_linear(holder: nn.Module, node: fx.Node, fqn: str) -> nn.Linear:
-    """An nn.Linear holding the (meta or real) weight and bias of `holder` that `node` reads."""
-    bias = node.args[2] if len(node.args) > 2 else None
+def _as_linear(holder: nn.Module, node: fx.Node, fqn: str) -> nn.Linear | nn.Embedding:
+    """An nn.Linear (nn.Embedding) holding the (meta or real) weight and bias of `holder` that `node` reads."""
     extra = (set(dict(holder.named_parameters())) | set(dict(holder.named_buffers()))) - {"weight", "bias"}
     if extra:
         raise UserError(f"tensor parallel: {fqn!r} holds more than a Linear's weight and bias: {sorted(extra)}")
+    if _op_kind(node) == "embedding":
+        padding_idx = node.args[2] if len(node.args) > 2 and node.args[2] != -1 else None
+        embedding = nn.Embedding(*holder.weight.shape, padding_idx=padding_idx, device="meta")
+        embedding.weight = holder.weight
+        return embedding
+    bias = node.args[2] if len(node.args) > 2 else None
     linear = nn.Linear(holder.weight.shape[1], holder.weight.shape[0], bias=bias is not None, device="meta")
     linear.weight = holder.weight
     if bias is not None:

@@ -56,6 +56,7 @@ DP_SHARD = 2                        # data-parallel ranks sharding the model (FS
 RESHARD = 'always'                  # FSDP2 frees gathered parameters after forward: always | never
 TP = 2                              # tensor-parallel ranks (innermost mesh dim)
 SP = 'on'                           # sequence parallel between the TP pairs (when TP > 1): on | off
+LOSS_PARALLEL = 'on'                # cross-entropy on the vocabulary-sharded logits (TP head): on | off
 PP = 2                              # pipeline ranks
 VIRTUAL_STAGES = 2                  # stages per pipeline rank (interleaved schedule)
 SCHEDULE = 'interleaved'            # pipeline schedule
@@ -179,10 +180,12 @@ def main(argv=None) -> list[float]:
     # forward + backward of one step over this rank's micro-batches
     if PP > 1:
         forward_backward = runtime.PipelineStep(parts, split, mesh, rank, SCHEDULE, MICROBATCHES,
-                                                model_source.loss_fn, device, dtype, tensor_parallel=TP > 1)
+                                                model_source.loss_fn, device, dtype, tensor_parallel=TP > 1,
+                                                loss_parallel=TP > 1 and LOSS_PARALLEL == "on")
     else:
         forward_backward = runtime.AccumulationStep(parts[0], MICROBATCHES, model_source.loss_fn, dtype,
-                                                    tensor_parallel=TP > 1)
+                                                    tensor_parallel=TP > 1,
+                                                    loss_parallel=TP > 1 and LOSS_PARALLEL == "on")
 
     checkpoints = runtime.Checkpointer(args.checkpoint_dir, parts, optimizer, pipelined=PP > 1)
     first_step = checkpoints.load() if args.resume else 0

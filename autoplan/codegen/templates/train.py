@@ -36,6 +36,7 @@ DP_SHARD = 1
 RESHARD = "never"
 TP = 1
 SP = "on"
+LOSS_PARALLEL = "on"
 PP = 1
 VIRTUAL_STAGES = 1
 SCHEDULE = "1f1b"
@@ -149,10 +150,12 @@ def main(argv=None) -> list[float]:
     # forward + backward of one step over this rank's micro-batches
     if PP > 1:
         forward_backward = runtime.PipelineStep(parts, split, mesh, rank, SCHEDULE, MICROBATCHES,
-                                                model_source.loss_fn, device, dtype, tensor_parallel=TP > 1)
+                                                model_source.loss_fn, device, dtype, tensor_parallel=TP > 1,
+                                                loss_parallel=TP > 1 and LOSS_PARALLEL == "on")
     else:
         forward_backward = runtime.AccumulationStep(parts[0], MICROBATCHES, model_source.loss_fn, dtype,
-                                                    tensor_parallel=TP > 1)
+                                                    tensor_parallel=TP > 1,
+                                                    loss_parallel=TP > 1 and LOSS_PARALLEL == "on")
 
     checkpoints = runtime.Checkpointer(args.checkpoint_dir, parts, optimizer, pipelined=PP > 1)
     first_step = checkpoints.load() if args.resume else 0
