@@ -37,7 +37,8 @@ CASES = [(model, layout, variant) for model in MODELS for layout in TP_LAYOUTS f
 
 def _folder(root, model: str, layout: str, variant: str):
     case, parallelism = MODELS[model], dict(TP_LAYOUTS[layout], **VARIANTS[variant])
-    plan = dict(case.tensor_parallel_plan, **(VOCAB[model] if variant.startswith("vocab") else {}))
+    pairs = {fqn: style for fqn, style in case.tensor_parallel_plan.items() if fqn not in VOCAB[model]}
+    plan = dict(pairs, **(VOCAB[model] if variant.startswith("vocab") else {}))
     modules = case.chain_modules
     half = len(modules) // 2
     stages = [modules] if parallelism.get("pipeline_parallel_degree", 1) == 1 else [modules[:half], modules[half:]]

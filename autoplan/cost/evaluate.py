@@ -54,12 +54,13 @@ def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> Cha
     pp, v = par.pipeline_parallel_degree, par.pipeline_parallel_virtual_stages
     tp, mbs = par.tensor_parallel_degree, par.pipeline_parallel_microbatch_size
     m = par.pipeline_parallel_num_microbatches
-    inputs = ctx.memory_inputs(tp, mbs)
+    sp = par.enable_sequence_parallel
+    inputs = ctx.memory_inputs(tp, mbs, sp)
     stages = pp * v
     shared = ctx.layout_memory(inputs, par.data_parallel_shard_degree, par.reshards_after_forward, pp)
     models = tuple(shared.stage(s, microbatches_in_flight(par.pipeline_parallel_schedule, pp, m, s, v))
                    for s in range(stages))
-    table = ctx.table(tp, mbs)
+    table = ctx.table(tp, mbs, sp)
     overhead = ()
     if stages > 1:
         link = ctx.groups(par).pipeline.link
@@ -83,7 +84,7 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     """Predictions for `par` with `assignment` (memory models and module times from `problem`)."""
     pp, tp = par.pipeline_parallel_degree, par.tensor_parallel_degree
     m, mbs = par.pipeline_parallel_num_microbatches, par.pipeline_parallel_microbatch_size
-    table, chain, gpu = ctx.table(tp, mbs), ctx.chain, ctx.cluster.gpu
+    table, chain, gpu = ctx.table(tp, mbs, par.enable_sequence_parallel), ctx.chain, ctx.cluster.gpu
     groups = ctx.groups(par)
     element = bytes_per_element(ctx.dtype)
     own, tied = ctx.module_numel(tp), ctx.group_numel(tp)
