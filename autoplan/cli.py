@@ -241,6 +241,10 @@ def summary(plan, out: str | None) -> Group:
     head.add_row("predicted", f"{_seconds(pred.step_time_s)}/step, {throughput}, MFU {pred.mfu * 100:.1f}%")
     head.add_row("memory", f"{pred.peak_memory_bytes / gib:.2f} GiB peak of "
                  f"{plan.cluster.memory_per_gpu_bytes / gib:.1f} GiB per {plan.cluster.gpu}")
+    if pred.activations_without_sequence_parallel_bytes is not None:
+        with_sp = pred.memory_breakdown.get("activations", 0.0)
+        head.add_row("activations", f"{with_sp / gib:.2f} GiB with sequence parallel, "
+                     f"{pred.activations_without_sequence_parallel_bytes / gib:.2f} GiB without (sp=off)")
     head.add_row("solver", f"{plan.solver.name} {plan.solver.status} in {plan.solver.time_s:.2f} s, "
                  f"{plan.solver.candidates_evaluated} candidates")
     stages = Table(box=box.SIMPLE_HEAD, show_edge=False)

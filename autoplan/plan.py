@@ -128,6 +128,9 @@ class Prediction:
     """Breakdown of the most loaded rank's memory, bytes."""
     time_breakdown: dict[str, float] = field(default_factory=dict)
     """compute, bubble, data_parallel_comm, pipeline_comm, ... seconds per step."""
+    activations_without_sequence_parallel_bytes: float | None = None
+    """With sequence parallelism on: memory_breakdown's "activations" of the same rank in the same layout
+    without it (sp=off), bytes, so the saving shows; None otherwise."""
 
 
 @dataclass(frozen=True)

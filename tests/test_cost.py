@@ -15,8 +15,9 @@ from autoplan.cost.pipeline import StageCost, microbatches_in_flight, pipeline_t
 from autoplan.cost.problem import Split
 from autoplan.errors import UserError
 from autoplan.hardware.types import Link
-from autoplan.layout import ALL_FEATURES, SUPPORTED
+from autoplan.layout import ALL_FEATURES, SUPPORTED, Layout
 from autoplan.plan import Parallelism, Training
+from autoplan.solve.search import search
 
 PSI = 1_000_000
 
@@ -404,3 +405,19 @@ def test_ddp_pays_its_measured_time_per_parameter_tensor():
     assert added == pytest.approx(len(base.profile.parameters) * 1e-3)
     fsdp = _par(dp=2, zero=3, m=4)  # FSDP2 is not DDP: its own per-module overhead applies
     assert data_parallel_comm(1e-3, fsdp) == pytest.approx(data_parallel_comm(0.0, fsdp))
+
+
+def test_plan_shows_the_activation_saving_of_sequence_parallelism_against_the_same_layout_without_it():
+    profile = gpt_profile(n_layer=12, n_embd=1024, vocab=8192, seq=512, n_head=16, device="testgpu")
+    training = Training(global_batch_size=16, dtype="bf16")
+    on = search(profile, cluster(8), training, Layout(tp=4, pp=2, microbatch=2), features=ALL_FEATURES).best
+    off = search(profile, cluster(8), training, Layout(tp=4, pp=2, microbatch=2, sp="off"),
+                 features=ALL_FEATURES).best
+    assert on.parallelism.enable_sequence_parallel and not off.parallelism.enable_sequence_parallel
+    saved_with, saved_without = (on.predicted.memory_breakdown["activations"],
+                                 on.predicted.activations_without_sequence_parallel_bytes)
+    assert saved_with < saved_without
+    same_split = [s.modules for s in on.stages] == [s.modules for s in off.stages]
+    if on.activation_checkpoint_modules == off.activation_checkpoint_modules and same_split:
+        assert saved_without == pytest.approx(off.predicted.memory_breakdown["activations"])
+    assert off.predicted.activations_without_sequence_parallel_bytes is None

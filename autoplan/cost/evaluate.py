@@ -159,6 +159,10 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
                             predicted_memory_bytes=sum(memory.values()), memory_breakdown=dict(memory),
                             predicted_forward_s=costs[s].forward_s, predicted_send_s=costs[s].send_s))
     peak = max(stages, key=lambda st: st.predicted_memory_bytes)
+    without_sp = None
+    if tp > 1 and par.enable_sequence_parallel:  # the same layout's activations with sp=off, for the report
+        plain = build_problem(ctx, replace(par, enable_sequence_parallel=False), problem.modes)
+        without_sp = plain.rank_breakdown(peak.index % pp, assignment).get("activations")
     flops = model_flops_per_step(chain, ctx.training.global_batch_size)
     tokens = ctx.training.tokens_per_sample or chain.tokens_per_sample
     batch = ctx.training.global_batch_size
@@ -166,7 +170,7 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
         step_time_s=step, samples_per_s=batch / step, tokens_per_s=batch * tokens / step if tokens else None,
         model_flops_per_step=flops, mfu=mfu(flops, step, par.world_size, gpu, ctx.dtype),
         peak_memory_bytes=peak.predicted_memory_bytes, memory_breakdown=dict(peak.memory_breakdown),
-        time_breakdown=breakdown)
+        time_breakdown=breakdown, activations_without_sequence_parallel_bytes=without_sp)
     recomputed = tuple(chain.fqns[u] for u in range(n) if modes[u] != "none")
     mode = next((k for k in modes if k != "none"), "none")
     final = Parallelism(**{**par.__dict__, "activation_checkpoint": mode})
