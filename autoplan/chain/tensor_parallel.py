@@ -7,7 +7,8 @@ partial outputs are all-reduced back to the full tensor). Between the two only o
 split dimension may run: elementwise ops, shape ops that keep heads whole (view, transpose, ...; not
 a split of a fused projection: FUSED_SPLIT_OPS), and attention over heads (SDPA, activation x
 activation matmuls, softmax over keys). A replicated tensor may join an elementwise op only when it is much smaller than the
-split one or computed without any Linear (a broadcast: rotary tables, masks); a full-width replicated
+split one or computed without any Linear (a broadcast: rotary tables, masks), never into an attention matmul
+(both of its activations are split by heads); a full-width replicated
 tensor (a residual) would need the missing features, so the region is dropped and its Linears stay
 replicated.
 
@@ -225,11 +226,15 @@ def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set
                     return None
             continue
         op = ops[node]
-        largest = max((ops[s].output_bytes for s in op.inputs if s in ops), default=0)
+        # an attention matmul multiplies two activations head by head: both split, however small one is
+        # (v against the scores); an elementwise op may broadcast a small replicated table (rotary)
+        per_head = packet(op) in ATTENTION_OPS
+        largest = max((ops[s].output_bytes for s in op.inputs if s in ops and s in derived), default=0)
         for src in op.inputs:
             if region.get(src) == "rowwise":
                 return None  # a split op would read a rowwise Linear's full (all-reduced) output
-            if src in region or src not in derived or ops[src].output_bytes * BROADCAST_RATIO <= largest:
+            small = not per_head and ops[src].output_bytes * BROADCAST_RATIO <= largest
+            if src in region or src not in derived or small:
                 continue  # already split, a constant (mask, positions), or a small broadcast operand
             producer = ops[src]
             if is_weight_linear(producer):
