@@ -3,12 +3,17 @@
 GPT) and the cross-entropy on the sharded logits (loss_parallel), on the from-scratch GPT and HF Llama under
 tp=2, dp=2 x tp=2 (DDP and FSDP2) and pp=2 x tp=2, in one 4-process torchrun launch
 (tests/helpers/verify_many.py), with the plans of tests/test_layouts.py plus the embedding and head. The
-pairs alone with sp on and off, and the gathered-logits fallback (disable_loss_parallel), train alike too."""
+pairs alone with sp on and off, and the gathered-logits fallback (disable_loss_parallel), train alike too.
+HF GPT-2 (tied head, Conv1D layers) is planned by the search with the layout pinned, as a user would: its MLP
+Conv1D pairs and vocabulary-parallel embedding and head with loss parallel (its fused c_attn keeps the
+attention whole and so sequence parallelism off)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
+from autoplan.api import plan_model
 from autoplan.verify import PARITY_TOLERANCE
 from helpers.verify_many import verify_many
 from test_layouts import LAYOUTS, MODELS, mb, write_case
@@ -33,6 +38,22 @@ VARIANTS = {
 }
 CASES = [(model, layout, variant) for model in MODELS for layout in TP_LAYOUTS for variant in VARIANTS
          if variant == "vocab" or layout == "tp=2"]
+GPT2 = '''
+"""examples/hf_gpt2.py (HF GPT2LMHeadModel from a config: Conv1D layers, tied head) at tiny sizes, no dropout."""
+import importlib.util
+
+_spec = importlib.util.spec_from_file_location("autoplan_example_gpt2", {path!r})
+gpt2 = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpt2)
+gpt2.VOCAB, gpt2.HIDDEN, gpt2.LAYERS, gpt2.HEADS, gpt2.SEQ_LEN = 64, 16, 2, 2, 8
+
+def build_model():
+    return gpt2.build_model(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+example_batch = gpt2.example_batch
+loss_fn = gpt2.loss_fn
+'''
+GPT2_PINS = {"tp=2": 2, "dp=2,zero=0,tp=2": 4, "dp=2,zero=3,tp=2": 4, "pp=2,tp=2": 4}
 
 
 def _folder(root, model: str, layout: str, variant: str):
@@ -49,8 +70,15 @@ def _folder(root, model: str, layout: str, variant: str):
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("sequence_parallel")
     folders = [_folder(root, *case) for case in CASES]
+    gpt2 = root / "tiny_gpt2.py"
+    gpt2.write_text(GPT2.format(path=str(Path(__file__).resolve().parents[1] / "examples" / "hf_gpt2.py")))
+    for pin, gpus in GPT2_PINS.items():
+        out = root / f"gpt2_{pin.replace(',', '_').replace('=', '')}"
+        plan_model(str(gpt2), gpus, "cpu", global_batch=8, pin=pin, out=out)
+        folders.append(out)
     batch = verify_many(folders, steps=STEPS, timeout_s=900, nproc=4)
-    return dict(zip(CASES, zip(folders, batch.results)))
+    keys = CASES + [("gpt2", pin) for pin in GPT2_PINS]
+    return dict(zip(keys, zip(folders, batch.results)))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: ":".join(c))
@@ -65,3 +93,16 @@ def test_tensor_parallel_program_trains_like_the_single_device_model(results, ca
     assert len(result.losses) == STEPS and result.reference_losses[0] != result.reference_losses[1]
     verify = json.loads((folder / "verify.json").read_text())
     assert verify["parity_max_abs_diff"] == result.parity_max_abs_diff
+
+
+@pytest.mark.parametrize("pin", list(GPT2_PINS))
+def test_hf_gpt2_conv1d_pairs_and_tied_vocabulary_parallel_head_train_like_the_single_device_model(results, pin):
+    folder, result = results["gpt2", pin]
+    plan = json.loads((folder / "plan.json").read_text())
+    assert plan["tensor_parallel_plan"] == {
+        **{f"transformer.h.{i}.mlp.{name}": style for i in range(2) for name, style in
+           (("c_fc", "colwise"), ("c_proj", "rowwise"))},
+        "lm_head": "colwise", "transformer.wte": "rowwise"}
+    assert plan["parallelism"]["disable_loss_parallel"] is False
+    assert not result.error, result.error[-3000:]
+    assert result.passed and result.parity_max_abs_diff <= PARITY_TOLERANCE, (result.reference_losses, result.losses)

@@ -69,14 +69,31 @@ BROADCAST_RATIO = 2
 
 def is_weight_linear(op: OpProfile) -> bool:
     """An nn.Linear module's own matmul: aten.linear with a 2-D weight that is a module's "weight" (its
-    own, or a tied one). A weight used functionally by an enclosing module does not count, e.g.
+    own, or a tied one), or transformers' Conv1D (GPT-2): aten.addmm(bias, x, weight [in, out]) of the
+    module's own weight and bias. A weight used functionally by an enclosing module does not count, e.g.
     nn.MultiheadAttention's in_proj_weight or its child out_proj's weight: codegen shards Linear
     modules by name."""
+    if _is_conv1d(op):
+        return True
     if packet(op) not in LINEAR_OPS or not op.params or len(op.input_shapes) < 2 or len(op.input_shapes[1]) != 2:
         return False
     weight = _weight(op)
     owner, _, leaf = weight.rpartition(".")
     return leaf == "weight" and not (op.module and owner.startswith(op.module + "."))
+
+
+def _is_conv1d(op: OpProfile) -> bool:
+    """transformers' Conv1D: addmm of its own bias and [in, out] weight."""
+    return packet(op) == "addmm" and len(op.input_shapes) == 3 and len(op.input_shapes[2]) == 2 and \
+        set(op.params) == {f"{op.module}.weight", f"{op.module}.bias"}
+
+
+def out_in_features(op: OpProfile) -> tuple[int, int]:
+    """(out_features, in_features) of a weight Linear (nn.Linear's [out, in] weight, Conv1D's [in, out])."""
+    if _is_conv1d(op):
+        fan_in, fan_out = op.input_shapes[2]
+        return fan_out, fan_in
+    return op.input_shapes[1][0], op.input_shapes[1][1]
 
 
 @dataclass(frozen=True)
@@ -166,7 +183,7 @@ def _sequence_parallel(ops, consumers, role: dict[str, str]) -> str:
     """Mark the ops that run on sequence shards ("sequence"); returns why they cannot ("" when they can)."""
     def sequence_output(op: OpProfile) -> bool:  # a [b, s, h] output: the input (rowwise) or indices (embedding)
         shapes = op.input_shapes
-        return (len(shapes) > 0 and len(shapes[0]) >= 3) if role[op.node] == "rowwise" else \
+        return (len(shapes) > 0 and len(shapes[0]) >= 3) if role[op.node] == "rowwise" and not _is_conv1d(op) else \
             (len(shapes) > 1 and len(shapes[1]) >= 2)
 
     work = [n for n, r in role.items() if r in ("rowwise", "embedding") and sequence_output(ops[n])]
@@ -219,7 +236,7 @@ def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set
         if direction == "forward":
             for c in consumers[node]:
                 op = ops[c]
-                if not fused_split and region[node] == "colwise" and packet(op) in FUSED_SPLIT_OPS:
+                if not fused_split and _projection_output(node, region, ops) and packet(op) in FUSED_SPLIT_OPS:
                     return None  # a fused projection split along its sharded features (see FUSED_SPLIT_OPS)
                 if not claim(c, "rowwise" if is_weight_linear(op) else "interior") or not (
                         is_weight_linear(op) or _keeps_heads(op)):
@@ -250,6 +267,17 @@ def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set
     return region
 
 
+def _projection_output(node: str, region: dict[str, str], ops) -> bool:
+    """`node` is a colwise Linear's output, as it is or through views only (Conv1D views its addmm's
+    output back to [b, s, features] before a fused qkv is split)."""
+    while region.get(node) != "colwise":
+        op = ops[node]
+        if packet(op) not in ("view", "_unsafe_view", "reshape") or len(op.inputs) != 1:
+            return False
+        node = op.inputs[0]
+    return True
+
+
 def _keeps_heads(op: OpProfile) -> bool:
     name = packet(op)
     if name in SHAPE_OPS or name in ELEMENTWISE_OPS:
@@ -262,10 +290,11 @@ def _region_facts(region: dict[str, str], ops, consumers) -> list[DivisibilityFa
     for node, r in region.items():
         op = ops[node]
         if r == "colwise":
-            out = op.input_shapes[1][0]
+            out = out_in_features(op)[0]
             facts.append(DivisibilityFact(out, f"out_features {out} of {op.module}"))
         elif r == "rowwise":
-            facts.append(DivisibilityFact(op.input_shapes[1][1], f"in_features {op.input_shapes[1][1]} of {op.module}"))
+            fan_in = out_in_features(op)[1]
+            facts.append(DivisibilityFact(fan_in, f"in_features {fan_in} of {op.module}"))
         elif packet(op) in ("view", "reshape", "_unsafe_view") and op.input_shapes and len(op.input_shapes[0]) == 3:
             heads = _heads_after_view(op, ops, consumers)
             if heads:

@@ -29,13 +29,14 @@ the planned ones back into nn.Linear submodules at the same FQN so parallelize_m
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 from typing import Iterator, Mapping, Sequence
 
 import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import RowwiseParallel
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from autoplan.errors import UserError
 
@@ -47,7 +48,7 @@ def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, s
     """Shard the planned Linears of `module` over the tensor-parallel mesh (in place). For a
     pipeline stage (an exported graph running `chain_modules`), the planned Linears inside its chain modules.
     With `sequence_parallel`, the ops between the pairs run on sequence shards (see the module docstring)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     if not plan or tp_mesh.size() == 1:
         return module
@@ -69,22 +70,25 @@ def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, s
                                           output_layouts=Shard(1) if sequence_parallel else Replicate(),
                                           use_local_output=not sequence_parallel)
             continue
-        if not isinstance(layer, nn.Linear):
-            kind = "nn.Linear or (rowwise) nn.Embedding"
+        conv1d = is_conv1d(layer)
+        if not isinstance(layer, nn.Linear) and not conv1d:
+            kind = "nn.Linear, a transformers Conv1D or (rowwise) nn.Embedding"
             raise UserError(f"the tensor-parallel plan names {fqn!r}, a {type(layer).__name__}, not an {kind}")
-        parts = layer.out_features if style == "colwise" else layer.in_features
+        fan_in, fan_out = (layer.weight.shape if conv1d else (layer.in_features, layer.out_features))
+        parts = fan_out if style == "colwise" else fan_in
         if parts % tp_mesh.size():
             dim = "output" if style == "colwise" else "input"
             raise UserError(f"{fqn!r} has {parts} {dim} features, not divisible by tp {tp_mesh.size()}")
+        colwise = Conv1DColwiseParallel if conv1d else ColwiseParallel
         if style == "colwise" and sequence_parallel:
             layer.register_forward_pre_hook(_plain_input_replicated(tp_mesh))  # runs before ColwiseParallel's
-            styles[fqn] = ColwiseParallel(input_layouts=Shard(1), use_local_output=False)
+            styles[fqn] = colwise(input_layouts=Shard(1), use_local_output=False)
         elif style == "colwise":  # a pair's first half, or the head: its logits stay sharded on the vocabulary
-            styles[fqn] = ColwiseParallel(use_local_output=False)
+            styles[fqn] = colwise(use_local_output=False)
         else:
-            styles[fqn] = SequenceRowwiseParallel(input_layouts=Shard(-1),
-                                                  output_layouts=Shard(1) if sequence_parallel else Replicate(),
-                                                  use_local_output=not sequence_parallel)
+            styles[fqn] = (Conv1DRowwiseParallel if conv1d else SequenceRowwiseParallel)(
+                input_layouts=Shard(-1), output_layouts=Shard(1) if sequence_parallel else Replicate(),
+                use_local_output=not sequence_parallel)
     ties = _tied_parameters(module)
     parallelize_module(module, tp_mesh, styles)
     _retie(module, ties)
@@ -165,6 +169,48 @@ class SequenceRowwiseParallel(RowwiseParallel):
         if tuple(output_layouts) == (Shard(1),) and outputs.ndim < 3:
             output_layouts = (Replicate(),)
         return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' Conv1D (GPT-2): a Linear whose weight is stored transposed, [in, out], run as addmm."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and getattr(module, "weight", None) is not None
+
+
+def _conv1d_partition(placements: dict[str, Placement], src_data_rank):
+    def partition(name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        from torch.distributed.tensor import distribute_tensor
+
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(param_name, nn.Parameter(
+                distribute_tensor(param, device_mesh, [placements[param_name]], src_data_rank=src_data_rank),
+                requires_grad=param.requires_grad))
+
+    return partition
+
+
+class Conv1DColwiseParallel(ColwiseParallel):
+    """ColwiseParallel for transformers' Conv1D: its [in, out] weight splits on dim 1, its bias on dim 0."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from torch.distributed.tensor import distribute_module
+
+        return distribute_module(
+            module, device_mesh, _conv1d_partition({"weight": Shard(1), "bias": Shard(0)}, self.src_data_rank),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+class Conv1DRowwiseParallel(SequenceRowwiseParallel):
+    """RowwiseParallel for transformers' Conv1D: its [in, out] weight splits on dim 0, its bias stays whole."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from torch.distributed.tensor import distribute_module
+
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module, device_mesh, _conv1d_partition({"weight": Shard(0), "bias": Replicate()}, self.src_data_rank),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
 
 def _plain_input_replicated(tp_mesh: DeviceMesh):
@@ -310,17 +356,34 @@ def tensor_parallel_context(enabled: bool) -> Iterator[None]:
         yield
 
 
-_MODULE_OPS = {"linear": (0, 1, slice(1, 3)), "embedding": (1, 0, slice(0, 1))}
-"""aten op name -> (index of the input, of the weight, slice of the parameters) in its arguments."""
+_MODULE_OPS = {"linear": (0, 1, slice(1, 3)), "embedding": (1, 0, slice(0, 1)), "conv1d": (1, 2, slice(0, 3, 2))}
+"""kind -> (index of the input, of the weight, slice of the parameters) in its op's arguments."""
+
+
+class Conv1D(nn.Module):
+    """transformers' Conv1D as a stage graph runs it: addmm(bias, x, weight [in, out]) on a 2-D input."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter) -> None:
+        super().__init__()
+        self.nf = weight.shape[1]
+        self.weight, self.bias = weight, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size_out = x.size()[:-1] + (self.nf,)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
 
 
 def _op_kind(node: fx.Node) -> str | None:
-    """"linear" or "embedding" for an aten.linear / aten.embedding call, else None."""
+    """"linear", "embedding" or "conv1d" for an aten.linear / aten.embedding call or an aten.addmm of a
+    module's bias and weight, else None."""
     if node.op != "call_function":
         return None
     for kind, op in (("linear", torch.ops.aten.linear.default), ("embedding", torch.ops.aten.embedding.default)):
         if node.target is op:
             return kind
+    if node.target is torch.ops.aten.addmm.default and len(node.args) == 3 and all(
+            isinstance(node.args[i], fx.Node) and node.args[i].op == "get_attr" for i in (0, 2)):
+        return "conv1d"
     return None
 
 
@@ -416,6 +479,8 @@ def _as_linear(holder: nn.Module, node: fx.Node, fqn: str) -> nn.Linear | nn.Emb
     extra = (set(dict(holder.named_parameters())) | set(dict(holder.named_buffers()))) - {"weight", "bias"}
     if extra:
         raise UserError(f"tensor parallel: {fqn!r} holds more than a Linear's weight and bias: {sorted(extra)}")
+    if _op_kind(node) == "conv1d":
+        return Conv1D(holder.weight, holder.bias)
     if _op_kind(node) == "embedding":
         padding_idx = node.args[2] if len(node.args) > 2 and node.args[2] != -1 else None
         embedding = nn.Embedding(*holder.weight.shape, padding_idx=padding_idx, device="meta")
