@@ -80,11 +80,12 @@ def _gpu_help(default: str) -> str:
 
 def _pin_help() -> str:
     """--pin's help: the pin keys and the values of the word-valued ones (autoplan/layout.py)."""
-    from autoplan.layout import RECOMPUTE, SCHEDULES, ZERO_STAGES
+    from autoplan.layout import RECOMPUTE, SCHEDULES, SEQUENCE_PARALLEL, ZERO_STAGES
     from autoplan.solve.pins import PIN_KEYS
 
     return (f"fix layout choices: {', '.join(PIN_KEYS)}; schedule is {' | '.join(SCHEDULES)}, recompute "
-            f"{' | '.join(RECOMPUTE)}, zero {' | '.join(map(str, ZERO_STAGES))}; e.g. tp=8,pp=4,dp=2,zero=3 "
+            f"{' | '.join(RECOMPUTE)}, zero {' | '.join(map(str, ZERO_STAGES))}, sp "
+            f"{' | '.join(SEQUENCE_PARALLEL)} (default on with tp > 1); e.g. tp=8,pp=4,dp=2,zero=3 "
             "(the README lists every name)")
 
 
