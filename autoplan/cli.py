@@ -80,11 +80,12 @@ def _gpu_help(default: str) -> str:
 
 def _pin_help() -> str:
     """--pin's help: the pin keys and the values of the word-valued ones (autoplan/layout.py)."""
-    from autoplan.layout import RECOMPUTE, SCHEDULES, ZERO_STAGES
+    from autoplan.layout import RECOMPUTE, SCHEDULES, SEQUENCE_PARALLEL, ZERO_STAGES
     from autoplan.solve.pins import PIN_KEYS
 
     return (f"fix layout choices: {', '.join(PIN_KEYS)}; schedule is {' | '.join(SCHEDULES)}, recompute "
-            f"{' | '.join(RECOMPUTE)}, zero {' | '.join(map(str, ZERO_STAGES))}; e.g. tp=8,pp=4,dp=2,zero=3 "
+            f"{' | '.join(RECOMPUTE)}, zero {' | '.join(map(str, ZERO_STAGES))}, sp "
+            f"{' | '.join(SEQUENCE_PARALLEL)} (default on with tp > 1); e.g. tp=8,pp=4,dp=2,zero=3 "
             "(the README lists every name)")
 
 
@@ -241,6 +242,10 @@ def summary(plan, out: str | None) -> Group:
     head.add_row("predicted", f"{_seconds(pred.step_time_s)}/step, {throughput}, MFU {pred.mfu * 100:.1f}%")
     head.add_row("memory", f"{pred.peak_memory_bytes / gib:.2f} GiB peak of "
                  f"{plan.cluster.memory_per_gpu_bytes / gib:.1f} GiB per {plan.cluster.gpu}")
+    if pred.activations_without_sequence_parallel_bytes is not None:
+        with_sp = pred.memory_breakdown.get("activations", 0.0)
+        head.add_row("activations", f"{with_sp / gib:.2f} GiB with sequence parallel, "
+                     f"{pred.activations_without_sequence_parallel_bytes / gib:.2f} GiB without (sp=off)")
     head.add_row("solver", f"{plan.solver.name} {plan.solver.status} in {plan.solver.time_s:.2f} s, "
                  f"{plan.solver.candidates_evaluated} candidates")
     stages = Table(box=box.SIMPLE_HEAD, show_edge=False)

@@ -19,21 +19,26 @@ from typing import Callable
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
 RESHARD = ("always", "never")
+SEQUENCE_PARALLEL = ("on", "off")
+"""sp: enable_sequence_parallel true ("on", the default whenever tp > 1) or false."""
 """fsdp_reshard_after_forward: FSDP2 frees gathered parameters after forward ("always", ZeRO-3) or keeps
 them to backward ("never", the closest FSDP2 has to ZeRO-1/2). torchtitan's "default" is not used."""
 TENSOR_PARALLEL_STYLES = ("colwise", "rowwise")
 ZERO_STAGES = (0, 1, 2, 3)
 
 ALL_FEATURES = frozenset({
-    "tp", "tp_vocab_parallel", "zero2", "zero3", "hsdp", "gpipe", "1f1b", "interleaved", "selective", "full",
+    "tp", "sp", "tp_vocab_parallel", "zero2", "zero3", "hsdp", "gpipe", "1f1b", "interleaved", "selective", "full",
     "pp_scatter_gather",  # Megatron-LM's pipeline sends split over tensor-parallel ranks (not in torch)
     "tp_fused_split",     # Megatron-LM's fused qkv with interleaved weights, split per rank (not in torch TP)
 })
-"""Everything the cost model can price (what estimates of other programs, e.g. Megatron-LM's published
-runs, may use even where codegen cannot run it yet)."""
+"""Everything the cost model can price. Beyond SUPPORTED, two features of Megatron-LM that torch does not run,
+priced only when a caller asks for ALL_FEATURES (tests of the cost model on generated profiles); the search
+and autoplan.estimate, which benchmarks/accuracy.py prices the published runs with, never use them."""
 
 SUPPORTED = frozenset({
     "tp",                 # Megatron colwise/rowwise pairs (Plan.tensor_parallel_plan)
+    "sp",                 # sequence parallel between the pairs (Parallelism.enable_sequence_parallel)
+    "tp_vocab_parallel",  # the word embedding rowwise, the head colwise, the loss on its sharded logits
     "zero2",              # FSDP2 reshard_after_forward=False (zero=1 and zero=2)
     "zero3",              # FSDP2 fully_shard
     "hsdp",               # dp_replicate > 1 and dp_shard > 1 with zero 3
@@ -44,8 +49,7 @@ SUPPORTED = frozenset({
     "full",               # full activation checkpointing per module
 })
 """What codegen can run. Remove a name to stop the search from emitting (or accepting a pin of) it.
-Not yet: tp_vocab_parallel (codegen shards nn.Linear pairs only), pp_scatter_gather and tp_fused_split
-(not in torch)."""
+Not yet: pp_scatter_gather and tp_fused_split (not in torch)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,11 @@ VOCABULARY = (
     Term("zero", "", "pin shorthand: 0 = dp_shard 1 (DDP); 1 or 2 = dp_shard dp, reshard never; 3 = "
          "reshard always"),
     Term("tp", "tensor_parallel_degree", "ranks that split each layer's matmuls (Megatron pairs)"),
+    Term("sp", "enable_sequence_parallel", "sequence parallel (on or off; on by default whenever tp > 1): "
+         "norms, dropout and residual adds between the tensor-parallel pairs run on sequence shards"),
+    Term("loss_parallel", "disable_loss_parallel", "on: the cross-entropy runs on the logits sharded on the "
+         "vocabulary by the tensor-parallel head (loss_parallel); off: they are gathered first (plan.json stores "
+         "the negation, torchtitan's name)"),
     Term("pp", "pipeline_parallel_degree", "pipeline ranks"),
     Term("schedule", "pipeline_parallel_schedule", "gpipe, 1f1b or interleaved"),
     Term("virtual_stages", "pipeline_parallel_virtual_stages", "stages per pipeline rank (interleaved)"),
@@ -96,6 +105,8 @@ class Layout:
     zero: int | None = None
     """Only from --pin (the shorthand for dp_shard and reshard)."""
     tp: int | None = None
+    sp: str | None = None
+    """"on" or "off" (SEQUENCE_PARALLEL); only matters when tp > 1."""
     pp: int | None = None
     schedule: str | None = None
     virtual_stages: int | None = None
@@ -132,6 +143,8 @@ class Scope:
     """What may be used (SUPPORTED for a program to run, ALL_FEATURES for a price); None: not checked."""
     tensor_parallel_problems: Callable[[int], list[str]] | None = None
     """The model's own reasons a tensor-parallel degree cannot split it (heads, features, vocabulary)."""
+    sequence_parallel_problem: str | None = None
+    """Why the model's ops between the tensor-parallel pairs cannot run on sequence shards ("" if they can)."""
     stage_modules: tuple[tuple[str, ...], ...] | None = None
     """A plan's stages, each its modules."""
     tensor_parallel_modules: int | None = None
@@ -162,7 +175,8 @@ def _values(layout: Layout, scope: Scope) -> list[str]:
             ("microbatch", layout.microbatch), ("microbatches", layout.microbatches))
            if value is not None and value < 1]
     for name, value, allowed in (("schedule", layout.schedule, SCHEDULES), ("recompute", layout.recompute, RECOMPUTE),
-                                 ("reshard", layout.reshard, RESHARD), ("zero", layout.zero, ZERO_STAGES)):
+                                 ("reshard", layout.reshard, RESHARD), ("zero", layout.zero, ZERO_STAGES),
+                                 ("sp", layout.sp, SEQUENCE_PARALLEL)):
         if value is not None and value not in allowed:
             out.append(f"{name}={value} is not one of {', '.join(map(str, allowed))}")
     return out
@@ -179,6 +193,8 @@ def _features(layout: Layout, scope: Scope) -> list[str]:
     out = []
     if _positive(layout.tp) and layout.tp > 1 and "tp" not in have:
         out.append(f"tensor parallelism is not supported yet (tp={layout.tp}; use tp=1)")
+    if _positive(layout.tp) and layout.tp > 1 and layout.sp == "on" and "sp" not in have:
+        out.append(f"sequence parallelism is not supported yet (tp={layout.tp}, sp=on; use sp=off)")
     sharded = _sharding(layout)
     if sharded is not None and sharded[0]:
         needed = "zero3" if sharded[1] == "always" else "zero2"
@@ -194,6 +210,13 @@ def _features(layout: Layout, scope: Scope) -> list[str]:
     if layout.recompute in RECOMPUTE and layout.recompute != "none" and layout.recompute not in have:
         out.append(f"recompute={layout.recompute} is not supported yet")
     return out
+
+
+def _sequence_parallel(layout: Layout, scope: Scope) -> list[str]:
+    """sp=on needs every op between the model's tensor-parallel pairs to compute token by token."""
+    if _positive(layout.tp) and layout.tp > 1 and layout.sp == "on" and scope.sequence_parallel_problem:
+        return [f"sp=on with tp={layout.tp}: {scope.sequence_parallel_problem} (use sp=off)"]
+    return []
 
 
 def _sharding(layout: Layout) -> tuple[bool, str] | None:
@@ -358,6 +381,6 @@ def _batch_norm_text(modules: tuple[str, ...]) -> str:
     return f"BatchNorm module '{modules[0]}'{more}"
 
 
-RULES = (_values, _features, _degrees, _sharding_rules, _batch, _schedule, _batch_norm_microbatches,
+RULES = (_values, _features, _sequence_parallel, _degrees, _sharding_rules, _batch, _schedule, _batch_norm_microbatches,
          _batch_norm_pipeline, _batch_norm_recompute, _stages)
 """Every rule, in the order their messages read best."""

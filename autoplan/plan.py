@@ -54,6 +54,15 @@ class Parallelism:
     pipeline_parallel_virtual_stages: int = 1
     """Stages per pipeline rank (> 1 only for the interleaved schedule). Plan.stages then holds
     pp * v stages and stage s runs on pipeline rank s % pp (torch.distributed.pipelining's loop order)."""
+    enable_sequence_parallel: bool = False
+    """With tensor_parallel_degree > 1: the ops between the tensor-parallel pairs (norms, dropout, residual
+    adds) run on sequence shards, the pairs all-gather and reduce-scatter (Korthikanti et al. 2022). The
+    search turns it on whenever tp > 1 and the model allows it (pin sp=off to keep it off); false when tp = 1
+    and in a plan.json written before the key existed (what it was priced as)."""
+    disable_loss_parallel: bool = False
+    """With tensor_parallel_degree > 1 and the head column-sharded on the vocabulary (tensor_parallel_plan):
+    false computes the cross-entropy on the sharded logits (torch's loss_parallel; the program gathers them
+    instead, and says so, if the model's loss_fn cannot run on them); true gathers the logits first."""
 
     @property
     def data_parallel_degree(self) -> int:
@@ -79,7 +88,8 @@ class Parallelism:
                       tp=self.tensor_parallel_degree, pp=self.pipeline_parallel_degree,
                       schedule=self.pipeline_parallel_schedule, virtual_stages=self.pipeline_parallel_virtual_stages,
                       microbatch=self.pipeline_parallel_microbatch_size,
-                      microbatches=self.pipeline_parallel_num_microbatches, recompute=self.activation_checkpoint)
+                      microbatches=self.pipeline_parallel_num_microbatches, recompute=self.activation_checkpoint,
+                      sp="on" if self.enable_sequence_parallel else "off")
 
 
 @dataclass(frozen=True)
@@ -118,6 +128,9 @@ class Prediction:
     """Breakdown of the most loaded rank's memory, bytes."""
     time_breakdown: dict[str, float] = field(default_factory=dict)
     """compute, bubble, data_parallel_comm, pipeline_comm, ... seconds per step."""
+    activations_without_sequence_parallel_bytes: float | None = None
+    """With sequence parallelism on: memory_breakdown's "activations" of the same rank in the same layout
+    without it (sp=off), bytes, so the saving shows; None otherwise."""
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,18 @@ def llama3_8b() -> LlamaForCausalLM:
     return build_model(**LLAMA3_8B)
 
 
+LLAMA3_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                  num_attention_heads=64, num_key_value_heads=8)
+"""Llama-3-70B's shapes (Meta-Llama-3-70B's config.json): 70.6e9 parameters."""
+
+
+def llama3_70b() -> LlamaForCausalLM:
+    """Llama-3-70B, trained here on SEQ_LEN-token sequences (2048 unless changed).
+
+    autoplan examples/llama.py:llama3_70b --gpus 64 --pin tp=8"""
+    return build_model(**LLAMA3_70B)
+
+
 def example_batch(batch_size: int):
     ids = torch.randint(0, VOCAB, (batch_size, SEQ_LEN + 1))
     return {"input_ids": ids[:, :-1]}, ids[:, 1:]

@@ -96,7 +96,8 @@ def test_layout_numbers_reach_the_program(tmp_path):
     tp_plan = {"layers.0": "colwise", "layers.1": "rowwise"}
     plan = make_plan(stages=(("inp",), ("layers.0",), ("layers.1",), ("out",)), tensor_parallel_plan=tp_plan,
                      recompute=("layers.1",), data_parallel_replicate_degree=1, data_parallel_shard_degree=2,
-                     fsdp_reshard_after_forward="always", tensor_parallel_degree=2, pipeline_parallel_virtual_stages=2,
+                     fsdp_reshard_after_forward="always", tensor_parallel_degree=2, enable_sequence_parallel=True,
+                     pipeline_parallel_virtual_stages=2,
                      pipeline_parallel_schedule="interleaved", activation_checkpoint="selective", global_batch=16)
     plan = replace(plan, training=replace(plan.training, dtype="bf16"))
     write_program(plan, tmp_path, MLP)
@@ -108,7 +109,11 @@ def test_layout_numbers_reach_the_program(tmp_path):
     assert config["RECOMPUTE"] == "selective" and config["SCHEDULE"] == "interleaved" and config["RESHARD"] == "always"
     docstring = ast.get_docstring(ast.parse(train_py))
     assert "torchrun --standalone --nproc-per-node 8 train.py" in docstring
-    assert "2-way tensor parallel (2 Linears)" in docstring and "2 stages per rank" in docstring
+    assert "2-way tensor parallel (2 Linears, sequence parallel)" in docstring and "2 stages per rank" in docstring
+    assert config["SP"] == "on"  # the default whenever TP > 1
+    write_program(replace(plan, parallelism=replace(plan.parallelism, enable_sequence_parallel=False)), tmp_path, MLP)
+    train_py = (tmp_path / "train.py").read_text()
+    assert config_values(train_py)["SP"] == "off" and "2-way tensor parallel (2 Linears)" in train_py
     assert "FSDP2: dp_replicate 1 x dp_shard 2, reshard always" in docstring and "selective activation checkpointing" in docstring
     assert "bf16 mixed precision on GPUs" in docstring and "On CPU it trains in fp32" in docstring
 
@@ -208,7 +213,7 @@ def golden_plan() -> Plan:
         data_parallel_replicate_degree=2, data_parallel_shard_degree=2, fsdp_reshard_after_forward="always",
         tensor_parallel_degree=2, pipeline_parallel_degree=2, pipeline_parallel_virtual_stages=2,
         pipeline_parallel_schedule="interleaved", pipeline_parallel_microbatch_size=2,
-        pipeline_parallel_num_microbatches=4, activation_checkpoint="selective")
+        pipeline_parallel_num_microbatches=4, activation_checkpoint="selective", enable_sequence_parallel=True)
     stages = (("inp", "layers.0"), ("layers.1", "layers.2"), ("layers.3", "layers.4"), ("layers.5", "out"))
     return Plan(
         model=ModelRef(path="examples/mlp.py", factory="build_model"),

@@ -6,7 +6,7 @@ import pytest
 from chain_fixtures import LAUNCH_S, cluster, gpt_profile, make_gpu
 
 from autoplan.cost import comm
-from autoplan.cost.compute import mfu
+from autoplan.cost.compute import TableSetting, mfu, module_table
 from autoplan.cost.context import Context
 from autoplan.cost.dtypes import peak_flops
 from autoplan.cost.evaluate import build_problem, evaluate
@@ -15,8 +15,9 @@ from autoplan.cost.pipeline import StageCost, microbatches_in_flight, pipeline_t
 from autoplan.cost.problem import Split
 from autoplan.errors import UserError
 from autoplan.hardware.types import Link
-from autoplan.layout import ALL_FEATURES, SUPPORTED
+from autoplan.layout import ALL_FEATURES, SUPPORTED, Layout
 from autoplan.plan import Parallelism, Training
+from autoplan.solve.search import search
 
 PSI = 1_000_000
 
@@ -79,7 +80,8 @@ def test_tensor_parallel_splits_the_paired_linears_and_the_vocabulary():
     assert ctx.costs.modules[2].split_numel == split
     assert ctx.module_numel(4)[2] == pytest.approx(block.parameter_numel - split + split / 4)
     assert ctx.costs.tied_split == (True,)  # wte rowwise + lm_head colwise: the tied weight splits too
-    assert _ctx().costs.tied_split == (False,)  # without vocab-parallel (not in codegen yet) it stays whole
+    assert _ctx().costs.tied_split == (True,)  # codegen runs the vocabulary-parallel pair too
+    assert _ctx(features=SUPPORTED - {"tp_vocab_parallel"}).costs.tied_split == (False,)  # without it: whole
 
 
 def test_tied_parameters_are_held_once_per_stage_that_uses_them():
@@ -117,6 +119,66 @@ def test_activation_memory_per_layer_follows_korthikanti():
         assert acts["none"][block] == pytest.approx(korthikanti, rel=0.01)  # + LayerNorm statistics
         assert acts["full"][block] == pytest.approx(2 * s * h)
         assert acts["full"][block] < acts["selective"][block] < acts["none"][block]
+
+
+def test_sequence_parallel_activation_memory_per_layer_follows_korthikanti_as_torch_runs_it():
+    """TP + SP keeps s b h (34/t + 5 a s / (h t)) per layer (Korthikanti et al. 2022, Eq. 4: norm inputs and
+    dropout masks on sequence shards), plus what torch's DTensor keeps whole that Megatron-LM shards: the
+    all-gathered inputs of the two column-parallel Linears (qkv, fc1), 2 s b h each, of which Eq. 4 counts
+    1/t. Full recompute keeps the layer's sequence-sharded input, 2 s b h / t."""
+    s, h, a = 64, 256, 8
+    profile = gpt_profile(n_layer=8, n_embd=h, vocab=512, seq=s, batch=2, n_head=a, device="testgpu",
+                          attention="megatron")
+    ctx = Context(profile, cluster(8), Training(8, "bf16"), SUPPORTED | {"tp_fused_split"})  # Megatron qkv
+    assert ctx.facts.sequence_parallel_problem == ""
+    block = ctx.chain.fqns.index("blocks.1")
+    for t in (2, 4, 8):
+        acts = ctx.table(t, 1, sp=True).activation_bytes
+        eq4 = s * h * (34 / t + 5 * a * s / (h * t))
+        gathered_inputs = 2 * (2 * s * h) * (1 - 1 / t)
+        assert acts["none"][block] == pytest.approx(eq4 + gathered_inputs, rel=0.01)  # + LayerNorm statistics
+        assert acts["full"][block] == pytest.approx(2 * s * h / t)
+        without = ctx.table(t, 1).activation_bytes["none"][block]
+        assert without - acts["none"][block] == pytest.approx(6 * s * h * (1 - 1 / t), rel=0.01)  # 10 sbh(1-1/t) - 4
+
+
+def test_sequence_parallel_layer_gathers_and_reduce_scatters_instead_of_all_reducing():
+    profile = gpt_profile(n_layer=12, device="testgpu")
+    ctx = Context(profile, cluster(8), Training(8, "bf16"), SUPPORTED | {"tp_fused_split"})  # Megatron qkv
+    table, plain = ctx.table(4, 2, sp=True), ctx.table(4, 2)
+    link, nbytes = ctx.group(4, 1).link, 2 * 64 * 128 * 2  # b s h elements, bf16
+    pair = comm.all_gather_s(nbytes, 4, link) + comm.reduce_scatter_s(nbytes, 4, link)
+    assert table.tp_forward_s[2] == pytest.approx(2 * pair)  # qkv and fc gather, proj and fc2 reduce-scatter
+    assert table.tp_backward_s[2] == pytest.approx(2 * pair)
+    assert table.forward_s[2] < plain.forward_s[2]  # the norms, adds and dropouts run on sequence shards
+
+
+def test_vocabulary_parallel_head_divides_its_time_weights_and_logits_by_tp():
+    """The head's matmul, its weight (tied with the embedding) and the loss's copies of its logits divide by
+    tp; its collectives are the loss-parallel reductions, one fp32 number per token each (3), or, with loss
+    parallel off, the all-gather of the logits."""
+    seq, vocab, b = 512, 32768, 8
+    profile = gpt_profile(n_layer=2, n_embd=1024, vocab=vocab, seq=seq, n_head=16, device="testgpu")
+    ctx = Context(profile, cluster(8), Training(8, "bf16"), SUPPORTED)
+    head = ctx.chain.fqns.index("lm_head")
+    one, four = ctx.table(1, b), ctx.table(4, b)
+    assert [op.tp_role for op in ctx.costs.modules[head].ops if op.kind == "gemm"] == ["head"]
+    assert four.forward_s[head] == pytest.approx(one.forward_s[head] / 4, rel=0.02)  # launches aside
+    assert four.backward_s[head] == pytest.approx(one.backward_s[head] / 4, rel=0.02)
+    def logits(table):  # the loss's copies of the logits: the module's working bytes beyond its saved ones
+        return table.working_bytes[head] - table.activation_bytes["none"][head]
+
+    assert logits(one) > 0 and logits(four) == pytest.approx(logits(one) / 4)
+    assert ctx.group_numel(4) == [g.numel / 4 for g in ctx.chain.tied_groups]  # the tied wte / lm_head weight
+    link, tokens = ctx.group(4, 1).link, b * seq
+    assert four.tp_forward_s[head] == pytest.approx(3 * comm.all_reduce_s(tokens * 4, 4, link))
+    gathered = module_table(ctx.costs, replace(_setting(ctx, 4, b), loss_parallel=False))
+    assert gathered.tp_forward_s[head] == pytest.approx(comm.all_gather_s(tokens * vocab * 2, 4, link))
+
+
+def _setting(ctx, tp, microbatch):
+    return TableSetting(gpu=ctx.cluster.gpu, capture_dtype=ctx.chain.capture_dtype, train_dtype=ctx.dtype, tp=tp,
+                        microbatch=microbatch, tp_link=ctx.group(tp, 1).link, use_measured=ctx.use_measured)
 
 
 def test_recompute_costs_the_forward_it_repeats():
@@ -343,3 +405,19 @@ def test_ddp_pays_its_measured_time_per_parameter_tensor():
     assert added == pytest.approx(len(base.profile.parameters) * 1e-3)
     fsdp = _par(dp=2, zero=3, m=4)  # FSDP2 is not DDP: its own per-module overhead applies
     assert data_parallel_comm(1e-3, fsdp) == pytest.approx(data_parallel_comm(0.0, fsdp))
+
+
+def test_plan_shows_the_activation_saving_of_sequence_parallelism_against_the_same_layout_without_it():
+    profile = gpt_profile(n_layer=12, n_embd=1024, vocab=8192, seq=512, n_head=16, device="testgpu")
+    training = Training(global_batch_size=16, dtype="bf16")
+    on = search(profile, cluster(8), training, Layout(tp=4, pp=2, microbatch=2), features=ALL_FEATURES).best
+    off = search(profile, cluster(8), training, Layout(tp=4, pp=2, microbatch=2, sp="off"),
+                 features=ALL_FEATURES).best
+    assert on.parallelism.enable_sequence_parallel and not off.parallelism.enable_sequence_parallel
+    saved_with, saved_without = (on.predicted.memory_breakdown["activations"],
+                                 on.predicted.activations_without_sequence_parallel_bytes)
+    assert saved_with < saved_without
+    same_split = [s.modules for s in on.stages] == [s.modules for s in off.stages]
+    if on.activation_checkpoint_modules == off.activation_checkpoint_modules and same_split:
+        assert saved_without == pytest.approx(off.predicted.memory_breakdown["activations"])
+    assert off.predicted.activations_without_sequence_parallel_bytes is None

@@ -48,3 +48,21 @@ def test_published_runs_pinned_are_predicted_within_10_percent_and_fit_80_gb(row
     assert predicted == pytest.approx(measured, rel=0.10)
     assert best.predicted.peak_memory_bytes <= 80e9 and best.fits
     assert best.parallelism.activation_checkpoint == "full" and best.activation_checkpoint_modules == result.chain.fqns
+
+
+@pytest.mark.parametrize("row", RUNS, ids=[f"{r['params_b']}B" for r in RUNS])
+def test_published_runs_through_the_user_path_are_predicted_within_10_percent(row):
+    """benchmarks/accuracy.py's numbers: autoplan.estimate on a model file with the run's layout pinned, every
+    feature priced one the generated program runs (no feature flags)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from accuracy import autoplan_run
+
+    ours = autoplan_run(row)
+    par = ours["layout"]
+    assert (par.tensor_parallel_degree, par.pipeline_parallel_degree, par.data_parallel_degree) == (
+        int(row["tp"]), int(row["pp"]), int(row["dp"]))
+    assert not par.enable_sequence_parallel  # pinned off: SC21 ran without it
+    assert ours["tflops"] == pytest.approx(float(row["measured_tflops_per_gpu_incl_recompute"]), rel=0.10)
+    assert ours["memory"] <= 80e9

@@ -1,4 +1,5 @@
-"""Loss parity of every layout the solver can choose, on a GPT written from scratch
+"""Loss parity of every layout the solver can choose (tensor parallel as the search plans it: sequence
+parallel, vocabulary-parallel embedding and head, loss parallel), on a GPT written from scratch
 (examples/gpt.py, tied lm_head) and on a Hugging Face Llama from a config (examples/llama.py),
 against the single-device reference; checkpoint save at step k + resume = an uninterrupted run;
 a model with its own make_dataloader (DistributedSampler).
@@ -118,6 +119,7 @@ def gpt_case() -> ModelCase:
     for i in range(2):
         plan.update({f"blocks.{i}.attn.qkv": "colwise", f"blocks.{i}.attn.proj": "rowwise",
                      f"blocks.{i}.mlp.fc": "colwise", f"blocks.{i}.mlp.proj": "rowwise"})
+    plan.update({"wte": "rowwise", "lm_head": "colwise"})  # vocabulary-parallel, tied
     four = (chain_modules[:2], chain_modules[2:3], chain_modules[3:4], chain_modules[4:])
     return ModelCase(TINY_GPT, chain_modules, four, plan)
 
@@ -130,6 +132,7 @@ def llama_case() -> ModelCase:
         plan.update({f"{layer}.self_attn.{p}_proj": "colwise" for p in "qkv"})
         plan.update({f"{layer}.self_attn.o_proj": "rowwise", f"{layer}.mlp.gate_proj": "colwise",
                      f"{layer}.mlp.up_proj": "colwise", f"{layer}.mlp.down_proj": "rowwise"})
+    plan.update({"model.embed_tokens": "rowwise", "lm_head": "colwise"})  # vocabulary-parallel
     four = (chain_modules[:1], chain_modules[1:2], chain_modules[2:3], chain_modules[3:])
     return ModelCase(TINY_LLAMA, chain_modules, four, plan)
 
@@ -178,6 +181,7 @@ RESUMED = [("llama", "dp=2,zero=3,tp=2"), ("gpt", "dp=2,pp=2")]
 
 
 def make_plan(model_file: Path, stages, tensor_parallel_plan=None, **parallelism) -> Plan:
+    parallelism.setdefault("enable_sequence_parallel", parallelism.get("tensor_parallel_degree", 1) > 1)
     par = Parallelism(**parallelism)
     return Plan(
         model=ModelRef(path=str(model_file)),

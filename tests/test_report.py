@@ -270,3 +270,14 @@ def test_scaling_points_say_when_a_search_was_bounded_or_nothing_fits(tmp_path):
     assert section.count("<svg") == 1 and "no layout fits" in section and "bounded: best of the 3" in section
     assert "At 1 count the search stopped at its time budget" in section
     assert section.count("<tr>") == 5  # header and one row per count, the one without a point included
+
+
+def test_memory_section_shows_the_activations_the_layout_keeps_without_sequence_parallelism():
+    from autoplan.report.html import memory_section
+
+    plan = make_plan()
+    assert "Sequence parallelism" not in memory_section(plan)
+    predicted = replace(plan.predicted, memory_breakdown={**plan.predicted.memory_breakdown, "activations": 3 * 2**30},
+                        activations_without_sequence_parallel_bytes=5 * 2**30)
+    text = memory_section(replace(plan, predicted=predicted))
+    assert "keeps 3 GiB of activations" in text and "(sp=off) would keep 5 GiB" in text

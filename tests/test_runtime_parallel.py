@@ -255,3 +255,41 @@ def test_mixed_precision_accumulation_computes_in_bf16_and_the_loss_in_fp32():
     for p, q in zip(model.parameters(), reference.parameters()):
         assert p.grad.dtype == torch.float32  # master weights and gradients stay fp32
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-1, atol=2e-2)
+
+
+def test_a_loss_that_cannot_run_on_vocabulary_sharded_logits_runs_on_gathered_ones(tmp_path, capsys):
+    """ParallelLoss: the default cross-entropy runs on logits sharded on the vocabulary (loss_parallel); a
+    loss_fn that loss_parallel rejects (a log-softmax over the sequence) runs on the gathered logits from
+    then on, and says so once."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.nn import functional as F
+
+    from autoplan.runtime.tensor_parallel import ParallelLoss, loss_parallel_context, plain_tensor
+    from helpers.batch import _forget_device_meshes
+
+    def over_the_sequence(output, targets):
+        return -F.log_softmax(output, dim=1).mean()
+
+    logits, targets = torch.randn(2, 3, 8), torch.randint(0, 8, (2, 3))
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                            timeout=timedelta(seconds=30))
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        default, odd = ParallelLoss(None), ParallelLoss(over_the_sequence)
+        with loss_parallel_context(True):
+            sharded = distribute_tensor(logits, mesh, [Shard(2)]).requires_grad_()
+            value = default(sharded, targets)
+            value.backward()
+            assert default.sharded and "gathering" not in capsys.readouterr().out
+            assert plain_tensor(value).item() == pytest.approx(F.cross_entropy(logits.reshape(-1, 8),
+                                                                                 targets.reshape(-1)).item())
+            sharded = distribute_tensor(logits, mesh, [Shard(2)]).requires_grad_()
+            value = odd(sharded, targets)
+            value.backward()
+        assert not odd.sharded and "gathering the logits instead" in capsys.readouterr().out
+        assert plain_tensor(value).item() == pytest.approx(over_the_sequence(logits, targets).item())
+        assert sharded.grad is not None
+    finally:
+        dist.destroy_process_group()
+        _forget_device_meshes()

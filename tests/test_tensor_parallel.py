@@ -108,3 +108,30 @@ def test_a_fused_qkv_split_is_not_sharded_where_torch_tp_would_gather_it():
                     for name, style in (("fc", "colwise"), ("proj", "rowwise"))}
     llama = tensor_parallel_facts(_capture("llama"), fused_split=False).plan  # separate q/k/v: unchanged
     assert llama == tensor_parallel_facts(_capture("llama")).plan
+
+
+def test_sequence_parallel_runs_between_the_pairs_where_every_op_is_per_token():
+    llama = tensor_parallel_facts(_capture("llama"), fused_split=False)
+    assert llama.sequence_parallel_problem == ""
+    roles = {llama.role.get(op.node) for op in _capture("llama").ops if "input_layernorm" in op.module}
+    assert roles == {"sequence"}  # the norms between the pairs run on sequence shards
+    gpt = tensor_parallel_facts(_capture("gpt"), fused_split=False)  # the fused qkv's attention stays whole
+    assert "aten.split" in gpt.sequence_parallel_problem and "attn" in gpt.sequence_parallel_problem
+    assert tensor_parallel_facts(_capture("gpt")).sequence_parallel_problem == ""  # Megatron-LM's split qkv
+
+
+def test_sp_pin_defaults_on_with_tp_and_is_refused_where_the_model_cannot_run_it():
+    from autoplan.solve.pins import parse_pins
+
+    assert parse_pins("tp=2,sp=off").sp == "off" and parse_pins("tp=2").sp is None
+    with pytest.raises(UserError, match="sp=maybe is not one of on, off"):
+        parse_pins("sp=maybe")
+    llama, gpt = _capture("llama"), _capture("gpt")
+    training = Training(global_batch_size=8)
+    assert search(llama, cluster(2), training, Layout(tp=2)).best.parallelism.enable_sequence_parallel
+    assert not search(llama, cluster(2), training, Layout(tp=2, sp="off")).best.parallelism.enable_sequence_parallel
+    assert not search(gpt, cluster(2), training, Layout(tp=2)).best.parallelism.enable_sequence_parallel
+    with pytest.raises(UserError, match="sp=on with tp=2: aten.split.Tensor in blocks.*does not compute token by token"):
+        search(gpt, cluster(2), training, Layout(tp=2, sp="on"))
+    dense = search(llama, cluster(2), training, Layout(tp=1)).best.parallelism
+    assert not dense.enable_sequence_parallel  # nothing to shard on the sequence without tensor parallelism

@@ -124,7 +124,8 @@ def _layout(plan: Plan) -> str:
         parts.append(f"{dp}-way data parallel with FSDP2{hybrid}: dp_replicate {p.data_parallel_replicate_degree} x "
                      f"dp_shard {p.data_parallel_shard_degree}, reshard {p.fsdp_reshard_after_forward}")
     if p.tensor_parallel_degree > 1:
-        parts.append(f"{p.tensor_parallel_degree}-way tensor parallel ({len(plan.tensor_parallel_plan)} Linears)")
+        sequence = ", sequence parallel" if p.enable_sequence_parallel else ""
+        parts.append(f"{p.tensor_parallel_degree}-way tensor parallel ({len(plan.tensor_parallel_plan)} Linears{sequence})")
     if p.pipeline_parallel_degree > 1:
         virtual = (f", {p.pipeline_parallel_virtual_stages} stages per rank"
                    if p.pipeline_parallel_virtual_stages > 1 else "")
@@ -165,6 +166,10 @@ def _config_block(plan: Plan) -> str:
         ("DP_SHARD", repr(p.data_parallel_shard_degree), "data-parallel ranks sharding the model (FSDP2)"),
         ("RESHARD", repr(p.fsdp_reshard_after_forward), "FSDP2 frees gathered parameters after forward: always | never"),
         ("TP", repr(p.tensor_parallel_degree), "tensor-parallel ranks (innermost mesh dim)"),
+        ("SP", repr("on" if p.enable_sequence_parallel else "off"),
+         "sequence parallel between the TP pairs (when TP > 1): on | off"),
+        ("LOSS_PARALLEL", repr("off" if p.disable_loss_parallel else "on"),
+         "cross-entropy on the vocabulary-sharded logits (TP head): on | off"),
         ("PP", repr(p.pipeline_parallel_degree), "pipeline ranks"),
         ("VIRTUAL_STAGES", repr(p.pipeline_parallel_virtual_stages), "stages per pipeline rank (interleaved schedule)"),
         ("SCHEDULE", repr(p.pipeline_parallel_schedule), "pipeline schedule"),

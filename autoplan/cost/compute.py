@@ -15,9 +15,15 @@ divided by t.
 Ops of a tensor-parallel region (its Linears and everything between them) run on DTensors and also
 pay their host cost (Gpu.dtensor_op_overhead_s per DTensor op).
 
-Tensor-parallel collectives per module: an all-reduce of each rowwise Linear's output (and of a
-vocabulary-parallel embedding's output) in forward, of each colwise Linear's input gradient in
-backward, and an all-gather of a vocabulary-parallel head's logits in forward (alpha-beta, cost/comm.py).
+Tensor-parallel collectives per module (alpha-beta, cost/comm.py), as runtime/tensor_parallel.py runs them:
+- without sequence parallelism: an all-reduce of each rowwise Linear's output (and of a vocabulary-parallel
+  embedding's output) in forward, of each colwise Linear's (and the head's) input gradient in backward;
+- with it (Korthikanti et al. 2022): each all-reduce becomes a reduce-scatter onto the sequence, and each
+  colwise Linear (and the head) all-gathers its sequence-sharded input in forward and the rowwise Linear's
+  output gradient is all-gathered in backward; the ops between the pairs compute on sequence shards (1/tp);
+- the vocabulary-parallel head's logits stay sharded for the loss (loss parallel): three all-reduces of one
+  fp32 number per token (the max, the sum of exponentials, the target's logit); with loss parallel off they
+  are all-gathered. The loss's copies of the logits divide by tp with them.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from functools import cached_property
 from autoplan.chain.modules import ModuleChain
 from autoplan.cost import calibration, comm
 from autoplan.cost.dtypes import activation_scale, peak_flops
-from autoplan.cost.module_costs import MODES, SPLIT_ROLES, ChainCosts, OpCost, ModuleCosts, saved_by_mode
+from autoplan.cost.module_costs import MODES, ChainCosts, OpCost, ModuleCosts, saved_by_mode, split_roles
 from autoplan.hardware.types import Gpu, Link
 
 ADAMW_BYTES_PER_PARAM = 80
@@ -126,6 +132,10 @@ class TableSetting:
     """The link the tensor-parallel group's collectives run over."""
     use_measured: bool
     """Price from the op times measured on this machine (the plan is for it) rather than the roofline."""
+    sp: bool = False
+    """Sequence parallelism between the tensor-parallel pairs (Parallelism.enable_sequence_parallel)."""
+    loss_parallel: bool = True
+    """The loss runs on the vocabulary-parallel head's sharded logits (not Parallelism.disable_loss_parallel)."""
 
 
 @dataclass(frozen=True)
@@ -160,23 +170,27 @@ def module_table(costs: ChainCosts, setting: TableSetting) -> ModuleTable:
 
 
 def _module_row(module: ModuleCosts, setting: TableSetting, timing: MeasuredScale) -> _ModuleRow:
-    gpu, tp, b, link = setting.gpu, setting.tp, setting.microbatch, setting.tp_link
+    gpu, tp, b, link, sp = setting.gpu, setting.tp, setting.microbatch, setting.tp_link, setting.sp
     scale = activation_scale(setting.capture_dtype, setting.train_dtype)
+    split = split_roles(sp)
+    dtensor_roles = DTENSOR_ROLES | ({"sequence"} if sp else set())
     fwd = bwd = cheap = tp_fwd = tp_bwd = 0.0
     for op in module.ops:
-        f, g = (_measured(op, gpu, tp, b, timing) if setting.use_measured and op.measured
-                else _roofline(op, gpu, setting.train_dtype, scale, tp, b))
-        if tp > 1 and op.tp_role in DTENSOR_ROLES:  # the op runs on DTensors: their host cost on top
+        f, g = (_measured(op, gpu, tp, b, timing, split) if setting.use_measured and op.measured
+                else _roofline(op, gpu, setting.train_dtype, scale, tp, b, split))
+        if tp > 1 and op.tp_role in dtensor_roles:  # the op runs on DTensors: their host cost on top
             forward_ops, backward_ops = _dtensor_ops(op)
             f += forward_ops * gpu.dtensor_op_overhead_s
             g += backward_ops * gpu.dtensor_op_overhead_s
         fwd, bwd = fwd + f, bwd + g
         if op.kind == "memory":
             cheap += f
-        tp_fwd += _tp_forward(op, tp, b * scale, link)
-        tp_bwd += _tp_backward(op, tp, b * scale, link)
-    saved = saved_by_mode(module, tp, scale)
-    working = saved["none"] * b + calibration.LOSS_BUFFER_FACTOR * module.output_buffer_bytes * b * scale
+        tp_fwd += _tp_forward(op, tp, b, scale, link, sp, setting.loss_parallel)
+        tp_bwd += _tp_backward(op, tp, b * scale, link, sp)
+    saved = saved_by_mode(module, tp, scale, sp)
+    sharded_logits = tp > 1 and setting.loss_parallel and any(op.tp_role == "head" for op in module.ops)
+    logits = module.output_buffer_bytes / (tp if sharded_logits else 1)
+    working = saved["none"] * b + calibration.LOSS_BUFFER_FACTOR * logits * b * scale
     return _ModuleRow(forward_s=fwd, backward_s=bwd, tp_forward_s=tp_fwd, tp_backward_s=tp_bwd, cheap_forward_s=cheap,
                     activation_bytes={m: saved[m] * b for m in MODES}, working_bytes=working)
 
@@ -198,10 +212,11 @@ def _efficiency(op: OpCost, gpu: Gpu) -> float:
     return calibration.ATTENTION_EFFICIENCY if op.kind == "attention" else gpu.matmul_efficiency
 
 
-def _roofline(op: OpCost, gpu: Gpu, dtype: str, scale: float, tp: int, b: int) -> tuple[float, float]:
+def _roofline(op: OpCost, gpu: Gpu, dtype: str, scale: float, tp: int, b: int,
+              split_roles: frozenset[str] = split_roles(False)) -> tuple[float, float]:
     if op.kind == "view":
         return 0.0, 0.0
-    split = tp if op.tp_role in SPLIT_ROLES else 1
+    split = tp if op.tp_role in split_roles else 1
     flops_per_s = peak_flops(gpu, dtype) * _efficiency(op, gpu)
     bytes_per_s = gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency
     traffic = (op.activation_bytes * b + op.parameter_bytes) * scale / split
@@ -225,30 +240,54 @@ def _measured_parts(op: OpCost, gpu: Gpu) -> tuple[tuple[float, float], tuple[fl
     return parts[0], parts[1]
 
 
-def _measured(op: OpCost, gpu: Gpu, tp: int, b: int, timing: MeasuredScale = MeasuredScale()) -> tuple[float, float]:
+def _measured(op: OpCost, gpu: Gpu, tp: int, b: int, timing: MeasuredScale = MeasuredScale(),
+              split_roles: frozenset[str] = split_roles(False)) -> tuple[float, float]:
     """Measured time at micro-batch b: the fixed part, and the per-sample part times b (split ops' share
     divided by t), each rescaled to the whole model's measured time."""
-    split = tp if op.tp_role in SPLIT_ROLES else 1
+    split = tp if op.tp_role in split_roles else 1
     (ff, fs), (bf, bs) = _measured_parts(op, gpu)
     slowdown = gpu.concurrent_slowdown  # measured alone; trained with every rank computing
     return (slowdown * (ff * timing.fixed + fs * timing.per_sample * b / split),
             slowdown * (bf * timing.fixed + bs * timing.per_sample * b / split))
 
 
-def _tp_forward(op: OpCost, tp: int, per_mb: float, link: Link) -> float:
+LOSS_PARALLEL_REDUCTIONS = 3
+"""All-reduces of one number per token that the cross-entropy on vocabulary-sharded logits runs (torch
+loss_parallel: the max and the sum of exponentials for log-softmax, the target's logit for the loss)."""
+LOSS_PARALLEL_BYTES_PER_TOKEN = 4
+"""Each in fp32."""
+
+
+def _tp_forward(op: OpCost, tp: int, b: int, scale: float, link: Link, sp: bool = False,
+                loss_parallel: bool = True) -> float:
+    """Forward collectives of one op for a micro-batch of b samples (`scale`: training over capture bytes)."""
+    per_mb = b * scale
     if tp == 1:
         return 0.0
     if op.tp_role in ("rowwise", "embedding"):
-        return comm.all_reduce_s(op.output_bytes * per_mb, tp, link)
+        reduce = comm.reduce_scatter_s if sp else comm.all_reduce_s
+        return reduce(op.output_bytes * per_mb, tp, link)
+    gathered = comm.all_gather_s(op.input_activation_bytes * per_mb, tp, link) if sp and op.kind == "gemm" else 0.0
+    if op.tp_role == "colwise":
+        return gathered
+    if op.tp_role == "head" and loss_parallel:
+        return gathered + LOSS_PARALLEL_REDUCTIONS * comm.all_reduce_s(
+            op.rows * b * LOSS_PARALLEL_BYTES_PER_TOKEN, tp, link)
     if op.tp_role == "head":
-        return comm.all_gather_s(op.output_bytes * per_mb, tp, link)
+        return gathered + comm.all_gather_s(op.output_bytes * per_mb, tp, link)
     return 0.0
 
 
-def _tp_backward(op: OpCost, tp: int, per_mb: float, link: Link) -> float:
-    if tp == 1 or op.tp_role not in ("colwise", "head"):
+def _tp_backward(op: OpCost, tp: int, per_mb: float, link: Link, sp: bool = False) -> float:
+    """Backward collectives of one op; `per_mb`: samples x training-over-capture bytes."""
+    if tp == 1:
         return 0.0
-    return comm.all_reduce_s(op.input_activation_bytes * per_mb, tp, link)
+    if op.tp_role == "rowwise" and sp:  # the output gradient, sequence-sharded, gathered for the Linear
+        return comm.all_gather_s(op.output_bytes * per_mb, tp, link)
+    if op.tp_role not in ("colwise", "head"):
+        return 0.0
+    reduce = comm.reduce_scatter_s if sp else comm.all_reduce_s
+    return reduce(op.input_activation_bytes * per_mb, tp, link)
 
 
 def optimizer_step_time(parameters_on_rank: float, gpu: Gpu, tensors: int = 0, dtensors: int = 0) -> float:

@@ -57,8 +57,8 @@ class Context:
         self.dtype_bytes = bytes_per_element(self.dtype)
         self.scale = activation_scale(self.chain.capture_dtype, self.dtype)
         self.use_measured = self.costs.measured and cluster.gpu.name == "cpu"
-        self._tables: dict[tuple[int, int], ModuleTable] = {}
-        self._inputs: dict[tuple[int, int], MemoryInputs] = {}
+        self._tables: dict[tuple[int, int, bool], ModuleTable] = {}
+        self._inputs: dict[tuple[int, int, bool], MemoryInputs] = {}
         self._layouts: dict[tuple, LayoutMemory] = {}
 
     def at(self, cluster: Cluster, training: Training) -> "Context":
@@ -100,12 +100,14 @@ class Context:
             return comm.p2p_s(nbytes, link)
         return comm.p2p_s(nbytes / tp, link) + comm.all_gather_s(nbytes, tp, self.group(tp, 1).link)
 
-    def table(self, tp: int, microbatch: int) -> ModuleTable:
-        key = (tp, microbatch)
+    def table(self, tp: int, microbatch: int, sp: bool = False) -> ModuleTable:
+        """Module costs at tensor-parallel degree `tp`, micro-batch size `microbatch`, sequence parallel `sp`."""
+        key = (tp, microbatch, sp and tp > 1)
         if key not in self._tables:
             self._tables[key] = module_table(self.costs, TableSetting(
                 gpu=self.cluster.gpu, capture_dtype=self.chain.capture_dtype, train_dtype=self.dtype, tp=tp,
-                microbatch=microbatch, tp_link=self.group(tp, 1).link, use_measured=self.use_measured))
+                microbatch=microbatch, tp_link=self.group(tp, 1).link, use_measured=self.use_measured,
+                sp=key[2]))
         return self._tables[key]
 
     def total_numel(self, tp: int) -> float:
@@ -124,14 +126,14 @@ class Context:
             self._layouts[key] = layout_memory(inputs, self.dtype, shard, reshard_after_forward, pp)
         return self._layouts[key]
 
-    def memory_inputs(self, tp: int, microbatch: int) -> MemoryInputs:
-        key = (tp, microbatch)
+    def memory_inputs(self, tp: int, microbatch: int, sp: bool = False) -> MemoryInputs:
+        key = (tp, microbatch, sp and tp > 1)
         if key not in self._inputs:
-            self._inputs[key] = self._memory_inputs(tp, microbatch)
+            self._inputs[key] = self._memory_inputs(*key)
         return self._inputs[key]
 
-    def _memory_inputs(self, tp: int, microbatch: int) -> MemoryInputs:
-        table = self.table(tp, microbatch)
+    def _memory_inputs(self, tp: int, microbatch: int, sp: bool) -> MemoryInputs:
+        table = self.table(tp, microbatch, sp)
         own, groups = self.module_numel(tp), self.group_numel(tp)
         whole = [own[u] + sum(n for n, g in zip(groups, self.chain.tied_groups) if u in g.modules)
                  for u in range(len(own))]

@@ -54,12 +54,13 @@ def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> Cha
     pp, v = par.pipeline_parallel_degree, par.pipeline_parallel_virtual_stages
     tp, mbs = par.tensor_parallel_degree, par.pipeline_parallel_microbatch_size
     m = par.pipeline_parallel_num_microbatches
-    inputs = ctx.memory_inputs(tp, mbs)
+    sp = par.enable_sequence_parallel
+    inputs = ctx.memory_inputs(tp, mbs, sp)
     stages = pp * v
     shared = ctx.layout_memory(inputs, par.data_parallel_shard_degree, par.reshards_after_forward, pp)
     models = tuple(shared.stage(s, microbatches_in_flight(par.pipeline_parallel_schedule, pp, m, s, v))
                    for s in range(stages))
-    table = ctx.table(tp, mbs)
+    table = ctx.table(tp, mbs, sp)
     overhead = ()
     if stages > 1:
         link = ctx.groups(par).pipeline.link
@@ -83,7 +84,7 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     """Predictions for `par` with `assignment` (memory models and module times from `problem`)."""
     pp, tp = par.pipeline_parallel_degree, par.tensor_parallel_degree
     m, mbs = par.pipeline_parallel_num_microbatches, par.pipeline_parallel_microbatch_size
-    table, chain, gpu = ctx.table(tp, mbs), ctx.chain, ctx.cluster.gpu
+    table, chain, gpu = ctx.table(tp, mbs, par.enable_sequence_parallel), ctx.chain, ctx.cluster.gpu
     groups = ctx.groups(par)
     element = bytes_per_element(ctx.dtype)
     own, tied = ctx.module_numel(tp), ctx.group_numel(tp)
@@ -158,6 +159,10 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
                             predicted_memory_bytes=sum(memory.values()), memory_breakdown=dict(memory),
                             predicted_forward_s=costs[s].forward_s, predicted_send_s=costs[s].send_s))
     peak = max(stages, key=lambda st: st.predicted_memory_bytes)
+    without_sp = None
+    if tp > 1 and par.enable_sequence_parallel:  # the same layout's activations with sp=off, for the report
+        plain = build_problem(ctx, replace(par, enable_sequence_parallel=False), problem.modes)
+        without_sp = plain.rank_breakdown(peak.index % pp, assignment).get("activations")
     flops = model_flops_per_step(chain, ctx.training.global_batch_size)
     tokens = ctx.training.tokens_per_sample or chain.tokens_per_sample
     batch = ctx.training.global_batch_size
@@ -165,7 +170,7 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
         step_time_s=step, samples_per_s=batch / step, tokens_per_s=batch * tokens / step if tokens else None,
         model_flops_per_step=flops, mfu=mfu(flops, step, par.world_size, gpu, ctx.dtype),
         peak_memory_bytes=peak.predicted_memory_bytes, memory_breakdown=dict(peak.memory_breakdown),
-        time_breakdown=breakdown)
+        time_breakdown=breakdown, activations_without_sequence_parallel_bytes=without_sp)
     recomputed = tuple(chain.fqns[u] for u in range(n) if modes[u] != "none")
     mode = next((k for k in modes if k != "none"), "none")
     final = Parallelism(**{**par.__dict__, "activation_checkpoint": mode})

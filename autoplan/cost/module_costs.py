@@ -29,6 +29,15 @@ from autoplan.profile.types import ModelProfile, OpProfile
 
 SPLIT_ROLES = frozenset({"colwise", "rowwise", "interior", "head"})
 """Tensor-parallel roles whose FLOPs and bytes divide by tp."""
+SEQUENCE_ROLES = frozenset({"sequence"})
+"""Roles whose FLOPs, bytes and saved activations divide by tp with sequence parallelism (the ops between the
+pairs run on sequence shards)."""
+
+
+def split_roles(sp: bool) -> frozenset[str]:
+    """Roles whose FLOPs and bytes divide by tp: the tensor-parallel ones, and with sequence parallelism
+    (`sp`) the ops between the pairs."""
+    return SPLIT_ROLES | SEQUENCE_ROLES if sp else SPLIT_ROLES
 MODES = ("none", "selective", "full")
 @dataclass(frozen=True)
 class OpCost:
@@ -57,6 +66,8 @@ class OpCost:
     measured: bool
     profile_batch: int
     """Samples the measured times are for."""
+    rows: float = 0.0
+    """Rows per sample of the op's first input (its leading dimensions: tokens for a [b, s, h] input)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,9 @@ class ModuleCosts:
     """Parameter elements only this module reads that every tensor-parallel rank keeps whole."""
     split_numel: int
     """Parameter elements only this module reads that tensor parallelism splits."""
+    sequence_input: bool = False
+    """With sequence parallelism its input arrives sequence-sharded (it runs ops between the pairs): what full
+    and selective recompute keep of it divides by tp."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +133,18 @@ def op_cost(op: OpProfile, profile: ModelProfile, role: str) -> OpCost:
         time_bwd_s=op.time_bwd_s if measured else 0.0,
         measured=measured,
         profile_batch=batch,
+        rows=_rows(op) / batch,
     )
+
+
+def _rows(op: OpProfile) -> float:
+    """Product of the first input's dimensions but the last."""
+    if not op.input_shapes or not op.input_shapes[0]:
+        return 0.0
+    rows = 1
+    for d in op.input_shapes[0][:-1]:
+        rows *= d
+    return float(rows)
 
 
 def chain_costs(profile: ModelProfile, chain: ModuleChain, facts: TensorParallelFacts) -> ChainCosts:
@@ -137,6 +162,7 @@ def chain_costs(profile: ModelProfile, chain: ModuleChain, facts: TensorParallel
             output_buffer_bytes=sum(by_node[n].output_bytes for n in module.ops if n in outputs) / profile.batch_size,
             replicated_numel=sum(profile.parameters[p] for p in own) - split,
             split_numel=split,
+            sequence_input=any(op.tp_role in SEQUENCE_ROLES for op in ops),
         )
         modules.append(costs)
         signatures.append(seen.setdefault(costs, i))
@@ -149,14 +175,19 @@ def chain_costs(profile: ModelProfile, chain: ModuleChain, facts: TensorParallel
     )
 
 
-def saved_by_mode(module: ModuleCosts, tp: int, scale: float) -> dict[str, float]:
+def saved_by_mode(module: ModuleCosts, tp: int, scale: float, sp: bool = False) -> dict[str, float]:
     """Activation bytes per sample kept for backward under each recompute mode, in the training dtype
-    (`scale` = its element size over the capture's)."""
+    (`scale` = its element size over the capture's). With sequence parallelism (`sp`) the ops between the
+    pairs keep sequence shards (norm inputs, dropout masks: Korthikanti et al. 2022, Eq. 4), and so does the
+    module's input when it arrives sequence-sharded. A colwise Linear keeps the input it all-gathered whole:
+    torch's DTensor saves the gathered tensor (Megatron-LM keeps the shard and gathers again in backward)."""
     def share(nbytes: float, split: bool) -> float:
         return nbytes / tp if split else nbytes
 
-    none = sum(share(op.saved_bytes * (scale if op.saved_scales else 1.0), op.tp_role in ("rowwise", "interior"))
+    saved_split = {"rowwise", "interior"} | ({"sequence"} if sp else set())
+    none = sum(share(op.saved_bytes * (scale if op.saved_scales else 1.0), op.tp_role in saved_split)
                for op in module.ops)
-    kept = scale * (module.input_bytes + sum(share(op.output_bytes, op.tp_role in ("colwise", "interior"))
-                                           for op in module.ops if op.kind in ("gemm", "attention")))
-    return {"none": none, "selective": min(none, kept), "full": min(none, scale * module.input_bytes)}
+    module_input = share(module.input_bytes, sp and module.sequence_input)
+    kept = scale * (module_input + sum(share(op.output_bytes, op.tp_role in ("colwise", "interior"))
+                                       for op in module.ops if op.kind in ("gemm", "attention")))
+    return {"none": none, "selective": min(none, kept), "full": min(none, scale * module_input)}

@@ -13,7 +13,7 @@ OPS_COLUMNS = ["node", "op", "module", "input_shapes", "dtype", "flops_fwd", "fl
                "saved_bytes", "output_bytes", "time_fwd_s", "time_bwd_s", "source"]
 MODULE_COLUMNS = ["module", "depth", "ops", "flops_fwd", "flops_bwd", "param_count", "param_bytes",
                   "saved_bytes", "time_fwd_s", "time_bwd_s"]
-CANDIDATE_COLUMNS = ["rank", "dp_replicate", "dp_shard", "reshard", "tp", "pp", "schedule", "virtual_stages",
+CANDIDATE_COLUMNS = ["rank", "dp_replicate", "dp_shard", "reshard", "tp", "sp", "pp", "schedule", "virtual_stages",
                      "microbatch", "microbatches", "recompute", "recompute_modules", "fits", "step_time_s",
                      "peak_memory_gib", "reason"]
 """Layout columns by their short names (autoplan/layout.py VOCABULARY)."""
@@ -68,7 +68,8 @@ def candidates_frame(candidates: tuple[Any, ...], best: Any) -> pd.DataFrame:
         p = c.parallelism
         rows.append({
             "rank": rank, "dp_replicate": p.data_parallel_replicate_degree, "dp_shard": p.data_parallel_shard_degree,
-            "reshard": p.fsdp_reshard_after_forward, "tp": p.tensor_parallel_degree, "pp": p.pipeline_parallel_degree,
+            "reshard": p.fsdp_reshard_after_forward, "tp": p.tensor_parallel_degree,
+            "sp": "on" if p.enable_sequence_parallel else "off", "pp": p.pipeline_parallel_degree,
             "schedule": p.pipeline_parallel_schedule, "virtual_stages": p.pipeline_parallel_virtual_stages,
             "microbatch": p.pipeline_parallel_microbatch_size, "microbatches": p.pipeline_parallel_num_microbatches,
             "recompute": p.activation_checkpoint, "recompute_modules": len(c.activation_checkpoint_modules),

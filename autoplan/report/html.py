@@ -163,8 +163,14 @@ def memory_section(plan) -> str:
     cap = plan.cluster.memory_per_gpu_bytes
     chart = charts.stacked_bars(rows, fmt_bytes, "bytes per GPU", "memory per stage", cap=cap,
                                 cap_label=f"usable memory per GPU {fmt_bytes(cap)}")
+    without = plan.predicted.activations_without_sequence_parallel_bytes
+    saving = ""
+    if without is not None:
+        with_sp = plan.predicted.memory_breakdown.get("activations", 0.0)
+        saving = (f'<p class="lead">Sequence parallelism: the most loaded rank keeps {esc(fmt_bytes(with_sp))} of '
+                  f"activations; the same layout without it (sp=off) would keep {esc(fmt_bytes(without))}.</p>")
     return ('<h2>Memory per GPU, by pipeline stage</h2><p class="lead">Peak memory of one rank of each stage, '
-            "split into model states and activations, against the usable memory per GPU (red).</p>" + chart)
+            "split into model states and activations, against the usable memory per GPU (red).</p>" + chart + saving)
 
 
 def modules_section(result) -> str:

@@ -111,7 +111,7 @@ class SequenceShards:
 
         self.seq_len, self.size, self.rank = seq_len, mesh.size(), mesh.get_local_rank()
         if seq_len % self.size:
-            raise ValueError(f"context parallel {self.size} does not divide the sequence of {seq_len} tokens")
+            raise ValueError(f"cannot split a sequence of {seq_len} tokens into {self.size} equal shares")
         balancer = _create_default_load_balancer(seq_len, self.size, device)
         self.order = balancer._generate_indices()[0] if balancer is not None else None
         """Token positions in sharding order (None: in their own order)."""

@@ -67,7 +67,7 @@ def shard_experts(module: nn.Module, group: dist.ProcessGroup) -> ExpertShard:
                          f"stacked per expert on dimension 0)")
     shard = ExpertShard(module.num_experts, dist.get_world_size(group), dist.get_rank(group))
     if shard.num_experts % shard.degree:
-        raise ValueError(f"expert parallel {shard.degree} does not divide the {shard.num_experts} experts")
+        raise ValueError(f"cannot split {shard.num_experts} experts into {shard.degree} equal shares")
     for name, param in list(module.named_parameters(recurse=False)):
         local = param.detach()[shard.first:shard.first + shard.local].clone()
         setattr(module, name, nn.Parameter(local, requires_grad=param.requires_grad))

@@ -23,7 +23,8 @@ from autoplan.runtime.failures import stage_failures
 from autoplan.runtime.mesh import RankLayout
 from autoplan.runtime.parallel import gradient_sync
 from autoplan.runtime.split import PipelineSplit
-from autoplan.runtime.tensor_parallel import tensor_parallel_context
+from autoplan.runtime.tensor_parallel import (ParallelLoss, loss_parallel_context, plain_tensor,
+                                              reduce_partial_gradients, tensor_parallel_context)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -46,15 +47,16 @@ class AccumulationStep:
     over the data-parallel ranks only in the last backward."""
 
     def __init__(self, module: nn.Module, num_microbatches: int, loss_fn: LossFn | None,
-                 dtype: torch.dtype = torch.float32, tensor_parallel: bool = False) -> None:
-        self.module, self.num_microbatches, self.loss_fn = module, num_microbatches, loss_fn
-        self.dtype, self.tensor_parallel = dtype, tensor_parallel
+                 dtype: torch.dtype = torch.float32, tensor_parallel: bool = False, loss_parallel: bool = False) -> None:
+        self.module, self.num_microbatches = module, num_microbatches
+        self.loss_fn = ParallelLoss(loss_fn) if loss_parallel else loss_fn
+        self.dtype, self.tensor_parallel, self.loss_parallel = dtype, tensor_parallel, loss_parallel
 
     def __call__(self, inputs: Any, targets: Any) -> torch.Tensor:
         total = torch.zeros(())
         parts = microbatches((inputs, targets), self.num_microbatches)
         device = next(iter(self.module.parameters())).device
-        with tensor_parallel_context(self.tensor_parallel):
+        with tensor_parallel_context(self.tensor_parallel), loss_parallel_context(self.loss_parallel):
             for i, (micro_inputs, micro_targets) in enumerate(parts):
                 with gradient_sync(self.module, enabled=i == len(parts) - 1):
                     with _autocast(self.module, self.dtype, device):
@@ -63,7 +65,9 @@ class AccumulationStep:
                         output = pytree.tree_map(lambda t: t.float() if _is_low_float(t) else t, output)
                     loss = compute_loss(self.loss_fn, output, micro_targets) / len(parts)
                     loss.backward()
-                total = total + loss.detach().float().cpu()
+                total = total + plain_tensor(loss.detach()).float().cpu()
+        if self.tensor_parallel:
+            reduce_partial_gradients(self.module)
         return total
 
 
@@ -92,7 +96,8 @@ class PipelineStep:
 
     def __init__(self, parts: Mapping[int, nn.Module], split: PipelineSplit, mesh: DeviceMesh, layout: RankLayout,
                  schedule: str, num_microbatches: int, loss_fn: LossFn | None, device: torch.device,
-                 dtype: torch.dtype = torch.float32, tensor_parallel: bool = False) -> None:
+                 dtype: torch.dtype = torch.float32, tensor_parallel: bool = False,
+                 loss_parallel: bool = False) -> None:
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleaved1F1B)
 
@@ -111,7 +116,8 @@ class PipelineStep:
                 module = CastOutputs(module, tuple(t.dtype for t in outputs), dtype, device)
             stages.append(PipelineStage(module, index, num_stages, device, input_args=inputs, output_args=outputs,
                                         group=mesh["pp"].get_group()))
-        loss = split.loss(loss_fn)
+        self.loss_parallel = loss_parallel
+        loss = split.loss(ParallelLoss(loss_fn) if loss_parallel else loss_fn)
         if schedule == "interleaved":
             self.schedule = ScheduleInterleaved1F1B(stages, n_microbatches=num_microbatches, loss_fn=loss)
         else:
@@ -120,12 +126,19 @@ class PipelineStep:
 
     def __call__(self, inputs: Any, targets: Any) -> torch.Tensor | None:
         args = self.split.flatten_inputs(inputs) if self.layout.is_first_stage else ()
-        with tensor_parallel_context(self.tensor_parallel), stage_failures(self.parts):
+        with tensor_parallel_context(self.tensor_parallel), loss_parallel_context(self.loss_parallel), \
+                stage_failures(self.parts):
             if not self.layout.is_last_stage:
                 self.schedule.step(*args, return_outputs=False)
-                return None
-            if not isinstance(targets, torch.Tensor):
-                raise UserError(f"pipeline parallelism needs the targets as one tensor, got {type(targets).__name__}")
-            losses: list[torch.Tensor] = []
-            self.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
-        return torch.stack([loss.detach().float() for loss in losses]).mean()
+            else:
+                if not isinstance(targets, torch.Tensor):
+                    raise UserError(f"pipeline parallelism needs the targets as one tensor, got "
+                                    f"{type(targets).__name__}")
+                losses: list[torch.Tensor] = []
+                self.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
+        if self.tensor_parallel:
+            for module in self.parts.values():
+                reduce_partial_gradients(module)
+        if not self.layout.is_last_stage:
+            return None
+        return torch.stack([plain_tensor(loss.detach()).float() for loss in losses]).mean()

@@ -38,6 +38,8 @@ class Family:
     dp_shard: int
     reshard: bool
     """FSDP2 reshards after forward (only with dp_shard > 1)."""
+    sp: bool = False
+    """Sequence parallel between the tensor-parallel pairs (only with tp > 1)."""
 
     @property
     def dp(self) -> int:
@@ -51,7 +53,8 @@ def scope_of(ctx: Context) -> Scope:
     return Scope(num_gpus=cluster.num_gpus, gpus_per_node=cluster.gpus_per_node,
                  global_batch=ctx.training.global_batch_size, num_modules=len(ctx.chain),
                  whole_reason=ctx.chain.whole_reason, features=ctx.features,
-                 tensor_parallel_problems=ctx.facts.problems, batch_norm_modules=ctx.batch_norm_modules)
+                 tensor_parallel_problems=ctx.facts.problems,
+                 sequence_parallel_problem=ctx.facts.sequence_parallel_problem, batch_norm_modules=ctx.batch_norm_modules)
 
 
 def check_pins(pins: Layout, scope: Scope) -> None:
@@ -77,15 +80,25 @@ def families(pins: Layout, scope: Scope, rejected: list[str] | None = None) -> l
             for shard, reshard in _sharding_options(pins, dp, features):
                 if 1 < shard < dp and not _whole_nodes(shard * tp, per_node):
                     continue
-                family = Family(tp, pp, dp // shard, shard, reshard)
+                sp = sequence_parallel(pins, tp, scope)
+                family = Family(tp, pp, dp // shard, shard, reshard, sp)
                 layout = replace(pins, dp=dp, dp_replicate=dp // shard, dp_shard=shard,
-                                 reshard="always" if reshard else "never", tp=tp, pp=pp)
+                                 reshard="always" if reshard else "never", tp=tp, pp=pp, sp="on" if sp else pins.sp)
                 broken = problems(layout, scope)
                 if not broken:
                     out.append(family)
                 elif rejected is not None:
                     rejected += broken
     return out
+
+
+def sequence_parallel(pins: Layout, tp: int, scope: Scope) -> bool:
+    """sp of a family: the pin, else on whenever tp > 1 and the program can run it on this model."""
+    if tp == 1:
+        return False
+    if pins.sp is not None:
+        return pins.sp == "on"
+    return "sp" in (scope.features or frozenset()) and not scope.sequence_parallel_problem
 
 
 def _whole_nodes(ranks: int, gpus_per_node: int) -> bool:
@@ -165,6 +178,7 @@ def parallelism(family: Family, variant: Variant, recompute: str) -> Parallelism
         pipeline_parallel_num_microbatches=variant.microbatches,
         activation_checkpoint=recompute,
         pipeline_parallel_virtual_stages=variant.virtual_stages,
+        enable_sequence_parallel=family.sp,
     )
 
 
@@ -172,7 +186,10 @@ def describe(par: Parallelism) -> str:
     text = f"dp={par.data_parallel_degree}"
     if par.data_parallel_replicate_degree > 1 and par.data_parallel_shard_degree > 1:
         text += f" ({par.data_parallel_replicate_degree}x{par.data_parallel_shard_degree} HSDP)"
-    text += f" tp={par.tensor_parallel_degree} pp={par.pipeline_parallel_degree}"
+    text += f" tp={par.tensor_parallel_degree}"
+    if par.tensor_parallel_degree > 1:
+        text += f" sp={'on' if par.enable_sequence_parallel else 'off'}"
+    text += f" pp={par.pipeline_parallel_degree}"
     if par.sharded:
         text += f" dp_shard={par.data_parallel_shard_degree} reshard={par.fsdp_reshard_after_forward}"
     if par.pipeline_parallel_degree > 1:

@@ -194,7 +194,7 @@ def family_memory_bound(ctx: Context, fam: layouts.Family) -> float:
 
 def time_lower_bound(ctx: Context, fam: layouts.Family, var: layouts.Variant, pinned: bool) -> float:
     """(m + (p - 1) / v) x the slowest rank's slot if the fastest module times balanced perfectly."""
-    table = ctx.table(fam.tp, var.microbatch)
+    table = ctx.table(fam.tp, var.microbatch, fam.sp)
     mode = "none" if not pinned else var.recompute
     slot = table.total_s[mode] / fam.pp
     return (var.microbatches + (fam.pp - 1) / var.virtual_stages) * slot

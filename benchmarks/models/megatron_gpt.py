@@ -19,20 +19,28 @@ N_LAYER = 24
 N_HEAD = 24
 N_EMBD = 2304
 DROPOUT = 0.1
+FUSED_QKV = True
+"""One Linear for q, k and v, as Megatron-LM holds them. Megatron-LM interleaves that weight so each tensor-
+parallel rank holds whole heads; torch's ColwiseParallel would split the fused rows as they are, so a program
+that torch runs (autoplan's) keeps tensor parallelism off such a split. False: three Linears, the same math
+and FLOPs, which torch's tensor parallelism splits by heads as Megatron-LM does."""
 
 
 class Attention(nn.Module):
     def __init__(self, n_embd: int, n_head: int) -> None:
         super().__init__()
         self.n_head = n_head
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        if FUSED_QKV:
+            self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        else:
+            self.q, self.k, self.v = (nn.Linear(n_embd, n_embd) for _ in range(3))
         self.proj = nn.Linear(n_embd, n_embd)
         self.dropout = nn.Dropout(DROPOUT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         h, d = self.n_head, c // self.n_head
-        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = self.qkv(x).split(c, dim=2) if FUSED_QKV else (self.q(x), self.k(x), self.v(x))
         q, k, v = (z.view(b, t, h, d).transpose(1, 2).reshape(b * h, t, d) for z in (q, k, v))
         # Megatron's CoreAttention: one GEMM for the scaled, masked scores, softmax, dropout, one GEMM
         causal = torch.full((t, t), float("-inf"), device=x.device).triu(1)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from autoplan import runtime
 from autoplan.source import load_source
 
-RUNTIME_API = 2  # the version of autoplan.runtime's interface this program was generated for
+RUNTIME_API = 3  # the version of autoplan.runtime's interface this program was generated for
 
 # ----------------------------------------------------------------------------------------------
 # The plan (numbers from plan.json)
@@ -35,6 +35,8 @@ DP_REPLICATE = 1
 DP_SHARD = 1
 RESHARD = "never"
 TP = 1
+SP = "on"
+LOSS_PARALLEL = "on"
 PP = 1
 VIRTUAL_STAGES = 1
 SCHEDULE = "1f1b"
@@ -114,7 +116,8 @@ def build_parallel_model(model_source, mesh, rank, device, dtype):
     del model  # this rank keeps only its stages
 
     for s, part in parts.items():  # order as in torchtitan: tensor parallel, recompute, FSDP
-        part.module = runtime.tensor_parallel(part.module, mesh["tp"], TENSOR_PARALLEL_PLAN, chain_modules[s])
+        part.module = runtime.tensor_parallel(part.module, mesh["tp"], TENSOR_PARALLEL_PLAN, chain_modules[s],
+                                              sequence_parallel=SP == "on")
         recomputed = [u for u in chain_modules[s] if u in RECOMPUTE_MODULES]
         part.module = runtime.checkpoint_modules(part.module, recomputed, RECOMPUTE)
         part.module = runtime.shard_data_parallel(part.module, mesh, RESHARD == "always", chain_modules[s], dtype,
@@ -150,10 +153,12 @@ def main(argv=None) -> list[float]:
     # forward + backward of one step over this rank's micro-batches
     if PP > 1:
         forward_backward = runtime.PipelineStep(parts, split, mesh, rank, SCHEDULE, MICROBATCHES,
-                                                model_source.loss_fn, device, dtype, tensor_parallel=TP > 1)
+                                                model_source.loss_fn, device, dtype, tensor_parallel=TP > 1,
+                                                loss_parallel=TP > 1 and LOSS_PARALLEL == "on")
     else:
         forward_backward = runtime.AccumulationStep(parts[0], MICROBATCHES, model_source.loss_fn, dtype,
-                                                    tensor_parallel=TP > 1)
+                                                    tensor_parallel=TP > 1,
+                                                    loss_parallel=TP > 1 and LOSS_PARALLEL == "on")
 
     checkpoints = runtime.Checkpointer(args.checkpoint_dir, parts, optimizer, pipelined=PP > 1)
     first_step = checkpoints.load() if args.resume else 0
