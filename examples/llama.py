@@ -2,9 +2,11 @@
 
 Defaults are Llama-3-8B's shapes. Every shape is a module-level constant, so a test or benchmark can
 shrink or grow the model (set e.g. LAYERS before calling build_model), or pass config overrides:
-build_model(num_hidden_layers=2). llama3_8b() is Llama-3-8B by name, whatever the constants are set to.
+build_model(num_hidden_layers=2). llama3_8b() and llama3_70b() are Llama-3-8B and -70B by name, whatever the
+constants are set to.
 
     autoplan examples/llama.py:llama3_8b --gpus 8
+    autoplan examples/llama.py:llama3_70b --gpus 8
 """
 
 import torch
@@ -41,6 +43,17 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
 def llama3_8b() -> LlamaForCausalLM:
     """Llama-3-8B, trained here on SEQ_LEN-token sequences (2048 unless changed)."""
     return build_model(**LLAMA3_8B)
+
+
+LLAMA3_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                  num_attention_heads=64, num_key_value_heads=8)
+"""Llama-3-70B's shapes (Meta-Llama-3-70B's config.json): 70.6e9 parameters."""
+
+
+def llama3_70b() -> LlamaForCausalLM:
+    """Llama-3-70B, trained here on SEQ_LEN-token sequences (2048 unless changed): on 8 H100s only FSDP with
+    CPU offload fits it (autoplan examples/llama.py:llama3_70b --gpus 8)."""
+    return build_model(**LLAMA3_70B)
 
 
 def example_batch(batch_size: int):

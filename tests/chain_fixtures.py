@@ -237,11 +237,12 @@ def run_profile(row: dict[str, str], attention: str = "megatron") -> ModelProfil
 
 
 def run_pins(row: dict[str, str]) -> str:
-    """The published layout as a --pin string (micro-batch size and virtual stages left to the search)."""
+    """The published layout as a --pin string (micro-batch size and virtual stages left to the search). The
+    published Megatron-LM runs ran eager PyTorch with its own fused kernels, not torch.compile: compile=off."""
     pp = int(row["pp"])
     schedule = row["schedule"] if pp > 1 else "1f1b"
     return (f"tp={row['tp']},pp={pp},dp={row['dp']},zero=0,recompute={row['recompute']},"
-            f"schedule={schedule}")
+            f"schedule={schedule},compile=off")
 
 
 def run_cluster(row: dict[str, str]) -> Cluster:
