@@ -1,5 +1,6 @@
 """Loss parity with torch.compile per chain module (inductor's CPU backend) at dp=2 (FSDP2), pp=2 and tp=2,
-and with FSDP2's CPU offload at dp=2 (on a CPU device its CPUOffloadPolicy runs unpinned: torch cannot pin
+with foreach AdamW at tp=2 (the layout matrix, tests/test_layouts.py, runs fused), and with FSDP2's CPU
+offload at dp=2 (on a CPU device its CPUOffloadPolicy runs unpinned: torch cannot pin
 host memory without an accelerator), against the eager single-device reference: one shared launch
 (tests/helpers/verify_many.py). Inductor compiles C++ with gcc for each distinct block: tiny model, 2 steps.
 """
@@ -23,7 +24,10 @@ CASES = {
     "compile tp=2": (True, dict(tensor_parallel_degree=2, **mb(1, 8))),
     "offload dp=2,zero=3": (False, dict(data_parallel_shard_degree=2, fsdp_reshard_after_forward="always",
                                         enable_cpu_offload=True, **mb(2, 2))),
+    "foreach tp=2": (False, dict(tensor_parallel_degree=2, **mb(1, 8))),  # DTensor weights beside plain tensors
 }
+IMPLEMENTATION = {"foreach tp=2": "foreach"}
+"""The optimizer implementation where not the default (fused)."""
 
 
 def write(root: Path, name: str, compiled: bool, parallelism: dict) -> Path:
@@ -36,6 +40,7 @@ def write(root: Path, name: str, compiled: bool, parallelism: dict) -> Path:
     half = len(case.chain_modules) // 2
     stages = [case.chain_modules] if pp == 1 else [case.chain_modules[:half], case.chain_modules[half:]]
     plan = replace(make_plan(model_file, stages, case.tensor_parallel_plan, **parallelism), compile=Compile(compiled))
+    plan = replace(plan, training=replace(plan.training, optimizer_implementation=IMPLEMENTATION.get(name, "fused")))
     write_program(plan, folder / "out", model_file)
     (folder / "out" / "plan.json").write_text(plan.to_json())
     return folder / "out"
@@ -64,3 +69,4 @@ def test_the_programs_compile_and_offload_as_planned(batch):
         text = (folders[name] / "train.py").read_text()
         assert f"COMPILE = {compiled}" in text
         assert f"OFFLOAD = {par.get('enable_cpu_offload', False)}" in text
+        assert f"OPTIMIZER_IMPLEMENTATION = {IMPLEMENTATION.get(name, 'fused')!r}" in text

@@ -113,7 +113,7 @@ def test_the_search_offloads_only_when_nothing_else_fits():
     assert best.parallelism.enable_cpu_offload and best.fits
     assert best.predicted.time_breakdown["optimizer"] > ample.best.predicted.time_breakdown["optimizer"]
     small_host = replace(tight, host_memory_per_node_bytes=0.5 * 16 * sum(profile.parameters.values()))
-    with pytest.raises(Infeasible):
+    with pytest.raises(Infeasible, match=r"; CPU offload needs [\d.]+ GiB of host memory per node, has [\d.]+ GiB"):
         search(profile, small_host, TRAINING)
     no_link = with_host(tight, replace(HOST, link_bandwidth_bytes_per_s=0.0))
     with pytest.raises(Infeasible):
@@ -178,3 +178,22 @@ def test_host_memory_per_node_overrides_the_profile_and_bad_values_say_which_opt
     assert load_cluster(8, "h100-sxm5-80gb", None, None, None).host_memory_bytes == 2048 * GIB  # DGX H100
     with pytest.raises(UserError, match="--host-memory-per-node: cannot read memory size 'lots'"):
         load_cluster(8, "h100-sxm5-80gb", None, None, None, "lots")
+
+
+def test_a_70b_model_on_8_h100s_fits_only_with_cpu_offload():
+    """A GPT of Llama-3-70B's size (80 layers, hidden 8192, vocabulary 128256; 4h MLP: 65e9 parameters): no
+    layout fits 8 H100 80GB without offload (FSDP's 16 bytes per parameter over 8 GPUs alone are 121 GiB per
+    GPU); with it, FSDP over the 8 GPUs plans within the DGX H100's 2 TiB of host memory per node."""
+    from autoplan.hardware.profiles import load_hardware
+    from autoplan.hardware.types import Cluster
+
+    profile = gpt_profile(n_layer=80, n_embd=8192, vocab=128256, seq=2048, n_head=64, tied=False)
+    h100 = Cluster(load_hardware("h100-sxm5-80gb"), 8, 8)
+    result = search(profile, h100, Training(global_batch_size=16, dtype="bf16"))
+    best = result.best
+    assert best.fits and best.parallelism.enable_cpu_offload and best.parallelism.data_parallel_shard_degree == 8
+    assert best.predicted.peak_memory_bytes <= h100.usable_memory_bytes
+    host = best.predicted.host_memory_per_node_bytes
+    assert host == pytest.approx(16 * sum(profile.parameters.values())) and host <= h100.host_memory_bytes
+    assert all(not c.fits for c in result.candidates if not c.parallelism.enable_cpu_offload)
+    assert best.predicted.time_breakdown["optimizer"] > 1.0  # 65e9 x 28 B / 8 ranks through shared host memory

@@ -199,7 +199,8 @@ def compile_twin(ctx: Context, best: Candidate, pins: Layout, pinned_recompute: 
         reason = f"compile=on: {-change:.1f}% faster, but pinned off"
     else:
         reason = (f"compile=on: {-change:.1f}% faster per step, but off by default for CPU processes (inductor "
-                  f"compiles each module for minutes here, more than a short run gains; pin compile=on)")
+                  f"first compiles each distinct module with gcc, seconds to minutes here, more than a short run "
+                  f"gains; pin compile=on)")
     return dataclasses.replace(twin, reason=reason)
 
 
