@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster, HardwareProfile
-from autoplan.plan import Alternative, ClusterRef, ModelRef, Plan, Training
+from autoplan.plan import Alternative, ClusterRef, Compile, ModelRef, Plan, Training
 from autoplan.profile.types import ModelProfile
 
 log = logging.getLogger("autoplan")
@@ -64,18 +64,24 @@ class PlanResult:
     """A line per dimension the model cannot take, naming the module and why (not_planned)."""
 
 
-def load_cluster(gpus: Any, gpu: str, gpus_per_node: Any, memory_per_gpu: Any, hardware: str | None) -> Cluster:
+def load_cluster(gpus: Any, gpu: str, gpus_per_node: Any, memory_per_gpu: Any, hardware: str | None,
+                 host_memory_per_node: Any = None) -> Cluster:
     from autoplan.hardware.profiles import load_hardware
 
     errors = []
     num_gpus = _positive_int(gpus, "--gpus", errors)
     per_node = None if gpus_per_node is None else _positive_int(gpus_per_node, "--gpus-per-node", errors)
-    cap = None
+    cap = host = None
     if memory_per_gpu is not None:
         try:
             cap = parse_bytes(memory_per_gpu)
         except UserError as e:
             errors.append(str(e))
+    if host_memory_per_node is not None:
+        try:
+            host = parse_bytes(host_memory_per_node)
+        except UserError as e:
+            errors.append(f"--host-memory-per-node: {e}")
     profile: HardwareProfile | None = None
     try:
         profile = load_hardware(hardware if hardware else gpu)
@@ -84,7 +90,7 @@ def load_cluster(gpus: Any, gpu: str, gpus_per_node: Any, memory_per_gpu: Any, h
     if errors:
         raise UserError("; ".join(errors))
     per_node = per_node or min(profile.default_gpus_per_node, num_gpus)
-    return Cluster(profile, num_gpus, per_node, cap)
+    return Cluster(profile, num_gpus, per_node, cap, host)
 
 
 def _positive_int(value: Any, flag: str, errors: list[str]) -> int:
@@ -119,6 +125,7 @@ def plan_model(
     global_batch: int | None = None,
     dtype: str | None = None,
     memory_per_gpu: str | float | None = None,
+    host_memory_per_node: str | float | None = None,
     pin: str | None = None,
     hardware: str | None = None,
     solver: str = "highs",
@@ -137,7 +144,7 @@ def plan_model(
     errors = []
     cluster = None
     try:
-        cluster = load_cluster(gpus, gpu, gpus_per_node, memory_per_gpu, hardware)
+        cluster = load_cluster(gpus, gpu, gpus_per_node, memory_per_gpu, hardware, host_memory_per_node)
     except UserError as e:
         errors.append(str(e))
     pins = None
@@ -187,6 +194,7 @@ def plan_model(
         tensor_parallel_plan=dict(best.tensor_parallel_plan),
         activation_checkpoint_modules=tuple(best.activation_checkpoint_modules),
         batch_norm_modules=result.context.batch_norm_modules,
+        compile=Compile(enable=best.compile),
     )
     if out is not None:
         log.info("scaling curve: best layouts at %d/8 .. 4x%d GPUs", cluster.num_gpus, cluster.num_gpus)
@@ -247,6 +255,7 @@ def scaling_curve(profile: ModelProfile, cluster: Cluster, training: Training, p
     # by GPUs per node: the module tables' tensor-parallel links depend on it
     contexts: dict[int, Context] = {cluster.gpus_per_node: context} if context is not None else {}
     counts = sorted({max(1, round(cluster.num_gpus * f)) for f in SCALING_FACTORS})
+    compiled = context.compiled if context is not None else layouts.compiled(pins, cluster, features)
     searched = [c for c in counts if c != cluster.num_gpus or planned is None]
     deadline = time.perf_counter() + budget_s
     points = []
@@ -256,7 +265,8 @@ def scaling_curve(profile: ModelProfile, cluster: Cluster, training: Training, p
             continue
         per_node = min(cluster.gpus_per_node, count)
         if per_node not in contexts:
-            contexts[per_node] = Context(profile, replace(cluster, gpus_per_node=per_node), training, features)
+            contexts[per_node] = Context(profile, replace(cluster, gpus_per_node=per_node), training, features,
+                                         compiled=compiled)
         batch = max(1, training.global_batch_size * count // cluster.num_gpus)
         ctx = contexts[per_node].at(replace(cluster, num_gpus=count, gpus_per_node=per_node),
                                     replace(training, global_batch_size=batch))

@@ -101,6 +101,8 @@ def _plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", metavar="bf16|fp32", default=None,
                         help="training precision (default bf16 on GPUs, fp32 on cpu)")
     parser.add_argument("--memory-per-gpu", metavar="SIZE", default=None, help="cap usable memory per GPU, e.g. 40GiB")
+    parser.add_argument("--host-memory-per-node", metavar="SIZE", default=None,
+                        help="host memory per node for CPU offload, e.g. 1TiB (default: the hardware profile's)")
     parser.add_argument("--pin", metavar="K=V,...", default=None, help=_pin_help())
     parser.add_argument("--hardware", metavar="PROFILE.yaml", default=None,
                         help="a hardware profile file, e.g. from autoplan calibrate (overrides --gpu)")
@@ -152,8 +154,8 @@ def cmd_plan(args) -> int:
     with _progress(args):
         result = plan_model(
             args.model, args.gpus, args.gpu, gpus_per_node=args.gpus_per_node, global_batch=args.global_batch,
-            dtype=args.dtype, memory_per_gpu=args.memory_per_gpu, pin=args.pin, hardware=args.hardware,
-            solver=args.solver, time_limit=args.time_limit, out=args.out,
+            dtype=args.dtype, memory_per_gpu=args.memory_per_gpu, host_memory_per_node=args.host_memory_per_node,
+            pin=args.pin, hardware=args.hardware, solver=args.solver, time_limit=args.time_limit, out=args.out,
         )
     if args.json:
         print(result.plan.to_json())
@@ -246,6 +248,10 @@ def summary(plan, out: str | None) -> Group:
         with_sp = pred.memory_breakdown.get("activations", 0.0)
         head.add_row("activations", f"{with_sp / gib:.2f} GiB with sequence parallel, "
                      f"{pred.activations_without_sequence_parallel_bytes / gib:.2f} GiB without (sp=off)")
+    if p.enable_cpu_offload:
+        head.add_row("host", f"{pred.host_memory_per_node_bytes / gib:,.0f} GiB of host memory per node (CPU offload: "
+                     f"parameters, gradients and optimizer state; the optimizer steps on the CPU)")
+    head.add_row("compile", "on (torch.compile per module)" if plan.compile.enable else "off")
     head.add_row("solver", f"{plan.solver.name} {plan.solver.status} in {plan.solver.time_s:.2f} s, "
                  f"{plan.solver.candidates_evaluated} candidates")
     stages = Table(box=box.SIMPLE_HEAD, show_edge=False)

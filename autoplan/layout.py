@@ -23,6 +23,11 @@ SEQUENCE_PARALLEL = ("on", "off")
 """sp: enable_sequence_parallel true ("on", the default whenever tp > 1) or false."""
 """fsdp_reshard_after_forward: FSDP2 frees gathered parameters after forward ("always", ZeRO-3) or keeps
 them to backward ("never", the closest FSDP2 has to ZeRO-1/2). torchtitan's "default" is not used."""
+OFFLOAD = ("none", "cpu")
+"""enable_cpu_offload false or true: FSDP2's CPUOffloadPolicy keeps parameters, gradients and optimizer state
+on the host and steps the optimizer there."""
+COMPILE = ("off", "on")
+"""compile.enable: torch.compile per chain module (torchtitan compiles each TransformerBlock)."""
 TENSOR_PARALLEL_STYLES = ("colwise", "rowwise")
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -30,6 +35,7 @@ ALL_FEATURES = frozenset({
     "tp", "sp", "tp_vocab_parallel", "zero2", "zero3", "hsdp", "gpipe", "1f1b", "interleaved", "selective", "full",
     "pp_scatter_gather",  # Megatron-LM's pipeline sends split over tensor-parallel ranks (not in torch)
     "tp_fused_split",     # Megatron-LM's fused qkv with interleaved weights, split per rank (not in torch TP)
+    "offload", "compile",
 })
 """Everything the cost model can price. Beyond SUPPORTED, two features of Megatron-LM that torch does not run,
 priced only when a caller asks for ALL_FEATURES (tests of the cost model on generated profiles); the search
@@ -47,6 +53,8 @@ SUPPORTED = frozenset({
     "interleaved",        # virtual stages (ScheduleInterleaved1F1B)
     "selective",          # selective activation checkpointing per module
     "full",               # full activation checkpointing per module
+    "offload",            # FSDP2 CPUOffloadPolicy (needs an accelerator: torch refuses it on CPU devices)
+    "compile",            # torch.compile per chain module (inductor; its CPU backend too)
 })
 """What codegen can run. Remove a name to stop the search from emitting (or accepting a pin of) it.
 Not yet: pp_scatter_gather and tp_fused_split (not in torch)."""
@@ -88,6 +96,10 @@ VOCABULARY = (
          "backward, listed in full"),
     Term("modules", "stages[].modules", "the modules of the model's chain a pipeline stage runs (nn.Module "
          "FQNs; stages are cut between them)"),
+    Term("offload", "enable_cpu_offload", "none or cpu: FSDP2 keeps parameters, gradients and optimizer state in "
+         "host memory and runs the optimizer step on the CPU (CPUOffloadPolicy)"),
+    Term("compile", "compile.enable (top level)", "on or off: torch.compile per chain module (inductor fuses "
+         "pointwise ops)"),
     Term("batch_norm_modules", "batch_norm_modules (top level)", "modules that normalize over the batch "
          "(BatchNorm): statistics synchronized over the data-parallel ranks (SyncBatchNorm), never split into "
          "micro-batches nor recomputed"),
@@ -113,6 +125,10 @@ class Layout:
     microbatch: int | None = None
     microbatches: int | None = None
     recompute: str | None = None
+    offload: str | None = None
+    """"none" or "cpu" (OFFLOAD)."""
+    compile: str | None = None
+    """"off" or "on" (COMPILE)."""
 
     @property
     def data_parallel(self) -> int | None:
@@ -151,6 +167,8 @@ class Scope:
     """Modules a plan's tensor_parallel_plan shards."""
     batch_norm_modules: tuple[str, ...] | None = None
     """Modules that normalize over the batch they see (BatchNorm in training mode; chain/batch_statistics.py)."""
+    host_link: bool | None = None
+    """The accelerators have a host-device link to offload to (False for CPU processes: the device is the host)."""
 
 
 def problems(layout: Layout, scope: Scope) -> list[str]:
@@ -176,7 +194,8 @@ def _values(layout: Layout, scope: Scope) -> list[str]:
            if value is not None and value < 1]
     for name, value, allowed in (("schedule", layout.schedule, SCHEDULES), ("recompute", layout.recompute, RECOMPUTE),
                                  ("reshard", layout.reshard, RESHARD), ("zero", layout.zero, ZERO_STAGES),
-                                 ("sp", layout.sp, SEQUENCE_PARALLEL)):
+                                 ("sp", layout.sp, SEQUENCE_PARALLEL),
+                                 ("offload", layout.offload, OFFLOAD), ("compile", layout.compile, COMPILE)):
         if value is not None and value not in allowed:
             out.append(f"{name}={value} is not one of {', '.join(map(str, allowed))}")
     return out
@@ -209,6 +228,29 @@ def _features(layout: Layout, scope: Scope) -> list[str]:
                    f"{', '.join(s for s in SCHEDULES if s in have)})")
     if layout.recompute in RECOMPUTE and layout.recompute != "none" and layout.recompute not in have:
         out.append(f"recompute={layout.recompute} is not supported yet")
+    if layout.offload == "cpu" and "offload" not in have:
+        out.append("offload=cpu is not supported here")
+    if layout.compile == "on" and "compile" not in have:
+        out.append("compile=on is not supported here")
+    return out
+
+
+def _offload(layout: Layout, scope: Scope) -> list[str]:
+    """CPU offload is FSDP2's (CPUOffloadPolicy of fully_shard): the model states must be sharded, and no
+    pipeline (it would hold the stage's unsharded parameters and gradients on the GPU to the last micro-batch,
+    torch.distributed.pipelining's rule, so nothing would stay offloaded)."""
+    if layout.offload != "cpu":
+        return []
+    out = []
+    if scope.host_link is False:
+        out.append("offload=cpu needs an accelerator with a host-device link, but these processes run on the host "
+                   "itself (the hardware profile's host.link_bandwidth_gb_per_s is 0)")
+    sharded = _sharding(layout)
+    if sharded is not None and not sharded[0]:
+        out.append(f"offload=cpu needs FSDP (zero=3, dp_shard > 1), but {_sharding_text(layout)} replicates")
+    if _positive(layout.pp) and layout.pp > 1:
+        out.append(f"offload=cpu with pp={layout.pp}: a pipeline stage keeps its parameters and gradients unsharded "
+                   f"on the GPU to the last micro-batch (use pp=1)")
     return out
 
 
@@ -381,6 +423,6 @@ def _batch_norm_text(modules: tuple[str, ...]) -> str:
     return f"BatchNorm module '{modules[0]}'{more}"
 
 
-RULES = (_values, _features, _sequence_parallel, _degrees, _sharding_rules, _batch, _schedule, _batch_norm_microbatches,
+RULES = (_values, _features, _sequence_parallel, _degrees, _sharding_rules, _offload, _batch, _schedule, _batch_norm_microbatches,
          _batch_norm_pipeline, _batch_norm_recompute, _stages)
 """Every rule, in the order their messages read best."""

@@ -13,7 +13,7 @@ alternatives[].reason.
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
 from autoplan.layout import RECOMPUTE, RESHARD, SCHEDULES, SUPPORTED, TENSOR_PARALLEL_STYLES, Layout, Scope, problems
@@ -22,6 +22,11 @@ SCHEMA_VERSION = 2
 SCHEMA_CHANGES = {1: "version 2 replaced parallelism.zero_stage with data_parallel_shard_degree and "
                      "fsdp_reshard_after_forward, and lists activation_checkpoint_modules in full"}
 """Per older schema version, what changed since (for the message that refuses it)."""
+
+
+OPTIMIZER_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
+"""torch.optim.AdamW's implementations (torchtitan's optimizer.implementation): one fused kernel per parameter
+group, per-op kernels batched over tensors, or the single-tensor loop."""
 
 
 class PlanError(ValueError):
@@ -63,6 +68,9 @@ class Parallelism:
     """With tensor_parallel_degree > 1 and the head column-sharded on the vocabulary (tensor_parallel_plan):
     false computes the cross-entropy on the sharded logits (torch's loss_parallel; the program gathers them
     instead, and says so, if the model's loss_fn cannot run on them); true gathers the logits first."""
+    enable_cpu_offload: bool = False
+    """FSDP2 keeps the sharded parameters, gradients and optimizer state in host memory and the optimizer
+    steps on the CPU (CPUOffloadPolicy; GPU only). Optional in schema 2 (absent: false)."""
 
     @property
     def data_parallel_degree(self) -> int:
@@ -89,7 +97,17 @@ class Parallelism:
                       schedule=self.pipeline_parallel_schedule, virtual_stages=self.pipeline_parallel_virtual_stages,
                       microbatch=self.pipeline_parallel_microbatch_size,
                       microbatches=self.pipeline_parallel_num_microbatches, recompute=self.activation_checkpoint,
-                      sp="on" if self.enable_sequence_parallel else "off")
+                      sp="on" if self.enable_sequence_parallel else "off",
+                      offload="cpu" if self.enable_cpu_offload else "none")
+
+
+@dataclass(frozen=True)
+class Compile:
+    """torchtitan's compile section: torch.compile per chain module (runtime/compile.py)."""
+
+    enable: bool = False
+    """Compile each chain module (transformer block) with torch.compile (inductor); priced per op class
+    (cost/calibration.py COMPILE_TIME_FACTOR). Plan.json's compile section is optional in schema 2 (absent: off)."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +149,9 @@ class Prediction:
     activations_without_sequence_parallel_bytes: float | None = None
     """With sequence parallelism on: memory_breakdown's "activations" of the same rank in the same layout
     without it (sp=off), bytes, so the saving shows; None otherwise."""
+    host_memory_per_node_bytes: float = 0.0
+    """Host memory per node that CPU offload fills (every rank's shard of the model states), bytes; 0
+    without offload."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +173,9 @@ class Training:
     dtype: str = "fp32"
     """"fp32" or "bf16" (mixed precision)."""
     optimizer: str = "adamw"
+    optimizer_implementation: str = "fused"
+    """How train.py runs AdamW, one of OPTIMIZER_IMPLEMENTATIONS (priced as it runs: cost/compute.py).
+    Optional in schema 2 (absent: fused)."""
     learning_rate: float = 1e-3
     seed: int = 0
     tokens_per_sample: int | None = None
@@ -168,15 +192,18 @@ class Alternative:
     fits: bool
     reason: str
     """Why it lost ("8% slower than the best", "OOM by 12.4 GiB on stage 0")."""
+    compile: Compile = field(default_factory=Compile)
+    """Whether it was priced compiled (optional in schema 2: absent, off)."""
 
     @staticmethod
     def of(candidate: Any) -> "Alternative":
-        """From a priced layout (cost.evaluate.Candidate: parallelism, predicted, fits, reason)."""
+        """From a priced layout (cost.evaluate.Candidate: parallelism, predicted, fits, reason, compile)."""
         predicted = candidate.predicted
         return Alternative(parallelism=candidate.parallelism,
                            step_time_s=predicted.step_time_s if predicted else None,
                            peak_memory_bytes=predicted.peak_memory_bytes if predicted else None,
-                           fits=candidate.fits, reason=candidate.reason)
+                           fits=candidate.fits, reason=candidate.reason,
+                           compile=Compile(enable=getattr(candidate, "compile", False)))
 
 
 @dataclass(frozen=True)
@@ -215,6 +242,8 @@ class Plan:
     """Modules that normalize over the batch (BatchNorm): train.py synchronizes their statistics over the
     data-parallel ranks (SyncBatchNorm) and the layout never splits a rank's batch into micro-batches.
     Optional in schema 2 (absent: none)."""
+    compile: Compile = field(default_factory=Compile)
+    """torch.compile per chain module (plan.json compile.enable)."""
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -230,7 +259,8 @@ class Plan:
                       stage_modules=tuple(s.modules for s in self.stages),
                       tensor_parallel_modules=len(self.tensor_parallel_plan),
                       batch_norm_modules=self.batch_norm_modules)
-        found = problems(self.parallelism.layout(), scope)
+        layout = replace(self.parallelism.layout(), compile="on" if self.compile.enable else "off")
+        found = problems(layout, scope)
         recomputed = set(self.activation_checkpoint_modules)
         if (self.parallelism.activation_checkpoint == "none") != (not recomputed):
             found.append(f"recompute={self.parallelism.activation_checkpoint}, but recompute_modules lists "
@@ -258,6 +288,9 @@ class Plan:
             raise PlanError(f"plan.json: parallelism.activation_checkpoint must be one of {RECOMPUTE}")
         if parallelism.fsdp_reshard_after_forward not in RESHARD:
             raise PlanError(f"plan.json: parallelism.fsdp_reshard_after_forward must be one of {RESHARD}")
+        training = _build(Training, raw, "training")
+        if training.optimizer_implementation not in OPTIMIZER_IMPLEMENTATIONS:
+            raise PlanError(f"plan.json: training.optimizer_implementation must be one of {OPTIMIZER_IMPLEMENTATIONS}")
         stages_raw = raw.get("stages")
         if not isinstance(stages_raw, list):
             raise PlanError("plan.json: stages must be a list")
@@ -270,8 +303,8 @@ class Plan:
         if not isinstance(alternatives_raw, list) or not all(isinstance(a, dict) for a in alternatives_raw):
             raise PlanError("plan.json: alternatives must be a list of objects")
         alternatives = tuple(
-            _build(Alternative, {"alternative": {**a, "parallelism": _build(Parallelism, a, "parallelism")}},
-                   "alternative") for a in alternatives_raw)
+            _build(Alternative, {"alternative": {**a, "parallelism": _build(Parallelism, a, "parallelism"),
+                                                 **_compile_section(a)}}, "alternative") for a in alternatives_raw)
         tp_plan = raw.get("tensor_parallel_plan", {})
         if not isinstance(tp_plan, dict) or any(
                 not isinstance(k, str) or v not in TENSOR_PARALLEL_STYLES for k, v in tp_plan.items()):
@@ -285,7 +318,7 @@ class Plan:
         plan = Plan(
             model=_build(ModelRef, raw, "model"),
             cluster=_build(ClusterRef, raw, "cluster"),
-            training=_build(Training, raw, "training"),
+            training=training,
             parallelism=parallelism,
             stages=stages,
             predicted=_build(Prediction, raw, "predicted"),
@@ -294,6 +327,7 @@ class Plan:
             tensor_parallel_plan=dict(tp_plan),
             activation_checkpoint_modules=tuple(recomputed),
             batch_norm_modules=tuple(batch_norm),
+            **_compile_section(raw),
         )
         broken = plan.problems(features=None)
         if broken:
@@ -311,6 +345,11 @@ class Plan:
 
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
 """Field annotation (before " |") -> the JSON types it accepts; other annotations are not checked."""
+
+
+def _compile_section(raw: dict) -> dict:
+    """{"compile": Compile} from raw's optional compile section, else {} (the default: off)."""
+    return {"compile": _build(Compile, raw, "compile")} if "compile" in raw else {}
 
 
 def _fail(message: str):

@@ -239,11 +239,11 @@ def run_profile(row: dict[str, str], attention: str = "megatron") -> ModelProfil
 def run_pins(row: dict[str, str]) -> str:
     """The published layout as a --pin string (micro-batch size and virtual stages left to the search).
     Narayanan et al. SC21 ran tensor parallelism without sequence parallelism (Korthikanti et al. 2022 came
-    later): sp=off."""
+    later): sp=off; and eager PyTorch with Megatron-LM's own fused kernels, not torch.compile: compile=off."""
     pp = int(row["pp"])
     schedule = row["schedule"] if pp > 1 else "1f1b"
     return (f"tp={row['tp']},sp=off,pp={pp},dp={row['dp']},zero=0,recompute={row['recompute']},"
-            f"schedule={schedule}")
+            f"schedule={schedule},compile=off")
 
 
 def run_cluster(row: dict[str, str]) -> Cluster:

@@ -382,6 +382,27 @@ def test_optimizer_pays_the_dtensor_cost_only_for_dtensor_parameters():
     assert tp - tp_streaming(ctx) == pytest.approx(sharded * 1e-2 + (tensors - sharded) * 1e-4, rel=1e-3)
 
 
+@pytest.mark.parametrize("implementation", ["foreach", "for-loop"])
+def test_fused_adamw_streams_28_of_the_80_bytes_per_parameter_of_the_unfused_paths(implementation):
+    """The plan's optimizer implementation is priced as train.py runs it: a fused step moves 7 x 4 bytes per
+    parameter, the per-op paths 80 (compute.ADAMW_BYTES_PER_PARAM); per-tensor host costs are apart."""
+    base = _ctx(gpus=2, batch=8)
+
+    def optimizer(name):
+        ctx = Context(base.profile, base.cluster, replace(base.training, optimizer_implementation=name),
+                      base.features)
+        par = _par(dp=2, m=4)
+        problem = build_problem(ctx, par, ("none",))
+        return evaluate(ctx, par, problem, problem.uniform(Split((0, len(ctx.chain)))), True).predicted.time_breakdown[
+            "optimizer"]
+
+    fused, unfused = optimizer("fused"), optimizer(implementation)
+    assert fused > 0
+    assert unfused / fused == pytest.approx(80 / 28)
+    gpu = base.cluster.gpu
+    assert fused == pytest.approx(base.total_numel(1) * 28 / (gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency))
+
+
 def tp_streaming(ctx):
     """AdamW's streaming time over one tensor-parallel rank's parameters (tp = 2)."""
     from autoplan.cost.compute import optimizer_step_time

@@ -246,6 +246,7 @@ def batch(tmp_path_factory):
 
 def check_parity(result) -> None:
     assert not result.error, result.error[-3000:]
+    print(f"parity max |diff| = {result.parity_max_abs_diff:.3g}")  # shown by pytest -rP
     assert result.passed and result.parity_max_abs_diff <= PARITY_TOLERANCE, (result.reference_losses, result.losses)
     assert len(result.losses) == STEPS and result.reference_losses[0] != result.reference_losses[1]
 

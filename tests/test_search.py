@@ -52,7 +52,7 @@ def test_ample_memory_picks_pure_data_parallelism_without_resharding():
     assert (par.data_parallel_degree, par.pipeline_parallel_degree, par.tensor_parallel_degree,
             par.activation_checkpoint) == (8, 1, 1, "none")
     # parameters fit, so none are re-gathered per forward; sharding the optimizer state (ZeRO-1/2) may
-    # still win: unfused AdamW streams 80 B per parameter, 8x less of it per rank
+    # still win: AdamW streams 28 B per parameter (fused), 8x less of it per rank
     assert not par.reshards_after_forward
     assert result.best.fits and result.best.reason == "" and len(result.best.stages) == 1
     assert result.solver.status == "optimal" and result.solver.candidates_evaluated >= len(result.candidates)

@@ -29,6 +29,7 @@ from autoplan.calibrate.measure import OPTIMIZER_TENSORS, Clock, transformer_lay
 from autoplan.calibrate.types import ROUNDS
 from autoplan.cost import calibration
 from autoplan.cost.pipeline import StageCost, simulate
+from autoplan.runtime.optimizer import adamw
 
 LAYERS = 2
 """Transformer layers (width 128, 4 heads, MLP 512) under the timed DDP and fully_shard: a small model's
@@ -131,8 +132,8 @@ def ddp_tensor_overhead_seconds(clock: Clock, all_reduce_s: float) -> float:
 
 
 def optimizer_dtensor_overhead_seconds(clock: Clock, mesh) -> float:
-    """Seconds torch.optim.AdamW spends per DTensor parameter sharded over `mesh` (Shard(0), a few
-    elements per rank), as it updates FSDP2 shards."""
+    """Seconds torch.optim.AdamW (runtime.adamw, fused, as train.py runs it) spends per DTensor parameter
+    sharded over `mesh` (Shard(0), a few elements per rank), as it updates FSDP2 shards."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     world = mesh.size()
@@ -140,7 +141,7 @@ def optimizer_dtensor_overhead_seconds(clock: Clock, mesh) -> float:
               for _ in range(OPTIMIZER_TENSORS)]
     for p in params:
         p.grad = distribute_tensor(torch.ones(world * 4, device=clock.device), mesh, [Shard(0)])
-    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    optimizer = adamw(params, lr=1e-3)
     dist.barrier()
     return clock.seconds(optimizer.step) / OPTIMIZER_TENSORS
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from autoplan.calibrate.fit import median
+from autoplan.runtime.optimizer import adamw
 
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """Profile dtype name -> the tensor dtype timed ("tf32" is fp32 with TF32 tensor cores allowed)."""
@@ -189,12 +190,12 @@ OPTIMIZER_TENSORS = 64
 
 
 def optimizer_tensor_overhead_seconds(clock: Clock) -> float:
-    """Time torch.optim.AdamW (default settings for this device: single-tensor on a CPU, foreach on a
-    GPU) spends per parameter tensor of one element, seconds: the host cost of its kernels."""
+    """Time torch.optim.AdamW, as train.py runs it (runtime.adamw, fused), spends per parameter tensor of one
+    element, seconds: the host cost of its kernels."""
     params = [torch.nn.Parameter(torch.ones(1, device=clock.device)) for _ in range(OPTIMIZER_TENSORS)]
     for p in params:
         p.grad = torch.ones_like(p)
-    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    optimizer = adamw(params, lr=1e-3)
     return clock.seconds(optimizer.step) / OPTIMIZER_TENSORS
 
 

@@ -132,6 +132,10 @@ def _layout(plan: Plan) -> str:
         parts.append(f"{p.pipeline_parallel_degree}-rank pipeline ({p.pipeline_parallel_schedule}{virtual})")
     if p.activation_checkpoint != "none":
         parts.append(f"{p.activation_checkpoint} activation checkpointing")
+    if p.enable_cpu_offload:
+        parts.append("CPU offload")
+    if plan.compile.enable:
+        parts.append("torch.compile per module")
     return ", ".join(parts) if parts else "one process"
 
 
@@ -160,6 +164,7 @@ def _config_block(plan: Plan) -> str:
         ("FACTORY", repr(plan.model.factory), "function in model.py that builds the model"),
         ("SEED", repr(t.seed), "weights: manual_seed(SEED); step t's batch: SEED + 1000 + t"),
         ("LEARNING_RATE", repr(t.learning_rate), "AdamW"),
+        ("OPTIMIZER_IMPLEMENTATION", repr(t.optimizer_implementation), "AdamW kernels: fused | foreach | for-loop"),
         ("GLOBAL_BATCH", repr(t.global_batch_size), "samples per optimizer step, all ranks together"),
         ("DTYPE", repr(t.dtype), '"bf16": mixed precision on GPUs (fp32 on CPU)'),
         ("DP_REPLICATE", repr(p.data_parallel_replicate_degree), "data-parallel replicas (DDP, or HSDP's replicate dim)"),
@@ -176,6 +181,8 @@ def _config_block(plan: Plan) -> str:
         ("MICROBATCH", repr(p.pipeline_parallel_microbatch_size), "samples per micro-batch"),
         ("MICROBATCHES", repr(p.pipeline_parallel_num_microbatches), "micro-batches per step per data-parallel rank"),
         ("RECOMPUTE", repr(p.activation_checkpoint), "activation checkpointing: none | selective (keep matmul outputs) | full"),
+        ("OFFLOAD", repr(p.enable_cpu_offload), "FSDP2 CPU offload: model states in host memory, AdamW on the CPU"),
+        ("COMPILE", repr(plan.compile.enable), "torch.compile per chain module (train.py --compile/--no-compile)"),
         ("TOKENS_PER_SAMPLE", repr(t.tokens_per_sample), "for tokens/s (None: not token inputs)"),
         ("MODEL_FLOPS_PER_STEP", repr(float(plan.predicted.model_flops_per_step)), "for MFU"),
         ("PEAK_FLOPS_PER_GPU", repr(_peak_flops_per_gpu(plan)), f"dense peak of the planned GPU in {t.dtype}, for MFU"),

@@ -151,6 +151,10 @@ class FsdpStage:
     """Gradient bytes reduced per parameter byte (2 for bf16 parameters reduced in fp32)."""
     unit_overhead_s: float = 0.0
     """Host time FSDP2 adds per module and micro-batch (Gpu.fsdp_unit_overhead_s)."""
+    host_link_bytes_per_s: float = 0.0
+    """CPU offload: the host-device link (Host.link_bandwidth_bytes_per_s) each unit's fp32 parameter shard
+    crosses before its all-gather and its fp32 gradient shard after its reduce-scatter, in the collectives'
+    stream (so hidden behind compute like them); 0 without offload."""
 
 
 def fsdp_comm(stage: FsdpStage) -> DataParallelComm:
@@ -167,6 +171,10 @@ def fsdp_comm(stage: FsdpStage) -> DataParallelComm:
     grads = [b * stage.gradient_ratio for b in module_bytes]
     scatters = [reduce_scatter_s(g, s, link, nodes)
                 + all_reduce_s(g / s, replicate.size, replicate.link, replicate.nodes) for g in grads]
+    if stage.host_link_bytes_per_s > 0:  # CPU offload: fp32 shards in before each gather, gradients out after
+        host = stage.host_link_bytes_per_s
+        gathers = [g + b * stage.gradient_ratio / s / host for g, b in zip(gathers, module_bytes)]
+        scatters = [r + g / s / host for r, g in zip(scatters, grads)]
     if stage.pipelined:  # gathered once per step, reduced once after the last backward
         first = exposed_s(sum(gathers), gathers[0], stage.forward_window_s) + copy_s
         return DataParallelComm(hooks, first + sum(scatters) + copy_s, sum(gathers) + sum(scatters), hooks / 2)

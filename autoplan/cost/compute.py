@@ -6,6 +6,7 @@ training dtype (bytes scaled by its element size over the capture's):
     forward  = max(F / (peak x eff_kind), bytes / (HBM x memory_efficiency)) + launches x overhead
     backward = max(F_bwd / (peak x eff_kind), 2 x bytes / (HBM x memory_efficiency)) + launches x overhead
 
+(times calibration.COMPILE_TIME_FACTOR of the op's class under torch.compile: fused pointwise ops)
 roofline on the cluster's accelerator, eff_kind = Gpu.matmul_efficiency for weight matmuls and
 calibration.ATTENTION_EFFICIENCY for attention; memory-bound ops cost their bytes. Views cost nothing.
 When the profile was measured on this machine and the plan is for it (device "cpu"), measured times
@@ -35,15 +36,18 @@ from autoplan.chain.modules import ModuleChain
 from autoplan.cost import calibration, comm
 from autoplan.cost.dtypes import activation_scale, peak_flops
 from autoplan.cost.module_costs import MODES, ChainCosts, OpCost, ModuleCosts, saved_by_mode, split_roles
-from autoplan.hardware.types import Gpu, Link
+from autoplan.hardware.types import Gpu, Host, Link
 
-ADAMW_BYTES_PER_PARAM = 80
-"""Memory traffic of one step of torch.optim.AdamW as the generated programs run it (the default:
-foreach on a GPU, single-tensor on a CPU; both make one pass over memory per elementwise op), per fp32
-parameter in bytes: weight decay mul_ (read+write weight, 8), exp_avg.lerp_(grad) (12), exp_avg_sq.mul_
-(8) and .addcmul_(grad, grad) (12), denominator sqrt, div and add_ (8 each), weight.addcdiv_(exp_avg,
-denominator) (16). The fused kernel (fused=True) would move 28. On 2 CPU ranks the 28 B model predicted
-6.0 ms for the example GPT's AdamW step that measured 8.5 ms in training."""
+ADAMW_BYTES_PER_PARAM = {"fused": 28, "foreach": 80, "for-loop": 80}
+"""Memory traffic of one step of torch.optim.AdamW per fp32 parameter, bytes, per implementation
+(plan.OPTIMIZER_IMPLEMENTATIONS; train.py runs the plan's, runtime/optimizer.py). fused (torch's
+_fused_adamw_, CPU and CUDA): one pass that reads the weight, gradient, exp_avg and exp_avg_sq and writes
+the weight and both moments back, 7 x 4 = 28. foreach and for-loop make one pass over memory per
+elementwise op: weight decay mul_ (read+write weight, 8), exp_avg.lerp_(grad) (12), exp_avg_sq.mul_ (8)
+and .addcmul_(grad, grad) (12), denominator sqrt, div and add_ (8 each), weight.addcdiv_(exp_avg,
+denominator) (16): 80. Measured on this machine (one CPU thread, torch 2.13, 8M parameters in 4 tensors):
+2.8 ns per parameter fused, 13.4 foreach, 18.7 for-loop; 64 one-element tensors: 18 us per tensor fused,
+142-158 us unfused."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,9 @@ class TableSetting:
     """Sequence parallelism between the tensor-parallel pairs (Parallelism.enable_sequence_parallel)."""
     loss_parallel: bool = True
     """The loss runs on the vocabulary-parallel head's sharded logits (not Parallelism.disable_loss_parallel)."""
+    compiled: bool = False
+    """The modules run under torch.compile (plan.json compile.enable): each op's time scales by its class's
+    calibration.COMPILE_TIME_FACTOR."""
 
 
 @dataclass(frozen=True)
@@ -178,6 +185,9 @@ def _module_row(module: ModuleCosts, setting: TableSetting, timing: MeasuredScal
     for op in module.ops:
         f, g = (_measured(op, gpu, tp, b, timing, split) if setting.use_measured and op.measured
                 else _roofline(op, gpu, setting.train_dtype, scale, tp, b, split))
+        if setting.compiled:  # fused pointwise chains: their traffic and launches go (calibration.py)
+            factor = calibration.COMPILE_TIME_FACTOR[op.compile_class]
+            f, g = f * factor, g * factor
         if tp > 1 and op.tp_role in dtensor_roles:  # the op runs on DTensors: their host cost on top
             forward_ops, backward_ops = _dtensor_ops(op)
             f += forward_ops * gpu.dtensor_op_overhead_s
@@ -290,13 +300,26 @@ def _tp_backward(op: OpCost, tp: int, per_mb: float, link: Link, sp: bool = Fals
     return reduce(op.input_activation_bytes * per_mb, tp, link)
 
 
-def optimizer_step_time(parameters_on_rank: float, gpu: Gpu, tensors: int = 0, dtensors: int = 0) -> float:
-    """AdamW over the parameters a rank updates: memory-bound streaming of its states, plus the host
-    cost per parameter tensor: `tensors` in all, `dtensors` of them DTensors (FSDP2 shards, tensor-
-    parallel weights), which cost more."""
+def optimizer_step_time(parameters_on_rank: float, gpu: Gpu, tensors: int = 0, dtensors: int = 0,
+                        implementation: str = "fused") -> float:
+    """AdamW over the parameters a rank updates, as `implementation` runs it (ADAMW_BYTES_PER_PARAM):
+    memory-bound streaming of its states, plus the host cost per parameter tensor: `tensors` in all,
+    `dtensors` of them DTensors (FSDP2 shards, tensor-parallel weights), which cost more (Gpu's
+    optimizer_*_overhead_s, measured by `autoplan calibrate` on the fused path train.py runs)."""
     plain = max(0, tensors - dtensors)
-    streaming = parameters_on_rank * ADAMW_BYTES_PER_PARAM / (gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency)
+    streaming = parameters_on_rank * ADAMW_BYTES_PER_PARAM[implementation] / (
+        gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency)
     return streaming + plain * gpu.optimizer_tensor_overhead_s + dtensors * gpu.optimizer_dtensor_overhead_s
+
+
+def host_optimizer_step_time(parameters_on_rank: float, host: Host, ranks_per_node: int, tensors: int = 0,
+                             implementation: str = "fused") -> float:
+    """AdamW on the CPU over a rank's offloaded parameter shards (FSDP2 CPUOffloadPolicy): its states
+    streamed through host memory (ADAMW_BYTES_PER_PARAM), which the node's `ranks_per_node` ranks share, as
+    they step at once; plus calibration.HOST_ADAMW_TENSOR_OVERHEAD_S per parameter tensor."""
+    bandwidth = host.memory_bandwidth_bytes_per_s * host.memory_efficiency / ranks_per_node
+    streaming = parameters_on_rank * ADAMW_BYTES_PER_PARAM[implementation] / bandwidth
+    return streaming + tensors * calibration.HOST_ADAMW_TENSOR_OVERHEAD_S
 
 
 def model_flops_per_step(chain: ModuleChain, global_batch_size: int) -> float:

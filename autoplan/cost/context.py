@@ -44,8 +44,11 @@ class Groups:
 class Context:
     """A profile prepared for pricing layouts on a cluster; module tables cached per (tp, micro-batch)."""
 
-    def __init__(self, profile: ModelProfile, cluster: Cluster, training: Training, features: frozenset[str]) -> None:
+    def __init__(self, profile: ModelProfile, cluster: Cluster, training: Training, features: frozenset[str],
+                 compiled: bool = False) -> None:
         self.profile, self.cluster, self.training, self.features = profile, cluster, training, features
+        self.compiled = compiled
+        """Modules run under torch.compile (plan.json compile.enable): priced per op class (compute.py)."""
         self.chain = build_chain(profile)
         self.facts = tensor_parallel_facts(profile, vocab_parallel="tp_vocab_parallel" in features,
                                            fused_split="tp_fused_split" in features)
@@ -71,6 +74,13 @@ class Context:
             raise ValueError("Context.at: the hardware, GPUs per node and dtype must stay the same")
         other = copy.copy(self)
         other.cluster, other.training = cluster, training
+        return other
+
+    def compiled_as(self, compiled: bool) -> "Context":
+        """This context with the modules under torch.compile or not, sharing every cache (the module tables
+        are keyed by it)."""
+        other = copy.copy(self)
+        other.compiled = compiled
         return other
 
     def group(self, size: int, stride: int) -> comm.Group:
@@ -101,13 +111,14 @@ class Context:
         return comm.p2p_s(nbytes / tp, link) + comm.all_gather_s(nbytes, tp, self.group(tp, 1).link)
 
     def table(self, tp: int, microbatch: int, sp: bool = False) -> ModuleTable:
-        """Module costs at tensor-parallel degree `tp`, micro-batch size `microbatch`, sequence parallel `sp`."""
-        key = (tp, microbatch, sp and tp > 1)
+        """Module costs at tensor-parallel degree `tp`, micro-batch size `microbatch`, sequence parallel `sp`
+        (and this context's compile setting)."""
+        key = (tp, microbatch, sp and tp > 1, self.compiled)
         if key not in self._tables:
             self._tables[key] = module_table(self.costs, TableSetting(
                 gpu=self.cluster.gpu, capture_dtype=self.chain.capture_dtype, train_dtype=self.dtype, tp=tp,
                 microbatch=microbatch, tp_link=self.group(tp, 1).link, use_measured=self.use_measured,
-                sp=key[2]))
+                sp=key[2], compiled=self.compiled))
         return self._tables[key]
 
     def total_numel(self, tp: int) -> float:
@@ -120,10 +131,11 @@ class Context:
     def group_numel(self, tp: int) -> list[float]:
         return [g.numel / (tp if split else 1) for g, split in zip(self.chain.tied_groups, self.costs.tied_split)]
 
-    def layout_memory(self, inputs: MemoryInputs, shard: int, reshard_after_forward: bool, pp: int) -> LayoutMemory:
-        key = (id(inputs), shard, reshard_after_forward, pp > 1)
+    def layout_memory(self, inputs: MemoryInputs, shard: int, reshard_after_forward: bool, pp: int,
+                      offload: bool = False) -> LayoutMemory:
+        key = (id(inputs), shard, reshard_after_forward, pp > 1, offload)
         if key not in self._layouts:
-            self._layouts[key] = layout_memory(inputs, self.dtype, shard, reshard_after_forward, pp)
+            self._layouts[key] = layout_memory(inputs, self.dtype, shard, reshard_after_forward, pp, offload)
         return self._layouts[key]
 
     def memory_inputs(self, tp: int, microbatch: int, sp: bool = False) -> MemoryInputs:

@@ -9,7 +9,7 @@ Step time (seconds), p pipeline ranks with v stages each, m micro-batches, q the
               free transfers): m x slot_q busy, the rest bubble and exposed transfers
             + max over ranks of exposed gradient reduction (cost/comm.py)
             + all-reduce of tied parameters split over stages
-            + max over ranks of the AdamW step            (cost/compute.py)
+            + max over ranks of the AdamW step            (cost/compute.py; on the CPU with offload)
             + the all-reduce of the step's loss over every rank (train.py logs the global mean)
             + SyncBatchNorm's statistics all-reduces, per micro-batch (batch_norm_sync; cost/comm.py)
 """
@@ -19,9 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from autoplan.cost import calibration, comm
-from autoplan.cost.compute import ModuleTable, mfu, model_flops_per_step, optimizer_step_time
+from autoplan.cost.compute import ModuleTable, host_optimizer_step_time, mfu, model_flops_per_step, optimizer_step_time
 from autoplan.cost.context import Context, Groups, gib
 from autoplan.cost.dtypes import bytes_per_element
+from autoplan.cost.memory import host_state_bytes
 from autoplan.cost.pipeline import StageCost, microbatches_in_flight, simulated_step_s
 from autoplan.cost.problem import Assignment, ChainProblem
 from autoplan.plan import Parallelism, Prediction, Stage
@@ -48,6 +49,8 @@ class Candidate:
     """Plan.activation_checkpoint_modules: every module recomputed (empty when none is)."""
     assignment: Assignment | None = None
     """The stage split and recompute per module behind `stages`."""
+    compile: bool = False
+    """Priced with the modules under torch.compile (Plan.compile.enable)."""
 
 
 def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> ChainProblem:
@@ -57,7 +60,8 @@ def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> Cha
     sp = par.enable_sequence_parallel
     inputs = ctx.memory_inputs(tp, mbs, sp)
     stages = pp * v
-    shared = ctx.layout_memory(inputs, par.data_parallel_shard_degree, par.reshards_after_forward, pp)
+    shared = ctx.layout_memory(inputs, par.data_parallel_shard_degree, par.reshards_after_forward, pp,
+                               par.enable_cpu_offload)
     models = tuple(shared.stage(s, microbatches_in_flight(par.pipeline_parallel_schedule, pp, m, s, v))
                    for s in range(stages))
     table = ctx.table(tp, mbs, sp)
@@ -131,7 +135,12 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
             dtensors = sum(1 for p in held if p.rpartition(".")[0] in ctx.facts.plan)
         else:
             dtensors = 0
-        optimizer[rank] += optimizer_step_time(updated, gpu, len(held), dtensors)
+        implementation = ctx.training.optimizer_implementation
+        if par.enable_cpu_offload:  # FSDP2 CPUOffloadPolicy: AdamW steps the host's shards on the CPU
+            optimizer[rank] += host_optimizer_step_time(updated, ctx.cluster.hardware.host, ranks_per_node(ctx, par),
+                                                        len(held), implementation)
+        else:
+            optimizer[rank] += optimizer_step_time(updated, gpu, len(held), dtensors, implementation)
     slots = [{k: sum(parts[s][k] for s in problem.stages_of_rank(r)) for k in parts[0]} for r in range(pp)]
     slowest = max(range(pp), key=lambda r: sum(slots[r].values()))
     breakdown = {k: m * x for k, x in slots[slowest].items()}
@@ -170,14 +179,34 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
         step_time_s=step, samples_per_s=batch / step, tokens_per_s=batch * tokens / step if tokens else None,
         model_flops_per_step=flops, mfu=mfu(flops, step, par.world_size, gpu, ctx.dtype),
         peak_memory_bytes=peak.predicted_memory_bytes, memory_breakdown=dict(peak.memory_breakdown),
-        time_breakdown=breakdown, activations_without_sequence_parallel_bytes=without_sp)
+        time_breakdown=breakdown, activations_without_sequence_parallel_bytes=without_sp,
+        host_memory_per_node_bytes=offload_host_bytes(ctx, par) if par.enable_cpu_offload else 0.0)
     recomputed = tuple(chain.fqns[u] for u in range(n) if modes[u] != "none")
     mode = next((k for k in modes if k != "none"), "none")
     final = Parallelism(**{**par.__dict__, "activation_checkpoint": mode})
     return Candidate(parallelism=final, stages=tuple(stages), predicted=predicted, fits=fits, reason=reason,
                      memory_needed_bytes=peak.predicted_memory_bytes,
                      tensor_parallel_plan=dict(ctx.facts.plan) if tp > 1 else {},
-                     activation_checkpoint_modules=recomputed, assignment=assignment)
+                     activation_checkpoint_modules=recomputed, assignment=assignment, compile=ctx.compiled)
+
+
+def ranks_per_node(ctx: Context, par: Parallelism) -> int:
+    """Ranks of a layout that share one node (and its host)."""
+    return min(ctx.cluster.gpus_per_node, par.world_size)
+
+
+def offload_host_bytes(ctx: Context, par: Parallelism) -> float:
+    """Host memory per node that CPU offload fills: every rank's shard of its parameters' states."""
+    return host_state_bytes(ctx.total_numel(par.tensor_parallel_degree) / par.pipeline_parallel_degree,
+                            par.data_parallel_shard_degree, ranks_per_node(ctx, par))
+
+
+def host_oom_reason(ctx: Context, par: Parallelism) -> str:
+    """"" when CPU offload's host memory fits the node, else why not."""
+    need, have = offload_host_bytes(ctx, par), ctx.cluster.host_memory_bytes
+    if not par.enable_cpu_offload or need <= have:
+        return ""
+    return f"host memory: CPU offload needs {gib(need)} GiB per node, has {gib(have)} GiB"
 
 
 LOSS_BYTES = 4
@@ -226,7 +255,8 @@ def _data_parallel(ctx: Context, par: Parallelism, groups: Groups, *, module_byt
         replicate=groups.replicate, pipelined=par.pipeline_parallel_degree > 1,
         num_microbatches=par.pipeline_parallel_num_microbatches, forward_window_s=forward,
         backward_window_s=backward, copy_bytes_per_s=streaming, gradient_ratio=gradient_ratio,
-        unit_overhead_s=gpu.fsdp_unit_overhead_s))
+        unit_overhead_s=gpu.fsdp_unit_overhead_s,
+        host_link_bytes_per_s=ctx.cluster.hardware.host.link_bandwidth_bytes_per_s if par.enable_cpu_offload else 0.0))
 
 
 def _tied_gradient_sync(chain, assignment: Assignment, pp: int, tied: list[float], element: int,

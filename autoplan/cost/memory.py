@@ -15,6 +15,10 @@ pipeline, torch.distributed.pipelining keeps FSDP parameters unsharded and gradi
 the last micro-batch (stage.py backward_maybe_with_nosync), so the whole stage's parameters and
 gradients are held unsharded.
 DDP is priced with gradient_as_bucket_view=True (its buckets are the gradients, no second copy).
+CPU offload (FSDP2's CPUOffloadPolicy, reshard=always, pp = 1): the sharded parameters, gradients and optimizer
+state live in host memory (host_state_bytes), so none of them count on the GPU; it holds the gathered
+parameters of the units in flight, as without offload, and stages each unit's fp32 shard (copied in before
+its all-gather) and its reduced gradient shard (copied out after its reduce-scatter).
 Allocator fragmentation, the CUDA context and NCCL/cuBLAS workspaces are the hardware profile's
 Gpu.memory_reserved_bytes (the "stated fragmentation allowance", ~5% of HBM plus ~1.5 GiB), already
 taken out of Cluster.usable_memory_bytes.
@@ -37,6 +41,20 @@ bf16 mixed precision: bf16 weights and gradients, fp32 master weights + exp_avg 
 (2 + 2 + 12; Rajbhandari et al., ZeRO, K = 12). Both total 16 bytes per parameter."""
 
 STATE_CATEGORIES = ("parameters", "gradients", "optimizer")
+
+HOST_STATE_BYTES_PER_PARAM = 16
+"""Host bytes per parameter of a rank's shard under CPU offload, any training dtype: FSDP2 keeps the sharded
+parameter in its original fp32 (MixedPrecisionPolicy casts only the gathered copy), its fp32 gradient (reduced
+in fp32) and AdamW's two fp32 moments: 4 + 4 + 8."""
+OFFLOAD_STAGING_BYTES_PER_PARAM = 8
+"""Device bytes per parameter of a unit's shard that CPU offload stages on the GPU: the fp32 shard copied in
+before the all-gather and the fp32 reduced gradient shard before it is copied out (4 + 4)."""
+
+
+def host_state_bytes(numel_on_rank: float, shard: int, ranks_per_node: int) -> float:
+    """Host memory of one node under CPU offload: each of its `ranks_per_node` ranks keeps its 1/shard of
+    `numel_on_rank` parameters' states there (HOST_STATE_BYTES_PER_PARAM), bytes."""
+    return HOST_STATE_BYTES_PER_PARAM * numel_on_rank / shard * ranks_per_node
 
 
 def model_state_bytes(numel: float, train_dtype: str, zero_stage: int, data_parallel: int) -> dict[str, float]:
@@ -180,9 +198,9 @@ class LayoutMemory:
 
 
 def layout_memory(inputs: MemoryInputs, train_dtype: str, shard: int, reshard_after_forward: bool,
-                  num_ranks: int) -> LayoutMemory:
+                  num_ranks: int, offload: bool = False) -> LayoutMemory:
     """The memory vectors of a layout. `shard` is the data-parallel sharding degree (dp_shard; 1 for
-    DDP); `num_ranks` the pipeline degree."""
+    DDP); `num_ranks` the pipeline degree; `offload`: the model states are on the host (CPU offload)."""
     dtype = training_dtype(train_dtype)
     zero = zero_of(shard, reshard_after_forward)
     element = bytes_per_element(dtype)
@@ -190,6 +208,8 @@ def layout_memory(inputs: MemoryInputs, train_dtype: str, shard: int, reshard_af
     divisor = {c: shard if zero >= first else 1 for c, first in (("optimizer", 1), ("gradients", 2), ("parameters", 3))}
 
     def states(numels) -> dict[str, tuple[float, ...]]:
+        if offload:  # on the host (host_state_bytes)
+            return {c: tuple(0.0 for _ in numels) for c in STATE_CATEGORIES}
         out = {c: tuple(n * per_param[c] / divisor[c] for n in numels) for c in STATE_CATEGORIES}
         if num_ranks > 1 and zero >= 2:
             # pipelining accumulates unreduced gradients (and, for FSDP, unsharded parameters)
@@ -202,5 +222,8 @@ def layout_memory(inputs: MemoryInputs, train_dtype: str, shard: int, reshard_af
     if zero == 3 and num_ranks == 1:
         largest["gathered_parameters"] = tuple(calibration.FSDP_PREFETCH_UNITS * n * element
                                                for n in inputs.module_largest_numel)
+    if offload:
+        largest["offload_staging"] = tuple(calibration.FSDP_PREFETCH_UNITS * n * OFFLOAD_STAGING_BYTES_PER_PARAM / shard
+                                           for n in inputs.module_largest_numel)
     return LayoutMemory(states(inputs.module_numel), inputs.activations, states(inputs.group_numel),
                         inputs.tied_group_modules, largest, inputs.cut_bytes)

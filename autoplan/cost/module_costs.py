@@ -68,6 +68,15 @@ class OpCost:
     """Samples the measured times are for."""
     rows: float = 0.0
     """Rows per sample of the op's first input (its leading dimensions: tokens for a [b, s, h] input)."""
+    pointwise: bool = False
+    """An elementwise op (chain/ops.py "pointwise" trait): what torch.compile fuses
+    (calibration.COMPILE_TIME_FACTOR)."""
+
+    @property
+    def compile_class(self) -> str:
+        """The op class whose calibration.COMPILE_TIME_FACTOR applies: the kind, "pointwise" for elementwise
+        memory ops."""
+        return "pointwise" if self.kind == "memory" and self.pointwise else self.kind
 
 
 @dataclass(frozen=True)
@@ -128,6 +137,7 @@ def op_cost(op: OpProfile, profile: ModelProfile, role: str) -> OpCost:
         output_bytes=op.output_bytes / batch,
         saved_bytes=op.saved_bytes / batch,
         saved_scales=not has_trait(op, "mask"),
+        pointwise=has_trait(op, "pointwise"),
         has_backward=op.flops_bwd > 0 or op.time_bwd_s > 0 or op.saved_bytes > 0,
         time_fwd_s=op.time_fwd_s if measured else 0.0,
         time_bwd_s=op.time_bwd_s if measured else 0.0,

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from autoplan.errors import UserError
-from autoplan.hardware.types import AlphaBeta, Gpu, HardwareProfile, Link
+from autoplan.hardware.types import DEFAULT_HOST, AlphaBeta, Gpu, HardwareProfile, Host, Link
 
 COLLECTIVE_NAMES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 """Operations a link's optional `collectives:` section may list."""
@@ -191,6 +191,18 @@ def _link(link: _Fields) -> Link:
     )
 
 
+def _host(top: _Fields) -> Host:
+    """The optional `host:` section (DEFAULT_HOST when left out)."""
+    if "host" not in top.raw:
+        return DEFAULT_HOST
+    host = top.sub("host")
+    return Host(memory_bytes=host.number("memory_gib") * GIB,
+                memory_bandwidth_bytes_per_s=host.number("memory_bandwidth_gb_per_s") * GB,
+                memory_efficiency=host.number("memory_efficiency", at_most=1.0),
+                link_bandwidth_bytes_per_s=host.number("link_bandwidth_gb_per_s", positive=False) * GB,
+                source=host.string("source"))
+
+
 def parse_hardware(text: str, path: Path) -> HardwareProfile:
     """A HardwareProfile from YAML text; `path` names the file in error messages."""
     try:
@@ -206,6 +218,7 @@ def parse_hardware(text: str, path: Path) -> HardwareProfile:
         intra_node=_link(top.sub("intra_node")),
         inter_node=_link(top.sub("inter_node")),
         default_gpus_per_node=top.integer("default_gpus_per_node"),
+        host=_host(top),
     )
     usable = profile.gpu.memory_bytes - profile.gpu.memory_reserved_bytes
     if usable <= 0:
@@ -259,6 +272,11 @@ def hardware_to_yaml(profile: HardwareProfile) -> str:
         },
         "intra_node": _link_dict(profile.intra_node),
         "inter_node": _link_dict(profile.inter_node),
+        "host": {"memory_gib": profile.host.memory_bytes / GIB,
+                 "memory_bandwidth_gb_per_s": profile.host.memory_bandwidth_bytes_per_s / GB,
+                 "memory_efficiency": profile.host.memory_efficiency,
+                 "link_bandwidth_gb_per_s": profile.host.link_bandwidth_bytes_per_s / GB,
+                 "source": profile.host.source},
     }
     header = "# Units are in the field names: tflops = 1e12 FLOP/s, gb = 1e9 bytes, gib = 2**30 bytes, us = 1e-6 s.\n"
     return header + yaml.safe_dump(raw, sort_keys=False)

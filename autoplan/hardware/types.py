@@ -104,6 +104,31 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Host:
+    """The CPU side of a node: what CPU offload (FSDP2's CPUOffloadPolicy) keeps the model states in, moves
+    them over and steps the optimizer on."""
+
+    memory_bytes: float
+    """Host memory (DRAM) per node, bytes."""
+    memory_bandwidth_bytes_per_s: float
+    """Host memory bandwidth per node, all sockets, bytes/s (what the CPU optimizer step streams through)."""
+    memory_efficiency: float
+    """Fraction of it that the CPU AdamW step sustains (dimensionless)."""
+    link_bandwidth_bytes_per_s: float
+    """Achieved host-to-device copy bandwidth per accelerator, each direction, pinned memory, bytes/s (PCIe,
+    or NVLink-C2C on Grace Hopper); 0 when the device is the host (no offload possible)."""
+    source: str
+    """Where the numbers come from."""
+
+
+DEFAULT_HOST = Host(memory_bytes=1024 * 2.0**30, memory_bandwidth_bytes_per_s=200e9, memory_efficiency=0.6,
+                    link_bandwidth_bytes_per_s=25e9,
+                    source="default for a profile without a host section: a PCIe Gen4 x16 server (32 GB/s per "
+                           "direction, ~25 achieved), 1 TiB of 8-channel DDR4-3200 (205 GB/s per socket)")
+"""What a hardware profile without a `host:` section gets (profiles/*.yaml give their node's own)."""
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     """What a profiles/*.yaml file holds."""
 
@@ -114,6 +139,8 @@ class HardwareProfile:
     """Link between nodes (per accelerator)."""
     default_gpus_per_node: int
     """Accelerators per node when --gpus-per-node is not given."""
+    host: Host = DEFAULT_HOST
+    """The node's CPU side (memory, its bandwidth, the host-device link)."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +152,8 @@ class Cluster:
     gpus_per_node: int
     memory_per_gpu_bytes: float | None = None
     """Cap on usable memory per accelerator (--memory-per-gpu); None means the device's memory."""
+    host_memory_per_node_bytes: float | None = None
+    """Host memory per node (--host-memory-per-node); None means the profile's Host.memory_bytes."""
 
     @property
     def gpu(self) -> Gpu:
@@ -136,6 +165,13 @@ class Cluster:
         if self.memory_per_gpu_bytes is not None:
             return self.memory_per_gpu_bytes
         return self.gpu.memory_bytes - self.gpu.memory_reserved_bytes
+
+    @property
+    def host_memory_bytes(self) -> float:
+        """Host memory a plan may fill on one node (CPU offload), bytes."""
+        if self.host_memory_per_node_bytes is not None:
+            return self.host_memory_per_node_bytes
+        return self.hardware.host.memory_bytes
 
     @property
     def num_nodes(self) -> int:

@@ -14,8 +14,8 @@ OPS_COLUMNS = ["node", "op", "module", "input_shapes", "dtype", "flops_fwd", "fl
 MODULE_COLUMNS = ["module", "depth", "ops", "flops_fwd", "flops_bwd", "param_count", "param_bytes",
                   "saved_bytes", "time_fwd_s", "time_bwd_s"]
 CANDIDATE_COLUMNS = ["rank", "dp_replicate", "dp_shard", "reshard", "tp", "sp", "pp", "schedule", "virtual_stages",
-                     "microbatch", "microbatches", "recompute", "recompute_modules", "fits", "step_time_s",
-                     "peak_memory_gib", "reason"]
+                     "microbatch", "microbatches", "recompute", "recompute_modules", "offload", "compile", "fits",
+                     "step_time_s", "peak_memory_gib", "host_memory_gib", "reason"]
 """Layout columns by their short names (autoplan/layout.py VOCABULARY)."""
 
 
@@ -73,9 +73,11 @@ def candidates_frame(candidates: tuple[Any, ...], best: Any) -> pd.DataFrame:
             "schedule": p.pipeline_parallel_schedule, "virtual_stages": p.pipeline_parallel_virtual_stages,
             "microbatch": p.pipeline_parallel_microbatch_size, "microbatches": p.pipeline_parallel_num_microbatches,
             "recompute": p.activation_checkpoint, "recompute_modules": len(c.activation_checkpoint_modules),
+            "offload": "cpu" if p.enable_cpu_offload else "none", "compile": "on" if c.compile else "off",
             "fits": c.fits,
             "step_time_s": c.predicted.step_time_s if c.predicted else None,
             "peak_memory_gib": c.predicted.peak_memory_bytes / 2**30 if c.predicted else None,
+            "host_memory_gib": c.predicted.host_memory_per_node_bytes / 2**30 if c.predicted else None,
             "reason": "chosen" if c is best else c.reason,
         })
     return pd.DataFrame(rows, columns=CANDIDATE_COLUMNS)
@@ -97,5 +99,5 @@ def write_csvs(result, out: Path) -> None:
     modules_frame(result.profile, ops).to_csv(out / "modules.csv", index=False)
     stages_frame(result.plan).to_csv(out / "stages.csv", index=False)
     best = next((c for c in result.candidates if c.fits and c.parallelism == result.plan.parallelism
-                 and c.stages == result.plan.stages), None)
+                 and c.stages == result.plan.stages and c.compile == result.plan.compile.enable), None)
     candidates_frame(result.candidates, best).to_csv(out / "candidates.csv", index=False)

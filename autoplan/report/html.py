@@ -238,7 +238,9 @@ def candidates_section(plan, candidates: tuple[Any, ...], best: Any) -> str:
 def _candidate_row(rank: int, c: Any, best: Any) -> str:
     pred = c.predicted
     fits = '<span class="badge ok">yes</span>' if c.fits else '<span class="badge bad">no</span>'
-    cells = [f'<td class="n">{rank}</td>', f"<td>{esc(describe_layout(c.parallelism))}</td>", f"<td>{fits}</td>",
+    compiled = " · compile" if getattr(c, "compile", False) else ""
+    cells = [f'<td class="n">{rank}</td>', f"<td>{esc(describe_layout(c.parallelism) + compiled)}</td>",
+             f"<td>{fits}</td>",
              f'<td class="n">{fmt_seconds(pred.step_time_s) if pred else "–"}</td>',
              f'<td class="n">{fmt_number(pred.samples_per_s) if pred else "–"}</td>',
              f'<td class="n">{fmt_bytes(pred.peak_memory_bytes) if pred else "–"}</td>',

@@ -99,6 +99,8 @@ def describe_layout(par: Parallelism | dict[str, Any]) -> str:
         name += f" · {plural(m, 'accumulation step')} of {b}"
     if par.activation_checkpoint != "none":
         name += f" · recompute {par.activation_checkpoint}"
+    if par.enable_cpu_offload:
+        name += " · CPU offload"
     return name
 
 
@@ -109,7 +111,8 @@ def plural(number: int, noun: str) -> str:
 
 def chosen_candidate(candidates: tuple[Any, ...], plan) -> Any | None:
     """The candidate the plan was made from (same layout and stages), else the same layout."""
-    same = [c for c in candidates if c.parallelism == plan.parallelism]
+    same = [c for c in candidates if c.parallelism == plan.parallelism
+            and getattr(c, "compile", False) == plan.compile.enable]
     exact = [c for c in same if c.fits and tuple(c.stages) == tuple(plan.stages)]
     return (exact or same or [None])[0]
 

@@ -9,6 +9,7 @@ torch.utils.checkpoint, torch.distributed.checkpoint) wired up for a plan.
 
 from autoplan.contract import call_model, compute_loss, default_loss, model_args
 from autoplan.runtime.checkpoint import Checkpointer
+from autoplan.runtime.compile import compile_modules
 from autoplan.runtime.data import TrainingData, microbatches, shard, step_batch, to_device
 from autoplan.runtime.dropout import NoDropout
 from autoplan.runtime.interface import MISMATCH_EXIT_CODE, RUNTIME_API, check_runtime_api, runtime_api_mismatch
@@ -16,6 +17,7 @@ from autoplan.runtime.materialize import ModelPart, TensorEntry, build_on_meta, 
 from autoplan.runtime.mesh import RankLayout, global_mean_loss, init_mesh, local_stages
 from autoplan.runtime.memory import PeakLiveMemory
 from autoplan.runtime.metrics import StepMetrics, gather_rank_metrics
+from autoplan.runtime.optimizer import adamw
 from autoplan.runtime.parallel import (TiedGradients, compute_dtype, peak_memory_bytes, replicate_data_parallel,
                                        shard_data_parallel)
 from autoplan.runtime.recompute import checkpoint_modules
@@ -26,8 +28,9 @@ from autoplan.runtime.tensor_parallel import restore_linears, tensor_parallel, t
 __all__ = [
     "AccumulationStep", "Checkpointer", "MISMATCH_EXIT_CODE", "ModelPart", "NoDropout", "PeakLiveMemory",
     "PipelineSplit", "PipelineStep", "RUNTIME_API", "RankLayout", "StepMetrics", "TensorEntry", "TiedGradients",
-    "TiedParameter", "TrainingData", "build_on_meta", "call_model", "catalog", "check_runtime_api",
-    "checkpoint_modules", "compute_dtype", "compute_loss", "default_loss", "gather_rank_metrics", "global_mean_loss",
+    "TiedParameter", "TrainingData", "adamw", "build_on_meta", "call_model", "catalog", "check_runtime_api",
+    "checkpoint_modules", "compile_modules", "compute_dtype", "compute_loss", "default_loss", "gather_rank_metrics",
+    "global_mean_loss",
     "init_mesh", "local_stages", "materialize", "microbatches", "model_args", "peak_memory_bytes",
     "replicate_data_parallel", "restore_linears", "runtime_api_mismatch", "shard", "shard_data_parallel", "split_model",
     "step_batch", "tensor_parallel", "tensor_parallel_context", "to_device",

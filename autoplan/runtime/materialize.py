@@ -70,11 +70,18 @@ def catalog(model: nn.Module) -> list[TensorEntry]:
 
 
 def materialize(parts: Sequence[ModelPart], entries: Sequence[TensorEntry], source: ModelSource, seed: int,
-                device: torch.device) -> None:
+                device: torch.device, offload: bool = False) -> None:
     """Allocate the parts on `device` and fill them with the values build_model() gives after
-    torch.manual_seed(seed) (rank 0 builds it, every rank receives it)."""
+    torch.manual_seed(seed) (rank 0 builds it, every rank receives it). `offload` (FSDP2 CPU offload):
+    parameters are allocated in host memory, buffers on `device` (torchtitan's init_device and buffer_device)."""
     for part in parts:
-        _to_empty_keeping_ties(part.module, device)
+        _to_empty_keeping_ties(part.module, torch.device("cpu") if offload else device)
+        if offload:
+            moved: dict[int, torch.Tensor] = {}  # a buffer shared by several modules stays shared
+            for module in part.module.modules():
+                for name, buffer in module._buffers.items():
+                    if buffer is not None:
+                        module._buffers[name] = moved.setdefault(id(buffer), buffer.to(device))
     targets: dict[str, list[torch.Tensor]] = {}
     for part in parts:
         for name, tensor in named_state(part.module).items():

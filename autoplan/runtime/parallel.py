@@ -35,14 +35,17 @@ def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool, chain_modules: Sequence[str],
-                        dtype: torch.dtype = torch.float32, batch_norm_modules: Sequence[str] = ()) -> nn.Module:
+                        dtype: torch.dtype = torch.float32, batch_norm_modules: Sequence[str] = (),
+                        offload: bool = False) -> nn.Module:
     """FSDP2 over the mesh's dp_shard ranks (HSDP with dp_replicate): fully_shard each of the modules
     `chain_modules`, then the root. Works on a meta-device module (materialize afterwards). With dp_shard 1 it
     is DDP (replicate_data_parallel), except with tensor parallelism: DDP buckets plain tensors, not
     DTensors, so there fully_shard over a replicate-only mesh (shard dim of size 1) replicates instead:
     full parameters on every replica, gradients all-reduced, the same work as DDP. First, with any data
     parallelism, the BatchNorm modules `batch_norm_modules` (the plan's) synchronize their statistics over
-    the data-parallel ranks (runtime/batchnorm.py)."""
+    the data-parallel ranks (runtime/batchnorm.py). `offload`: FSDP2's CPUOffloadPolicy keeps the sharded
+    parameters, gradients and optimizer state in host memory (pinned on CUDA; on a CPU device torch cannot pin,
+    "Cannot access accelerator device", so unpinned: the same code path with host-to-host copies)."""
     from autoplan.runtime.batchnorm import sync_batch_norm
 
     module = sync_batch_norm(module, mesh, batch_norm_modules)
@@ -55,6 +58,10 @@ def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, reshard_after_forwa
     kwargs = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward and shard > 1)
     if dtype != torch.float32:  # compute in `dtype`, reduce gradients in fp32
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    if offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     for path in _chain_modules_without_shared_parameters(module, chain_modules):
         fully_shard(submodule(module, path), **kwargs)
     fully_shard(module, **kwargs)

@@ -6,7 +6,7 @@ import dataclasses
 import math
 
 from autoplan.cost.context import GIB, Context, gib
-from autoplan.cost.evaluate import Candidate, build_problem
+from autoplan.cost.evaluate import Candidate, build_problem, host_oom_reason, offload_host_bytes
 from autoplan.errors import Infeasible
 from autoplan.layout import Layout
 from autoplan.solve import layouts
@@ -20,11 +20,16 @@ LARGER_GPU_COUNTS_TRIED = 6
 def infeasible_message(ctx: Context, pins: Layout, candidates: list[Candidate]) -> Infeasible:
     cluster, training = ctx.cluster, ctx.training
     cap = cluster.usable_memory_bytes
-    leanest = _leanest(ctx, candidates)
+    host = [c for c in candidates if host_oom_reason(ctx, c.parallelism)]
+    leanest = _leanest(ctx, [c for c in candidates if c not in host])
     needed = leanest.memory_needed_bytes
     assert needed > cap, f"the leanest layout needs {needed} bytes, within the {cap} usable: it fits"
     message = (f"no layout fits {cluster.num_gpus} GPUs with {gib(cap)} GiB usable each: the leanest "
                f"({layouts.describe(leanest.parallelism)}) needs {gib(needed)} GiB per GPU")
+    if host:  # CPU offload would take the model states off the GPUs, but the host cannot hold them
+        need = min(offload_host_bytes(ctx, c.parallelism) for c in host)
+        message += (f"; CPU offload needs {gib(need)} GiB of host memory per node, has "
+                    f"{gib(cluster.host_memory_bytes)} GiB (--host-memory-per-node)")
     count = _smallest_fitting_count(ctx, pins)
     largest = _larger_counts(cluster.num_gpus)[-1]
     if count is None:
@@ -73,7 +78,10 @@ def _smallest_fitting_count(ctx: Context, pins: Layout) -> int | None:
             if not found:
                 continue
             lean = min(found, key=layouts.leanness)
-            problem = build_problem(larger, layouts.parallelism(fam, lean, lean.recompute), (lean.recompute,))
+            par = layouts.parallelism(fam, lean, lean.recompute)
+            if host_oom_reason(larger, par):
+                continue
+            problem = build_problem(larger, par, (lean.recompute,))
             if problem.memory_lower_bound() <= problem.memory_cap_bytes and greedy_split(problem, lean.recompute):
                 return count
     return None

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from autoplan.cost.context import Context
 from autoplan.errors import UserError
+from autoplan.hardware.types import Cluster
 from autoplan.layout import RECOMPUTE, Layout, Scope, problems, schedule_problems
 from autoplan.plan import Parallelism
 
@@ -22,6 +23,15 @@ MAX_VIRTUAL_STAGES = 8
 """Largest number of stages per pipeline rank tried with the interleaved schedule."""
 SCHEDULE_PREFERENCE = ("1f1b", "interleaved", "gpipe")
 """Among equal step times: 1F1B holds fewer micro-batches than GPipe and needs no virtual stages."""
+
+
+def compiled(pins: Layout, cluster: Cluster, features: frozenset[str]) -> bool:
+    """torch.compile per chain module (plan.json compile.enable): as pinned, else on for GPUs (inductor's
+    fused kernels; torchtitan's practice) and off for CPU processes, where inductor's compile time outlasts
+    short runs. Never when the features exclude it."""
+    if pins.compile is not None:
+        return pins.compile == "on"
+    return "compile" in features and cluster.gpu.name != "cpu"
 
 
 def divisors(n: int) -> list[int]:
@@ -40,6 +50,8 @@ class Family:
     """FSDP2 reshards after forward (only with dp_shard > 1)."""
     sp: bool = False
     """Sequence parallel between the tensor-parallel pairs (only with tp > 1)."""
+    offload: bool = False
+    """FSDP2 keeps the model states on the host (CPU offload; only with resharding, pp = 1)."""
 
     @property
     def dp(self) -> int:
@@ -54,7 +66,8 @@ def scope_of(ctx: Context) -> Scope:
                  global_batch=ctx.training.global_batch_size, num_modules=len(ctx.chain),
                  whole_reason=ctx.chain.whole_reason, features=ctx.features,
                  tensor_parallel_problems=ctx.facts.problems,
-                 sequence_parallel_problem=ctx.facts.sequence_parallel_problem, batch_norm_modules=ctx.batch_norm_modules)
+                 sequence_parallel_problem=ctx.facts.sequence_parallel_problem, batch_norm_modules=ctx.batch_norm_modules,
+                 host_link=ctx.cluster.hardware.host.link_bandwidth_bytes_per_s > 0)
 
 
 def check_pins(pins: Layout, scope: Scope) -> None:
@@ -81,14 +94,17 @@ def families(pins: Layout, scope: Scope, rejected: list[str] | None = None) -> l
                 if 1 < shard < dp and not _whole_nodes(shard * tp, per_node):
                     continue
                 sp = sequence_parallel(pins, tp, scope)
-                family = Family(tp, pp, dp // shard, shard, reshard, sp)
-                layout = replace(pins, dp=dp, dp_replicate=dp // shard, dp_shard=shard,
-                                 reshard="always" if reshard else "never", tp=tp, pp=pp, sp="on" if sp else pins.sp)
-                broken = problems(layout, scope)
-                if not broken:
-                    out.append(family)
-                elif rejected is not None:
-                    rejected += broken
+                for offload in _offload_options(pins, shard, reshard, scope):
+                    family = Family(tp=tp, pp=pp, dp_replicate=dp // shard, dp_shard=shard, reshard=reshard, sp=sp,
+                                    offload=offload)
+                    layout = replace(pins, dp=dp, dp_replicate=dp // shard, dp_shard=shard,
+                                     reshard="always" if reshard else "never", tp=tp, pp=pp,
+                                     sp="on" if sp else pins.sp, offload="cpu" if offload else "none")
+                    broken = problems(layout, scope)
+                    if not broken:
+                        out.append(family)
+                    elif rejected is not None:
+                        rejected += broken
     return out
 
 
@@ -99,6 +115,16 @@ def sequence_parallel(pins: Layout, tp: int, scope: Scope) -> bool:
     if pins.sp is not None:
         return pins.sp == "on"
     return "sp" in (scope.features or frozenset()) and not scope.sequence_parallel_problem
+
+
+def _offload_options(pins: Layout, shard: int, reshard: bool, scope: Scope) -> list[bool]:
+    """CPU offload off, and on for FSDP with resharding when the hardware has a host-device link
+    (Scope.host_link) and the pins allow; a pin offload=cpu keeps it on (layout.problems says where it
+    cannot be)."""
+    if pins.offload == "cpu":
+        return [True]
+    can = shard > 1 and reshard and scope.host_link and "offload" in (scope.features or frozenset())
+    return [False] + ([True] if can and pins.offload is None else [])
 
 
 def _whole_nodes(ranks: int, gpus_per_node: int) -> bool:
@@ -179,6 +205,7 @@ def parallelism(family: Family, variant: Variant, recompute: str) -> Parallelism
         activation_checkpoint=recompute,
         pipeline_parallel_virtual_stages=variant.virtual_stages,
         enable_sequence_parallel=family.sp,
+        enable_cpu_offload=family.offload,
     )
 
 
@@ -192,6 +219,8 @@ def describe(par: Parallelism) -> str:
     text += f" pp={par.pipeline_parallel_degree}"
     if par.sharded:
         text += f" dp_shard={par.data_parallel_shard_degree} reshard={par.fsdp_reshard_after_forward}"
+    if par.enable_cpu_offload:
+        text += " offload=cpu"
     if par.pipeline_parallel_degree > 1:
         text += f" schedule={par.pipeline_parallel_schedule}"
         if par.pipeline_parallel_virtual_stages > 1:

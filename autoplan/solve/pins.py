@@ -7,11 +7,11 @@ from autoplan.errors import UserError
 from autoplan.layout import Layout, Scope, problems
 
 
-PIN_KEYS = ("dp", "tp", "sp", "pp", "zero", "schedule", "microbatch", "recompute")
+PIN_KEYS = ("dp", "tp", "sp", "pp", "zero", "schedule", "microbatch", "recompute", "offload", "compile")
 """What --pin may fix: these short names of a Layout (layout.VOCABULARY); the rest is left to the search."""
 
 
-_WORDS = ("schedule", "recompute", "sp")
+_WORDS = ("schedule", "recompute", "sp", "offload", "compile")
 """Pin keys whose values are words; the others are integers."""
 
 

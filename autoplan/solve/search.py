@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from autoplan.chain.modules import ModuleChain
 from autoplan.cost.context import Context, gib
-from autoplan.cost.evaluate import Candidate, build_problem, evaluate, oom_reason
+from autoplan.cost.evaluate import Candidate, build_problem, evaluate, host_oom_reason, oom_reason
 from autoplan.cost.memory import model_state_bytes, zero_of
 from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster
@@ -69,7 +69,7 @@ def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: La
     started = time.perf_counter()
     resolve_solver(solver)
     features = SUPPORTED if features is None else frozenset(features)
-    ctx = Context(profile, cluster, training, features)
+    ctx = Context(profile, cluster, training, features, compiled=layouts.compiled(pins, cluster, features))
     layouts.check_pins(pins, layouts.scope_of(ctx))
     explored = explore(ctx, pins)
     tried, pruned, considered = explored.tried, explored.pruned, explored.considered
@@ -78,8 +78,9 @@ def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: La
         raise infeasible_message(ctx, pins, tried + pruned)
     chosen = choose(fitting)
     best, info = refine_with_ilp(ctx, chosen, pins.recompute is not None, solver, time_limit_s)
-    others = (dataclasses.replace(c, reason=_losing_reason(c, best)) for c in fitting if c is not chosen)
-    ranked = [best] + sorted(others, key=_by_time)
+    others = [dataclasses.replace(c, reason=_losing_reason(c, best)) for c in fitting if c is not chosen]
+    twin = compile_twin(ctx, best, pins, pins.recompute is not None)
+    ranked = [best] + sorted(others + ([twin] if twin else []), key=_by_time)
     rest = sorted((c for c in tried + pruned if not c.fits), key=lambda c: c.memory_needed_bytes)
     fully_pinned = pins.dp is not None and pins.pp is not None
     info = dataclasses.replace(info, name="pinned" if fully_pinned else info.name,
@@ -182,8 +183,31 @@ def choose(fitting: list[Candidate]) -> Candidate:
     return min(close, key=_simplicity) if close else chosen
 
 
+def compile_twin(ctx: Context, best: Candidate, pins: Layout, pinned_recompute: bool) -> Candidate | None:
+    """The winner priced with torch.compile the other way (same split and recompute), with why it lost: the
+    compile choice shown beside the layout's (None when the features exclude compile)."""
+    if "compile" not in ctx.features or best.assignment is None:
+        return None
+    other = ctx.compiled_as(not ctx.compiled)
+    par = best.parallelism
+    problem = build_problem(other, par, layouts.modes_for(par.activation_checkpoint, pinned_recompute))
+    twin = evaluate(other, par, problem, best.assignment, best.fits)
+    change = (twin.predicted.step_time_s - best.predicted.step_time_s) / best.predicted.step_time_s * 100
+    if ctx.compiled:
+        reason = f"compile=off: {change:.1f}% slower than compile=on (pointwise ops run unfused)"
+    elif pins.compile == "off":
+        reason = f"compile=on: {-change:.1f}% faster, but pinned off"
+    else:
+        reason = (f"compile=on: {-change:.1f}% faster per step, but off by default for CPU processes (inductor "
+                  f"first compiles each distinct module with gcc, seconds to minutes here, more than a short run "
+                  f"gains; pin compile=on)")
+    return dataclasses.replace(twin, reason=reason)
+
+
 def family_memory_bound(ctx: Context, fam: layouts.Family) -> float:
     """Model states of the average pipeline rank: no split of this family can do better."""
+    if fam.offload:  # on the host (CPU offload)
+        return 0.0
     numel = ctx.total_numel(fam.tp)
     zero = zero_of(fam.dp_shard, fam.reshard)
     states = sum(model_state_bytes(numel, ctx.dtype, zero, fam.dp_shard).values())
@@ -208,6 +232,9 @@ def try_layout(ctx: Context, par: Parallelism, modes: tuple[str, ...], cutoff: f
     problem = build_problem(ctx, par, modes)
     cap = problem.memory_cap_bytes
     bound = problem.memory_lower_bound()
+    host = host_oom_reason(ctx, par)
+    if host:
+        return Candidate(parallelism=par, stages=(), predicted=None, fits=False, reason=host, memory_needed_bytes=bound)
     if bound > cap:
         reason = f"OOM by at least {gib(bound - cap)} GiB (memory lower bound, no split tried)"
         return Candidate(parallelism=par, stages=(), predicted=None, fits=False, reason=reason,
@@ -265,7 +292,7 @@ def _simplicity(c: Candidate) -> tuple:
     par = c.parallelism
     schedule = layouts.SCHEDULE_PREFERENCE.index(par.pipeline_parallel_schedule)
     recompute = RECOMPUTE.index(par.activation_checkpoint)
-    return (par.pipeline_parallel_degree, par.tensor_parallel_degree,
+    return (par.enable_cpu_offload, par.pipeline_parallel_degree, par.tensor_parallel_degree,
             zero_of(par.data_parallel_shard_degree, par.reshards_after_forward),
             par.data_parallel_shard_degree > 1 and par.data_parallel_replicate_degree > 1, schedule,
             par.pipeline_parallel_virtual_stages, recompute, _partial_recompute(c),
@@ -286,4 +313,6 @@ def _losing_reason(c: Candidate, best: Candidate) -> str:
     if percent <= TIE_TOLERANCE * 100:
         return f"{percent:+.2f}% step time vs the best, a tie within {TIE_TOLERANCE:.0%}: the best is simpler"
     digits = 0 if percent >= 1 else 1
-    return f"{percent:.{digits}f}% slower than the best"
+    offloads = c.parallelism.enable_cpu_offload and not best.parallelism.enable_cpu_offload
+    why = " (CPU offload: host-device copies and the optimizer step on the CPU)" if offloads else ""
+    return f"{percent:.{digits}f}% slower than the best{why}"

@@ -56,6 +56,7 @@ MODEL_FILE = Path(__file__).with_name("model.py")  # the copy made at planning: 
 FACTORY = 'build_model'             # function in model.py that builds the model
 SEED = 7                            # weights: manual_seed(SEED); step t's batch: SEED + 1000 + t
 LEARNING_RATE = 0.0003              # AdamW
+OPTIMIZER_IMPLEMENTATION = 'fused'  # AdamW kernels: fused | foreach | for-loop
 GLOBAL_BATCH = 32                   # samples per optimizer step, all ranks together
 DTYPE = 'bf16'                      # "bf16": mixed precision on GPUs (fp32 on CPU)
 DP_REPLICATE = 2                    # data-parallel replicas (DDP, or HSDP's replicate dim)
@@ -70,6 +71,8 @@ SCHEDULE = 'interleaved'            # pipeline schedule
 MICROBATCH = 2                      # samples per micro-batch
 MICROBATCHES = 4                    # micro-batches per step per data-parallel rank
 RECOMPUTE = 'selective'             # activation checkpointing: none | selective (keep matmul outputs) | full
+OFFLOAD = False                     # FSDP2 CPU offload: model states in host memory, AdamW on the CPU
+COMPILE = False                     # torch.compile per chain module (train.py --compile/--no-compile)
 TOKENS_PER_SAMPLE = None            # for tokens/s (None: not token inputs)
 MODEL_FLOPS_PER_STEP = 4000000000000.0  # for MFU
 PEAK_FLOPS_PER_GPU = 989000000000000.0  # dense peak of the planned GPU in bf16, for MFU
@@ -109,6 +112,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-dropout", action="store_true",
                         help="make every dropout the identity (autoplan verify runs both sides so: ranks and the "
                              "reference draw different random numbers)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=COMPILE,
+                        help="torch.compile each of the plan's chain modules (default: the plan's compile.enable)")
     parser.add_argument("--dropout-out", type=Path,
                         help="with --no-dropout: write the dropout calls it disabled per step here (JSON)")
     args = parser.parse_args(argv)
@@ -121,7 +126,7 @@ def train_reference(model_source, device: torch.device, steps: int) -> list[floa
     """The single-device baseline: same initial weights, same batches, same optimizer, in fp32."""
     torch.manual_seed(SEED)
     model = model_source.build_model().to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    optimizer = runtime.adamw(model.parameters(), LEARNING_RATE, OPTIMIZER_IMPLEMENTATION)
     data = runtime.TrainingData(model_source, GLOBAL_BATCH, SEED, dp_rank=0, dp_size=DP)
     losses = []
     for step in range(steps):
@@ -135,9 +140,10 @@ def train_reference(model_source, device: torch.device, steps: int) -> list[floa
     return losses
 
 
-def build_parallel_model(model_source, mesh, rank, device, dtype):
+def build_parallel_model(model_source, mesh, rank, device, dtype, compile_modules=COMPILE):
     """This rank's share of the model: its pipeline stages, tensor-parallel and data-parallel
-    shards, with the same initial values as the single-device model (see runtime.materialize)."""
+    shards, with the same initial values as the single-device model (see runtime.materialize);
+    its chain modules compiled when `compile_modules`."""
     model = runtime.build_on_meta(model_source)  # the structure only: no memory yet
     weights = runtime.catalog(model)  # every tensor's names and shape, for the initial broadcast
     split = None
@@ -152,14 +158,16 @@ def build_parallel_model(model_source, mesh, rank, device, dtype):
         parts, chain_modules = {0: runtime.ModelPart(model)}, {0: [u for stage in STAGES for u in stage]}
     del model  # this rank keeps only its stages
 
-    for s, part in parts.items():  # order as in torchtitan: tensor parallel, recompute, FSDP
+    for s, part in parts.items():  # order as in torchtitan: tensor parallel, recompute, compile, FSDP
         part.module = runtime.tensor_parallel(part.module, mesh["tp"], TENSOR_PARALLEL_PLAN, chain_modules[s],
                                               sequence_parallel=SP == "on")
         recomputed = [u for u in chain_modules[s] if u in RECOMPUTE_MODULES]
         part.module = runtime.checkpoint_modules(part.module, recomputed, RECOMPUTE)
+        part.module = runtime.compile_modules(part.module, chain_modules[s], compile_modules)
         part.module = runtime.shard_data_parallel(part.module, mesh, RESHARD == "always", chain_modules[s], dtype,
-                                                  batch_norm_modules=BATCH_NORM_MODULES)  # SyncBatchNorm if DP > 1
-    runtime.materialize(parts.values(), weights, model_source, SEED, device)
+                                                  batch_norm_modules=BATCH_NORM_MODULES,  # SyncBatchNorm if DP > 1
+                                                  offload=OFFLOAD)
+    runtime.materialize(parts.values(), weights, model_source, SEED, device, offload=OFFLOAD)
     for part in parts.values():
         part.module = runtime.replicate_data_parallel(part.module, mesh, device)  # DDP
     return {s: part.module for s, part in parts.items()}, split
@@ -183,9 +191,10 @@ def main(argv=None) -> list[float]:
     # processes and the device mesh ("pp", "dp_replicate", "dp_shard", "tp")
     mesh, rank = runtime.init_mesh(device, pp=PP, dp_replicate=DP_REPLICATE, dp_shard=DP_SHARD, tp=TP)
     dtype = runtime.compute_dtype(DTYPE, device)  # bf16 on GPUs if planned; fp32 on CPU
-    parts, split = build_parallel_model(model_source, mesh, rank, device, dtype)
+    parts, split = build_parallel_model(model_source, mesh, rank, device, dtype, args.compile)
     tied = runtime.TiedGradients(split, mesh, parts, rank)  # weights used on 2+ stages
-    optimizer = torch.optim.AdamW([p for part in parts.values() for p in part.parameters()], lr=LEARNING_RATE)
+    optimizer = runtime.adamw([p for part in parts.values() for p in part.parameters()], LEARNING_RATE,
+                              OPTIMIZER_IMPLEMENTATION)
 
     # forward + backward of one step over this rank's micro-batches
     if PP > 1:
