@@ -7,13 +7,12 @@
   with learned positions) with their blocks fed sequence shards: the loss averaged over the ranks and the
   gradients averaged over them equal one device's on the whole sequence."""
 
-import os
-import subprocess
-import sys
 
 from pathlib import Path
 
 import pytest
+
+from helpers.ranks import assert_every_rank_matches
 
 MODELS = Path(__file__).parent / "models"
 
@@ -91,8 +90,4 @@ dist.destroy_process_group()
 def test_ring_attention_and_models_on_sequence_shards_equal_one_device_on_the_whole_sequence(tmp_path, ranks):
     script = tmp_path / "ring.py"
     script.write_text(f"MODELS = {str(MODELS)!r}\n" + RING)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                          str(ranks), str(script)], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count("matches") == ranks
+    assert_every_rank_matches(script, ranks)

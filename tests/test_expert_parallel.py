@@ -5,12 +5,11 @@ borrows data-parallel ranks): the loss averaged over the ranks equals one device
 non-expert gradients averaged over the ranks, and each rank's expert gradients divided by the rank count,
 equal one device's (for the experts that rank holds)."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from helpers.ranks import assert_every_rank_matches
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,11 +76,7 @@ dist.destroy_process_group()
 def test_moe_models_with_experts_sharded_and_tokens_routed_train_as_one_device(tmp_path, ranks):
     script = tmp_path / "routed.py"
     script.write_text(f"ROOT = {str(ROOT)!r}\n" + ROUTED)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                          str(ranks), str(script)], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count("matches") == ranks
+    assert_every_rank_matches(script, ranks)
 
 
 def test_experts_modules_are_told_from_routers_and_plain_mlps():
