@@ -10,20 +10,30 @@ and needs a compiler (gcc), and compiles for seconds to minutes per distinct blo
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from torch import nn
 
 from autoplan.runtime.recompute import ROOT_MODULE, submodule
 
 
-def compile_modules(module: nn.Module, chain_modules: Sequence[str], enabled: bool) -> nn.Module:
+def compile_modules(module: nn.Module, chain_modules: Sequence[str], enabled: bool,
+                    tensor_parallel_plan: Mapping[str, str] | None = None) -> nn.Module:
     """Compile each of `chain_modules` (submodule paths; "" = `module` itself) in place when `enabled`.
     Graph breaks are allowed (fullgraph=False): a model's own Python (Hugging Face's masks, say) runs eagerly
-    between compiled regions instead of failing."""
+    between compiled regions instead of failing.
+
+    A chain module that is itself in the `tensor_parallel_plan` (the vocabulary-parallel embedding, the
+    head whose logits leave it sharded for loss_parallel) stays eager: its output is a sharded DTensor, whose
+    tangent AOTAutograd cannot prepare (torch 2.13: "Attempting to use FunctionalTensor on its own"), and
+    torchtitan compiles the transformer blocks only. Their ops are a matmul or a lookup, which compile
+    prices unchanged (COMPILE_TIME_FACTOR)."""
     if not enabled:
         return module
+    sharded = set(tensor_parallel_plan or ())
     for path in chain_modules:
+        if path in sharded:
+            continue
         target = module if path == ROOT_MODULE else submodule(module, path)
         target.compile()
     return module

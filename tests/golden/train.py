@@ -163,7 +163,8 @@ def build_parallel_model(model_source, mesh, rank, device, dtype, compile_module
                                               sequence_parallel=SP == "on")
         recomputed = [u for u in chain_modules[s] if u in RECOMPUTE_MODULES]
         part.module = runtime.checkpoint_modules(part.module, recomputed, RECOMPUTE)
-        part.module = runtime.compile_modules(part.module, chain_modules[s], compile_modules)
+        part.module = runtime.compile_modules(part.module, chain_modules[s], compile_modules,
+                                              TENSOR_PARALLEL_PLAN if TP > 1 else None)
         part.module = runtime.shard_data_parallel(part.module, mesh, RESHARD == "always", chain_modules[s], dtype,
                                                   batch_norm_modules=BATCH_NORM_MODULES,  # SyncBatchNorm if DP > 1
                                                   offload=OFFLOAD)

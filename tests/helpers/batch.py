@@ -81,6 +81,16 @@ def run_job(index: int, job: dict, local_rank: int, store_dir: Path, timeout_s: 
         if dist.is_initialized():
             dist.destroy_process_group()
         _forget_device_meshes()
+        _forget_compiled_code()
+
+
+def _forget_compiled_code() -> None:
+    """Drop what torch.compile kept of a job (dynamo's guards and graphs, which hold the job's device meshes
+    and process groups), as a new process would: a later job's compiled module must be traced afresh."""
+    if "torch._dynamo" in sys.modules:
+        import torch._dynamo
+
+        torch._dynamo.reset()
 
 
 def _forget_device_meshes() -> None:
