@@ -22,16 +22,21 @@ CASES = {
     "compile dp=2,zero=3": (True, dict(data_parallel_shard_degree=2, fsdp_reshard_after_forward="always", **mb(1, 4))),
     "compile pp=2": (True, dict(pipeline_parallel_degree=2, **mb(2, 4))),
     "compile tp=2": (True, dict(tensor_parallel_degree=2, **mb(1, 8))),
+    # HF Llama: sequence parallel + vocabulary-parallel head + loss parallel; run twice on a machine it once
+    # failed from AOTAutograd's cache (runtime/compile.py _no_autograd_cache)
+    "compile tp=2 llama": (True, dict(tensor_parallel_degree=2, **mb(1, 8))),
     "offload dp=2,zero=3": (False, dict(data_parallel_shard_degree=2, fsdp_reshard_after_forward="always",
                                         enable_cpu_offload=True, **mb(2, 2))),
     "foreach tp=2": (False, dict(tensor_parallel_degree=2, **mb(1, 8))),  # DTensor weights beside plain tensors
 }
 IMPLEMENTATION = {"foreach tp=2": "foreach"}
+
+
 """The optimizer implementation where not the default (fused)."""
 
 
 def write(root: Path, name: str, compiled: bool, parallelism: dict) -> Path:
-    case = MODELS["gpt"]
+    case = MODELS["llama" if name.endswith("llama") else "gpt"]
     folder = root / name.replace(",", "_").replace("=", "").replace(" ", "_")
     folder.mkdir(parents=True)
     model_file = folder / "user_model.py"
@@ -68,5 +73,7 @@ def test_the_programs_compile_and_offload_as_planned(batch):
     for name, (compiled, par) in CASES.items():
         text = (folders[name] / "train.py").read_text()
         assert f"COMPILE = {compiled}" in text
+        assert ("SP = 'on'" in text) == (par.get("tensor_parallel_degree", 1) > 1)  # make_plan: on with tp
         assert f"OFFLOAD = {par.get('enable_cpu_offload', False)}" in text
         assert f"OPTIMIZER_IMPLEMENTATION = {IMPLEMENTATION.get(name, 'fused')!r}" in text
+

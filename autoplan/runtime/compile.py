@@ -27,9 +27,12 @@ def compile_modules(module: nn.Module, chain_modules: Sequence[str], enabled: bo
     head whose logits leave it sharded for loss_parallel) stays eager: its output is a sharded DTensor, whose
     tangent AOTAutograd cannot prepare (torch 2.13: "Attempting to use FunctionalTensor on its own"), and
     torchtitan compiles the transformer blocks only. Their ops are a matmul or a lookup, which compile
-    prices unchanged (COMPILE_TIME_FACTOR)."""
+    prices unchanged (COMPILE_TIME_FACTOR). With tensor parallelism AOTAutograd's on-disk cache is off
+    (_no_autograd_cache)."""
     if not enabled:
         return module
+    if tensor_parallel_plan:
+        _no_autograd_cache()
     sharded = set(tensor_parallel_plan or ())
     for path in chain_modules:
         if path in sharded:
@@ -37,3 +40,14 @@ def compile_modules(module: nn.Module, chain_modules: Sequence[str], enabled: bo
         target = module if path == ROOT_MODULE else submodule(module, path)
         target.compile()
     return module
+
+
+def _no_autograd_cache() -> None:
+    """Turn off AOTAutograd's cache of compiled graphs for this process. On torch 2.13 a graph whose inputs
+    or outputs are DTensors (tensor parallelism, sequence-parallel activations) reloaded from that cache
+    stops with "'Tensor' object has no attribute 'elem'" in its subclass wrapper: the first run of a
+    program trains, and every later run on the machine fails (seen with HF Llama at tp=2 with sequence
+    parallelism). Inductor's own kernel cache stays on, so a later run still skips the C++ compile."""
+    import torch._functorch.config
+
+    torch._functorch.config.enable_autograd_cache = False
