@@ -136,7 +136,7 @@ def plan_model(
     """Plan a model for `gpus` accelerators; with `out`, also write the output folder."""
     from autoplan.layout import Layout
     from autoplan.profile import profile_model
-    from autoplan.profile.unsupported import NO_PIPELINE, pipeline_refusal
+    from autoplan.profile.unsupported import pipeline_refusal
     from autoplan.solve.pins import parse_pins
     from autoplan.solve.search import search
 
@@ -202,8 +202,9 @@ def plan_model(
     scaling = (scaling_curve(profile, cluster, training, best if unpinned else None, context=result.context)
                if out is not None else ())
     planned = PlanResult(plan, profile, tuple(result.candidates), scaling, not_planned(result.context))
+    said = pipeline_refusal(profile)  # warned when the pins were read (_pins_for_capture)
     for line in planned.not_planned:
-        if not line.startswith(NO_PIPELINE) or pipeline_refusal(profile) is None:  # that one was said above
+        if line != said:
             log.warning("planning with %s", line)
     log.info("planned in %.2f s", time.perf_counter() - started)
     if out is not None:

@@ -77,6 +77,13 @@ def reduce_scatter_s(nbytes: float, group: int, link: Link, nodes: int = 1) -> f
     return _collective_s("reduce_scatter", nbytes * (group - 1) / group, link, nodes)
 
 
+def all_to_all_s(nbytes: float, group: int, link: Link, nodes: int = 1) -> float:
+    """All-to-all of `nbytes` per rank spread evenly over the group: (group-1)/group of them leave the rank."""
+    if group <= 1 or nbytes <= 0:
+        return 0.0
+    return _collective_s("all_to_all", nbytes * (group - 1) / group, link, nodes)
+
+
 def p2p_s(nbytes: float, link: Link) -> float:
     if nbytes <= 0:
         return 0.0

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoplan.cost.comm import Group, alpha_s
+from autoplan.cost.comm import Group, p2p_s
 
 GRADIENT_BYTES = 4
 """Bytes per element of the key/value gradients the backward ring carries (fp32 accumulation)."""
@@ -47,13 +47,9 @@ def ring_attention_cost(batch: int, seq_len: int, kv_features: int, bytes_per_el
     if cp <= 1:
         return RingAttentionCost(block, 0.0, 0.0, 0.0)
     gradient_block = block / bytes_per_element * GRADIENT_BYTES
-    link = group.link.alpha_beta("p2p")
-
-    def send_s(nbytes: float) -> float:
-        return alpha_s(group.link, group.nodes, "p2p") + nbytes / link.bus_bandwidth_bytes_per_s
-
+    send, send_gradient = p2p_s(block, group.link), p2p_s(gradient_block, group.link)
     forward_step, backward_step = attention_forward_s / cp, attention_backward_s / cp
-    forward = (cp - 1) * max(0.0, send_s(block) - forward_step)
-    backward = (cp - 1) * max(0.0, send_s(block) + send_s(gradient_block) - backward_step) + send_s(gradient_block)
+    forward = (cp - 1) * max(0.0, send - forward_step)
+    backward = (cp - 1) * max(0.0, send + send_gradient - backward_step) + send_gradient
     traffic = (cp - 1) * block * 2 + cp * gradient_block
     return RingAttentionCost(block, forward, backward, traffic)

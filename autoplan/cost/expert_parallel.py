@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from autoplan.chain.experts import ExpertLayer
-from autoplan.cost.comm import Group, alpha_s
+from autoplan.cost.comm import Group, all_to_all_s
 
 ALL_TO_ALLS_PER_LAYER = 4
 """Dispatch and combine in the forward, and both again in the backward."""
@@ -59,9 +59,7 @@ def expert_parallel_cost(layer: ExpertLayer, tokens_per_microbatch: float, bytes
     degree = group.size
     if degree <= 1:
         return ExpertParallelCost(rows, 0.0, 1.0, float(layer.parameter_numel))
-    link = group.link.alpha_beta("all_to_all")
-    one = alpha_s(group.link, group.nodes, "all_to_all") + \
-        rows * layer.hidden * bytes_per_element * (degree - 1) / degree / link.bus_bandwidth_bytes_per_s
+    one = all_to_all_s(rows * layer.hidden * bytes_per_element, degree, group.link, group.nodes)
     imbalance = measured_imbalance if measured_imbalance is not None else router_imbalance(rows * degree, degree)
     return ExpertParallelCost(rows, ALL_TO_ALLS_PER_LAYER * one, max(1.0, imbalance),
                               layer.parameter_numel / degree)
