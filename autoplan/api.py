@@ -328,6 +328,9 @@ def not_planned(context) -> tuple[str, ...]:
     degrees = [t for t in divisors(context.cluster.gpus_per_node) if t > 1]
     if degrees and "tp" in context.features and all(context.facts.problems(t) for t in degrees):
         lines.append(f"no tensor parallelism (tp=1): {'; '.join(context.facts.problems(degrees[0]))}")
+    elif degrees and "tp" in context.features and context.loss_parallel_problem:
+        lines.append(f"no loss parallel (with tp > 1 the logits are gathered for the loss): "
+                     f"{context.loss_parallel_problem}")
     return tuple(lines)
 
 

@@ -167,6 +167,9 @@ class Scope:
     """Modules a plan's tensor_parallel_plan shards."""
     batch_norm_modules: tuple[str, ...] | None = None
     """Modules that normalize over the batch they see (BatchNorm in training mode; chain/batch_statistics.py)."""
+    loss_parallel_problem: str | None = None
+    """Why the loss cannot run on the vocabulary-parallel head's sharded logits ("" if it can or there is no
+    such head): the plan then gathers them (disable_loss_parallel)."""
     host_link: bool | None = None
     """The accelerators have a host-device link to offload to (False for CPU processes: the device is the host)."""
 

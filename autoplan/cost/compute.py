@@ -197,7 +197,7 @@ def _module_row(module: ModuleCosts, setting: TableSetting, timing: MeasuredScal
             cheap += f
         tp_fwd += _tp_forward(op, tp, b, scale, link, sp, setting.loss_parallel)
         tp_bwd += _tp_backward(op, tp, b * scale, link, sp)
-    saved = saved_by_mode(module, tp, scale, sp)
+    saved = saved_by_mode(module, tp, scale, sp, setting.compiled)
     sharded_logits = tp > 1 and setting.loss_parallel and any(op.tp_role == "head" for op in module.ops)
     logits = module.output_buffer_bytes / (tp if sharded_logits else 1)
     working = saved["none"] * b + calibration.LOSS_BUFFER_FACTOR * logits * b * scale

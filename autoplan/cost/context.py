@@ -56,6 +56,8 @@ class Context:
         self.batch_statistics = batch_statistics(profile)
         """Calls of modules that normalize over the batch (BatchNorm), in graph order."""
         self.batch_norm_modules = batch_statistics_modules(self.batch_statistics)
+        self.loss_parallel_problem = profile.loss_parallel_problem if self.facts.has_head else ""
+        """Why the loss cannot run on the vocabulary-parallel head's sharded logits ("" if it can, or no head)."""
         self.dtype = training_dtype(training.dtype)
         self.dtype_bytes = bytes_per_element(self.dtype)
         self.scale = activation_scale(self.chain.capture_dtype, self.dtype)
@@ -110,15 +112,15 @@ class Context:
             return comm.p2p_s(nbytes, link)
         return comm.p2p_s(nbytes / tp, link) + comm.all_gather_s(nbytes, tp, self.group(tp, 1).link)
 
-    def table(self, tp: int, microbatch: int, sp: bool = False) -> ModuleTable:
-        """Module costs at tensor-parallel degree `tp`, micro-batch size `microbatch`, sequence parallel `sp`
-        (and this context's compile setting)."""
-        key = (tp, microbatch, sp and tp > 1, self.compiled)
+    def table(self, tp: int, microbatch: int, sp: bool = False, loss_parallel: bool = True) -> ModuleTable:
+        """Module costs at tensor-parallel degree `tp`, micro-batch size `microbatch`, sequence parallel `sp`,
+        the loss on sharded logits or gathered ones (`loss_parallel`), and this context's compile setting."""
+        key = (tp, microbatch, sp and tp > 1, self.compiled, loss_parallel)
         if key not in self._tables:
             self._tables[key] = module_table(self.costs, TableSetting(
                 gpu=self.cluster.gpu, capture_dtype=self.chain.capture_dtype, train_dtype=self.dtype, tp=tp,
                 microbatch=microbatch, tp_link=self.group(tp, 1).link, use_measured=self.use_measured,
-                sp=key[2], compiled=self.compiled))
+                sp=key[2], compiled=self.compiled, loss_parallel=loss_parallel))
         return self._tables[key]
 
     def total_numel(self, tp: int) -> float:
@@ -138,14 +140,14 @@ class Context:
             self._layouts[key] = layout_memory(inputs, self.dtype, shard, reshard_after_forward, pp, offload)
         return self._layouts[key]
 
-    def memory_inputs(self, tp: int, microbatch: int, sp: bool = False) -> MemoryInputs:
-        key = (tp, microbatch, sp and tp > 1)
+    def memory_inputs(self, tp: int, microbatch: int, sp: bool = False, loss_parallel: bool = True) -> MemoryInputs:
+        key = (tp, microbatch, sp and tp > 1, loss_parallel)
         if key not in self._inputs:
             self._inputs[key] = self._memory_inputs(*key)
         return self._inputs[key]
 
-    def _memory_inputs(self, tp: int, microbatch: int, sp: bool) -> MemoryInputs:
-        table = self.table(tp, microbatch, sp)
+    def _memory_inputs(self, tp: int, microbatch: int, sp: bool, loss_parallel: bool) -> MemoryInputs:
+        table = self.table(tp, microbatch, sp, loss_parallel)
         own, groups = self.module_numel(tp), self.group_numel(tp)
         whole = [own[u] + sum(n for n, g in zip(groups, self.chain.tied_groups) if u in g.modules)
                  for u in range(len(own))]

@@ -57,14 +57,14 @@ def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> Cha
     pp, v = par.pipeline_parallel_degree, par.pipeline_parallel_virtual_stages
     tp, mbs = par.tensor_parallel_degree, par.pipeline_parallel_microbatch_size
     m = par.pipeline_parallel_num_microbatches
-    sp = par.enable_sequence_parallel
-    inputs = ctx.memory_inputs(tp, mbs, sp)
+    sp, loss_parallel = par.enable_sequence_parallel, not par.disable_loss_parallel
+    inputs = ctx.memory_inputs(tp, mbs, sp, loss_parallel)
     stages = pp * v
     shared = ctx.layout_memory(inputs, par.data_parallel_shard_degree, par.reshards_after_forward, pp,
                                par.enable_cpu_offload)
     models = tuple(shared.stage(s, microbatches_in_flight(par.pipeline_parallel_schedule, pp, m, s, v))
                    for s in range(stages))
-    table = ctx.table(tp, mbs, sp)
+    table = ctx.table(tp, mbs, sp, loss_parallel)
     overhead = ()
     if stages > 1:
         link = ctx.groups(par).pipeline.link
@@ -88,7 +88,7 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     """Predictions for `par` with `assignment` (memory models and module times from `problem`)."""
     pp, tp = par.pipeline_parallel_degree, par.tensor_parallel_degree
     m, mbs = par.pipeline_parallel_num_microbatches, par.pipeline_parallel_microbatch_size
-    table, chain, gpu = ctx.table(tp, mbs, par.enable_sequence_parallel), ctx.chain, ctx.cluster.gpu
+    table, chain, gpu = ctx.table(tp, mbs, par.enable_sequence_parallel, not par.disable_loss_parallel), ctx.chain, ctx.cluster.gpu
     groups = ctx.groups(par)
     element = bytes_per_element(ctx.dtype)
     own, tied = ctx.module_numel(tp), ctx.group_numel(tp)

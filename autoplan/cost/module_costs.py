@@ -185,16 +185,20 @@ def chain_costs(profile: ModelProfile, chain: ModuleChain, facts: TensorParallel
     )
 
 
-def saved_by_mode(module: ModuleCosts, tp: int, scale: float, sp: bool = False) -> dict[str, float]:
+def saved_by_mode(module: ModuleCosts, tp: int, scale: float, sp: bool = False,
+                  compiled: bool = False) -> dict[str, float]:
     """Activation bytes per sample kept for backward under each recompute mode, in the training dtype
     (`scale` = its element size over the capture's). With sequence parallelism (`sp`) the ops between the
     pairs keep sequence shards (norm inputs, dropout masks: Korthikanti et al. 2022, Eq. 4), and so does the
-    module's input when it arrives sequence-sharded. A colwise Linear keeps the input it all-gathered whole:
-    torch's DTensor saves the gathered tensor (Megatron-LM keeps the shard and gathers again in backward)."""
+    module's input when it arrives sequence-sharded. So does the input a colwise Linear (or the head) all-gathers:
+    runtime/sequence_gather.py keeps the shard for backward and gathers it again there, as Megatron-LM does;
+    in a `compiled` module torch.compile's graph keeps the gathered input whole (those hooks stay out of it),
+    but the head's: runtime/compile.py leaves the chain modules of the tensor-parallel plan eager."""
     def share(nbytes: float, split: bool) -> float:
         return nbytes / tp if split else nbytes
 
-    saved_split = {"rowwise", "interior"} | ({"sequence"} if sp else set())
+    gathered = {"head"} if compiled else {"colwise", "head"}
+    saved_split = {"rowwise", "interior"} | ({"sequence"} | gathered if sp else set())
     none = sum(share(op.saved_bytes * (scale if op.saved_scales else 1.0), op.tp_role in saved_split)
                for op in module.ops)
     module_input = share(module.input_bytes, sp and module.sequence_input)
