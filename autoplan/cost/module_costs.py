@@ -71,6 +71,9 @@ class OpCost:
     pointwise: bool = False
     """An elementwise op (chain/ops.py "pointwise" trait): what torch.compile fuses
     (calibration.COMPILE_TIME_FACTOR)."""
+    shares_gather: bool = False
+    """A colwise Linear (or the head) reading the same tensor as an earlier one of its module (k and v after
+    q): with sequence parallelism it uses that one's all-gather (runtime/sequence_gather.py)."""
 
     @property
     def compile_class(self) -> str:
@@ -121,7 +124,7 @@ class ChainCosts:
         return out
 
 
-def op_cost(op: OpProfile, profile: ModelProfile, role: str) -> OpCost:
+def op_cost(op: OpProfile, profile: ModelProfile, role: str, shares_gather: bool = False) -> OpCost:
     batch = profile.batch_size
     param_bytes = sum(profile.parameters.get(p, 0) for p in op.params) * profile.parameter_bytes_per_element
     param_bytes = min(param_bytes, op.input_bytes)  # buffers read as params are not in `parameters`
@@ -144,6 +147,7 @@ def op_cost(op: OpProfile, profile: ModelProfile, role: str) -> OpCost:
         measured=measured,
         profile_batch=batch,
         rows=_rows(op) / batch,
+        shares_gather=shares_gather,
     )
 
 
@@ -157,13 +161,24 @@ def _rows(op: OpProfile) -> float:
     return float(rows)
 
 
+def _op_costs(nodes, by_node: dict[str, OpProfile], profile: ModelProfile, facts: TensorParallelFacts):
+    """The OpCost of each of a module's ops, marking the colwise Linears that share an earlier one's input."""
+    gathered: set[str] = set()
+    for node in nodes:
+        op, role = by_node[node], facts.role.get(node, "")
+        source = op.inputs[0] if role in ("colwise", "head") and op.inputs else None
+        yield op_cost(op, profile, role, shares_gather=source in gathered)
+        if source is not None:
+            gathered.add(source)
+
+
 def chain_costs(profile: ModelProfile, chain: ModuleChain, facts: TensorParallelFacts) -> ChainCosts:
     by_node = {op.node: op for op in profile.ops}
     outputs = set(profile.output_nodes)
     tied = {g.parameter for g in chain.tied_groups}
     modules, signatures, seen = [], [], {}
     for i, module in enumerate(chain.modules):
-        ops = tuple(op_cost(by_node[n], profile, facts.role.get(n, "")) for n in module.ops)
+        ops = tuple(_op_costs(module.ops, by_node, profile, facts))
         own = [p for p in module.parameters if p not in tied]
         split = sum(profile.parameters[p] for p in own if p in facts.sharded_parameters)
         costs = ModuleCosts(
