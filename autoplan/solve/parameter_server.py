@@ -79,10 +79,11 @@ class ParameterServerLayout:
 
 def parameter_server_layout(ctx: Context, best: Candidate) -> ParameterServerLayout | None:
     """The parameter-server layout priced on ctx's cluster, compared with `best` (the chosen layout); None when
-    there is nothing to synchronize (one GPU) or the global batch does not split evenly over the GPUs."""
+    there is nothing to synchronize (one GPU, no parameters) or the global batch does not split evenly over the
+    GPUs."""
     cluster, batch = ctx.cluster, ctx.training.global_batch_size
-    workers = cluster.num_gpus
-    if workers < 2 or batch % workers:
+    workers, numel = cluster.num_gpus, ctx.total_numel(1)
+    if workers < 2 or batch % workers or numel <= 0:
         return None
     par = Parallelism(data_parallel_replicate_degree=workers, pipeline_parallel_microbatch_size=batch // workers)
     modules = len(ctx.chain)
@@ -92,7 +93,6 @@ def parameter_server_layout(ctx: Context, best: Candidate) -> ParameterServerLay
     replaced = replica.time_breakdown["data_parallel_comm"] + replica.time_breakdown["optimizer"]
     compute = replica.step_time_s - replaced
 
-    numel = ctx.total_numel(1)
     servers = SERVERS_PER_NODE * cluster.num_nodes
     link = cluster.link_for(workers).alpha_beta("p2p")
     gradient_bytes = numel * calibration.GRADIENT_REDUCE_BYTES
