@@ -14,9 +14,10 @@ OPS_COLUMNS = ["node", "op", "module", "input_shapes", "dtype", "flops_fwd", "fl
 MODULE_COLUMNS = ["module", "depth", "ops", "flops_fwd", "flops_bwd", "param_count", "param_bytes",
                   "saved_bytes", "time_fwd_s", "time_bwd_s"]
 CANDIDATE_COLUMNS = ["rank", "dp_replicate", "dp_shard", "reshard", "tp", "sp", "pp", "schedule", "virtual_stages",
-                     "microbatch", "microbatches", "recompute", "recompute_modules", "offload", "compile", "gradient_sync", "fits",
-                     "step_time_s", "peak_memory_gib", "host_memory_gib", "reason"]
-"""Layout columns by their short names (autoplan/layout.py VOCABULARY)."""
+                     "microbatch", "microbatches", "recompute", "recompute_modules", "offload", "compile",
+                     "gradient_sync", "fits", "step_time_s", "peak_memory_gib", "host_memory_gib", "reason"]
+"""Layout columns by their short names (autoplan/layout.py VOCABULARY). gradient_sync is "collectives" for every
+searched layout and "parameter_server" for the one row that prices a parameter server (solve/parameter_server.py)."""
 
 
 def ops_frame(profile: ModelProfile) -> pd.DataFrame:

@@ -1,6 +1,6 @@
 """Helpers the generated train.py imports: mesh, data, pipeline split, parallel wrappers, steps,
-initial weights, checkpoints and metrics; RUNTIME_API, the version of that interface, which a train.py
-checks first (check_runtime_api).
+initial weights, checkpoints, metrics and TensorBoard logging (--tensorboard); RUNTIME_API, the version
+of that interface, which a train.py checks first (check_runtime_api).
 
 Kept out of train.py so the program reads top to bottom like a plain training script. Everything
 here is PyTorch's own parallelism (DDP, FSDP2, DTensor tensor parallel, torch.distributed.pipelining,

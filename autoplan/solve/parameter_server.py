@@ -108,10 +108,11 @@ def parameter_server_layout(ctx: Context, best: Candidate) -> ParameterServerLay
     peak = sum(memory.values())
     host = HOST_STATE_BYTES_PER_PARAM * numel / servers * SERVERS_PER_NODE
     layout = ParameterServerLayout(
-        parallelism=par, compile=ctx.compiled, workers=workers, servers=servers, link_bytes_per_s=link.bus_bandwidth_bytes_per_s,
-        gradient_bytes=gradient_bytes, parameter_bytes=parameter_bytes, sync=sync, server_update_s=update,
-        compute_s=compute, ring_all_reduce_s=ring, step_time_s=step, samples_per_s=batch / step,
-        peak_memory_bytes=peak, host_memory_per_node_bytes=host, fits=peak <= cluster.usable_memory_bytes, reason="")
+        parallelism=par, compile=ctx.compiled, workers=workers, servers=servers,
+        link_bytes_per_s=link.bus_bandwidth_bytes_per_s, gradient_bytes=gradient_bytes,
+        parameter_bytes=parameter_bytes, sync=sync, server_update_s=update, compute_s=compute,
+        ring_all_reduce_s=ring, step_time_s=step, samples_per_s=batch / step, peak_memory_bytes=peak,
+        host_memory_per_node_bytes=host, fits=peak <= cluster.usable_memory_bytes, reason="")
     return _with_reason(layout, best, cluster.usable_memory_bytes)
 
 
