@@ -100,6 +100,9 @@ VOCABULARY = (
          "host memory and runs the optimizer step on the CPU (CPUOffloadPolicy)"),
     Term("compile", "compile.enable (top level)", "on or off: torch.compile per chain module (inductor fuses "
          "pointwise ops)"),
+    Term("gradient_sync", "", "how data-parallel ranks combine gradients: collectives (all-reduce, "
+         "reduce-scatter and all-gather among the ranks: what train.py runs) or parameter_server (pushed to and "
+         "pulled from server shards: priced in candidates.csv and the report to show why not, never generated)"),
     Term("batch_norm_modules", "batch_norm_modules (top level)", "modules that normalize over the batch "
          "(BatchNorm): statistics synchronized over the data-parallel ranks (SyncBatchNorm), never split into "
          "micro-batches nor recomputed"),
