@@ -14,6 +14,12 @@ checked for loss parity here; on GPUs torch's own handlers run.
 The handlers join torch's context-parallel op table, so they are active exactly while a
 `context_parallel` region is (and DTensor's plain dispatch never sees a sequence-sharded attention).
 Attention masks are not handled (torch's CUDA handlers refuse them too): causal or full attention only.
+
+Pipeline stages are graphs torch.export recorded with the shapes it saw. Exported on a rank with the blocks'
+sharding hooks (shard_block_inputs) in place, a stage's graph cuts that rank's share of the sequence where a
+block starts and keeps its shapes from there on; attention_through_functional then sends the stages'
+attention calls to the function context_parallel patches. (transformers, traced, materializes the causal
+mask, which the ring refuses: its models cannot be staged so yet.)
 """
 
 from __future__ import annotations
@@ -146,3 +152,36 @@ def shard_block_inputs(blocks, shards: "SequenceShards"):
         return shards.shard_sequences(args), shards.shard_sequences(kwargs)
 
     return [block.register_forward_pre_hook(pre_hook, with_kwargs=True) for block in blocks]
+
+
+def functional_attention(*args, **kwargs):
+    """F.scaled_dot_product_attention looked up when called, so that the version torch's context_parallel
+    patches in runs (F's attribute is the C builtin torch._C._nn.scaled_dot_product_attention, which is what
+    a graph calling F.scaled_dot_product_attention itself would hold on to). The output is laid out as the
+    attention kernels lay theirs out, (batch, sequence, heads, features) in memory: the exported graph may
+    view it as such (its `.contiguous()` after the transpose was a no-op when traced), and the ring's merged
+    output is laid out the other way."""
+    out = torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def attention_through_functional(stage) -> int:
+    """In a pipeline stage's exported graphs (an fx.GraphModule and its chain modules), call attention as
+    F.scaled_dot_product_attention instead of the aten op the export recorded: torch's context_parallel
+    reaches attention by patching that function (its MONKEY_PATCH dispatch mode), which an exported graph
+    calling aten.scaled_dot_product_attention directly would bypass, attending each rank's queries to its own
+    keys only. The arguments are the same. Returns how many calls were redirected."""
+    from torch import fx
+
+    redirected = 0
+    for graph_module in stage.modules():
+        if not isinstance(graph_module, fx.GraphModule):
+            continue
+        nodes = [n for n in graph_module.graph.nodes
+                 if n.op == "call_function" and n.target is _aten.scaled_dot_product_attention.default]
+        for node in nodes:
+            node.target = functional_attention
+        if nodes:
+            graph_module.recompile()
+            redirected += len(nodes)
+    return redirected
