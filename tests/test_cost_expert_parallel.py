@@ -49,3 +49,14 @@ def test_a_measured_router_ratio_replaces_the_uniform_one():
     assert expert_parallel_cost(LAYER, 8192, 2, Group(8, NVLINK), measured_imbalance=1.7).imbalance == 1.7
     uniform = expert_parallel_cost(LAYER, 8192, 2, Group(8, NVLINK)).imbalance
     assert uniform == pytest.approx(1 + math.sqrt(2 * math.log(8) * 7 / (8192 * 8 * 8)))
+
+
+def test_measured_rows_group_as_the_ranks_hold_the_experts():
+    from autoplan.cost.expert_parallel import measured_imbalance
+
+    rows = [10, 30, 5, 5, 20, 20, 6, 4]  # 100 rows over 8 experts
+    assert measured_imbalance(rows, 2) == pytest.approx(50 / 50)  # experts 0-3 and 4-7: 50 rows each
+    assert measured_imbalance(rows, 4) == pytest.approx(40 / 25)  # pairs hold 40, 10, 40, 10
+    assert measured_imbalance(rows, 8) == pytest.approx(30 / 12.5)  # expert 1 alone
+    assert measured_imbalance(rows, 1) is None and measured_imbalance(rows, 3) is None
+    assert measured_imbalance([], 2) is None and measured_imbalance([0, 0], 2) is None

@@ -11,7 +11,9 @@ runtime/expert_parallel.py runs it:
   ranks uniformly at random gives each a binomial count (mean n/ep, standard deviation
   sqrt(n (1/ep)(1-1/ep))); the largest of ep such counts lies about sqrt(2 ln ep) deviations above the
   mean (the Gaussian maximum), so the busiest rank holds (1 + sqrt(2 ln(ep) (ep-1) / n)) times the mean.
-  A router that prefers some experts is worse: a measured ratio replaces this one when there is one.
+  A router that prefers some experts is worse: a measured ratio replaces this one when there is one
+  (measured_imbalance: the rows `autoplan profile --measure` counted per expert, grouped as the ranks hold
+  the experts).
 - Memory: a rank holds E/ep of the experts' weights, gradients and optimizer states; every other
   parameter stays data-parallel.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 from autoplan.chain.experts import ExpertLayer
 from autoplan.cost.comm import Group, all_to_all_s
@@ -48,6 +51,19 @@ def router_imbalance(rows: float, degree: int) -> float:
     if degree <= 1 or rows <= 0:
         return 1.0
     return 1.0 + math.sqrt(2 * math.log(degree) * (degree - 1) / rows)
+
+
+def measured_imbalance(rows_per_expert: Sequence[int], degree: int) -> float | None:
+    """The busiest of `degree` ranks' rows over the mean when rank r holds experts r*E/degree .. (r+1)*E/degree - 1
+    (runtime/expert_parallel.py) and the router sends each expert the measured rows (ModelProfile.router_loads);
+    None without a measurement or when `degree` does not split the experts evenly."""
+    experts = len(rows_per_expert)
+    total = sum(rows_per_expert)
+    if degree <= 1 or not experts or experts % degree or total <= 0:
+        return None
+    share = experts // degree
+    busiest = max(sum(rows_per_expert[r * share:(r + 1) * share]) for r in range(degree))
+    return busiest * degree / total
 
 
 def expert_parallel_cost(layer: ExpertLayer, tokens_per_microbatch: float, bytes_per_element: float,

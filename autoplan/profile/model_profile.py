@@ -13,6 +13,7 @@ from autoplan.profile.timing_cache import TimingCache, cache_key
 from autoplan.profile.types import ModelProfile, OpProfile
 from autoplan.profile.whole_model import time_whole_model
 from autoplan.profile.loss_probe import loss_parallel_problem
+from autoplan.profile.router_loads import measure_router_loads
 from autoplan.source import ModelSource
 
 
@@ -169,6 +170,9 @@ def profile_model(source: ModelSource, batch_size: int, hardware: HardwareProfil
     profile = replace(profile, loss_parallel_problem=loss_parallel_problem(source, batch_size))
     if profile.device == "cpu" and any(op.source == "measured" for op in profile.ops):
         profile = replace(profile, whole_model_times_s=_whole_model_times(graph, source, profile))
+    if measure:
+        parameter_bytes = profile.param_count * profile.parameter_bytes_per_element
+        profile = replace(profile, router_loads=measure_router_loads(source, batch_size, parameter_bytes))
     return profile
 
 

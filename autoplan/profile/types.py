@@ -81,6 +81,9 @@ class ModelProfile:
     op_failures: tuple[str, ...] = ()
     """Ops profiled only in part, one line each: not replayable on fake tensors (counted as 0 FLOPs and
     nothing saved) or not timeable on this machine (estimated instead)."""
+    router_loads: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Experts module FQN -> (token, slot) rows its router sent each expert on the example batch, counted on
+    the real model when ops were measured (profile/router_loads.py); empty otherwise."""
     loss_parallel_problem: str = ""
     """Why the loss_fn cannot run on logits sharded on the vocabulary (profile/loss_probe.py); "" if it can."""
     whole_model_times_s: dict[int, float] = field(default_factory=dict)
@@ -111,5 +114,6 @@ class ModelProfile:
         raw["unsupported_ops"] = tuple(raw.get("unsupported_ops", ()))
         raw["capture_failures"] = tuple(raw.get("capture_failures", ()))
         raw["op_failures"] = tuple(raw.get("op_failures", ()))
+        raw["router_loads"] = {name: tuple(counts) for name, counts in raw.get("router_loads", {}).items()}
         raw["whole_model_times_s"] = {int(b): float(t) for b, t in raw.get("whole_model_times_s", {}).items()}
         return ModelProfile(ops=ops, **raw)

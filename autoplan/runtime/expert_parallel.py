@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autoplan.capture.experts import is_experts_module
+
 
 @dataclass(frozen=True)
 class ExpertShard:
@@ -49,15 +51,6 @@ class ExpertShard:
     def first(self) -> int:
         """The global index of this rank's first expert."""
         return self.rank * self.local
-
-
-def is_experts_module(module: nn.Module) -> bool:
-    """An experts module as transformers' MoE families write it: `num_experts`, and parameters stacked per
-    expert on dimension 0, weight matrices among them (a router's (E, H) weight is not stacked matrices)."""
-    experts = getattr(module, "num_experts", None)
-    params = list(module.parameters(recurse=False))
-    return (isinstance(experts, int) and any(p.dim() == 3 for p in params)
-            and all(p.dim() >= 2 and p.shape[0] == experts for p in params))
 
 
 def shard_experts(module: nn.Module, group: dist.ProcessGroup) -> ExpertShard:
