@@ -265,8 +265,26 @@ def summary(plan, out: str | None) -> Group:
     parts = [head, stages]
     if out:
         parts.append(f"wrote {escape(out)}/ (plan.json, train.py, launch/, report.html, *.csv, unsupported_ops.txt); "
-                     f"check it: autoplan verify {escape(out)}")
+                     f"{_verify_hint(plan, out)}")
     return Group(*parts)
+
+
+VERIFY_MAX_PROCESSES = 8
+"""Largest plan `autoplan verify` is suggested for: it runs one CPU process per GPU of the plan."""
+VERIFY_MAX_MODEL_BYTES = 2**30
+"""Largest model (fp32 parameter bytes) it is suggested for: every process trains its share on the CPU and one
+more trains the whole model, as the reference."""
+
+
+def _verify_hint(plan, out: str) -> str:
+    """How to check the program here: autoplan verify when the plan is small enough to run on this machine's
+    CPU, else the same layout pinned on a shrunken model."""
+    processes, model_bytes = plan.cluster.num_gpus, 4 * plan.model.param_count
+    if processes <= VERIFY_MAX_PROCESSES and model_bytes <= VERIFY_MAX_MODEL_BYTES:
+        return f"check it: autoplan verify {escape(out)}"
+    return (f"too large to check on this machine's CPU ({processes} processes, {model_bytes / 2**30:.1f} GiB of "
+            f"fp32 weights): check the layout on a shrunken copy of the model with the same --pin and "
+            f"autoplan verify")
 
 
 def _seconds(value: float) -> str:

@@ -128,3 +128,25 @@ def test_solver_prints_no_banner_in_a_real_process(tmp_path):
     assert solver["time_s"] > 0  # the MILP ran (a single stage skips it with time 0)
     for text in (run.stdout, run.stderr):
         assert "Running HiGHS" not in text and "Copyright" not in text and "Welcome to the CBC" not in text
+
+
+def test_the_summary_suggests_verify_only_for_a_plan_this_machine_can_run():
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    from autoplan.api import plan_model
+    from autoplan.cli import summary
+
+    def text(plan) -> str:
+        console = Console(width=200, record=True)
+        console.print(summary(plan, "out"))
+        return console.export_text()
+
+    small = plan_model(MLP, 2, "h100-sxm5-80gb").plan
+    assert "check it: autoplan verify out" in text(small)
+    large = replace(small, cluster=replace(small.cluster, num_gpus=64),
+                    model=replace(small.model, param_count=70_000_000_000))
+    hint = text(large)
+    assert "autoplan verify out" not in hint
+    assert "too large to check on this machine's CPU (64 processes, 260.8 GiB of fp32 weights)" in hint
