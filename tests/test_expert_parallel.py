@@ -79,6 +79,62 @@ def test_moe_models_with_experts_sharded_and_tokens_routed_train_as_one_device(t
     assert_every_rank_matches(script, ranks)
 
 
+REPLICATED = """
+import copy
+import importlib.util
+import torch
+import torch.distributed as dist
+from autoplan.runtime.expert_parallel import (expert_mesh, expert_parameters, is_experts_module,
+                                              reduce_expert_gradients, shard_experts)
+
+spec = importlib.util.spec_from_file_location("autoplan_test_mixtral", f"{ROOT}/examples/mixtral.py")
+mixtral = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mixtral)
+(mixtral.VOCAB, mixtral.HIDDEN, mixtral.INTERMEDIATE, mixtral.LAYERS, mixtral.HEADS, mixtral.KV_HEADS, mixtral.EXPERTS,
+ mixtral.EXPERTS_PER_TOKEN, mixtral.SEQ_LEN) = 64, 16, 32, 2, 4, 2, 4, 2, 8
+dist.init_process_group("gloo")
+dp, rank, ep = dist.get_world_size(), dist.get_rank(), 2
+mesh = expert_mesh("cpu", pp=1, dp=dp, ep=ep)
+torch.manual_seed(0)
+model = mixtral.build_model()
+reference = copy.deepcopy(model)
+inputs, targets = mixtral.example_batch(2 * dp)
+expected = mixtral.loss_fn(reference(**inputs), targets)
+expected.backward()
+shards = {fqn: shard_experts(module, mesh["ep"].get_group()) for fqn, module in list(model.named_modules())
+          if is_experts_module(module)}
+experts = expert_parameters(model)
+assert len(experts) == 2 * len(shards)  # gate_up_proj and down_proj per layer
+mine = slice(2 * rank, 2 * rank + 2)  # this data-parallel rank's samples
+loss = mixtral.loss_fn(model(**{k: v[mine] for k, v in inputs.items()}), targets[mine])
+loss.backward()
+reduce_expert_gradients(experts, mesh["dp_mod_ep"].get_group(), dp)
+wanted = dict(reference.named_parameters())
+held = {id(p) for p in experts}
+for fqn, param in model.named_parameters():
+    want = wanted[fqn].grad
+    if id(param) in held:  # this rank's experts: the ep index picks them
+        shard = shards[fqn.rsplit(".", 1)[0]]
+        assert shard.rank == rank % ep and shard.local == 4 // ep
+        want, grad = want[shard.first:shard.first + shard.local], param.grad
+    else:  # data parallelism averages the rest over every rank
+        dist.all_reduce(grad := param.grad.clone())
+        grad = grad / dp
+    torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-6, msg=fqn)
+print("rank", rank, "matches")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_experts_split_over_ep_and_replicated_over_dp_over_ep_train_as_one_device(tmp_path):
+    """dp=4 with ep=2: two ep groups of two ranks each split the 4 experts, and their replicas sum the expert
+    gradients (reduce_expert_gradients), as FSDP/DDP would over dp/ep ranks, divided by dp."""
+    script = tmp_path / "replicated.py"
+    script.write_text(f"ROOT = {str(ROOT)!r}\n" + REPLICATED)
+    assert_every_rank_matches(script, 4)
+
+
 def test_experts_modules_are_told_from_routers_and_plain_mlps():
     import importlib.util
 

@@ -103,3 +103,37 @@ def _waited(tensor: torch.Tensor) -> torch.Tensor:
     """A functional collective's result, waited for (an AsyncCollectiveTensor until then)."""
     wait = getattr(tensor, "wait", None)
     return wait() if callable(wait) else tensor
+
+
+EXPERT_MESH_DIMS = ("pp", "dp_mod_ep", "ep", "tp")
+"""The expert mesh: the data-parallel dimension cut into ep groups of consecutive data-parallel ranks (which
+split the experts among them) and dp/ep replicas of each (which hold the same experts), as torchtitan
+borrows ep from data parallelism. Its ranks are numbered as the plan's mesh numbers them (runtime/mesh.py:
+pp, then data parallel, then tp), so a rank's data-parallel index is dp_mod_ep index x ep + ep index."""
+
+
+def expert_mesh(device_type: str, pp: int, dp: int, ep: int, tp: int = 1):
+    """The mesh EXPERT_MESH_DIMS over every process (all of them call it, in the same order)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dp % ep:
+        raise ValueError(f"expert parallel borrows its ranks from data parallelism: ep {ep} must divide dp {dp}")
+    return init_device_mesh(device_type, (pp, dp // ep, ep, tp), mesh_dim_names=EXPERT_MESH_DIMS)
+
+
+def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters of every experts module in `module` (those data parallelism must leave alone)."""
+    return [param for sub in module.modules() if is_experts_module(sub) for param in sub.parameters(recurse=False)]
+
+
+@torch.no_grad()
+def reduce_expert_gradients(params, replicas: dist.ProcessGroup | None, dp: int) -> None:
+    """After backward: each expert gradient holds what its ep group's tokens contributed (the all-to-all
+    brought them); summed over the replicas of those experts it holds every data-parallel rank's, and divided
+    by dp it is the gradient of the global batch's mean loss, as data parallelism averages the others."""
+    for param in params:
+        if param.grad is None:
+            continue
+        if replicas is not None and dist.get_world_size(replicas) > 1:
+            dist.all_reduce(param.grad, group=replicas)
+        param.grad.div_(dp)
