@@ -89,7 +89,7 @@ def copy_bytes_per_s(clock: Clock, sizes: tuple[int, ...]) -> dict[int, float]:
     for nbytes in sizes:
         src = torch.ones(nbytes // 4, device=clock.device)
         dst = torch.empty_like(src)
-        rates[nbytes] = 2 * src.numel() * 4 / clock.seconds(lambda: dst.copy_(src))
+        rates[nbytes] = 2 * src.numel() * 4 / clock.seconds(lambda dst=dst, src=src: dst.copy_(src))
         del src, dst
     return rates
 
