@@ -15,7 +15,7 @@ MODULE_COLUMNS = ["module", "depth", "ops", "flops_fwd", "flops_bwd", "param_cou
                   "saved_bytes", "time_fwd_s", "time_bwd_s"]
 CANDIDATE_COLUMNS = ["rank", "dp_replicate", "dp_shard", "reshard", "tp", "sp", "pp", "schedule", "virtual_stages",
                      "microbatch", "microbatches", "recompute", "recompute_modules", "offload", "compile", "fits",
-                     "step_time_s", "peak_memory_gib", "host_memory_gib", "reason"]
+                     "step_time_s", "peak_memory_gib", "host_memory_gib", "reason", "cp", "ep"]
 """Layout columns by their short names (autoplan/layout.py VOCABULARY)."""
 
 
@@ -79,6 +79,7 @@ def candidates_frame(candidates: tuple[Any, ...], best: Any) -> pd.DataFrame:
             "peak_memory_gib": c.predicted.peak_memory_bytes / 2**30 if c.predicted else None,
             "host_memory_gib": c.predicted.host_memory_per_node_bytes / 2**30 if c.predicted else None,
             "reason": "chosen" if c is best else c.reason,
+            "cp": p.context_parallel_degree, "ep": p.expert_parallel_degree,
         })
     return pd.DataFrame(rows, columns=CANDIDATE_COLUMNS)
 

@@ -205,12 +205,16 @@ def compile_twin(ctx: Context, best: Candidate, pins: Layout, pinned_recompute: 
 
 
 def family_memory_bound(ctx: Context, fam: layouts.Family) -> float:
-    """Model states of the average pipeline rank: no split of this family can do better."""
+    """Model states of the average pipeline rank: no split of this family can do better. The expert
+    parameters (E/ep per rank) shard over dp_shard x cp / ep ranks (cost/context.py expert_shard_degree)."""
     if fam.offload:  # on the host (CPU offload)
         return 0.0
-    numel = ctx.total_numel(fam.tp)
-    zero = zero_of(fam.dp_shard, fam.reshard)
-    states = sum(model_state_bytes(numel, ctx.dtype, zero, fam.dp_shard).values())
+    numel = ctx.total_numel(fam.tp, fam.ep)
+    experts = sum(ctx.module_expert_numel(fam.ep))
+    zero = zero_of(fam.fsdp, fam.reshard)
+    expert_shard = fam.fsdp // fam.ep if fam.fsdp % fam.ep == 0 else 1
+    states = sum(model_state_bytes(numel - experts, ctx.dtype, zero, fam.fsdp).values()) + \
+        sum(model_state_bytes(experts, ctx.dtype, zero, expert_shard).values())
     if fam.pp > 1 and zero >= 2:  # unreduced gradients (and unsharded FSDP parameters) under pipelining
         states += numel * (2 if zero == 3 else 1) * ctx.dtype_bytes
     return states / fam.pp
@@ -218,7 +222,7 @@ def family_memory_bound(ctx: Context, fam: layouts.Family) -> float:
 
 def time_lower_bound(ctx: Context, fam: layouts.Family, var: layouts.Variant, pinned: bool) -> float:
     """(m + (p - 1) / v) x the slowest rank's slot if the fastest module times balanced perfectly."""
-    table = ctx.table(fam.tp, var.microbatch, fam.sp)
+    table = ctx.table(fam.tp, var.microbatch, fam.sp, fam.cp, fam.ep)
     mode = "none" if not pinned else var.recompute
     slot = table.total_s[mode] / fam.pp
     return (var.microbatches + (fam.pp - 1) / var.virtual_stages) * slot
@@ -293,6 +297,7 @@ def _simplicity(c: Candidate) -> tuple:
     schedule = layouts.SCHEDULE_PREFERENCE.index(par.pipeline_parallel_schedule)
     recompute = RECOMPUTE.index(par.activation_checkpoint)
     return (par.enable_cpu_offload, par.pipeline_parallel_degree, par.tensor_parallel_degree,
+            par.context_parallel_degree, par.expert_parallel_degree,
             zero_of(par.data_parallel_shard_degree, par.reshards_after_forward),
             par.data_parallel_shard_degree > 1 and par.data_parallel_replicate_degree > 1, schedule,
             par.pipeline_parallel_virtual_stages, recompute, _partial_recompute(c),
