@@ -5,7 +5,9 @@ torch's context parallelism (`context_parallel`, runtime/context_parallel.py) re
 token on the rank's shard. So a model can run with cp > 1 when every op that computes attention (chain/ops.py
 kind "attention") is an SDPA kernel: attention written as activation x activation matmuls, a softmax between
 them, would see only its shard's keys. A mask argument in the capture is the model's causal mask (transformers
-builds it under tracing and passes is_causal at run time); the runtime refuses any other.
+builds it under tracing and passes is_causal at run time); the runtime refuses any other. Under the ring the
+kernel keeps what a flash kernel keeps for backward, its output and logsumexp (AttentionCall.ring_saved_bytes),
+never the (seq x seq) attention weights a masked call on the capture's math path saves.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ SDPA_PACKETS = frozenset({
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
 })
 """aten ops of F.scaled_dot_product_attention (the call, or the kernel it dispatched to)."""
+LOGSUMEXP_BYTES = 4
+"""The flash kernels' logsumexp: fp32."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,14 @@ class AttentionCall:
     kv_features: int
     """Features per token of the keys (and of the values): heads x head_dim as SDPA sees them (grouped-query
     keys arrive repeated to the query heads when the model repeats them)."""
+    saved_bytes: float = 0.0
+    """Bytes per sample the captured call keeps for backward beyond what earlier ops keep (capture dtype)."""
+    ring_saved_bytes: float = 0.0
+    """Bytes per sample the ring's flash kernel keeps instead: the output and one fp32 logsumexp per query head
+    and token (LOGSUMEXP_BYTES)."""
+    mask: str = ""
+    """The node of the captured call's mask argument ("" without one): the ring runs without it, so no module
+    boundary carries it."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +68,12 @@ def attention_facts(profile: ModelProfile) -> AttentionFacts:
             continue
         shapes = op.input_shapes
         if packet(op) in SDPA_PACKETS and len(shapes) >= 3 and len(shapes[0]) == 4 and len(shapes[1]) == 4:
-            calls.append(AttentionCall(op.node, op.module, shapes[0][2], shapes[1][1] * shapes[1][3]))
+            batch, heads, seq = shapes[0][0], shapes[0][1], shapes[0][2]
+            masked = len(shapes) > 3 and len(op.inputs) > 3 and len(shapes[3]) >= 2
+            calls.append(AttentionCall(
+                op.node, op.module, seq, shapes[1][1] * shapes[1][3], saved_bytes=op.saved_bytes / batch,
+                ring_saved_bytes=(op.output_bytes + batch * heads * seq * LOGSUMEXP_BYTES) / batch,
+                mask=op.inputs[3] if masked else ""))
         elif other is None:
             other = op
     if other is not None:
@@ -67,3 +84,4 @@ def attention_facts(profile: ModelProfile) -> AttentionFacts:
     else:
         problem = ""
     return AttentionFacts(tuple(calls), problem)
+

@@ -113,7 +113,8 @@ class ShardedModules:
     """What context parallelism (cp) and expert parallelism change in each module's costs, per micro-batch:
 
         forward(u)     = (forward_1(u) + (imbalance(u) - 1) x expert_forward_1(u)) / cp    (and backward alike)
-        tp collectives, selective recompute, activation and working bytes: / cp
+        tp collectives, selective recompute: / cp
+        kept bytes: (bytes_1(u) + saved_change(u)) / cp, what recompute keeps of the input less its masks
         cp_forward(u)  = ring_forward(u),  ep_forward(u) = all_to_all(u) / 2                (and backward alike)
 
     where _1 is the module's cost on the whole sequence (ModuleTable at cp = 1): a rank holds seq/cp tokens of
@@ -131,6 +132,12 @@ class ShardedModules:
     ring_backward_s: tuple[float, ...]
     all_to_all_s: tuple[float, ...]
     """The module's expert layers' four all-to-alls (cost/expert_parallel.py), seconds: half in each pass."""
+    saved_change_bytes: tuple[float, ...] = ()
+    """What the ring's attention keeps for backward minus what the captured call keeps, per micro-batch on the
+    whole sequence, bytes (chain/attention.py; 0 at cp = 1): added to the kept and working bytes before / cp."""
+    input_change_bytes: tuple[float, ...] = ()
+    """The attention masks in the module's input, negated, per micro-batch, bytes (the ring runs without them): added
+    to what selective and full recompute keep of the input."""
 
 
 def sharded_table(base: ModuleTable, sharded: ShardedModules) -> ModuleTable:
@@ -140,6 +147,12 @@ def sharded_table(base: ModuleTable, sharded: ShardedModules) -> ModuleTable:
     def per_rank(values) -> tuple[float, ...]:
         return tuple(v / cp for v in values)
 
+    change = sharded.saved_change_bytes or (0.0,) * n
+    inputs = sharded.input_change_bytes or (0.0,) * n
+    kept = base.activation_bytes
+    none = tuple(kept["none"][u] + change[u] for u in range(n))
+    activations = {m: none if m == "none" else tuple(max(0.0, min(v + i, whole)) for v, i, whole in
+                                                      zip(kept[m], inputs, none)) for m in kept}
     return ModuleTable(
         forward_s=tuple((base.forward_s[u] + (sharded.imbalance[u] - 1) * sharded.expert_forward_s[u]) / cp
                         for u in range(n)),
@@ -147,8 +160,8 @@ def sharded_table(base: ModuleTable, sharded: ShardedModules) -> ModuleTable:
                          for u in range(n)),
         tp_forward_s=per_rank(base.tp_forward_s), tp_backward_s=per_rank(base.tp_backward_s),
         cheap_forward_s=per_rank(base.cheap_forward_s),
-        activation_bytes={m: per_rank(v) for m, v in base.activation_bytes.items()},
-        working_bytes=per_rank(base.working_bytes),
+        activation_bytes={m: per_rank(v) for m, v in activations.items()},
+        working_bytes=per_rank(w + c for w, c in zip(base.working_bytes, change)),
         cp_forward_s=sharded.ring_forward_s, cp_backward_s=sharded.ring_backward_s,
         ep_forward_s=tuple(t / 2 for t in sharded.all_to_all_s), ep_backward_s=tuple(t / 2 for t in sharded.all_to_all_s))
 

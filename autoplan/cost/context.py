@@ -92,6 +92,9 @@ class Context:
                                       if v == u) for u in range(len(self.chain)))
         """Expert parameter elements of each module (all E experts)."""
         self._attention_module = tuple(module_of[call.node] for call in self.attention.calls)
+        self.mask_cut_bytes = _mask_cut_bytes(profile, self.attention.calls, module_of, len(self.chain))
+        """Per module boundary, the bytes per sample of the attention masks crossing it (capture dtype), which the
+        ring does without."""
         self._expert_nodes = frozenset(n for n, m in owner.items()
                                        if any(m == layer.module or m.startswith(layer.module + ".")
                                               for layer in self.experts))
@@ -185,7 +188,7 @@ class Context:
             cost = expert_parallel_cost(layer, tokens, element, ep_group)
             imbalance[u] = max(imbalance[u], cost.imbalance)
             all_to_all[u] += cost.all_to_all_s
-        ring_forward, ring_backward = [0.0] * n, [0.0] * n
+        ring_forward, ring_backward, change = [0.0] * n, [0.0] * n, [0.0] * n
         if cp > 1:
             attention = self._ops_table(frozenset(c.node for c in self.attention.calls), tp, microbatch, sp)
             calls = [self._attention_module.count(u) for u in range(n)]
@@ -197,9 +200,22 @@ class Context:
                                            attention.backward_s[u] / calls[u] / cp, cp_group)
                 ring_forward[u] += ring.forward_exposed_s
                 ring_backward[u] += ring.backward_exposed_s
+                split = tp if role.get(call.node, "") in SPLIT_ROLES else 1
+                change[u] += (call.ring_saved_bytes - call.saved_bytes) * microbatch * self.scale / split
         return ShardedModules(cp=cp, expert_forward_s=experts.forward_s, expert_backward_s=experts.backward_s,
                               imbalance=tuple(imbalance), ring_forward_s=tuple(ring_forward),
-                              ring_backward_s=tuple(ring_backward), all_to_all_s=tuple(all_to_all))
+                              ring_backward_s=tuple(ring_backward), all_to_all_s=tuple(all_to_all),
+                              saved_change_bytes=tuple(change),
+                              input_change_bytes=tuple(-self.mask_cut_bytes[u - 1] * microbatch * self.scale
+                                                       / (tp if sp and self.costs.modules[u].sequence_input else 1)
+                                                       if cp > 1 and u > 0 else 0.0 for u in range(n)))
+
+    def cut_bytes(self, cp: int = 1) -> tuple[float, ...]:
+        """Bytes per sample crossing each module boundary (capture dtype), whole sequences; without the attention
+        masks when cp > 1 (the ring runs without them)."""
+        if cp == 1:
+            return tuple(self.chain.cut_bytes)
+        return tuple(max(0.0, c - m) for c, m in zip(self.chain.cut_bytes, self.mask_cut_bytes))
 
     def total_numel(self, tp: int, ep: int = 1) -> float:
         """Parameter elements on a tensor-parallel rank (E/ep experts of each expert layer), tied ones once."""
@@ -241,9 +257,26 @@ class Context:
             tied_group_modules=tuple(g.modules for g in self.chain.tied_groups),
             module_largest_numel=tuple(whole), activations=table.activation_bytes,
             working_bytes=table.working_bytes,
-            cut_bytes=tuple(c * microbatch * self.scale / cp for c in self.chain.cut_bytes),
+            cut_bytes=tuple(c * microbatch * self.scale / cp for c in self.cut_bytes(cp)),
             expert_numel=tuple(self.module_expert_numel(ep)) if self.experts else (),
         )
+
+
+def _mask_cut_bytes(profile: ModelProfile, calls, module_of: dict[str, int], modules: int) -> tuple[float, ...]:
+    """Bytes per sample of the SDPA calls' masks crossing each module boundary: a mask made in module p and read
+    last in module l crosses boundaries p .. l-1."""
+    output = {op.node: op.output_bytes / profile.batch_size for op in profile.ops}
+    span: dict[str, tuple[int, int]] = {}
+    for call in calls:
+        if call.mask:
+            first = module_of.get(call.mask, 0)
+            last = max(span.get(call.mask, (first, first))[1], module_of[call.node])
+            span[call.mask] = (first, last)
+    out = [0.0] * max(0, modules - 1)
+    for mask, (first, last) in span.items():
+        for i in range(first, min(last, len(out))):
+            out[i] += output.get(mask, 0.0)
+    return tuple(out)
 
 
 def _first_module(fqn: str, owner: dict[str, str], module_of: dict[str, int]) -> int:

@@ -102,7 +102,7 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     element = bytes_per_element(ctx.dtype)
     own, tied, experts = ctx.module_numel(tp, ep), ctx.group_numel(tp), ctx.module_expert_numel(ep)
     expert_shard = expert_shard_degree(par)
-    cut = [c * mbs * ctx.scale / cp for c in chain.cut_bytes]
+    cut = [c * mbs * ctx.scale / cp for c in ctx.cut_bytes(cp)]
     n, ranges, modes = len(chain), assignment.split.ranges(), assignment.modes
     parts: list[dict[str, float]] = []
     costs: list[StageCost] = []
