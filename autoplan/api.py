@@ -62,6 +62,9 @@ class PlanResult:
     """The best layout at N/8 .. 4N GPUs, same batch per GPU (scaling_curve)."""
     not_planned: tuple[str, ...] = ()
     """A line per dimension the model cannot take, naming the module and why (not_planned)."""
+    parameter_server: Any = None
+    """autoplan.solve.parameter_server.ParameterServerLayout: the same model under a parameter server and why
+    it lost (candidates.csv and the report), or None (one GPU, or a batch that does not split over them)."""
 
 
 def load_cluster(gpus: Any, gpu: str, gpus_per_node: Any, memory_per_gpu: Any, hardware: str | None,
@@ -201,7 +204,8 @@ def plan_model(
     unpinned = pins == _pins_for_capture(Layout(), profile, warn=False)  # the curve's N point is then the plan's
     scaling = (scaling_curve(profile, cluster, training, best if unpinned else None, context=result.context)
                if out is not None else ())
-    planned = PlanResult(plan, profile, tuple(result.candidates), scaling, not_planned(result.context))
+    planned = PlanResult(plan, profile, tuple(result.candidates), scaling, not_planned(result.context),
+                         result.parameter_server)
     said = pipeline_refusal(profile)  # warned when the pins were read (_pins_for_capture)
     for line in planned.not_planned:
         if line != said:
@@ -328,6 +332,9 @@ def not_planned(context) -> tuple[str, ...]:
     degrees = [t for t in divisors(context.cluster.gpus_per_node) if t > 1]
     if degrees and "tp" in context.features and all(context.facts.problems(t) for t in degrees):
         lines.append(f"no tensor parallelism (tp=1): {'; '.join(context.facts.problems(degrees[0]))}")
+    elif degrees and "tp" in context.features and context.loss_parallel_problem:
+        lines.append(f"no loss parallel (with tp > 1 the logits are gathered for the loss): "
+                     f"{context.loss_parallel_problem}")
     return tuple(lines)
 
 

@@ -112,6 +112,9 @@ VOCABULARY = (
          "host memory and runs the optimizer step on the CPU (CPUOffloadPolicy)"),
     Term("compile", "compile.enable (top level)", "on or off: torch.compile per chain module (inductor fuses "
          "pointwise ops)"),
+    Term("gradient_sync", "", "how data-parallel ranks combine gradients: collectives (all-reduce, "
+         "reduce-scatter and all-gather among the ranks: what train.py runs) or parameter_server (pushed to and "
+         "pulled from server shards: priced in candidates.csv and the report to show why not, never generated)"),
     Term("batch_norm_modules", "batch_norm_modules (top level)", "modules that normalize over the batch "
          "(BatchNorm): statistics synchronized over the data-parallel ranks (SyncBatchNorm), never split into "
          "micro-batches nor recomputed"),
@@ -183,6 +186,9 @@ class Scope:
     """Modules a plan's tensor_parallel_plan shards."""
     batch_norm_modules: tuple[str, ...] | None = None
     """Modules that normalize over the batch they see (BatchNorm in training mode; chain/batch_statistics.py)."""
+    loss_parallel_problem: str | None = None
+    """Why the loss cannot run on the vocabulary-parallel head's sharded logits ("" if it can or there is no
+    such head): the plan then gathers them (disable_loss_parallel)."""
     host_link: bool | None = None
     """The accelerators have a host-device link to offload to (False for CPU processes: the device is the host)."""
     sequence_length: int | None = None

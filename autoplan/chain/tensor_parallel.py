@@ -121,6 +121,11 @@ class TensorParallelFacts:
     sequence_parallel_problem: str = ""
     """Why the ops between the pairs cannot run on sequence shards (the first op that mixes tokens), or ""."""
 
+    @property
+    def has_head(self) -> bool:
+        """The output head is vocabulary-parallel (its logits leave sharded for the loss)."""
+        return "head" in self.role.values()
+
     def problems(self, tp: int) -> list[str]:
         """Why `tp` cannot split this model (empty when it can)."""
         if tp == 1:

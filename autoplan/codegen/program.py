@@ -156,6 +156,17 @@ def _peak_flops_per_gpu(plan: Plan) -> float | None:
     return None
 
 
+PREDICTED_KEYS = ("step_time_s", "samples_per_s", "tokens_per_s", "mfu", "peak_memory_bytes")
+"""plan.json predicted values that train.py's PREDICTED carries (what runtime.TensorBoardLog draws beside the
+measured ones), by their plan.json names."""
+
+
+def _predicted(plan: Plan) -> dict[str, float]:
+    """PREDICTED_KEYS of the plan's prediction, those it has (tokens_per_s is None when inputs are not tokens)."""
+    values = {key: getattr(plan.predicted, key) for key in PREDICTED_KEYS}
+    return {key: float(value) for key, value in values.items() if value is not None}
+
+
 def _config_block(plan: Plan) -> str:
     p, t = plan.parallelism, plan.training
     rows = [
@@ -189,6 +200,8 @@ def _config_block(plan: Plan) -> str:
     ]
     width = 34  # aligns the comments; a longer line just pushes its comment right
     lines = [f"{f'{name} = {value}':<{width}}  # {comment}" for name, value, comment in rows]
+    lines += _literal_block("PREDICTED", "{}", [f"{key!r}: {value!r}," for key, value in _predicted(plan).items()],
+                            "plan.json predicted: --tensorboard logs them beside the measured values")
     lines += _literal_block("TENSOR_PARALLEL_PLAN", "{}", [f"{fqn!r}: {style!r}," for fqn, style in
                                                            plan.tensor_parallel_plan.items()],
                             "nn.Linear FQN -> colwise | rowwise (when TP > 1)")

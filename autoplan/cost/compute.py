@@ -19,9 +19,11 @@ pay their host cost (Gpu.dtensor_op_overhead_s per DTensor op).
 Tensor-parallel collectives per module (alpha-beta, cost/comm.py), as runtime/tensor_parallel.py runs them:
 - without sequence parallelism: an all-reduce of each rowwise Linear's output (and of a vocabulary-parallel
   embedding's output) in forward, of each colwise Linear's (and the head's) input gradient in backward;
-- with it (Korthikanti et al. 2022): each all-reduce becomes a reduce-scatter onto the sequence, and each
-  colwise Linear (and the head) all-gathers its sequence-sharded input in forward and the rowwise Linear's
-  output gradient is all-gathered in backward; the ops between the pairs compute on sequence shards (1/tp);
+- with it (Korthikanti et al. 2022): each all-reduce becomes a reduce-scatter onto the sequence; the colwise
+  Linears (and the head) all-gather their sequence-sharded input in forward, once for those reading the same
+  tensor (q, k, v), and in backward reduce-scatter its gradient and gather it again (the shard was kept:
+  runtime/sequence_gather.py; not in compiled modules); the rowwise Linear's output gradient is all-gathered
+  in backward; the ops between the pairs compute on sequence shards (1/tp);
 - the vocabulary-parallel head's logits stay sharded for the loss (loss parallel): three all-reduces of one
   fp32 number per token (the max, the sum of exponentials, the target's logit); with loss parallel off they
   are all-gathered. The loss's copies of the logits divide by tp with them.
@@ -272,8 +274,8 @@ def _module_row(module: ModuleCosts, setting: TableSetting, timing: MeasuredScal
         if op.kind == "memory":
             cheap += f
         tp_fwd += _tp_forward(op, tp, b, scale, link, sp, setting.loss_parallel)
-        tp_bwd += _tp_backward(op, tp, b * scale, link, sp)
-    saved = saved_by_mode(module, tp, scale, sp)
+        tp_bwd += _tp_backward(op, tp, b * scale, link, sp, setting.compiled)
+    saved = saved_by_mode(module, tp, scale, sp, setting.compiled)
     sharded_logits = tp > 1 and setting.loss_parallel and any(op.tp_role == "head" for op in module.ops)
     logits = module.output_buffer_bytes / (tp if sharded_logits else 1)
     working = saved["none"] * b + calibration.LOSS_BUFFER_FACTOR * logits * b * scale
@@ -353,7 +355,8 @@ def _tp_forward(op: OpCost, tp: int, b: int, scale: float, link: Link, sp: bool 
     if op.tp_role in ("rowwise", "embedding"):
         reduce = comm.reduce_scatter_s if sp else comm.all_reduce_s
         return reduce(op.output_bytes * per_mb, tp, link)
-    gathered = comm.all_gather_s(op.input_activation_bytes * per_mb, tp, link) if sp and op.kind == "gemm" else 0.0
+    gathers = sp and op.kind == "gemm" and not op.shares_gather
+    gathered = comm.all_gather_s(op.input_activation_bytes * per_mb, tp, link) if gathers else 0.0
     if op.tp_role == "colwise":
         return gathered
     if op.tp_role == "head" and loss_parallel:
@@ -364,16 +367,24 @@ def _tp_forward(op: OpCost, tp: int, b: int, scale: float, link: Link, sp: bool 
     return 0.0
 
 
-def _tp_backward(op: OpCost, tp: int, per_mb: float, link: Link, sp: bool = False) -> float:
-    """Backward collectives of one op; `per_mb`: samples x training-over-capture bytes."""
+def _tp_backward(op: OpCost, tp: int, per_mb: float, link: Link, sp: bool = False, compiled: bool = False) -> float:
+    """Backward collectives of one op; `per_mb`: samples x training-over-capture bytes. With sequence
+    parallelism a shared gather (OpCost.shares_gather) reduce-scatters the summed input gradient once, and the
+    input kept as a shard is gathered again (not in a compiled module, which keeps it whole; the head stays
+    eager)."""
     if tp == 1:
         return 0.0
     if op.tp_role == "rowwise" and sp:  # the output gradient, sequence-sharded, gathered for the Linear
         return comm.all_gather_s(op.output_bytes * per_mb, tp, link)
     if op.tp_role not in ("colwise", "head"):
         return 0.0
-    reduce = comm.reduce_scatter_s if sp else comm.all_reduce_s
-    return reduce(op.input_activation_bytes * per_mb, tp, link)
+    if not sp:
+        return comm.all_reduce_s(op.input_activation_bytes * per_mb, tp, link)
+    if op.shares_gather:
+        return 0.0
+    nbytes = op.input_activation_bytes * per_mb
+    regather = comm.all_gather_s(nbytes, tp, link) if not compiled or op.tp_role == "head" else 0.0
+    return comm.reduce_scatter_s(nbytes, tp, link) + regather
 
 
 def optimizer_step_time(parameters_on_rank: float, gpu: Gpu, tensors: int = 0, dtensors: int = 0,

@@ -76,6 +76,8 @@ class Context:
         self.batch_statistics = batch_statistics(profile)
         """Calls of modules that normalize over the batch (BatchNorm), in graph order."""
         self.batch_norm_modules = batch_statistics_modules(self.batch_statistics)
+        self.loss_parallel_problem = profile.loss_parallel_problem if self.facts.has_head else ""
+        """Why the loss cannot run on the vocabulary-parallel head's sharded logits ("" if it can, or no head)."""
         self.dtype = training_dtype(training.dtype)
         self.dtype_bytes = bytes_per_element(self.dtype)
         self.scale = activation_scale(self.chain.capture_dtype, self.dtype)
@@ -151,23 +153,26 @@ class Context:
             return comm.p2p_s(nbytes, link)
         return comm.p2p_s(nbytes / tp, link) + comm.all_gather_s(nbytes, tp, self.group(tp, 1).link)
 
-    def table(self, tp: int, microbatch: int, sp: bool = False, cp: int = 1, ep: int = 1) -> ModuleTable:
-        """Module costs at tensor-parallel degree `tp`, micro-batch size `microbatch`, sequence parallel `sp`,
-        context- and expert-parallel degrees `cp` and `ep` (and this context's compile setting)."""
-        key = (tp, microbatch, sp and tp > 1, self.compiled, cp, ep)
+    def table(self, tp: int, microbatch: int, sp: bool = False, loss_parallel: bool = True, cp: int = 1,
+              ep: int = 1) -> ModuleTable:
+        """Module costs at tensor-parallel degree `tp`, micro-batch size `microbatch`, sequence parallel `sp`, the
+        loss on sharded logits or gathered ones (`loss_parallel`), context- and expert-parallel degrees `cp` and
+        `ep`, and this context's compile setting."""
+        key = (tp, microbatch, sp and tp > 1, self.compiled, loss_parallel, cp, ep)
         if key not in self._tables:
             if cp == 1 and ep == 1:
-                self._tables[key] = self._part_table(self.costs, tp, microbatch, key[2])
+                self._tables[key] = self._part_table(self.costs, tp, microbatch, key[2], loss_parallel)
             else:
-                base = self.table(tp, microbatch, sp)
+                base = self.table(tp, microbatch, sp, loss_parallel)
                 self._tables[key] = sharded_table(base, self._sharded_modules(tp, microbatch, key[2], cp, ep))
         return self._tables[key]
 
-    def _part_table(self, costs: ChainCosts, tp: int, microbatch: int, sp: bool) -> ModuleTable:
+    def _part_table(self, costs: ChainCosts, tp: int, microbatch: int, sp: bool,
+                    loss_parallel: bool = True) -> ModuleTable:
         return module_table(costs, TableSetting(
             gpu=self.cluster.gpu, capture_dtype=self.chain.capture_dtype, train_dtype=self.dtype, tp=tp,
             microbatch=microbatch, tp_link=self.group(tp, 1).link, use_measured=self.use_measured, sp=sp,
-            compiled=self.compiled))
+            compiled=self.compiled, loss_parallel=loss_parallel))
 
     def _ops_table(self, nodes: frozenset[str], tp: int, microbatch: int, sp: bool) -> ModuleTable:
         """The module table of only the ops in `nodes` (each module's share: its experts, its attention)."""
@@ -241,14 +246,15 @@ class Context:
                                                expert_shard)
         return self._layouts[key]
 
-    def memory_inputs(self, tp: int, microbatch: int, sp: bool = False, cp: int = 1, ep: int = 1) -> MemoryInputs:
-        key = (tp, microbatch, sp and tp > 1, cp, ep)
+    def memory_inputs(self, tp: int, microbatch: int, sp: bool = False, loss_parallel: bool = True, cp: int = 1,
+                      ep: int = 1) -> MemoryInputs:
+        key = (tp, microbatch, sp and tp > 1, loss_parallel, cp, ep)
         if key not in self._inputs:
             self._inputs[key] = self._memory_inputs(*key)
         return self._inputs[key]
 
-    def _memory_inputs(self, tp: int, microbatch: int, sp: bool, cp: int, ep: int) -> MemoryInputs:
-        table = self.table(tp, microbatch, sp, cp, ep)
+    def _memory_inputs(self, tp: int, microbatch: int, sp: bool, loss_parallel: bool, cp: int, ep: int) -> MemoryInputs:
+        table = self.table(tp, microbatch, sp, loss_parallel, cp, ep)
         own, groups = self.module_numel(tp, ep), self.group_numel(tp)
         whole = [own[u] + sum(n for n, g in zip(groups, self.chain.tied_groups) if u in g.modules)
                  for u in range(len(own))]

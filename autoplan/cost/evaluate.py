@@ -65,14 +65,15 @@ def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> Cha
     pp, v = par.pipeline_parallel_degree, par.pipeline_parallel_virtual_stages
     tp, mbs = par.tensor_parallel_degree, par.pipeline_parallel_microbatch_size
     m = par.pipeline_parallel_num_microbatches
-    sp, cp, ep = par.enable_sequence_parallel, par.context_parallel_degree, par.expert_parallel_degree
-    inputs = ctx.memory_inputs(tp, mbs, sp, cp, ep)
+    sp, loss_parallel = par.enable_sequence_parallel, not par.disable_loss_parallel
+    cp, ep = par.context_parallel_degree, par.expert_parallel_degree
+    inputs = ctx.memory_inputs(tp, mbs, sp, loss_parallel, cp, ep)
     stages = pp * v
     shared = ctx.layout_memory(inputs, par.fsdp_shard_degree, par.reshards_after_forward, pp,
                                par.enable_cpu_offload, expert_shard_degree(par))
     models = tuple(shared.stage(s, microbatches_in_flight(par.pipeline_parallel_schedule, pp, m, s, v))
                    for s in range(stages))
-    table = ctx.table(tp, mbs, sp, cp, ep)
+    table = ctx.table(tp, mbs, sp, loss_parallel, cp, ep)
     overhead = ()
     if stages > 1:
         link = ctx.groups(par).pipeline.link
@@ -97,7 +98,8 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     pp, tp = par.pipeline_parallel_degree, par.tensor_parallel_degree
     m, mbs = par.pipeline_parallel_num_microbatches, par.pipeline_parallel_microbatch_size
     cp, ep = par.context_parallel_degree, par.expert_parallel_degree
-    table, chain, gpu = ctx.table(tp, mbs, par.enable_sequence_parallel, cp, ep), ctx.chain, ctx.cluster.gpu
+    table = ctx.table(tp, mbs, par.enable_sequence_parallel, not par.disable_loss_parallel, cp, ep)
+    chain, gpu = ctx.chain, ctx.cluster.gpu
     groups = ctx.groups(par)
     element = bytes_per_element(ctx.dtype)
     own, tied, experts = ctx.module_numel(tp, ep), ctx.group_numel(tp), ctx.module_expert_numel(ep)

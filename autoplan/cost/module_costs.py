@@ -71,6 +71,9 @@ class OpCost:
     pointwise: bool = False
     """An elementwise op (chain/ops.py "pointwise" trait): what torch.compile fuses
     (calibration.COMPILE_TIME_FACTOR)."""
+    shares_gather: bool = False
+    """A colwise Linear (or the head) reading the same tensor as an earlier one of its module (k and v after
+    q): with sequence parallelism it uses that one's all-gather (runtime/sequence_gather.py)."""
 
     @property
     def compile_class(self) -> str:
@@ -121,7 +124,7 @@ class ChainCosts:
         return out
 
 
-def op_cost(op: OpProfile, profile: ModelProfile, role: str) -> OpCost:
+def op_cost(op: OpProfile, profile: ModelProfile, role: str, shares_gather: bool = False) -> OpCost:
     batch = profile.batch_size
     param_bytes = sum(profile.parameters.get(p, 0) for p in op.params) * profile.parameter_bytes_per_element
     param_bytes = min(param_bytes, op.input_bytes)  # buffers read as params are not in `parameters`
@@ -144,6 +147,7 @@ def op_cost(op: OpProfile, profile: ModelProfile, role: str) -> OpCost:
         measured=measured,
         profile_batch=batch,
         rows=_rows(op) / batch,
+        shares_gather=shares_gather,
     )
 
 
@@ -157,13 +161,24 @@ def _rows(op: OpProfile) -> float:
     return float(rows)
 
 
+def _op_costs(nodes, by_node: dict[str, OpProfile], profile: ModelProfile, facts: TensorParallelFacts):
+    """The OpCost of each of a module's ops, marking the colwise Linears that share an earlier one's input."""
+    gathered: set[str] = set()
+    for node in nodes:
+        op, role = by_node[node], facts.role.get(node, "")
+        source = op.inputs[0] if role in ("colwise", "head") and op.inputs else None
+        yield op_cost(op, profile, role, shares_gather=source in gathered)
+        if source is not None:
+            gathered.add(source)
+
+
 def chain_costs(profile: ModelProfile, chain: ModuleChain, facts: TensorParallelFacts) -> ChainCosts:
     by_node = {op.node: op for op in profile.ops}
     outputs = set(profile.output_nodes)
     tied = {g.parameter for g in chain.tied_groups}
     modules, signatures, seen = [], [], {}
     for i, module in enumerate(chain.modules):
-        ops = tuple(op_cost(by_node[n], profile, facts.role.get(n, "")) for n in module.ops)
+        ops = tuple(_op_costs(module.ops, by_node, profile, facts))
         own = [p for p in module.parameters if p not in tied]
         split = sum(profile.parameters[p] for p in own if p in facts.sharded_parameters)
         costs = ModuleCosts(
@@ -185,16 +200,20 @@ def chain_costs(profile: ModelProfile, chain: ModuleChain, facts: TensorParallel
     )
 
 
-def saved_by_mode(module: ModuleCosts, tp: int, scale: float, sp: bool = False) -> dict[str, float]:
+def saved_by_mode(module: ModuleCosts, tp: int, scale: float, sp: bool = False,
+                  compiled: bool = False) -> dict[str, float]:
     """Activation bytes per sample kept for backward under each recompute mode, in the training dtype
     (`scale` = its element size over the capture's). With sequence parallelism (`sp`) the ops between the
     pairs keep sequence shards (norm inputs, dropout masks: Korthikanti et al. 2022, Eq. 4), and so does the
-    module's input when it arrives sequence-sharded. A colwise Linear keeps the input it all-gathered whole:
-    torch's DTensor saves the gathered tensor (Megatron-LM keeps the shard and gathers again in backward)."""
+    module's input when it arrives sequence-sharded. So does the input a colwise Linear (or the head) all-gathers:
+    runtime/sequence_gather.py keeps the shard for backward and gathers it again there, as Megatron-LM does;
+    in a `compiled` module torch.compile's graph keeps the gathered input whole (those hooks stay out of it),
+    but the head's: runtime/compile.py leaves the chain modules of the tensor-parallel plan eager."""
     def share(nbytes: float, split: bool) -> float:
         return nbytes / tp if split else nbytes
 
-    saved_split = {"rowwise", "interior"} | ({"sequence"} if sp else set())
+    gathered = {"head"} if compiled else {"colwise", "head"}
+    saved_split = {"rowwise", "interior"} | ({"sequence"} | gathered if sp else set())
     none = sum(share(op.saved_bytes * (scale if op.saved_scales else 1.0), op.tp_role in saved_split)
                for op in module.ops)
     module_input = share(module.input_bytes, sp and module.sequence_input)

@@ -56,7 +56,8 @@ def parameter_server_cost(gradient_bytes: float, parameter_bytes: float, workers
     servers_bound = server_push + server_pull >= worker_push + worker_pull
     gb = 1e9
     if servers_bound:
-        arithmetic = (f"push {workers} x {gradient_bytes / gb:.3g} GB / ({servers} servers x "
+        shards = f"{servers} server{'s' if servers > 1 else ''}"
+        arithmetic = (f"push {workers} x {gradient_bytes / gb:.3g} GB / ({shards} x "
                       f"{server_bandwidth_bytes_per_s / gb:.3g} GB/s) = {server_push:.3g} s, pull {workers} x "
                       f"{parameter_bytes / gb:.3g} GB / ({servers} x {server_bandwidth_bytes_per_s / gb:.3g} GB/s) "
                       f"= {server_pull:.3g} s")

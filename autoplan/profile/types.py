@@ -81,6 +81,8 @@ class ModelProfile:
     op_failures: tuple[str, ...] = ()
     """Ops profiled only in part, one line each: not replayable on fake tensors (counted as 0 FLOPs and
     nothing saved) or not timeable on this machine (estimated instead)."""
+    loss_parallel_problem: str = ""
+    """Why the loss_fn cannot run on logits sharded on the vocabulary (profile/loss_probe.py); "" if it can."""
     whole_model_times_s: dict[int, float] = field(default_factory=dict)
     """Batch size -> measured forward+backward seconds of the whole real model on this machine (one
     thread), when ops were measured and the model is small enough (profile/whole_model.py)."""

@@ -14,9 +14,10 @@ OPS_COLUMNS = ["node", "op", "module", "input_shapes", "dtype", "flops_fwd", "fl
 MODULE_COLUMNS = ["module", "depth", "ops", "flops_fwd", "flops_bwd", "param_count", "param_bytes",
                   "saved_bytes", "time_fwd_s", "time_bwd_s"]
 CANDIDATE_COLUMNS = ["rank", "dp_replicate", "dp_shard", "reshard", "tp", "sp", "pp", "schedule", "virtual_stages",
-                     "microbatch", "microbatches", "recompute", "recompute_modules", "offload", "compile", "fits",
-                     "step_time_s", "peak_memory_gib", "host_memory_gib", "reason", "cp", "ep"]
-"""Layout columns by their short names (autoplan/layout.py VOCABULARY)."""
+                     "microbatch", "microbatches", "recompute", "recompute_modules", "offload", "compile",
+                     "gradient_sync", "fits", "step_time_s", "peak_memory_gib", "host_memory_gib", "reason", "cp", "ep"]
+"""Layout columns by their short names (autoplan/layout.py VOCABULARY). gradient_sync is "collectives" for every
+searched layout and "parameter_server" for the one row that prices a parameter server (solve/parameter_server.py)."""
 
 
 def ops_frame(profile: ModelProfile) -> pd.DataFrame:
@@ -59,29 +60,55 @@ def modules_frame(profile: ModelProfile, ops: pd.DataFrame | None = None) -> pd.
     return frame.sort_values(["depth", "module"], kind="stable").reset_index(drop=True)
 
 
-def candidates_frame(candidates: tuple[Any, ...], best: Any) -> pd.DataFrame:
-    """Every layout tried, fastest fitting first, with why it lost."""
-    ordered = sorted(candidates, key=lambda c: (c is not best, not c.fits,
-                                                c.predicted.step_time_s if c.predicted else float("inf")))
-    rows = []
-    for rank, c in enumerate(ordered, start=1):
-        p = c.parallelism
-        rows.append({
-            "rank": rank, "dp_replicate": p.data_parallel_replicate_degree, "dp_shard": p.data_parallel_shard_degree,
-            "reshard": p.fsdp_reshard_after_forward, "tp": p.tensor_parallel_degree,
-            "sp": "on" if p.enable_sequence_parallel else "off", "pp": p.pipeline_parallel_degree,
-            "schedule": p.pipeline_parallel_schedule, "virtual_stages": p.pipeline_parallel_virtual_stages,
-            "microbatch": p.pipeline_parallel_microbatch_size, "microbatches": p.pipeline_parallel_num_microbatches,
-            "recompute": p.activation_checkpoint, "recompute_modules": len(c.activation_checkpoint_modules),
-            "offload": "cpu" if p.enable_cpu_offload else "none", "compile": "on" if c.compile else "off",
-            "fits": c.fits,
-            "step_time_s": c.predicted.step_time_s if c.predicted else None,
-            "peak_memory_gib": c.predicted.peak_memory_bytes / 2**30 if c.predicted else None,
-            "host_memory_gib": c.predicted.host_memory_per_node_bytes / 2**30 if c.predicted else None,
-            "reason": "chosen" if c is best else c.reason,
-            "cp": p.context_parallel_degree, "ep": p.expert_parallel_degree,
-        })
+def candidates_frame(candidates: tuple[Any, ...], best: Any, parameter_server: Any = None) -> pd.DataFrame:
+    """Every layout tried, fastest fitting first, with why it lost; with `parameter_server`
+    (solve.parameter_server.ParameterServerLayout) its row too, in its place by fit and step time."""
+    keyed = [((c is not best, not c.fits, c.predicted.step_time_s if c.predicted else float("inf")), _row(c, best))
+             for c in candidates]
+    if parameter_server is not None:
+        ps = parameter_server
+        keyed.append(((True, not ps.fits, ps.step_time_s), _parameter_server_row(ps)))
+    rows = [{**row, "rank": rank} for rank, (_, row) in enumerate(sorted(keyed, key=lambda k: k[0]), start=1)]
     return pd.DataFrame(rows, columns=CANDIDATE_COLUMNS)
+
+
+def _row(c: Any, best: Any) -> dict[str, Any]:
+    """A searched layout's columns (all but rank)."""
+    p = c.parallelism
+    return {
+        "dp_replicate": p.data_parallel_replicate_degree, "dp_shard": p.data_parallel_shard_degree,
+        "reshard": p.fsdp_reshard_after_forward, "tp": p.tensor_parallel_degree,
+        "sp": "on" if p.enable_sequence_parallel else "off", "pp": p.pipeline_parallel_degree,
+        "schedule": p.pipeline_parallel_schedule, "virtual_stages": p.pipeline_parallel_virtual_stages,
+        "microbatch": p.pipeline_parallel_microbatch_size, "microbatches": p.pipeline_parallel_num_microbatches,
+        "recompute": p.activation_checkpoint, "recompute_modules": len(c.activation_checkpoint_modules),
+        "offload": "cpu" if p.enable_cpu_offload else "none",
+        "compile": "on" if getattr(c, "compile", False) else "off", "gradient_sync": "collectives",
+        "fits": c.fits,
+        "step_time_s": c.predicted.step_time_s if c.predicted else None,
+        "peak_memory_gib": c.predicted.peak_memory_bytes / 2**30 if c.predicted else None,
+        "host_memory_gib": c.predicted.host_memory_per_node_bytes / 2**30 if c.predicted else None,
+        "reason": "chosen" if c is best else c.reason,
+        "cp": p.context_parallel_degree, "ep": p.expert_parallel_degree,
+    }
+
+
+def _parameter_server_row(ps: Any) -> dict[str, Any]:
+    """The parameter-server layout's columns: its workers' layout, gradient_sync=parameter_server, the servers'
+    host memory per node."""
+    p = ps.parallelism
+    return {
+        "dp_replicate": p.data_parallel_replicate_degree, "dp_shard": p.data_parallel_shard_degree,
+        "reshard": p.fsdp_reshard_after_forward, "tp": p.tensor_parallel_degree, "sp": "off",
+        "pp": p.pipeline_parallel_degree, "schedule": p.pipeline_parallel_schedule,
+        "virtual_stages": p.pipeline_parallel_virtual_stages, "microbatch": p.pipeline_parallel_microbatch_size,
+        "microbatches": p.pipeline_parallel_num_microbatches, "recompute": p.activation_checkpoint,
+        "recompute_modules": 0, "offload": "none", "compile": "on" if ps.compile else "off",
+        "gradient_sync": "parameter_server",
+        "fits": ps.fits, "step_time_s": ps.step_time_s, "peak_memory_gib": ps.peak_memory_bytes / 2**30,
+        "host_memory_gib": ps.host_memory_per_node_bytes / 2**30, "reason": ps.reason,
+        "cp": p.context_parallel_degree, "ep": p.expert_parallel_degree,
+    }
 
 
 def stages_frame(plan) -> pd.DataFrame:
@@ -101,4 +128,5 @@ def write_csvs(result, out: Path) -> None:
     stages_frame(result.plan).to_csv(out / "stages.csv", index=False)
     best = next((c for c in result.candidates if c.fits and c.parallelism == result.plan.parallelism
                  and c.stages == result.plan.stages and c.compile == result.plan.compile.enable), None)
-    candidates_frame(result.candidates, best).to_csv(out / "candidates.csv", index=False)
+    parameter_server = getattr(result, "parameter_server", None)
+    candidates_frame(result.candidates, best, parameter_server).to_csv(out / "candidates.csv", index=False)

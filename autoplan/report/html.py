@@ -101,7 +101,7 @@ def render_report(result, verify: dict | None = None, scaling: list[tuple] | Non
         ("modules", "Time per module", modules_section(result)),
         ("schedule", "Schedule", schedule_section(plan)),
         ("candidates", "Candidates", candidates_section(plan, candidates, best)),
-        ("why-not", "Why not", why_not_section(plan, candidates, best)),
+        ("why-not", "Why not", why_not_section(plan, candidates, best, getattr(result, "parameter_server", None))),
         ("scaling", "Scaling", scaling_section(scaling) if scaling else ""),
     ]
     nav = "".join(f'<a href="#{key}">{title}</a>' for key, title, body in sections if body)
@@ -254,12 +254,15 @@ def _candidate_row(rank: int, c: Any, best: Any) -> str:
     return f'<tr class="{"chosen" if c is best else ""}">{"".join(cells)}</tr>'
 
 
-def why_not_section(plan, candidates: tuple[Any, ...], best: Any) -> str:
+def why_not_section(plan, candidates: tuple[Any, ...], best: Any, parameter_server: Any = None) -> str:
+    """The runners-up and why they lost; with `parameter_server` (solve.parameter_server.ParameterServerLayout)
+    also the parameter-server layout with its arithmetic."""
     alternatives = list(plan.alternatives)
     if not alternatives:
         alternatives = [Alternative.of(c) for c in ranked_candidates(candidates, best) if c is not best][:5]
+    server = parameter_server_html(plan, parameter_server) if parameter_server is not None else ""
     if not alternatives:
-        return ""
+        return f"<h2>Why not a parameter server?</h2>{server}" if server else ""
     chosen = plan.predicted.step_time_s
     items = []
     for alt in alternatives:
@@ -275,7 +278,46 @@ def why_not_section(plan, candidates: tuple[Any, ...], best: Any) -> str:
                      f"<div>{esc(', '.join(facts))}</div>"
                      f"<div class=\"reason\">{esc(alt.reason)}</div></li>")
     return ('<h2>Why not the next best layouts?</h2><p class="lead">The closest runners-up and what ruled them '
-            'out.</p><ol class="why">' + "".join(items) + "</ol>")
+            'out.</p><ol class="why">' + "".join(items) + "</ol>" + (f"<h3>Why not a parameter server?</h3>{server}"
+                                                                     if server else ""))
+
+
+def parameter_server_html(plan, ps: Any) -> str:
+    """The parameter-server layout of the same model (solve/parameter_server.py): its step time term by term
+    beside the ring all-reduce DDP runs over the same GPUs, and why it lost."""
+    chosen = plan.predicted.step_time_s
+    gb = 1e9
+    rate = f"{ps.link_bytes_per_s / gb:.3g} GB/s"
+
+    def moved(nbytes: float) -> str:  # the transfer's arithmetic at the end that bounds it
+        if ps.sync.bottleneck == "server links":
+            return f"{ps.workers} × {nbytes / gb:.3g} GB / ({plural(ps.servers, 'server link')} × {rate})"
+        return f"{nbytes / gb:.3g} GB / {rate} (each worker's link)"
+
+    badge = '<span class="badge ok">fits</span>' if ps.fits else '<span class="badge bad">does not fit</span>'
+    rows = [
+        ("workers' compute (forward, backward; the replica under DDP without its all-reduce and optimizer step)",
+         ps.compute_s, ""),
+        ("push: every worker's fp32 gradients to the servers", ps.sync.push_s, moved(ps.gradient_bytes)),
+        ("pull: the updated weights to every worker", ps.sync.pull_s, moved(ps.parameter_bytes)),
+        ("AdamW on the servers' CPUs", ps.server_update_s, f"1/{ps.servers} of the parameters each"),
+        ("step", ps.step_time_s, f"{ps.step_time_s / chosen:.3g}× the chosen layout's {fmt_seconds(chosen)}"
+         if chosen > 0 else ""),
+        ("for comparison: ring all-reduce of the same gradients (DDP)", ps.ring_all_reduce_s,
+         f"over the {ps.workers} GPUs; push + pull take {ps.sync.step_s / ps.ring_all_reduce_s:.3g}× as long"
+         if ps.ring_all_reduce_s > 0 else ""),
+    ]
+    cells = "".join(f'<tr><td>{esc(what)}</td><td class="n">{fmt_seconds(seconds)}</td><td>{esc(note)}</td></tr>'
+                    for what, seconds, note in rows)
+    return (f'<p class="lead">The same model under a synchronous parameter server: {ps.workers} workers, each a '
+            f"whole replica, and {plural(ps.servers, 'server shard')} holding the weights and AdamW state "
+            f"({fmt_bytes(ps.peak_memory_bytes)} per GPU {badge}). A server's link carries every worker's share, so "
+            "with fewer server links than workers it moves workers/servers times what a ring all-reduce moves per "
+            "link; with one per worker it would be the reduce-scatter and all-gather that DDP's all-reduce and FSDP "
+            "already run, without the server hosts. Horovod's ring all-reduce is that same collective (NCCL or MPI): "
+            "the program uses PyTorch's own.</p>"
+            '<table><tr><th>term</th><th class="n">seconds</th><th>arithmetic</th></tr>'
+            f"{cells}</table><p class='lead'>Why it lost: {esc(ps.reason)}</p>")
 
 
 def scaling_section(points: list[tuple]) -> str:

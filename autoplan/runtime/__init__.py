@@ -1,6 +1,6 @@
 """Helpers the generated train.py imports: mesh, data, pipeline split, parallel wrappers, steps,
-initial weights, checkpoints and metrics; RUNTIME_API, the version of that interface, which a train.py
-checks first (check_runtime_api).
+initial weights, checkpoints, metrics and TensorBoard logging (--tensorboard); RUNTIME_API, the version
+of that interface, which a train.py checks first (check_runtime_api).
 
 Kept out of train.py so the program reads top to bottom like a plain training script. Everything
 here is PyTorch's own parallelism (DDP, FSDP2, DTensor tensor parallel, torch.distributed.pipelining,
@@ -23,13 +23,16 @@ from autoplan.runtime.parallel import (TiedGradients, compute_dtype, peak_memory
 from autoplan.runtime.recompute import checkpoint_modules
 from autoplan.runtime.split import PipelineSplit, TiedParameter, split_model
 from autoplan.runtime.steps import AccumulationStep, PipelineStep
+from autoplan.runtime.tensorboard import TensorBoardLog, default_log_dir
 from autoplan.runtime.tensor_parallel import restore_linears, tensor_parallel, tensor_parallel_context
 
 __all__ = [
     "AccumulationStep", "Checkpointer", "MISMATCH_EXIT_CODE", "ModelPart", "NoDropout", "PeakLiveMemory",
-    "PipelineSplit", "PipelineStep", "RUNTIME_API", "RankLayout", "StepMetrics", "TensorEntry", "TiedGradients",
+    "PipelineSplit", "PipelineStep", "RUNTIME_API", "RankLayout", "StepMetrics", "TensorBoardLog", "TensorEntry",
+    "TiedGradients",
     "TiedParameter", "TrainingData", "adamw", "build_on_meta", "call_model", "catalog", "check_runtime_api",
-    "checkpoint_modules", "compile_modules", "compute_dtype", "compute_loss", "default_loss", "gather_rank_metrics",
+    "checkpoint_modules", "compile_modules", "compute_dtype", "compute_loss", "default_log_dir", "default_loss",
+    "gather_rank_metrics",
     "global_mean_loss",
     "init_mesh", "local_stages", "materialize", "microbatches", "model_args", "peak_memory_bytes",
     "replicate_data_parallel", "restore_linears", "runtime_api_mismatch", "shard", "shard_data_parallel", "split_model",

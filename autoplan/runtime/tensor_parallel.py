@@ -12,7 +12,8 @@ Sequence parallelism (`sequence_parallel`, Korthikanti et al. 2022): the ops bet
 dropout, residual adds) run on sequence shards. A row-parallel Linear reduce-scatters its partial
 outputs onto the sequence dimension (RowwiseParallel(output_layouts=Shard(1))) instead of all-reducing
 them, and a column-parallel Linear all-gathers its sequence-sharded input (ColwiseParallel(input_layouts=
-Shard(1))). Between them the residual stream is a DTensor sharded on dim 1 (batch-first [b, s, h], as
+Shard(1)); runtime/sequence_gather.py gathers once per shared input and keeps the shard for backward, as
+Megatron-LM does). Between them the residual stream is a DTensor sharded on dim 1 (batch-first [b, s, h], as
 unmodified PyTorch and Hugging Face models are): DTensor runs the norms and adds on each rank's shard.
 The parameters the plan does not shard (norm weights, biases, position tables) become replicated
 DTensors on the tensor-parallel mesh, as SequenceParallel does for a norm, so their gradients, computed
@@ -39,6 +40,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from autoplan.errors import UserError
+from autoplan.runtime.sequence_gather import SequenceGather
 
 STYLES = ("colwise", "rowwise")
 
@@ -56,6 +58,7 @@ def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, s
     if isinstance(module, fx.GraphModule):
         plan = _stage_plan(module, plan, chain_modules)
     styles = {}
+    gather = SequenceGather()
     for fqn, style in plan.items():
         try:
             layer = module.get_submodule(fqn)
@@ -82,10 +85,13 @@ def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, s
         colwise = Conv1DColwiseParallel if conv1d else ColwiseParallel
         if style == "colwise" and sequence_parallel:
             layer.register_forward_pre_hook(_plain_input_replicated(tp_mesh))  # runs before ColwiseParallel's
+            gather.attach(layer)  # then this: one all-gather per shared input, its shard kept for backward
             styles[fqn] = colwise(input_layouts=Shard(1), use_local_output=False)
         elif style == "colwise":  # a pair's first half, or the head: its logits stay sharded on the vocabulary
             styles[fqn] = colwise(use_local_output=False)
         else:
+            if sequence_parallel:
+                gather.attach_release(layer)  # the region's gathered input is not read after this
             styles[fqn] = (Conv1DRowwiseParallel if conv1d else SequenceRowwiseParallel)(
                 input_layouts=Shard(-1), output_layouts=Shard(1) if sequence_parallel else Replicate(),
                 use_local_output=not sequence_parallel)
@@ -93,6 +99,7 @@ def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, s
     parallelize_module(module, tp_mesh, styles)
     _retie(module, ties)
     if sequence_parallel:
+        gather.attach_release(module)
         replicate_parameters(module, tp_mesh)
         if isinstance(module, fx.GraphModule):
             _drop_metadata_asserts(module)

@@ -58,6 +58,8 @@ class Family:
     """Sequence parallel between the tensor-parallel pairs (only with tp > 1)."""
     offload: bool = False
     """FSDP2 keeps the model states on the host (CPU offload; only with resharding, pp = 1)."""
+    loss_parallel: bool = True
+    """The loss runs on the vocabulary-parallel head's sharded logits (off when the loss_fn cannot)."""
     cp: int = 1
     """Context-parallel degree (the model states are sharded over dp_shard x cp)."""
     ep: int = 1
@@ -82,6 +84,7 @@ def scope_of(ctx: Context) -> Scope:
                  whole_reason=ctx.chain.whole_reason, features=ctx.features,
                  tensor_parallel_problems=ctx.facts.problems,
                  sequence_parallel_problem=ctx.facts.sequence_parallel_problem, batch_norm_modules=ctx.batch_norm_modules,
+                 loss_parallel_problem=ctx.loss_parallel_problem,
                  host_link=ctx.cluster.hardware.host.link_bandwidth_bytes_per_s > 0,
                  sequence_length=ctx.attention.sequence_length,
                  context_parallel_problem=ctx.attention.context_parallel_problem,
@@ -125,7 +128,7 @@ def _sharded_families(pins: Layout, scope: Scope, tp: int, cp: int, ep: int, pp:
         sp = sequence_parallel(pins, tp, scope)
         for offload in _offload_options(pins, shard * cp, reshard, scope):
             family = Family(tp=tp, pp=pp, dp_replicate=dp // shard, dp_shard=shard, reshard=reshard, sp=sp,
-                            offload=offload, cp=cp, ep=ep)
+                            offload=offload, loss_parallel=not scope.loss_parallel_problem, cp=cp, ep=ep)
             layout = replace(pins, dp=dp, dp_replicate=dp // shard, dp_shard=shard,
                              reshard="always" if reshard else "never", tp=tp, pp=pp, cp=cp, ep=ep,
                              sp="on" if sp else pins.sp, offload="cpu" if offload else "none")
@@ -263,6 +266,7 @@ def parallelism(family: Family, variant: Variant, recompute: str) -> Parallelism
         activation_checkpoint=recompute,
         pipeline_parallel_virtual_stages=variant.virtual_stages,
         enable_sequence_parallel=family.sp,
+        disable_loss_parallel=family.tp > 1 and not family.loss_parallel,
         enable_cpu_offload=family.offload,
         context_parallel_degree=family.cp,
         expert_parallel_degree=family.ep,

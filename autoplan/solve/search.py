@@ -35,6 +35,7 @@ from autoplan.solve.dp import leanest_assignment, solve_dp
 from autoplan.solve.ilp import solve_ilp
 from autoplan.solve.ilp_backend import resolve_solver
 from autoplan.solve.infeasible import infeasible_message
+from autoplan.solve.parameter_server import ParameterServerLayout, parameter_server_layout
 from autoplan.solve.split import Slower, greedy_split
 
 TIE_TOLERANCE = 0.01
@@ -61,6 +62,8 @@ class SearchResult:
     context: Context
     """The profile priced on the cluster (its module tables cached): Context.at prices more layouts of the
     same model at other GPU counts without pricing its modules again."""
+    parameter_server: ParameterServerLayout | None = None
+    """The same model under a parameter server, priced to say why it lost (solve/parameter_server.py)."""
 
 
 def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: Layout = Layout(),
@@ -86,7 +89,7 @@ def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: La
     info = dataclasses.replace(info, name="pinned" if fully_pinned else info.name,
                                time_s=time.perf_counter() - started, candidates_evaluated=considered)
     return SearchResult(best=best, candidates=tuple((ranked + rest)[:MAX_LISTED]), solver=info, chain=ctx.chain,
-                        context=ctx)
+                        context=ctx, parameter_server=parameter_server_layout(ctx, best))
 
 
 @dataclass(frozen=True)
@@ -222,7 +225,7 @@ def family_memory_bound(ctx: Context, fam: layouts.Family) -> float:
 
 def time_lower_bound(ctx: Context, fam: layouts.Family, var: layouts.Variant, pinned: bool) -> float:
     """(m + (p - 1) / v) x the slowest rank's slot if the fastest module times balanced perfectly."""
-    table = ctx.table(fam.tp, var.microbatch, fam.sp, fam.cp, fam.ep)
+    table = ctx.table(fam.tp, var.microbatch, fam.sp, cp=fam.cp, ep=fam.ep)
     mode = "none" if not pinned else var.recompute
     slot = table.total_s[mode] / fam.pp
     return (var.microbatches + (fam.pp - 1) / var.virtual_stages) * slot

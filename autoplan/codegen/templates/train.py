@@ -19,7 +19,7 @@ import torch.distributed as dist
 from autoplan import runtime
 from autoplan.source import load_source
 
-RUNTIME_API = 3  # the version of autoplan.runtime's interface this program was generated for
+RUNTIME_API = 4  # the version of autoplan.runtime's interface this program was generated for
 
 # ----------------------------------------------------------------------------------------------
 # The plan (numbers from plan.json)
@@ -49,6 +49,7 @@ COMPILE = False
 TOKENS_PER_SAMPLE = None
 MODEL_FLOPS_PER_STEP = 0.0
 PEAK_FLOPS_PER_GPU = None
+PREDICTED = {}
 TENSOR_PARALLEL_PLAN = {}
 RECOMPUTE_MODULES = []
 BATCH_NORM_MODULES = []
@@ -70,6 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     parser.add_argument("--losses-out", type=Path, help="write the per-step losses here (JSON list)")
     parser.add_argument("--metrics-out", type=Path, help="write losses, step times and peak memory here (JSON)")
+    parser.add_argument("--tensorboard", type=Path, nargs="?", const=runtime.default_log_dir(__file__), metavar="DIR",
+                        help="log every step's loss, step time, throughput, MFU and peak memory beside the plan's "
+                             "predictions (PREDICTED) for TensorBoard, from rank 0, into DIR; without DIR into "
+                             "tensorboard/<UTC date-time>/ beside this file (needs the tensorboard package)")
     parser.add_argument("--reference", action="store_true",
                         help="train the unsplit model on one device on the whole global batch (no torchrun)")
     parser.add_argument("--no-dropout", action="store_true",
@@ -140,6 +145,7 @@ def build_parallel_model(model_source, mesh, rank, device, dtype, compile_module
 def main(argv=None) -> list[float]:
     runtime.check_runtime_api(RUNTIME_API)  # before anything else: one line and exit 2 if autoplan differs
     args = parse_args(argv)
+    board = runtime.TensorBoardLog(args.tensorboard, PREDICTED)  # one line and exit 2 without the package
     device = torch.device(args.device)
     model_source = load_source(f"{MODEL_SOURCE if args.model_file == 'planned' else MODEL_FILE}:{FACTORY}")
     dropout = runtime.NoDropout(enabled=args.no_dropout)  # entered around the training steps only
@@ -188,10 +194,12 @@ def main(argv=None) -> list[float]:
             tied.sum_gradients()
             optimizer.step()
         losses.append(runtime.global_mean_loss(local_loss, rank, device))  # mean over the global batch
-        metrics.record(step, losses[-1], time.perf_counter() - start, device, verbose=rank.rank == 0)
+        entry = metrics.record(step, losses[-1], time.perf_counter() - start, device, verbose=rank.rank == 0)
+        board.add_step(entry)  # --tensorboard: measured beside predicted, rank 0 only
         if checkpoints.due(step + 1, args.steps, args.checkpoint_every):
             checkpoints.save(step + 1)
 
+    board.close()
     if rank.rank == 0 and args.losses_out:
         args.losses_out.write_text(json.dumps(losses))
     if args.metrics_out:  # every rank's own step times and peak memory, written by rank 0

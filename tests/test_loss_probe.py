@@ -1,0 +1,38 @@
+"""The planner finds, before any program runs, a loss_fn that cannot run on the vocabulary-parallel head's
+sharded logits (profile/loss_probe.py): the plan gathers them (disable_loss_parallel), prices that, and says
+why; a cross-entropy keeps loss parallel on."""
+
+from pathlib import Path
+
+import pytest
+
+from autoplan.api import plan_model
+from autoplan.profile.loss_probe import loss_parallel_problem
+from autoplan.source import load_source
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOOTHED = Path(__file__).resolve().parent / "models" / "smoothed_gpt.py"
+
+
+@pytest.mark.parametrize("spec", ["examples/gpt.py", "examples/llama.py", "examples/hf_gpt2.py"])
+def test_cross_entropy_runs_on_sharded_logits(spec):
+    assert loss_parallel_problem(load_source(str(ROOT / spec)), 2) == ""
+
+
+def test_hand_written_label_smoothing_is_found_and_named():
+    problem = loss_parallel_problem(load_source(str(SMOOTHED)), 2)
+    assert problem.startswith("loss_fn applies aten.gather to the logits"), problem
+
+
+def test_the_plan_gathers_the_logits_and_says_why():
+    smoothed = plan_model(str(SMOOTHED), 8, "h100-sxm5-80gb", pin="tp=2")
+    plain = plan_model(str(ROOT / "examples" / "gpt.py"), 8, "h100-sxm5-80gb", pin="tp=2")
+    assert smoothed.plan.parallelism.disable_loss_parallel
+    assert not plain.plan.parallelism.disable_loss_parallel
+    assert any(line.startswith("no loss parallel") and "aten.gather" in line for line in smoothed.not_planned)
+    assert not any(line.startswith("no loss parallel") for line in plain.not_planned)
+    # priced as run: every rank holds the gathered logits whole (one all-gather replaces three all-reduces of
+    # a number per token, which on this small model is the cheaper of the two)
+    assert smoothed.plan.parallelism == plain.plan.parallelism.__class__(
+        **{**plain.plan.parallelism.__dict__, "disable_loss_parallel": True})
+    assert smoothed.plan.predicted.peak_memory_bytes > plain.plan.predicted.peak_memory_bytes
