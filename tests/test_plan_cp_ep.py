@@ -9,14 +9,14 @@ from chain_fixtures import cluster, gpt_profile
 from autoplan.chain.attention import attention_facts
 from autoplan.cost.compute import ModuleTable, ShardedModules, sharded_table
 from autoplan.cost.context import Context
-from autoplan.cost.evaluate import build_problem
+from autoplan.cost.evaluate import build_problem, with_memory_without_cp_ep
 from autoplan.cost.memory import MemoryInputs, layout_memory
 from autoplan.errors import UserError
 from autoplan.layout import ALL_FEATURES, SUPPORTED, Layout, Scope, problems
 from autoplan.plan import Parallelism, _build
 from autoplan.solve.pins import parse_pins
-from autoplan.solve.search import search
 from autoplan.plan import Training
+from autoplan.solve.search import search, try_layout
 
 CP_EP = SUPPORTED | {"cp", "ep"}
 
@@ -133,8 +133,7 @@ def test_context_parallel_halves_activations_and_prices_the_exposed_ring():
                       pipeline_parallel_num_microbatches=2)
     problem = build_problem(ctx, par, ("none",))
     assert problem.memory_cap_bytes > 0
-    from autoplan.solve.search import try_layout
     priced = try_layout(ctx, par, ("none",))
     assert priced.predicted.time_breakdown["context_parallel_comm"] == pytest.approx(2 * layers * per_layer, rel=1e-3)
-    whole = priced.predicted.peak_memory_without_context_parallel_bytes
+    whole = with_memory_without_cp_ep(ctx, priced, ("none",)).predicted.peak_memory_without_context_parallel_bytes
     assert whole is not None and whole > priced.predicted.peak_memory_bytes

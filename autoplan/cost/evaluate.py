@@ -197,9 +197,6 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     if tp > 1 and par.enable_sequence_parallel:  # the same layout's activations with sp=off, for the report
         plain = build_problem(ctx, replace(par, enable_sequence_parallel=False), problem.modes)
         without_sp = plain.rank_breakdown(peak.index % pp, assignment).get("activations")
-    without = {name: _peak_without(ctx, replace(par, **{field: 1}), problem, assignment, peak.index % pp)
-               for name, field, degree in (("cp", "context_parallel_degree", cp), ("ep", "expert_parallel_degree", ep))
-               if degree > 1}
     flops = model_flops_per_step(chain, ctx.training.global_batch_size)
     tokens = ctx.training.tokens_per_sample or chain.tokens_per_sample
     batch = ctx.training.global_batch_size
@@ -208,8 +205,6 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
         model_flops_per_step=flops, mfu=mfu(flops, step, par.world_size, gpu, ctx.dtype),
         peak_memory_bytes=peak.predicted_memory_bytes, memory_breakdown=dict(peak.memory_breakdown),
         time_breakdown=breakdown, activations_without_sequence_parallel_bytes=without_sp,
-        peak_memory_without_context_parallel_bytes=without.get("cp"),
-        peak_memory_without_expert_parallel_bytes=without.get("ep"),
         host_memory_per_node_bytes=offload_host_bytes(ctx, par) if par.enable_cpu_offload else 0.0)
     recomputed = tuple(chain.fqns[u] for u in range(n) if modes[u] != "none")
     mode = next((k for k in modes if k != "none"), "none")
@@ -220,9 +215,25 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
                      activation_checkpoint_modules=recomputed, assignment=assignment, compile=ctx.compiled)
 
 
-def _peak_without(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: Assignment, rank: int) -> float:
-    """Memory of pipeline rank `rank` with `assignment` in `par` (the layout with cp or ep set back to 1)."""
-    return sum(build_problem(ctx, par, problem.modes).rank_breakdown(rank, assignment).values())
+def with_memory_without_cp_ep(ctx: Context, candidate: Candidate, modes: tuple[str, ...]) -> Candidate:
+    """`candidate` with Prediction.peak_memory_without_context_parallel_bytes and ..._expert_parallel_bytes: its
+    most loaded rank's memory with the same split and cp (or ep) set back to 1, for the report (computed for the
+    chosen layout only: the search never needs it)."""
+    par, predicted = candidate.parallelism, candidate.predicted
+    if predicted is None or candidate.assignment is None:
+        return candidate
+    rank = max(candidate.stages, key=lambda st: st.predicted_memory_bytes).index % par.pipeline_parallel_degree
+
+    def peak(changed: Parallelism) -> float:
+        return sum(build_problem(ctx, changed, modes).rank_breakdown(rank, candidate.assignment).values())
+
+    if par.context_parallel_degree > 1:
+        predicted = replace(predicted, peak_memory_without_context_parallel_bytes=peak(
+            replace(par, context_parallel_degree=1)))
+    if par.expert_parallel_degree > 1:
+        predicted = replace(predicted, peak_memory_without_expert_parallel_bytes=peak(
+            replace(par, expert_parallel_degree=1)))
+    return replace(candidate, predicted=predicted)
 
 
 def ranks_per_node(ctx: Context, par: Parallelism) -> int:

@@ -9,7 +9,8 @@ The search's own scope (not validity): reshard=never shards over every data-para
 power of two of nodes. Context parallelism (when the features allow it and the model's attention can ring):
 cp x tp within a node, and only while each rank keeps at least MIN_CONTEXT_PARALLEL_TOKENS of a sequence
 (shorter shards make every ring step latency-bound, and short sequences need no cp). Expert parallelism (for
-models with expert layers): every ep dividing each layer's expert count and dp x cp.
+models with expert layers): every ep dividing each layer's expert count and the FSDP group dp_shard x cp
+(torchtitan's own rule; the layout rule and a pin accept any ep dividing dp x cp, e.g. with DDP).
 """
 
 from __future__ import annotations
@@ -124,6 +125,8 @@ def _sharded_families(pins: Layout, scope: Scope, tp: int, cp: int, ep: int, pp:
     out = []
     for shard, reshard in _sharding_options(pins, dp, features, cp):
         if 1 < shard < dp and not _whole_nodes(shard * cp * tp, per_node):
+            continue
+        if ep > 1 and (shard * cp) % ep and pins.ep is None:  # torchtitan borrows ep from dp_shard x cp only
             continue
         sp = sequence_parallel(pins, tp, scope)
         for offload in _offload_options(pins, shard * cp, reshard, scope):

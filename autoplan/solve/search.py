@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from autoplan.chain.modules import ModuleChain
 from autoplan.cost.context import Context, gib
-from autoplan.cost.evaluate import Candidate, build_problem, evaluate, host_oom_reason, oom_reason
+from autoplan.cost.evaluate import (Candidate, build_problem, evaluate, host_oom_reason, oom_reason,
+                                    with_memory_without_cp_ep)
 from autoplan.cost.memory import model_state_bytes, zero_of
 from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster
@@ -81,6 +82,8 @@ def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: La
         raise infeasible_message(ctx, pins, tried + pruned)
     chosen = choose(fitting)
     best, info = refine_with_ilp(ctx, chosen, pins.recompute is not None, solver, time_limit_s)
+    best = with_memory_without_cp_ep(ctx, best, layouts.modes_for(best.parallelism.activation_checkpoint,
+                                                                  pins.recompute is not None))
     others = [dataclasses.replace(c, reason=_losing_reason(c, best)) for c in fitting if c is not chosen]
     twin = compile_twin(ctx, best, pins, pins.recompute is not None)
     ranked = [best] + sorted(others + ([twin] if twin else []), key=_by_time)
@@ -315,10 +318,10 @@ def _partial_recompute(c: Candidate) -> int:
 
 def _losing_reason(c: Candidate, best: Candidate) -> str:
     percent = (c.predicted.step_time_s - best.predicted.step_time_s) / best.predicted.step_time_s * 100
-    if percent < 0:
+    if percent < 0 and c.parallelism.sharded and not best.parallelism.sharded:
         return (f"{-percent:.1f}% faster, but shards the model states: DDP is kept within "
                 f"{SHARDING_MARGIN:.0%} (FSDP hooks and bookkeeping are not priced)")
-    if percent <= TIE_TOLERANCE * 100:
+    if abs(percent) <= TIE_TOLERANCE * 100:  # a faster one in the tie lost to the simpler best
         return f"{percent:+.2f}% step time vs the best, a tie within {TIE_TOLERANCE:.0%}: the best is simpler"
     digits = 0 if percent >= 1 else 1
     offloads = c.parallelism.enable_cpu_offload and not best.parallelism.enable_cpu_offload
