@@ -137,3 +137,25 @@ def test_context_parallel_halves_activations_and_prices_the_exposed_ring():
     assert priced.predicted.time_breakdown["context_parallel_comm"] == pytest.approx(2 * layers * per_layer, rel=1e-3)
     whole = with_memory_without_cp_ep(ctx, priced, ("none",)).predicted.peak_memory_without_context_parallel_bytes
     assert whole is not None and whole > priced.predicted.peak_memory_bytes
+
+
+def test_the_report_names_cp_and_ep_and_shows_memory_with_them_set_back_to_1():
+    from dataclasses import replace
+
+    from report_fixtures import make_plan
+
+    from autoplan.report.html import memory_section
+    from autoplan.report.rollup import describe_layout
+
+    plan = make_plan(pp=1, dp=2, microbatches=16)
+    plan = replace(plan, cluster=replace(plan.cluster, num_gpus=8), parallelism=replace(plan.parallelism, context_parallel_degree=4, expert_parallel_degree=2),
+                   predicted=replace(plan.predicted, peak_memory_without_context_parallel_bytes=50 * 2**30,
+                                     peak_memory_without_expert_parallel_bytes=30 * 2**30))
+    name = describe_layout(plan.parallelism)
+    assert "CP 4" in name and "EP 2" in name
+    html = memory_section(plan)
+    assert "Context parallelism" in html and "cp=1 would need 50 GiB" in html
+    assert "Expert parallelism" in html and "ep=1 would need 30 GiB" in html
+    restored = type(plan).from_json(plan.to_json())  # plan.json round trip with the new fields
+    assert restored.parallelism.context_parallel_degree == 4
+    assert restored.predicted.peak_memory_without_expert_parallel_bytes == 30 * 2**30
