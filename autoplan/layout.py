@@ -36,10 +36,14 @@ ALL_FEATURES = frozenset({
     "pp_scatter_gather",  # Megatron-LM's pipeline sends split over tensor-parallel ranks (not in torch)
     "tp_fused_split",     # Megatron-LM's fused qkv with interleaved weights, split per rank (not in torch TP)
     "offload", "compile",
+    "cp",                 # context parallelism (ring attention over SDPA); priced, not yet in train.py
+    "ep",                 # expert parallelism (all-to-all dispatch); priced, not yet in train.py
 })
 """Everything the cost model can price. Beyond SUPPORTED, two features of Megatron-LM that torch does not run,
-priced only when a caller asks for ALL_FEATURES (tests of the cost model on generated profiles); the search
-and autoplan.estimate, which benchmarks/accuracy.py prices the published runs with, never use them."""
+and context and expert parallelism, which the generated program does not run yet (runtime/context_parallel.py
+and runtime/expert_parallel.py exist; codegen does not call them), priced only when a caller asks for them
+(tests of the cost model; a search with features=ALL_FEATURES); the default search and autoplan.estimate,
+which benchmarks/accuracy.py prices the published runs with, never use them."""
 
 SUPPORTED = frozenset({
     "tp",                 # Megatron colwise/rowwise pairs (Plan.tensor_parallel_plan)
@@ -57,7 +61,11 @@ SUPPORTED = frozenset({
     "compile",            # torch.compile per chain module (inductor; its CPU backend too)
 })
 """What codegen can run. Remove a name to stop the search from emitting (or accepting a pin of) it.
-Not yet: pp_scatter_gather and tp_fused_split (not in torch)."""
+Not yet: pp_scatter_gather and tp_fused_split (not in torch), cp and ep (train.py does not wire them yet)."""
+
+CONTEXT_PARALLEL_CHUNKS = 2
+"""Chunks per context-parallel rank: torch's causal load balancing cuts each sequence into 2 x cp chunks and
+gives rank r chunks r and 2cp-1-r, so every rank computes as much of the causal triangle."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,10 @@ VOCABULARY = (
     Term("loss_parallel", "disable_loss_parallel", "on: the cross-entropy runs on the logits sharded on the "
          "vocabulary by the tensor-parallel head (loss_parallel); off: they are gathered first (plan.json stores "
          "the negation, torchtitan's name)"),
+    Term("cp", "context_parallel_degree", "ranks that split each sequence (ring attention over SDPA); the "
+         "model states are FSDP-sharded over dp_shard x cp, as torchtitan"),
+    Term("ep", "expert_parallel_degree", "ranks that split each expert layer's experts (all-to-all dispatch), "
+         "borrowed from the dp x cp ranks as torchtitan does: it does not multiply the GPU count"),
     Term("pp", "pipeline_parallel_degree", "pipeline ranks"),
     Term("schedule", "pipeline_parallel_schedule", "gpipe, 1f1b or interleaved"),
     Term("virtual_stages", "pipeline_parallel_virtual_stages", "stages per pipeline rank (interleaved)"),
@@ -122,6 +134,10 @@ class Layout:
     tp: int | None = None
     sp: str | None = None
     """"on" or "off" (SEQUENCE_PARALLEL); only matters when tp > 1."""
+    cp: int | None = None
+    """Context-parallel degree: ranks sharing each sequence (they multiply the GPU count with dp, tp, pp)."""
+    ep: int | None = None
+    """Expert-parallel degree: ranks sharing each expert layer's experts, taken from the dp x cp ranks."""
     pp: int | None = None
     schedule: str | None = None
     virtual_stages: int | None = None
@@ -175,6 +191,12 @@ class Scope:
     such head): the plan then gathers them (disable_loss_parallel)."""
     host_link: bool | None = None
     """The accelerators have a host-device link to offload to (False for CPU processes: the device is the host)."""
+    sequence_length: int | None = None
+    """Tokens per sequence the attention sees (what context parallelism splits)."""
+    context_parallel_problem: str | None = None
+    """Why the model's attention cannot run as a ring over sequence shards ("" if it can; chain/attention.py)."""
+    num_experts: tuple[int, ...] | None = None
+    """Experts of each expert layer (chain/experts.py), in graph order; () for a model without expert layers."""
 
 
 def problems(layout: Layout, scope: Scope) -> list[str]:
@@ -195,7 +217,8 @@ def schedule_problems(layout: Layout, scope: Scope) -> list[str]:
 def _values(layout: Layout, scope: Scope) -> list[str]:
     out = [f"{name}={value} must be at least 1" for name, value in
            (("dp", layout.dp), ("dp_replicate", layout.dp_replicate), ("dp_shard", layout.dp_shard),
-            ("tp", layout.tp), ("pp", layout.pp), ("virtual_stages", layout.virtual_stages),
+            ("tp", layout.tp), ("cp", layout.cp), ("ep", layout.ep), ("pp", layout.pp),
+            ("virtual_stages", layout.virtual_stages),
             ("microbatch", layout.microbatch), ("microbatches", layout.microbatches))
            if value is not None and value < 1]
     for name, value, allowed in (("schedule", layout.schedule, SCHEDULES), ("recompute", layout.recompute, RECOMPUTE),
@@ -238,6 +261,53 @@ def _features(layout: Layout, scope: Scope) -> list[str]:
         out.append("offload=cpu is not supported here")
     if layout.compile == "on" and "compile" not in have:
         out.append("compile=on is not supported here")
+    if _positive(layout.cp) and layout.cp > 1 and "cp" not in have:
+        out.append(f"context parallelism is priced but the generated program cannot run it yet (cp={layout.cp}; "
+                   f"use cp=1)")
+    if _positive(layout.ep) and layout.ep > 1 and "ep" not in have:
+        out.append(f"expert parallelism is priced but the generated program cannot run it yet (ep={layout.ep}; "
+                   f"use ep=1)")
+    return out
+
+
+def _context_parallel(layout: Layout, scope: Scope) -> list[str]:
+    """cp > 1 needs SDPA attention (torch's ring replaces it) and a sequence that splits into 2 x cp equal chunks
+    (causal load balancing, CONTEXT_PARALLEL_CHUNKS)."""
+    cp = layout.cp
+    if not _positive(cp) or cp == 1:
+        return []
+    out = []
+    if scope.context_parallel_problem:
+        out.append(f"cp={cp}: {scope.context_parallel_problem} (use cp=1)")
+    seq = scope.sequence_length
+    chunks = CONTEXT_PARALLEL_CHUNKS * cp
+    if seq is not None and seq % chunks:
+        out.append(f"cp={cp}: {CONTEXT_PARALLEL_CHUNKS} x cp = {chunks} load-balanced chunks does not divide the "
+                   f"sequence of {seq} tokens ({seq} % {chunks} = {seq % chunks})")
+    if scope.num_gpus is not None and scope.num_gpus % cp:
+        out.append(f"cp={cp} does not divide {scope.num_gpus} GPUs")
+    return out
+
+
+def _expert_parallel(layout: Layout, scope: Scope) -> list[str]:
+    """ep > 1 needs expert layers whose expert count it divides, and borrows its ranks from the data-parallel
+    and context-parallel ones (torchtitan's rule: ep divides dp x cp; the expert-parallel group is the innermost
+    ep of them)."""
+    ep = layout.ep
+    if not _positive(ep) or ep == 1:
+        return []
+    out = []
+    if scope.num_experts is not None and not scope.num_experts:
+        out.append(f"ep={ep}, but the model has no expert layers (a router's top-k over stacked expert weights) "
+                   f"to shard (use ep=1)")
+    for experts in sorted(set(scope.num_experts or ())):
+        if experts % ep:
+            out.append(f"ep={ep} does not divide the {experts} experts of an expert layer "
+                       f"({experts} % {ep} = {experts % ep})")
+    dp, cp = layout.data_parallel, layout.cp if _positive(layout.cp) else 1
+    if _positive(dp) and (dp * cp) % ep:
+        out.append(f"ep={ep} does not divide dp={dp} x cp={cp} = {dp * cp} (expert parallelism borrows its ranks "
+                   f"from the data- and context-parallel ones)")
     return out
 
 
@@ -268,11 +338,13 @@ def _sequence_parallel(layout: Layout, scope: Scope) -> list[str]:
 
 
 def _sharding(layout: Layout) -> tuple[bool, str] | None:
-    """(sharded, reshard) from zero or from dp_shard and reshard; None when not known."""
+    """(sharded, reshard) from zero or from dp_shard and reshard; None when not known. With cp > 1 the model
+    states are sharded over dp_shard x cp (FSDP over the context-parallel ranks too, as torchtitan)."""
     if layout.zero in ZERO_STAGES:
         return layout.zero > 0, "always" if layout.zero == 3 else "never"
     if _positive(layout.dp_shard):
-        return layout.dp_shard > 1, layout.reshard or "never"
+        cp = layout.cp if _positive(layout.cp) else 1
+        return layout.dp_shard * cp > 1, layout.reshard or "never"
     return None
 
 
@@ -309,14 +381,15 @@ def _degrees(layout: Layout, scope: Scope) -> list[str]:
     if _positive(layout.dp, layout.dp_replicate, layout.dp_shard) and \
             layout.dp != layout.dp_replicate * layout.dp_shard:
         out.append(f"dp={layout.dp} is not dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard}")
-    known = {k: v for k, v in (("dp", dp), ("tp", tp), ("pp", pp)) if _positive(v)}
+    cp = layout.cp if _positive(layout.cp) else 1
+    known = {k: v for k, v in (("dp", dp), ("cp", cp), ("tp", tp), ("pp", pp)) if _positive(v) and (k != "cp" or v > 1)}
     product = 1
     for value in known.values():
         product *= value
     shown = " x ".join(f"{k}={v}" for k, v in known.items())
-    if len(known) == 3 and product != gpus:
+    if len(known) == 3 + (cp > 1) and product != gpus:
         out.append(f"{shown} = {product}, not {gpus} GPUs")
-    elif len(known) == 2 and gpus % product and all(gpus % v == 0 for v in known.values()):
+    elif 2 <= len(known) < 3 + (cp > 1) and gpus % product and all(gpus % v == 0 for v in known.values()):
         out.append(f"{shown} = {product} does not divide {gpus} GPUs")
     return out
 
@@ -325,8 +398,12 @@ def _sharding_rules(layout: Layout, scope: Scope) -> list[str]:
     out = []
     if layout.zero == 0 and _positive(layout.dp_shard) and layout.dp_shard > 1:
         out.append(f"zero=0 (DDP) replicates, but dp_shard={layout.dp_shard}")
-    if layout.reshard == "always" and _positive(layout.dp_shard) and layout.dp_shard == 1:
+    cp = layout.cp if _positive(layout.cp) else 1
+    if layout.reshard == "always" and _positive(layout.dp_shard) and layout.dp_shard * cp == 1:
         out.append("reshard=always needs dp_shard > 1 (nothing is sharded to free after forward)")
+    if layout.zero == 0 and cp > 1:
+        out.append(f"zero=0 (DDP) with cp={cp}: context parallelism shards the model states over dp_shard x cp "
+                   f"(FSDP, as torchtitan; use zero=1, 2 or 3)")
     return out
 
 
@@ -429,6 +506,6 @@ def _batch_norm_text(modules: tuple[str, ...]) -> str:
     return f"BatchNorm module '{modules[0]}'{more}"
 
 
-RULES = (_values, _features, _sequence_parallel, _degrees, _sharding_rules, _offload, _batch, _schedule, _batch_norm_microbatches,
+RULES = (_values, _features, _sequence_parallel, _context_parallel, _expert_parallel, _degrees, _sharding_rules, _offload, _batch, _schedule, _batch_norm_microbatches,
          _batch_norm_pipeline, _batch_norm_recompute, _stages)
 """Every rule, in the order their messages read best."""

@@ -71,6 +71,15 @@ class Parallelism:
     enable_cpu_offload: bool = False
     """FSDP2 keeps the sharded parameters, gradients and optimizer state in host memory and the optimizer
     steps on the CPU (CPUOffloadPolicy; GPU only). Optional in schema 2 (absent: false)."""
+    context_parallel_degree: int = 1
+    """Ranks that split each sequence: attention runs as a ring over their sequence shards (torch's
+    context_parallel over SDPA, causal load balancing), every other op on seq/cp tokens. The model states are
+    FSDP-sharded over data_parallel_shard_degree x context_parallel_degree (torchtitan's dp_shard_cp), and
+    gradients are reduced over those ranks. Multiplies the world size. Optional in schema 2 (absent: 1)."""
+    expert_parallel_degree: int = 1
+    """Ranks that split each expert layer's experts (E/ep each), tokens dispatched and combined by all-to-all.
+    Borrowed from the data- and context-parallel ranks as torchtitan does (it divides dp x cp and does not
+    multiply the world size); the non-expert parameters stay data-parallel. Optional in schema 2 (absent: 1)."""
 
     @property
     def data_parallel_degree(self) -> int:
@@ -78,12 +87,19 @@ class Parallelism:
 
     @property
     def world_size(self) -> int:
-        return self.data_parallel_degree * self.tensor_parallel_degree * self.pipeline_parallel_degree
+        """dp x cp x tp x pp (ep borrows from dp x cp: it does not multiply)."""
+        return (self.data_parallel_degree * self.context_parallel_degree * self.tensor_parallel_degree
+                * self.pipeline_parallel_degree)
+
+    @property
+    def fsdp_shard_degree(self) -> int:
+        """Ranks FSDP2 shards the model states over: dp_shard x cp (torchtitan's dp_shard_cp mesh)."""
+        return self.data_parallel_shard_degree * self.context_parallel_degree
 
     @property
     def sharded(self) -> bool:
         """Parameters, gradients and optimizer state are sharded (FSDP2); else replicated (DDP)."""
-        return self.data_parallel_shard_degree > 1
+        return self.fsdp_shard_degree > 1
 
     @property
     def reshards_after_forward(self) -> bool:
@@ -98,7 +114,8 @@ class Parallelism:
                       microbatch=self.pipeline_parallel_microbatch_size,
                       microbatches=self.pipeline_parallel_num_microbatches, recompute=self.activation_checkpoint,
                       sp="on" if self.enable_sequence_parallel else "off",
-                      offload="cpu" if self.enable_cpu_offload else "none")
+                      offload="cpu" if self.enable_cpu_offload else "none", cp=self.context_parallel_degree,
+                      ep=self.expert_parallel_degree)
 
 
 @dataclass(frozen=True)
@@ -149,6 +166,12 @@ class Prediction:
     activations_without_sequence_parallel_bytes: float | None = None
     """With sequence parallelism on: memory_breakdown's "activations" of the same rank in the same layout
     without it (sp=off), bytes, so the saving shows; None otherwise."""
+    peak_memory_without_context_parallel_bytes: float | None = None
+    """With cp > 1: peak_memory_bytes's rank in the same layout at cp = 1 (its sequence whole, the model states
+    sharded over dp_shard only), bytes, so the saving shows; None otherwise. Optional in schema 2."""
+    peak_memory_without_expert_parallel_bytes: float | None = None
+    """With ep > 1: peak_memory_bytes's rank in the same layout at ep = 1 (every expert on every rank), bytes;
+    None otherwise. Optional in schema 2."""
     host_memory_per_node_bytes: float = 0.0
     """Host memory per node that CPU offload fills (every rank's shard of the model states), bytes; 0
     without offload."""

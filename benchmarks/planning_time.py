@@ -9,7 +9,9 @@ Profiles come from the GPT profile generator (the same numbers capture gives, te
 the last part times the real capture path (plan_model: torch.export on fake tensors + profile + search)
 for the 1.7B GPT of examples/gpt.py, the 1T GPT on 3072 GPUs against its published layout, and the whole
 `autoplan` command for that 1T GPT (benchmarks/models/megatron_gpt.py at the published shape: start-up,
-capture + profile, search, scaling curve, report and program writing) against CLI_BOUND_S.
+capture + profile, search, scaling curve, report and program writing) against CLI_BOUND_S. The context- and
+expert-parallel searches (issue 19; `--cp-ep` alone) time Llama-3.1-8B at 131,072 tokens with cp among the
+features and Mixtral-8x7B at 4,096 with ep, both captured on fake tensors, on 8..512 H100s against CP_EP_BOUND_S.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ from autoplan.solve.search import search  # noqa: E402
 SHAPES = {12: (768, 12), 24: (2304, 24), 48: (8192, 64), 96: (12288, 96), 128: (25600, 160)}
 """Layers -> (hidden, heads): GPT-3 / Megatron-LM family shapes."""
 GPU_COUNTS = (8, 64, 512, 4096)
+CP_EP_BOUND_S = 10.0
+"""One search with context or expert parallelism among the features, 8..512 GPUs, seconds (issue 19)."""
+CP_EP_GPU_COUNTS = (8, 64, 512)
 CLI_BOUND_S = 10.0
 """The whole `autoplan` run for the 1T GPT on 3072 A100s, seconds, on a 2-core machine."""
 
@@ -186,14 +191,56 @@ def whole_cli() -> None:
           f"load average {os.getloadavg()[0]:.1f})\n{phases}")
 
 
+def context_and_expert() -> None:
+    """Searches with cp (Llama-3.1-8B, 131,072 tokens) and ep (Mixtral-8x7B, 4,096 tokens) among the features."""
+    from autoplan.capture import capture_model
+    from autoplan.hardware.profiles import load_hardware
+    from autoplan.hardware.types import Cluster
+    from autoplan.layout import SUPPORTED
+    from autoplan.profile import profile_graph
+    from autoplan.source import load_source
+
+    h100 = load_hardware("h100-sxm5-80gb")
+    models = (("Llama-3.1-8B", "llama", 131_072, {"cp"}, 8,
+               dict(VOCAB=128256, HIDDEN=4096, INTERMEDIATE=14336, LAYERS=32, HEADS=32, KV_HEADS=8)),
+              ("Mixtral-8x7B", "mixtral", 4096, {"ep"}, 256,
+               dict(VOCAB=32000, HIDDEN=4096, INTERMEDIATE=14336, LAYERS=32, HEADS=32, KV_HEADS=8, EXPERTS=8,
+                    EXPERTS_PER_TOKEN=2)))
+    print(f"\n## Context- and expert-parallel searches on H100s (bound {CP_EP_BOUND_S:g} s each)")
+    for name, example, seq, feature, batch, shapes in models:
+        source = load_source(str(ROOT / "examples" / f"{example}.py"))
+        for constant, value in {**shapes, "SEQ_LEN": seq}.items():
+            setattr(source.module, constant, value)
+        started = time.perf_counter()
+        profile = profile_graph(capture_model(source, 1), source.spec, 1, h100, measure=False, dtype="bf16")
+        print(f"{name} at {seq} tokens: captured on fake tensors in {time.perf_counter() - started:.1f} s")
+        for gpus in CP_EP_GPU_COUNTS:
+            training = Training(global_batch_size=max(batch, gpus), dtype="bf16", tokens_per_sample=seq)
+            started = time.perf_counter()
+            try:
+                result = search(profile, Cluster(h100, gpus, 8), training, features=SUPPORTED | feature)
+            except Exception as e:  # noqa: BLE001 - a cell that cannot be planned is reported, not fatal
+                print(f"  {gpus:>4} GPUs: {time.perf_counter() - started:.2f} s ({type(e).__name__})")
+                continue
+            seconds = time.perf_counter() - started
+            verdict = "within" if seconds <= CP_EP_BOUND_S else "OVER"
+            print(f"  {gpus:>4} GPUs: {seconds:.2f} s ({verdict}), {result.solver.candidates_evaluated} layouts, "
+                  f"chose {layouts.describe(result.best.parallelism)}: "
+                  f"{result.best.predicted.step_time_s:.2f} s/step")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="12/48/128 layers and 8/512 GPUs only")
     parser.add_argument("--skip-capture", action="store_true", help="skip the real capture paths")
     parser.add_argument("--cli-only", action="store_true", help="only the whole CLI run for the 1T GPT")
+    parser.add_argument("--cp-ep", action="store_true", help="only the context- and expert-parallel searches")
     args = parser.parse_args()
     if args.cli_only:
         whole_cli()
+        return
+    if args.cp_ep:
+        context_and_expert()
         return
     if args.quick:
         grid((12, 48, 128), (8, 512))
@@ -202,6 +249,7 @@ def main() -> None:
     one_trillion()
     if not args.skip_capture:
         capture_path()
+        context_and_expert()
         whole_cli()
 
 

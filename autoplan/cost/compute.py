@@ -69,6 +69,19 @@ class ModuleTable:
     working_bytes: tuple[float, ...]
     """Transient bytes while the module runs its backward (its full activations, and the loss's logits
     copies on the output module)."""
+    cp_forward_s: tuple[float, ...] = ()
+    """Context parallelism's ring traffic the forward's attention does not hide (exposed), seconds; () at cp = 1."""
+    cp_backward_s: tuple[float, ...] = ()
+    ep_forward_s: tuple[float, ...] = ()
+    """Expert parallelism's dispatch and combine all-to-alls of the forward (exposed), seconds; () at ep = 1."""
+    ep_backward_s: tuple[float, ...] = ()
+
+    def parallel_forward_s(self, u: int) -> float:
+        """Module u's exposed context- and expert-parallel communication of the forward, seconds."""
+        return _at(self.cp_forward_s, u) + _at(self.ep_forward_s, u)
+
+    def parallel_backward_s(self, u: int) -> float:
+        return _at(self.cp_backward_s, u) + _at(self.ep_backward_s, u)
 
     def time_s(self, mode: str) -> tuple[float, ...]:
         """Forward + backward (+ recompute) + tensor-parallel collectives of each module, seconds."""
@@ -84,12 +97,75 @@ class ModuleTable:
         return {m: sum(t) for m, t in self._times.items()}
 
     def _module_time(self, u: int, mode: str) -> float:
-        base = self.forward_s[u] + self.backward_s[u] + self.tp_forward_s[u] + self.tp_backward_s[u]
+        base = (self.forward_s[u] + self.backward_s[u] + self.tp_forward_s[u] + self.tp_backward_s[u]
+                + self.parallel_forward_s(u) + self.parallel_backward_s(u))
         if mode == "selective":
             return base + self.cheap_forward_s[u]
         if mode == "full":
-            return base + self.forward_s[u] + self.tp_forward_s[u]
+            return base + self.forward_s[u] + self.tp_forward_s[u] + self.parallel_forward_s(u)
         return base
+
+
+def _at(values: tuple[float, ...], u: int) -> float:
+    return values[u] if values else 0.0
+
+
+@dataclass(frozen=True)
+class ShardedModules:
+    """What context parallelism (cp) and expert parallelism change in each module's costs, per micro-batch:
+
+        forward(u)     = (forward_1(u) + (imbalance(u) - 1) x expert_forward_1(u)) / cp    (and backward alike)
+        tp collectives, selective recompute: / cp
+        kept bytes: (bytes_1(u) + saved_change(u)) / cp, what recompute keeps of the input less its masks
+        cp_forward(u)  = ring_forward(u),  ep_forward(u) = all_to_all(u) / 2                (and backward alike)
+
+    where _1 is the module's cost on the whole sequence (ModuleTable at cp = 1): a rank holds seq/cp tokens of
+    every sequence and the load-balanced ring gives it 1/cp of the attention too; the experts' compute waits
+    for the busiest expert-parallel rank (cost/expert_parallel.py router_imbalance)."""
+
+    cp: int
+    expert_forward_s: tuple[float, ...]
+    """Forward compute of the module's expert ops on the whole sequence, seconds (0 without experts)."""
+    expert_backward_s: tuple[float, ...]
+    imbalance: tuple[float, ...]
+    """The busiest expert-parallel rank's rows over the mean (1 without experts or at ep = 1)."""
+    ring_forward_s: tuple[float, ...]
+    """Exposed ring traffic of the module's attention calls, forward (cost/context_parallel.py), seconds."""
+    ring_backward_s: tuple[float, ...]
+    all_to_all_s: tuple[float, ...]
+    """The module's expert layers' four all-to-alls (cost/expert_parallel.py), seconds: half in each pass."""
+    saved_change_bytes: tuple[float, ...] = ()
+    """What the ring's attention keeps for backward minus what the captured call keeps, per micro-batch on the
+    whole sequence, bytes (chain/attention.py; 0 at cp = 1): added to the kept and working bytes before / cp."""
+    input_change_bytes: tuple[float, ...] = ()
+    """The attention masks in the module's input, negated, per micro-batch, bytes (the ring runs without them): added
+    to what selective and full recompute keep of the input."""
+
+
+def sharded_table(base: ModuleTable, sharded: ShardedModules) -> ModuleTable:
+    """`base` (the modules on whole sequences, all experts local) under context and expert parallelism."""
+    cp, n = sharded.cp, len(base.forward_s)
+
+    def per_rank(values) -> tuple[float, ...]:
+        return tuple(v / cp for v in values)
+
+    change = sharded.saved_change_bytes or (0.0,) * n
+    inputs = sharded.input_change_bytes or (0.0,) * n
+    kept = base.activation_bytes
+    none = tuple(kept["none"][u] + change[u] for u in range(n))
+    activations = {m: none if m == "none" else tuple(max(0.0, min(v + i, whole)) for v, i, whole in
+                                                      zip(kept[m], inputs, none)) for m in kept}
+    return ModuleTable(
+        forward_s=tuple((base.forward_s[u] + (sharded.imbalance[u] - 1) * sharded.expert_forward_s[u]) / cp
+                        for u in range(n)),
+        backward_s=tuple((base.backward_s[u] + (sharded.imbalance[u] - 1) * sharded.expert_backward_s[u]) / cp
+                         for u in range(n)),
+        tp_forward_s=per_rank(base.tp_forward_s), tp_backward_s=per_rank(base.tp_backward_s),
+        cheap_forward_s=per_rank(base.cheap_forward_s),
+        activation_bytes={m: per_rank(v) for m, v in activations.items()},
+        working_bytes=per_rank(w + c for w, c in zip(base.working_bytes, change)),
+        cp_forward_s=sharded.ring_forward_s, cp_backward_s=sharded.ring_backward_s,
+        ep_forward_s=tuple(t / 2 for t in sharded.all_to_all_s), ep_backward_s=tuple(t / 2 for t in sharded.all_to_all_s))
 
 
 @dataclass(frozen=True)

@@ -1,25 +1,31 @@
 """A profile prepared for pricing layouts on a cluster: the chain, its tensor-parallel facts and static
-costs, module tables and memory inputs cached per (tp, micro-batch), and the mesh's communicators.
+costs, module tables and memory inputs cached per (tp, micro-batch, sp, cp, ep), and the mesh's communicators.
 
-Mesh dims in rank order ("pp", "dp_replicate", "dp_shard", "tp"): tensor parallel groups are
-contiguous (stride 1, inside a node), dp_shard has stride tp, dp_replicate stride tp x dp_shard and the
-pipeline stride tp x dp.
+Mesh dims in rank order ("pp", "dp_replicate", "dp_shard", "cp", "tp"), torchtitan's: tensor parallel groups
+are contiguous (stride 1, inside a node), cp has stride tp, dp_shard stride tp x cp, dp_replicate stride
+tp x cp x dp_shard and the pipeline stride tp x cp x dp. FSDP shards over dp_shard x cp (stride tp). The
+expert-parallel group is the innermost ep of those ranks (stride tp), the experts' FSDP group the rest of
+them (stride tp x ep).
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from autoplan.chain.attention import attention_facts
 from autoplan.chain.batch_statistics import batch_statistics, batch_statistics_modules
+from autoplan.chain.experts import expert_layers
 from autoplan.chain.modules import build_chain
 from autoplan.chain.tensor_parallel import tensor_parallel_facts
 from autoplan.cost import comm
-from autoplan.cost.compute import TableSetting, ModuleTable, module_table
+from autoplan.cost.compute import ModuleTable, ShardedModules, TableSetting, module_table, sharded_table
+from autoplan.cost.context_parallel import ring_attention_cost
+from autoplan.cost.expert_parallel import expert_parallel_cost
 from autoplan.cost.dtypes import activation_scale, bytes_per_element, training_dtype
 from autoplan.cost.memory import LayoutMemory, MemoryInputs, layout_memory
-from autoplan.cost.module_costs import chain_costs
+from autoplan.cost.module_costs import SPLIT_ROLES, ChainCosts, chain_costs
 from autoplan.hardware.types import Cluster
 from autoplan.plan import Parallelism, Training
 from autoplan.profile.types import ModelProfile
@@ -37,8 +43,22 @@ def gib(nbytes: float) -> str:
 class Groups:
     tp: comm.Group
     shard: comm.Group
+    """FSDP's: dp_shard x cp ranks."""
     replicate: comm.Group
     pipeline: comm.Group
+    cp: comm.Group
+    ep: comm.Group
+    expert_shard: comm.Group
+    """The ranks the expert parameters are FSDP-sharded over (dp_shard x cp / ep, or 1)."""
+    expert_replicate: comm.Group
+    """The ranks holding the same experts' shard, which all-reduce their gradients."""
+
+
+def expert_shard_degree(par: Parallelism) -> int:
+    """Ranks the expert parameters' states shard over: the FSDP group (dp_shard x cp) over ep when ep divides
+    it (torchtitan's dp_shard_mod_ep), else 1 (each rank keeps its E/ep experts whole)."""
+    fsdp, ep = par.fsdp_shard_degree, par.expert_parallel_degree
+    return fsdp // ep if fsdp % ep == 0 else 1
 
 
 class Context:
@@ -62,7 +82,25 @@ class Context:
         self.dtype_bytes = bytes_per_element(self.dtype)
         self.scale = activation_scale(self.chain.capture_dtype, self.dtype)
         self.use_measured = self.costs.measured and cluster.gpu.name == "cpu"
-        self._tables: dict[tuple[int, int, bool], ModuleTable] = {}
+        self.attention = attention_facts(profile)
+        """The model's SDPA calls (what context parallelism rings) and why it cannot, if it cannot."""
+        self.experts = expert_layers(profile)
+        """The model's expert layers (what expert parallelism shards)."""
+        module_of = {node: u for u, module in enumerate(self.chain.modules) for node in module.ops}
+        owner = {op.node: op.module for op in profile.ops}
+        self._expert_module = tuple(_first_module(layer.module, owner, module_of) for layer in self.experts)
+        """The chain module running each expert layer's experts."""
+        self.expert_numel = tuple(sum(layer.parameter_numel for layer, v in zip(self.experts, self._expert_module)
+                                      if v == u) for u in range(len(self.chain)))
+        """Expert parameter elements of each module (all E experts)."""
+        self._attention_module = tuple(module_of[call.node] for call in self.attention.calls)
+        self.mask_cut_bytes = _mask_cut_bytes(profile, self.attention.calls, module_of, len(self.chain))
+        """Per module boundary, the bytes per sample of the attention masks crossing it (capture dtype), which the
+        ring does without."""
+        self._expert_nodes = frozenset(n for n, m in owner.items()
+                                       if any(m == layer.module or m.startswith(layer.module + ".")
+                                              for layer in self.experts))
+        self._tables: dict[tuple, ModuleTable] = {}
         self._inputs: dict[tuple[int, int, bool], MemoryInputs] = {}
         self._layouts: dict[tuple, LayoutMemory] = {}
 
@@ -100,8 +138,11 @@ class Context:
 
     def groups(self, par: Parallelism) -> Groups:
         t, s, r = par.tensor_parallel_degree, par.data_parallel_shard_degree, par.data_parallel_replicate_degree
-        return Groups(self.group(t, 1), self.group(s, t), self.group(r, t * s),
-                      self.group(par.pipeline_parallel_degree, t * s * r))
+        cp, ep, fsdp = par.context_parallel_degree, par.expert_parallel_degree, par.fsdp_shard_degree
+        experts = expert_shard_degree(par)
+        return Groups(self.group(t, 1), self.group(fsdp, t), self.group(r, t * fsdp),
+                      self.group(par.pipeline_parallel_degree, t * fsdp * r), self.group(cp, t), self.group(ep, t),
+                      self.group(experts, t * ep), self.group(r * fsdp // (ep * experts), t * ep * experts))
 
     def send_s(self, nbytes: float, par: Parallelism, link) -> float:
         """One activation (or gradient) crossing a stage boundary. Each tensor-parallel rank sends the
@@ -112,43 +153,109 @@ class Context:
             return comm.p2p_s(nbytes, link)
         return comm.p2p_s(nbytes / tp, link) + comm.all_gather_s(nbytes, tp, self.group(tp, 1).link)
 
-    def table(self, tp: int, microbatch: int, sp: bool = False, loss_parallel: bool = True) -> ModuleTable:
-        """Module costs at tensor-parallel degree `tp`, micro-batch size `microbatch`, sequence parallel `sp`,
-        the loss on sharded logits or gathered ones (`loss_parallel`), and this context's compile setting."""
-        key = (tp, microbatch, sp and tp > 1, self.compiled, loss_parallel)
+    def table(self, tp: int, microbatch: int, sp: bool = False, loss_parallel: bool = True, cp: int = 1,
+              ep: int = 1) -> ModuleTable:
+        """Module costs at tensor-parallel degree `tp`, micro-batch size `microbatch`, sequence parallel `sp`, the
+        loss on sharded logits or gathered ones (`loss_parallel`), context- and expert-parallel degrees `cp` and
+        `ep`, and this context's compile setting."""
+        key = (tp, microbatch, sp and tp > 1, self.compiled, loss_parallel, cp, ep)
         if key not in self._tables:
-            self._tables[key] = module_table(self.costs, TableSetting(
-                gpu=self.cluster.gpu, capture_dtype=self.chain.capture_dtype, train_dtype=self.dtype, tp=tp,
-                microbatch=microbatch, tp_link=self.group(tp, 1).link, use_measured=self.use_measured,
-                sp=key[2], compiled=self.compiled, loss_parallel=loss_parallel))
+            if cp == 1 and ep == 1:
+                self._tables[key] = self._part_table(self.costs, tp, microbatch, key[2], loss_parallel)
+            else:
+                base = self.table(tp, microbatch, sp, loss_parallel)
+                self._tables[key] = sharded_table(base, self._sharded_modules(tp, microbatch, key[2], cp, ep))
         return self._tables[key]
 
-    def total_numel(self, tp: int) -> float:
-        """Parameter elements on a tensor-parallel rank, tied ones once."""
-        return sum(self.module_numel(tp)) + sum(self.group_numel(tp))
+    def _part_table(self, costs: ChainCosts, tp: int, microbatch: int, sp: bool,
+                    loss_parallel: bool = True) -> ModuleTable:
+        return module_table(costs, TableSetting(
+            gpu=self.cluster.gpu, capture_dtype=self.chain.capture_dtype, train_dtype=self.dtype, tp=tp,
+            microbatch=microbatch, tp_link=self.group(tp, 1).link, use_measured=self.use_measured, sp=sp,
+            compiled=self.compiled, loss_parallel=loss_parallel))
 
-    def module_numel(self, tp: int) -> list[float]:
-        return [u.replicated_numel + u.split_numel / tp for u in self.costs.modules]
+    def _ops_table(self, nodes: frozenset[str], tp: int, microbatch: int, sp: bool) -> ModuleTable:
+        """The module table of only the ops in `nodes` (each module's share: its experts, its attention)."""
+        modules = tuple(replace(costs, ops=tuple(op for op, node in zip(costs.ops, module.ops) if node in nodes))
+                        for costs, module in zip(self.costs.modules, self.chain.modules))
+        return self._part_table(replace(self.costs, modules=modules), tp, microbatch, sp)
+
+    def _sharded_modules(self, tp: int, microbatch: int, sp: bool, cp: int, ep: int) -> ShardedModules:
+        """Per module: its experts' compute and the imbalance the busiest expert-parallel rank adds, its ring
+        attention's exposed traffic (one ring per SDPA call) and its expert layers' all-to-alls, per micro-batch
+        (cost/context_parallel.py, cost/expert_parallel.py)."""
+        n, element = len(self.chain), self.dtype_bytes
+        experts = self._ops_table(self._expert_nodes, tp, microbatch, sp)
+        imbalance, all_to_all = [1.0] * n, [0.0] * n
+        ep_group = self.group(ep, tp)
+        for layer, u in zip(self.experts, self._expert_module):
+            tokens = layer.tokens / self.profile.batch_size * microbatch / cp
+            cost = expert_parallel_cost(layer, tokens, element, ep_group)
+            imbalance[u] = max(imbalance[u], cost.imbalance)
+            all_to_all[u] += cost.all_to_all_s
+        ring_forward, ring_backward, change = [0.0] * n, [0.0] * n, [0.0] * n
+        if cp > 1:
+            attention = self._ops_table(frozenset(c.node for c in self.attention.calls), tp, microbatch, sp)
+            calls = [self._attention_module.count(u) for u in range(n)]
+            cp_group, role = self.group(cp, tp), self.facts.role
+            for call, u in zip(self.attention.calls, self._attention_module):
+                features = call.kv_features / (tp if role.get(call.node, "") in SPLIT_ROLES else 1)
+                ring = ring_attention_cost(microbatch, call.sequence_length, features, element,
+                                           attention.forward_s[u] / calls[u] / cp,
+                                           attention.backward_s[u] / calls[u] / cp, cp_group)
+                ring_forward[u] += ring.forward_exposed_s
+                ring_backward[u] += ring.backward_exposed_s
+                split = tp if role.get(call.node, "") in SPLIT_ROLES else 1
+                change[u] += (call.ring_saved_bytes - call.saved_bytes) * microbatch * self.scale / split
+        return ShardedModules(cp=cp, expert_forward_s=experts.forward_s, expert_backward_s=experts.backward_s,
+                              imbalance=tuple(imbalance), ring_forward_s=tuple(ring_forward),
+                              ring_backward_s=tuple(ring_backward), all_to_all_s=tuple(all_to_all),
+                              saved_change_bytes=tuple(change),
+                              input_change_bytes=tuple(-self.mask_cut_bytes[u - 1] * microbatch * self.scale
+                                                       / (tp if sp and self.costs.modules[u].sequence_input else 1)
+                                                       if cp > 1 and u > 0 else 0.0 for u in range(n)))
+
+    def cut_bytes(self, cp: int = 1) -> tuple[float, ...]:
+        """Bytes per sample crossing each module boundary (capture dtype), whole sequences; without the attention
+        masks when cp > 1 (the ring runs without them)."""
+        if cp == 1:
+            return tuple(self.chain.cut_bytes)
+        return tuple(max(0.0, c - m) for c, m in zip(self.chain.cut_bytes, self.mask_cut_bytes))
+
+    def total_numel(self, tp: int, ep: int = 1) -> float:
+        """Parameter elements on a tensor-parallel rank (E/ep experts of each expert layer), tied ones once."""
+        return sum(self.module_numel(tp, ep)) + sum(self.group_numel(tp))
+
+    def module_numel(self, tp: int, ep: int = 1) -> list[float]:
+        """Parameter elements each module holds on a rank (its expert layers' E/ep experts)."""
+        return [u.replicated_numel + u.split_numel / tp - e * (1 - 1 / ep)
+                for u, e in zip(self.costs.modules, self.expert_numel)]
+
+    def module_expert_numel(self, ep: int) -> list[float]:
+        """Of module_numel, the expert parameter elements (E/ep experts)."""
+        return [e / ep for e in self.expert_numel]
 
     def group_numel(self, tp: int) -> list[float]:
         return [g.numel / (tp if split else 1) for g, split in zip(self.chain.tied_groups, self.costs.tied_split)]
 
     def layout_memory(self, inputs: MemoryInputs, shard: int, reshard_after_forward: bool, pp: int,
-                      offload: bool = False) -> LayoutMemory:
-        key = (id(inputs), shard, reshard_after_forward, pp > 1, offload)
+                      offload: bool = False, expert_shard: int = 1) -> LayoutMemory:
+        key = (id(inputs), shard, reshard_after_forward, pp > 1, offload, expert_shard)
         if key not in self._layouts:
-            self._layouts[key] = layout_memory(inputs, self.dtype, shard, reshard_after_forward, pp, offload)
+            self._layouts[key] = layout_memory(inputs, self.dtype, shard, reshard_after_forward, pp, offload,
+                                               expert_shard)
         return self._layouts[key]
 
-    def memory_inputs(self, tp: int, microbatch: int, sp: bool = False, loss_parallel: bool = True) -> MemoryInputs:
-        key = (tp, microbatch, sp and tp > 1, loss_parallel)
+    def memory_inputs(self, tp: int, microbatch: int, sp: bool = False, loss_parallel: bool = True, cp: int = 1,
+                      ep: int = 1) -> MemoryInputs:
+        key = (tp, microbatch, sp and tp > 1, loss_parallel, cp, ep)
         if key not in self._inputs:
             self._inputs[key] = self._memory_inputs(*key)
         return self._inputs[key]
 
-    def _memory_inputs(self, tp: int, microbatch: int, sp: bool, loss_parallel: bool) -> MemoryInputs:
-        table = self.table(tp, microbatch, sp, loss_parallel)
-        own, groups = self.module_numel(tp), self.group_numel(tp)
+    def _memory_inputs(self, tp: int, microbatch: int, sp: bool, loss_parallel: bool, cp: int, ep: int) -> MemoryInputs:
+        table = self.table(tp, microbatch, sp, loss_parallel, cp, ep)
+        own, groups = self.module_numel(tp, ep), self.group_numel(tp)
         whole = [own[u] + sum(n for n, g in zip(groups, self.chain.tied_groups) if u in g.modules)
                  for u in range(len(own))]
         return MemoryInputs(
@@ -156,5 +263,29 @@ class Context:
             tied_group_modules=tuple(g.modules for g in self.chain.tied_groups),
             module_largest_numel=tuple(whole), activations=table.activation_bytes,
             working_bytes=table.working_bytes,
-            cut_bytes=tuple(c * microbatch * self.scale for c in self.chain.cut_bytes),
+            cut_bytes=tuple(c * microbatch * self.scale / cp for c in self.cut_bytes(cp)),
+            expert_numel=tuple(self.module_expert_numel(ep)) if self.experts else (),
         )
+
+
+def _mask_cut_bytes(profile: ModelProfile, calls, module_of: dict[str, int], modules: int) -> tuple[float, ...]:
+    """Bytes per sample of the SDPA calls' masks crossing each module boundary: a mask made in module p and read
+    last in module l crosses boundaries p .. l-1."""
+    output = {op.node: op.output_bytes / profile.batch_size for op in profile.ops}
+    span: dict[str, tuple[int, int]] = {}
+    for call in calls:
+        if call.mask:
+            first = module_of.get(call.mask, 0)
+            last = max(span.get(call.mask, (first, first))[1], module_of[call.node])
+            span[call.mask] = (first, last)
+    out = [0.0] * max(0, modules - 1)
+    for mask, (first, last) in span.items():
+        for i in range(first, min(last, len(out))):
+            out[i] += output.get(mask, 0.0)
+    return tuple(out)
+
+
+def _first_module(fqn: str, owner: dict[str, str], module_of: dict[str, int]) -> int:
+    """The chain module of the first op that `fqn` (or a module inside it) runs."""
+    return next(module_of[node] for node, module in owner.items()
+                if (module == fqn or module.startswith(fqn + ".")) and node in module_of)

@@ -12,6 +12,14 @@ Step time (seconds), p pipeline ranks with v stages each, m micro-batches, q the
             + max over ranks of the AdamW step            (cost/compute.py; on the CPU with offload)
             + the all-reduce of the step's loss over every rank (train.py logs the global mean)
             + SyncBatchNorm's statistics all-reduces, per micro-batch (batch_norm_sync; cost/comm.py)
+
+Context parallelism (cp) and expert parallelism (ep) change the module table (cost/compute.py sharded_table):
+every module's compute, collectives and activations on seq/cp tokens, the experts' compute times the router
+imbalance, plus each module's exposed ring traffic (breakdown "context_parallel_comm") and expert all-to-alls
+("expert_parallel_comm"), in its slot like the tensor-parallel collectives. Gradients are reduced over the
+dp_shard x cp FSDP group (with dp_replicate); the expert parameters' (E/ep per rank) over the dp x cp / ep ranks
+holding the same experts (Groups.expert_shard and expert_replicate), priced as a second data-parallel
+communication beside the first, each behind the same compute.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from dataclasses import dataclass, field, replace
 
 from autoplan.cost import calibration, comm
 from autoplan.cost.compute import ModuleTable, host_optimizer_step_time, mfu, model_flops_per_step, optimizer_step_time
-from autoplan.cost.context import Context, Groups, gib
+from autoplan.cost.context import Context, expert_shard_degree, gib
 from autoplan.cost.dtypes import bytes_per_element
 from autoplan.cost.memory import host_state_bytes
 from autoplan.cost.pipeline import StageCost, microbatches_in_flight, simulated_step_s
@@ -58,13 +66,14 @@ def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> Cha
     tp, mbs = par.tensor_parallel_degree, par.pipeline_parallel_microbatch_size
     m = par.pipeline_parallel_num_microbatches
     sp, loss_parallel = par.enable_sequence_parallel, not par.disable_loss_parallel
-    inputs = ctx.memory_inputs(tp, mbs, sp, loss_parallel)
+    cp, ep = par.context_parallel_degree, par.expert_parallel_degree
+    inputs = ctx.memory_inputs(tp, mbs, sp, loss_parallel, cp, ep)
     stages = pp * v
-    shared = ctx.layout_memory(inputs, par.data_parallel_shard_degree, par.reshards_after_forward, pp,
-                               par.enable_cpu_offload)
+    shared = ctx.layout_memory(inputs, par.fsdp_shard_degree, par.reshards_after_forward, pp,
+                               par.enable_cpu_offload, expert_shard_degree(par))
     models = tuple(shared.stage(s, microbatches_in_flight(par.pipeline_parallel_schedule, pp, m, s, v))
                    for s in range(stages))
-    table = ctx.table(tp, mbs, sp, loss_parallel)
+    table = ctx.table(tp, mbs, sp, loss_parallel, cp, ep)
     overhead = ()
     if stages > 1:
         link = ctx.groups(par).pipeline.link
@@ -88,11 +97,14 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     """Predictions for `par` with `assignment` (memory models and module times from `problem`)."""
     pp, tp = par.pipeline_parallel_degree, par.tensor_parallel_degree
     m, mbs = par.pipeline_parallel_num_microbatches, par.pipeline_parallel_microbatch_size
-    table, chain, gpu = ctx.table(tp, mbs, par.enable_sequence_parallel, not par.disable_loss_parallel), ctx.chain, ctx.cluster.gpu
+    cp, ep = par.context_parallel_degree, par.expert_parallel_degree
+    table = ctx.table(tp, mbs, par.enable_sequence_parallel, not par.disable_loss_parallel, cp, ep)
+    chain, gpu = ctx.chain, ctx.cluster.gpu
     groups = ctx.groups(par)
     element = bytes_per_element(ctx.dtype)
-    own, tied = ctx.module_numel(tp), ctx.group_numel(tp)
-    cut = [c * mbs * ctx.scale for c in chain.cut_bytes]
+    own, tied, experts = ctx.module_numel(tp, ep), ctx.group_numel(tp), ctx.module_expert_numel(ep)
+    expert_shard = expert_shard_degree(par)
+    cut = [c * mbs * ctx.scale / cp for c in ctx.cut_bytes(cp)]
     n, ranges, modes = len(chain), assignment.split.ranges(), assignment.modes
     parts: list[dict[str, float]] = []
     costs: list[StageCost] = []
@@ -108,25 +120,38 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
         tp_forward = sum(table.tp_forward_s[u] for u in modules)
         tp_backward = sum(table.tp_backward_s[u] for u in modules)
         recompute = sum(_recompute(table, u, modes[u]) for u in modules)
+        parallel_forward = sum(table.parallel_forward_s(u) for u in modules)
+        parallel_backward = sum(table.parallel_backward_s(u) for u in modules)
         numels = [own[u] for u in modules]
+        expert_numels = [experts[u] for u in modules]
         for g, group in enumerate(chain.tied_groups):
             held = [u for u in group.modules if a <= u < b]
             if held:
                 numels[held[0] - a] += tied[g]
         held = {p for u in modules for p in chain.modules[u].parameters}
-        dpc = _data_parallel(ctx, par, groups, module_bytes=[x * element for x in numels], forward_s=forward,
-                             backward_s=backward + recompute, tensors=len(held))
-        parts.append({"compute": forward + backward, "recompute": recompute,
-                      "tensor_parallel_comm": tp_forward + tp_backward, "data_parallel_comm": dpc.per_microbatch_s,
-                      "pipeline_comm": host + slowdown * (forward + backward + recompute)})
+        window = {"forward_s": forward, "backward_s": backward + recompute}
+        dpc = _data_parallel(ctx, par, groups.shard, groups.replicate, par.sharded,
+                             module_bytes=[(x - e) * element for x, e in zip(numels, expert_numels)],
+                             tensors=len(held), **window)
+        if any(expert_numels):  # the experts' gradients, over the ranks holding the same experts
+            dpc = _sum(dpc, _data_parallel(ctx, par, groups.expert_shard, groups.expert_replicate, expert_shard > 1,
+                                           module_bytes=[e * element for e in expert_numels], tensors=0, **window))
+        part = {"compute": forward + backward, "recompute": recompute,
+                "tensor_parallel_comm": tp_forward + tp_backward, "data_parallel_comm": dpc.per_microbatch_s,
+                "pipeline_comm": host + slowdown * (forward + backward + recompute)}
+        if cp > 1:
+            part["context_parallel_comm"] = sum(table.cp_forward_s[u] + table.cp_backward_s[u] for u in modules)
+        if ep > 1:
+            part["expert_parallel_comm"] = sum(table.ep_forward_s[u] + table.ep_backward_s[u] for u in modules)
+        parts.append(part)
         send = ctx.send_s(cut[b - 1], par, groups.pipeline.link) if b < n and pp > 1 else 0.0
-        costs.append(StageCost((1 + slowdown) * forward + tp_forward + dpc.forward_s + host / 2,
-                               (1 + slowdown) * (backward + recompute) + tp_backward + dpc.per_microbatch_s
-                               - dpc.forward_s + host / 2,
+        costs.append(StageCost((1 + slowdown) * forward + tp_forward + parallel_forward + dpc.forward_s + host / 2,
+                               (1 + slowdown) * (backward + recompute) + tp_backward + parallel_backward
+                               + dpc.per_microbatch_s - dpc.forward_s + host / 2,
                                send))
         rank = s % pp
         per_step[rank] += dpc.per_step_s
-        updated = sum(numels) / par.data_parallel_shard_degree
+        updated = (sum(numels) - sum(expert_numels)) / par.fsdp_shard_degree + sum(expert_numels) / expert_shard
         # FSDP2 parameters are DTensors (also over tensor-parallel replicas: runtime/parallel.py); without
         # it, only the tensor-parallel Linears' weights and biases are
         if par.sharded or (tp > 1 and par.data_parallel_degree > 1):
@@ -190,6 +215,27 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
                      activation_checkpoint_modules=recomputed, assignment=assignment, compile=ctx.compiled)
 
 
+def with_memory_without_cp_ep(ctx: Context, candidate: Candidate, modes: tuple[str, ...]) -> Candidate:
+    """`candidate` with Prediction.peak_memory_without_context_parallel_bytes and ..._expert_parallel_bytes: its
+    most loaded rank's memory with the same split and cp (or ep) set back to 1, for the report (computed for the
+    chosen layout only: the search never needs it)."""
+    par, predicted = candidate.parallelism, candidate.predicted
+    if predicted is None or candidate.assignment is None:
+        return candidate
+    rank = max(candidate.stages, key=lambda st: st.predicted_memory_bytes).index % par.pipeline_parallel_degree
+
+    def peak(changed: Parallelism) -> float:
+        return sum(build_problem(ctx, changed, modes).rank_breakdown(rank, candidate.assignment).values())
+
+    if par.context_parallel_degree > 1:
+        predicted = replace(predicted, peak_memory_without_context_parallel_bytes=peak(
+            replace(par, context_parallel_degree=1)))
+    if par.expert_parallel_degree > 1:
+        predicted = replace(predicted, peak_memory_without_expert_parallel_bytes=peak(
+            replace(par, expert_parallel_degree=1)))
+    return replace(candidate, predicted=predicted)
+
+
 def ranks_per_node(ctx: Context, par: Parallelism) -> int:
     """Ranks of a layout that share one node (and its host)."""
     return min(ctx.cluster.gpus_per_node, par.world_size)
@@ -197,8 +243,8 @@ def ranks_per_node(ctx: Context, par: Parallelism) -> int:
 
 def offload_host_bytes(ctx: Context, par: Parallelism) -> float:
     """Host memory per node that CPU offload fills: every rank's shard of its parameters' states."""
-    return host_state_bytes(ctx.total_numel(par.tensor_parallel_degree) / par.pipeline_parallel_degree,
-                            par.data_parallel_shard_degree, ranks_per_node(ctx, par))
+    return host_state_bytes(ctx.total_numel(par.tensor_parallel_degree, par.expert_parallel_degree)
+                            / par.pipeline_parallel_degree, par.fsdp_shard_degree, ranks_per_node(ctx, par))
 
 
 def host_oom_reason(ctx: Context, par: Parallelism) -> str:
@@ -230,29 +276,36 @@ def _batch_norm_sync(ctx: Context, par: Parallelism) -> float:
 def _recompute(table: ModuleTable, u: int, mode: str) -> float:
     if mode == "selective":
         return table.cheap_forward_s[u]
-    if mode == "full":
-        return table.forward_s[u] + table.tp_forward_s[u]
+    if mode == "full":  # the whole forward again: its ring sends and all-to-alls too
+        return table.forward_s[u] + table.tp_forward_s[u] + table.parallel_forward_s(u)
     return 0.0
 
 
-def _data_parallel(ctx: Context, par: Parallelism, groups: Groups, *, module_bytes: list[float], forward_s: float,
-                   backward_s: float, tensors: int) -> comm.DataParallelComm:
+def _sum(a: comm.DataParallelComm, b: comm.DataParallelComm) -> comm.DataParallelComm:
+    return comm.DataParallelComm(a.per_microbatch_s + b.per_microbatch_s, a.per_step_s + b.per_step_s,
+                                 a.total_s + b.total_s, a.forward_s + b.forward_s)
+
+
+def _data_parallel(ctx: Context, par: Parallelism, shard: comm.Group, replicate: comm.Group, sharded: bool, *,
+                   module_bytes: list[float], forward_s: float, backward_s: float,
+                   tensors: int) -> comm.DataParallelComm:
     """Data-parallel communication of one rank of a stage whose modules hold `module_bytes` of parameters
-    (training dtype), behind one micro-batch's forward and backward compute; `tensors` parameter tensors."""
+    (training dtype), FSDP-sharded over `shard` (when `sharded`) and replicated over `replicate`, behind one
+    micro-batch's forward and backward compute; `tensors` parameter tensors."""
     gradient_ratio = calibration.GRADIENT_REDUCE_BYTES / ctx.dtype_bytes
     gpu = ctx.cluster.gpu
     # what compute can hide; FSDP2 on a CPU device has no side streams: its all-gathers and
     # reduce-scatters block the compute thread (unshard(async_op=False) waits at once), so none
-    overlap = 0.0 if par.sharded and gpu.name == "cpu" else gpu.comm_overlap
+    overlap = 0.0 if sharded and gpu.name == "cpu" else gpu.comm_overlap
     forward, backward = forward_s * overlap, backward_s * overlap
-    if not par.sharded:
+    if not sharded:
         # DDP proper only without tensor parallelism (with it, fully_shard replicates: runtime/parallel.py)
         hooks = gpu.ddp_tensor_overhead_s if par.tensor_parallel_degree == 1 else 0.0
-        return comm.ddp_comm(sum(module_bytes) * gradient_ratio, groups.replicate, backward, tensors, hooks)
+        return comm.ddp_comm(sum(module_bytes) * gradient_ratio, replicate, backward, tensors, hooks)
     streaming = gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency
     return comm.fsdp_comm(comm.FsdpStage(
-        module_param_bytes=tuple(module_bytes), reshard_after_forward=par.reshards_after_forward, shard=groups.shard,
-        replicate=groups.replicate, pipelined=par.pipeline_parallel_degree > 1,
+        module_param_bytes=tuple(module_bytes), reshard_after_forward=par.reshards_after_forward, shard=shard,
+        replicate=replicate, pipelined=par.pipeline_parallel_degree > 1,
         num_microbatches=par.pipeline_parallel_num_microbatches, forward_window_s=forward,
         backward_window_s=backward, copy_bytes_per_s=streaming, gradient_ratio=gradient_ratio,
         unit_overhead_s=gpu.fsdp_unit_overhead_s,

@@ -19,6 +19,11 @@ CPU offload (FSDP2's CPUOffloadPolicy, reshard=always, pp = 1): the sharded para
 state live in host memory (host_state_bytes), so none of them count on the GPU; it holds the gathered
 parameters of the units in flight, as without offload, and stages each unit's fp32 shard (copied in before
 its all-gather) and its reduced gradient shard (copied out after its reduce-scatter).
+Context parallelism (cp): activations, working set and boundary outputs divide by cp (a rank holds seq/cp
+tokens, cost/compute.py sharded_table); the model states are sharded over dp_shard x cp (`shard` here).
+Expert parallelism (ep): a rank holds E/ep of each expert layer's experts (MemoryInputs.expert_numel, already
+divided), their states sharded over the rest of the FSDP group, `expert_shard` = dp_shard x cp / ep ranks
+(torchtitan's dp_shard_mod_ep; else 1); every other parameter as without ep.
 Allocator fragmentation, the CUDA context and NCCL/cuBLAS workspaces are the hardware profile's
 Gpu.memory_reserved_bytes (the "stated fragmentation allowance", ~5% of HBM plus ~1.5 GiB), already
 taken out of Cluster.usable_memory_bytes.
@@ -179,6 +184,8 @@ class MemoryInputs:
     working_bytes: tuple[float, ...]
     cut_bytes: tuple[float, ...]
     """Bytes per micro-batch crossing a boundary after each module (training dtype)."""
+    expert_numel: tuple[float, ...] = ()
+    """Of module_numel, the expert parameter elements each module holds on a rank (E/ep experts); () for none."""
 
 
 @dataclass(frozen=True)
@@ -198,19 +205,24 @@ class LayoutMemory:
 
 
 def layout_memory(inputs: MemoryInputs, train_dtype: str, shard: int, reshard_after_forward: bool,
-                  num_ranks: int, offload: bool = False) -> LayoutMemory:
-    """The memory vectors of a layout. `shard` is the data-parallel sharding degree (dp_shard; 1 for
-    DDP); `num_ranks` the pipeline degree; `offload`: the model states are on the host (CPU offload)."""
+                  num_ranks: int, offload: bool = False, expert_shard: int = 1) -> LayoutMemory:
+    """The memory vectors of a layout. `shard` is the data-parallel sharding degree (dp_shard x cp; 1 for
+    DDP); `num_ranks` the pipeline degree; `offload`: the model states are on the host (CPU offload);
+    `expert_shard`: the ranks the expert parameters' states are sharded over (the FSDP group over ep)."""
     dtype = training_dtype(train_dtype)
     zero = zero_of(shard, reshard_after_forward)
     element = bytes_per_element(dtype)
     per_param = MODEL_STATE_BYTES_PER_PARAM[dtype]
-    divisor = {c: shard if zero >= first else 1 for c, first in (("optimizer", 1), ("gradients", 2), ("parameters", 3))}
+    firsts = (("optimizer", 1), ("gradients", 2), ("parameters", 3))
+    divisor = {c: shard if zero >= first else 1 for c, first in firsts}
+    expert_divisor = {c: expert_shard if zero >= first else 1 for c, first in firsts}
 
-    def states(numels) -> dict[str, tuple[float, ...]]:
+    def states(numels, experts=()) -> dict[str, tuple[float, ...]]:
         if offload:  # on the host (host_state_bytes)
             return {c: tuple(0.0 for _ in numels) for c in STATE_CATEGORIES}
-        out = {c: tuple(n * per_param[c] / divisor[c] for n in numels) for c in STATE_CATEGORIES}
+        experts = experts or tuple(0.0 for _ in numels)
+        out = {c: tuple((n - e) * per_param[c] / divisor[c] + e * per_param[c] / expert_divisor[c]
+                        for n, e in zip(numels, experts)) for c in STATE_CATEGORIES}
         if num_ranks > 1 and zero >= 2:
             # pipelining accumulates unreduced gradients (and, for FSDP, unsharded parameters)
             out["unsharded_gradients"] = tuple(n * element for n in numels)
@@ -225,5 +237,5 @@ def layout_memory(inputs: MemoryInputs, train_dtype: str, shard: int, reshard_af
     if offload:
         largest["offload_staging"] = tuple(calibration.FSDP_PREFETCH_UNITS * n * OFFLOAD_STAGING_BYTES_PER_PARAM / shard
                                            for n in inputs.module_largest_numel)
-    return LayoutMemory(states(inputs.module_numel), inputs.activations, states(inputs.group_numel),
+    return LayoutMemory(states(inputs.module_numel, inputs.expert_numel), inputs.activations, states(inputs.group_numel),
                         inputs.tied_group_modules, largest, inputs.cut_bytes)

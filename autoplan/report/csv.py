@@ -15,7 +15,7 @@ MODULE_COLUMNS = ["module", "depth", "ops", "flops_fwd", "flops_bwd", "param_cou
                   "saved_bytes", "time_fwd_s", "time_bwd_s"]
 CANDIDATE_COLUMNS = ["rank", "dp_replicate", "dp_shard", "reshard", "tp", "sp", "pp", "schedule", "virtual_stages",
                      "microbatch", "microbatches", "recompute", "recompute_modules", "offload", "compile",
-                     "gradient_sync", "fits", "step_time_s", "peak_memory_gib", "host_memory_gib", "reason"]
+                     "gradient_sync", "fits", "step_time_s", "peak_memory_gib", "host_memory_gib", "reason", "cp", "ep"]
 """Layout columns by their short names (autoplan/layout.py VOCABULARY). gradient_sync is "collectives" for every
 searched layout and "parameter_server" for the one row that prices a parameter server (solve/parameter_server.py)."""
 
@@ -89,6 +89,7 @@ def _row(c: Any, best: Any) -> dict[str, Any]:
         "peak_memory_gib": c.predicted.peak_memory_bytes / 2**30 if c.predicted else None,
         "host_memory_gib": c.predicted.host_memory_per_node_bytes / 2**30 if c.predicted else None,
         "reason": "chosen" if c is best else c.reason,
+        "cp": p.context_parallel_degree, "ep": p.expert_parallel_degree,
     }
 
 
@@ -106,6 +107,7 @@ def _parameter_server_row(ps: Any) -> dict[str, Any]:
         "gradient_sync": "parameter_server",
         "fits": ps.fits, "step_time_s": ps.step_time_s, "peak_memory_gib": ps.peak_memory_bytes / 2**30,
         "host_memory_gib": ps.host_memory_per_node_bytes / 2**30, "reason": ps.reason,
+        "cp": p.context_parallel_degree, "ep": p.expert_parallel_degree,
     }
 
 

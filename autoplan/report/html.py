@@ -169,6 +169,12 @@ def memory_section(plan) -> str:
         with_sp = plan.predicted.memory_breakdown.get("activations", 0.0)
         saving = (f'<p class="lead">Sequence parallelism: the most loaded rank keeps {esc(fmt_bytes(with_sp))} of '
                   f"activations; the same layout without it (sp=off) would keep {esc(fmt_bytes(without))}.</p>")
+    peak = plan.predicted.peak_memory_bytes
+    for name, short, whole in (("Context parallelism", "cp", plan.predicted.peak_memory_without_context_parallel_bytes),
+                               ("Expert parallelism", "ep", plan.predicted.peak_memory_without_expert_parallel_bytes)):
+        if whole is not None:
+            saving += (f'<p class="lead">{name}: the most loaded rank needs {esc(fmt_bytes(peak))}; the same layout '
+                       f"with {short}=1 would need {esc(fmt_bytes(whole))}.</p>")
     return ('<h2>Memory per GPU, by pipeline stage</h2><p class="lead">Peak memory of one rank of each stage, '
             "split into model states and activations, against the usable memory per GPU (red).</p>" + chart + saving)
 

@@ -86,6 +86,8 @@ def describe_layout(par: Parallelism | dict[str, Any]) -> str:
             parts.append(f"FSDP {dp} (no reshard)")
         else:
             parts.append(f"DP {dp}")
+    if par.context_parallel_degree > 1:
+        parts.append(f"CP {par.context_parallel_degree}")
     if par.tensor_parallel_degree > 1:
         parts.append(f"TP {par.tensor_parallel_degree}")
     m, b = par.pipeline_parallel_num_microbatches, par.pipeline_parallel_microbatch_size
@@ -95,6 +97,8 @@ def describe_layout(par: Parallelism | dict[str, Any]) -> str:
             schedule += f" ×{par.pipeline_parallel_virtual_stages} chunks"
         parts.append(f"PP {par.pipeline_parallel_degree} ({schedule}, {plural(m, 'micro-batch')} of {b})")
     name = " × ".join(parts) or "1 GPU"
+    if par.expert_parallel_degree > 1:
+        name += f" · EP {par.expert_parallel_degree} (experts split over {par.expert_parallel_degree} of the DP×CP ranks)"
     if par.pipeline_parallel_degree == 1 and m > 1:
         name += f" · {plural(m, 'accumulation step')} of {b}"
     if par.activation_checkpoint != "none":

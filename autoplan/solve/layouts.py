@@ -1,16 +1,21 @@
-"""The layouts the search enumerates: families (tp, pp, dp_replicate, dp_shard, reshard) times variants
+"""The layouts the search enumerates: families (tp, cp, ep, pp, dp_replicate, dp_shard, reshard) times variants
 (schedule, virtual stages, micro-batch size, recompute mode); the recompute mode names what the solver
 may apply per module. Only layouts that layout.problems() accepts with the pins are emitted, and only
 features the program can run (layout.SUPPORTED) unless the caller prices other programs.
 
-Mesh dims in rank order ("pp", "dp_replicate", "dp_shard", "tp"): tp innermost and within a node.
+Mesh dims in rank order ("pp", "dp_replicate", "dp_shard", "cp", "tp"): tp innermost and within a node.
 The search's own scope (not validity): reshard=never shards over every data-parallel rank; HSDP
 (dp_replicate > 1 and dp_shard > 1) only with reshard=always, its shard group within a node or over a
-power of two of nodes.
+power of two of nodes. Context parallelism (when the features allow it and the model's attention can ring):
+cp x tp within a node, and only while each rank keeps at least MIN_CONTEXT_PARALLEL_TOKENS of a sequence
+(shorter shards make every ring step latency-bound, and short sequences need no cp). Expert parallelism (for
+models with expert layers): every ep dividing each layer's expert count and the FSDP group dp_shard x cp
+(torchtitan's own rule; the layout rule and a pin accept any ep dividing dp x cp, e.g. with DDP).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from autoplan.cost.context import Context
@@ -21,6 +26,8 @@ from autoplan.plan import Parallelism
 
 MAX_VIRTUAL_STAGES = 8
 """Largest number of stages per pipeline rank tried with the interleaved schedule."""
+MIN_CONTEXT_PARALLEL_TOKENS = 1024
+"""Fewest tokens of a sequence a context-parallel rank keeps for the search to try that cp (a pin may go lower)."""
 SCHEDULE_PREFERENCE = ("1f1b", "interleaved", "gpipe")
 """Among equal step times: 1F1B holds fewer micro-batches than GPipe and needs no virtual stages."""
 
@@ -54,10 +61,19 @@ class Family:
     """FSDP2 keeps the model states on the host (CPU offload; only with resharding, pp = 1)."""
     loss_parallel: bool = True
     """The loss runs on the vocabulary-parallel head's sharded logits (off when the loss_fn cannot)."""
+    cp: int = 1
+    """Context-parallel degree (the model states are sharded over dp_shard x cp)."""
+    ep: int = 1
+    """Expert-parallel degree (borrowed from the dp x cp ranks)."""
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> int:
+        """Ranks the model states are sharded over: dp_shard x cp."""
+        return self.dp_shard * self.cp
 
 
 def scope_of(ctx: Context) -> Scope:
@@ -70,7 +86,10 @@ def scope_of(ctx: Context) -> Scope:
                  tensor_parallel_problems=ctx.facts.problems,
                  sequence_parallel_problem=ctx.facts.sequence_parallel_problem, batch_norm_modules=ctx.batch_norm_modules,
                  loss_parallel_problem=ctx.loss_parallel_problem,
-                 host_link=ctx.cluster.hardware.host.link_bandwidth_bytes_per_s > 0)
+                 host_link=ctx.cluster.hardware.host.link_bandwidth_bytes_per_s > 0,
+                 sequence_length=ctx.attention.sequence_length,
+                 context_parallel_problem=ctx.attention.context_parallel_problem,
+                 num_experts=tuple(layer.num_experts for layer in ctx.experts))
 
 
 def check_pins(pins: Layout, scope: Scope) -> None:
@@ -81,34 +100,71 @@ def check_pins(pins: Layout, scope: Scope) -> None:
 
 
 def families(pins: Layout, scope: Scope, rejected: list[str] | None = None) -> list[Family]:
-    """Every (tp, pp, dp_replicate, dp_shard, reshard) the pins allow that layout.problems() accepts in
+    """Every (tp, cp, ep, pp, dp_replicate, dp_shard, reshard) the pins allow that layout.problems() accepts in
     `scope` (whose tensor_parallel_problems says which tp the model allows); the rules the others of
     those degrees break are added to `rejected` when it is given."""
     gpus, per_node, features = scope.num_gpus, scope.gpus_per_node or scope.num_gpus, scope.features or frozenset()
     out = []
     for tp in [pins.tp] if pins.tp else [t for t in divisors(per_node) if t == 1 or "tp" in features]:
-        for pp in [pins.pp] if pins.pp else divisors(max(1, gpus // tp)):
-            if problems(replace(pins, tp=tp, pp=pp), scope):
-                continue
-            dp = gpus // (tp * pp)
-            if pins.dp not in (None, dp):
-                continue
-            for shard, reshard in _sharding_options(pins, dp, features):
-                if 1 < shard < dp and not _whole_nodes(shard * tp, per_node):
+        for cp in context_parallel_options(pins, scope, tp):
+            for pp in [pins.pp] if pins.pp else divisors(max(1, gpus // (tp * cp))):
+                if problems(replace(pins, tp=tp, pp=pp, cp=cp), scope):
                     continue
-                sp = sequence_parallel(pins, tp, scope)
-                for offload in _offload_options(pins, shard, reshard, scope):
-                    family = Family(tp=tp, pp=pp, dp_replicate=dp // shard, dp_shard=shard, reshard=reshard, sp=sp,
-                                    offload=offload, loss_parallel=not scope.loss_parallel_problem)
-                    layout = replace(pins, dp=dp, dp_replicate=dp // shard, dp_shard=shard,
-                                     reshard="always" if reshard else "never", tp=tp, pp=pp,
-                                     sp="on" if sp else pins.sp, offload="cpu" if offload else "none")
-                    broken = problems(layout, scope)
-                    if not broken:
-                        out.append(family)
-                    elif rejected is not None:
-                        rejected += broken
+                dp = gpus // (tp * pp * cp)
+                if pins.dp not in (None, dp):
+                    continue
+                for ep in expert_parallel_options(pins, scope, dp * cp):
+                    out += _sharded_families(pins, scope, tp, cp, ep, pp, dp, rejected)
     return out
+
+
+def _sharded_families(pins: Layout, scope: Scope, tp: int, cp: int, ep: int, pp: int, dp: int,
+                      rejected: list[str] | None) -> list[Family]:
+    """The families of these degrees: each sharding (and CPU offload) the pins and the rules allow."""
+    per_node, features = scope.gpus_per_node or scope.num_gpus, scope.features or frozenset()
+    out = []
+    for shard, reshard in _sharding_options(pins, dp, features, cp):
+        if 1 < shard < dp and not _whole_nodes(shard * cp * tp, per_node):
+            continue
+        if ep > 1 and (shard * cp) % ep and pins.ep is None:  # torchtitan borrows ep from dp_shard x cp only
+            continue
+        sp = sequence_parallel(pins, tp, scope)
+        for offload in _offload_options(pins, shard * cp, reshard, scope):
+            family = Family(tp=tp, pp=pp, dp_replicate=dp // shard, dp_shard=shard, reshard=reshard, sp=sp,
+                            offload=offload, loss_parallel=not scope.loss_parallel_problem, cp=cp, ep=ep)
+            layout = replace(pins, dp=dp, dp_replicate=dp // shard, dp_shard=shard,
+                             reshard="always" if reshard else "never", tp=tp, pp=pp, cp=cp, ep=ep,
+                             sp="on" if sp else pins.sp, offload="cpu" if offload else "none")
+            broken = problems(layout, scope)
+            if not broken:
+                out.append(family)
+            elif rejected is not None:
+                rejected += broken
+    return out
+
+
+def context_parallel_options(pins: Layout, scope: Scope, tp: int) -> list[int]:
+    """cp degrees to try with `tp`: the pin; else 1, and when the features allow context parallelism and the
+    model's attention can ring, the divisors of the GPUs a node has beside tp that leave each rank at least
+    MIN_CONTEXT_PARALLEL_TOKENS tokens of a sequence split into 2 x cp equal chunks."""
+    if pins.cp:
+        return [pins.cp]
+    seq, per_node = scope.sequence_length, scope.gpus_per_node or scope.num_gpus
+    if "cp" not in (scope.features or frozenset()) or scope.context_parallel_problem or not seq or per_node % tp:
+        return [1]
+    return [c for c in divisors(per_node // tp)
+            if c == 1 or (seq % (2 * c) == 0 and seq // c >= MIN_CONTEXT_PARALLEL_TOKENS)]
+
+
+def expert_parallel_options(pins: Layout, scope: Scope, ranks: int) -> list[int]:
+    """ep degrees to try over `ranks` (dp x cp) data- and context-parallel ranks: the pin; else 1, and when the
+    features allow expert parallelism, every divisor of the layers' expert counts that divides `ranks`."""
+    if pins.ep:
+        return [pins.ep]
+    experts = scope.num_experts
+    if "ep" not in (scope.features or frozenset()) or not experts:
+        return [1]
+    return [e for e in divisors(math.gcd(*experts)) if ranks % e == 0]
 
 
 def sequence_parallel(pins: Layout, tp: int, scope: Scope) -> bool:
@@ -138,10 +194,15 @@ def _whole_nodes(ranks: int, gpus_per_node: int) -> bool:
     return ranks % gpus_per_node == 0 and nodes & (nodes - 1) == 0
 
 
-def _sharding_options(pins: Layout, dp: int, features: frozenset[str]) -> list[tuple[int, bool]]:
+def _sharding_options(pins: Layout, dp: int, features: frozenset[str], cp: int = 1) -> list[tuple[int, bool]]:
     """(dp_shard, reshard) pairs to try: DDP, FSDP2 over every data-parallel rank without and with
-    resharding, and HSDP's smaller shard groups (resharding); a zero pin keeps its own."""
+    resharding, and HSDP's smaller shard groups (resharding); a zero pin keeps its own. With cp > 1 the
+    states are sharded over dp_shard x cp whatever dp_shard, so dp = 1 still shards (over cp)."""
     wanted = {0: [(1, False)], 1: [(dp, False)], 2: [(dp, False)], 3: [(dp, True)]}
+    if cp > 1 and dp == 1:
+        if pins.zero is not None:
+            return [(1, pins.zero == 3)] if pins.zero > 0 else []
+        return [(1, False)] + ([(1, True)] if "zero3" in features else [])
     if pins.zero is not None:
         options = wanted[pins.zero] if dp > 1 or pins.zero == 0 else []
     elif dp == 1:
@@ -210,6 +271,8 @@ def parallelism(family: Family, variant: Variant, recompute: str) -> Parallelism
         enable_sequence_parallel=family.sp,
         disable_loss_parallel=family.tp > 1 and not family.loss_parallel,
         enable_cpu_offload=family.offload,
+        context_parallel_degree=family.cp,
+        expert_parallel_degree=family.ep,
     )
 
 
@@ -220,6 +283,10 @@ def describe(par: Parallelism) -> str:
     text += f" tp={par.tensor_parallel_degree}"
     if par.tensor_parallel_degree > 1:
         text += f" sp={'on' if par.enable_sequence_parallel else 'off'}"
+    if par.context_parallel_degree > 1:
+        text += f" cp={par.context_parallel_degree}"
+    if par.expert_parallel_degree > 1:
+        text += f" ep={par.expert_parallel_degree}"
     text += f" pp={par.pipeline_parallel_degree}"
     if par.sharded:
         text += f" dp_shard={par.data_parallel_shard_degree} reshard={par.fsdp_reshard_after_forward}"

@@ -7,7 +7,7 @@ from autoplan.errors import UserError
 from autoplan.layout import Layout, Scope, problems
 
 
-PIN_KEYS = ("dp", "tp", "sp", "pp", "zero", "schedule", "microbatch", "recompute", "offload", "compile")
+PIN_KEYS = ("dp", "tp", "sp", "cp", "ep", "pp", "zero", "schedule", "microbatch", "recompute", "offload", "compile")
 """What --pin may fix: these short names of a Layout (layout.VOCABULARY); the rest is left to the search."""
 
 

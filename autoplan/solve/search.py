@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from autoplan.chain.modules import ModuleChain
 from autoplan.cost.context import Context, gib
-from autoplan.cost.evaluate import Candidate, build_problem, evaluate, host_oom_reason, oom_reason
+from autoplan.cost.evaluate import (Candidate, build_problem, evaluate, host_oom_reason, oom_reason,
+                                    with_memory_without_cp_ep)
 from autoplan.cost.memory import model_state_bytes, zero_of
 from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster
@@ -81,6 +82,8 @@ def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: La
         raise infeasible_message(ctx, pins, tried + pruned)
     chosen = choose(fitting)
     best, info = refine_with_ilp(ctx, chosen, pins.recompute is not None, solver, time_limit_s)
+    best = with_memory_without_cp_ep(ctx, best, layouts.modes_for(best.parallelism.activation_checkpoint,
+                                                                  pins.recompute is not None))
     others = [dataclasses.replace(c, reason=_losing_reason(c, best)) for c in fitting if c is not chosen]
     twin = compile_twin(ctx, best, pins, pins.recompute is not None)
     ranked = [best] + sorted(others + ([twin] if twin else []), key=_by_time)
@@ -208,12 +211,16 @@ def compile_twin(ctx: Context, best: Candidate, pins: Layout, pinned_recompute: 
 
 
 def family_memory_bound(ctx: Context, fam: layouts.Family) -> float:
-    """Model states of the average pipeline rank: no split of this family can do better."""
+    """Model states of the average pipeline rank: no split of this family can do better. The expert
+    parameters (E/ep per rank) shard over dp_shard x cp / ep ranks (cost/context.py expert_shard_degree)."""
     if fam.offload:  # on the host (CPU offload)
         return 0.0
-    numel = ctx.total_numel(fam.tp)
-    zero = zero_of(fam.dp_shard, fam.reshard)
-    states = sum(model_state_bytes(numel, ctx.dtype, zero, fam.dp_shard).values())
+    numel = ctx.total_numel(fam.tp, fam.ep)
+    experts = sum(ctx.module_expert_numel(fam.ep))
+    zero = zero_of(fam.fsdp, fam.reshard)
+    expert_shard = fam.fsdp // fam.ep if fam.fsdp % fam.ep == 0 else 1
+    states = sum(model_state_bytes(numel - experts, ctx.dtype, zero, fam.fsdp).values()) + \
+        sum(model_state_bytes(experts, ctx.dtype, zero, expert_shard).values())
     if fam.pp > 1 and zero >= 2:  # unreduced gradients (and unsharded FSDP parameters) under pipelining
         states += numel * (2 if zero == 3 else 1) * ctx.dtype_bytes
     return states / fam.pp
@@ -221,7 +228,7 @@ def family_memory_bound(ctx: Context, fam: layouts.Family) -> float:
 
 def time_lower_bound(ctx: Context, fam: layouts.Family, var: layouts.Variant, pinned: bool) -> float:
     """(m + (p - 1) / v) x the slowest rank's slot if the fastest module times balanced perfectly."""
-    table = ctx.table(fam.tp, var.microbatch, fam.sp)
+    table = ctx.table(fam.tp, var.microbatch, fam.sp, cp=fam.cp, ep=fam.ep)
     mode = "none" if not pinned else var.recompute
     slot = table.total_s[mode] / fam.pp
     return (var.microbatches + (fam.pp - 1) / var.virtual_stages) * slot
@@ -296,6 +303,7 @@ def _simplicity(c: Candidate) -> tuple:
     schedule = layouts.SCHEDULE_PREFERENCE.index(par.pipeline_parallel_schedule)
     recompute = RECOMPUTE.index(par.activation_checkpoint)
     return (par.enable_cpu_offload, par.pipeline_parallel_degree, par.tensor_parallel_degree,
+            par.context_parallel_degree, par.expert_parallel_degree,
             zero_of(par.data_parallel_shard_degree, par.reshards_after_forward),
             par.data_parallel_shard_degree > 1 and par.data_parallel_replicate_degree > 1, schedule,
             par.pipeline_parallel_virtual_stages, recompute, _partial_recompute(c),
@@ -310,10 +318,10 @@ def _partial_recompute(c: Candidate) -> int:
 
 def _losing_reason(c: Candidate, best: Candidate) -> str:
     percent = (c.predicted.step_time_s - best.predicted.step_time_s) / best.predicted.step_time_s * 100
-    if percent < 0:
+    if percent < 0 and c.parallelism.sharded and not best.parallelism.sharded:
         return (f"{-percent:.1f}% faster, but shards the model states: DDP is kept within "
                 f"{SHARDING_MARGIN:.0%} (FSDP hooks and bookkeeping are not priced)")
-    if percent <= TIE_TOLERANCE * 100:
+    if abs(percent) <= TIE_TOLERANCE * 100:  # a faster one in the tie lost to the simpler best
         return f"{percent:+.2f}% step time vs the best, a tie within {TIE_TOLERANCE:.0%}: the best is simpler"
     digits = 0 if percent >= 1 else 1
     offloads = c.parallelism.enable_cpu_offload and not best.parallelism.enable_cpu_offload

@@ -1,0 +1,69 @@
+"""Issue 19's planning Done-when at full size (shapes captured on fake tensors): Llama-3.1-8B on 8 H100 80GB as the
+sequence grows, and a Mixtral-8x7B-shaped model on 64 H100s, searched with cp and ep among the features."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from autoplan.capture import capture_model
+from autoplan.errors import UserError
+from autoplan.hardware.profiles import load_hardware
+from autoplan.hardware.types import Cluster
+from autoplan.layout import SUPPORTED
+from autoplan.plan import Training
+from autoplan.profile import profile_graph
+from autoplan.report.csv import candidates_frame
+from autoplan.solve.pins import parse_pins
+from autoplan.solve.search import search
+from autoplan.source import load_source
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+H100 = load_hardware("h100-sxm5-80gb")
+LLAMA_3_1_8B = dict(VOCAB=128256, HIDDEN=4096, INTERMEDIATE=14336, LAYERS=32, HEADS=32, KV_HEADS=8)
+MIXTRAL_8X7B = dict(VOCAB=32000, HIDDEN=4096, INTERMEDIATE=14336, LAYERS=32, HEADS=32, KV_HEADS=8, EXPERTS=8,
+                    EXPERTS_PER_TOKEN=2)
+
+
+def _profile(name: str, shapes: dict, seq: int):
+    source = load_source(str(EXAMPLES / f"{name}.py"))
+    for constant, value in {**shapes, "SEQ_LEN": seq}.items():
+        setattr(source.module, constant, value)
+    return profile_graph(capture_model(source, 1), source.spec, 1, H100, measure=False, dtype="bf16")
+
+
+@pytest.mark.slow
+def test_llama_3_1_8b_on_8_h100s_grows_cp_with_the_sequence_and_fits():
+    chosen = []
+    for seq in (32_768, 65_536, 131_072, 262_144):
+        training = Training(global_batch_size=8, dtype="bf16", tokens_per_sample=seq)
+        try:
+            best = search(_profile("llama", LLAMA_3_1_8B, seq), Cluster(H100, 8, 8), training,
+                          features=SUPPORTED | {"cp"}).best
+        except UserError as refusal:  # a refusal must give the arithmetic
+            assert "GiB" in str(refusal) and "needs" in str(refusal), str(refusal)
+            continue
+        assert best.fits and best.predicted.peak_memory_bytes <= Cluster(H100, 8, 8).usable_memory_bytes
+        chosen.append(best.parallelism.context_parallel_degree)
+    assert len(chosen) == 4, chosen  # every length plans
+    assert chosen == sorted(chosen) and chosen[-1] > 1, chosen
+
+
+@pytest.mark.slow
+def test_mixtral_8x7b_on_64_h100s_picks_ep_when_faster_and_the_candidates_show_why():
+    profile = _profile("mixtral", MIXTRAL_8X7B, 4096)
+    cluster, training = Cluster(H100, 64, 8), Training(global_batch_size=256, dtype="bf16", tokens_per_sample=4096)
+    result = search(profile, cluster, training, features=SUPPORTED | {"ep"})
+    single = search(profile, cluster, training, parse_pins("ep=1"), features=SUPPORTED | {"ep"}).best
+    best = result.best
+    assert best.parallelism.expert_parallel_degree > 1
+    assert best.predicted.step_time_s < single.predicted.step_time_s
+    assert best.predicted.time_breakdown["expert_parallel_comm"] > 0
+    # without ep every rank gathers and reduces all experts' weights: more data-parallel traffic
+    assert single.predicted.time_breakdown["data_parallel_comm"] > best.predicted.time_breakdown["data_parallel_comm"]
+    frame = candidates_frame(result.candidates, best)
+    assert frame.iloc[0]["ep"] == best.parallelism.expert_parallel_degree
+    without = frame[frame["ep"] == 1]
+    assert len(without) and without["step_time_s"].min() > frame.iloc[0]["step_time_s"]
+    assert without.iloc[0]["reason"].endswith("slower than the best") or "slower" in without.iloc[0]["reason"]
