@@ -4,6 +4,8 @@ every (token, slot) row once per expert layer, kept in profile.json, and none wi
 
 from pathlib import Path
 
+import pytest
+
 from autoplan.api import profile_only
 from autoplan.profile.router_loads import measure_router_loads
 from autoplan.profile.types import ModelProfile
@@ -46,3 +48,31 @@ def test_profile_measure_keeps_the_counts_in_profile_json(tmp_path):
     saved = ModelProfile.from_json((tmp_path / "measured" / "profile.json").read_text())
     assert saved.router_loads == measured.router_loads
     assert profile_only(str(model), "h100-sxm5-80gb", measure=False).router_loads == {}
+
+
+def test_measured_loads_set_the_busiest_expert_rank_in_the_plan(tmp_path):
+    """ep=2 over 4 experts: rows split 10/10/0/0 put every row on rank 0 (2x the mean), 6/6/4/4 put 12 of 20
+    there (1.2x), 5/5/5/5 none extra. The experts' compute grows by the ratio: the extra time of 10/10/0/0 is
+    five times that of 6/6/4/4, and 5/5/5/5 costs what one rank holding every expert does."""
+    from dataclasses import replace
+
+    from chain_fixtures import cluster
+
+    from autoplan.cost.context import Context
+    from autoplan.layout import SUPPORTED
+    from autoplan.plan import Training
+
+    profile = profile_only(str(_tiny_mixtral(tmp_path)), "h100-sxm5-80gb", measure=False)
+    names = [f"model.layers.{i}.mlp.experts" for i in range(2)]
+
+    def forward_s(rows):
+        measured = replace(profile, router_loads={name: rows for name in names})
+        ctx = Context(measured, cluster(8), Training(8, "bf16"), SUPPORTED | {"ep"})
+        return sum(ctx.table(1, 1, ep=2).forward_s), sum(ctx.table(1, 1).forward_s)
+
+    even, whole = forward_s((5, 5, 5, 5))
+    skewed, _ = forward_s((10, 10, 0, 0))
+    mild, _ = forward_s((6, 6, 4, 4))
+    assert even == pytest.approx(whole)
+    assert skewed > mild > even
+    assert (skewed - even) == pytest.approx(5 * (mild - even))

@@ -22,7 +22,7 @@ from autoplan.chain.tensor_parallel import tensor_parallel_facts
 from autoplan.cost import comm
 from autoplan.cost.compute import ModuleTable, ShardedModules, TableSetting, module_table, sharded_table
 from autoplan.cost.context_parallel import ring_attention_cost
-from autoplan.cost.expert_parallel import expert_parallel_cost
+from autoplan.cost.expert_parallel import expert_parallel_cost, measured_imbalance
 from autoplan.cost.dtypes import activation_scale, bytes_per_element, training_dtype
 from autoplan.cost.memory import LayoutMemory, MemoryInputs, layout_memory
 from autoplan.cost.module_costs import SPLIT_ROLES, ChainCosts, chain_costs
@@ -190,7 +190,9 @@ class Context:
         ep_group = self.group(ep, tp)
         for layer, u in zip(self.experts, self._expert_module):
             tokens = layer.tokens / self.profile.batch_size * microbatch / cp
-            cost = expert_parallel_cost(layer, tokens, element, ep_group)
+            loads = self.profile.router_loads.get(layer.module)
+            measured = measured_imbalance(loads, ep_group.size) if loads else None  # profile --measure
+            cost = expert_parallel_cost(layer, tokens, element, ep_group, measured_imbalance=measured)
             imbalance[u] = max(imbalance[u], cost.imbalance)
             all_to_all[u] += cost.all_to_all_s
         ring_forward, ring_backward, change = [0.0] * n, [0.0] * n, [0.0] * n
