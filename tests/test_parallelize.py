@@ -1,0 +1,248 @@
+"""autoplan.parallelize, autoplan.init_mesh and autoplan.load_plan: a plan in a user's own training loop.
+
+The slow test trains a model autoplan's examples do not hold (tests/models/tiny_gpt.py: tied head, blocks
+in `self.h`) with the hand-written loop of examples/recipes/custom_loop.py under dp=2, pp=2 and tp=2, and
+with the generated train.py of the same plans, all in one torchrun launch (tests/helpers/batch.py): the
+per-step losses agree. The Lightning and accelerate recipes join the same launch when those packages are
+installed. The fast tests cover the loader and the one-line errors for bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import autoplan
+from autoplan.errors import UserError
+from autoplan.runtime.config import ParallelConfig, as_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
+from verify_many import BatchJob, run_batch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "tests" / "models" / "tiny_gpt.py"
+RECIPES = ROOT / "examples" / "recipes"
+STEPS = 3
+RELATIVE_TOLERANCE = 1e-5
+"""Both programs run the same arithmetic (the recipe's AdamW in the plan's kernels, as train.py's: with torch's
+default for-loop kernel instead of the fused one the losses of step 3 were 8.7e-5 apart)."""
+
+LAYOUTS = {"dp": "dp=2,microbatch=2", "pp": "pp=2,schedule=1f1b,microbatch=2", "tp": "tp=2"}
+"""Layout name -> pin: 2 data-parallel ranks accumulating 2 micro-batches, a 2-stage 1F1B pipeline of 2
+micro-batches (the tied embedding and head on different stages), 2 tensor-parallel ranks."""
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory) -> dict[str, Path]:
+    """Layout name -> the output folder of its plan (global batch 8 on 2 CPU ranks)."""
+    root = tmp_path_factory.mktemp("parallelize")
+    folders = {}
+    for name, pin in LAYOUTS.items():
+        folders[name] = root / name
+        autoplan.plan(str(MODEL), gpus=2, gpu="cpu", pin=pin, global_batch=8, out=str(folders[name]))
+    return folders
+
+
+def _losses(path: Path) -> list[float]:
+    return json.loads(path.read_text())
+
+
+def _assert_close(got: list[float], want: list[float], what: str) -> None:
+    assert len(got) == len(want) == STEPS, (what, got, want)
+    worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
+    print(f"{what}: max relative difference {worst:.3g}")  # shown by pytest -rP
+    assert worst <= RELATIVE_TOLERANCE, (what, got, want)
+
+
+@pytest.mark.slow
+def test_a_hand_written_loop_trains_like_the_generated_program(planned, tmp_path):
+    jobs, outputs = [], {}
+    for name, folder in planned.items():
+        for program in ("train.py", "custom_loop"):
+            out = tmp_path / f"{name}-{program}.json"
+            if program == "train.py":
+                jobs.append(BatchJob(folder, ("--steps", str(STEPS), "--device", "cpu", "--losses-out", str(out)), 2))
+            else:
+                jobs.append(BatchJob(folder, (str(folder), "--steps", str(STEPS), "--device", "cpu",
+                                              "--losses-out", str(out)), 2, program=RECIPES / "custom_loop.py"))
+            outputs[name, program] = out
+    errors = run_batch(jobs, nproc=2, timeout_s=900)
+    assert errors == [""] * len(jobs), "\n".join(e[-3000:] for e in errors if e)
+    for name in planned:
+        want = _losses(outputs[name, "train.py"])
+        assert want[0] != want[-1], want  # it trains
+        _assert_close(_losses(outputs[name, "custom_loop"]), want, f"{name}: custom loop vs train.py")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# fast: the loader, the config and the one-line errors (no torchrun)
+
+TINY_GPT_CHAIN = ("tok", *(f"h.{i}.{m}" for i in range(4) for m in ("norm1", "attn", "norm2", "ff")), "norm", "head")
+
+
+def make_plan(stages=(TINY_GPT_CHAIN,), **parallelism) -> "autoplan.Plan":
+    from autoplan.plan import ClusterRef, ModelRef, Parallelism, Plan, Prediction, SolverInfo, Stage, Training
+
+    dp = parallelism.get("data_parallel_replicate_degree", 1) * parallelism.get("data_parallel_shard_degree", 1)
+    parallelism.setdefault("pipeline_parallel_microbatch_size",
+                           8 // (dp * parallelism.get("pipeline_parallel_num_microbatches", 1)))
+    par = Parallelism(**parallelism)
+    return Plan(
+        model=ModelRef(path=str(MODEL)),
+        cluster=ClusterRef(gpu="cpu", num_gpus=par.world_size, gpus_per_node=8, memory_per_gpu_bytes=2**30),
+        training=Training(global_batch_size=8, learning_rate=1e-2, seed=3),
+        parallelism=par,
+        stages=tuple(Stage(index=i, modules=tuple(m), predicted_time_s=0.01, predicted_memory_bytes=1e6)
+                     for i, m in enumerate(stages)),
+        predicted=Prediction(step_time_s=0.05, samples_per_s=160.0, tokens_per_s=None, model_flops_per_step=1e6,
+                             mfu=0.1, peak_memory_bytes=1e6),
+        solver=SolverInfo(name="pinned", status="optimal", time_s=0.0, candidates_evaluated=1),
+    )
+
+
+def tiny_gpt():
+    """tests/models/tiny_gpt.py as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tiny_gpt_for_parallelize", MODEL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def one_line_error(call, *args, **kwargs) -> str:
+    with pytest.raises(UserError) as caught:
+        call(*args, **kwargs)
+    message = str(caught.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_load_plan_reads_an_output_folder_or_its_plan_json(tmp_path):
+    plan = make_plan(data_parallel_replicate_degree=2)
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    assert autoplan.load_plan(tmp_path) == plan
+    assert autoplan.load_plan(str(tmp_path / "plan.json")) == plan
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda raw: raw.update(schema_version=999), "schema_version 999, but this autoplan reads version"),
+    (lambda raw: raw["parallelism"].update(tensor_parallel_degree="two"), "parallelism.tensor_parallel_degree must be"),
+    (lambda raw: raw["parallelism"].update(data_parallel_replicate_degree=3), "the layout breaks its rules"),
+    (lambda raw: raw.pop("stages"), "stages must be a list"),
+    (lambda raw: raw["training"].update(optimiser="sgd"), "unknown field(s) in 'training': optimiser"),
+])
+def test_load_plan_refuses_a_plan_json_of_another_schema_in_one_line(tmp_path, change, expected):
+    raw = make_plan(data_parallel_replicate_degree=2).to_dict()
+    change(raw)
+    (tmp_path / "plan.json").write_text(json.dumps(raw))
+    message = one_line_error(autoplan.load_plan, tmp_path / "plan.json")
+    assert expected in message and str(tmp_path / "plan.json") in message
+
+
+@pytest.mark.parametrize("text, expected", [(None, "has no plan.json: is it an autoplan output folder?"),
+                                            ("{not json", "plan.json is not valid JSON")])
+def test_load_plan_of_a_folder_without_a_plan_or_a_file_that_is_not_json(tmp_path, text, expected):
+    if text is not None:
+        (tmp_path / "plan.json").write_text(text)
+    assert expected in one_line_error(autoplan.load_plan, tmp_path)
+    assert "no such plan.json" in one_line_error(autoplan.load_plan, tmp_path / "missing.json")
+
+
+def test_the_config_of_a_plan_holds_its_layout_and_modules():
+    plan = make_plan(stages=(TINY_GPT_CHAIN[:9], TINY_GPT_CHAIN[9:]), pipeline_parallel_degree=2,
+                     data_parallel_shard_degree=2, fsdp_reshard_after_forward="always",
+                     pipeline_parallel_num_microbatches=2, pipeline_parallel_microbatch_size=2)
+    config = as_config(plan)
+    assert (config.pp, config.dp_replicate, config.dp_shard, config.tp, config.world_size) == (2, 1, 2, 1, 4)
+    assert (config.reshard, config.num_microbatches, config.microbatch_size) == ("always", 2, 2)
+    assert config.stages == (TINY_GPT_CHAIN[:9], TINY_GPT_CHAIN[9:]) and config.chain_modules == TINY_GPT_CHAIN
+    assert as_config(config) is config
+
+
+def test_a_config_whose_stages_do_not_match_its_pipeline_shows_the_arithmetic():
+    message = one_line_error(ParallelConfig, pp=2, virtual_stages=2, stages=(("a",), ("b",)))
+    assert "pp 2 x virtual_stages 2 = 4 stages, but stages lists 2" in message
+    assert "tp 0" in one_line_error(ParallelConfig, tp=0)
+
+
+def test_parallelize_refuses_what_is_not_a_model_or_a_plan():
+    import torch
+
+    assert "takes the model as a torch.nn.Module, got function" in one_line_error(
+        autoplan.parallelize, lambda x: x, make_plan())
+    assert "plan must be an autoplan.Plan" in one_line_error(autoplan.parallelize, torch.nn.Linear(2, 2), {"tp": 2})
+
+
+def test_a_pipeline_plan_needs_example_inputs():
+    message = one_line_error(autoplan.parallelize, tiny_gpt().build_model(),
+                             make_plan(stages=(TINY_GPT_CHAIN[:9], TINY_GPT_CHAIN[9:]), pipeline_parallel_degree=2))
+    assert "2-rank pipeline: pass example_inputs=" in message
+
+
+def test_a_plan_for_another_model_names_the_module_it_lacks():
+    import torch
+
+    message = one_line_error(autoplan.parallelize, torch.nn.Sequential(torch.nn.Linear(2, 2)), make_plan())
+    assert "the plan names 19 module(s) this Sequential does not have (e.g. 'h.0.attn')" in message
+
+
+@pytest.fixture
+def one_process():
+    """A process group of this pytest process alone (gloo, world size 1)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_plan_for_another_number_of_processes_says_how_many_to_launch(one_process):
+    message = one_line_error(autoplan.init_mesh, make_plan(data_parallel_replicate_degree=2), "cpu")
+    assert message == ("the plan is for pp 1 x dp_replicate 2 x dp_shard 1 x tp 1 = 2 processes but 1 are running: "
+                       "launch it with 2 processes (torchrun --nproc-per-node 2 on one machine)")
+
+
+def test_a_mesh_that_is_not_the_plans_is_refused(one_process):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    other = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    message = one_line_error(autoplan.parallelize, tiny_gpt().build_model(), make_plan(), other)
+    assert message == ("the mesh is data_parallel 1 x tensor_parallel 1, the plan needs pp 1 x dp_replicate 1 x "
+                       "dp_shard 1 x tp 1 = 1 processes in dims ('pp', 'dp_replicate', 'dp_shard', 'tp'): "
+                       "build it with autoplan.init_mesh(plan)")
+
+
+def test_a_model_on_meta_needs_its_initial_values(one_process):
+    import torch
+
+    with torch.device("meta"):
+        model = tiny_gpt().build_model()
+    message = one_line_error(autoplan.parallelize, model, make_plan(), device="cpu")
+    assert message.startswith("52 of the model's 52 tensors are on the meta device (no values)")
+
+
+def test_one_process_trains_the_model_it_was_given(one_process):
+    """World size 1: the parallel model is the user's model, with its values, and trains like it."""
+    import copy
+
+    import torch
+
+    source = tiny_gpt()
+    torch.manual_seed(0)
+    model = source.build_model()
+    original = copy.deepcopy(model)
+    inputs, targets = source.example_batch(4)
+    parallel = autoplan.parallelize(model, make_plan(), device="cpu")
+    assert isinstance(parallel, autoplan.Parallelized) and parallel.rank.dp_size == 1
+    assert all(p.device.type == "cpu" for p in parallel.parameters())
+    assert torch.equal(parallel.model(inputs), original(inputs))
+    assert parallel.model is model  # parallelized in place (here: nothing to wrap in one process)
+    loss = parallel.forward_backward(inputs, targets)
+    expected = torch.nn.functional.cross_entropy(original(inputs).flatten(0, 1), targets.flatten())
+    assert math.isclose(parallel.global_loss(loss), expected.item(), rel_tol=1e-6)
