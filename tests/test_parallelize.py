@@ -1,18 +1,20 @@
 """autoplan.parallelize, autoplan.init_mesh and autoplan.load_plan: a plan in a user's own training loop.
 
-The slow test trains a model autoplan's examples do not hold (tests/models/tiny_gpt.py: tied head, blocks
-in `self.h`) with the hand-written loop of examples/recipes/custom_loop.py under dp=2, pp=2 and tp=2, and
-with the generated train.py of the same plans, all in one torchrun launch (tests/helpers/batch.py): the
-per-step losses agree. The Lightning and accelerate recipes join the same launch when those packages are
-installed. The fast tests cover the loader and the one-line errors for bad input.
+The slow tests train a model autoplan's examples do not hold (tests/models/tiny_gpt.py: tied head, blocks
+in `self.h`) under dp=2, pp=2 and tp=2 with the generated train.py of each plan and with the recipes in
+examples/recipes/ (a hand-written loop; PyTorch Lightning's ModelParallelStrategy; accelerate), all in one
+torchrun launch (tests/helpers/batch.py): the per-step losses agree. The Lightning and accelerate recipes
+run when those packages are installed (the test extra installs them) and their tests skip, saying so, when
+not. The fast tests cover the loader, the config and the one-line errors for bad input.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
-import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -48,6 +50,44 @@ def planned(tmp_path_factory) -> dict[str, Path]:
     return folders
 
 
+PROGRAMS = {"custom_loop": RECIPES / "custom_loop.py", "lightning": RECIPES / "lightning_recipe.py",
+            "accelerate": RECIPES / "accelerate_recipe.py"}
+"""The recipes that train with autoplan.parallelize; the last two run only when their package is installed."""
+
+
+def installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+@dataclass(frozen=True)
+class Launched:
+    """One torchrun launch: every layout's train.py and each installed recipe on the same plan."""
+
+    losses: dict[tuple[str, str], Path]
+    """(layout, program) -> its losses file ("train.py" or a PROGRAMS key)."""
+    errors: dict[tuple[str, str], str]
+    """(layout, program) -> the first failing rank's traceback, or ""."""
+
+
+@pytest.fixture(scope="module")
+def launched(planned, tmp_path_factory) -> Launched:
+    """Every job in one launch of 2 processes (tests/helpers/batch.py): start-up costs more than training."""
+    out = tmp_path_factory.mktemp("losses")
+    programs = ["train.py", *(name for name in PROGRAMS if name == "custom_loop" or installed(name))]
+    jobs, keys = [], []
+    for program in programs:  # the framework recipes last: they set process-wide state (Lightning's rank)
+        for name, folder in planned.items():
+            losses = out / f"{name}-{program}.json"
+            common = ("--steps", str(STEPS), "--device", "cpu", "--losses-out", str(losses))
+            if program == "train.py":
+                jobs.append(BatchJob(folder, common, 2))
+            else:
+                jobs.append(BatchJob(folder, (str(folder), *common), 2, program=PROGRAMS[program]))
+            keys.append((name, program))
+    errors = run_batch(jobs, nproc=2, timeout_s=1200)
+    return Launched(losses={key: out / f"{key[0]}-{key[1]}.json" for key in keys}, errors=dict(zip(keys, errors)))
+
+
 def _losses(path: Path) -> list[float]:
     return json.loads(path.read_text())
 
@@ -59,24 +99,30 @@ def _assert_close(got: list[float], want: list[float], what: str) -> None:
     assert worst <= RELATIVE_TOLERANCE, (what, got, want)
 
 
-@pytest.mark.slow
-def test_a_hand_written_loop_trains_like_the_generated_program(planned, tmp_path):
-    jobs, outputs = [], {}
-    for name, folder in planned.items():
-        for program in ("train.py", "custom_loop"):
-            out = tmp_path / f"{name}-{program}.json"
-            if program == "train.py":
-                jobs.append(BatchJob(folder, ("--steps", str(STEPS), "--device", "cpu", "--losses-out", str(out)), 2))
-            else:
-                jobs.append(BatchJob(folder, (str(folder), "--steps", str(STEPS), "--device", "cpu",
-                                              "--losses-out", str(out)), 2, program=RECIPES / "custom_loop.py"))
-            outputs[name, program] = out
-    errors = run_batch(jobs, nproc=2, timeout_s=900)
-    assert errors == [""] * len(jobs), "\n".join(e[-3000:] for e in errors if e)
-    for name in planned:
-        want = _losses(outputs[name, "train.py"])
+def _check_program(launched: Launched, program: str) -> None:
+    for name in LAYOUTS:
+        for key in ((name, "train.py"), (name, program)):
+            assert not launched.errors[key], f"{key}:\n{launched.errors[key][-3000:]}"
+        want = _losses(launched.losses[name, "train.py"])
         assert want[0] != want[-1], want  # it trains
-        _assert_close(_losses(outputs[name, "custom_loop"]), want, f"{name}: custom loop vs train.py")
+        _assert_close(_losses(launched.losses[name, program]), want, f"{name}: {program} vs train.py")
+
+
+@pytest.mark.slow
+def test_a_hand_written_loop_trains_like_the_generated_program(launched):
+    _check_program(launched, "custom_loop")
+
+
+@pytest.mark.slow
+def test_the_lightning_recipe_trains_like_the_generated_program(launched):
+    pytest.importorskip("lightning", reason="PyTorch Lightning is not installed (pip install 'torch-autoplan[recipes]')")
+    _check_program(launched, "lightning")
+
+
+@pytest.mark.slow
+def test_the_accelerate_recipe_trains_like_the_generated_program(launched):
+    pytest.importorskip("accelerate", reason="accelerate is not installed (pip install 'torch-autoplan[recipes]')")
+    _check_program(launched, "accelerate")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -246,3 +292,7 @@ def test_one_process_trains_the_model_it_was_given(one_process):
     loss = parallel.forward_backward(inputs, targets)
     expected = torch.nn.functional.cross_entropy(original(inputs).flatten(0, 1), targets.flatten())
     assert math.isclose(parallel.global_loss(loss), expected.item(), rel_tol=1e-6)
+    expected.backward()
+    assert parallel.model.tok.weight is parallel.model.head.weight  # the tie holds (Module.to("meta") broke it)
+    for (name, got), (_, want) in zip(parallel.model.named_parameters(), original.named_parameters()):
+        assert torch.allclose(got.grad, want.grad, rtol=1e-5, atol=1e-7), name

@@ -144,7 +144,7 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
     rank = rank_layout(mesh)
     dtype = compute_dtype(config.dtype, device)
     values = _initial_values(model, initial_values)
-    model.to(torch.device("meta"))  # the structure only: every rank holds just its own share later
+    _to_meta(model)  # the structure only: every rank holds just its own share later
     weights = catalog(model)  # every tensor's names and shape, for the initial broadcast
 
     split = None
@@ -225,6 +225,23 @@ def _initial_values(model: nn.Module, initial_values: Callable[[], nn.Module] | 
                         "build it with values, or pass initial_values= (a function that builds it, called on rank 0)")
     values = named_tensors(model) if dist.get_rank() == 0 else {}  # aliases: they survive model.to("meta")
     return lambda: values
+
+
+def _to_meta(model: nn.Module) -> None:
+    """Move every parameter and buffer of `model` to the meta device in place, a tensor shared by several
+    modules (tied weights) staying shared (Module.to("meta") gives each owner its own copy)."""
+    moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the tensor, kept alive; its meta twin)
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for name, tensor in store.items():
+                if tensor is None or tensor.is_meta:
+                    continue
+                if id(tensor) not in moved:
+                    empty = torch.empty_like(tensor, device="meta")
+                    twin = nn.Parameter(empty, requires_grad=tensor.requires_grad) if isinstance(
+                        tensor, nn.Parameter) else empty
+                    moved[id(tensor)] = (tensor, twin)
+                store[name] = moved[id(tensor)][1]
 
 
 def _one_microbatch(inputs: Any, microbatch_size: int) -> Any:
