@@ -54,7 +54,7 @@ def init_mesh(plan, device=None):
 def parallelize(model, plan, mesh=None, *, device=None, example_inputs=None, loss_fn=None, initial_values=None):
     """Apply `plan` to `model` on this rank, in the order the generated train.py does (it calls this):
     pipeline stages, then tensor parallel, recompute, compile, FSDP2/HSDP, the initial values (rank 0's), DDP.
-    Returns an autoplan.Parallelized: .parts (this rank's modules), .parameters() for the optimizer,
+    Returns an autoplan.Parallelized: .parts (this rank's modules), .param_groups() for the optimizer,
     .shard_batch(inputs, targets) for this rank's slice of a global batch, .forward_backward(inputs, targets)
     (the local loss), .global_loss(local_loss), .mesh, .rank. Arguments: autoplan.runtime.apply_plan.parallelize."""
     from autoplan.runtime.apply_plan import parallelize as apply

@@ -1,11 +1,11 @@
 """autoplan.parallelize, autoplan.init_mesh and autoplan.load_plan: a plan in a user's own training loop.
 
 The slow tests train a model autoplan's examples do not hold (tests/models/tiny_gpt.py: tied head, blocks
-in `self.h`) under dp=2, pp=2 and tp=2 with the generated train.py of each plan and with the recipes in
-examples/recipes/ (a hand-written loop; PyTorch Lightning's ModelParallelStrategy; accelerate), all in one
-torchrun launch (tests/helpers/batch.py): the per-step losses agree. The Lightning and accelerate recipes
-run when those packages are installed (the test extra installs them) and their tests skip, saying so, when
-not. The fast tests cover the loader, the config and the one-line errors for bad input.
+in `self.h`) under dp=2 (DDP), pp=2, tp=2 and FSDP2 over 2 ranks, with the generated train.py of each plan
+and with the recipes in examples/recipes/ (a hand-written loop; PyTorch Lightning's ModelParallelStrategy;
+accelerate), all in one torchrun launch (tests/helpers/batch.py): the per-step losses agree. The Lightning
+and accelerate recipes run when those packages are installed (the test extra installs them) and their
+tests skip, saying so, when not. The fast tests cover the loader, the config and the one-line errors.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ RELATIVE_TOLERANCE = 1e-5
 """Both programs run the same arithmetic (the recipe's AdamW in the plan's kernels, as train.py's: with torch's
 default for-loop kernel instead of the fused one the losses of step 3 were 8.7e-5 apart)."""
 
-LAYOUTS = {"dp": "dp=2,microbatch=2", "pp": "pp=2,schedule=1f1b,microbatch=2", "tp": "tp=2"}
-"""Layout name -> pin: 2 data-parallel ranks accumulating 2 micro-batches, a 2-stage 1F1B pipeline of 2
-micro-batches (the tied embedding and head on different stages), 2 tensor-parallel ranks."""
+LAYOUTS = {"dp": "dp=2,microbatch=2", "pp": "pp=2,schedule=1f1b,microbatch=2", "tp": "tp=2", "fsdp": "dp=2,zero=3"}
+"""Layout name -> pin: 2 data-parallel ranks (DDP) accumulating 2 micro-batches, a 2-stage 1F1B pipeline of 2
+micro-batches (the tied embedding and head on different stages), 2 tensor-parallel ranks, FSDP2 over 2 ranks."""
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +127,16 @@ def test_the_accelerate_recipe_trains_like_the_generated_program(launched):
 
 # ---------------------------------------------------------------------------------------------------------
 # fast: the loader, the config and the one-line errors (no torchrun)
+
+
+def test_import_autoplan_and_load_plan_leave_torch_unimported(tmp_path):
+    import subprocess
+
+    (tmp_path / "plan.json").write_text(make_plan().to_json())
+    code = (f"import sys, autoplan; autoplan.load_plan({str(tmp_path)!r}); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr
 
 TINY_GPT_CHAIN = ("tok", *(f"h.{i}.{m}" for i in range(4) for m in ("norm1", "attn", "norm2", "ff")), "norm", "head")
 

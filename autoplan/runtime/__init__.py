@@ -17,7 +17,7 @@ from autoplan.runtime.dropout import NoDropout
 from autoplan.runtime.interface import MISMATCH_EXIT_CODE, RUNTIME_API, check_runtime_api, runtime_api_mismatch
 from autoplan.runtime.materialize import (ModelPart, TensorEntry, build_on_meta, build_seeded, catalog, materialize,
                                           materialize_from, named_tensors)
-from autoplan.runtime.mesh import RankLayout, device_mesh, global_mean_loss, init_mesh, local_stages, rank_layout
+from autoplan.runtime.mesh import RankLayout, device_mesh, global_mean_loss, local_stages, rank_layout
 from autoplan.runtime.memory import PeakLiveMemory
 from autoplan.runtime.metrics import StepMetrics, gather_rank_metrics
 from autoplan.runtime.optimizer import adamw
@@ -33,7 +33,7 @@ __all__ = [
     "Parallelized", "PeakLiveMemory", "PipelineSplit", "PipelineStep", "RUNTIME_API", "RankLayout", "StepMetrics",
     "TensorEntry", "TiedGradients", "TiedParameter", "TrainingData", "adamw", "build_on_meta", "build_seeded",
     "call_model", "catalog", "check_runtime_api", "checkpoint_modules", "compile_modules", "compute_dtype",
-    "compute_loss", "default_loss", "device_mesh", "gather_rank_metrics", "global_mean_loss", "init_mesh",
+    "compute_loss", "default_loss", "device_mesh", "gather_rank_metrics", "global_mean_loss",
     "init_plan_mesh", "local_stages", "materialize", "materialize_from", "microbatches", "model_args",
     "named_tensors", "parallelize", "peak_memory_bytes", "rank_layout", "replicate_data_parallel", "restore_linears",
     "runtime_api_mismatch", "shard", "shard_data_parallel", "split_model", "step_batch", "tensor_parallel",

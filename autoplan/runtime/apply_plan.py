@@ -204,7 +204,7 @@ def _check_mesh(mesh: DeviceMesh, config: ParallelConfig) -> None:
 
 def _check_module_names(model: nn.Module, config: ParallelConfig) -> None:
     """Every module the plan names must be in the model (the plan is for this model)."""
-    have = {name for name, _ in model.named_modules()}
+    have = {name for name, _ in model.named_modules(remove_duplicate=False)}  # a module reused under two names
     named = [*config.chain_modules, *config.tensor_parallel_plan, *config.recompute_modules,
              *config.batch_norm_modules]
     missing = sorted({u for u in named if u != ROOT_MODULE and u not in have})

@@ -48,13 +48,6 @@ class RankLayout:
         return self.pp_rank == self.pp_size - 1
 
 
-def init_mesh(device: torch.device, pp: int, dp_replicate: int, dp_shard: int,
-              tp: int = 1) -> tuple[DeviceMesh, RankLayout]:
-    """Start the process group (NCCL on CUDA, gloo on CPU) unless one is running, and build the mesh."""
-    mesh = device_mesh(device, pp, dp_replicate, dp_shard, tp)
-    return mesh, rank_layout(mesh)
-
-
 def device_mesh(device: torch.device, pp: int, dp_replicate: int, dp_shard: int, tp: int = 1) -> DeviceMesh:
     """The mesh (pp, dp_replicate, dp_shard, tp) over all processes, after starting the process group
     (NCCL on CUDA, gloo on CPU) unless one is running. A UserError if the world size is not their product."""

@@ -6,8 +6,8 @@ rest of the loop (processes, device, the optimizer wrapper, printing on the main
     (or: torchrun --standalone --nproc-per-node 2 examples/recipes/accelerate_recipe.py autoplan_out)
 
 The model does not go through accelerator.prepare: accelerate 1.15 wraps a prepared model in DDP on CPU and
-on GPUs without a plugin (a second DDP around a DDP plan's model; DDP cannot hold the DTensor parameters of
-tensor-parallel and FSDP2 plans, which it refuses on GPUs), and a pipeline's stages are not one model. Its FSDP2 plugin does return a model
+on GPUs without a plugin (a second DDP around a DDP plan's model; a DDP over the DTensor parameters of
+tensor-parallel and FSDP2 plans, which stops), and a pipeline's stages are not one model. Its FSDP2 plugin does return a model
 whose root is already fully_shard-ed unchanged, but only on GPUs, and only for a plan without tensor or
 pipeline parallelism (README, "accelerate"). So accelerate prepares the optimizer only, and the plan's
 forward_backward runs forward and backward (instead of accelerator.backward).

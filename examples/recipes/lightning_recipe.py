@@ -93,8 +93,10 @@ def main(argv=None) -> list[float]:
     plan = autoplan.load_plan(args.plan)
     folder = args.plan if args.plan.is_dir() else args.plan.parent
     module = PlannedModule(load_model_file(args.model or folder / "model.py"), plan, args.steps)
-    processes = plan.parallelism.world_size
-    trainer = L.Trainer(accelerator="gpu" if args.device == "cuda" else "cpu", devices=processes,
+    processes = plan.parallelism.world_size  # Lightning's own mesh is only told the count: the plan makes its own
+    per_node = min(processes, plan.cluster.gpus_per_node)
+    trainer = L.Trainer(accelerator="gpu" if args.device == "cuda" else "cpu", devices=per_node,
+                        num_nodes=processes // per_node,
                         strategy=ModelParallelStrategy(data_parallel_size=processes, tensor_parallel_size=1),
                         max_steps=args.steps, use_distributed_sampler=False, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
