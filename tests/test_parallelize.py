@@ -115,15 +115,15 @@ def test_a_hand_written_loop_trains_like_the_generated_program(launched):
 
 
 @pytest.mark.slow
-def test_the_lightning_recipe_trains_like_the_generated_program(launched):
+def test_the_lightning_recipe_trains_like_the_generated_program(request):
     pytest.importorskip("lightning", reason="PyTorch Lightning is not installed (pip install 'torch-autoplan[recipes]')")
-    _check_program(launched, "lightning")
+    _check_program(request.getfixturevalue("launched"), "lightning")  # after the check: no launch to skip
 
 
 @pytest.mark.slow
-def test_the_accelerate_recipe_trains_like_the_generated_program(launched):
+def test_the_accelerate_recipe_trains_like_the_generated_program(request):
     pytest.importorskip("accelerate", reason="accelerate is not installed (pip install 'torch-autoplan[recipes]')")
-    _check_program(launched, "accelerate")
+    _check_program(request.getfixturevalue("launched"), "accelerate")
 
 
 # ---------------------------------------------------------------------------------------------------------
