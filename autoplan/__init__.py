@@ -3,13 +3,20 @@
     import autoplan
     result = autoplan.plan("examples/gpt.py", gpus=8, gpu="h100-sxm5-80gb")
     print(result.parallelism, result.predicted.step_time_s)
+
+A plan in your own training loop (under torchrun; README, "Use a plan in your own training loop"):
+
+    parallel = autoplan.parallelize(model, autoplan.load_plan("autoplan_out/plan.json"))
+    optimizer = torch.optim.AdamW(parallel.parameters())
+
+`import autoplan` stays light: torch is imported by the functions that need it, when called.
 """
 
 from __future__ import annotations
 
 from autoplan.errors import Infeasible, UserError
 from autoplan.hardware.types import Cluster
-from autoplan.plan import Parallelism, Plan
+from autoplan.plan import Parallelism, Plan, load_plan
 
 __version__ = "0.1.0"
 
@@ -35,4 +42,38 @@ def profile(model, gpu: str = "cpu", **options):
     return profile_only(model, gpu, **options)
 
 
-__all__ = ["plan", "estimate", "profile", "Plan", "Parallelism", "Cluster", "UserError", "Infeasible"]
+def init_mesh(plan, device=None):
+    """The plan's torch DeviceMesh, dims ("pp", "dp_replicate", "dp_shard", "tp"), over the processes torchrun
+    started (it starts the process group, NCCL on CUDA or gloo on CPU, unless one is running). `plan`: a Plan,
+    the path of a plan.json or of an output folder. A UserError if the number of processes is not the plan's."""
+    from autoplan.runtime.apply_plan import init_plan_mesh
+
+    return init_plan_mesh(plan, device)
+
+
+def parallelize(model, plan, mesh=None, *, device=None, example_inputs=None, loss_fn=None, initial_values=None):
+    """Apply `plan` to `model` on this rank, in the order the generated train.py does (it calls this):
+    pipeline stages, then tensor parallel, recompute, compile, FSDP2/HSDP, the initial values (rank 0's), DDP.
+    Returns an autoplan.Parallelized: .parts (this rank's modules), .param_groups() for the optimizer,
+    .shard_batch(inputs, targets) for this rank's slice of a global batch, .forward_backward(inputs, targets)
+    (the local loss), .global_loss(local_loss), .mesh, .rank. Arguments: autoplan.runtime.apply_plan.parallelize."""
+    from autoplan.runtime.apply_plan import parallelize as apply
+
+    return apply(model, plan, mesh, device=device, example_inputs=example_inputs, loss_fn=loss_fn,
+                 initial_values=initial_values)
+
+
+_LAZY = {"Parallelized": "autoplan.runtime.apply_plan", "ParallelConfig": "autoplan.runtime.config"}
+"""Public names whose modules import torch: imported on first use."""
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'autoplan' has no attribute {name!r}")
+
+
+__all__ = ["plan", "estimate", "profile", "parallelize", "init_mesh", "load_plan", "Plan", "Parallelism", "Parallelized",
+           "ParallelConfig", "Cluster", "UserError", "Infeasible"]

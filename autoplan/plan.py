@@ -399,3 +399,26 @@ def _build(cls, raw: dict, key: str):
     if unknown:
         raise PlanError(f"plan.json: unknown field(s) in '{key}': {', '.join(sorted(unknown))}")
     return cls(**kwargs)
+
+
+def load_plan(path: Any) -> Plan:
+    """The plan in `path`: a plan.json, or an autoplan output folder holding one. Any problem (no such file,
+    not JSON, another schema version, a field of the wrong type, a layout that breaks its rules) is one
+    UserError line."""
+    from pathlib import Path
+
+    from autoplan.errors import UserError
+
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "plan.json").is_file():
+            raise UserError(f"{path} has no plan.json: is it an autoplan output folder?")
+        path = path / "plan.json"
+    elif not path.is_file():
+        raise UserError(f"{path}: no such plan.json (give the file or the autoplan output folder that holds it)")
+    try:
+        return Plan.from_json(path.read_text())
+    except PlanError as e:
+        raise UserError(f"{e} (in {path})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None

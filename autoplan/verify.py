@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from autoplan.errors import UserError
-from autoplan.plan import Plan, PlanError
+from autoplan.plan import Plan, load_plan
 from autoplan.procs import kill_process_tree, running_ranks
 
 PARITY_TOLERANCE = 1e-4
@@ -131,13 +131,9 @@ def _compare(out_dir: Path, nproc: int, steps: int, reference_losses: list[float
 
 
 def _load_plan(out_dir: Path) -> Plan:
-    path = out_dir / "plan.json"
-    if not path.is_file():
+    if not (out_dir / "plan.json").is_file():
         raise UserError(f"{out_dir} has no plan.json: is it an autoplan output folder?")
-    try:
-        return Plan.from_json(path.read_text())
-    except PlanError as e:
-        raise UserError(str(e)) from None
+    return load_plan(out_dir / "plan.json")
 
 
 MEASURED_ON = ("cpu (gloo): step time = median over steps (not the first, not the memory-tracked last) of each "

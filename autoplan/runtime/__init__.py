@@ -1,6 +1,7 @@
-"""Helpers the generated train.py imports: mesh, data, pipeline split, parallel wrappers, steps,
-initial weights, checkpoints, metrics and TensorBoard logging (--tensorboard); RUNTIME_API, the version
-of that interface, which a train.py checks first (check_runtime_api).
+"""Helpers the generated train.py imports: parallelize (a plan applied to a model: mesh, pipeline
+split, parallel wrappers, steps, initial weights), data, checkpoints, metrics and TensorBoard logging
+(--tensorboard); RUNTIME_API, the version of that interface, which a train.py checks first
+(check_runtime_api).
 
 Kept out of train.py so the program reads top to bottom like a plain training script. Everything
 here is PyTorch's own parallelism (DDP, FSDP2, DTensor tensor parallel, torch.distributed.pipelining,
@@ -8,13 +9,16 @@ torch.utils.checkpoint, torch.distributed.checkpoint) wired up for a plan.
 """
 
 from autoplan.contract import call_model, compute_loss, default_loss, model_args
+from autoplan.runtime.apply_plan import Parallelized, init_plan_mesh, parallelize
 from autoplan.runtime.checkpoint import Checkpointer
 from autoplan.runtime.compile import compile_modules
+from autoplan.runtime.config import ParallelConfig
 from autoplan.runtime.data import TrainingData, microbatches, shard, step_batch, to_device
 from autoplan.runtime.dropout import NoDropout
 from autoplan.runtime.interface import MISMATCH_EXIT_CODE, RUNTIME_API, check_runtime_api, runtime_api_mismatch
-from autoplan.runtime.materialize import ModelPart, TensorEntry, build_on_meta, catalog, materialize
-from autoplan.runtime.mesh import RankLayout, global_mean_loss, init_mesh, local_stages
+from autoplan.runtime.materialize import (ModelPart, TensorEntry, build_on_meta, build_seeded, catalog, materialize,
+                                          materialize_from, named_tensors)
+from autoplan.runtime.mesh import RankLayout, device_mesh, global_mean_loss, local_stages, rank_layout
 from autoplan.runtime.memory import PeakLiveMemory
 from autoplan.runtime.metrics import StepMetrics, gather_rank_metrics
 from autoplan.runtime.optimizer import adamw
@@ -27,14 +31,14 @@ from autoplan.runtime.tensorboard import TensorBoardLog, default_log_dir
 from autoplan.runtime.tensor_parallel import restore_linears, tensor_parallel, tensor_parallel_context
 
 __all__ = [
-    "AccumulationStep", "Checkpointer", "MISMATCH_EXIT_CODE", "ModelPart", "NoDropout", "PeakLiveMemory",
-    "PipelineSplit", "PipelineStep", "RUNTIME_API", "RankLayout", "StepMetrics", "TensorBoardLog", "TensorEntry",
-    "TiedGradients",
-    "TiedParameter", "TrainingData", "adamw", "build_on_meta", "call_model", "catalog", "check_runtime_api",
-    "checkpoint_modules", "compile_modules", "compute_dtype", "compute_loss", "default_log_dir", "default_loss",
-    "gather_rank_metrics",
-    "global_mean_loss",
-    "init_mesh", "local_stages", "materialize", "microbatches", "model_args", "peak_memory_bytes",
-    "replicate_data_parallel", "restore_linears", "runtime_api_mismatch", "shard", "shard_data_parallel", "split_model",
-    "step_batch", "tensor_parallel", "tensor_parallel_context", "to_device",
+    "AccumulationStep", "Checkpointer", "MISMATCH_EXIT_CODE", "ModelPart", "NoDropout", "ParallelConfig",
+    "Parallelized", "PeakLiveMemory", "PipelineSplit", "PipelineStep", "RUNTIME_API", "RankLayout", "StepMetrics",
+    "TensorBoardLog", "TensorEntry", "TiedGradients", "TiedParameter", "TrainingData", "adamw", "build_on_meta",
+    "build_seeded",
+    "call_model", "catalog", "check_runtime_api", "checkpoint_modules", "compile_modules", "compute_dtype",
+    "compute_loss", "default_log_dir", "default_loss", "device_mesh", "gather_rank_metrics", "global_mean_loss",
+    "init_plan_mesh", "local_stages", "materialize", "materialize_from", "microbatches", "model_args",
+    "named_tensors", "parallelize", "peak_memory_bytes", "rank_layout", "replicate_data_parallel", "restore_linears",
+    "runtime_api_mismatch", "shard", "shard_data_parallel", "split_model", "step_batch", "tensor_parallel",
+    "tensor_parallel_context", "to_device",
 ]

@@ -14,7 +14,7 @@ the same random numbers as the model's __init__, which an unmodified model does 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -74,6 +74,27 @@ def materialize(parts: Sequence[ModelPart], entries: Sequence[TensorEntry], sour
     """Allocate the parts on `device` and fill them with the values build_model() gives after
     torch.manual_seed(seed) (rank 0 builds it, every rank receives it). `offload` (FSDP2 CPU offload):
     parameters are allocated in host memory, buffers on `device` (torchtitan's init_device and buffer_device)."""
+    materialize_from(parts, entries, lambda: named_tensors(build_seeded(source, seed)), device, offload)
+
+
+def build_seeded(source: ModelSource, seed: int) -> nn.Module:
+    """The single-device model: build_model() after torch.manual_seed(seed), as the reference run builds it."""
+    torch.manual_seed(seed)
+    return call_user(source, "build_model()", source.build_model)
+
+
+def named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every name of every parameter and buffer -> its values (tied tensors under each of their names)."""
+    return {fqn: t.detach() for fqn, t in [*module.named_parameters(remove_duplicate=False),
+                                           *module.named_buffers(remove_duplicate=False)]}
+
+
+def materialize_from(parts: Sequence[ModelPart], entries: Sequence[TensorEntry],
+                     initial_values: Callable[[], Mapping[str, torch.Tensor]], device: torch.device,
+                     offload: bool = False) -> None:
+    """Allocate the parts on `device` and fill them with rank 0's `initial_values()` (called on rank 0
+    only: model FQN -> full tensor, every name in `entries` present), broadcast tensor by tensor.
+    `offload` (FSDP2 CPU offload): parameters in host memory, buffers on `device`."""
     for part in parts:
         _to_empty_keeping_ties(part.module, torch.device("cpu") if offload else device)
         if offload:
@@ -88,16 +109,18 @@ def materialize(parts: Sequence[ModelPart], entries: Sequence[TensorEntry], sour
             fqn = part.model_fqn(name)
             if fqn is not None:
                 targets.setdefault(fqn, []).append(tensor)
-    values = {}
+    values: Mapping[str, torch.Tensor] = {}
+    problem = [None]
     if dist.get_rank() == 0:
-        torch.manual_seed(seed)
-        full = call_user(source, "build_model()", source.build_model)
-        values = {fqn: t for fqn, t in [*full.named_parameters(remove_duplicate=False),
-                                        *full.named_buffers(remove_duplicate=False)]}
+        values = initial_values()
+        problem = [_mismatch(values, entries)]
+    dist.broadcast_object_list(problem, src=0)  # every rank stops with rank 0's message, none waits
+    if problem[0]:
+        raise UserError(problem[0])
     with torch.no_grad():
         for entry in entries:
             if dist.get_rank() == 0:
-                value = values[entry.fqns[0]].detach().to(device)
+                value = values[entry.fqns[0]].detach().to(device=device, dtype=entry.dtype)
             else:
                 value = torch.empty(entry.shape, dtype=entry.dtype, device=device)
             dist.broadcast(value, src=0)
@@ -107,6 +130,20 @@ def materialize(parts: Sequence[ModelPart], entries: Sequence[TensorEntry], sour
                     if id(target) not in seen:
                         seen.add(id(target))
                         _copy_into(target, value)
+
+
+def _mismatch(values: Mapping[str, torch.Tensor], entries: Sequence[TensorEntry]) -> str | None:
+    """Why `values` cannot initialize the tensors `entries`, or None."""
+    missing = [e.fqns[0] for e in entries if e.fqns[0] not in values]
+    if missing:
+        return (f"the initial values lack {len(missing)} of the model's {len(entries)} tensors (e.g. "
+                f"{missing[0]!r}): they must come from the same model")
+    for entry in entries:
+        shape = tuple(values[entry.fqns[0]].shape)
+        if shape != entry.shape:
+            return (f"the initial value of {entry.fqns[0]!r} has shape {shape}, the model's tensor {entry.shape}: "
+                    "they must come from the same model")
+    return None
 
 
 def _copy_into(target: torch.Tensor, full: torch.Tensor) -> None:

@@ -48,22 +48,27 @@ class RankLayout:
         return self.pp_rank == self.pp_size - 1
 
 
-def init_mesh(device: torch.device, pp: int, dp_replicate: int, dp_shard: int,
-              tp: int = 1) -> tuple[DeviceMesh, RankLayout]:
-    """Start the process group (NCCL on CUDA, gloo on CPU) unless one is running, and build the mesh."""
+def device_mesh(device: torch.device, pp: int, dp_replicate: int, dp_shard: int, tp: int = 1) -> DeviceMesh:
+    """The mesh (pp, dp_replicate, dp_shard, tp) over all processes, after starting the process group
+    (NCCL on CUDA, gloo on CPU) unless one is running. A UserError if the world size is not their product."""
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     world, planned = dist.get_world_size(), pp * dp_replicate * dp_shard * tp
     if world != planned:
-        raise UserError(f"this program was planned for pp {pp} x dp_replicate {dp_replicate} x dp_shard {dp_shard} "
-                        f"x tp {tp} = {planned} processes but runs on {world}: launch it with {planned} processes")
-    mesh = init_device_mesh(device.type, (pp, dp_replicate, dp_shard, tp), mesh_dim_names=MESH_DIMS)
+        raise UserError(f"the plan is for pp {pp} x dp_replicate {dp_replicate} x dp_shard {dp_shard} x tp {tp} = "
+                        f"{planned} processes but {world} are running: launch it with {planned} processes "
+                        f"(torchrun --nproc-per-node {planned} on one machine)")
+    return init_device_mesh(device.type, (pp, dp_replicate, dp_shard, tp), mesh_dim_names=MESH_DIMS)
+
+
+def rank_layout(mesh: DeviceMesh) -> RankLayout:
+    """Where this process sits in a (pp, dp_replicate, dp_shard, tp) mesh."""
+    pp, _, dp_shard, tp = mesh.shape
     pp_rank, replicate_rank, shard_rank, tp_rank = mesh.get_coordinate()
-    layout = RankLayout(rank=dist.get_rank(), pp_rank=pp_rank, dp_rank=replicate_rank * dp_shard + shard_rank,
-                        dp_size=dp_replicate * dp_shard, pp_size=pp, tp_rank=tp_rank, tp_size=tp)
-    return mesh, layout
+    return RankLayout(rank=dist.get_rank(), pp_rank=pp_rank, dp_rank=replicate_rank * dp_shard + shard_rank,
+                      dp_size=mesh.shape[1] * dp_shard, pp_size=pp, tp_rank=tp_rank, tp_size=tp)
 
 
 def global_mean_loss(local_loss: torch.Tensor | None, layout: RankLayout, device: torch.device) -> float:

@@ -23,9 +23,14 @@ def adamw(params: Iterable[torch.nn.Parameter], lr: float, implementation: str =
     (DTensor or plain), in the parameters' first-seen order."""
     if implementation not in OPTIMIZER_IMPLEMENTATIONS:
         raise ValueError(f"optimizer implementation {implementation!r} must be {' | '.join(OPTIMIZER_IMPLEMENTATIONS)}")
+    flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[implementation]
+    return torch.optim.AdamW(param_groups(params), lr=lr, **flags)
+
+
+def param_groups(params: Iterable[torch.nn.Parameter]) -> list[dict[str, list[torch.nn.Parameter]]]:
+    """`params` as optimizer parameter groups, one per tensor kind (DTensor or plain) in first-seen order, so
+    torch's foreach and fused optimizers take them (at least one group, possibly empty)."""
     kinds: dict[str, list[torch.nn.Parameter]] = {}
     for p in params:
         kinds.setdefault(type(p.data).__name__, []).append(p)
-    flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[implementation]
-    groups = [{"params": group} for group in kinds.values()] or [{"params": []}]
-    return torch.optim.AdamW(groups, lr=lr, **flags)
+    return [{"params": group} for group in kinds.values()] or [{"params": []}]

@@ -14,7 +14,8 @@ sys.path); the programs it runs import autoplan from the installed package.
 
 JOBS.json: {"store_dir": str, "timeout_s": float (collectives), "wait_s": float (ranks meeting),
 "jobs": [{"dir", "argv", "world", "errors"}, ...]}; a job with "same_ranks_as": i runs on job i's
-ranks after it (e.g. resuming its checkpoint).
+ranks after it (e.g. resuming its checkpoint); a job with "program": path runs that file's main(argv)
+instead of <dir>/train.py's (a hand-written loop, e.g. examples/recipes/custom_loop.py).
 A job that raises writes the traceback to <errors>.rank<r> and the rank goes on.
 """
 
@@ -74,7 +75,8 @@ def run_job(index: int, job: dict, local_rank: int, store_dir: Path, timeout_s: 
             store.wait(["all arrived"])
             dist.init_process_group("gloo", store=dist.PrefixStore("job", store), rank=local_rank, world_size=world,
                                     timeout=timedelta(seconds=timeout_s))
-        _load_program(Path(job["dir"]) / "train.py", index).main(list(job["argv"]))
+        program = Path(job.get("program") or Path(job["dir"]) / "train.py")
+        _load_program(program, index).main(list(job["argv"]))
     except BaseException:  # noqa: BLE001 - every failure is reported per job; the rank goes on
         Path(f"{job['errors']}.rank{local_rank}").write_text(traceback.format_exc())
     finally:

@@ -33,6 +33,8 @@ class BatchJob:
     """Ranks it needs (1 for --reference)."""
     same_ranks_as: int | None = None
     """Index of an earlier job to run after, on the same ranks (e.g. to resume its checkpoint)."""
+    program: Path | None = None
+    """The program whose main(argv) runs (default: out_dir's train.py)."""
 
 
 def run_batch(jobs: list[BatchJob], nproc: int | None = None, timeout_s: float = 600,
@@ -44,7 +46,8 @@ def run_batch(jobs: list[BatchJob], nproc: int | None = None, timeout_s: float =
     with tempfile.TemporaryDirectory(prefix="autoplan-batch-") as tmp:
         spec = {"store_dir": tmp, "timeout_s": job_timeout_s, "wait_s": timeout_s, "jobs": [
             {"dir": str(Path(job.out_dir).resolve()), "argv": list(job.argv), "world": job.world,
-             "errors": str(Path(tmp) / f"job{i}.error"), "same_ranks_as": job.same_ranks_as}
+             "errors": str(Path(tmp) / f"job{i}.error"), "same_ranks_as": job.same_ranks_as,
+             "program": str(Path(job.program).resolve()) if job.program else None}
             for i, job in enumerate(jobs)]}
         (Path(tmp) / "jobs.json").write_text(json.dumps(spec))
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import autoplan
 from autoplan import runtime
 from autoplan.source import load_source
 
@@ -108,38 +109,26 @@ def train_reference(model_source, device: torch.device, steps: int) -> list[floa
     return losses
 
 
-def build_parallel_model(model_source, mesh, rank, device, dtype, compile_modules=COMPILE):
-    """This rank's share of the model: its pipeline stages, tensor-parallel and data-parallel
-    shards, with the same initial values as the single-device model (see runtime.materialize);
-    its chain modules compiled when `compile_modules`."""
-    model = runtime.build_on_meta(model_source)  # the structure only: no memory yet
-    weights = runtime.catalog(model)  # every tensor's names and shape, for the initial broadcast
-    split = None
-    if PP > 1:  # cut this rank's stages out of the exported graph of the real model
-        example_inputs, _ = model_source.example_batch(MICROBATCH)
-        split = runtime.split_model(model, runtime.to_device(example_inputs, "meta"), STAGES, device)
-        stage_ids = runtime.local_stages(rank.pp_rank, PP, VIRTUAL_STAGES)
-        split.drop_other_stages(stage_ids)
-        parts = {s: runtime.ModelPart(split.stages[s], split.state_fqns[s]) for s in stage_ids}
-        chain_modules = {s: split.chain_modules[s] for s in stage_ids}
-    else:
-        parts, chain_modules = {0: runtime.ModelPart(model)}, {0: [u for stage in STAGES for u in stage]}
-    del model  # this rank keeps only its stages
+def parallel_config(compile_modules=COMPILE) -> runtime.ParallelConfig:
+    """The plan's layout, as autoplan.parallelize reads it; its chain modules compiled when `compile_modules`."""
+    return runtime.ParallelConfig(
+        dp_replicate=DP_REPLICATE, dp_shard=DP_SHARD, reshard=RESHARD, tp=TP, sequence_parallel=SP == "on",
+        loss_parallel=LOSS_PARALLEL == "on", pp=PP, virtual_stages=VIRTUAL_STAGES, schedule=SCHEDULE,
+        microbatch_size=MICROBATCH, num_microbatches=MICROBATCHES, recompute=RECOMPUTE,
+        recompute_modules=RECOMPUTE_MODULES, offload=OFFLOAD, compile=compile_modules, dtype=DTYPE,
+        tensor_parallel_plan=TENSOR_PARALLEL_PLAN, batch_norm_modules=BATCH_NORM_MODULES, stages=STAGES)
 
-    for s, part in parts.items():  # order as in torchtitan: tensor parallel, recompute, compile, FSDP
-        part.module = runtime.tensor_parallel(part.module, mesh["tp"], TENSOR_PARALLEL_PLAN, chain_modules[s],
-                                              sequence_parallel=SP == "on")
-        recomputed = [u for u in chain_modules[s] if u in RECOMPUTE_MODULES]
-        part.module = runtime.checkpoint_modules(part.module, recomputed, RECOMPUTE)
-        part.module = runtime.compile_modules(part.module, chain_modules[s], compile_modules,
-                                              TENSOR_PARALLEL_PLAN if TP > 1 else None)
-        part.module = runtime.shard_data_parallel(part.module, mesh, RESHARD == "always", chain_modules[s], dtype,
-                                                  batch_norm_modules=BATCH_NORM_MODULES,  # SyncBatchNorm if DP > 1
-                                                  offload=OFFLOAD)
-    runtime.materialize(parts.values(), weights, model_source, SEED, device, offload=OFFLOAD)
-    for part in parts.values():
-        part.module = runtime.replicate_data_parallel(part.module, mesh, device)  # DDP
-    return {s: part.module for s, part in parts.items()}, split
+
+def build_parallel_model(model_source, config, mesh, device) -> autoplan.Parallelized:
+    """This rank's share of the model (autoplan.parallelize: its pipeline stages, tensor-parallel and
+    data-parallel shards, recompute, compile) and its forward + backward of one step, with the same
+    initial values as the single-device model (see runtime.materialize)."""
+    model = runtime.build_on_meta(model_source)  # the structure only: no memory yet
+    # with a pipeline, the stages are cut from the graph exported on one micro-batch
+    example_inputs = model_source.example_batch(MICROBATCH)[0] if PP > 1 else None
+    return autoplan.parallelize(model, config, mesh, device=device, example_inputs=example_inputs,
+                                loss_fn=model_source.loss_fn,
+                                initial_values=lambda: runtime.build_seeded(model_source, SEED))  # rank 0 only
 
 
 def main(argv=None) -> list[float]:
@@ -159,22 +148,11 @@ def main(argv=None) -> list[float]:
         return losses
 
     # processes and the device mesh ("pp", "dp_replicate", "dp_shard", "tp")
-    mesh, rank = runtime.init_mesh(device, pp=PP, dp_replicate=DP_REPLICATE, dp_shard=DP_SHARD, tp=TP)
-    dtype = runtime.compute_dtype(DTYPE, device)  # bf16 on GPUs if planned; fp32 on CPU
-    parts, split = build_parallel_model(model_source, mesh, rank, device, dtype, args.compile)
-    tied = runtime.TiedGradients(split, mesh, parts, rank)  # weights used on 2+ stages
-    optimizer = runtime.adamw([p for part in parts.values() for p in part.parameters()], LEARNING_RATE,
-                              OPTIMIZER_IMPLEMENTATION)
-
-    # forward + backward of one step over this rank's micro-batches
-    if PP > 1:
-        forward_backward = runtime.PipelineStep(parts, split, mesh, rank, SCHEDULE, MICROBATCHES,
-                                                model_source.loss_fn, device, dtype, tensor_parallel=TP > 1,
-                                                loss_parallel=TP > 1 and LOSS_PARALLEL == "on")
-    else:
-        forward_backward = runtime.AccumulationStep(parts[0], MICROBATCHES, model_source.loss_fn, dtype,
-                                                    tensor_parallel=TP > 1,
-                                                    loss_parallel=TP > 1 and LOSS_PARALLEL == "on")
+    config = parallel_config(args.compile)
+    mesh = autoplan.init_mesh(config, device)
+    parallel = build_parallel_model(model_source, config, mesh, device)
+    rank, parts = parallel.rank, parallel.parts
+    optimizer = runtime.adamw(parallel.parameters(), LEARNING_RATE, OPTIMIZER_IMPLEMENTATION)
 
     checkpoints = runtime.Checkpointer(args.checkpoint_dir, parts, optimizer, pipelined=PP > 1)
     first_step = checkpoints.load() if args.resume else 0
@@ -190,8 +168,7 @@ def main(argv=None) -> list[float]:
         with dropout, memory if tracked else contextlib.nullcontext():
             inputs, targets = runtime.to_device(data.batch(step), device)  # this data-parallel rank's share
             optimizer.zero_grad(set_to_none=True)
-            local_loss = forward_backward(inputs, targets)
-            tied.sum_gradients()
+            local_loss = parallel.forward_backward(inputs, targets)  # and tied weights' gradients summed
             optimizer.step()
         losses.append(runtime.global_mean_loss(local_loss, rank, device))  # mean over the global batch
         entry = metrics.record(step, losses[-1], time.perf_counter() - start, device, verbose=rank.rank == 0)
@@ -209,7 +186,7 @@ def main(argv=None) -> list[float]:
                                                     "steps": metrics.history, "ranks": ranks}, indent=2))
     # free the parallel wrappers now, while the interpreter is alive: their hooks hold the process groups
     # in reference cycles, and a gloo group torn down during interpreter exit can abort the process
-    del forward_backward, checkpoints, optimizer, tied, parts, split, mesh
+    del parallel, checkpoints, optimizer, parts, mesh
     gc.collect()
     dist.destroy_process_group()
     return losses

@@ -1,0 +1,258 @@
+"""autoplan.parallelize: apply a plan to a model. The one place that does it: the generated train.py calls
+it, and so does a user's own training loop (README, "Use a plan in your own training loop").
+
+The order is torchtitan's: the pipeline stages are cut first (each rank keeps only its own), then on each
+stage tensor parallelism, activation recomputation, torch.compile, FSDP2/HSDP (all on the meta device:
+no memory yet), then the values are filled in, then DDP (which needs real parameters).
+
+The model's values: a model built the ordinary way (on CPU, real tensors) starts from rank 0's values,
+broadcast to every rank, so ranks that built it with different random numbers still train one model. A
+model too large for one host's memory is built under torch.device("meta") and `initial_values` (a
+function that rank 0 alone calls) builds it with values; the generated train.py does this, building the
+model on rank 0 with the plan's seed. Either way each rank ends up holding only its own stages and shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils import _pytree as pytree
+
+from autoplan.contract import LossFn
+from autoplan.errors import UserError
+from autoplan.runtime.compile import compile_modules
+from autoplan.runtime.config import ParallelConfig, as_config
+from autoplan.runtime.data import batch_size_of, shard, to_device
+from autoplan.runtime.materialize import ModelPart, catalog, materialize_from, named_tensors
+from autoplan.runtime.mesh import MESH_DIMS, RankLayout, device_mesh, global_mean_loss, local_stages, rank_layout
+from autoplan.runtime.optimizer import param_groups
+from autoplan.runtime.parallel import TiedGradients, compute_dtype, replicate_data_parallel, shard_data_parallel
+from autoplan.runtime.recompute import ROOT_MODULE, checkpoint_modules
+from autoplan.runtime.split import PipelineSplit, split_model
+from autoplan.runtime.steps import AccumulationStep, PipelineStep
+from autoplan.runtime.tensor_parallel import tensor_parallel
+
+
+@dataclass
+class Parallelized:
+    """What autoplan.parallelize returns: this rank's share of the model and how to train it."""
+
+    parts: dict[int, nn.Module]
+    """This rank's modules by pipeline stage index ({0: the whole model} without a pipeline), wrapped as
+    planned (tensor parallel, recompute, compile, FSDP2 or DDP) and holding the initial values. Register
+    them with your framework (e.g. an nn.ModuleDict) so it sees their parameters."""
+    step: AccumulationStep | PipelineStep
+    """Forward and backward of one optimizer step on this rank's batch: its micro-batches one after another
+    (AccumulationStep), or through the pipeline (PipelineStep; `step.schedule` is torch.distributed.pipelining's
+    schedule object). forward_backward calls it."""
+    tied: TiedGradients
+    """Sums the gradients of a weight used on several pipeline stages (e.g. a tied embedding and head) after
+    backward; forward_backward calls it. Nothing to do without a pipeline."""
+    split: PipelineSplit | None
+    """The pipeline stages cut from the exported model (None without a pipeline)."""
+    mesh: DeviceMesh
+    """The device mesh, dims ("pp", "dp_replicate", "dp_shard", "tp")."""
+    rank: RankLayout
+    """Where this process sits: rank, pp_rank, dp_rank and dp_size (which slice of the global batch it
+    trains on), tp_rank; is_first_stage, is_last_stage."""
+    device: torch.device
+    """Where the parts compute."""
+    dtype: torch.dtype
+    """The compute dtype: bfloat16 on GPUs for a bf16 plan, else float32."""
+
+    @property
+    def model(self) -> nn.Module:
+        """The one parallel module, without a pipeline (for evaluation or saving)."""
+        if self.split is not None or len(self.parts) != 1:
+            raise UserError(f"the plan splits the model into a {self.rank.pp_size}-rank pipeline: this rank "
+                            f"holds stages {sorted(self.parts)}, use .parts")
+        return self.parts[0]
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The parameters this rank optimizes (give them to the optimizer)."""
+        return [p for part in self.parts.values() for p in part.parameters()]
+
+    def param_groups(self) -> list[dict[str, list[nn.Parameter]]]:
+        """parameters() as optimizer parameter groups, one per tensor kind: torch's foreach and fused
+        optimizers refuse a group that mixes DTensors (tensor-parallel or FSDP2 parameters) with plain
+        tensors. torch.optim.AdamW(parallel.param_groups(), lr=...)."""
+        return param_groups(self.parameters())
+
+    def shard_batch(self, inputs: Any, targets: Any) -> tuple[Any, Any]:
+        """This rank's slice of a global batch: contiguous slice dp_rank of dp_size along dim 0 (the ranks of
+        one tensor-parallel group or one pipeline train on the same slice)."""
+        inputs_slice, targets_slice = shard((inputs, targets), self.rank.dp_rank, self.rank.dp_size)
+        return inputs_slice, targets_slice
+
+    def forward_backward(self, inputs: Any, targets: Any) -> torch.Tensor | None:
+        """Forward and backward of this rank's batch (`step`, then `tied`), leaving in .grad the gradients of
+        the global batch's mean loss. Returns this rank's mean loss over its micro-batches, or None on a
+        pipeline rank that does not compute the loss (every stage but the last). Call it on every rank."""
+        local_loss = self.step(inputs, targets)
+        self.tied.sum_gradients()
+        return local_loss
+
+    def global_loss(self, local_loss: torch.Tensor | None) -> float:
+        """The mean loss over the global batch, from every rank's forward_backward result (a collective:
+        call it on every rank)."""
+        return global_mean_loss(local_loss, self.rank, self.device)
+
+
+def init_plan_mesh(plan: Any, device: torch.device | str | None = None) -> DeviceMesh:
+    """Start the process group (NCCL on CUDA, gloo on CPU) unless one is running, and build the plan's mesh
+    (pp, dp_replicate, dp_shard, tp). `plan`: a Plan, a plan.json or output folder path, or a ParallelConfig.
+    A UserError if the number of processes is not the plan's."""
+    config = as_config(plan)
+    return device_mesh(_device(device), config.pp, config.dp_replicate, config.dp_shard, config.tp)
+
+
+def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
+                device: torch.device | str | None = None, example_inputs: Any = None, loss_fn: LossFn | None = None,
+                initial_values: Callable[[], nn.Module] | None = None) -> Parallelized:
+    """Apply `plan` to `model` on this rank (call it on every rank, under torchrun). See the module docstring.
+
+    model: the model the plan was made for, built the ordinary way (its rank-0 values are broadcast), or on
+        the meta device together with `initial_values`. It is consumed: without a pipeline it is parallelized
+        in place (`.model` is it, or its DDP wrapper); with one, its tensors move to the meta device and the
+        stages are new modules. Train the returned parts.
+    plan: an autoplan.Plan, the path of a plan.json or of an autoplan output folder, or a ParallelConfig.
+    mesh: from autoplan.init_mesh(plan); None builds it (and starts the process group if needed).
+    device: where to compute; default the mesh's device type (cuda if available, else cpu).
+    example_inputs: the model's inputs for one micro-batch (a larger batch is cut to one); needed with a
+        pipeline, whose stages are cut from the model exported on them.
+    loss_fn: loss_fn(output, targets) -> scalar; default cross-entropy for integer targets, else MSE (an
+        output with .logits uses them). forward_backward and the pipeline's last stage call it.
+    initial_values: called on rank 0 only, returns a module with the model's names holding the values to
+        start from (the model's own values when omitted).
+    """
+    config = as_config(plan)
+    if not isinstance(model, nn.Module):
+        raise UserError(f"parallelize takes the model as a torch.nn.Module, got {type(model).__name__}")
+    if config.pp > 1 and example_inputs is None:
+        raise UserError(f"the plan has a {config.pp}-rank pipeline: pass example_inputs= (the inputs of one "
+                        f"micro-batch, {config.microbatch_size} samples), on which the stages are cut")
+    _check_module_names(model, config)
+    if mesh is None:
+        mesh = init_plan_mesh(config, device)
+    _check_mesh(mesh, config)
+    device = _device(device if device is not None else mesh.device_type)
+    rank = rank_layout(mesh)
+    dtype = compute_dtype(config.dtype, device)
+    values = _initial_values(model, initial_values)
+    _to_meta(model)  # the structure only: every rank holds just its own share later
+    weights = catalog(model)  # every tensor's names and shape, for the initial broadcast
+
+    split = None
+    if config.pp > 1:  # cut this rank's stages out of the exported graph of the model
+        inputs = _one_microbatch(example_inputs, config.microbatch_size)
+        split = split_model(model, to_device(inputs, "meta"), config.stages, device)
+        stage_ids = local_stages(rank.pp_rank, config.pp, config.virtual_stages)
+        split.drop_other_stages(stage_ids)
+        parts = {s: ModelPart(split.stages[s], split.state_fqns[s]) for s in stage_ids}
+        chain_modules = {s: list(split.chain_modules[s]) for s in stage_ids}
+    else:
+        parts, chain_modules = {0: ModelPart(model)}, {0: list(config.chain_modules)}
+    del model  # this rank keeps only its stages
+
+    for s, part in parts.items():  # order as in torchtitan: tensor parallel, recompute, compile, FSDP
+        part.module = tensor_parallel(part.module, mesh["tp"], config.tensor_parallel_plan, chain_modules[s],
+                                      sequence_parallel=config.sequence_parallel)
+        recomputed = [u for u in chain_modules[s] if u in config.recompute_modules]
+        part.module = checkpoint_modules(part.module, recomputed, config.recompute)
+        part.module = compile_modules(part.module, chain_modules[s], config.compile,
+                                      config.tensor_parallel_plan if config.tp > 1 else None)
+        part.module = shard_data_parallel(part.module, mesh, config.reshard == "always", chain_modules[s], dtype,
+                                          batch_norm_modules=config.batch_norm_modules,  # SyncBatchNorm if DP > 1
+                                          offload=config.offload)
+    materialize_from(list(parts.values()), weights, values, device, offload=config.offload)
+    for part in parts.values():
+        part.module = replicate_data_parallel(part.module, mesh, device)  # DDP
+    modules = {s: part.module for s, part in parts.items()}
+
+    tied = TiedGradients(split, mesh, modules, rank)  # weights used on 2+ stages
+    loss_parallel = config.tp > 1 and config.loss_parallel
+    if split is not None:
+        step = PipelineStep(modules, split, mesh, rank, config.schedule, config.num_microbatches, loss_fn, device,
+                            dtype, tensor_parallel=config.tp > 1, loss_parallel=loss_parallel)
+    else:
+        step = AccumulationStep(modules[0], config.num_microbatches, loss_fn, dtype, tensor_parallel=config.tp > 1,
+                                loss_parallel=loss_parallel)
+    return Parallelized(parts=modules, step=step, tied=tied, split=split, mesh=mesh, rank=rank, device=device,
+                        dtype=dtype)
+
+
+def _device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _check_mesh(mesh: DeviceMesh, config: ParallelConfig) -> None:
+    """The mesh must be the plan's: dims (pp, dp_replicate, dp_shard, tp) of the plan's sizes."""
+    want = (config.pp, config.dp_replicate, config.dp_shard, config.tp)
+    names, shape = tuple(mesh.mesh_dim_names or ()), tuple(mesh.shape)
+    if names != MESH_DIMS or shape != want:
+        got = " x ".join(f"{n} {s}" for n, s in zip(names or ("?",) * len(shape), shape))
+        raise UserError(f"the mesh is {got or 'empty'}, the plan needs {config.arithmetic()} processes "
+                        f"in dims {MESH_DIMS}: build it with autoplan.init_mesh(plan)")
+
+
+def _check_module_names(model: nn.Module, config: ParallelConfig) -> None:
+    """Every module the plan names must be in the model (the plan is for this model)."""
+    have = {name for name, _ in model.named_modules(remove_duplicate=False)}  # a module reused under two names
+    named = [*config.chain_modules, *config.tensor_parallel_plan, *config.recompute_modules,
+             *config.batch_norm_modules]
+    missing = sorted({u for u in named if u != ROOT_MODULE and u not in have})
+    if missing:
+        raise UserError(f"the plan names {len(missing)} module(s) this {type(model).__name__} does not have "
+                        f"(e.g. {missing[0]!r}): plan the model you train (autoplan MODEL.py ...)")
+
+
+def _initial_values(model: nn.Module, initial_values: Callable[[], nn.Module] | None
+                    ) -> Callable[[], Mapping[str, torch.Tensor]]:
+    """The function rank 0 calls for the values to start from: initial_values' module, or the model's own."""
+    if initial_values is not None:
+        return lambda: named_tensors(initial_values())
+    tensors = [*model.parameters(), *model.buffers()]
+    on_meta = sum(t.is_meta for t in tensors)
+    if on_meta:
+        raise UserError(f"{on_meta} of the model's {len(tensors)} tensors are on the meta device (no values): "
+                        "build it with values, or pass initial_values= (a function that builds it, called on rank 0)")
+    values = named_tensors(model) if dist.get_rank() == 0 else {}  # aliases: they survive model.to("meta")
+    return lambda: values
+
+
+def _to_meta(model: nn.Module) -> None:
+    """Move every parameter and buffer of `model` to the meta device in place, a tensor shared by several
+    modules (tied weights) staying shared (Module.to("meta") gives each owner its own copy)."""
+    moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the tensor, kept alive; its meta twin)
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for name, tensor in store.items():
+                if tensor is None or tensor.is_meta:
+                    continue
+                if id(tensor) not in moved:
+                    empty = torch.empty_like(tensor, device="meta")
+                    twin = nn.Parameter(empty, requires_grad=tensor.requires_grad) if isinstance(
+                        tensor, nn.Parameter) else empty
+                    moved[id(tensor)] = (tensor, twin)
+                store[name] = moved[id(tensor)][1]
+
+
+def _one_microbatch(inputs: Any, microbatch_size: int) -> Any:
+    """The first micro-batch of `inputs`: as they are if every tensor holds microbatch_size samples along
+    dim 0, else the first microbatch_size of an equal number of samples in each."""
+    sizes = {t.shape[0] for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if sizes <= {microbatch_size}:
+        return inputs
+    size = batch_size_of(inputs)
+    if size % microbatch_size:
+        raise UserError(f"example_inputs holds {size} samples, not a multiple of the plan's micro-batch of "
+                        f"{microbatch_size}")
+    return pytree.tree_map(lambda t: t.narrow(0, 0, microbatch_size)
+                           if isinstance(t, torch.Tensor) and t.dim() > 0 else t, inputs)
