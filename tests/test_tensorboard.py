@@ -16,32 +16,13 @@ from autoplan.plan import ClusterRef, ModelRef, Parallelism, Plan, Prediction, S
 from autoplan.runtime import tensorboard
 from autoplan.runtime.tensorboard import TensorBoardLog, default_log_dir, predicted_scalars
 from helpers.verify_many import BatchJob, run_batch
+from test_layouts import TINY_GPT  # examples/gpt.py at tiny sizes
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 GIB = 2**30
 PREDICTION = Prediction(step_time_s=0.05, samples_per_s=160.0, tokens_per_s=1280.0, model_flops_per_step=1e6,
                         mfu=0.1, peak_memory_bytes=3 * GIB)
 MEASURED_TAGS = ("step_time_s", "samples_per_s", "tokens_per_s", "mfu", "peak_memory_gib")
 
-TINY_GPT = f'''
-"""examples/gpt.py at tiny sizes."""
-import importlib.util
-import torch
-
-_spec = importlib.util.spec_from_file_location("autoplan_example_gpt", {str(EXAMPLES / "gpt.py")!r})
-gpt = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gpt)
-VOCAB, SEQ = 64, 8
-
-def build_model():
-    return gpt.GPT(vocab=VOCAB, seq_len=SEQ, n_layer=2, n_head=2, n_embd=16)
-
-def example_batch(batch_size):
-    idx = torch.randint(0, VOCAB, (batch_size, SEQ + 1))
-    return idx[:, :-1], idx[:, 1:]
-
-loss_fn = gpt.loss_fn
-'''
 
 
 def needs_tensorboard():
