@@ -1,0 +1,56 @@
+"""Context parallelism in the generated program (issue 19): train.py with cp=2 (2 ranks) and with dp=2 x cp=2 (4
+ranks, FSDP2 over dp_shard x cp, and HSDP: dp_replicate 2 x FSDP over the cp ranks) trains like the
+single-device model, causal attention, on HF Llama (sdpa) and the from-scratch GPT; a dp=2 x cp=2 checkpoint
+(torch.distributed.checkpoint over the flattened dp_shard x cp mesh) resumes into the uninterrupted run. One
+4-process torchrun launch (tests/helpers/verify_many.py), plans written as tests/test_layouts.py writes them."""
+
+import json
+
+import pytest
+
+from helpers.verify_many import verify_many
+from test_layouts import MODELS, check_parity, mb, resume_jobs, write_case
+
+pytestmark = pytest.mark.slow  # one 4-process torchrun launch
+
+STEPS = 2
+CP_LAYOUTS = {
+    ("gpt", "cp=2, 2 accumulated micro-batches"): dict(context_parallel_degree=2, **mb(2, 4)),
+    ("gpt", "dp=2,zero=3,cp=2"): dict(data_parallel_shard_degree=2, fsdp_reshard_after_forward="always",
+                                      context_parallel_degree=2, **mb(1, 4)),
+    ("llama", "cp=2"): dict(context_parallel_degree=2, **mb(1, 8)),
+    ("llama", "dp=2,zero=1,cp=2"): dict(data_parallel_shard_degree=2, context_parallel_degree=2, **mb(2, 2)),
+    ("llama", "hsdp dp_replicate=2,cp=2"): dict(data_parallel_replicate_degree=2, fsdp_reshard_after_forward="always",
+                                                context_parallel_degree=2, **mb(1, 4)),
+}
+RESUMED = ("llama", "dp=2,zero=1,cp=2")
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory):
+    root = tmp_path_factory.mktemp("context_parallel")
+    folders = {key: write_case(root, f"{key[0]} {key[1]}", MODELS[key[0]].source, [MODELS[key[0]].chain_modules],
+                               **layout) for key, layout in CP_LAYOUTS.items()}
+    keys = list(folders)
+    result = verify_many([folders[k] for k in keys], steps=STEPS, timeout_s=900, nproc=4,
+                         extra_jobs=resume_jobs(folders[RESUMED], 4, 0))
+    return dict(zip(keys, result.results)), result.extra_errors, folders
+
+
+@pytest.mark.parametrize("key", list(CP_LAYOUTS), ids=lambda key: " ".join(key))
+def test_context_parallel_program_trains_like_the_single_device_model(batch, key):
+    results, _, folders = batch
+    check_parity(results[key])
+    assert "-way context parallel" in (folders[key] / "train.py").read_text()
+
+
+def test_a_context_parallel_checkpoint_resumes_into_the_uninterrupted_run(batch):
+    _, errors, folders = batch
+    failures = [e for e in errors if e]
+    assert not failures, failures[0][-3000:]
+    out = folders[RESUMED]
+    uninterrupted, first_half, resumed = (json.loads((out / f"{name}.json").read_text())
+                                          for name in ("uninterrupted", "first_half", "resumed"))
+    assert len(uninterrupted) == 4 and first_half == uninterrupted[:2]
+    assert resumed == uninterrupted[2:]  # bit for bit: same weights, optimizer state and batches
+    assert (out / "checkpoints" / "step_2" / ".metadata").is_file()
