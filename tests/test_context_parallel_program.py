@@ -1,13 +1,15 @@
 """Context parallelism in the generated program (issue 19): train.py with cp=2 (2 ranks) and with dp=2 x cp=2 (4
 ranks, FSDP2 over dp_shard x cp, and HSDP: dp_replicate 2 x FSDP over the cp ranks) trains like the
 single-device model, causal attention, on HF Llama (sdpa) and the from-scratch GPT; a dp=2 x cp=2 checkpoint
-(torch.distributed.checkpoint over the flattened dp_shard x cp mesh) resumes into the uninterrupted run. One
-4-process torchrun launch (tests/helpers/verify_many.py), plans written as tests/test_layouts.py writes them."""
+(torch.distributed.checkpoint over the flattened dp_shard x cp mesh) resumes into the uninterrupted run. Plans
+written as tests/test_layouts.py writes them, and planned by the search with cp pinned, as a user would
+(autoplan MODEL.py --gpu cpu --pin cp=2). One 4-process torchrun launch (tests/helpers/verify_many.py)."""
 
 import json
 
 import pytest
 
+from autoplan.api import plan_model
 from helpers.verify_many import verify_many
 from test_layouts import MODELS, check_parity, mb, resume_jobs, write_case
 
@@ -24,6 +26,8 @@ CP_LAYOUTS = {
                                                 context_parallel_degree=2, **mb(1, 4)),
 }
 RESUMED = ("llama", "dp=2,zero=1,cp=2")
+PINNED = {("gpt", "pin cp=2"): ("cp=2", 2), ("llama", "pin dp=2,cp=2"): ("dp=2,cp=2", 4)}
+"""Planned by the search: pins and GPUs."""
 
 
 @pytest.fixture(scope="module")
@@ -31,17 +35,23 @@ def batch(tmp_path_factory):
     root = tmp_path_factory.mktemp("context_parallel")
     folders = {key: write_case(root, f"{key[0]} {key[1]}", MODELS[key[0]].source, [MODELS[key[0]].chain_modules],
                                **layout) for key, layout in CP_LAYOUTS.items()}
+    for (model, name), (pin, gpus) in PINNED.items():
+        source = root / f"{model}_model.py"
+        source.write_text(MODELS[model].source)
+        folders[model, name] = root / f"{model}_planned"
+        plan_model(str(source), gpus, "cpu", global_batch=8, pin=pin, out=folders[model, name])
     keys = list(folders)
     result = verify_many([folders[k] for k in keys], steps=STEPS, timeout_s=900, nproc=4,
                          extra_jobs=resume_jobs(folders[RESUMED], 4, 0))
     return dict(zip(keys, result.results)), result.extra_errors, folders
 
 
-@pytest.mark.parametrize("key", list(CP_LAYOUTS), ids=lambda key: " ".join(key))
+@pytest.mark.parametrize("key", [*CP_LAYOUTS, *PINNED], ids=lambda key: " ".join(key))
 def test_context_parallel_program_trains_like_the_single_device_model(batch, key):
     results, _, folders = batch
     check_parity(results[key])
-    assert "-way context parallel" in (folders[key] / "train.py").read_text()
+    assert "2-way context parallel" in (folders[key] / "train.py").read_text()
+    assert json.loads((folders[key] / "plan.json").read_text())["parallelism"]["context_parallel_degree"] == 2
 
 
 def test_a_context_parallel_checkpoint_resumes_into_the_uninterrupted_run(batch):
