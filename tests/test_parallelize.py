@@ -261,8 +261,12 @@ def one_process():
 
 def test_a_plan_for_another_number_of_processes_says_how_many_to_launch(one_process):
     message = one_line_error(autoplan.init_mesh, make_plan(data_parallel_replicate_degree=2), "cpu")
-    assert message == ("the plan is for pp 1 x dp_replicate 2 x dp_shard 1 x tp 1 = 2 processes but 1 are running: "
-                       "launch it with 2 processes (torchrun --nproc-per-node 2 on one machine)")
+    assert message == ("the plan is for pp 1 x dp_replicate 2 x dp_shard 1 x cp 1 x tp 1 = 2 processes but 1 are "
+                       "running: launch it with 2 processes (torchrun --nproc-per-node 2 on one machine)")
+    message = one_line_error(autoplan.init_mesh, make_plan(data_parallel_shard_degree=2, context_parallel_degree=2),
+                             "cpu")
+    assert message.startswith("the plan is for pp 1 x dp_replicate 1 x dp_shard 2 x cp 2 x tp 1 = 4 processes but 1 "
+                              "are running: launch it with 4 processes"), message
 
 
 def test_a_mesh_that_is_not_the_plans_is_refused(one_process):
@@ -271,7 +275,7 @@ def test_a_mesh_that_is_not_the_plans_is_refused(one_process):
     other = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
     message = one_line_error(autoplan.parallelize, tiny_gpt().build_model(), make_plan(), other)
     assert message == ("the mesh is data_parallel 1 x tensor_parallel 1, the plan needs pp 1 x dp_replicate 1 x "
-                       "dp_shard 1 x tp 1 = 1 processes in dims ('pp', 'dp_replicate', 'dp_shard', 'tp'): "
+                       "dp_shard 1 x cp 1 x tp 1 = 1 processes in dims ('pp', 'dp_replicate', 'dp_shard', 'cp', 'tp'): "
                        "build it with autoplan.init_mesh(plan)")
 
 
