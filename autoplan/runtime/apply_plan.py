@@ -3,7 +3,10 @@ it, and so does a user's own training loop (README, "Use a plan in your own trai
 
 The order is torchtitan's: the pipeline stages are cut first (each rank keeps only its own), then on each
 stage tensor parallelism, activation recomputation, torch.compile, FSDP2/HSDP (all on the meta device:
-no memory yet), then the values are filled in, then DDP (which needs real parameters).
+no memory yet), then the values are filled in, then DDP (which needs real parameters). With context
+parallelism the block where each rank starts computing on its share of the sequence is found first, by running
+the meta-device model on fake tensors (runtime/attention_blocks.py), and each micro-batch then runs inside a
+ContextParallelRegion (runtime/context_parallel.py).
 
 The model's values: a model built the ordinary way (on CPU, real tensors) starts from rank 0's values,
 broadcast to every rank, so ranks that built it with different random numbers still train one model. A
@@ -156,7 +159,7 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
     _to_meta(model)  # the structure only: every rank holds just its own share later
     weights = catalog(model)  # every tensor's names and shape, for the initial broadcast
     attention = None
-    if config.cp > 1:  # the chain modules from the first attention module on compute on sequence shares
+    if config.cp > 1:  # from the block of the first attention call on, the ranks compute on sequence shares
         attention = find_attention_blocks(model, config.chain_modules,
                                           _one_microbatch(example_inputs, config.microbatch_size))
 

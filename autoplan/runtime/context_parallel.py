@@ -15,6 +15,11 @@ The handlers join torch's context-parallel op table, so they are active exactly 
 `context_parallel` region is (and DTensor's plain dispatch never sees a sequence-sharded attention).
 Attention masks are not handled (torch's CUDA handlers refuse them too): causal or full attention only.
 
+ContextParallelRegion is what the generated program's step runs each micro-batch in: torch's context_parallel
+over the mesh's "cp" ranks (targets cut to the rank's share), the load balancing set from the attention's
+causality, and the shard_block_inputs hooks on the block found by runtime/attention_blocks.py and the chain
+modules after it.
+
 Pipeline stages are graphs torch.export recorded with the shapes it saw. Exported on a rank with the blocks'
 sharding hooks (shard_block_inputs) in place, a stage's graph cuts that rank's share of the sequence where a
 block starts and keeps its shapes from there on; attention_through_functional then sends the stages'
