@@ -100,3 +100,16 @@ def test_the_refusals_say_why():
         find_attention_blocks(on_meta(lambda: Encoder((False, True))), ["embed", "blocks.0", "blocks.1"], IDS)
     with pytest.raises(UserError, match="'blocks.7'"):
         find_attention_blocks(on_meta(Encoder), ["embed", "blocks.7"], IDS)
+
+
+def test_the_region_refuses_targets_without_the_attention_sequence():
+    from autoplan.runtime.context_parallel import ContextParallelRegion
+
+    model = on_meta(Encoder)
+    blocks = find_attention_blocks(model, ["embed", "blocks.0", "blocks.1"], IDS)
+    region = ContextParallelRegion(None, model, blocks)  # the cp mesh is not reached: the targets are checked first
+    assert region.blocks == [model.blocks[0], model.blocks[1]]
+    with pytest.raises(UserError, match=r"no target tensor has the attention's 8 tokens along dimension 1 "
+                                        r"\(shapes \[\(2,\), \(2, 3\)\]\)"):
+        with region((torch.zeros(2), torch.zeros(2, 3))):
+            pass
