@@ -1,6 +1,6 @@
 """Context parallelism in the generated program (issue 19): train.py with cp=2 (2 ranks) and with dp=2 x cp=2 (4
 ranks, FSDP2 over dp_shard x cp, and HSDP: dp_replicate 2 x FSDP over the cp ranks) trains like the
-single-device model, causal attention, on HF Llama (sdpa) and the from-scratch GPT, and full (non-causal)
+single-device model, with and without activation recomputation, causal attention, on HF Llama (sdpa) and the from-scratch GPT, and full (non-causal)
 attention on a small token tagger (torch's ring without load balancing); a dp=2 x cp=2 checkpoint
 (torch.distributed.checkpoint over the flattened dp_shard x cp mesh) resumes into the uninterrupted run. Plans
 written as tests/test_layouts.py writes them, and planned by the search with cp pinned, as a user would
@@ -69,6 +69,10 @@ CP_LAYOUTS = {
                                       context_parallel_degree=2, **mb(1, 4)),
     ("llama", "cp=2"): dict(context_parallel_degree=2, **mb(1, 8)),
     ("llama", "dp=2,zero=1,cp=2"): dict(data_parallel_shard_degree=2, context_parallel_degree=2, **mb(2, 2)),
+    ("gpt", "cp=2,recompute=full"): dict(context_parallel_degree=2, activation_checkpoint="full", **mb(1, 8)),
+    ("llama", "dp=2,zero=3,cp=2,recompute=selective"): dict(
+        data_parallel_shard_degree=2, fsdp_reshard_after_forward="always", context_parallel_degree=2,
+        activation_checkpoint="selective", **mb(1, 4)),
     ("llama", "hsdp dp_replicate=2,cp=2"): dict(data_parallel_replicate_degree=2, fsdp_reshard_after_forward="always",
                                                 context_parallel_degree=2, **mb(1, 4)),
 }
