@@ -30,12 +30,18 @@ mask, which the ring refuses: its models cannot be staged so yet.)
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from autoplan.errors import UserError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from autoplan.runtime.attention_blocks import AttentionBlocks
 
 SEQUENCE_DIM = 2
 """The sequence dimension of SDPA's (batch, heads, sequence, head_dim) tensors, as torch's ring uses."""
@@ -201,10 +207,10 @@ class ContextParallelRegion:
     per micro-batch): torch's `context_parallel` over the mesh's "cp" ranks, whose ring attention
     (register_cpu_ring_attention on CPU) runs the model's SDPA calls, with the load balancing of the causal
     triangle when the attention is causal; the targets' sequence tensors cut to the rank's share in the same
-    order; and the blocks' hooks (shard_block_inputs) feeding every chain module from the first attention
-    module on its share of each whole-sequence input."""
+    order; and the hooks (shard_block_inputs) feeding the block of the first attention call and every chain
+    module after it its share of each whole-sequence input."""
 
-    def __init__(self, cp_mesh, module: torch.nn.Module, blocks) -> None:
+    def __init__(self, cp_mesh: "DeviceMesh", module: torch.nn.Module, blocks: "AttentionBlocks") -> None:
         from autoplan.runtime.recompute import submodule
 
         register_cpu_ring_attention()
