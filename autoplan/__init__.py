@@ -43,7 +43,7 @@ def profile(model, gpu: str = "cpu", **options):
 
 
 def init_mesh(plan, device=None):
-    """The plan's torch DeviceMesh, dims ("pp", "dp_replicate", "dp_shard", "tp"), over the processes torchrun
+    """The plan's torch DeviceMesh, dims ("pp", "dp_replicate", "dp_shard", "cp", "tp"), over the processes torchrun
     started (it starts the process group, NCCL on CUDA or gloo on CPU, unless one is running). `plan`: a Plan,
     the path of a plan.json or of an output folder. A UserError if the number of processes is not the plan's."""
     from autoplan.runtime.apply_plan import init_plan_mesh

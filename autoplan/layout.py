@@ -36,14 +36,16 @@ ALL_FEATURES = frozenset({
     "pp_scatter_gather",  # Megatron-LM's pipeline sends split over tensor-parallel ranks (not in torch)
     "tp_fused_split",     # Megatron-LM's fused qkv with interleaved weights, split per rank (not in torch TP)
     "offload", "compile",
-    "cp",                 # context parallelism (ring attention over SDPA); priced, not yet in train.py
+    "cp",                 # context parallelism (ring attention over SDPA) with FSDP/HSDP
+    "cp_pp",              # context parallelism inside pipeline stages; priced, not yet in train.py
+    "cp_tp",              # context parallelism with tensor parallelism; priced, not yet in train.py
     "ep",                 # expert parallelism (all-to-all dispatch); priced, not yet in train.py
 })
 """Everything the cost model can price. Beyond SUPPORTED, two features of Megatron-LM that torch does not run,
-and context and expert parallelism, which the generated program does not run yet (runtime/context_parallel.py
-and runtime/expert_parallel.py exist; codegen does not call them), priced only when a caller asks for them
-(tests of the cost model; a search with features=ALL_FEATURES); the default search and autoplan.estimate,
-which benchmarks/accuracy.py prices the published runs with, never use them."""
+context parallelism together with a pipeline or with tensor parallelism, and expert parallelism, which the
+generated program does not run yet (runtime/expert_parallel.py exists; codegen does not call it), priced only
+when a caller asks for them (tests of the cost model; a search with features=ALL_FEATURES); the default search
+and autoplan.estimate, which benchmarks/accuracy.py prices the published runs with, never use them."""
 
 SUPPORTED = frozenset({
     "tp",                 # Megatron colwise/rowwise pairs (Plan.tensor_parallel_plan)
@@ -59,9 +61,11 @@ SUPPORTED = frozenset({
     "full",               # full activation checkpointing per module
     "offload",            # FSDP2 CPUOffloadPolicy (needs an accelerator: torch refuses it on CPU devices)
     "compile",            # torch.compile per chain module (inductor; its CPU backend too)
+    "cp",                 # context parallelism: torch's context_parallel over SDPA, FSDP2 over dp_shard x cp
 })
 """What codegen can run. Remove a name to stop the search from emitting (or accepting a pin of) it.
-Not yet: pp_scatter_gather and tp_fused_split (not in torch), cp and ep (train.py does not wire them yet)."""
+Not yet: pp_scatter_gather and tp_fused_split (not in torch), cp_pp and cp_tp (train.py runs context parallelism
+without pipelines and tensor parallelism only), ep (train.py does not wire it yet)."""
 
 CONTEXT_PARALLEL_CHUNKS = 2
 """Chunks per context-parallel rank: torch's causal load balancing cuts each sequence into 2 x cp chunks and
@@ -264,6 +268,12 @@ def _features(layout: Layout, scope: Scope) -> list[str]:
     if _positive(layout.cp) and layout.cp > 1 and "cp" not in have:
         out.append(f"context parallelism is priced but the generated program cannot run it yet (cp={layout.cp}; "
                    f"use cp=1)")
+    if _positive(layout.cp, layout.pp) and layout.cp > 1 and layout.pp > 1 and "cp_pp" not in have:
+        out.append(f"cp={layout.cp} with pp={layout.pp}: the program cannot yet run context parallelism inside "
+                   f"pipeline stages (use cp=1 or pp=1)")
+    if _positive(layout.cp, layout.tp) and layout.cp > 1 and layout.tp > 1 and "cp_tp" not in have:
+        out.append(f"cp={layout.cp} with tp={layout.tp}: the program cannot yet run context parallelism together "
+                   f"with tensor parallelism (use cp=1 or tp=1)")
     if _positive(layout.ep) and layout.ep > 1 and "ep" not in have:
         out.append(f"expert parallelism is priced but the generated program cannot run it yet (ep={layout.ep}; "
                    f"use ep=1)")

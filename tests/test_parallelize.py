@@ -242,6 +242,20 @@ def test_a_pipeline_plan_needs_example_inputs():
     assert "2-rank pipeline: pass example_inputs=" in message
 
 
+def test_a_context_parallel_plan_needs_example_inputs_and_a_config_with_cp_and_pp_or_tp_is_refused():
+    model = tiny_gpt().build_model()
+    message = one_line_error(autoplan.parallelize, model, make_plan(context_parallel_degree=2))
+    assert "splits sequences over 2 context-parallel ranks: pass example_inputs=" in message
+    config = ParallelConfig(cp=2, pp=2, stages=(TINY_GPT_CHAIN[:9], TINY_GPT_CHAIN[9:]))
+    assert config.world_size == 4 and config.arithmetic().endswith("cp 2 x tp 1 = 4")
+    message = one_line_error(autoplan.parallelize, model, config, example_inputs=tiny_gpt().example_batch(1)[0])
+    assert message == ("parallel config: cp=2 with pp=2: the program cannot yet run context parallelism inside "
+                       "pipeline stages (use cp=1 or pp=1)")
+    message = one_line_error(autoplan.parallelize, model, ParallelConfig(cp=2, tp=2, stages=(TINY_GPT_CHAIN,)),
+                             example_inputs=tiny_gpt().example_batch(1)[0])
+    assert "cp=2 with tp=2: the program cannot yet run context parallelism together with tensor parallelism" in message
+
+
 def test_a_plan_for_another_model_names_the_module_it_lacks():
     import torch
 
@@ -261,8 +275,12 @@ def one_process():
 
 def test_a_plan_for_another_number_of_processes_says_how_many_to_launch(one_process):
     message = one_line_error(autoplan.init_mesh, make_plan(data_parallel_replicate_degree=2), "cpu")
-    assert message == ("the plan is for pp 1 x dp_replicate 2 x dp_shard 1 x tp 1 = 2 processes but 1 are running: "
-                       "launch it with 2 processes (torchrun --nproc-per-node 2 on one machine)")
+    assert message == ("the plan is for pp 1 x dp_replicate 2 x dp_shard 1 x cp 1 x tp 1 = 2 processes but 1 are "
+                       "running: launch it with 2 processes (torchrun --nproc-per-node 2 on one machine)")
+    message = one_line_error(autoplan.init_mesh, make_plan(data_parallel_shard_degree=2, context_parallel_degree=2),
+                             "cpu")
+    assert message.startswith("the plan is for pp 1 x dp_replicate 1 x dp_shard 2 x cp 2 x tp 1 = 4 processes but 1 "
+                              "are running: launch it with 4 processes"), message
 
 
 def test_a_mesh_that_is_not_the_plans_is_refused(one_process):
@@ -271,7 +289,7 @@ def test_a_mesh_that_is_not_the_plans_is_refused(one_process):
     other = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
     message = one_line_error(autoplan.parallelize, tiny_gpt().build_model(), make_plan(), other)
     assert message == ("the mesh is data_parallel 1 x tensor_parallel 1, the plan needs pp 1 x dp_replicate 1 x "
-                       "dp_shard 1 x tp 1 = 1 processes in dims ('pp', 'dp_replicate', 'dp_shard', 'tp'): "
+                       "dp_shard 1 x cp 1 x tp 1 = 1 processes in dims ('pp', 'dp_replicate', 'dp_shard', 'cp', 'tp'): "
                        "build it with autoplan.init_mesh(plan)")
 
 

@@ -43,17 +43,42 @@ def test_the_rules_give_their_arithmetic():
         "use zero=1, 2 or 3)"]
 
 
-def test_pins_of_cp_and_ep_are_refused_while_the_program_cannot_run_them():
+def test_cp_pins_plan_and_cp_with_pp_or_tp_and_ep_are_refused_while_the_program_cannot_run_them():
     assert parse_pins("cp=2,ep=2") == Layout(cp=2, ep=2)
     profile = gpt_profile(n_layer=4, seq=2048, batch=2)
     training = Training(global_batch_size=8, dtype="bf16")
-    with pytest.raises(UserError, match=r"context parallelism is priced but the generated program cannot run it yet "
-                                        r"\(cp=2; use cp=1\)"):
-        search(profile, cluster(8), training, parse_pins("cp=2"))
+    pinned = search(profile, cluster(8), training, parse_pins("cp=2")).best
+    par = pinned.parallelism
+    assert par.context_parallel_degree == 2 and par.sharded and par.world_size == 8
+    assert par.pipeline_parallel_degree == par.tensor_parallel_degree == 1
+    with pytest.raises(UserError, match=r"cp=2 with pp=2: the program cannot yet run context parallelism inside "
+                                        r"pipeline stages \(use cp=1 or pp=1\)"):
+        search(profile, cluster(8), training, parse_pins("cp=2,pp=2"))
+    with pytest.raises(UserError, match=r"cp=2 with tp=2: the program cannot yet run context parallelism together "
+                                        r"with tensor parallelism \(use cp=1 or tp=1\)"):
+        search(profile, cluster(8), training, parse_pins("cp=2,tp=2"))
+    with pytest.raises(UserError, match=r"expert parallelism is priced but the generated program cannot run it yet "
+                                        r"\(ep=2; use ep=1\)"):
+        search(profile, cluster(8), training, parse_pins("ep=2"))
     with pytest.raises(UserError, match="the model has no expert layers"):
         search(profile, cluster(8), training, parse_pins("ep=2"), features=CP_EP)
     default = search(profile, cluster(8), training, features=CP_EP)  # no experts: ep is never tried
     assert all(c.parallelism.expert_parallel_degree == 1 for c in default.candidates)
+
+
+def test_the_default_search_keeps_cp_out_of_pipelines_and_tensor_parallelism():
+    scope = Scope(features=SUPPORTED)
+    assert problems(Layout(cp=2, pp=2, tp=2), scope) == [
+        "cp=2 with pp=2: the program cannot yet run context parallelism inside pipeline stages (use cp=1 or pp=1)",
+        "cp=2 with tp=2: the program cannot yet run context parallelism together with tensor parallelism "
+        "(use cp=1 or tp=1)"]
+    assert problems(Layout(cp=2, pp=2, tp=2), Scope(features=ALL_FEATURES)) == []  # priced all the same
+    assert problems(Layout(cp=2, pp=1, tp=1), scope) == []
+    long = gpt_profile(n_layer=4, seq=8192, batch=1)
+    result = search(long, cluster(8), Training(global_batch_size=8, dtype="bf16"))
+    with_cp = [c.parallelism for c in result.candidates if c.parallelism.context_parallel_degree > 1]
+    assert with_cp, "the default search tries cp on long sequences"
+    assert all(p.pipeline_parallel_degree == 1 and p.tensor_parallel_degree == 1 for p in with_cp)
 
 
 def test_attention_written_as_matmuls_refuses_cp_with_the_reason():

@@ -1,5 +1,6 @@
 """Issue 19's planning Done-when at full size (shapes captured on fake tensors): Llama-3.1-8B on 8 H100 80GB as the
-sequence grows, and a Mixtral-8x7B-shaped model on 64 H100s, searched with cp and ep among the features."""
+sequence grows (cp as the program runs it: layout.SUPPORTED), and a Mixtral-8x7B-shaped model on 64 H100s, searched
+with ep among the features."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def test_llama_3_1_8b_on_8_h100s_grows_cp_with_the_sequence_and_fits():
         training = Training(global_batch_size=8, dtype="bf16", tokens_per_sample=seq)
         try:
             best = search(_profile("llama", LLAMA_3_1_8B, seq), Cluster(H100, 8, 8), training,
-                          features=SUPPORTED | {"cp"}).best
+                          features=SUPPORTED).best
         except UserError as refusal:  # a refusal must give the arithmetic
             assert "GiB" in str(refusal) and "needs" in str(refusal), str(refusal)
             continue

@@ -126,6 +126,9 @@ def _layout(plan: Plan) -> str:
     if p.tensor_parallel_degree > 1:
         sequence = ", sequence parallel" if p.enable_sequence_parallel else ""
         parts.append(f"{p.tensor_parallel_degree}-way tensor parallel ({len(plan.tensor_parallel_plan)} Linears{sequence})")
+    if p.context_parallel_degree > 1:
+        parts.append(f"{p.context_parallel_degree}-way context parallel (ring attention over SDPA, FSDP2 over "
+                     f"dp_shard {p.data_parallel_shard_degree} x cp {p.context_parallel_degree})")
     if p.pipeline_parallel_degree > 1:
         virtual = (f", {p.pipeline_parallel_virtual_stages} stages per rank"
                    if p.pipeline_parallel_virtual_stages > 1 else "")
@@ -186,6 +189,7 @@ def _config_block(plan: Plan) -> str:
          "sequence parallel between the TP pairs (when TP > 1): on | off"),
         ("LOSS_PARALLEL", repr("off" if p.disable_loss_parallel else "on"),
          "cross-entropy on the vocabulary-sharded logits (TP head): on | off"),
+        ("CP", repr(p.context_parallel_degree), "context-parallel ranks: each a share of every sequence (ring attention)"),
         ("PP", repr(p.pipeline_parallel_degree), "pipeline ranks"),
         ("VIRTUAL_STAGES", repr(p.pipeline_parallel_virtual_stages), "stages per pipeline rank (interleaved schedule)"),
         ("SCHEDULE", repr(p.pipeline_parallel_schedule), "pipeline schedule"),

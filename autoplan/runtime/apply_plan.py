@@ -3,7 +3,10 @@ it, and so does a user's own training loop (README, "Use a plan in your own trai
 
 The order is torchtitan's: the pipeline stages are cut first (each rank keeps only its own), then on each
 stage tensor parallelism, activation recomputation, torch.compile, FSDP2/HSDP (all on the meta device:
-no memory yet), then the values are filled in, then DDP (which needs real parameters).
+no memory yet), then the values are filled in, then DDP (which needs real parameters). With context
+parallelism the block where each rank starts computing on its share of the sequence is found first, by running
+the meta-device model on fake tensors (runtime/attention_blocks.py), and each micro-batch then runs inside a
+ContextParallelRegion (runtime/context_parallel.py).
 
 The model's values: a model built the ordinary way (on CPU, real tensors) starts from rank 0's values,
 broadcast to every rank, so ranks that built it with different random numbers still train one model. A
@@ -25,8 +28,11 @@ from torch.utils import _pytree as pytree
 
 from autoplan.contract import LossFn
 from autoplan.errors import UserError
+from autoplan.layout import SUPPORTED, Layout, Scope, problems
+from autoplan.runtime.attention_blocks import find_attention_blocks
 from autoplan.runtime.compile import compile_modules
 from autoplan.runtime.config import ParallelConfig, as_config
+from autoplan.runtime.context_parallel import ContextParallelRegion
 from autoplan.runtime.data import batch_size_of, shard, to_device
 from autoplan.runtime.materialize import ModelPart, catalog, materialize_from, named_tensors
 from autoplan.runtime.mesh import MESH_DIMS, RankLayout, device_mesh, global_mean_loss, local_stages, rank_layout
@@ -56,10 +62,10 @@ class Parallelized:
     split: PipelineSplit | None
     """The pipeline stages cut from the exported model (None without a pipeline)."""
     mesh: DeviceMesh
-    """The device mesh, dims ("pp", "dp_replicate", "dp_shard", "tp")."""
+    """The device mesh, dims ("pp", "dp_replicate", "dp_shard", "cp", "tp")."""
     rank: RankLayout
     """Where this process sits: rank, pp_rank, dp_rank and dp_size (which slice of the global batch it
-    trains on), tp_rank; is_first_stage, is_last_stage."""
+    trains on), cp_rank and cp_size (which share of each sequence), tp_rank; is_first_stage, is_last_stage."""
     device: torch.device
     """Where the parts compute."""
     dtype: torch.dtype
@@ -85,7 +91,7 @@ class Parallelized:
 
     def shard_batch(self, inputs: Any, targets: Any) -> tuple[Any, Any]:
         """This rank's slice of a global batch: contiguous slice dp_rank of dp_size along dim 0 (the ranks of
-        one tensor-parallel group or one pipeline train on the same slice)."""
+        one tensor-parallel group, one context-parallel group or one pipeline train on the same slice)."""
         inputs_slice, targets_slice = shard((inputs, targets), self.rank.dp_rank, self.rank.dp_size)
         return inputs_slice, targets_slice
 
@@ -105,10 +111,10 @@ class Parallelized:
 
 def init_plan_mesh(plan: Any, device: torch.device | str | None = None) -> DeviceMesh:
     """Start the process group (NCCL on CUDA, gloo on CPU) unless one is running, and build the plan's mesh
-    (pp, dp_replicate, dp_shard, tp). `plan`: a Plan, a plan.json or output folder path, or a ParallelConfig.
+    (pp, dp_replicate, dp_shard, cp, tp). `plan`: a Plan, a plan.json or output folder path, or a ParallelConfig.
     A UserError if the number of processes is not the plan's."""
     config = as_config(plan)
-    return device_mesh(_device(device), config.pp, config.dp_replicate, config.dp_shard, config.tp)
+    return device_mesh(_device(device), config.pp, config.dp_replicate, config.dp_shard, config.tp, config.cp)
 
 
 def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
@@ -124,7 +130,8 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
     mesh: from autoplan.init_mesh(plan); None builds it (and starts the process group if needed).
     device: where to compute; default the mesh's device type (cuda if available, else cpu).
     example_inputs: the model's inputs for one micro-batch (a larger batch is cut to one); needed with a
-        pipeline, whose stages are cut from the model exported on them.
+        pipeline, whose stages are cut from the model exported on them, and with context parallelism, whose
+        attention modules are found by running the model on them as fake tensors (runtime/attention_blocks.py).
     loss_fn: loss_fn(output, targets) -> scalar; default cross-entropy for integer targets, else MSE (an
         output with .logits uses them). forward_backward and the pipeline's last stage call it.
     initial_values: called on rank 0 only, returns a module with the model's names holding the values to
@@ -136,6 +143,11 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
     if config.pp > 1 and example_inputs is None:
         raise UserError(f"the plan has a {config.pp}-rank pipeline: pass example_inputs= (the inputs of one "
                         f"micro-batch, {config.microbatch_size} samples), on which the stages are cut")
+    if config.cp > 1 and example_inputs is None:
+        raise UserError(f"the plan splits sequences over {config.cp} context-parallel ranks: pass example_inputs= "
+                        f"(the inputs of one micro-batch, {config.microbatch_size} samples), on which the modules "
+                        f"that call attention are found")
+    _check_runnable(config)
     _check_module_names(model, config)
     if mesh is None:
         mesh = init_plan_mesh(config, device)
@@ -146,6 +158,10 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
     values = _initial_values(model, initial_values)
     _to_meta(model)  # the structure only: every rank holds just its own share later
     weights = catalog(model)  # every tensor's names and shape, for the initial broadcast
+    attention = None
+    if config.cp > 1:  # from the block of the first attention call on, the ranks compute on sequence shares
+        attention = find_attention_blocks(model, config.chain_modules,
+                                          _one_microbatch(example_inputs, config.microbatch_size))
 
     split = None
     if config.pp > 1:  # cut this rank's stages out of the exported graph of the model
@@ -180,8 +196,9 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
         step = PipelineStep(modules, split, mesh, rank, config.schedule, config.num_microbatches, loss_fn, device,
                             dtype, tensor_parallel=config.tp > 1, loss_parallel=loss_parallel)
     else:
+        region = ContextParallelRegion(mesh["cp"], modules[0], attention) if attention is not None else None
         step = AccumulationStep(modules[0], config.num_microbatches, loss_fn, dtype, tensor_parallel=config.tp > 1,
-                                loss_parallel=loss_parallel)
+                                loss_parallel=loss_parallel, context_parallel=region)
     return Parallelized(parts=modules, step=step, tied=tied, split=split, mesh=mesh, rank=rank, device=device,
                         dtype=dtype)
 
@@ -192,9 +209,17 @@ def _device(device: torch.device | str | None) -> torch.device:
     return torch.device(device)
 
 
+def _check_runnable(config: ParallelConfig) -> None:
+    """The layout rules a ParallelConfig built by hand can break that this runtime cannot run (layout.py:
+    context parallelism with a pipeline or tensor parallelism)."""
+    found = problems(Layout(cp=config.cp, pp=config.pp, tp=config.tp), Scope(features=SUPPORTED))
+    if found:
+        raise UserError("parallel config: " + "; ".join(found))
+
+
 def _check_mesh(mesh: DeviceMesh, config: ParallelConfig) -> None:
-    """The mesh must be the plan's: dims (pp, dp_replicate, dp_shard, tp) of the plan's sizes."""
-    want = (config.pp, config.dp_replicate, config.dp_shard, config.tp)
+    """The mesh must be the plan's: dims (pp, dp_replicate, dp_shard, cp, tp) of the plan's sizes."""
+    want = (config.pp, config.dp_replicate, config.dp_shard, config.cp, config.tp)
     names, shape = tuple(mesh.mesh_dim_names or ()), tuple(mesh.shape)
     if names != MESH_DIMS or shape != want:
         got = " x ".join(f"{n} {s}" for n, s in zip(names or ("?",) * len(shape), shape))

@@ -13,6 +13,7 @@ of those sums: the two per-channel gradient terms of torch's SyncBatchNorm backw
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import torch
@@ -122,17 +123,17 @@ def _data_parallel_copy(old: _BatchNorm, group: dist.ProcessGroup) -> DataParall
 
 
 def data_parallel_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    """The process group of this rank's data-parallel ranks (dp_replicate x dp_shard, same pp and tp
+    """The process group of this rank's data-parallel ranks (dp_replicate x dp_shard, same pp, cp and tp
     coordinates). With both dimensions > 1 every rank creates every such group, in the same order."""
     replicate, shard = mesh["dp_replicate"].size(), mesh["dp_shard"].size()
     if shard == 1:
         return mesh["dp_replicate"].get_group()
     if replicate == 1:
         return mesh["dp_shard"].get_group()
-    ranks, mine = mesh.mesh, None  # (pp, dp_replicate, dp_shard, tp) -> global rank
+    ranks, mine = mesh.mesh, None  # (pp, dp_replicate, dp_shard, cp, tp) -> global rank
     for p in range(ranks.shape[0]):
-        for t in range(ranks.shape[3]):
-            members = [int(r) for r in ranks[p, :, :, t].flatten()]
+        for c, t in itertools.product(range(ranks.shape[3]), range(ranks.shape[4])):
+            members = [int(r) for r in ranks[p, :, :, c, t].flatten()]
             group = dist.new_group(members)
             mine = group if dist.get_rank() in members else mine
     return mine

@@ -30,6 +30,10 @@ class ParallelConfig:
     """With tp > 1: the ops between the tensor-parallel pairs run on sequence shards."""
     loss_parallel: bool = True
     """With tp > 1 and a vocabulary-sharded head: cross-entropy on the sharded logits."""
+    cp: int = 1
+    """Context-parallel ranks (mesh dimension between dp_shard and tp): they train the same samples, each its
+    share of every sequence from the first chain module that calls scaled_dot_product_attention on (ring
+    attention); the model states are FSDP2-sharded over dp_shard x cp."""
     pp: int = 1
     """Pipeline ranks (the outermost mesh dimension)."""
     virtual_stages: int = 1
@@ -63,7 +67,8 @@ class ParallelConfig:
         object.__setattr__(self, "batch_norm_modules", tuple(self.batch_norm_modules))
         object.__setattr__(self, "stages", tuple(tuple(stage) for stage in self.stages))
         object.__setattr__(self, "tensor_parallel_plan", dict(self.tensor_parallel_plan))
-        degrees = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "pp": self.pp,
+        degrees = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp,
+                   "pp": self.pp,
                    "virtual_stages": self.virtual_stages, "microbatch_size": self.microbatch_size,
                    "num_microbatches": self.num_microbatches}
         bad = [f"{name} {value!r}" for name, value in degrees.items()
@@ -81,8 +86,8 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        """Processes the layout runs on: pp x dp_replicate x dp_shard x tp."""
-        return self.pp * self.dp * self.tp
+        """Processes the layout runs on: pp x dp_replicate x dp_shard x cp x tp."""
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
     def chain_modules(self) -> tuple[str, ...]:
@@ -90,9 +95,9 @@ class ParallelConfig:
         return tuple(u for stage in self.stages for u in stage)
 
     def arithmetic(self) -> str:
-        """"pp 1 x dp_replicate 2 x dp_shard 1 x tp 1 = 2" (for messages)."""
-        return (f"pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp} "
-                f"= {self.world_size}")
+        """"pp 1 x dp_replicate 2 x dp_shard 1 x cp 1 x tp 1 = 2" (for messages)."""
+        return (f"pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} x "
+                f"tp {self.tp} = {self.world_size}")
 
     @staticmethod
     def of(plan: Any) -> "ParallelConfig":
@@ -100,7 +105,7 @@ class ParallelConfig:
         p = plan.parallelism
         return ParallelConfig(
             dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-            reshard=p.fsdp_reshard_after_forward, tp=p.tensor_parallel_degree,
+            reshard=p.fsdp_reshard_after_forward, tp=p.tensor_parallel_degree, cp=p.context_parallel_degree,
             sequence_parallel=p.enable_sequence_parallel, loss_parallel=not p.disable_loss_parallel,
             pp=p.pipeline_parallel_degree, virtual_stages=p.pipeline_parallel_virtual_stages,
             schedule=p.pipeline_parallel_schedule, microbatch_size=p.pipeline_parallel_microbatch_size,

@@ -15,6 +15,11 @@ The handlers join torch's context-parallel op table, so they are active exactly 
 `context_parallel` region is (and DTensor's plain dispatch never sees a sequence-sharded attention).
 Attention masks are not handled (torch's CUDA handlers refuse them too): causal or full attention only.
 
+ContextParallelRegion is what the generated program's step runs each micro-batch in: torch's context_parallel
+over the mesh's "cp" ranks (targets cut to the rank's share), the load balancing set from the attention's
+causality, and the shard_block_inputs hooks on the block found by runtime/attention_blocks.py and the chain
+modules after it.
+
 Pipeline stages are graphs torch.export recorded with the shapes it saw. Exported on a rank with the blocks'
 sharding hooks (shard_block_inputs) in place, a stage's graph cuts that rank's share of the sequence where a
 block starts and keeps its shapes from there on; attention_through_functional then sends the stages'
@@ -24,9 +29,19 @@ mask, which the ring refuses: its models cannot be staged so yet.)
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
 import torch
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from autoplan.errors import UserError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from autoplan.runtime.attention_blocks import AttentionBlocks
 
 SEQUENCE_DIM = 2
 """The sequence dimension of SDPA's (batch, heads, sequence, head_dim) tensors, as torch's ring uses."""
@@ -185,3 +200,52 @@ def attention_through_functional(stage) -> int:
             graph_module.recompile()
             redirected += len(nodes)
     return redirected
+
+
+class ContextParallelRegion:
+    """Where a micro-batch's forward, loss and backward run under context parallelism (the step enters it
+    per micro-batch): torch's `context_parallel` over the mesh's "cp" ranks, whose ring attention
+    (register_cpu_ring_attention on CPU) runs the model's SDPA calls, with the load balancing of the causal
+    triangle when the attention is causal; the targets' sequence tensors cut to the rank's share in the same
+    order; and the hooks (shard_block_inputs) feeding the block of the first attention call and every chain
+    module after it its share of each whole-sequence input."""
+
+    def __init__(self, cp_mesh: "DeviceMesh", module: torch.nn.Module, blocks: "AttentionBlocks") -> None:
+        from autoplan.runtime.recompute import submodule
+
+        register_cpu_ring_attention()
+        self.mesh, self.attention = cp_mesh, blocks
+        """The 1-D "cp" mesh; the AttentionBlocks (runtime/attention_blocks.py)."""
+        self.blocks = [submodule(module, path) for path in blocks.modules]
+
+    @contextmanager
+    def __call__(self, targets):
+        """Yields the rank's share of `targets` (every tensor whose dimension 1 is the attention's sequence,
+        cut; the others as they are); the forward, the loss and its backward run inside."""
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental._attention import _cp_options
+        from torch.utils import _pytree as pytree
+
+        seq_len = self.attention.sequence_length
+        leaves, spec = pytree.tree_flatten(targets)
+        cut = [isinstance(t, torch.Tensor) and t.dim() > ACTIVATION_SEQUENCE_DIM
+               and t.shape[ACTIVATION_SEQUENCE_DIM] == seq_len for t in leaves]
+        if not any(cut):
+            shapes = [tuple(t.shape) for t in leaves if isinstance(t, torch.Tensor)]
+            raise UserError(f"context parallelism cuts the targets to the rank's share of the sequence, but no "
+                            f"target tensor has the attention's {seq_len} tokens along dimension "
+                            f"{ACTIVATION_SEQUENCE_DIM} (shapes {shapes})")
+        local = [t.clone() if c else t for t, c in zip(leaves, cut)]  # context_parallel shards them in place
+        buffers = [t for t, c in zip(local, cut) if c]
+        balance, _cp_options.enable_load_balance = _cp_options.enable_load_balance, self.attention.causal
+        handles = []
+        try:
+            with context_parallel(self.mesh, buffers=buffers, buffer_seq_dims=[ACTIVATION_SEQUENCE_DIM] * len(buffers),
+                                  no_restore_buffers=set(buffers)):
+                shards = SequenceShards(self.mesh, seq_len, buffers[0].device)
+                handles = shard_block_inputs(self.blocks, shards)
+                yield pytree.tree_unflatten(local, spec)
+        finally:
+            for handle in handles:
+                handle.remove()
+            _cp_options.enable_load_balance = balance

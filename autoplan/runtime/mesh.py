@@ -1,9 +1,11 @@
-"""Process group and the device mesh ("pp", "dp_replicate", "dp_shard", "tp").
+"""Process group and the device mesh ("pp", "dp_replicate", "dp_shard", "cp", "tp").
 
 Dims in rank order, pipeline outermost and tensor parallel innermost as in torchtitan: with ranks
 numbered node by node, the tensor-parallel group (an all-reduce per layer) stays on the fastest
-links, the data-parallel collectives next, and the pipeline (point-to-point, little traffic) is the
-dimension that crosses nodes.
+links, the context-parallel ring (attention's keys and values, every layer) next, the data-parallel
+collectives next, and the pipeline (point-to-point, little traffic) is the dimension that crosses nodes.
+The ranks of a context-parallel group train the same samples, each on its share of every sequence; FSDP2
+shards the model states over dp_shard x cp (the flattened dim "dp_shard_cp", torchtitan's name).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autoplan.errors import UserError
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+FSDP_DIM = "dp_shard_cp"
+"""The flattened ("dp_shard", "cp") dim FSDP2 shards over (with "dp_replicate" for HSDP)."""
 
 
 @dataclass(frozen=True)
@@ -29,7 +33,8 @@ class RankLayout:
     pp_rank: int
     """Pipeline rank: it runs stages pp_rank, pp_rank + pp, ... (one per virtual stage)."""
     dp_rank: int
-    """Index among the data-parallel ranks (which slice of the global batch it trains on)."""
+    """Index among the data-parallel ranks (which slice of the global batch it trains on; the ranks of a
+    context-parallel group share it)."""
     dp_size: int
     """Data-parallel ranks (replicate x shard)."""
     pp_size: int
@@ -38,6 +43,10 @@ class RankLayout:
     """Index in the tensor-parallel group (all of its ranks see the same batch)."""
     tp_size: int = 1
     """Tensor-parallel ranks."""
+    cp_rank: int = 0
+    """Index in the context-parallel group (which share of each sequence its blocks compute)."""
+    cp_size: int = 1
+    """Context-parallel ranks (they train the same samples)."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -48,36 +57,50 @@ class RankLayout:
         return self.pp_rank == self.pp_size - 1
 
 
-def device_mesh(device: torch.device, pp: int, dp_replicate: int, dp_shard: int, tp: int = 1) -> DeviceMesh:
-    """The mesh (pp, dp_replicate, dp_shard, tp) over all processes, after starting the process group
+def device_mesh(device: torch.device, pp: int, dp_replicate: int, dp_shard: int, tp: int = 1,
+                cp: int = 1) -> DeviceMesh:
+    """The mesh (pp, dp_replicate, dp_shard, cp, tp) over all processes, after starting the process group
     (NCCL on CUDA, gloo on CPU) unless one is running. A UserError if the world size is not their product."""
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    world, planned = dist.get_world_size(), pp * dp_replicate * dp_shard * tp
+    world, planned = dist.get_world_size(), pp * dp_replicate * dp_shard * cp * tp
     if world != planned:
-        raise UserError(f"the plan is for pp {pp} x dp_replicate {dp_replicate} x dp_shard {dp_shard} x tp {tp} = "
-                        f"{planned} processes but {world} are running: launch it with {planned} processes "
+        raise UserError(f"the plan is for pp {pp} x dp_replicate {dp_replicate} x dp_shard {dp_shard} x cp {cp} x "
+                        f"tp {tp} = {planned} processes but {world} are running: launch it with {planned} processes "
                         f"(torchrun --nproc-per-node {planned} on one machine)")
-    return init_device_mesh(device.type, (pp, dp_replicate, dp_shard, tp), mesh_dim_names=MESH_DIMS)
+    return init_device_mesh(device.type, (pp, dp_replicate, dp_shard, cp, tp), mesh_dim_names=MESH_DIMS)
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards over: "dp_shard", or with cp > 1 FSDP_DIM (dp_shard x cp flattened, so gradients
+    are averaged over the context-parallel ranks too), with "dp_replicate" before it when it is more than 1
+    (HSDP). The first call with cp > 1 flattens (a collective: every rank calls it; later calls find it)."""
+    shard = "dp_shard"
+    if mesh["cp"].size() > 1:
+        mesh["dp_shard", "cp"]._flatten(FSDP_DIM)
+        shard = FSDP_DIM
+    return mesh["dp_replicate", shard] if mesh["dp_replicate"].size() > 1 else mesh[shard]
 
 
 def rank_layout(mesh: DeviceMesh) -> RankLayout:
-    """Where this process sits in a (pp, dp_replicate, dp_shard, tp) mesh."""
-    pp, _, dp_shard, tp = mesh.shape
-    pp_rank, replicate_rank, shard_rank, tp_rank = mesh.get_coordinate()
+    """Where this process sits in a (pp, dp_replicate, dp_shard, cp, tp) mesh."""
+    pp, dp_replicate, dp_shard, cp, tp = mesh.shape
+    pp_rank, replicate_rank, shard_rank, cp_rank, tp_rank = mesh.get_coordinate()
     return RankLayout(rank=dist.get_rank(), pp_rank=pp_rank, dp_rank=replicate_rank * dp_shard + shard_rank,
-                      dp_size=mesh.shape[1] * dp_shard, pp_size=pp, tp_rank=tp_rank, tp_size=tp)
+                      dp_size=dp_replicate * dp_shard, pp_size=pp, tp_rank=tp_rank, tp_size=tp, cp_rank=cp_rank,
+                      cp_size=cp)
 
 
 def global_mean_loss(local_loss: torch.Tensor | None, layout: RankLayout, device: torch.device) -> float:
-    """The global-batch mean loss. The last stage's ranks hold their data-parallel slice's mean;
+    """The global-batch mean loss. The last stage's ranks hold their data-parallel slice's mean (with
+    context parallelism, the mean over their equal share of its tokens: the cp ranks' mean is the slice's);
     the ranks of a tensor-parallel group hold the same value, so only tp rank 0 contributes."""
     counts = local_loss is not None and layout.tp_rank == 0
     total = local_loss.detach().reshape(()).float().to(device) if counts else torch.zeros((), device=device)
     dist.all_reduce(total)
-    return total.item() / layout.dp_size
+    return total.item() / (layout.dp_size * layout.cp_size)
 
 
 def local_stages(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:

@@ -4,11 +4,14 @@ dp_shard > 1 runs FSDP2 (torch.distributed.fsdp.fully_shard) over the dp_shard r
 reshard_after_forward it frees parameters after forward and gathers them again for backward (ZeRO-3);
 without, it keeps them gathered from forward to backward (FSDP2 has no separate ZeRO-1/2, this is the
 closest: optimizer state and gradients stay sharded). dp_shard 1 is DDP over the dp_replicate ranks.
-dp_replicate x dp_shard with both > 1 is HSDP.
+dp_replicate x dp_shard with both > 1 is HSDP. With context parallelism (cp > 1) FSDP2 shards over
+dp_shard x cp (mesh.fsdp_mesh), as torchtitan: the cp ranks hold the same samples' shares of the tokens, so
+their gradients are averaged with the data-parallel ones; DDP is never used then.
 """
 
 from __future__ import annotations
 
+import itertools
 import resource
 import sys
 from contextlib import contextmanager
@@ -19,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autoplan.runtime.mesh import RankLayout
+from autoplan.runtime.mesh import RankLayout, fsdp_mesh
 from autoplan.runtime.recompute import ROOT_MODULE, submodule
 from autoplan.runtime.split import PipelineSplit
 
@@ -37,7 +40,7 @@ def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool, chain_modules: Sequence[str],
                         dtype: torch.dtype = torch.float32, batch_norm_modules: Sequence[str] = (),
                         offload: bool = False) -> nn.Module:
-    """FSDP2 over the mesh's dp_shard ranks (HSDP with dp_replicate): fully_shard each of the modules
+    """FSDP2 over the mesh's dp_shard x cp ranks (HSDP with dp_replicate): fully_shard each of the modules
     `chain_modules`, then the root. Works on a meta-device module (materialize afterwards). With dp_shard 1 it
     is DDP (replicate_data_parallel), except with tensor parallelism: DDP buckets plain tensors, not
     DTensors, so there fully_shard over a replicate-only mesh (shard dim of size 1) replicates instead:
@@ -49,12 +52,13 @@ def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, reshard_after_forwa
     from autoplan.runtime.batchnorm import sync_batch_norm
 
     module = sync_batch_norm(module, mesh, batch_norm_modules)
-    replicate, shard, tp = mesh["dp_replicate"].size(), mesh["dp_shard"].size(), mesh["tp"].size()
+    replicate, tp = mesh["dp_replicate"].size(), mesh["tp"].size()
+    shard = mesh["dp_shard"].size() * mesh["cp"].size()
     if replicate * shard == 1 or (shard == 1 and tp == 1):
         return module
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp_shard"]
+    dp_mesh = fsdp_mesh(mesh)
     kwargs = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward and shard > 1)
     if dtype != torch.float32:  # compute in `dtype`, reduce gradients in fp32
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -69,9 +73,9 @@ def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, reshard_after_forwa
 
 
 def replicate_data_parallel(module: nn.Module, mesh: DeviceMesh, device: torch.device) -> nn.Module:
-    """DDP over the data-parallel replicas (dp_shard 1, without tensor parallelism). Needs materialized
-    parameters."""
-    if mesh["dp_shard"].size() > 1 or mesh["dp_replicate"].size() == 1 or mesh["tp"].size() > 1:
+    """DDP over the data-parallel replicas (dp_shard 1, without tensor or context parallelism). Needs
+    materialized parameters."""
+    if mesh["dp_shard"].size() * mesh["cp"].size() > 1 or mesh["dp_replicate"].size() == 1 or mesh["tp"].size() > 1:
         return module
     from torch.nn.parallel import DistributedDataParallel
 
@@ -138,14 +142,13 @@ class TiedGradients:
         self.tied: list[tuple[list[torch.Tensor], dist.ProcessGroup | None]] = []
         if split is None:
             return
-        ranks = mesh.mesh  # (pp, dp_replicate, dp_shard, tp) -> global rank
+        ranks = mesh.mesh  # (pp, dp_replicate, dp_shard, cp, tp) -> global rank
         me, pp = dist.get_rank(), layout.pp_size
         states = {s: named_state(module) for s, module in parts.items()}
         for tied in split.tied:
             pp_ranks = sorted({s % pp for s in tied.stages})
             mine = None
-            for coordinate in ((r, s, t) for r in range(ranks.shape[1]) for s in range(ranks.shape[2])
-                               for t in range(ranks.shape[3])):
+            for coordinate in itertools.product(*(range(n) for n in ranks.shape[1:])):  # every rank off the pp dim
                 members = [int(ranks[(p, *coordinate)]) for p in pp_ranks]
                 if len(members) > 1:  # every rank creates every group, in the same order
                     group = dist.new_group(members)

@@ -3,7 +3,8 @@
 Both return this rank's mean loss over its micro-batches (None on ranks that do not compute the
 loss), and leave gradients of the mean loss, reduced over the data-parallel ranks, in .grad.
 Tensor parallelism needs plain tensors that meet DTensors to count as replicated, during forward
-and backward alike, so both run inside tensor_parallel_context.
+and backward alike, so both run inside tensor_parallel_context. Under context parallelism (no pipeline) each
+micro-batch runs inside its ContextParallelRegion.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.contract import LossFn, call_model, compute_loss
 from autoplan.errors import UserError
+from autoplan.runtime.context_parallel import ContextParallelRegion
 from autoplan.runtime.data import microbatches
 from autoplan.runtime.failures import stage_failures
 from autoplan.runtime.mesh import RankLayout
@@ -47,10 +49,14 @@ class AccumulationStep:
     over the data-parallel ranks only in the last backward."""
 
     def __init__(self, module: nn.Module, num_microbatches: int, loss_fn: LossFn | None,
-                 dtype: torch.dtype = torch.float32, tensor_parallel: bool = False, loss_parallel: bool = False) -> None:
+                 dtype: torch.dtype = torch.float32, tensor_parallel: bool = False, loss_parallel: bool = False,
+                 context_parallel: ContextParallelRegion | None = None) -> None:
         self.module, self.num_microbatches = module, num_microbatches
         self.loss_fn = ParallelLoss(loss_fn) if loss_parallel else loss_fn
         self.dtype, self.tensor_parallel, self.loss_parallel = dtype, tensor_parallel, loss_parallel
+        self.context_parallel = context_parallel
+        """With cp > 1: each micro-batch's forward, loss and backward run in it, on the rank's share of the
+        sequence (the returned loss is the mean over that share's tokens)."""
 
     def __call__(self, inputs: Any, targets: Any) -> torch.Tensor:
         total = torch.zeros(())
@@ -58,7 +64,8 @@ class AccumulationStep:
         device = next(iter(self.module.parameters())).device
         with tensor_parallel_context(self.tensor_parallel), loss_parallel_context(self.loss_parallel):
             for i, (micro_inputs, micro_targets) in enumerate(parts):
-                with gradient_sync(self.module, enabled=i == len(parts) - 1):
+                with gradient_sync(self.module, enabled=i == len(parts) - 1), \
+                        self._sequence_shares(micro_targets) as micro_targets:
                     with _autocast(self.module, self.dtype, device):
                         output = call_model(self.module, micro_inputs)
                     if self.dtype != torch.float32:  # the loss in fp32, as the pipeline's last stage has it
@@ -69,6 +76,12 @@ class AccumulationStep:
         if self.tensor_parallel:
             reduce_partial_gradients(self.module)
         return total
+
+    def _sequence_shares(self, targets: Any):
+        """The context-parallel region yielding the rank's share of `targets`; without cp, `targets` as they are."""
+        if self.context_parallel is None:
+            return nullcontext(targets)
+        return self.context_parallel(targets)
 
 
 class CastOutputs(nn.Module):

@@ -39,6 +39,7 @@ RESHARD = "never"
 TP = 1
 SP = "on"
 LOSS_PARALLEL = "on"
+CP = 1
 PP = 1
 VIRTUAL_STAGES = 1
 SCHEDULE = "1f1b"
@@ -113,7 +114,7 @@ def parallel_config(compile_modules=COMPILE) -> runtime.ParallelConfig:
     """The plan's layout, as autoplan.parallelize reads it; its chain modules compiled when `compile_modules`."""
     return runtime.ParallelConfig(
         dp_replicate=DP_REPLICATE, dp_shard=DP_SHARD, reshard=RESHARD, tp=TP, sequence_parallel=SP == "on",
-        loss_parallel=LOSS_PARALLEL == "on", pp=PP, virtual_stages=VIRTUAL_STAGES, schedule=SCHEDULE,
+        loss_parallel=LOSS_PARALLEL == "on", cp=CP, pp=PP, virtual_stages=VIRTUAL_STAGES, schedule=SCHEDULE,
         microbatch_size=MICROBATCH, num_microbatches=MICROBATCHES, recompute=RECOMPUTE,
         recompute_modules=RECOMPUTE_MODULES, offload=OFFLOAD, compile=compile_modules, dtype=DTYPE,
         tensor_parallel_plan=TENSOR_PARALLEL_PLAN, batch_norm_modules=BATCH_NORM_MODULES, stages=STAGES)
@@ -121,11 +122,13 @@ def parallel_config(compile_modules=COMPILE) -> runtime.ParallelConfig:
 
 def build_parallel_model(model_source, config, mesh, device) -> autoplan.Parallelized:
     """This rank's share of the model (autoplan.parallelize: its pipeline stages, tensor-parallel and
-    data-parallel shards, recompute, compile) and its forward + backward of one step, with the same
-    initial values as the single-device model (see runtime.materialize)."""
+    data-parallel shards, recompute, compile) and its forward + backward of one step (with context
+    parallelism, on its share of each sequence), with the same initial values as the single-device
+    model (see runtime.materialize)."""
     model = runtime.build_on_meta(model_source)  # the structure only: no memory yet
-    # with a pipeline, the stages are cut from the graph exported on one micro-batch
-    example_inputs = model_source.example_batch(MICROBATCH)[0] if PP > 1 else None
+    # with a pipeline, the stages are cut from the graph exported on one micro-batch; with context
+    # parallelism, the modules that call attention are found by running it on one (fake tensors)
+    example_inputs = model_source.example_batch(MICROBATCH)[0] if PP > 1 or CP > 1 else None
     return autoplan.parallelize(model, config, mesh, device=device, example_inputs=example_inputs,
                                 loss_fn=model_source.loss_fn,
                                 initial_values=lambda: runtime.build_seeded(model_source, SEED))  # rank 0 only
@@ -147,7 +150,7 @@ def main(argv=None) -> list[float]:
             args.dropout_out.write_text(json.dumps({"disabled_calls_per_step": dropout.calls / max(args.steps, 1)}))
         return losses
 
-    # processes and the device mesh ("pp", "dp_replicate", "dp_shard", "tp")
+    # processes and the device mesh ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     config = parallel_config(args.compile)
     mesh = autoplan.init_mesh(config, device)
     parallel = build_parallel_model(model_source, config, mesh, device)
