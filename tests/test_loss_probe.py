@@ -36,3 +36,18 @@ def test_the_plan_gathers_the_logits_and_says_why():
     assert smoothed.plan.parallelism == plain.plan.parallelism.__class__(
         **{**plain.plan.parallelism.__dict__, "disable_loss_parallel": True})
     assert smoothed.plan.predicted.peak_memory_bytes > plain.plan.predicted.peak_memory_bytes
+
+
+CLASSIFIER = Path(__file__).resolve().parent / "models" / "sequence_classifier.py"
+
+
+def test_targets_without_the_sequence_refuse_context_parallelism_at_planning():
+    from autoplan.errors import UserError
+    from autoplan.profile.loss_probe import sequence_targets_problem
+
+    assert sequence_targets_problem(load_source(str(ROOT / "examples" / "llama.py")), 2) == ""
+    problem = sequence_targets_problem(load_source(str(CLASSIFIER)), 2)
+    assert problem.startswith("the targets have no dimension of the sequence's 16 tokens at position 1 (shapes [(2,)])")
+    with pytest.raises(UserError, match="cp=2: the targets have no dimension of the sequence's 16 tokens"):
+        plan_model(str(CLASSIFIER), 2, "h100-sxm5-80gb", pin="cp=2")
+    assert plan_model(str(CLASSIFIER), 2, "h100-sxm5-80gb").plan.parallelism.context_parallel_degree == 1

@@ -82,6 +82,6 @@ def attention_facts(profile: ModelProfile) -> AttentionFacts:
     elif not calls:
         problem = "the model calls no scaled_dot_product_attention for a ring to split the sequence of"
     else:
-        problem = ""
+        problem = profile.sequence_targets_problem
     return AttentionFacts(tuple(calls), problem)
 

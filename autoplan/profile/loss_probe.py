@@ -73,6 +73,25 @@ def _logits(output: Any) -> torch.Tensor | None:
     return max(tensors, key=lambda t: t.shape[-1], default=None)
 
 
+def sequence_targets_problem(source, batch_size: int) -> str:
+    """"" when a target tensor has the inputs' sequence along dimension 1 (context parallelism cuts the targets
+    to each rank's share of the sequence, as it cuts the activations); else why not, as one clause. "" too when
+    the example batch has no sequence-long input (nothing to say) or cannot be made."""
+    try:
+        inputs, targets = source.example_batch(batch_size)
+    except PROBE_FAILURES:
+        return ""
+    tensors = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.dim() > 1]
+    if not tensors:
+        return ""
+    seq = max(t.shape[1] for t in tensors)
+    shapes = [tuple(t.shape) for t in pytree.tree_leaves(targets) if isinstance(t, torch.Tensor)]
+    if any(len(shape) > 1 and shape[1] == seq for shape in shapes):
+        return ""
+    return (f"the targets have no dimension of the sequence's {seq} tokens at position 1 (shapes {shapes}): "
+            f"the loss cannot run on each rank's share of the sequence")
+
+
 def loss_parallel_problem(source, batch_size: int) -> str:
     """"" when the loss_fn runs on the logits with the ops loss_parallel handles only (or the probe cannot
     tell); else which op it applies to them, as one clause."""

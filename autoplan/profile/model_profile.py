@@ -12,7 +12,7 @@ from autoplan.profile.roofline import backward_bytes, peak_flops, roofline_secon
 from autoplan.profile.timing_cache import TimingCache, cache_key
 from autoplan.profile.types import ModelProfile, OpProfile
 from autoplan.profile.whole_model import time_whole_model
-from autoplan.profile.loss_probe import loss_parallel_problem
+from autoplan.profile.loss_probe import loss_parallel_problem, sequence_targets_problem
 from autoplan.profile.router_loads import measure_router_loads
 from autoplan.source import ModelSource
 
@@ -167,7 +167,8 @@ def profile_model(source: ModelSource, batch_size: int, hardware: HardwareProfil
     peak."""
     graph = capture_model(source, batch_size, capture_method)
     profile = profile_graph(graph, source.spec, batch_size, hardware, measure, dtype)
-    profile = replace(profile, loss_parallel_problem=loss_parallel_problem(source, batch_size))
+    profile = replace(profile, loss_parallel_problem=loss_parallel_problem(source, batch_size),
+                      sequence_targets_problem=sequence_targets_problem(source, batch_size))
     if profile.device == "cpu" and any(op.source == "measured" for op in profile.ops):
         profile = replace(profile, whole_model_times_s=_whole_model_times(graph, source, profile))
     if measure:

@@ -86,6 +86,9 @@ class ModelProfile:
     the real model when ops were measured (profile/router_loads.py); empty otherwise."""
     loss_parallel_problem: str = ""
     """Why the loss_fn cannot run on logits sharded on the vocabulary (profile/loss_probe.py); "" if it can."""
+    sequence_targets_problem: str = ""
+    """Why the targets cannot be cut to a rank's share of the sequence, as context parallelism needs
+    (profile/loss_probe.py); "" if they can."""
     whole_model_times_s: dict[int, float] = field(default_factory=dict)
     """Batch size -> measured forward+backward seconds of the whole real model on this machine (one
     thread), when ops were measured and the model is small enough (profile/whole_model.py)."""
