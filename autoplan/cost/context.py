@@ -137,7 +137,7 @@ class Context:
         return comm.Group(size, link, min(size, nodes))
 
     def groups(self, par: Parallelism) -> Groups:
-        t, s, r = par.tensor_parallel_degree, par.data_parallel_shard_degree, par.data_parallel_replicate_degree
+        t, r = par.tensor_parallel_degree, par.data_parallel_replicate_degree
         cp, ep, fsdp = par.context_parallel_degree, par.expert_parallel_degree, par.fsdp_shard_degree
         experts = expert_shard_degree(par)
         return Groups(self.group(t, 1), self.group(fsdp, t), self.group(r, t * fsdp),
