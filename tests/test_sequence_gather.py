@@ -14,7 +14,7 @@ from helpers.ranks import assert_every_rank_matches
 pytestmark = pytest.mark.slow  # one 2-process torchrun launch
 
 SCRIPT = textwrap.dedent('''
-    import copy, os
+    import copy, gc, os
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -74,11 +74,14 @@ SCRIPT = textwrap.dedent('''
         return model
 
     def kept_bytes(model):
-        """Live bytes after forward (what backward will read) minus before it."""
+        """Live bytes after forward (what backward will read) minus before it, once every rank's collectives
+        are done (gloo's threads may hold a collective's buffers for a moment after it returns)."""
         live = memory._LiveStorages(torch.device("cpu"))
         live.start()
         before = live.live_bytes
         out = model(x)
+        dist.barrier()
+        gc.collect()
         kept = live.live_bytes - before
         live.stop()
         return out, kept
