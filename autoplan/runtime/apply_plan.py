@@ -100,8 +100,8 @@ class Parallelized:
         return inputs_slice, targets_slice
 
     def forward_backward(self, inputs: Any, targets: Any) -> torch.Tensor | None:
-        """Forward and backward of this rank's batch (`step`, then `tied`), leaving in .grad the gradients of
-        the global batch's mean loss. Returns this rank's mean loss over its micro-batches, or None on a
+        """Forward and backward of this rank's batch (`step`, then `tied` and `experts`), leaving in .grad the
+        gradients of the global batch's mean loss. Returns this rank's mean loss over its micro-batches, or None on a
         pipeline rank that does not compute the loss (every stage but the last). Call it on every rank."""
         local_loss = self.step(inputs, targets)
         self.tied.sum_gradients()
@@ -220,8 +220,8 @@ def _device(device: torch.device | str | None) -> torch.device:
 def _check_runnable(config: ParallelConfig) -> None:
     """The layout rules a ParallelConfig built by hand can break that this runtime cannot run (layout.py:
     context or expert parallelism with a pipeline or tensor parallelism)."""
-    layout = Layout(dp_replicate=config.dp_replicate, dp_shard=config.dp_shard, cp=config.cp, ep=config.ep, pp=config.pp,
-                    tp=config.tp)
+    layout = Layout(dp_replicate=config.dp_replicate, dp_shard=config.dp_shard, cp=config.cp, ep=config.ep,
+                    pp=config.pp, tp=config.tp)
     found = problems(layout, Scope(features=SUPPORTED))
     if found:
         raise UserError("parallel config: " + "; ".join(found))

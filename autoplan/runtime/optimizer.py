@@ -28,8 +28,8 @@ def adamw(params: Iterable[torch.nn.Parameter], lr: float, implementation: str =
 
 
 def param_groups(params: Iterable[torch.nn.Parameter]) -> list[dict[str, list[torch.nn.Parameter]]]:
-    """`params` as optimizer parameter groups, one per tensor kind (DTensor or plain) and device mesh in first-seen order, so
-    torch's foreach and fused optimizers take them (at least one group, possibly empty)."""
+    """`params` as optimizer parameter groups, one per tensor kind (DTensor or plain) and device mesh, in first-seen
+    order, so torch's foreach and fused optimizers take them (at least one group, possibly empty)."""
     kinds: dict[tuple[str, int], list[torch.nn.Parameter]] = {}
     for p in params:  # DTensors on different meshes (FSDP2's, the expert-parallel experts') apart as well
         kinds.setdefault((type(p.data).__name__, id(getattr(p, "device_mesh", None))), []).append(p)
