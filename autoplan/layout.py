@@ -39,11 +39,15 @@ ALL_FEATURES = frozenset({
     "cp",                 # context parallelism (ring attention over SDPA) with FSDP/HSDP
     "cp_pp",              # context parallelism inside pipeline stages; priced, not yet in train.py
     "cp_tp",              # context parallelism with tensor parallelism; priced, not yet in train.py
-    "ep",                 # expert parallelism (all-to-all dispatch); priced, not yet in train.py
+    "ep",                 # expert parallelism (all-to-all dispatch) over FSDP2's data-parallel ranks
+    "ep_pp",              # expert parallelism inside pipeline stages; priced, not yet in train.py
+    "ep_tp",              # expert parallelism with tensor parallelism; priced, not yet in train.py
+    "ep_cp",              # expert parallelism borrowing context-parallel ranks; priced, not yet in train.py
+    "ep_ddp",             # expert parallelism beside DDP (ep not dividing dp_shard); priced, not yet in train.py
 })
 """Everything the cost model can price. Beyond SUPPORTED, two features of Megatron-LM that torch does not run,
-context parallelism together with a pipeline or with tensor parallelism, and expert parallelism, which the
-generated program does not run yet (runtime/expert_parallel.py exists; codegen does not call it), priced only
+context parallelism together with a pipeline or with tensor parallelism, and expert parallelism together with
+a pipeline, tensor or context parallelism, or DDP, which the generated program does not run yet, priced only
 when a caller asks for them (tests of the cost model; a search with features=ALL_FEATURES); the default search
 and autoplan.estimate, which benchmarks/accuracy.py prices the published runs with, never use them."""
 
@@ -62,10 +66,12 @@ SUPPORTED = frozenset({
     "offload",            # FSDP2 CPUOffloadPolicy (needs an accelerator: torch refuses it on CPU devices)
     "compile",            # torch.compile per chain module (inductor; its CPU backend too)
     "cp",                 # context parallelism: torch's context_parallel over SDPA, FSDP2 over dp_shard x cp
+    "ep",                 # expert parallelism: experts split over ep of the FSDP2 ranks, all-to-all dispatch
 })
 """What codegen can run. Remove a name to stop the search from emitting (or accepting a pin of) it.
 Not yet: pp_scatter_gather and tp_fused_split (not in torch), cp_pp and cp_tp (train.py runs context parallelism
-without pipelines and tensor parallelism only), ep (train.py does not wire it yet)."""
+without pipelines and tensor parallelism only), ep_pp, ep_tp, ep_cp and ep_ddp (train.py runs expert parallelism
+over FSDP2's data-parallel ranks only: no pipeline, tensor or context parallelism, ep dividing dp_shard)."""
 
 CONTEXT_PARALLEL_CHUNKS = 2
 """Chunks per context-parallel rank: torch's causal load balancing cuts each sequence into 2 x cp chunks and
@@ -277,6 +283,32 @@ def _features(layout: Layout, scope: Scope) -> list[str]:
     if _positive(layout.ep) and layout.ep > 1 and "ep" not in have:
         out.append(f"expert parallelism is priced but the generated program cannot run it yet (ep={layout.ep}; "
                    f"use ep=1)")
+    return out + _expert_parallel_features(layout, have)
+
+
+def _expert_parallel_features(layout: Layout, have: frozenset[str]) -> list[str]:
+    """The combinations with expert parallelism the program does not run yet (runtime/expert_parallel.py)."""
+    ep = layout.ep
+    if not _positive(ep) or ep == 1:
+        return []
+    out = []
+    if _positive(layout.pp) and layout.pp > 1 and "ep_pp" not in have:
+        out.append(f"ep={ep} with pp={layout.pp}: the program cannot yet run expert parallelism inside pipeline "
+                   f"stages (the stages are exported graphs, where the experts modules are no longer modules whose "
+                   f"forward the all-to-all routing replaces; use ep=1 or pp=1)")
+    if _positive(layout.tp) and layout.tp > 1 and "ep_tp" not in have:
+        out.append(f"ep={ep} with tp={layout.tp}: the program cannot yet run expert parallelism together with tensor "
+                   f"parallelism (the experts' stacked weights are not split within an expert; use ep=1 or tp=1)")
+    if _positive(layout.cp) and layout.cp > 1 and "ep_cp" not in have:
+        out.append(f"ep={ep} with cp={layout.cp}: the program splits the experts over data-parallel ranks only, not "
+                   f"over the context-parallel ones that hold the same samples (use ep=1 or cp=1)")
+    if _positive(layout.dp_shard) and layout.dp_shard % ep and "ep_ddp" not in have:
+        out.append(f"ep={ep} does not divide dp_shard={layout.dp_shard} ({layout.dp_shard} % {ep} = "
+                   f"{layout.dp_shard % ep}): the program splits the experts over ranks that FSDP2 shards the other "
+                   f"parameters over, not beside DDP (use zero=3 with ep dividing dp, or ep=1)")
+    elif layout.zero == 0 and "ep_ddp" not in have:
+        out.append(f"ep={ep} with zero=0 (DDP): the program splits the experts over ranks that FSDP2 shards the "
+                   f"other parameters over, not beside DDP (use zero=3 or ep=1)")
     return out
 
 

@@ -34,6 +34,7 @@ from autoplan.runtime.compile import compile_modules
 from autoplan.runtime.config import ParallelConfig, as_config
 from autoplan.runtime.context_parallel import ContextParallelRegion
 from autoplan.runtime.data import batch_size_of, shard, to_device
+from autoplan.runtime.expert_parallel import ExpertParallel, parallelize_experts
 from autoplan.runtime.materialize import ModelPart, catalog, materialize_from, named_tensors
 from autoplan.runtime.mesh import MESH_DIMS, RankLayout, device_mesh, global_mean_loss, local_stages, rank_layout
 from autoplan.runtime.optimizer import param_groups
@@ -66,6 +67,9 @@ class Parallelized:
     rank: RankLayout
     """Where this process sits: rank, pp_rank, dp_rank and dp_size (which slice of the global batch it
     trains on), cp_rank and cp_size (which share of each sequence), tp_rank; is_first_stage, is_last_stage."""
+    experts: ExpertParallel
+    """The experts split over expert-parallel groups (no parameters without expert parallelism): forward_backward
+    reduces their gradients over the ranks holding the same experts."""
     device: torch.device
     """Where the parts compute."""
     dtype: torch.dtype
@@ -96,11 +100,12 @@ class Parallelized:
         return inputs_slice, targets_slice
 
     def forward_backward(self, inputs: Any, targets: Any) -> torch.Tensor | None:
-        """Forward and backward of this rank's batch (`step`, then `tied`), leaving in .grad the gradients of
-        the global batch's mean loss. Returns this rank's mean loss over its micro-batches, or None on a
+        """Forward and backward of this rank's batch (`step`, then `tied` and `experts`), leaving in .grad the
+        gradients of the global batch's mean loss. Returns this rank's mean loss over its micro-batches, or None on a
         pipeline rank that does not compute the loss (every stage but the last). Call it on every rank."""
         local_loss = self.step(inputs, targets)
         self.tied.sum_gradients()
+        self.experts.reduce_gradients()
         return local_loss
 
     def global_loss(self, local_loss: torch.Tensor | None) -> float:
@@ -174,6 +179,9 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
     else:
         parts, chain_modules = {0: ModelPart(model)}, {0: list(config.chain_modules)}
     del model  # this rank keeps only its stages
+    # expert parallelism (without a pipeline, _check_runnable): each rank keeps its experts, FSDP leaves them alone
+    experts = (parallelize_experts(parts[0].module, device.type, config.dp, config.ep, dtype) if split is None
+               else ExpertParallel([], None, config.dp))
 
     for s, part in parts.items():  # order as in torchtitan: tensor parallel, recompute, compile, FSDP
         part.module = tensor_parallel(part.module, mesh["tp"], config.tensor_parallel_plan, chain_modules[s],
@@ -184,7 +192,7 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
                                       config.tensor_parallel_plan if config.tp > 1 else None)
         part.module = shard_data_parallel(part.module, mesh, config.reshard == "always", chain_modules[s], dtype,
                                           batch_norm_modules=config.batch_norm_modules,  # SyncBatchNorm if DP > 1
-                                          offload=config.offload)
+                                          offload=config.offload, ignored_params=set(experts.params))
     materialize_from(list(parts.values()), weights, values, device, offload=config.offload)
     for part in parts.values():
         part.module = replicate_data_parallel(part.module, mesh, device)  # DDP
@@ -199,8 +207,8 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
         region = ContextParallelRegion(mesh["cp"], modules[0], attention) if attention is not None else None
         step = AccumulationStep(modules[0], config.num_microbatches, loss_fn, dtype, tensor_parallel=config.tp > 1,
                                 loss_parallel=loss_parallel, context_parallel=region)
-    return Parallelized(parts=modules, step=step, tied=tied, split=split, mesh=mesh, rank=rank, device=device,
-                        dtype=dtype)
+    return Parallelized(parts=modules, step=step, tied=tied, split=split, mesh=mesh, rank=rank, experts=experts,
+                        device=device, dtype=dtype)
 
 
 def _device(device: torch.device | str | None) -> torch.device:
@@ -211,8 +219,10 @@ def _device(device: torch.device | str | None) -> torch.device:
 
 def _check_runnable(config: ParallelConfig) -> None:
     """The layout rules a ParallelConfig built by hand can break that this runtime cannot run (layout.py:
-    context parallelism with a pipeline or tensor parallelism)."""
-    found = problems(Layout(cp=config.cp, pp=config.pp, tp=config.tp), Scope(features=SUPPORTED))
+    context or expert parallelism with a pipeline or tensor parallelism)."""
+    layout = Layout(dp_replicate=config.dp_replicate, dp_shard=config.dp_shard, cp=config.cp, ep=config.ep,
+                    pp=config.pp, tp=config.tp)
+    found = problems(layout, Scope(features=SUPPORTED))
     if found:
         raise UserError("parallel config: " + "; ".join(found))
 

@@ -34,6 +34,10 @@ class ParallelConfig:
     """Context-parallel ranks (mesh dimension between dp_shard and tp): they train the same samples, each its
     share of every sequence from the first chain module that calls scaled_dot_product_attention on (ring
     attention); the model states are FSDP2-sharded over dp_shard x cp."""
+    ep: int = 1
+    """Expert-parallel ranks, borrowed from data parallelism: each group of ep consecutive data-parallel ranks
+    splits every experts module's experts (runtime/expert_parallel.py, all-to-all dispatch); the dp/ep groups
+    hold the same experts. Not a mesh dimension of its own: it does not change the number of processes."""
     pp: int = 1
     """Pipeline ranks (the outermost mesh dimension)."""
     virtual_stages: int = 1
@@ -68,7 +72,7 @@ class ParallelConfig:
         object.__setattr__(self, "stages", tuple(tuple(stage) for stage in self.stages))
         object.__setattr__(self, "tensor_parallel_plan", dict(self.tensor_parallel_plan))
         degrees = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp,
-                   "pp": self.pp,
+                   "ep": self.ep, "pp": self.pp,
                    "virtual_stages": self.virtual_stages, "microbatch_size": self.microbatch_size,
                    "num_microbatches": self.num_microbatches}
         bad = [f"{name} {value!r}" for name, value in degrees.items()
@@ -106,6 +110,7 @@ class ParallelConfig:
         return ParallelConfig(
             dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
             reshard=p.fsdp_reshard_after_forward, tp=p.tensor_parallel_degree, cp=p.context_parallel_degree,
+            ep=p.expert_parallel_degree,
             sequence_parallel=p.enable_sequence_parallel, loss_parallel=not p.disable_loss_parallel,
             pp=p.pipeline_parallel_degree, virtual_stages=p.pipeline_parallel_virtual_stages,
             schedule=p.pipeline_parallel_schedule, microbatch_size=p.pipeline_parallel_microbatch_size,

@@ -18,6 +18,13 @@ group (the module's own parameters, sliced, under their own names) and replaces 
 Both all-to-alls are autograd functions (torch's functional collectives), so backward retraces the route.
 The ep ranks hold different data (ep borrows ranks from data parallelism): a rank's expert gradients
 sum the contributions of every token of the group routed to its experts.
+
+In the generated program, autoplan.parallelize calls parallelize_experts before FSDP2: the sliced parameters
+become DTensors sharded on dimension 0 over the expert mesh's "ep" dimension (so the initial values' broadcast
+gives each rank its slice, and a torch.distributed.checkpoint holds each expert once at the model's full shape),
+FSDP2 leaves them out (ignored_params), and after backward ExpertParallel.reduce_gradients sums them over the
+dp/ep replicas and divides by dp. Unlike torchtitan, the replicas hold the experts whole (not FSDP-sharded over
+dp_mod_ep).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autoplan.capture.experts import is_experts_module
+from autoplan.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -137,3 +145,80 @@ def reduce_expert_gradients(params, replicas: dist.ProcessGroup | None, dp: int)
         if replicas is not None and dist.get_world_size(replicas) > 1:
             dist.all_reduce(param.grad, group=replicas)
         param.grad.div_(dp)
+
+
+@dataclass
+class ExpertParallel:
+    """A model's experts split over expert-parallel groups (parallelize_experts), and what backward leaves to do."""
+
+    params: list[nn.Parameter]
+    """This rank's expert parameters: DTensors sharded on dimension 0 over the expert mesh's "ep" dim (its
+    slice of each stacked weight), so a checkpoint holds every expert once under the model's own names."""
+    replicas: dist.ProcessGroup | None
+    """The ranks holding the same experts (dp/ep of them; None when ep = dp)."""
+    dp: int
+    """Data-parallel ranks (the expert gradients are divided by it, as data parallelism averages the others)."""
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """After backward: sum the local expert gradients over the replicas and divide by dp (as
+        reduce_expert_gradients does for plain parameters)."""
+        for param in self.params:
+            if param.grad is None:
+                continue
+            grad = _local_tensor(param.grad)
+            if self.replicas is not None:
+                dist.all_reduce(grad, group=self.replicas)
+            grad.div_(self.dp)
+
+
+def parallelize_experts(module: nn.Module, device_type: str, dp: int, ep: int,
+                        dtype: torch.dtype = torch.float32) -> ExpertParallel:
+    """Split every experts module of `module` over groups of ep consecutive data-parallel ranks (torchtitan's ep
+    borrowed from dp; call on every rank, before FSDP, which must leave ExpertParallel.params alone). Works on
+    the meta device: each parameter becomes a DTensor of the full shape, Shard(0) over the "ep" dim of an
+    expert mesh (pp 1, dp/ep, ep, tp 1), whose local tensor is this rank's experts; its forward runs on the
+    local tensors (cast to `dtype`), routing tokens with all-to-all (shard_experts)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if ep == 1:
+        return ExpertParallel([], None, dp)
+    experts = [sub for sub in module.modules() if is_experts_module(sub)]
+    if not experts:
+        raise UserError(f"ep={ep}, but {type(module).__name__} has no experts module (num_experts and weights "
+                        f"stacked per expert on dimension 0) to split: plan it with ep=1")
+    mesh = expert_mesh(device_type, 1, dp, ep)
+    ep_mesh = mesh["ep"]
+    params = []
+    for sub in experts:
+        shard_experts(sub, ep_mesh.get_group())
+        for name, param in list(sub.named_parameters(recurse=False)):
+            sharded = DTensor.from_local(param.detach(), ep_mesh, [Shard(0)], run_check=False)
+            setattr(sub, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+            params.append(getattr(sub, name))
+        _compute_on_local_tensors(sub, dtype)
+    replicas = mesh["dp_mod_ep"].get_group() if dp // ep > 1 else None
+    return ExpertParallel(params, replicas, dp)
+
+
+def _compute_on_local_tensors(module: nn.Module, dtype: torch.dtype) -> None:
+    """Run `module`'s forward with its DTensor parameters replaced by their local tensors (differentiable: the
+    gradients reach the DTensors), cast to `dtype`."""
+    routed = module.forward
+
+    def forward(*args, **kwargs):
+        saved = dict(module._parameters)
+        try:
+            for name, param in saved.items():
+                if param is not None:
+                    module._parameters[name] = param.to_local().to(dtype)
+            return routed(*args, **kwargs)
+        finally:
+            module._parameters.update(saved)
+
+    module.forward = forward
+
+
+def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (sharing its storage), else the tensor."""
+    return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor

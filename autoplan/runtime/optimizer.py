@@ -28,9 +28,9 @@ def adamw(params: Iterable[torch.nn.Parameter], lr: float, implementation: str =
 
 
 def param_groups(params: Iterable[torch.nn.Parameter]) -> list[dict[str, list[torch.nn.Parameter]]]:
-    """`params` as optimizer parameter groups, one per tensor kind (DTensor or plain) in first-seen order, so
-    torch's foreach and fused optimizers take them (at least one group, possibly empty)."""
-    kinds: dict[str, list[torch.nn.Parameter]] = {}
-    for p in params:
-        kinds.setdefault(type(p.data).__name__, []).append(p)
+    """`params` as optimizer parameter groups, one per tensor kind (DTensor or plain) and device mesh, in first-seen
+    order, so torch's foreach and fused optimizers take them (at least one group, possibly empty)."""
+    kinds: dict[tuple[str, int], list[torch.nn.Parameter]] = {}
+    for p in params:  # DTensors on different meshes (FSDP2's, the expert-parallel experts') apart as well
+        kinds.setdefault((type(p.data).__name__, id(getattr(p, "device_mesh", None))), []).append(p)
     return [{"params": group} for group in kinds.values()] or [{"params": []}]

@@ -39,7 +39,7 @@ def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool, chain_modules: Sequence[str],
                         dtype: torch.dtype = torch.float32, batch_norm_modules: Sequence[str] = (),
-                        offload: bool = False) -> nn.Module:
+                        offload: bool = False, ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
     """FSDP2 over the mesh's dp_shard x cp ranks (HSDP with dp_replicate): fully_shard each of the modules
     `chain_modules`, then the root. Works on a meta-device module (materialize afterwards). With dp_shard 1 it
     is DDP (replicate_data_parallel), except with tensor parallelism: DDP buckets plain tensors, not
@@ -48,7 +48,8 @@ def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, reshard_after_forwa
     parallelism, the BatchNorm modules `batch_norm_modules` (the plan's) synchronize their statistics over
     the data-parallel ranks (runtime/batchnorm.py). `offload`: FSDP2's CPUOffloadPolicy keeps the sharded
     parameters, gradients and optimizer state in host memory (pinned on CUDA; on a CPU device torch cannot pin,
-    "Cannot access accelerator device", so unpinned: the same code path with host-to-host copies)."""
+    "Cannot access accelerator device", so unpinned: the same code path with host-to-host copies).
+    `ignored_params`: parameters FSDP2 leaves alone (expert-parallel experts, runtime/expert_parallel.py)."""
     from autoplan.runtime.batchnorm import sync_batch_norm
 
     module = sync_batch_norm(module, mesh, batch_norm_modules)
@@ -59,7 +60,8 @@ def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, reshard_after_forwa
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dp_mesh = fsdp_mesh(mesh)
-    kwargs = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward and shard > 1)
+    kwargs = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward and shard > 1,
+                  ignored_params=ignored_params or None)
     if dtype != torch.float32:  # compute in `dtype`, reduce gradients in fp32
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     if offload:

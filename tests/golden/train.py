@@ -67,6 +67,7 @@ TP = 2                              # tensor-parallel ranks (innermost mesh dim)
 SP = 'on'                           # sequence parallel between the TP pairs (when TP > 1): on | off
 LOSS_PARALLEL = 'on'                # cross-entropy on the vocabulary-sharded logits (TP head): on | off
 CP = 1                              # context-parallel ranks: each a share of every sequence (ring attention)
+EP = 1                              # expert-parallel ranks (borrowed from data parallel): each group of EP splits every expert layer's experts
 PP = 2                              # pipeline ranks
 VIRTUAL_STAGES = 2                  # stages per pipeline rank (interleaved schedule)
 SCHEDULE = 'interleaved'            # pipeline schedule
@@ -156,7 +157,7 @@ def parallel_config(compile_modules=COMPILE) -> runtime.ParallelConfig:
     """The plan's layout, as autoplan.parallelize reads it; its chain modules compiled when `compile_modules`."""
     return runtime.ParallelConfig(
         dp_replicate=DP_REPLICATE, dp_shard=DP_SHARD, reshard=RESHARD, tp=TP, sequence_parallel=SP == "on",
-        loss_parallel=LOSS_PARALLEL == "on", cp=CP, pp=PP, virtual_stages=VIRTUAL_STAGES, schedule=SCHEDULE,
+        loss_parallel=LOSS_PARALLEL == "on", cp=CP, ep=EP, pp=PP, virtual_stages=VIRTUAL_STAGES, schedule=SCHEDULE,
         microbatch_size=MICROBATCH, num_microbatches=MICROBATCHES, recompute=RECOMPUTE,
         recompute_modules=RECOMPUTE_MODULES, offload=OFFLOAD, compile=compile_modules, dtype=DTYPE,
         tensor_parallel_plan=TENSOR_PARALLEL_PLAN, batch_norm_modules=BATCH_NORM_MODULES, stages=STAGES)

@@ -40,6 +40,7 @@ TP = 1
 SP = "on"
 LOSS_PARALLEL = "on"
 CP = 1
+EP = 1
 PP = 1
 VIRTUAL_STAGES = 1
 SCHEDULE = "1f1b"
@@ -114,7 +115,7 @@ def parallel_config(compile_modules=COMPILE) -> runtime.ParallelConfig:
     """The plan's layout, as autoplan.parallelize reads it; its chain modules compiled when `compile_modules`."""
     return runtime.ParallelConfig(
         dp_replicate=DP_REPLICATE, dp_shard=DP_SHARD, reshard=RESHARD, tp=TP, sequence_parallel=SP == "on",
-        loss_parallel=LOSS_PARALLEL == "on", cp=CP, pp=PP, virtual_stages=VIRTUAL_STAGES, schedule=SCHEDULE,
+        loss_parallel=LOSS_PARALLEL == "on", cp=CP, ep=EP, pp=PP, virtual_stages=VIRTUAL_STAGES, schedule=SCHEDULE,
         microbatch_size=MICROBATCH, num_microbatches=MICROBATCHES, recompute=RECOMPUTE,
         recompute_modules=RECOMPUTE_MODULES, offload=OFFLOAD, compile=compile_modules, dtype=DTYPE,
         tensor_parallel_plan=TENSOR_PARALLEL_PLAN, batch_norm_modules=BATCH_NORM_MODULES, stages=STAGES)
