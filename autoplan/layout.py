@@ -44,6 +44,7 @@ ALL_FEATURES = frozenset({
     "ep_tp",              # expert parallelism with tensor parallelism; priced, not yet in train.py
     "ep_cp",              # expert parallelism borrowing context-parallel ranks; priced, not yet in train.py
     "ep_ddp",             # expert parallelism beside DDP (ep not dividing dp_shard); priced, not yet in train.py
+    "ep_offload",         # expert parallelism with FSDP2's CPU offload; priced, not yet in train.py
 })
 """Everything the cost model can price. Beyond SUPPORTED, two features of Megatron-LM that torch does not run,
 context parallelism together with a pipeline or with tensor parallelism, and expert parallelism together with
@@ -70,8 +71,9 @@ SUPPORTED = frozenset({
 })
 """What codegen can run. Remove a name to stop the search from emitting (or accepting a pin of) it.
 Not yet: pp_scatter_gather and tp_fused_split (not in torch), cp_pp and cp_tp (train.py runs context parallelism
-without pipelines and tensor parallelism only), ep_pp, ep_tp, ep_cp and ep_ddp (train.py runs expert parallelism
-over FSDP2's data-parallel ranks only: no pipeline, tensor or context parallelism, ep dividing dp_shard)."""
+without pipelines and tensor parallelism only), ep_pp, ep_tp, ep_cp, ep_ddp and ep_offload (train.py runs expert
+parallelism over FSDP2's data-parallel ranks only: no pipeline, tensor or context parallelism, ep dividing dp_shard,
+no CPU offload)."""
 
 CONTEXT_PARALLEL_CHUNKS = 2
 """Chunks per context-parallel rank: torch's causal load balancing cuts each sequence into 2 x cp chunks and
@@ -309,6 +311,9 @@ def _expert_parallel_features(layout: Layout, have: frozenset[str]) -> list[str]
     elif layout.zero == 0 and "ep_ddp" not in have:
         out.append(f"ep={ep} with zero=0 (DDP): the program splits the experts over ranks that FSDP2 shards the "
                    f"other parameters over, not beside DDP (use zero=3 or ep=1)")
+    if layout.offload == "cpu" and "ep_offload" not in have:
+        out.append(f"ep={ep} with offload=cpu: the program keeps the experts out of FSDP2, so its CPU offload would "
+                   f"not move them to the host (use offload=none or ep=1)")
     return out
 
 

@@ -55,10 +55,10 @@ class Groups:
 
 
 def expert_shard_degree(par: Parallelism) -> int:
-    """Ranks the expert parameters' states shard over: the FSDP group (dp_shard x cp) over ep when ep divides
-    it (torchtitan's dp_shard_mod_ep), else 1 (each rank keeps its E/ep experts whole)."""
-    fsdp, ep = par.fsdp_shard_degree, par.expert_parallel_degree
-    return fsdp // ep if fsdp % ep == 0 else 1
+    """Ranks the expert parameters' states shard over: 1, as the program runs them (runtime/expert_parallel.py):
+    each rank keeps its E/ep experts whole, and the dp/ep ranks holding the same experts all-reduce their
+    gradients (torchtitan FSDP-shards them over those ranks, dp_shard_mod_ep; not run here yet)."""
+    return 1
 
 
 class Context:

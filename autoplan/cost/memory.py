@@ -22,8 +22,8 @@ its all-gather) and its reduced gradient shard (copied out after its reduce-scat
 Context parallelism (cp): activations, working set and boundary outputs divide by cp (a rank holds seq/cp
 tokens, cost/compute.py sharded_table); the model states are sharded over dp_shard x cp (`shard` here).
 Expert parallelism (ep): a rank holds E/ep of each expert layer's experts (MemoryInputs.expert_numel, already
-divided), their states sharded over the rest of the FSDP group, `expert_shard` = dp_shard x cp / ep ranks
-(torchtitan's dp_shard_mod_ep; else 1); every other parameter as without ep.
+divided), their states over `expert_shard` ranks (cost/context.py expert_shard_degree: 1, whole on every rank
+holding them, as the program runs them); every other parameter as without ep.
 Allocator fragmentation, the CUDA context and NCCL/cuBLAS workspaces are the hardware profile's
 Gpu.memory_reserved_bytes (the "stated fragmentation allowance", ~5% of HBM plus ~1.5 GiB), already
 taken out of Cluster.usable_memory_bytes.

@@ -212,13 +212,13 @@ def compile_twin(ctx: Context, best: Candidate, pins: Layout, pinned_recompute: 
 
 def family_memory_bound(ctx: Context, fam: layouts.Family) -> float:
     """Model states of the average pipeline rank: no split of this family can do better. The expert
-    parameters (E/ep per rank) shard over dp_shard x cp / ep ranks (cost/context.py expert_shard_degree)."""
+    parameters (E/ep per rank) shard over expert_shard_degree ranks (cost/context.py)."""
     if fam.offload:  # on the host (CPU offload)
         return 0.0
     numel = ctx.total_numel(fam.tp, fam.ep)
     experts = sum(ctx.module_expert_numel(fam.ep))
     zero = zero_of(fam.fsdp, fam.reshard)
-    expert_shard = fam.fsdp // fam.ep if fam.fsdp % fam.ep == 0 else 1
+    expert_shard = 1  # cost/context.py expert_shard_degree: each rank keeps its E/ep experts whole
     states = sum(model_state_bytes(numel - experts, ctx.dtype, zero, fam.fsdp).values()) + \
         sum(model_state_bytes(experts, ctx.dtype, zero, expert_shard).values())
     if fam.pp > 1 and zero >= 2:  # unreduced gradients (and unsharded FSDP parameters) under pipelining
