@@ -16,7 +16,7 @@ from autoplan.api import plan_model
 from torch.distributed.checkpoint import FileSystemReader
 
 from helpers.verify_many import BatchJob, verify_many
-from test_layouts import check_parity, mb, resume_jobs, write_case
+from test_layouts import check_parity, check_resumed, mb, resume_jobs, write_case
 
 pytestmark = pytest.mark.slow  # one 4-process torchrun launch
 
@@ -136,11 +136,7 @@ def test_an_expert_parallel_checkpoint_resumes_into_the_uninterrupted_run(batch)
     failures = [e for e in errors if e]
     assert not failures, failures[0][-3000:]
     out = folders[RESUMED]
-    uninterrupted, first_half, resumed = (json.loads((out / f"{name}.json").read_text())
-                                          for name in ("uninterrupted", "first_half", "resumed"))
-    assert len(uninterrupted) == 4 and first_half == uninterrupted[:2]
-    assert resumed == uninterrupted[2:]  # bit for bit: same weights, optimizer state and batches
-    assert (out / "checkpoints" / "step_2" / ".metadata").is_file()
+    check_resumed(out)
     saved = FileSystemReader(out / "checkpoints" / "step_2").read_metadata().state_dict_metadata
     experts = saved["model.model.layers.0.mlp.experts.gate_up_proj"]  # once, whole, in the halves of its ep group
     assert list(experts.size) == [4, 64, 16] and sorted(c.offsets[0] for c in experts.chunks) == [0, 2]

@@ -10,14 +10,16 @@ world-size ranks of a window, in a process group of its own; the idle ranks run 
 Plans are built by hand (no solver) with chain modules as the module chain gives them.
 """
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from autoplan.codegen import write_program
-from autoplan.plan import ClusterRef, ModelRef, Parallelism, Plan, Prediction, SolverInfo, Stage, Training
+from autoplan.plan import Plan
 from autoplan.verify import PARITY_TOLERANCE
+from helpers.plans import pinned_plan
 from helpers.verify_many import BatchJob, verify_many
 
 pytestmark = pytest.mark.slow  # one 8-process torchrun launch (~80 s on 2 cores)
@@ -182,20 +184,8 @@ RESUMED = [("llama", "dp=2,zero=3,tp=2"), ("gpt", "dp=2,pp=2")]
 
 def make_plan(model_file: Path, stages, tensor_parallel_plan=None, **parallelism) -> Plan:
     parallelism.setdefault("enable_sequence_parallel", parallelism.get("tensor_parallel_degree", 1) > 1)
-    par = Parallelism(**parallelism)
-    return Plan(
-        model=ModelRef(path=str(model_file)),
-        cluster=ClusterRef(gpu="cpu", num_gpus=par.world_size, gpus_per_node=8, memory_per_gpu_bytes=2**30),
-        training=Training(global_batch_size=8, learning_rate=1e-2, seed=3, tokens_per_sample=8),
-        parallelism=par,
-        stages=tuple(Stage(index=i, modules=tuple(m), predicted_time_s=0.01, predicted_memory_bytes=1e6)
-                     for i, m in enumerate(stages)),
-        predicted=Prediction(step_time_s=0.05, samples_per_s=160.0, tokens_per_s=None, model_flops_per_step=1e6,
-                             mfu=0.1, peak_memory_bytes=1e6),
-        solver=SolverInfo(name="pinned", status="optimal", time_s=0.0, candidates_evaluated=1),
-        tensor_parallel_plan=dict(tensor_parallel_plan or {}) if par.tensor_parallel_degree > 1 else {},
-        activation_checkpoint_modules=() if par.activation_checkpoint == "none" else tuple(m for s in stages for m in s),
-    )
+    return pinned_plan(model_file, stages, tokens_per_sample=8, tensor_parallel_plan=tensor_parallel_plan,
+                       **parallelism)
 
 
 def write_case(root: Path, name: str, source: str, stages, tensor_parallel_plan=None, **parallelism) -> Path:
@@ -225,6 +215,16 @@ def resume_jobs(out: Path, world: int, first: int) -> list[BatchJob]:
             BatchJob(out, (*common, "--steps", "2", "--losses-out", str(out / "first_half.json")), world),
             BatchJob(out, (*common, "--steps", "4", "--resume", "--losses-out", str(out / "resumed.json")), world,
                      same_ranks_as=first + 1)]
+
+
+def check_resumed(out: Path) -> None:
+    """The resume_jobs' losses: the first half and the resumed run continue the uninterrupted one bit for bit
+    (same weights, optimizer state and batches), from the checkpoint saved at step 2."""
+    uninterrupted, first_half, resumed = (json.loads((out / f"{name}.json").read_text())
+                                          for name in ("uninterrupted", "first_half", "resumed"))
+    assert len(uninterrupted) == 4 and first_half == uninterrupted[:2]
+    assert resumed == uninterrupted[2:]
+    assert (out / "checkpoints" / "step_2" / ".metadata").is_file()
 
 
 @pytest.fixture(scope="module")
@@ -269,15 +269,8 @@ def test_other_models_train_like_the_single_device_model(batch, name):
 
 @pytest.mark.parametrize("key", RESUMED, ids=lambda key: " ".join(key))
 def test_resuming_a_checkpoint_continues_the_uninterrupted_run(batch, key):
-    import json
-
     _, folders, errors, resumed = batch
     first = resumed[key]
     failures = [e for e in errors[first:first + 3] if e]
     assert not failures, failures[0][-3000:]
-    out = folders[key]
-    uninterrupted, first_half, resumed_losses = (json.loads((out / f"{name}.json").read_text())
-                                                 for name in ("uninterrupted", "first_half", "resumed"))
-    assert len(uninterrupted) == 4 and first_half == uninterrupted[:2]
-    assert resumed_losses == uninterrupted[2:]  # bit for bit: same weights, optimizer state and batches
-    assert (out / "checkpoints" / "step_2" / ".metadata").is_file()
+    check_resumed(folders[key])

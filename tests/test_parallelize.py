@@ -24,6 +24,7 @@ from autoplan.errors import UserError
 from autoplan.runtime.config import ParallelConfig, as_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
+from plans import pinned_plan  # noqa: E402
 from verify_many import BatchJob, run_batch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,23 +144,10 @@ TINY_GPT_CHAIN = ("tok", *(f"h.{i}.{m}" for i in range(4) for m in ("norm1", "at
 
 
 def make_plan(stages=(TINY_GPT_CHAIN,), **parallelism) -> "autoplan.Plan":
-    from autoplan.plan import ClusterRef, ModelRef, Parallelism, Plan, Prediction, SolverInfo, Stage, Training
-
     dp = parallelism.get("data_parallel_replicate_degree", 1) * parallelism.get("data_parallel_shard_degree", 1)
     parallelism.setdefault("pipeline_parallel_microbatch_size",
                            8 // (dp * parallelism.get("pipeline_parallel_num_microbatches", 1)))
-    par = Parallelism(**parallelism)
-    return Plan(
-        model=ModelRef(path=str(MODEL)),
-        cluster=ClusterRef(gpu="cpu", num_gpus=par.world_size, gpus_per_node=8, memory_per_gpu_bytes=2**30),
-        training=Training(global_batch_size=8, learning_rate=1e-2, seed=3),
-        parallelism=par,
-        stages=tuple(Stage(index=i, modules=tuple(m), predicted_time_s=0.01, predicted_memory_bytes=1e6)
-                     for i, m in enumerate(stages)),
-        predicted=Prediction(step_time_s=0.05, samples_per_s=160.0, tokens_per_s=None, model_flops_per_step=1e6,
-                             mfu=0.1, peak_memory_bytes=1e6),
-        solver=SolverInfo(name="pinned", status="optimal", time_s=0.0, candidates_evaluated=1),
-    )
+    return pinned_plan(MODEL, stages, **parallelism)
 
 
 def tiny_gpt():

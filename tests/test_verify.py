@@ -13,9 +13,10 @@ import pytest
 
 from autoplan.codegen import write_program
 from autoplan.errors import UserError
-from autoplan.plan import ClusterRef, ModelRef, Parallelism, Plan, Prediction, SolverInfo, Stage, Training
+from autoplan.plan import Plan
 from autoplan.cli import main
 from autoplan.verify import ROOT_CAUSE_CHARS, root_cause, verify
+from helpers.plans import pinned_plan
 from helpers.verify_many import verify_many
 from test_layouts import SKIP_NET, TINY_GPT
 
@@ -26,18 +27,7 @@ MLP_UNITS = [("inp", *(f"layers.{i}" for i in range(6)), "out")]
 
 
 def make_plan(model_path: Path, global_batch: int, stages, **parallelism) -> Plan:
-    par = Parallelism(**parallelism)
-    return Plan(
-        model=ModelRef(path=str(model_path)),
-        cluster=ClusterRef(gpu="cpu", num_gpus=par.world_size, gpus_per_node=8, memory_per_gpu_bytes=2**30),
-        training=Training(global_batch_size=global_batch, learning_rate=1e-2, seed=3),
-        parallelism=par,
-        stages=tuple(Stage(index=i, modules=tuple(m), predicted_time_s=0.01, predicted_memory_bytes=1e6)
-                     for i, m in enumerate(stages)),
-        predicted=Prediction(step_time_s=0.05, samples_per_s=160.0, tokens_per_s=None, model_flops_per_step=1e6,
-                             mfu=0.1, peak_memory_bytes=1e6),
-        solver=SolverInfo(name="pinned", status="optimal", time_s=0.0, candidates_evaluated=1),
-    )
+    return pinned_plan(model_path, stages, global_batch=global_batch, **parallelism)
 
 
 def write_out(tmp_path: Path, model_text: str | None, plan_args: tuple, model_file: Path | None = None) -> Path:
