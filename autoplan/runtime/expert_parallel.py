@@ -138,13 +138,15 @@ def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
 def reduce_expert_gradients(params, replicas: dist.ProcessGroup | None, dp: int) -> None:
     """After backward: each expert gradient holds what its ep group's tokens contributed (the all-to-all
     brought them); summed over the replicas of those experts it holds every data-parallel rank's, and divided
-    by dp it is the gradient of the global batch's mean loss, as data parallelism averages the others."""
+    by dp it is the gradient of the global batch's mean loss, as data parallelism averages the others. A DTensor
+    gradient (parallelize_experts' parameters) is reduced in its local tensor: the rank's own experts."""
     for param in params:
         if param.grad is None:
             continue
+        grad = _local_tensor(param.grad)
         if replicas is not None and dist.get_world_size(replicas) > 1:
-            dist.all_reduce(param.grad, group=replicas)
-        param.grad.div_(dp)
+            dist.all_reduce(grad, group=replicas)
+        grad.div_(dp)
 
 
 @dataclass
@@ -159,17 +161,9 @@ class ExpertParallel:
     dp: int
     """Data-parallel ranks (the expert gradients are divided by it, as data parallelism averages the others)."""
 
-    @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """After backward: sum the local expert gradients over the replicas and divide by dp (as
-        reduce_expert_gradients does for plain parameters)."""
-        for param in self.params:
-            if param.grad is None:
-                continue
-            grad = _local_tensor(param.grad)
-            if self.replicas is not None:
-                dist.all_reduce(grad, group=self.replicas)
-            grad.div_(self.dp)
+        """After backward: sum the expert gradients over the replicas and divide by dp."""
+        reduce_expert_gradients(self.params, self.replicas, self.dp)
 
 
 def parallelize_experts(module: nn.Module, device_type: str, dp: int, ep: int,
