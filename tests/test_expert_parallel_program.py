@@ -4,9 +4,10 @@ FSDP2-sharded over the 2 ranks holding the same ones: whole experts with 4, dime
 dp_replicate 2 x dp_shard 2 with ep=2, the experts replicated over dp_replicate) trains like the single-device
 model, on a tiny examples/mixtral.py (grouped-matmul experts) and on HF OLMoE and Qwen2-MoE (a shared expert) from
 config (benchmarks/zoo/causal_lm.py); a dp=4 x ep=2 checkpoint (torch.distributed.checkpoint, the experts as
-DTensors sharded over the ep ranks and over FSDP2's) resumes into the uninterrupted run. Plans written as tests/test_layouts.py writes
-them, and one planned by the search with ep pinned (autoplan MODEL.py --gpu cpu --pin ep=2). One 4-process
-torchrun launch (tests/helpers/verify_many.py)."""
+DTensors sharded over the ep ranks and over FSDP2's) resumes into the uninterrupted run. Plans written as
+tests/test_layouts.py writes them, and one planned by the search with ep pinned (autoplan MODEL.py --gpu cpu --pin
+ep=2; its chain modules include the experts modules themselves). One 4-process torchrun launch
+(tests/helpers/verify_many.py)."""
 
 import json
 from pathlib import Path

@@ -197,7 +197,10 @@ def fsdp_comm(stage: FsdpStage) -> DataParallelComm:
     shard, replicate = stage.shard, stage.replicate
     if shard.size <= 1 or stage_bytes <= 0:
         return NO_COMM
-    hooks = (len(module_bytes) + sum(1 for e in experts if e > 0)) * stage.unit_overhead_s
+    # the experts are a unit of their own inside a module holding other parameters (a chain module that is the
+    # experts module is that one unit)
+    units = len(module_bytes) + sum(1 for b, e in zip(module_bytes, experts) if b > 0 and e > 0)
+    hooks = units * stage.unit_overhead_s
     copy_s = FSDP_COPY_TRAFFIC * stage_bytes / stage.copy_bytes_per_s
     gathers = _gathers(module_bytes, shard)
     scatters = _scatters(module_bytes, stage.gradient_ratio, shard, replicate)

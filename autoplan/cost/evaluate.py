@@ -103,7 +103,9 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     chain, gpu = ctx.chain, ctx.cluster.gpu
     groups = ctx.groups(par)
     element = bytes_per_element(ctx.dtype)
-    own, tied, experts = ctx.module_numel(tp, ep), ctx.group_numel(tp), ctx.module_expert_numel(ep)
+    own, tied = ctx.module_numel(tp, ep), ctx.group_numel(tp)
+    # with ep = 1 the experts are parameters like the others (in their module's FSDP2 unit or DDP bucket)
+    experts = ctx.module_expert_numel(ep) if ep > 1 else [0.0] * len(own)
     expert_shard = expert_shard_degree(par.fsdp_shard_degree, ep)
     cut = [c * mbs * ctx.scale / cp for c in ctx.cut_bytes(cp)]
     n, ranges, modes = len(chain), assignment.split.ranges(), assignment.modes

@@ -59,7 +59,7 @@ def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, reshard_after_forwa
     shard = mesh["dp_shard"].size() * mesh["cp"].size()
     if replicate * shard == 1 or (shard == 1 and tp == 1):
         return module
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     dp_mesh = fsdp_mesh(mesh)
     kwargs = dict(reshard_after_forward=reshard_after_forward and shard > 1)
@@ -72,7 +72,8 @@ def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, reshard_after_forwa
     if experts is not None:
         experts.fully_shard(module, **kwargs)
     for path in _chain_modules_without_shared_parameters(module, chain_modules):
-        fully_shard(submodule(module, path), mesh=dp_mesh, **kwargs)
+        if not isinstance(submodule(module, path), FSDPModule):  # a chain module that is an experts module
+            fully_shard(submodule(module, path), mesh=dp_mesh, **kwargs)
     fully_shard(module, mesh=dp_mesh, **kwargs)
     return module
 
