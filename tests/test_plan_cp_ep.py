@@ -246,18 +246,19 @@ def olmoe_context():
 
 
 @pytest.mark.parametrize("reshard", [True, False])
-def test_expert_states_per_rank_are_those_of_fsdp_without_ep(olmoe_context, reshard):
-    """N parameters on a rank, X of them experts (all E), dp_shard 8, ep 4, bf16 AdamW (2 + 2 + 12 bytes): the
-    rank holds X/4 of the experts, FSDP2 shards them over the 8/4 = 2 ranks holding the same ones. zero=3:
-    parameters 2 ((N - X)/8 + X/4/2) = 2N/8, gradients 2N/8, optimizer 12N/8, as without ep. zero=2 (no resharding):
-    the parameters are whole, 2 ((N - X) + X/4); gradients and optimizer as zero=3."""
+@pytest.mark.parametrize("ep", [1, 4])
+def test_expert_states_per_rank_are_those_of_fsdp_without_ep(olmoe_context, reshard, ep):
+    """N parameters on a rank, X of them experts (all E), dp_shard 8, bf16 AdamW (2 + 2 + 12 bytes): the rank holds
+    X/ep of the experts, FSDP2 shards them over the 8/ep ranks holding the same ones. zero=3: parameters
+    2 ((N - X)/8 + X/ep/(8/ep)) = 2N/8, gradients 2N/8, optimizer 12N/8, as without ep. zero=2 (no resharding):
+    the parameters are whole, 2 ((N - X) + X/ep); gradients and optimizer as zero=3."""
     ctx = olmoe_context
     numel, experts = ctx.total_numel(1), sum(ctx.expert_numel)
     assert experts > numel / 2  # most of the model is experts
-    memory = ctx.layout_memory(ctx.memory_inputs(1, 1, ep=4), 8, reshard, 1, expert_shard=expert_shard_degree(8, 4))
+    memory = ctx.layout_memory(ctx.memory_inputs(1, 1, ep=ep), 8, reshard, 1, expert_shard=expert_shard_degree(8, ep))
     states = {c: sum(memory.per_module[c]) + sum(memory.per_tied_group[c]) for c in ("parameters", "gradients",
                                                                                        "optimizer")}
-    parameters = 2 * numel / 8 if reshard else 2 * (numel - experts + experts / 4)
+    parameters = 2 * numel / 8 if reshard else 2 * (numel - experts + experts / ep)
     assert states == pytest.approx({"parameters": parameters, "gradients": 2 * numel / 8, "optimizer": 12 * numel / 8})
 
 
@@ -285,3 +286,24 @@ def test_the_experts_fsdp_collectives_add_to_their_modules_and_hide_behind_the_s
     assert priced.total_s == pytest.approx(2 * (2 * g + s))
     hidden = comm.fsdp_comm(comm.FsdpStage(**{**stage, "forward_window_s": window, "backward_window_s": window}))
     assert hidden.per_microbatch_s == pytest.approx(2 * (2 * g + s) + copies - 2 * window)
+
+
+def test_the_summary_says_why_the_experts_are_split():
+    """The CLI summary's experts row: the plan's peak beside the same layout's with ep=1, and the fastest ep=1
+    layout (plan.json alternatives) with its step time as a multiple of the plan's."""
+    from dataclasses import replace
+
+    from report_fixtures import make_plan
+
+    from autoplan.cli import _expert_parallel_line
+    from autoplan.plan import Alternative
+
+    plan = make_plan(pp=1, dp=8, microbatches=2)
+    single = Alternative(parallelism=plan.parallelism, step_time_s=plan.predicted.step_time_s * 1.25,
+                         peak_memory_bytes=70 * 2**30, fits=True, reason="25% slower than the best")
+    plan = replace(plan, parallelism=replace(plan.parallelism, expert_parallel_degree=8), alternatives=(single,),
+                   predicted=replace(plan.predicted, peak_memory_bytes=60 * 2**30,
+                                     peak_memory_without_expert_parallel_bytes=90 * 2**30))
+    line = _expert_parallel_line(plan)
+    assert line.startswith("ep=8: 60.00 GiB peak, the same layout with ep=1 90.00 GiB; the fastest layout with ep=1 (")
+    assert line.endswith("(1.25x), 70.00 GiB"), line

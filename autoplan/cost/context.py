@@ -60,7 +60,7 @@ def expert_shard_degree(fsdp: int, ep: int) -> int:
     parallelism `ep`: the fsdp/ep ranks holding the same experts, over which FSDP2 shards each rank's E/ep experts
     (torchtitan's dp_shard_mod_ep; runtime/expert_parallel.py ExpertParallel.fully_shard), so a rank keeps 1/fsdp
     of the expert states as of the others; 1 (whole E/ep experts, gradients all-reduced over their replicas) without
-    FSDP (fsdp 1) or when ep does not divide fsdp (ep then borrows replicate ranks: priced, not run)."""
+    FSDP (fsdp 1) or when fsdp is no multiple of ep (ep then borrows replicate ranks: priced, not run)."""
     if fsdp <= 1 or fsdp % ep:
         return 1
     return fsdp // ep
