@@ -185,6 +185,8 @@ def plan_model(
         log.warning("the solver hit the %s s time limit: this is the best plan found, within %.1f%% of optimal",
                     time_limit, 100 * result.solver.gap)
     alternatives = tuple(Alternative.of(c) for c in _next_best(result.candidates, best, 5))
+    alternatives += tuple(Alternative.of(c) for c in _fastest_without_experts_split(result.candidates, best)
+                          if Alternative.of(c) not in alternatives)
     plan = Plan(
         model=ModelRef(path=str(source.path), factory=source.factory_name, param_count=profile.param_count),
         cluster=ClusterRef(cluster.gpu.name, cluster.num_gpus, cluster.gpus_per_node, cluster.usable_memory_bytes),
@@ -354,6 +356,15 @@ def _pins_for_capture(pins, profile: ModelProfile, warn: bool = True):
     if warn:
         log.warning("planning with %s", pipeline_refusal(profile))
     return replace(pins, pp=1)
+
+
+def _fastest_without_experts_split(candidates, best) -> list:
+    """With ep > 1 chosen, the fastest priced layout with ep=1 (what expert parallelism is measured against in
+    the report and the summary); else nothing."""
+    if best.parallelism.expert_parallel_degree == 1:
+        return []
+    others = [c for c in candidates if c.parallelism.expert_parallel_degree == 1 and c.predicted is not None]
+    return sorted(others, key=lambda c: (not c.fits, c.predicted.step_time_s))[:1]
 
 
 def _next_best(candidates, best, count: int):

@@ -248,6 +248,8 @@ def summary(plan, out: str | None) -> Group:
         with_sp = pred.memory_breakdown.get("activations", 0.0)
         head.add_row("activations", f"{with_sp / gib:.2f} GiB with sequence parallel, "
                      f"{pred.activations_without_sequence_parallel_bytes / gib:.2f} GiB without (sp=off)")
+    if p.expert_parallel_degree > 1:
+        head.add_row("experts", _expert_parallel_line(plan))
     if p.enable_cpu_offload:
         head.add_row("host", f"{pred.host_memory_per_node_bytes / gib:,.0f} GiB of host memory per node (CPU offload: "
                      f"parameters, gradients and optimizer state; the optimizer steps on the CPU)")
@@ -267,6 +269,25 @@ def summary(plan, out: str | None) -> Group:
         parts.append(f"wrote {escape(out)}/ (plan.json, train.py, launch/, report.html, *.csv, unsupported_ops.txt); "
                      f"{_verify_hint(plan, out)}")
     return Group(*parts)
+
+
+def _expert_parallel_line(plan) -> str:
+    """Why the plan splits the experts: its memory beside the same layout's with ep=1, and the fastest layout with
+    ep=1 (from plan.alternatives) beside its step time."""
+    from autoplan.solve.layouts import describe
+
+    p, pred, gib = plan.parallelism, plan.predicted, 2**30
+    line = f"ep={p.expert_parallel_degree}: {pred.peak_memory_bytes / gib:.2f} GiB peak"
+    if pred.peak_memory_without_expert_parallel_bytes is not None:
+        line += f", the same layout with ep=1 {pred.peak_memory_without_expert_parallel_bytes / gib:.2f} GiB"
+    single = [a for a in plan.alternatives if a.parallelism.expert_parallel_degree == 1 and a.step_time_s]
+    if single:
+        fastest = single[0]
+        fits = "" if fastest.fits else ", does not fit"
+        line += (f"; the fastest layout with ep=1 ({describe(fastest.parallelism)}) takes "
+                 f"{_seconds(fastest.step_time_s)}/step ({fastest.step_time_s / pred.step_time_s:.2f}x), "
+                 f"{fastest.peak_memory_bytes / gib:.2f} GiB{fits}")
+    return line
 
 
 VERIFY_MAX_PROCESSES = 8

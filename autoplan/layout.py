@@ -312,8 +312,8 @@ def _expert_parallel_features(layout: Layout, have: frozenset[str]) -> list[str]
         out.append(f"ep={ep} with zero=0 (DDP): the program splits the experts over ranks that FSDP2 shards the "
                    f"other parameters over, not beside DDP (use zero=3 or ep=1)")
     if layout.offload == "cpu" and "ep_offload" not in have:
-        out.append(f"ep={ep} with offload=cpu: the program keeps the experts out of FSDP2, so its CPU offload would "
-                   f"not move them to the host (use offload=none or ep=1)")
+        out.append(f"ep={ep} with offload=cpu: the program does not yet run the experts' own FSDP2 units with CPU "
+                   f"offload (use offload=none or ep=1)")
     return out
 
 

@@ -6,6 +6,7 @@ VOCAB=32000). Experts run as grouped matmuls (transformers' "grouped_mm" experts
 shapes stay static, and the FLOPs counted are those of the tokens each expert actually receives.
 
     autoplan examples/mixtral.py --gpus 8
+    autoplan examples/mixtral.py:mixtral_8x7b --gpus 64     # Mixtral-8x7B itself (46.7B parameters)
 """
 
 import torch
@@ -34,6 +35,12 @@ def config(**overrides) -> MixtralConfig:
 
 def build_model(**overrides) -> MixtralForCausalLM:
     return MixtralForCausalLM(config(**overrides))
+
+
+def mixtral_8x7b() -> MixtralForCausalLM:
+    """Mixtral-8x7B's shapes (46.7B parameters, 12.9B active per token), at this file's SEQ_LEN."""
+    return build_model(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8)
 
 
 def example_batch(batch_size: int):

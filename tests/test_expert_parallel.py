@@ -84,62 +84,61 @@ def test_moe_models_with_experts_sharded_and_tokens_routed_train_as_one_device(t
     assert_every_rank_matches(script, ranks)
 
 
-REPLICATED = """
+SHARDED = """
 import copy
 import gc
 import importlib.util
 import torch
 import torch.distributed as dist
-from autoplan.runtime.expert_parallel import (expert_mesh, expert_parameters, is_experts_module,
-                                              reduce_expert_gradients, shard_experts)
+from torch.distributed.tensor import Shard
+from autoplan.runtime.expert_parallel import parallelize_experts
 
 spec = importlib.util.spec_from_file_location("autoplan_test_mixtral", f"{ROOT}/examples/mixtral.py")
 mixtral = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mixtral)
-(mixtral.VOCAB, mixtral.HIDDEN, mixtral.INTERMEDIATE, mixtral.LAYERS, mixtral.HEADS, mixtral.KV_HEADS, mixtral.EXPERTS,
- mixtral.EXPERTS_PER_TOKEN, mixtral.SEQ_LEN) = 64, 16, 32, 2, 4, 2, 4, 2, 8
 dist.init_process_group("gloo")
 dp, rank, ep = dist.get_world_size(), dist.get_rank(), 2
-mesh = expert_mesh("cpu", pp=1, dp=dp, ep=ep)
-torch.manual_seed(0)
-model = mixtral.build_model()
-reference = copy.deepcopy(model)
-inputs, targets = mixtral.example_batch(2 * dp)
-expected = mixtral.loss_fn(reference(**inputs), targets)
-expected.backward()
-shards = {fqn: shard_experts(module, mesh["ep"].get_group()) for fqn, module in list(model.named_modules())
-          if is_experts_module(module)}
-experts = expert_parameters(model)
-assert len(experts) == 2 * len(shards)  # gate_up_proj and down_proj per layer
-mine = slice(2 * rank, 2 * rank + 2)  # this data-parallel rank's samples
-loss = mixtral.loss_fn(model(**{k: v[mine] for k, v in inputs.items()}), targets[mine])
-loss.backward()
-reduce_expert_gradients(experts, mesh["dp_mod_ep"].get_group(), dp)
-wanted = dict(reference.named_parameters())
-held = {id(p) for p in experts}
-for fqn, param in model.named_parameters():
-    want = wanted[fqn].grad
-    if id(param) in held:  # this rank's experts: the ep index picks them
-        shard = shards[fqn.rsplit(".", 1)[0]]
-        assert shard.rank == rank % ep and shard.local == 4 // ep
-        want, grad = want[shard.first:shard.first + shard.local], param.grad
-    else:  # data parallelism averages the rest over every rank
-        dist.all_reduce(grad := param.grad.clone())
-        grad = grad / dp
-    torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-6, msg=fqn)
+for experts_count, fsdp_dim in ((4, 0), (2, 1)):  # E/ep = 2 experts split 2 ways (whole experts), or 1 (dim 1)
+    (mixtral.VOCAB, mixtral.HIDDEN, mixtral.INTERMEDIATE, mixtral.LAYERS, mixtral.HEADS, mixtral.KV_HEADS,
+     mixtral.EXPERTS, mixtral.EXPERTS_PER_TOKEN, mixtral.SEQ_LEN) = 64, 16, 32, 2, 4, 2, experts_count, 2, 8
+    torch.manual_seed(0)
+    model = mixtral.build_model()
+    reference = copy.deepcopy(model)
+    inputs, targets = mixtral.example_batch(2 * dp)
+    expected = mixtral.loss_fn(reference(**inputs), targets)
+    expected.backward()
+    experts = parallelize_experts(model, "cpu", dp, ep)
+    experts.fully_shard(model, reshard_after_forward=True)
+    assert len(experts.modules) == 2
+    mine = slice(2 * rank, 2 * rank + 2)  # this data-parallel rank's samples
+    loss = mixtral.loss_fn(model(**{k: v[mine] for k, v in inputs.items()}), targets[mine])
+    loss.backward()
+    wanted = dict(reference.named_parameters())
+    for fqn, param in model.named_parameters():
+        want = wanted[fqn].grad
+        if ".experts." in fqn:  # FSDP2 over the 2 ranks holding the same experts, inside the ep split
+            placements = param.placements
+            assert param.to_local().numel() * dp == param.numel(), (fqn, param.to_local().shape)
+            assert placements[-1] == Shard(0) and placements[0].dim == fsdp_dim, (fqn, placements)
+            grad = param.grad.full_tensor()
+        else:  # data parallelism averages the rest over every rank
+            dist.all_reduce(grad := param.grad.clone())
+            grad = grad / dp
+        torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-6, msg=f"{experts_count} experts: {fqn}")
+    del model, reference, experts, loss, expected  # before the groups go (see ROUTED)
+    gc.collect()
 print("rank", rank, "matches")
-del model, reference, shards, experts, loss, expected, mesh  # before the groups go (see ROUTED)
-gc.collect()
 dist.destroy_process_group()
 """
 
 
 @pytest.mark.slow
-def test_experts_split_over_ep_and_replicated_over_dp_over_ep_train_as_one_device(tmp_path):
-    """dp=4 with ep=2: two ep groups of two ranks each split the 4 experts, and their replicas sum the expert
-    gradients (reduce_expert_gradients), as FSDP/DDP would over dp/ep ranks, divided by dp."""
-    script = tmp_path / "replicated.py"
-    script.write_text(f"ROOT = {str(ROOT)!r}\n" + REPLICATED)
+def test_experts_split_over_ep_and_fsdp_sharded_over_dp_over_ep_train_as_one_device(tmp_path):
+    """dp=4 with ep=2: two ep groups of two ranks each split the experts, and FSDP2 shards each rank's experts
+    over the 2 ranks holding the same ones (ExpertParallel.fully_shard: whole experts with 4 experts, dimension 1
+    with 2), its reduce-scatter dividing by dp: every expert gradient is one device's."""
+    script = tmp_path / "sharded.py"
+    script.write_text(f"ROOT = {str(ROOT)!r}\n" + SHARDED)
     assert_every_rank_matches(script, 4)
 
 

@@ -1,11 +1,13 @@
 """Expert parallelism in the generated program (issue 19): train.py with ep=2 on 2 ranks (FSDP2 over both, the
 experts split over them) and dp=4 x ep=2 on 4 ranks (FSDP2 over the four, the experts split over pairs and
-replicated over 2; and HSDP dp_replicate 2 x dp_shard 2 with ep=2) trains like the single-device model, on a
-tiny examples/mixtral.py (grouped-matmul experts) and on HF OLMoE and Qwen2-MoE (a shared expert) from config
-(benchmarks/zoo/causal_lm.py); a dp=4 x ep=2 checkpoint (torch.distributed.checkpoint, the experts as DTensors
-sharded over the ep ranks) resumes into the uninterrupted run. Plans written as tests/test_layouts.py writes
-them, and one planned by the search with ep pinned (autoplan MODEL.py --gpu cpu --pin ep=2). One 4-process
-torchrun launch (tests/helpers/verify_many.py)."""
+FSDP2-sharded over the 2 ranks holding the same ones: whole experts with 4, dimension 1 with 2 experts; and HSDP
+dp_replicate 2 x dp_shard 2 with ep=2, the experts replicated over dp_replicate) trains like the single-device
+model, on a tiny examples/mixtral.py (grouped-matmul experts) and on HF OLMoE and Qwen2-MoE (a shared expert) from
+config (benchmarks/zoo/causal_lm.py); a dp=4 x ep=2 checkpoint (torch.distributed.checkpoint, the experts as
+DTensors sharded over the ep ranks and over FSDP2's) resumes into the uninterrupted run. Plans written as
+tests/test_layouts.py writes them, and one planned by the search with ep pinned (autoplan MODEL.py --gpu cpu --pin
+ep=2; its chain modules include the experts modules themselves). One 4-process torchrun launch
+(tests/helpers/verify_many.py)."""
 
 import json
 from pathlib import Path
@@ -23,15 +25,15 @@ pytestmark = pytest.mark.slow  # one 4-process torchrun launch
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 2
 CHAIN = ("model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head")
-MIXTRAL = f'''
-"""examples/mixtral.py shrunk: 4 experts (top-2), 2 layers, width 16, sequence 8."""
+MIXTRAL = '''
+"""examples/mixtral.py shrunk: {experts} experts (top-2), 2 layers, width 16, sequence 8."""
 import importlib.util
 
-spec = importlib.util.spec_from_file_location("autoplan_ep_mixtral", "{ROOT}/examples/mixtral.py")
+spec = importlib.util.spec_from_file_location("autoplan_ep_mixtral", "{root}/examples/mixtral.py")
 mixtral = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mixtral)
 (mixtral.VOCAB, mixtral.HIDDEN, mixtral.INTERMEDIATE, mixtral.LAYERS, mixtral.HEADS, mixtral.KV_HEADS, mixtral.EXPERTS,
- mixtral.EXPERTS_PER_TOKEN, mixtral.SEQ_LEN) = 64, 16, 32, 2, 4, 2, 4, 2, 8
+ mixtral.EXPERTS_PER_TOKEN, mixtral.SEQ_LEN) = 64, 16, 32, 2, 4, 2, {experts}, 2, 8
 build_model, example_batch, loss_fn = mixtral.build_model, mixtral.example_batch, mixtral.loss_fn
 '''
 
@@ -48,12 +50,15 @@ build_model, example_batch = zoo.{factory}, zoo.example_batch
 '''
 
 
-SOURCES = {"mixtral": MIXTRAL, "olmoe": zoo_source("olmoe"), "qwen2_moe": zoo_source("qwen2_moe")}
+SOURCES = {"mixtral": MIXTRAL.format(root=ROOT, experts=4), "mixtral_2_experts": MIXTRAL.format(root=ROOT, experts=2),
+           "olmoe": zoo_source("olmoe"), "qwen2_moe": zoo_source("qwen2_moe")}
 EP_LAYOUTS = {
     ("mixtral", "ep=2"): dict(data_parallel_shard_degree=2, fsdp_reshard_after_forward="always",
                               expert_parallel_degree=2, **mb(1, 4)),
     ("mixtral", "dp=4,zero=3,ep=2"): dict(data_parallel_shard_degree=4, fsdp_reshard_after_forward="always",
                                           expert_parallel_degree=2, **mb(1, 2)),
+    ("mixtral_2_experts", "dp=4,zero=3,ep=2"): dict(data_parallel_shard_degree=4, fsdp_reshard_after_forward="always",
+                                                    expert_parallel_degree=2, **mb(1, 2)),
     ("olmoe", "ep=2, 2 accumulated micro-batches"): dict(data_parallel_shard_degree=2, expert_parallel_degree=2,
                                                          **mb(2, 2)),
     ("olmoe", "dp=4,zero=3,ep=2"): dict(data_parallel_shard_degree=4, fsdp_reshard_after_forward="always",
@@ -67,7 +72,7 @@ EP_LAYOUTS = {
 RESUMED = ("mixtral", "dp=4,zero=3,ep=2")
 INSPECT = '''
 """On a dp=4 x ep=2 plan's ranks: the shape of each expert parameter (global, and this rank's local tensor) and
-whether its local tensor holds its experts of the single-device model's initial values; rank 0 writes JSON."""
+whether, gathered, it holds the single-device model's initial values; rank 0 writes JSON."""
 import importlib.util
 import json
 from pathlib import Path
@@ -90,10 +95,8 @@ def main(argv):
     found = {}
     for name, param in parallel.model.named_parameters():
         if ".experts." in name:
-            local = param.to_local()
-            first = parallel.rank.dp_rank % config.ep * local.shape[0]
-            found[name] = {"global": list(param.shape), "local": list(local.shape),
-                           "values": torch.equal(local, full[name][first:first + local.shape[0]])}
+            found[name] = {"global": list(param.shape), "local": list(param.to_local().shape),
+                           "values": torch.equal(param.full_tensor(), full[name])}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, found)
     if dist.get_rank() == 0:
@@ -138,16 +141,17 @@ def test_an_expert_parallel_checkpoint_resumes_into_the_uninterrupted_run(batch)
     out = folders[RESUMED]
     check_resumed(out)
     saved = FileSystemReader(out / "checkpoints" / "step_2").read_metadata().state_dict_metadata
-    experts = saved["model.model.layers.0.mlp.experts.gate_up_proj"]  # once, whole, in the halves of its ep group
-    assert list(experts.size) == [4, 64, 16] and sorted(c.offsets[0] for c in experts.chunks) == [0, 2]
+    experts = saved["model.model.layers.0.mlp.experts.gate_up_proj"]  # once, whole, one expert per rank
+    assert list(experts.size) == [4, 64, 16] and sorted(c.offsets[0] for c in experts.chunks) == [0, 1, 2, 3]
 
 
-def test_each_rank_holds_its_half_of_the_experts_with_the_single_device_values(batch):
+def test_each_rank_holds_a_quarter_of_the_experts_with_the_single_device_values(batch):
+    """ep=2 splits the 4 experts in halves, FSDP2 each half over the 2 ranks holding it: one expert per rank."""
     _, errors, _, found = batch
     assert not errors[-1], errors[-1][-3000:]
     ranks = json.loads(found.read_text())
     assert len(ranks) == 4 and all(len(rank) == 4 for rank in ranks)  # 2 layers x gate_up_proj, down_proj
     for rank in ranks:
         assert rank["model.layers.0.mlp.experts.gate_up_proj"]["global"] == [4, 64, 16]
-        assert rank["model.layers.0.mlp.experts.gate_up_proj"]["local"] == [2, 64, 16]
+        assert rank["model.layers.0.mlp.experts.gate_up_proj"]["local"] == [1, 64, 16]
         assert all(entry["values"] for entry in rank.values()), rank

@@ -8,7 +8,7 @@ from chain_fixtures import cluster, gpt_profile
 
 from autoplan.chain.attention import attention_facts
 from autoplan.cost.compute import ModuleTable, ShardedModules, sharded_table
-from autoplan.cost.context import Context
+from autoplan.cost.context import Context, expert_shard_degree
 from autoplan.cost.evaluate import build_problem, with_memory_without_cp_ep
 from autoplan.cost.memory import MemoryInputs, layout_memory
 from autoplan.errors import UserError
@@ -221,3 +221,89 @@ def test_the_report_names_cp_and_ep_and_shows_memory_with_them_set_back_to_1():
     restored = type(plan).from_json(plan.to_json())  # plan.json round trip with the new fields
     assert restored.parallelism.context_parallel_degree == 4
     assert restored.predicted.peak_memory_without_expert_parallel_bytes == 30 * 2**30
+
+
+@pytest.mark.parametrize("fsdp, ep, expert_shard", [(64, 8, 8), (8, 2, 4), (2, 2, 1), (1, 2, 1), (4, 8, 1)])
+def test_the_experts_shard_over_the_fsdp_ranks_holding_the_same_ones(fsdp, ep, expert_shard):
+    """dp_shard x cp / ep (torchtitan's dp_shard_mod_ep, as ExpertParallel.fully_shard runs it); 1 without FSDP or
+    when ep takes more than the FSDP ranks."""
+    assert expert_shard_degree(fsdp, ep) == expert_shard
+
+
+@pytest.fixture(scope="module")
+def olmoe_context():
+    """The tiny OLMoE of benchmarks/zoo (8 experts per layer) priced on 8 GPUs."""
+    from pathlib import Path
+
+    from autoplan.hardware.profiles import load_hardware
+    from autoplan.profile import profile_model
+    from autoplan.source import load_source
+
+    zoo = Path(__file__).resolve().parents[1] / "benchmarks" / "zoo" / "causal_lm.py"
+    hardware = load_hardware("h100-sxm5-80gb")
+    profile = profile_model(load_source(f"{zoo}:olmoe"), 2, hardware, measure=False, dtype="bf16")
+    return Context(profile, cluster(8), Training(8, "bf16"), CP_EP)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+@pytest.mark.parametrize("ep", [1, 4])
+def test_expert_states_per_rank_are_those_of_fsdp_without_ep(olmoe_context, reshard, ep):
+    """N parameters on a rank, X of them experts (all E), dp_shard 8, bf16 AdamW (2 + 2 + 12 bytes): the rank holds
+    X/ep of the experts, FSDP2 shards them over the 8/ep ranks holding the same ones. zero=3: parameters
+    2 ((N - X)/8 + X/ep/(8/ep)) = 2N/8, gradients 2N/8, optimizer 12N/8, as without ep. zero=2 (no resharding):
+    the parameters are whole, 2 ((N - X) + X/ep); gradients and optimizer as zero=3."""
+    ctx = olmoe_context
+    numel, experts = ctx.total_numel(1), sum(ctx.expert_numel)
+    assert experts > numel / 2  # most of the model is experts
+    memory = ctx.layout_memory(ctx.memory_inputs(1, 1, ep=ep), 8, reshard, 1, expert_shard=expert_shard_degree(8, ep))
+    states = {c: sum(memory.per_module[c]) + sum(memory.per_tied_group[c]) for c in ("parameters", "gradients",
+                                                                                       "optimizer")}
+    parameters = 2 * numel / 8 if reshard else 2 * (numel - experts + experts / ep)
+    assert states == pytest.approx({"parameters": parameters, "gradients": 2 * numel / 8, "optimizer": 12 * numel / 8})
+
+
+def test_the_experts_fsdp_collectives_add_to_their_modules_and_hide_behind_the_same_compute():
+    """Two modules of b parameter bytes (FSDP over 8), each holding e bytes of experts (FSDP over 2, HSDP replicas
+    2), resharding. Per module and micro-batch: two all-gathers of each (g) and one reduce-scatter of each gradient
+    (fp32: x2) plus the experts' all-reduce over the replicas (s), alpha + bytes x bus factor / busbw each, and
+    three copies of b + e. Nothing to hide behind: 2 x (2g + s) + copies. A compute window W in each pass hides W
+    of each pass's collectives beyond the first gather and the last reduction: 2W less (one window for both
+    kinds, not one each)."""
+    from autoplan.cost import comm
+
+    from test_offload_compile import comm_link
+
+    link, b, e, alpha, bw, copy, window = comm_link(), 4e6, 12e6, 1e-5, 100e9, 1e12, 1e-5
+    stage = dict(module_param_bytes=(b, b), reshard_after_forward=True, shard=comm.Group(8, link, 1),
+                 replicate=comm.Group(1, link, 1), pipelined=False, num_microbatches=1, forward_window_s=0.0,
+                 backward_window_s=0.0, copy_bytes_per_s=copy, gradient_ratio=2.0, expert_param_bytes=(e, e),
+                 expert_shard=comm.Group(2, link, 1), expert_replicate=comm.Group(2, link, 1))
+    g = (alpha + b * 7 / 8 / bw) + (alpha + e * 1 / 2 / bw)
+    s = (alpha + 2 * b * 7 / 8 / bw) + (alpha + 2 * e * 1 / 2 / bw) + (alpha + 2 * e / 2 * 2 * 1 / 2 / bw)
+    copies = 3 * 2 * 2 * (b + e) / copy
+    priced = comm.fsdp_comm(comm.FsdpStage(**stage))
+    assert priced.per_microbatch_s == pytest.approx(2 * (2 * g + s) + copies)
+    assert priced.total_s == pytest.approx(2 * (2 * g + s))
+    hidden = comm.fsdp_comm(comm.FsdpStage(**{**stage, "forward_window_s": window, "backward_window_s": window}))
+    assert hidden.per_microbatch_s == pytest.approx(2 * (2 * g + s) + copies - 2 * window)
+
+
+def test_the_summary_says_why_the_experts_are_split():
+    """The CLI summary's experts row: the plan's peak beside the same layout's with ep=1, and the fastest ep=1
+    layout (plan.json alternatives) with its step time as a multiple of the plan's."""
+    from dataclasses import replace
+
+    from report_fixtures import make_plan
+
+    from autoplan.cli import _expert_parallel_line
+    from autoplan.plan import Alternative
+
+    plan = make_plan(pp=1, dp=8, microbatches=2)
+    single = Alternative(parallelism=plan.parallelism, step_time_s=plan.predicted.step_time_s * 1.25,
+                         peak_memory_bytes=70 * 2**30, fits=True, reason="25% slower than the best")
+    plan = replace(plan, parallelism=replace(plan.parallelism, expert_parallel_degree=8), alternatives=(single,),
+                   predicted=replace(plan.predicted, peak_memory_bytes=60 * 2**30,
+                                     peak_memory_without_expert_parallel_bytes=90 * 2**30))
+    line = _expert_parallel_line(plan)
+    assert line.startswith("ep=8: 60.00 GiB peak, the same layout with ep=1 90.00 GiB; the fastest layout with ep=1 (")
+    assert line.endswith("(1.25x), 70.00 GiB"), line

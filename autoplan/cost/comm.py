@@ -23,6 +23,10 @@ Gpu.comm_overlap (1 on GPUs; measured on a CPU, whose gloo threads share the cor
   (forward) and one reduce-scatter (backward), exposed the same way.
 - Any FSDP under a pipeline: parameters are gathered once per step (first micro-batch) and gradients
   reduce-scattered once after the last backward (torch.distributed.pipelining), which nothing hides.
+- Expert parallelism under FSDP2: a module's experts (E/ep per rank) are their own FSDP2 unit, sharded over the
+  ranks holding the same experts (dp_shard x cp / ep; HSDP's replicas beside), gathered and reduce-scattered
+  in the same streams just before the module's other parameters: their collectives add to that module's and
+  hide behind the same compute (one window, not one each).
 - FSDP2's hooks cost host time per module and micro-batch (Gpu.fsdp_unit_overhead_s, measured; ~0 on GPUs).
 - FSDP2 also copies every gathered parameter out of the all-gather buffer and every gradient into
   the reduce-scatter buffer on the compute stream (fully_shard's copy-out / chunk-cat copy-in): each
@@ -162,26 +166,57 @@ class FsdpStage:
     """CPU offload: the host-device link (Host.link_bandwidth_bytes_per_s) each unit's fp32 parameter shard
     crosses before its all-gather and its fp32 gradient shard after its reduce-scatter, in the collectives'
     stream (so hidden behind compute like them); 0 without offload."""
+    expert_param_bytes: tuple[float, ...] = ()
+    """Expert parallelism: of each module, its experts' parameter bytes (E/ep experts, training dtype, unsharded),
+    not in module_param_bytes: their own FSDP2 unit over `expert_shard`, with `expert_replicate` beside; ()
+    without experts."""
+    expert_shard: Group | None = None
+    """The ranks sharing the experts' states (dp_shard x cp / ep; size 1 when ep takes them all)."""
+    expert_replicate: Group | None = None
+    """The ranks holding the same experts' shard, which all-reduce its gradients (HSDP's replicas)."""
+
+
+def _gathers(module_bytes: Sequence[float], shard: Group) -> list[float]:
+    """One all-gather over `shard` per module of `module_bytes` (unsharded)."""
+    return [all_gather_s(b, shard.size, shard.link, shard.nodes) for b in module_bytes]
+
+
+def _scatters(module_bytes: Sequence[float], gradient_ratio: float, shard: Group, replicate: Group) -> list[float]:
+    """Per module: the reduce-scatter of its gradients over `shard`, then HSDP's all-reduce of the shard over
+    `replicate`."""
+    grads = [b * gradient_ratio for b in module_bytes]
+    return [reduce_scatter_s(g, shard.size, shard.link, shard.nodes)
+            + all_reduce_s(g / shard.size, replicate.size, replicate.link, replicate.nodes) for g in grads]
 
 
 def fsdp_comm(stage: FsdpStage) -> DataParallelComm:
     """FSDP2 collectives of one rank of a stage (see the module docstring)."""
     module_bytes = stage.module_param_bytes
-    stage_bytes = sum(module_bytes)
+    experts = stage.expert_param_bytes or tuple(0.0 for _ in module_bytes)
+    stage_bytes = sum(module_bytes) + sum(experts)
     shard, replicate = stage.shard, stage.replicate
     if shard.size <= 1 or stage_bytes <= 0:
         return NO_COMM
-    hooks = len(module_bytes) * stage.unit_overhead_s
-    s, link, nodes = shard.size, shard.link, shard.nodes
+    # the experts are a unit of their own inside a module holding other parameters (a chain module that is the
+    # experts module is that one unit)
+    units = len(module_bytes) + sum(1 for b, e in zip(module_bytes, experts) if b > 0 and e > 0)
+    hooks = units * stage.unit_overhead_s
     copy_s = FSDP_COPY_TRAFFIC * stage_bytes / stage.copy_bytes_per_s
-    gathers = [all_gather_s(b, s, link, nodes) for b in module_bytes]
-    grads = [b * stage.gradient_ratio for b in module_bytes]
-    scatters = [reduce_scatter_s(g, s, link, nodes)
-                + all_reduce_s(g / s, replicate.size, replicate.link, replicate.nodes) for g in grads]
+    gathers = _gathers(module_bytes, shard)
+    scatters = _scatters(module_bytes, stage.gradient_ratio, shard, replicate)
+    shard_bytes = [b / shard.size for b in module_bytes]  # what a rank keeps of each module
+    if any(experts):
+        expert_shard, expert_replicate = stage.expert_shard, stage.expert_replicate
+        if expert_shard is None or expert_replicate is None:
+            raise ValueError("FsdpStage: expert_param_bytes needs expert_shard and expert_replicate")
+        gathers = [g + e for g, e in zip(gathers, _gathers(experts, expert_shard))]
+        scatters = [r + e for r, e in zip(scatters, _scatters(experts, stage.gradient_ratio, expert_shard,
+                                                              expert_replicate))]
+        shard_bytes = [b + e / expert_shard.size for b, e in zip(shard_bytes, experts)]
     if stage.host_link_bytes_per_s > 0:  # CPU offload: fp32 shards in before each gather, gradients out after
         host = stage.host_link_bytes_per_s
-        gathers = [g + b * stage.gradient_ratio / s / host for g, b in zip(gathers, module_bytes)]
-        scatters = [r + g / s / host for r, g in zip(scatters, grads)]
+        gathers = [g + b * stage.gradient_ratio / host for g, b in zip(gathers, shard_bytes)]
+        scatters = [r + b * stage.gradient_ratio / host for r, b in zip(scatters, shard_bytes)]
     if stage.pipelined:  # gathered once per step, reduced once after the last backward
         first = exposed_s(sum(gathers), gathers[0], stage.forward_window_s) + copy_s
         return DataParallelComm(hooks, first + sum(scatters) + copy_s, sum(gathers) + sum(scatters), hooks / 2)

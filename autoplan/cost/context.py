@@ -49,16 +49,21 @@ class Groups:
     cp: comm.Group
     ep: comm.Group
     expert_shard: comm.Group
-    """The ranks the expert parameters are FSDP-sharded over (dp_shard x cp / ep, or 1)."""
+    """The ranks the expert parameters are FSDP-sharded over (dp_shard x cp / ep, or 1: expert_shard_degree)."""
     expert_replicate: comm.Group
-    """The ranks holding the same experts' shard, which all-reduce their gradients."""
+    """The ranks holding the same experts' shard, which all-reduce their gradients (dp_replicate, or dp / ep when
+    the experts are not sharded)."""
 
 
-def expert_shard_degree(par: Parallelism) -> int:
-    """Ranks the expert parameters' states shard over: 1, as the program runs them (runtime/expert_parallel.py):
-    each rank keeps its E/ep experts whole, and the dp/ep ranks holding the same experts all-reduce their
-    gradients (torchtitan FSDP-shards them over those ranks, dp_shard_mod_ep; not run here yet)."""
-    return 1
+def expert_shard_degree(fsdp: int, ep: int) -> int:
+    """Ranks the expert parameters' states shard over, with FSDP over `fsdp` ranks (dp_shard x cp) and expert
+    parallelism `ep`: the fsdp/ep ranks holding the same experts, over which FSDP2 shards each rank's E/ep experts
+    (torchtitan's dp_shard_mod_ep; runtime/expert_parallel.py ExpertParallel.fully_shard), so a rank keeps 1/fsdp
+    of the expert states as of the others; 1 (whole E/ep experts, gradients all-reduced over their replicas) without
+    FSDP (fsdp 1) or when fsdp is no multiple of ep (ep then borrows replicate ranks: priced, not run)."""
+    if fsdp <= 1 or fsdp % ep:
+        return 1
+    return fsdp // ep
 
 
 class Context:
@@ -139,7 +144,7 @@ class Context:
     def groups(self, par: Parallelism) -> Groups:
         t, r = par.tensor_parallel_degree, par.data_parallel_replicate_degree
         cp, ep, fsdp = par.context_parallel_degree, par.expert_parallel_degree, par.fsdp_shard_degree
-        experts = expert_shard_degree(par)
+        experts = expert_shard_degree(fsdp, ep)
         return Groups(self.group(t, 1), self.group(fsdp, t), self.group(r, t * fsdp),
                       self.group(par.pipeline_parallel_degree, t * fsdp * r), self.group(cp, t), self.group(ep, t),
                       self.group(experts, t * ep), self.group(r * fsdp // (ep * experts), t * ep * experts))

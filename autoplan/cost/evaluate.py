@@ -17,9 +17,10 @@ Context parallelism (cp) and expert parallelism (ep) change the module table (co
 every module's compute, collectives and activations on seq/cp tokens, the experts' compute times the router
 imbalance, plus each module's exposed ring traffic (breakdown "context_parallel_comm") and expert all-to-alls
 ("expert_parallel_comm"), in its slot like the tensor-parallel collectives. Gradients are reduced over the
-dp_shard x cp FSDP group (with dp_replicate); the expert parameters' (E/ep per rank) over the dp x cp / ep ranks
-holding the same experts (Groups.expert_shard and expert_replicate), priced as a second data-parallel
-communication beside the first, each behind the same compute.
+dp_shard x cp FSDP group (with dp_replicate); the expert parameters (E/ep per rank) are their own FSDP2 unit in
+each module, sharded over the dp_shard x cp / ep ranks holding the same experts (Groups.expert_shard, HSDP's
+Groups.expert_replicate beside), their collectives added to the module's and hidden behind the same compute
+(cost/comm.py fsdp_comm); beside DDP (priced, not run) their gradients are all-reduced over the replicas.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field, replace
 
 from autoplan.cost import calibration, comm
 from autoplan.cost.compute import ModuleTable, host_optimizer_step_time, mfu, model_flops_per_step, optimizer_step_time
-from autoplan.cost.context import Context, expert_shard_degree, gib
+from autoplan.cost.context import Context, Groups, expert_shard_degree, gib
 from autoplan.cost.dtypes import bytes_per_element
 from autoplan.cost.memory import host_state_bytes
 from autoplan.cost.pipeline import StageCost, microbatches_in_flight, simulated_step_s
@@ -70,7 +71,7 @@ def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> Cha
     inputs = ctx.memory_inputs(tp, mbs, sp, loss_parallel, cp, ep)
     stages = pp * v
     shared = ctx.layout_memory(inputs, par.fsdp_shard_degree, par.reshards_after_forward, pp,
-                               par.enable_cpu_offload, expert_shard_degree(par))
+                               par.enable_cpu_offload, expert_shard_degree(par.fsdp_shard_degree, ep))
     models = tuple(shared.stage(s, microbatches_in_flight(par.pipeline_parallel_schedule, pp, m, s, v))
                    for s in range(stages))
     table = ctx.table(tp, mbs, sp, loss_parallel, cp, ep)
@@ -102,8 +103,10 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     chain, gpu = ctx.chain, ctx.cluster.gpu
     groups = ctx.groups(par)
     element = bytes_per_element(ctx.dtype)
-    own, tied, experts = ctx.module_numel(tp, ep), ctx.group_numel(tp), ctx.module_expert_numel(ep)
-    expert_shard = expert_shard_degree(par)
+    own, tied = ctx.module_numel(tp, ep), ctx.group_numel(tp)
+    # with ep = 1 the experts are parameters like the others (in their module's FSDP2 unit or DDP bucket)
+    experts = ctx.module_expert_numel(ep) if ep > 1 else [0.0] * len(own)
+    expert_shard = expert_shard_degree(par.fsdp_shard_degree, ep)
     cut = [c * mbs * ctx.scale / cp for c in ctx.cut_bytes(cp)]
     n, ranges, modes = len(chain), assignment.split.ranges(), assignment.modes
     parts: list[dict[str, float]] = []
@@ -130,12 +133,12 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
                 numels[held[0] - a] += tied[g]
         held = {p for u in modules for p in chain.modules[u].parameters}
         window = {"forward_s": forward, "backward_s": backward + recompute}
-        dpc = _data_parallel(ctx, par, groups.shard, groups.replicate, par.sharded,
-                             module_bytes=[(x - e) * element for x, e in zip(numels, expert_numels)],
-                             tensors=len(held), **window)
-        if any(expert_numels):  # the experts' gradients, over the ranks holding the same experts
-            dpc = _sum(dpc, _data_parallel(ctx, par, groups.expert_shard, groups.expert_replicate, expert_shard > 1,
-                                           module_bytes=[e * element for e in expert_numels], tensors=0, **window))
+        expert_bytes = [e * element for e in expert_numels]
+        dpc = _data_parallel(ctx, par, groups, module_bytes=[(x - e) * element for x, e in zip(numels, expert_numels)],
+                             expert_bytes=expert_bytes if par.sharded else [], tensors=len(held), **window)
+        if any(expert_numels) and not par.sharded:  # beside DDP: the experts' gradients, over their replicas
+            dpc = _sum(dpc, comm.ddp_comm(sum(expert_bytes) * calibration.GRADIENT_REDUCE_BYTES / ctx.dtype_bytes,
+                                          groups.expert_replicate, window["backward_s"] * ctx.cluster.gpu.comm_overlap))
         part = {"compute": forward + backward, "recompute": recompute,
                 "tensor_parallel_comm": tp_forward + tp_backward, "data_parallel_comm": dpc.per_microbatch_s,
                 "pipeline_comm": host + slowdown * (forward + backward + recompute)}
@@ -286,12 +289,15 @@ def _sum(a: comm.DataParallelComm, b: comm.DataParallelComm) -> comm.DataParalle
                                  a.total_s + b.total_s, a.forward_s + b.forward_s)
 
 
-def _data_parallel(ctx: Context, par: Parallelism, shard: comm.Group, replicate: comm.Group, sharded: bool, *,
-                   module_bytes: list[float], forward_s: float, backward_s: float,
+def _data_parallel(ctx: Context, par: Parallelism, groups: Groups, *, module_bytes: list[float],
+                   expert_bytes: list[float], forward_s: float, backward_s: float,
                    tensors: int) -> comm.DataParallelComm:
     """Data-parallel communication of one rank of a stage whose modules hold `module_bytes` of parameters
-    (training dtype), FSDP-sharded over `shard` (when `sharded`) and replicated over `replicate`, behind one
-    micro-batch's forward and backward compute; `tensors` parameter tensors."""
+    (training dtype), FSDP-sharded over groups.shard (when par.sharded) and replicated over groups.replicate, and
+    under FSDP `expert_bytes` of experts, sharded over groups.expert_shard and replicated over
+    groups.expert_replicate (comm.FsdpStage), behind one micro-batch's forward and backward compute; `tensors`
+    parameter tensors."""
+    sharded, shard, replicate = par.sharded, groups.shard, groups.replicate
     gradient_ratio = calibration.GRADIENT_REDUCE_BYTES / ctx.dtype_bytes
     gpu = ctx.cluster.gpu
     # what compute can hide; FSDP2 on a CPU device has no side streams: its all-gathers and
@@ -309,7 +315,9 @@ def _data_parallel(ctx: Context, par: Parallelism, shard: comm.Group, replicate:
         num_microbatches=par.pipeline_parallel_num_microbatches, forward_window_s=forward,
         backward_window_s=backward, copy_bytes_per_s=streaming, gradient_ratio=gradient_ratio,
         unit_overhead_s=gpu.fsdp_unit_overhead_s,
-        host_link_bytes_per_s=ctx.cluster.hardware.host.link_bandwidth_bytes_per_s if par.enable_cpu_offload else 0.0))
+        host_link_bytes_per_s=ctx.cluster.hardware.host.link_bandwidth_bytes_per_s if par.enable_cpu_offload else 0.0,
+        expert_param_bytes=tuple(expert_bytes), expert_shard=groups.expert_shard,
+        expert_replicate=groups.expert_replicate))
 
 
 def _tied_gradient_sync(chain, assignment: Assignment, pp: int, tied: list[float], element: int,

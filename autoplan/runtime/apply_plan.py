@@ -68,8 +68,8 @@ class Parallelized:
     """Where this process sits: rank, pp_rank, dp_rank and dp_size (which slice of the global batch it
     trains on), cp_rank and cp_size (which share of each sequence), tp_rank; is_first_stage, is_last_stage."""
     experts: ExpertParallel
-    """The experts split over expert-parallel groups (no parameters without expert parallelism): forward_backward
-    reduces their gradients over the ranks holding the same experts."""
+    """The experts split over expert-parallel groups and FSDP2-sharded over the ranks holding the same experts (no
+    modules without expert parallelism)."""
     device: torch.device
     """Where the parts compute."""
     dtype: torch.dtype
@@ -100,12 +100,11 @@ class Parallelized:
         return inputs_slice, targets_slice
 
     def forward_backward(self, inputs: Any, targets: Any) -> torch.Tensor | None:
-        """Forward and backward of this rank's batch (`step`, then `tied` and `experts`), leaving in .grad the
+        """Forward and backward of this rank's batch (`step`, then `tied`), leaving in .grad the
         gradients of the global batch's mean loss. Returns this rank's mean loss over its micro-batches, or None on a
         pipeline rank that does not compute the loss (every stage but the last). Call it on every rank."""
         local_loss = self.step(inputs, targets)
         self.tied.sum_gradients()
-        self.experts.reduce_gradients()
         return local_loss
 
     def global_loss(self, local_loss: torch.Tensor | None) -> float:
@@ -179,9 +178,10 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
     else:
         parts, chain_modules = {0: ModelPart(model)}, {0: list(config.chain_modules)}
     del model  # this rank keeps only its stages
-    # expert parallelism (without a pipeline, _check_runnable): each rank keeps its experts, FSDP leaves them alone
-    experts = (parallelize_experts(parts[0].module, device.type, config.dp, config.ep, dtype) if split is None
-               else ExpertParallel([], None, config.dp))
+    # expert parallelism (without a pipeline, _check_runnable): each rank keeps its experts, FSDP2 shards them over
+    # the ranks holding the same ones (shard_data_parallel)
+    experts = (parallelize_experts(parts[0].module, device.type, config.dp, config.ep, dtype, config.dp_replicate)
+               if split is None else ExpertParallel([], None, config.dp))
 
     for s, part in parts.items():  # order as in torchtitan: tensor parallel, recompute, compile, FSDP
         part.module = tensor_parallel(part.module, mesh["tp"], config.tensor_parallel_plan, chain_modules[s],
@@ -192,7 +192,7 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
                                       config.tensor_parallel_plan if config.tp > 1 else None)
         part.module = shard_data_parallel(part.module, mesh, config.reshard == "always", chain_modules[s], dtype,
                                           batch_norm_modules=config.batch_norm_modules,  # SyncBatchNorm if DP > 1
-                                          offload=config.offload, ignored_params=set(experts.params))
+                                          offload=config.offload, experts=experts)
     materialize_from(list(parts.values()), weights, values, device, offload=config.offload)
     for part in parts.values():
         part.module = replicate_data_parallel(part.module, mesh, device)  # DDP

@@ -21,19 +21,23 @@ sum the contributions of every token of the group routed to its experts.
 
 In the generated program, autoplan.parallelize calls parallelize_experts before FSDP2: the sliced parameters
 become DTensors sharded on dimension 0 over the expert mesh's "ep" dimension (so the initial values' broadcast
-gives each rank its slice, and a torch.distributed.checkpoint holds each expert once at the model's full shape),
-FSDP2 leaves them out (ignored_params), and after backward ExpertParallel.reduce_gradients sums them over the
-dp/ep replicas and divides by dp. Unlike torchtitan, the replicas hold the experts whole (not FSDP-sharded over
-dp_mod_ep).
+gives each rank its slice, and a torch.distributed.checkpoint holds each expert once at the model's full shape).
+Then, as torchtitan does with its dp_mod_ep mesh, FSDP2 shards each experts module over the dp_shard/ep ranks
+holding the same experts (ExpertParallel.fully_shard, from shard_data_parallel, before the modules around it),
+with the plan's resharding and HSDP over dp_replicate like the other parameters: a rank keeps 1/dp_shard of the
+expert states (E/ep experts split dp_shard/ep ways), gathers its E/ep experts for the forward and backward, and
+reduce-scatters their gradients over the replicas, divided by dp.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.capture.experts import is_experts_module
 from autoplan.errors import UserError
@@ -113,66 +117,99 @@ def _waited(tensor: torch.Tensor) -> torch.Tensor:
     return wait() if callable(wait) else tensor
 
 
-EXPERT_MESH_DIMS = ("pp", "dp_mod_ep", "ep", "tp")
-"""The expert mesh: the data-parallel dimension cut into ep groups of consecutive data-parallel ranks (which
-split the experts among them) and dp/ep replicas of each (which hold the same experts), as torchtitan
-borrows ep from data parallelism. Its ranks are numbered as the plan's mesh numbers them (runtime/mesh.py:
-pp, then data parallel, then tp), so a rank's data-parallel index is dp_mod_ep index x ep + ep index."""
+EXPERT_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+"""The expert mesh: each dp_shard group cut into ep groups of consecutive ranks (which split the experts among
+them) and dp_shard/ep ranks holding the same experts (dp_shard_mod_ep, over which FSDP2 shards them), with the
+dp_replicate replicas beside (HSDP), as torchtitan borrows ep from data parallelism. Its ranks are numbered as the
+plan's mesh numbers them (runtime/mesh.py: pp, then data parallel, then tp), so a rank's data-parallel index is
+(dp_replicate index x dp_shard/ep + dp_shard_mod_ep index) x ep + ep index."""
 
 
-def expert_mesh(device_type: str, pp: int, dp: int, ep: int, tp: int = 1):
-    """The mesh EXPERT_MESH_DIMS over every process (all of them call it, in the same order)."""
+def expert_mesh(device_type: str, pp: int, dp: int, ep: int, tp: int = 1, dp_replicate: int = 1):
+    """The mesh EXPERT_MESH_DIMS over every process (all of them call it, in the same order); `dp` counts every
+    data-parallel rank (dp_replicate x dp_shard)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if dp % ep:
-        raise ValueError(f"expert parallel borrows its ranks from data parallelism: ep {ep} must divide dp {dp}")
-    return init_device_mesh(device_type, (pp, dp // ep, ep, tp), mesh_dim_names=EXPERT_MESH_DIMS)
+    if dp % dp_replicate or (dp // dp_replicate) % ep:
+        raise ValueError(f"expert parallel borrows its ranks from FSDP's: ep {ep} must divide dp_shard = dp {dp} / "
+                         f"dp_replicate {dp_replicate}")
+    shape = (pp, dp_replicate, dp // dp_replicate // ep, ep, tp)
+    return init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_DIMS)
 
 
 def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """The parameters of every experts module in `module` (those data parallelism must leave alone)."""
+    """The parameters of every experts module in `module`."""
     return [param for sub in module.modules() if is_experts_module(sub) for param in sub.parameters(recurse=False)]
-
-
-@torch.no_grad()
-def reduce_expert_gradients(params, replicas: dist.ProcessGroup | None, dp: int) -> None:
-    """After backward: each expert gradient holds what its ep group's tokens contributed (the all-to-all
-    brought them); summed over the replicas of those experts it holds every data-parallel rank's, and divided
-    by dp it is the gradient of the global batch's mean loss, as data parallelism averages the others. A DTensor
-    gradient (parallelize_experts' parameters) is reduced in its local tensor: the rank's own experts."""
-    for param in params:
-        if param.grad is None:
-            continue
-        grad = _local_tensor(param.grad)
-        if replicas is not None and dist.get_world_size(replicas) > 1:
-            dist.all_reduce(grad, group=replicas)
-        grad.div_(dp)
 
 
 @dataclass
 class ExpertParallel:
-    """A model's experts split over expert-parallel groups (parallelize_experts), and what backward leaves to do."""
+    """A model's experts split over expert-parallel groups (parallelize_experts), and how data parallelism shards
+    them (fully_shard)."""
 
-    params: list[nn.Parameter]
-    """This rank's expert parameters: DTensors sharded on dimension 0 over the expert mesh's "ep" dim (its
+    modules: list[nn.Module]
+    """The experts modules, each parameter a DTensor sharded on dimension 0 over the expert mesh's "ep" dim (its
     slice of each stacked weight), so a checkpoint holds every expert once under the model's own names."""
-    replicas: dist.ProcessGroup | None
-    """The ranks holding the same experts (dp/ep of them; None when ep = dp)."""
+    mesh: DeviceMesh | None
+    """The expert mesh (EXPERT_MESH_DIMS); None without expert parallelism."""
     dp: int
-    """Data-parallel ranks (the expert gradients are divided by it, as data parallelism averages the others)."""
+    """Data-parallel ranks: the expert gradients are divided by it, as data parallelism averages the others."""
 
-    def reduce_gradients(self) -> None:
-        """After backward: sum the expert gradients over the replicas and divide by dp."""
-        reduce_expert_gradients(self.params, self.replicas, self.dp)
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The ranks holding the same experts: "dp_shard_mod_ep", with "dp_replicate" before it when it is more
+        than 1 (HSDP, as the other parameters)."""
+        if self.mesh is None:
+            raise ValueError("no expert parallelism: there is no expert mesh")
+        if self.mesh["dp_replicate"].size() > 1:
+            return self.mesh["dp_replicate", "dp_shard_mod_ep"]
+        return self.mesh["dp_shard_mod_ep"]
+
+    def fully_shard(self, module: nn.Module, **kwargs) -> None:
+        """FSDP2 over fsdp_mesh for each experts module inside `module` (call before the modules around them are
+        sharded, which then leave them alone), as torchtitan's apply_fsdp does over dp_mod_ep. kwargs: fully_shard's
+        (reshard_after_forward, mp_policy, offload_policy) as the other parameters have them.
+
+        Each rank's gradient of its experts sums what its ep group's tokens contributed (the all-to-all brought
+        them); the reduce-scatter (and HSDP's all-reduce) sums it over the replicas, which makes every data-parallel
+        rank's contribution, so it is divided by dp (not by the fsdp_mesh size, FSDP2's default) to be the gradient
+        of the global batch's mean loss, as data parallelism averages the others. FSDP2 shards dimension 0 (whole
+        experts) when it splits the rank's E/ep experts evenly, else dimension 1, as torchtitan does when
+        dp_mod_ep x ep exceeds the experts."""
+        from torch.distributed.fsdp import fully_shard
+
+        mine = {id(sub) for sub in module.modules()}
+        mesh = self.fsdp_mesh
+        shards = mesh.size(-1)
+        for sub in self.modules:
+            if id(sub) not in mine:
+                continue
+            local = sub.num_experts  # E/ep (shard_experts)
+            fully_shard(sub, mesh=mesh, shard_placement_fn=partial(_fsdp_placement, local_experts=local, shards=shards),
+                        **kwargs)
+            sub.set_gradient_divide_factor(float(self.dp))
+            if mesh.device_type == "cpu":  # gloo has no PREMUL_SUM: sum, then divide
+                sub.set_force_sum_reduction_for_comms(True)
+
+
+def _fsdp_placement(param: nn.Parameter, local_experts: int, shards: int):
+    """Shard(0) when the `shards` ranks split the `local_experts` experts evenly, else Shard(1) when they split
+    dimension 1 evenly (FSDP2 requires it there), else Shard(0) padded."""
+    from torch.distributed.tensor import Shard
+
+    if local_experts % shards == 0 or param.dim() < 2 or param.shape[1] % shards:
+        return Shard(0)
+    return Shard(1)
 
 
 def parallelize_experts(module: nn.Module, device_type: str, dp: int, ep: int,
-                        dtype: torch.dtype = torch.float32) -> ExpertParallel:
+                        dtype: torch.dtype = torch.float32, dp_replicate: int = 1) -> ExpertParallel:
     """Split every experts module of `module` over groups of ep consecutive data-parallel ranks (torchtitan's ep
-    borrowed from dp; call on every rank, before FSDP, which must leave ExpertParallel.params alone). Works on
-    the meta device: each parameter becomes a DTensor of the full shape, Shard(0) over the "ep" dim of an
-    expert mesh (pp 1, dp/ep, ep, tp 1), whose local tensor is this rank's experts; its forward runs on the
-    local tensors (cast to `dtype`), routing tokens with all-to-all (shard_experts)."""
+    borrowed from dp_shard; call on every rank, before FSDP, which shards them over the ranks holding the same
+    experts with ExpertParallel.fully_shard). Works on the meta device: each parameter becomes a DTensor of the
+    full shape, Shard(0) over the "ep" dim of an expert mesh (pp 1, dp_replicate, dp_shard/ep, ep, tp 1), whose
+    local tensor is this rank's experts; its forward runs on the local tensors (cast to `dtype`), routing tokens
+    with all-to-all (shard_experts)."""
     from torch.distributed.tensor import DTensor, Shard
 
     if ep == 1:
@@ -181,18 +218,15 @@ def parallelize_experts(module: nn.Module, device_type: str, dp: int, ep: int,
     if not experts:
         raise UserError(f"ep={ep}, but {type(module).__name__} has no experts module (num_experts and weights "
                         f"stacked per expert on dimension 0) to split: plan it with ep=1")
-    mesh = expert_mesh(device_type, 1, dp, ep)
+    mesh = expert_mesh(device_type, 1, dp, ep, dp_replicate=dp_replicate)
     ep_mesh = mesh["ep"]
-    params = []
     for sub in experts:
         shard_experts(sub, ep_mesh.get_group())
         for name, param in list(sub.named_parameters(recurse=False)):
             sharded = DTensor.from_local(param.detach(), ep_mesh, [Shard(0)], run_check=False)
             setattr(sub, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-            params.append(getattr(sub, name))
         _compute_on_local_tensors(sub, dtype)
-    replicas = mesh["dp_mod_ep"].get_group() if dp // ep > 1 else None
-    return ExpertParallel(params, replicas, dp)
+    return ExpertParallel(experts, mesh, dp)
 
 
 def _compute_on_local_tensors(module: nn.Module, dtype: torch.dtype) -> None:
@@ -211,8 +245,3 @@ def _compute_on_local_tensors(module: nn.Module, dtype: torch.dtype) -> None:
             module._parameters.update(saved)
 
     module.forward = forward
-
-
-def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor (sharing its storage), else the tensor."""
-    return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor

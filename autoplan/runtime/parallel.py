@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from autoplan.runtime.expert_parallel import ExpertParallel
 from autoplan.runtime.mesh import RankLayout, fsdp_mesh
 from autoplan.runtime.recompute import ROOT_MODULE, submodule
 from autoplan.runtime.split import PipelineSplit
@@ -39,7 +40,7 @@ def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool, chain_modules: Sequence[str],
                         dtype: torch.dtype = torch.float32, batch_norm_modules: Sequence[str] = (),
-                        offload: bool = False, ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
+                        offload: bool = False, experts: ExpertParallel | None = None) -> nn.Module:
     """FSDP2 over the mesh's dp_shard x cp ranks (HSDP with dp_replicate): fully_shard each of the modules
     `chain_modules`, then the root. Works on a meta-device module (materialize afterwards). With dp_shard 1 it
     is DDP (replicate_data_parallel), except with tensor parallelism: DDP buckets plain tensors, not
@@ -49,7 +50,8 @@ def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, reshard_after_forwa
     the data-parallel ranks (runtime/batchnorm.py). `offload`: FSDP2's CPUOffloadPolicy keeps the sharded
     parameters, gradients and optimizer state in host memory (pinned on CUDA; on a CPU device torch cannot pin,
     "Cannot access accelerator device", so unpinned: the same code path with host-to-host copies).
-    `ignored_params`: parameters FSDP2 leaves alone (expert-parallel experts, runtime/expert_parallel.py)."""
+    `experts`: expert parallelism's experts modules, FSDP2-sharded first over the ranks holding the same experts
+    (ExpertParallel.fully_shard, with the same settings), so the modules around them leave them alone."""
     from autoplan.runtime.batchnorm import sync_batch_norm
 
     module = sync_batch_norm(module, mesh, batch_norm_modules)
@@ -57,20 +59,22 @@ def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, reshard_after_forwa
     shard = mesh["dp_shard"].size() * mesh["cp"].size()
     if replicate * shard == 1 or (shard == 1 and tp == 1):
         return module
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     dp_mesh = fsdp_mesh(mesh)
-    kwargs = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward and shard > 1,
-                  ignored_params=ignored_params or None)
+    kwargs = dict(reshard_after_forward=reshard_after_forward and shard > 1)
     if dtype != torch.float32:  # compute in `dtype`, reduce gradients in fp32
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     if offload:
         from torch.distributed.fsdp import CPUOffloadPolicy
 
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
+    if experts is not None:
+        experts.fully_shard(module, **kwargs)
     for path in _chain_modules_without_shared_parameters(module, chain_modules):
-        fully_shard(submodule(module, path), **kwargs)
-    fully_shard(module, **kwargs)
+        if not isinstance(submodule(module, path), FSDPModule):  # a chain module that is an experts module
+            fully_shard(submodule(module, path), mesh=dp_mesh, **kwargs)
+    fully_shard(module, mesh=dp_mesh, **kwargs)
     return module
 
 

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from autoplan.chain.modules import ModuleChain
-from autoplan.cost.context import Context, gib
+from autoplan.cost.context import Context, expert_shard_degree, gib
 from autoplan.cost.evaluate import (Candidate, build_problem, evaluate, host_oom_reason, oom_reason,
                                     with_memory_without_cp_ep)
 from autoplan.cost.memory import model_state_bytes, zero_of
@@ -218,7 +218,7 @@ def family_memory_bound(ctx: Context, fam: layouts.Family) -> float:
     numel = ctx.total_numel(fam.tp, fam.ep)
     experts = sum(ctx.module_expert_numel(fam.ep))
     zero = zero_of(fam.fsdp, fam.reshard)
-    expert_shard = 1  # cost/context.py expert_shard_degree: each rank keeps its E/ep experts whole
+    expert_shard = expert_shard_degree(fam.fsdp, fam.ep)
     states = sum(model_state_bytes(numel - experts, ctx.dtype, zero, fam.fsdp).values()) + \
         sum(model_state_bytes(experts, ctx.dtype, zero, expert_shard).values())
     if fam.pp > 1 and zero >= 2:  # unreduced gradients (and unsharded FSDP parameters) under pipelining
