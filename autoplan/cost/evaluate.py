@@ -16,7 +16,9 @@ Step time (seconds), p pipeline ranks with v stages each, m micro-batches, q the
 Context parallelism (cp) and expert parallelism (ep) change the module table (cost/compute.py sharded_table):
 every module's compute, collectives and activations on seq/cp tokens, the experts' compute times the router
 imbalance, plus each module's exposed ring traffic (breakdown "context_parallel_comm") and expert all-to-alls
-("expert_parallel_comm"), in its slot like the tensor-parallel collectives. Gradients are reduced over the
+("expert_parallel_comm"), in its slot like the tensor-parallel collectives; a pipeline's boundary sends carry
+the rank's seq/cp share from the first module calling attention on, the whole sequence before it
+(Context.rank_cut_bytes, as the program exports its stages). Gradients are reduced over the
 dp_shard x cp FSDP group (with dp_replicate); the expert parameters' (E/ep per rank) over the dp x cp / ep ranks
 holding the same experts (Groups.expert_shard and expert_replicate), priced as a second data-parallel
 communication beside the first, each behind the same compute.
@@ -104,7 +106,7 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     element = bytes_per_element(ctx.dtype)
     own, tied, experts = ctx.module_numel(tp, ep), ctx.group_numel(tp), ctx.module_expert_numel(ep)
     expert_shard = expert_shard_degree(par)
-    cut = [c * mbs * ctx.scale / cp for c in ctx.cut_bytes(cp)]
+    cut = [c * mbs * ctx.scale for c in ctx.rank_cut_bytes(cp)]
     n, ranges, modes = len(chain), assignment.split.ranges(), assignment.modes
     parts: list[dict[str, float]] = []
     costs: list[StageCost] = []

@@ -352,9 +352,10 @@ def check_maskless(stage, index: int) -> None:
             mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
             if mask is not None:
                 value = mask.meta.get("val") if isinstance(mask, fx.Node) else mask
-                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                what = f" {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""
+                name = f" ({mask.name})" if isinstance(mask, fx.Node) else ""
                 raise UserError(f"context parallelism inside pipeline stages: stage {index}'s attention call "
-                                f"{node.name} takes a mask tensor {shape}, and torch's ring attention takes "
+                                f"{node.name} takes a mask tensor{what}{name}, and torch's ring attention takes "
                                 f"is_causal or no mask (a padding, sliding-window or custom mask; use cp=1 or pp=1)")
 
 
