@@ -71,7 +71,7 @@ def export_stages(module, stages, rank=1):
     cp = PipelineContextParallel(Rank(rank), blocks, torch.device("cpu"))
     with cp.export(model, inputs):
         split = split_model(model, to_device(inputs, "meta"), stages, torch.device("cpu"))
-    cp.prepare(dict(enumerate(split.stages)))
+    cp.prepare(split.stages)
     return split, cp
 
 
@@ -106,6 +106,12 @@ def test_transformers_keeps_its_mask_unless_it_is_the_causal_triangle_of_positio
     inputs, _ = tiny_llama.example_batch(2)
     given = dict(inputs, position_ids=torch.arange(8).expand(2, 8))
     assert not positions_given(model, inputs) and positions_given(model, given)
+
+    class Forwarding(torch.nn.Module):  # position ids through **kwargs
+        def forward(self, input_ids, **kwargs):
+            return model(input_ids, **kwargs)
+
+    assert positions_given(Forwarding(), given) and not positions_given(Forwarding(), inputs)
 
     def masks(inputs, positions):
         with causal_mask_as_is_causal(positions):

@@ -178,10 +178,10 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
             stage_cp = PipelineContextParallel(mesh["cp"], attention, device)
         with stage_cp.export(model, inputs) if stage_cp is not None else nullcontext():
             split = split_model(model, to_device(inputs, "meta"), config.stages, device)
+        if stage_cp is not None:
+            stage_cp.prepare(split.stages)
         stage_ids = local_stages(rank.pp_rank, config.pp, config.virtual_stages)
         split.drop_other_stages(stage_ids)
-        if stage_cp is not None:
-            stage_cp.prepare({s: split.stages[s] for s in stage_ids})
         parts = {s: ModelPart(split.stages[s], split.state_fqns[s]) for s in stage_ids}
         chain_modules = {s: list(split.chain_modules[s]) for s in stage_ids}
     else:

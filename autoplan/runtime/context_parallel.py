@@ -331,9 +331,13 @@ def positions_given(model: torch.nn.Module, inputs: Any) -> bool:
 
     args, kwargs = model_args(inputs)
     try:
-        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+        signature = inspect.signature(model.forward)
+        bound = signature.bind(*args, **kwargs).arguments
     except (TypeError, ValueError):
         return True
+    for name, value in list(bound.items()):  # what **kwargs collected
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            bound.update(value)
     return bound.get("position_ids") is not None
 
 
@@ -391,9 +395,11 @@ class PipelineContextParallel:
             for handle in handles:
                 handle.remove()
 
-    def prepare(self, stages: dict[int, torch.nn.Module]) -> None:
-        """Send the stages' attention calls to the ring (attention_through_functional); refuse a masked one."""
-        for index, stage in stages.items():
+    def prepare(self, stages: list[torch.nn.Module]) -> None:
+        """Send the stages' attention calls to the ring (attention_through_functional); refuse a masked one. Every
+        stage, not only this rank's, so that every rank refuses the same plan (rather than waiting on one that
+        did)."""
+        for index, stage in enumerate(stages):
             attention_through_functional(stage)
             check_maskless(stage, index)
 
@@ -415,7 +421,7 @@ class PipelineContextParallel:
         try:
             with context_parallel(self.mesh, buffers=[positions], buffer_seq_dims=[ACTIVATION_SEQUENCE_DIM],
                                   no_restore_buffers={positions}):
-                if not torch.equal(positions[0].cpu(), self.shards.positions):
+                if not torch.equal(positions[0].cpu(), self.shards.positions.long()):
                     raise RuntimeError(f"context_parallel gives this rank positions {positions[0].tolist()}, the "
                                        f"stages were exported on {self.shards.positions.tolist()}")
                 yield None if targets is None else self.shards.shard(targets, ACTIVATION_SEQUENCE_DIM)
