@@ -9,8 +9,8 @@
 - the from-scratch GPT cut into two pipeline stages (runtime.split_model) exported with the blocks' sharding
   hooks in place, so each rank's stage graphs hold its shard's shapes, and their attention redirected to the
   function torch's context_parallel patches (attention_through_functional): run one after the other on the
-  ranks' shards they equal one device too. (Not HF models yet: traced by torch.export, transformers
-  materializes the causal mask, which the ring cannot take.)"""
+  ranks' shards they equal one device too. (HF models staged so, and the generated program with cp inside
+  pipeline stages: tests/test_context_parallel_stages.py and tests/test_context_parallel_program.py.)"""
 
 
 from pathlib import Path

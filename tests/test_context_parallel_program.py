@@ -1,6 +1,8 @@
-"""Context parallelism in the generated program (issue 19): train.py with cp=2 (2 ranks) and with dp=2 x cp=2 (4
-ranks, FSDP2 over dp_shard x cp, and HSDP: dp_replicate 2 x FSDP over the cp ranks) trains like the
-single-device model, with and without activation recomputation, causal attention, on HF Llama (sdpa) and the from-scratch GPT, and full (non-causal)
+"""Context parallelism in the generated program (issue 19): train.py with cp=2 (2 ranks), with dp=2 x cp=2 (4
+ranks, FSDP2 over dp_shard x cp, and HSDP: dp_replicate 2 x FSDP over the cp ranks) and with cp=2 inside a pp=2
+pipeline (4 ranks: 1F1B, GPipe, interleaved with the first stage ending before the first block, full recompute)
+trains like the single-device model, with and without activation recomputation, causal attention, on HF Llama
+(sdpa) and the from-scratch GPT, and full (non-causal)
 attention on a small token tagger (torch's ring without load balancing); a dp=2 x cp=2 checkpoint
 (torch.distributed.checkpoint over the flattened dp_shard x cp mesh) resumes into the uninterrupted run. Plans
 written as tests/test_layouts.py writes them, and planned by the search with cp pinned, as a user would
@@ -12,7 +14,7 @@ import pytest
 
 from autoplan.api import plan_model
 from helpers.verify_many import verify_many
-from test_layouts import MODELS, check_parity, check_resumed, mb, resume_jobs, write_case
+from test_layouts import MODELS, check_parity, check_resumed, mb, model_layout, resume_jobs, write_case
 
 pytestmark = pytest.mark.slow  # one 4-process torchrun launch
 
@@ -76,9 +78,24 @@ CP_LAYOUTS = {
     ("llama", "hsdp dp_replicate=2,cp=2"): dict(data_parallel_replicate_degree=2, fsdp_reshard_after_forward="always",
                                                 context_parallel_degree=2, **mb(1, 4)),
 }
+STAGED_LAYOUTS = {
+    ("gpt", "cp=2,pp=2,1f1b"): dict(context_parallel_degree=2, pipeline_parallel_degree=2,
+                                    pipeline_parallel_schedule="1f1b", **mb(4, 2)),
+    ("llama", "cp=2,pp=2,gpipe"): dict(context_parallel_degree=2, pipeline_parallel_degree=2,
+                                       pipeline_parallel_schedule="gpipe", **mb(4, 2)),
+    ("llama", "cp=2,pp=2,interleaved"): dict(context_parallel_degree=2, pipeline_parallel_degree=2,
+                                             pipeline_parallel_virtual_stages=2,
+                                             pipeline_parallel_schedule="interleaved", **mb(4, 2)),
+    ("gpt", "cp=2,pp=2,1f1b,recompute=full"): dict(context_parallel_degree=2, pipeline_parallel_degree=2,
+                                                   pipeline_parallel_schedule="1f1b", activation_checkpoint="full",
+                                                   **mb(4, 2)),
+}
+"""cp inside pipeline stages: the chain cut in halves (four stages for the interleaved schedule, the first one the
+embeddings alone, so the whole sequence crosses to the first block's stage)."""
 RESUMED = ("llama", "dp=2,zero=1,cp=2")
 FULL_ATTENTION = ("tagger", "cp=2, full attention")
-PINNED = {("gpt", "pin cp=2"): ("cp=2", 2), ("llama", "pin dp=2,cp=2"): ("dp=2,cp=2", 4)}
+PINNED = {("gpt", "pin cp=2"): ("cp=2", 2), ("llama", "pin dp=2,cp=2"): ("dp=2,cp=2", 4),
+          ("llama", "pin cp=2,pp=2"): ("cp=2,pp=2", 4)}
 """Planned by the search: pins and GPUs."""
 
 
@@ -87,12 +104,13 @@ def batch(tmp_path_factory):
     root = tmp_path_factory.mktemp("context_parallel")
     folders = {key: write_case(root, f"{key[0]} {key[1]}", MODELS[key[0]].source, [MODELS[key[0]].chain_modules],
                                **layout) for key, layout in CP_LAYOUTS.items()}
+    folders.update({key: model_layout(root, *key, layout) for key, layout in STAGED_LAYOUTS.items()})
     folders[FULL_ATTENTION] = write_case(root, "tagger cp=2", TAGGER, [("embed", "pos", "blocks.0", "blocks.1", "head")],
                                          context_parallel_degree=2, **mb(2, 4))
     for (model, name), (pin, gpus) in PINNED.items():
         source = root / f"{model}_model.py"
         source.write_text(MODELS[model].source)
-        folders[model, name] = root / f"{model}_planned"
+        folders[model, name] = root / f"{model}_planned_{pin.replace(',', '_').replace('=', '')}"
         plan_model(str(source), gpus, "cpu", global_batch=8, pin=pin, out=folders[model, name])
     keys = list(folders)
     result = verify_many([folders[k] for k in keys], steps=STEPS, timeout_s=900, nproc=4,
@@ -100,12 +118,14 @@ def batch(tmp_path_factory):
     return dict(zip(keys, result.results)), result.extra_errors, folders
 
 
-@pytest.mark.parametrize("key", [*CP_LAYOUTS, FULL_ATTENTION, *PINNED], ids=lambda key: " ".join(key))
+@pytest.mark.parametrize("key", [*CP_LAYOUTS, *STAGED_LAYOUTS, FULL_ATTENTION, *PINNED], ids=lambda key: " ".join(key))
 def test_context_parallel_program_trains_like_the_single_device_model(batch, key):
     results, _, folders = batch
     check_parity(results[key])
     assert "2-way context parallel" in (folders[key] / "train.py").read_text()
-    assert json.loads((folders[key] / "plan.json").read_text())["parallelism"]["context_parallel_degree"] == 2
+    parallelism = json.loads((folders[key] / "plan.json").read_text())["parallelism"]
+    assert parallelism["context_parallel_degree"] == 2
+    assert parallelism["pipeline_parallel_degree"] == (2 if "pp=2" in key[1] else 1)
 
 
 def test_a_context_parallel_checkpoint_resumes_into_the_uninterrupted_run(batch):

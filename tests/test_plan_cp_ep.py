@@ -43,7 +43,7 @@ def test_the_rules_give_their_arithmetic():
         "use zero=1, 2 or 3)"]
 
 
-def test_cp_pins_plan_and_cp_with_pp_or_tp_and_ep_are_refused_while_the_program_cannot_run_them():
+def test_cp_pins_plan_with_and_without_a_pipeline_and_cp_with_tp_and_ep_are_refused_while_the_program_cannot_run_them():
     assert parse_pins("cp=2,ep=2") == Layout(cp=2, ep=2)
     profile = gpt_profile(n_layer=4, seq=2048, batch=2)
     training = Training(global_batch_size=8, dtype="bf16")
@@ -51,9 +51,9 @@ def test_cp_pins_plan_and_cp_with_pp_or_tp_and_ep_are_refused_while_the_program_
     par = pinned.parallelism
     assert par.context_parallel_degree == 2 and par.sharded and par.world_size == 8
     assert par.pipeline_parallel_degree == par.tensor_parallel_degree == 1
-    with pytest.raises(UserError, match=r"cp=2 with pp=2: the program cannot yet run context parallelism inside "
-                                        r"pipeline stages \(use cp=1 or pp=1\)"):
-        search(profile, cluster(8), training, parse_pins("cp=2,pp=2"))
+    staged = search(profile, cluster(8), training, parse_pins("cp=2,pp=2")).best.parallelism
+    assert (staged.context_parallel_degree, staged.pipeline_parallel_degree, staged.world_size) == (2, 2, 8)
+    assert staged.sharded  # FSDP2 over dp_shard x cp inside each stage
     with pytest.raises(UserError, match=r"cp=2 with tp=2: the program cannot yet run context parallelism together "
                                         r"with tensor parallelism \(use cp=1 or tp=1\)"):
         search(profile, cluster(8), training, parse_pins("cp=2,tp=2"))
@@ -71,7 +71,6 @@ def test_the_program_runs_ep_over_fsdp_ranks_only_and_the_rules_say_why_not_othe
     assert problems(Layout(dp_replicate=1, dp_shard=4, ep=2, pp=1, tp=1, cp=1), scope) == []
     assert problems(Layout(dp_replicate=2, dp_shard=2, ep=2), scope) == []  # HSDP: ep splits each shard group
     assert problems(Layout(dp_shard=2, ep=2, pp=2, tp=2, cp=2), scope) == [
-        "cp=2 with pp=2: the program cannot yet run context parallelism inside pipeline stages (use cp=1 or pp=1)",
         "cp=2 with tp=2: the program cannot yet run context parallelism together with tensor parallelism "
         "(use cp=1 or tp=1)",
         "ep=2 with pp=2: the program cannot yet run expert parallelism inside pipeline stages (the stages are "
@@ -103,10 +102,10 @@ def test_a_parallel_config_with_ep_the_program_cannot_run_is_refused_before_any_
         ParallelConfig(ep=0)
 
 
-def test_the_default_search_keeps_cp_out_of_pipelines_and_tensor_parallelism():
+def test_the_default_search_tries_cp_inside_pipelines_and_keeps_it_out_of_tensor_parallelism():
     scope = Scope(features=SUPPORTED)
+    assert problems(Layout(cp=2, pp=2, tp=1), scope) == []
     assert problems(Layout(cp=2, pp=2, tp=2), scope) == [
-        "cp=2 with pp=2: the program cannot yet run context parallelism inside pipeline stages (use cp=1 or pp=1)",
         "cp=2 with tp=2: the program cannot yet run context parallelism together with tensor parallelism "
         "(use cp=1 or tp=1)"]
     assert problems(Layout(cp=2, pp=2, tp=2), Scope(features=ALL_FEATURES)) == []  # priced all the same
@@ -115,7 +114,9 @@ def test_the_default_search_keeps_cp_out_of_pipelines_and_tensor_parallelism():
     result = search(long, cluster(8), Training(global_batch_size=8, dtype="bf16"))
     with_cp = [c.parallelism for c in result.candidates if c.parallelism.context_parallel_degree > 1]
     assert with_cp, "the default search tries cp on long sequences"
-    assert all(p.pipeline_parallel_degree == 1 and p.tensor_parallel_degree == 1 for p in with_cp)
+    assert all(p.tensor_parallel_degree == 1 for p in with_cp)
+    staged = search(long, cluster(8), Training(global_batch_size=8, dtype="bf16"), parse_pins("pp=2")).best
+    assert staged.parallelism.context_parallel_degree > 1, "the search picks cp inside a pipeline on long sequences"
 
 
 def test_attention_written_as_matmuls_refuses_cp_with_the_reason():
@@ -307,3 +308,18 @@ def test_the_summary_says_why_the_experts_are_split():
     line = _expert_parallel_line(plan)
     assert line.startswith("ep=8: 60.00 GiB peak, the same layout with ep=1 90.00 GiB; the fastest layout with ep=1 (")
     assert line.endswith("(1.25x), 70.00 GiB"), line
+
+
+def test_pipeline_sends_carry_the_rank_share_from_the_first_attention_module_on():
+    """Under cp the program hands each rank its share of the sequence where the block of the first attention call
+    starts: a boundary before it carries the whole sequence on every cp rank, every later one 1/cp of it."""
+    profile = gpt_profile(n_layer=2, seq=1024, batch=2)
+    ctx = Context(profile, cluster(4), Training(4, "bf16"), CP_EP)
+    first = min(ctx._attention_module)
+    assert first > 0  # the embeddings come before
+    whole, shared = ctx.cut_bytes(2), ctx.rank_cut_bytes(2)
+    assert shared[:first] == whole[:first]
+    assert shared[first:] == pytest.approx(tuple(c / 2 for c in whole[first:]))
+    assert ctx.rank_cut_bytes(1) == ctx.cut_bytes(1)
+    inputs = ctx.memory_inputs(1, 1, cp=2)
+    assert inputs.cut_bytes == pytest.approx(tuple(c * ctx.scale for c in shared))

@@ -229,6 +229,16 @@ class Context:
             return tuple(self.chain.cut_bytes)
         return tuple(max(0.0, c - m) for c, m in zip(self.chain.cut_bytes, self.mask_cut_bytes))
 
+    def rank_cut_bytes(self, cp: int = 1) -> tuple[float, ...]:
+        """Bytes per sample each rank sends across each module boundary (capture dtype): cut_bytes(cp), divided by cp
+        from the output of the first module calling attention on; the boundaries before it carry the whole sequence
+        on every context-parallel rank, as the program hands the ranks their shares only where the block of the first
+        attention call starts (runtime/context_parallel.py)."""
+        if cp == 1:
+            return self.cut_bytes()
+        first = min(self._attention_module, default=0)
+        return tuple(c / cp if i >= first else c for i, c in enumerate(self.cut_bytes(cp)))
+
     def total_numel(self, tp: int, ep: int = 1) -> float:
         """Parameter elements on a tensor-parallel rank (E/ep experts of each expert layer), tied ones once."""
         return sum(self.module_numel(tp, ep)) + sum(self.group_numel(tp))
@@ -270,7 +280,7 @@ class Context:
             tied_group_modules=tuple(g.modules for g in self.chain.tied_groups),
             module_largest_numel=tuple(whole), activations=table.activation_bytes,
             working_bytes=table.working_bytes,
-            cut_bytes=tuple(c * microbatch * self.scale / cp for c in self.cut_bytes(cp)),
+            cut_bytes=tuple(c * microbatch * self.scale for c in self.rank_cut_bytes(cp)),
             expert_numel=tuple(self.module_expert_numel(ep)) if self.experts else (),
         )
 

@@ -11,6 +11,8 @@
   step's attention backward; the last gradient block comes home after the loop, exposed.
 - Everything else in the model runs on seq/cp tokens per rank (time and activations divided by cp),
   and gradients are averaged over the cp ranks with the data-parallel ones (the evaluation's part).
+  With a pipeline, the activations the stages send each other are the rank's seq/cp share from the first
+  module calling attention on, and the whole sequence before it (cost/context.py rank_cut_bytes).
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ Step time (seconds), p pipeline ranks with v stages each, m micro-batches, q the
 Context parallelism (cp) and expert parallelism (ep) change the module table (cost/compute.py sharded_table):
 every module's compute, collectives and activations on seq/cp tokens, the experts' compute times the router
 imbalance, plus each module's exposed ring traffic (breakdown "context_parallel_comm") and expert all-to-alls
-("expert_parallel_comm"), in its slot like the tensor-parallel collectives. Gradients are reduced over the
+("expert_parallel_comm"), in its slot like the tensor-parallel collectives; a pipeline's boundary sends carry
+the rank's seq/cp share from the first module calling attention on, the whole sequence before it
+(Context.rank_cut_bytes, as the program exports its stages). Gradients are reduced over the
 dp_shard x cp FSDP group (with dp_replicate); the expert parameters (E/ep per rank) are their own FSDP2 unit in
 each module, sharded over the dp_shard x cp / ep ranks holding the same experts (Groups.expert_shard, HSDP's
 Groups.expert_replicate beside), their collectives added to the module's and hidden behind the same compute
@@ -107,7 +109,7 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     # with ep = 1 the experts are parameters like the others (in their module's FSDP2 unit or DDP bucket)
     experts = ctx.module_expert_numel(ep) if ep > 1 else [0.0] * len(own)
     expert_shard = expert_shard_degree(par.fsdp_shard_degree, ep)
-    cut = [c * mbs * ctx.scale / cp for c in ctx.cut_bytes(cp)]
+    cut = [c * mbs * ctx.scale for c in ctx.rank_cut_bytes(cp)]
     n, ranges, modes = len(chain), assignment.split.ranges(), assignment.modes
     parts: list[dict[str, float]] = []
     costs: list[StageCost] = []

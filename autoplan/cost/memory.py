@@ -20,7 +20,9 @@ state live in host memory (host_state_bytes), so none of them count on the GPU; 
 parameters of the units in flight, as without offload, and stages each unit's fp32 shard (copied in before
 its all-gather) and its reduced gradient shard (copied out after its reduce-scatter).
 Context parallelism (cp): activations, working set and boundary outputs divide by cp (a rank holds seq/cp
-tokens, cost/compute.py sharded_table); the model states are sharded over dp_shard x cp (`shard` here).
+tokens, cost/compute.py sharded_table), the boundary outputs from the first module calling attention on (before
+it every rank holds the whole sequence: cost/context.py rank_cut_bytes); the model states are sharded over
+dp_shard x cp (`shard` here).
 Expert parallelism (ep): a rank holds E/ep of each expert layer's experts (MemoryInputs.expert_numel, already
 divided), their states sharded over `expert_shard` ranks (cost/context.py expert_shard_degree: FSDP2 shards them
 over the dp_shard x cp / ep ranks holding the same experts, as the program runs them, so under ZeRO a rank keeps

@@ -6,7 +6,9 @@ stage tensor parallelism, activation recomputation, torch.compile, FSDP2/HSDP (a
 no memory yet), then the values are filled in, then DDP (which needs real parameters). With context
 parallelism the block where each rank starts computing on its share of the sequence is found first, by running
 the meta-device model on fake tensors (runtime/attention_blocks.py), and each micro-batch then runs inside a
-ContextParallelRegion (runtime/context_parallel.py).
+ContextParallelRegion (runtime/context_parallel.py); with a pipeline too, each rank exports the model with those
+blocks handed its share of the sequence, so its stages compute and send the share, and each schedule step runs
+inside a PipelineContextParallel region.
 
 The model's values: a model built the ordinary way (on CPU, real tensors) starts from rank 0's values,
 broadcast to every rank, so ranks that built it with different random numbers still train one model. A
@@ -17,6 +19,7 @@ model on rank 0 with the plan's seed. Either way each rank ends up holding only 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -32,7 +35,7 @@ from autoplan.layout import SUPPORTED, Layout, Scope, problems
 from autoplan.runtime.attention_blocks import find_attention_blocks
 from autoplan.runtime.compile import compile_modules
 from autoplan.runtime.config import ParallelConfig, as_config
-from autoplan.runtime.context_parallel import ContextParallelRegion
+from autoplan.runtime.context_parallel import ContextParallelRegion, PipelineContextParallel
 from autoplan.runtime.data import batch_size_of, shard, to_device
 from autoplan.runtime.expert_parallel import ExpertParallel, parallelize_experts
 from autoplan.runtime.materialize import ModelPart, catalog, materialize_from, named_tensors
@@ -167,10 +170,15 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
         attention = find_attention_blocks(model, config.chain_modules,
                                           _one_microbatch(example_inputs, config.microbatch_size))
 
-    split = None
+    split = stage_cp = None
     if config.pp > 1:  # cut this rank's stages out of the exported graph of the model
         inputs = _one_microbatch(example_inputs, config.microbatch_size)
-        split = split_model(model, to_device(inputs, "meta"), config.stages, device)
+        if attention is not None:  # exported on this rank's share of the sequence from the first block on
+            stage_cp = PipelineContextParallel(mesh["cp"], attention, device)
+        with stage_cp.export(model, inputs) if stage_cp is not None else nullcontext():
+            split = split_model(model, to_device(inputs, "meta"), config.stages, device)
+        if stage_cp is not None:
+            stage_cp.prepare(split.stages)
         stage_ids = local_stages(rank.pp_rank, config.pp, config.virtual_stages)
         split.drop_other_stages(stage_ids)
         parts = {s: ModelPart(split.stages[s], split.state_fqns[s]) for s in stage_ids}
@@ -202,7 +210,8 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
     loss_parallel = config.tp > 1 and config.loss_parallel
     if split is not None:
         step = PipelineStep(modules, split, mesh, rank, config.schedule, config.num_microbatches, loss_fn, device,
-                            dtype, tensor_parallel=config.tp > 1, loss_parallel=loss_parallel)
+                            dtype, tensor_parallel=config.tp > 1, loss_parallel=loss_parallel,
+                            context_parallel=stage_cp)
     else:
         region = ContextParallelRegion(mesh["cp"], modules[0], attention) if attention is not None else None
         step = AccumulationStep(modules[0], config.num_microbatches, loss_fn, dtype, tensor_parallel=config.tp > 1,
@@ -219,7 +228,7 @@ def _device(device: torch.device | str | None) -> torch.device:
 
 def _check_runnable(config: ParallelConfig) -> None:
     """The layout rules a ParallelConfig built by hand can break that this runtime cannot run (layout.py:
-    context or expert parallelism with a pipeline or tensor parallelism)."""
+    context parallelism with tensor parallelism, expert parallelism with a pipeline or tensor parallelism)."""
     layout = Layout(dp_replicate=config.dp_replicate, dp_shard=config.dp_shard, cp=config.cp, ep=config.ep,
                     pp=config.pp, tp=config.tp)
     found = problems(layout, Scope(features=SUPPORTED))

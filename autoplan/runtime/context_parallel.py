@@ -20,17 +20,26 @@ over the mesh's "cp" ranks (targets cut to the rank's share), the load balancing
 causality, and the shard_block_inputs hooks on the block found by runtime/attention_blocks.py and the chain
 modules after it.
 
-Pipeline stages are graphs torch.export recorded with the shapes it saw. Exported on a rank with the blocks'
-sharding hooks (shard_block_inputs) in place, a stage's graph cuts that rank's share of the sequence where a
-block starts and keeps its shapes from there on; attention_through_functional then sends the stages'
-attention calls to the function context_parallel patches. (transformers, traced, materializes the causal
-mask, which the ring refuses: its models cannot be staged so yet.)
+Pipeline stages are graphs torch.export recorded with the shapes it saw (PipelineContextParallel). Exported on a
+rank with the blocks' sharding hooks (shard_block_inputs) in place, a stage's graph cuts that rank's share of the
+sequence where a block starts and keeps its shapes from there on, so the activations the stages send each other
+from there on are the rank's share; attention_through_functional then sends the stages' attention calls to the
+function context_parallel patches, and the whole schedule step (every stage's forward and backward) runs inside
+one ring region, the last stage's targets cut to the rank's share in the order the export cut the activations.
+
+transformers builds its causal mask as a tensor when it traces (torch.export), and passes is_causal=True to SDPA
+instead when it runs eagerly without padding: it keeps the mask under export because an exported graph fixes
+is_causal for the example's shapes (pytorch#108108), which a pipeline stage's graph does anyway (its shapes are
+static). The ring takes no mask tensor, so causal_mask_as_is_causal lets transformers decide during the export as
+it does eagerly, exactly when the mask would be SDPA's own causal triangle; any mask left in a stage's attention is
+refused with the stage and call (check_maskless).
 """
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
@@ -121,9 +130,10 @@ position ids, rotary cos/sin."""
 
 class SequenceShards:
     """This rank's share of a sequence under context parallelism, in torch's order: with causal load
-    balancing (torch's head-tail balancer, on when `context_parallel` turned it on) rank r of c holds the
-    r-th and (2c-1-r)-th of 2c chunks, so every rank attends to as many earlier tokens; else the r-th of c.
-    Made inside a `context_parallel` region, so it agrees with how that region shards the targets."""
+    balancing (torch's head-tail balancer, on while `_cp_options.enable_load_balance` is, as `context_parallel`
+    and PipelineContextParallel set it) rank r of c holds the r-th and (2c-1-r)-th of 2c chunks, so every rank
+    attends to as many earlier tokens; else the r-th of c. The share is cut as runs of consecutive positions
+    (narrow, then cat), so an exported graph holds no index tensor."""
 
     def __init__(self, mesh, seq_len: int, device: torch.device) -> None:
         from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
@@ -134,14 +144,16 @@ class SequenceShards:
         if seq_len % self.size:
             raise ValueError(f"cannot split a sequence of {seq_len} tokens into {self.size} equal shares")
         balancer = _create_default_load_balancer(seq_len, self.size, device)
-        self.order = balancer._generate_indices()[0] if balancer is not None else None
-        """Token positions in sharding order (None: in their own order)."""
+        order = balancer._generate_indices()[0].cpu() if balancer is not None else torch.arange(seq_len)
+        self.positions = order.chunk(self.size)[self.rank]
+        """The token positions this rank holds, in the order it holds them."""
+        self.runs = _runs(self.positions.tolist())
+        """(first position, length) of each run of consecutive positions in `positions`."""
 
     def shard(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """The rank's share of `tensor` along `dim` (differentiable: gradients flow to the whole tensor)."""
-        if self.order is not None:
-            tensor = tensor.index_select(dim, self.order.to(tensor.device))
-        return tensor.chunk(self.size, dim)[self.rank]
+        pieces = [tensor.narrow(dim, start, length) for start, length in self.runs]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
     def shard_sequences(self, value):
         """Every tensor in `value` (nested) whose sequence dimension is the whole sequence, sharded."""
@@ -154,6 +166,16 @@ class SequenceShards:
             return item
 
         return pytree.tree_map(one, value)
+
+
+def _runs(positions: list[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for position in positions:
+        if runs and runs[-1][0] + runs[-1][1] == position:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((position, 1))
+    return runs
 
 
 def shard_block_inputs(blocks, shards: "SequenceShards"):
@@ -248,4 +270,160 @@ class ContextParallelRegion:
         finally:
             for handle in handles:
                 handle.remove()
+            _cp_options.enable_load_balance = balance
+
+
+@contextmanager
+def causal_mask_as_is_causal(positions_given: bool):
+    """While the model is exported for pipeline stages under context parallelism: transformers decides on its
+    causal mask as it does when it runs eagerly on an unpadded batch of one sequence per row, where it passes
+    is_causal=True to SDPA and no mask. Under torch.export it cannot read the values it decides on, so it keeps the
+    mask; here its two tests (transformers.masking_utils) answer from what is known without values:
+
+    - find_packed_sequence_indices: no packed sequences when the model made its position ids itself
+      (`positions_given` False: its inputs hold none; transformers then numbers each row 0..S-1), else its own
+      answer (a mask);
+    - _ignore_causal_mask_sdpa: the mask is left to is_causal when it would be exactly SDPA's causal triangle (no
+      padding mask, as many queries as keys at the same offset, no window shorter than the sequence), else its
+      own answer (a mask).
+
+    transformers keeps the mask under export because an exported graph fixes is_causal for the example's shapes
+    (pytorch#108108); a pipeline stage's graph has those static shapes anyway. A mask kept is refused by
+    check_maskless. Nothing changes for a model whose library is not transformers (its masking module not loaded)."""
+    import inspect
+
+    masking = sys.modules.get("transformers.masking_utils")
+    originals = {name: getattr(masking, name, None) for name in ("_ignore_causal_mask_sdpa",
+                                                                 "find_packed_sequence_indices")}
+    if None in originals.values():
+        yield
+        return
+    ignore_mask, find_packed = originals["_ignore_causal_mask_sdpa"], originals["find_packed_sequence_indices"]
+    signature = inspect.signature(ignore_mask)
+
+    def ignore_causal_mask(*args, **kwargs):
+        given = signature.bind(*args, **kwargs)
+        given.apply_defaults()
+        a = given.arguments
+        q_offset, kv_offset, window = a.get("q_offset"), a.get("kv_offset"), a.get("local_attention_size")
+        triangle = ("padding_mask" in a and a["padding_mask"] is None and isinstance(a.get("q_length"), int)
+                    and a.get("q_length") == a.get("kv_length") and isinstance(q_offset, int)
+                    and q_offset == kv_offset and (window is None or a["kv_length"] < window))
+        return triangle or ignore_mask(*args, **kwargs)
+
+    def packed_sequences(*args, **kwargs):
+        return find_packed(*args, **kwargs) if positions_given else None
+
+    masking._ignore_causal_mask_sdpa, masking.find_packed_sequence_indices = ignore_causal_mask, packed_sequences
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(masking, name, original)
+
+
+def positions_given(model: torch.nn.Module, inputs: Any) -> bool:
+    """Whether `inputs` hand `model` position ids (a transformers model's `position_ids` argument), or might (they
+    do not bind to its forward's signature)."""
+    import inspect
+
+    from autoplan.contract import model_args
+
+    args, kwargs = model_args(inputs)
+    try:
+        signature = inspect.signature(model.forward)
+        bound = signature.bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return True
+    for name, value in list(bound.items()):  # what **kwargs collected
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            bound.update(value)
+    return bound.get("position_ids") is not None
+
+
+def check_maskless(stage, index: int) -> None:
+    """A UserError if an attention call of pipeline stage `index` (its exported graphs) takes a mask tensor: the
+    ring attends with is_causal or no mask only."""
+    from torch import fx
+
+    for graph_module in stage.modules():
+        if not isinstance(graph_module, fx.GraphModule):
+            continue
+        for node in graph_module.graph.nodes:
+            if node.op != "call_function" or node.target not in (functional_attention,
+                                                                 _aten.scaled_dot_product_attention.default):
+                continue
+            mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+            if mask is not None:
+                value = mask.meta.get("val") if isinstance(mask, fx.Node) else mask
+                what = f" {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""
+                name = f" ({mask.name})" if isinstance(mask, fx.Node) else ""
+                raise UserError(f"context parallelism inside pipeline stages: stage {index}'s attention call "
+                                f"{node.name} takes a mask tensor{what}{name}, and torch's ring attention takes "
+                                f"is_causal or no mask (a padding, sliding-window or custom mask; use cp=1 or pp=1)")
+
+
+class PipelineContextParallel:
+    """Context parallelism inside pipeline stages (see the module docstring): the export of the stages on this
+    rank's share of the sequence, the stages' attention sent to the ring, and the region a schedule step runs in.
+    The share is the one SequenceShards gives, with the load balancing the attention's causality asks for, at the
+    export and at every step alike, so every stage, the activations they send and the targets agree."""
+
+    def __init__(self, cp_mesh: "DeviceMesh", blocks: "AttentionBlocks", device: torch.device) -> None:
+        from torch.distributed.tensor.experimental._attention import _cp_options
+
+        register_cpu_ring_attention()
+        self.mesh, self.attention, self.device = cp_mesh, blocks, device
+        """The 1-D "cp" mesh; the AttentionBlocks (runtime/attention_blocks.py); the compute device."""
+        balance, _cp_options.enable_load_balance = _cp_options.enable_load_balance, blocks.causal
+        try:
+            self.shards = SequenceShards(cp_mesh, blocks.sequence_length, device)
+        finally:
+            _cp_options.enable_load_balance = balance
+
+    @contextmanager
+    def export(self, model: torch.nn.Module, inputs: Any):
+        """Where `model` is exported on `inputs` for the stages: the hooks (shard_block_inputs) hand the blocks this
+        rank's share, and transformers leaves its causal mask to is_causal (causal_mask_as_is_causal)."""
+        from autoplan.runtime.recompute import submodule
+
+        handles = shard_block_inputs([submodule(model, path) for path in self.attention.modules], self.shards)
+        try:
+            with causal_mask_as_is_causal(positions_given(model, inputs)):
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def prepare(self, stages: list[torch.nn.Module]) -> None:
+        """Send the stages' attention calls to the ring (attention_through_functional); refuse a masked one. Every
+        stage, not only this rank's, so that every rank refuses the same plan (rather than waiting on one that
+        did)."""
+        for index, stage in enumerate(stages):
+            attention_through_functional(stage)
+            check_maskless(stage, index)
+
+    @contextmanager
+    def __call__(self, targets: torch.Tensor | None):
+        """Where a schedule step runs (every stage's forward and backward): torch's context_parallel, its ring
+        balanced as at the export. Yields the rank's share of `targets` (the last stage's; None elsewhere)."""
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental._attention import _cp_options
+
+        seq_len = self.attention.sequence_length
+        if targets is not None and (targets.dim() <= ACTIVATION_SEQUENCE_DIM
+                                    or targets.shape[ACTIVATION_SEQUENCE_DIM] != seq_len):
+            raise UserError(f"context parallelism cuts the targets to the rank's share of the sequence, but the "
+                            f"targets {tuple(targets.shape)} do not have the attention's {seq_len} tokens along "
+                            f"dimension {ACTIVATION_SEQUENCE_DIM}")
+        positions = torch.arange(seq_len, device=self.device).unsqueeze(0)  # what context_parallel shards here
+        balance, _cp_options.enable_load_balance = _cp_options.enable_load_balance, self.attention.causal
+        try:
+            with context_parallel(self.mesh, buffers=[positions], buffer_seq_dims=[ACTIVATION_SEQUENCE_DIM],
+                                  no_restore_buffers={positions}):
+                if not torch.equal(positions[0].cpu(), self.shards.positions.long()):
+                    raise RuntimeError(f"context_parallel gives this rank positions {positions[0].tolist()}, the "
+                                       f"stages were exported on {self.shards.positions.tolist()}")
+                yield None if targets is None else self.shards.shard(targets, ACTIVATION_SEQUENCE_DIM)
+        finally:
             _cp_options.enable_load_balance = balance

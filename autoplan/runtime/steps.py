@@ -3,8 +3,9 @@
 Both return this rank's mean loss over its micro-batches (None on ranks that do not compute the
 loss), and leave gradients of the mean loss, reduced over the data-parallel ranks, in .grad.
 Tensor parallelism needs plain tensors that meet DTensors to count as replicated, during forward
-and backward alike, so both run inside tensor_parallel_context. Under context parallelism (no pipeline) each
-micro-batch runs inside its ContextParallelRegion.
+and backward alike, so both run inside tensor_parallel_context. Under context parallelism each micro-batch
+runs inside its ContextParallelRegion, or with a pipeline the whole schedule step inside the
+PipelineContextParallel region (its stages were exported on the rank's share of the sequence).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.contract import LossFn, call_model, compute_loss
 from autoplan.errors import UserError
-from autoplan.runtime.context_parallel import ContextParallelRegion
+from autoplan.runtime.context_parallel import ContextParallelRegion, PipelineContextParallel
 from autoplan.runtime.data import microbatches
 from autoplan.runtime.failures import stage_failures
 from autoplan.runtime.mesh import RankLayout
@@ -110,7 +111,7 @@ class PipelineStep:
     def __init__(self, parts: Mapping[int, nn.Module], split: PipelineSplit, mesh: DeviceMesh, layout: RankLayout,
                  schedule: str, num_microbatches: int, loss_fn: LossFn | None, device: torch.device,
                  dtype: torch.dtype = torch.float32, tensor_parallel: bool = False,
-                 loss_parallel: bool = False) -> None:
+                 loss_parallel: bool = False, context_parallel: PipelineContextParallel | None = None) -> None:
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleaved1F1B)
 
@@ -120,6 +121,9 @@ class PipelineStep:
             raise UserError(f"the {schedule} schedule runs one stage per rank, this rank has {len(parts)}: "
                             "use the interleaved schedule for virtual stages")
         self.split, self.layout, self.tensor_parallel, self.parts = split, layout, tensor_parallel, dict(parts)
+        self.context_parallel = context_parallel
+        """With cp > 1: the region each step runs in (the last stage's loss is the mean over the rank's share of
+        the tokens)."""
         num_stages = len(split.stages)
         stages = []
         for index, module in sorted(parts.items()):
@@ -139,14 +143,13 @@ class PipelineStep:
 
     def __call__(self, inputs: Any, targets: Any) -> torch.Tensor | None:
         args = self.split.flatten_inputs(inputs) if self.layout.is_first_stage else ()
+        if self.layout.is_last_stage and not isinstance(targets, torch.Tensor):
+            raise UserError(f"pipeline parallelism needs the targets as one tensor, got {type(targets).__name__}")
         with tensor_parallel_context(self.tensor_parallel), loss_parallel_context(self.loss_parallel), \
-                stage_failures(self.parts):
+                stage_failures(self.parts), self._sequence_shares(targets) as targets:
             if not self.layout.is_last_stage:
                 self.schedule.step(*args, return_outputs=False)
             else:
-                if not isinstance(targets, torch.Tensor):
-                    raise UserError(f"pipeline parallelism needs the targets as one tensor, got "
-                                    f"{type(targets).__name__}")
                 losses: list[torch.Tensor] = []
                 self.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
         if self.tensor_parallel:
@@ -155,3 +158,10 @@ class PipelineStep:
         if not self.layout.is_last_stage:
             return None
         return torch.stack([plain_tensor(loss.detach()).float() for loss in losses]).mean()
+
+    def _sequence_shares(self, targets: Any):
+        """The context-parallel region yielding the rank's share of the last stage's targets (None on the other
+        stages); without cp, `targets` as they are."""
+        if self.context_parallel is None:
+            return nullcontext(targets)
+        return self.context_parallel(targets if self.layout.is_last_stage else None)
