@@ -38,7 +38,7 @@ ALL_FEATURES = frozenset({
     "offload", "compile",
     "cp",                 # context parallelism (ring attention over SDPA) with FSDP/HSDP
     "cp_pp",              # context parallelism inside pipeline stages; priced, not yet in train.py
-    "cp_tp",              # context parallelism with tensor parallelism; priced, not yet in train.py
+    "cp_tp",              # context parallelism with tensor parallelism (each tp rank rings its heads)
     "ep",                 # expert parallelism (all-to-all dispatch) over FSDP2's data-parallel ranks
     "ep_pp",              # expert parallelism inside pipeline stages; priced, not yet in train.py
     "ep_tp",              # expert parallelism with tensor parallelism; priced, not yet in train.py
@@ -47,7 +47,7 @@ ALL_FEATURES = frozenset({
     "ep_offload",         # expert parallelism with FSDP2's CPU offload; priced, not yet in train.py
 })
 """Everything the cost model can price. Beyond SUPPORTED, two features of Megatron-LM that torch does not run,
-context parallelism together with a pipeline or with tensor parallelism, and expert parallelism together with
+context parallelism together with a pipeline, and expert parallelism together with
 a pipeline, tensor or context parallelism, or DDP, which the generated program does not run yet, priced only
 when a caller asks for them (tests of the cost model; a search with features=ALL_FEATURES); the default search
 and autoplan.estimate, which benchmarks/accuracy.py prices the published runs with, never use them."""
@@ -67,11 +67,12 @@ SUPPORTED = frozenset({
     "offload",            # FSDP2 CPUOffloadPolicy (needs an accelerator: torch refuses it on CPU devices)
     "compile",            # torch.compile per chain module (inductor; its CPU backend too)
     "cp",                 # context parallelism: torch's context_parallel over SDPA, FSDP2 over dp_shard x cp
+    "cp_tp",              # context parallelism with tensor parallelism: the ring over each tp rank's heads
     "ep",                 # expert parallelism: experts split over ep of the FSDP2 ranks, all-to-all dispatch
 })
 """What codegen can run. Remove a name to stop the search from emitting (or accepting a pin of) it.
-Not yet: pp_scatter_gather and tp_fused_split (not in torch), cp_pp and cp_tp (train.py runs context parallelism
-without pipelines and tensor parallelism only), ep_pp, ep_tp, ep_cp, ep_ddp and ep_offload (train.py runs expert
+Not yet: pp_scatter_gather and tp_fused_split (not in torch), cp_pp (train.py runs context parallelism
+without pipelines only), ep_pp, ep_tp, ep_cp, ep_ddp and ep_offload (train.py runs expert
 parallelism over FSDP2's data-parallel ranks only: no pipeline, tensor or context parallelism, ep dividing dp_shard,
 no CPU offload)."""
 

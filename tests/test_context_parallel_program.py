@@ -1,6 +1,7 @@
 """Context parallelism in the generated program (issue 19): train.py with cp=2 (2 ranks) and with dp=2 x cp=2 (4
 ranks, FSDP2 over dp_shard x cp, and HSDP: dp_replicate 2 x FSDP over the cp ranks) trains like the
-single-device model, with and without activation recomputation, causal attention, on HF Llama (sdpa) and the from-scratch GPT, and full (non-causal)
+single-device model, with and without activation recomputation, causal attention, on HF Llama (sdpa) and the from-scratch GPT, with
+tensor parallelism (cp=2 x tp=2: each tp rank's heads run the ring; with and without sequence parallelism), and full (non-causal)
 attention on a small token tagger (torch's ring without load balancing); a dp=2 x cp=2 checkpoint
 (torch.distributed.checkpoint over the flattened dp_shard x cp mesh) resumes into the uninterrupted run. Plans
 written as tests/test_layouts.py writes them, and planned by the search with cp pinned, as a user would
@@ -75,10 +76,16 @@ CP_LAYOUTS = {
         activation_checkpoint="selective", **mb(1, 4)),
     ("llama", "hsdp dp_replicate=2,cp=2"): dict(data_parallel_replicate_degree=2, fsdp_reshard_after_forward="always",
                                                 context_parallel_degree=2, **mb(1, 4)),
+    ("gpt", "cp=2,tp=2,sp=on"): dict(context_parallel_degree=2, tensor_parallel_degree=2, **mb(2, 4)),
+    ("llama", "cp=2,tp=2,sp=off"): dict(context_parallel_degree=2, tensor_parallel_degree=2,
+                                        enable_sequence_parallel=False, **mb(1, 8)),
+    ("llama", "cp=2,tp=2,sp=on,recompute=selective"): dict(context_parallel_degree=2, tensor_parallel_degree=2,
+                                                          activation_checkpoint="selective", **mb(2, 4)),
 }
 RESUMED = ("llama", "dp=2,zero=1,cp=2")
 FULL_ATTENTION = ("tagger", "cp=2, full attention")
-PINNED = {("gpt", "pin cp=2"): ("cp=2", 2), ("llama", "pin dp=2,cp=2"): ("dp=2,cp=2", 4)}
+PINNED = {("gpt", "pin cp=2"): ("cp=2", 2), ("llama", "pin dp=2,cp=2"): ("dp=2,cp=2", 4),
+          ("gpt", "pin cp=2,tp=2"): ("cp=2,tp=2", 4)}
 """Planned by the search: pins and GPUs."""
 
 
@@ -86,13 +93,13 @@ PINNED = {("gpt", "pin cp=2"): ("cp=2", 2), ("llama", "pin dp=2,cp=2"): ("dp=2,c
 def batch(tmp_path_factory):
     root = tmp_path_factory.mktemp("context_parallel")
     folders = {key: write_case(root, f"{key[0]} {key[1]}", MODELS[key[0]].source, [MODELS[key[0]].chain_modules],
-                               **layout) for key, layout in CP_LAYOUTS.items()}
+                               MODELS[key[0]].tensor_parallel_plan, **layout) for key, layout in CP_LAYOUTS.items()}
     folders[FULL_ATTENTION] = write_case(root, "tagger cp=2", TAGGER, [("embed", "pos", "blocks.0", "blocks.1", "head")],
                                          context_parallel_degree=2, **mb(2, 4))
     for (model, name), (pin, gpus) in PINNED.items():
         source = root / f"{model}_model.py"
         source.write_text(MODELS[model].source)
-        folders[model, name] = root / f"{model}_planned"
+        folders[model, name] = root / f"{model}_planned_{pin.replace(',', '_').replace('=', '')}"
         plan_model(str(source), gpus, "cpu", global_batch=8, pin=pin, out=folders[model, name])
     keys = list(folders)
     result = verify_many([folders[k] for k in keys], steps=STEPS, timeout_s=900, nproc=4,
@@ -105,7 +112,9 @@ def test_context_parallel_program_trains_like_the_single_device_model(batch, key
     results, _, folders = batch
     check_parity(results[key])
     assert "2-way context parallel" in (folders[key] / "train.py").read_text()
-    assert json.loads((folders[key] / "plan.json").read_text())["parallelism"]["context_parallel_degree"] == 2
+    parallelism = json.loads((folders[key] / "plan.json").read_text())["parallelism"]
+    assert parallelism["context_parallel_degree"] == 2
+    assert parallelism["tensor_parallel_degree"] == (2 if "tp=2" in key[1] else 1)
 
 
 def test_a_context_parallel_checkpoint_resumes_into_the_uninterrupted_run(batch):

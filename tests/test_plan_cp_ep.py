@@ -14,6 +14,7 @@ from autoplan.cost.memory import MemoryInputs, layout_memory
 from autoplan.errors import UserError
 from autoplan.layout import ALL_FEATURES, SUPPORTED, Layout, Scope, problems
 from autoplan.plan import Parallelism, _build
+from autoplan.solve.layouts import families
 from autoplan.solve.pins import parse_pins
 from autoplan.plan import Training
 from autoplan.solve.search import search, try_layout
@@ -43,7 +44,7 @@ def test_the_rules_give_their_arithmetic():
         "use zero=1, 2 or 3)"]
 
 
-def test_cp_pins_plan_and_cp_with_pp_or_tp_and_ep_are_refused_while_the_program_cannot_run_them():
+def test_cp_pins_plan_with_tp_and_cp_with_pp_is_refused_while_the_program_cannot_run_it():
     assert parse_pins("cp=2,ep=2") == Layout(cp=2, ep=2)
     profile = gpt_profile(n_layer=4, seq=2048, batch=2)
     training = Training(global_batch_size=8, dtype="bf16")
@@ -54,9 +55,8 @@ def test_cp_pins_plan_and_cp_with_pp_or_tp_and_ep_are_refused_while_the_program_
     with pytest.raises(UserError, match=r"cp=2 with pp=2: the program cannot yet run context parallelism inside "
                                         r"pipeline stages \(use cp=1 or pp=1\)"):
         search(profile, cluster(8), training, parse_pins("cp=2,pp=2"))
-    with pytest.raises(UserError, match=r"cp=2 with tp=2: the program cannot yet run context parallelism together "
-                                        r"with tensor parallelism \(use cp=1 or tp=1\)"):
-        search(profile, cluster(8), training, parse_pins("cp=2,tp=2"))
+    with_tp = search(profile, cluster(8), training, parse_pins("cp=2,tp=2")).best.parallelism  # runs since cp_tp
+    assert (with_tp.context_parallel_degree, with_tp.tensor_parallel_degree, with_tp.world_size) == (2, 2, 8)
     with pytest.raises(UserError, match=r"expert parallelism is priced but the generated program cannot run it yet "
                                         r"\(ep=2; use ep=1\)"):
         search(profile, cluster(8), training, parse_pins("ep=2"), features=SUPPORTED - {"ep"})
@@ -72,8 +72,6 @@ def test_the_program_runs_ep_over_fsdp_ranks_only_and_the_rules_say_why_not_othe
     assert problems(Layout(dp_replicate=2, dp_shard=2, ep=2), scope) == []  # HSDP: ep splits each shard group
     assert problems(Layout(dp_shard=2, ep=2, pp=2, tp=2, cp=2), scope) == [
         "cp=2 with pp=2: the program cannot yet run context parallelism inside pipeline stages (use cp=1 or pp=1)",
-        "cp=2 with tp=2: the program cannot yet run context parallelism together with tensor parallelism "
-        "(use cp=1 or tp=1)",
         "ep=2 with pp=2: the program cannot yet run expert parallelism inside pipeline stages (the stages are "
         "exported graphs, where the experts modules are no longer modules whose forward the all-to-all routing "
         "replaces; use ep=1 or pp=1)",
@@ -103,19 +101,21 @@ def test_a_parallel_config_with_ep_the_program_cannot_run_is_refused_before_any_
         ParallelConfig(ep=0)
 
 
-def test_the_default_search_keeps_cp_out_of_pipelines_and_tensor_parallelism():
+def test_the_default_search_keeps_cp_out_of_pipelines_and_tries_it_with_tensor_parallelism():
     scope = Scope(features=SUPPORTED)
     assert problems(Layout(cp=2, pp=2, tp=2), scope) == [
-        "cp=2 with pp=2: the program cannot yet run context parallelism inside pipeline stages (use cp=1 or pp=1)",
-        "cp=2 with tp=2: the program cannot yet run context parallelism together with tensor parallelism "
-        "(use cp=1 or tp=1)"]
+        "cp=2 with pp=2: the program cannot yet run context parallelism inside pipeline stages (use cp=1 or pp=1)"]
+    assert problems(Layout(cp=2, pp=1, tp=2), scope) == []
     assert problems(Layout(cp=2, pp=2, tp=2), Scope(features=ALL_FEATURES)) == []  # priced all the same
     assert problems(Layout(cp=2, pp=1, tp=1), scope) == []
     long = gpt_profile(n_layer=4, seq=8192, batch=1)
     result = search(long, cluster(8), Training(global_batch_size=8, dtype="bf16"))
     with_cp = [c.parallelism for c in result.candidates if c.parallelism.context_parallel_degree > 1]
     assert with_cp, "the default search tries cp on long sequences"
-    assert all(p.pipeline_parallel_degree == 1 and p.tensor_parallel_degree == 1 for p in with_cp)
+    assert all(p.pipeline_parallel_degree == 1 for p in with_cp)
+    scope = Scope(num_gpus=8, gpus_per_node=8, global_batch=8, features=SUPPORTED, sequence_length=8192,
+                  context_parallel_problem="")
+    assert {(f.tp, f.cp) for f in families(Layout(), scope) if f.pp == 1} >= {(2, 2), (2, 4), (4, 2)}  # cp x tp
 
 
 def test_attention_written_as_matmuls_refuses_cp_with_the_reason():
@@ -199,6 +199,28 @@ def test_context_parallel_halves_activations_and_prices_the_exposed_ring():
     assert priced.predicted.time_breakdown["context_parallel_comm"] == pytest.approx(2 * layers * per_layer, rel=1e-3)
     whole = with_memory_without_cp_ep(ctx, priced, ("none",)).predicted.peak_memory_without_context_parallel_bytes
     assert whole is not None and whole > priced.predicted.peak_memory_bytes
+
+
+def test_context_parallel_with_tensor_parallelism_rings_each_ranks_heads_and_gathers_the_sequence_parallel_input():
+    """cp = 2 x tp = 2 on the slow link: each tensor-parallel rank's ring carries its half of the heads' keys and
+    values (half the sp=off ring of test_context_parallel_halves_activations_and_prices_the_exposed_ring's block);
+    with sequence parallelism the first block's input, split over the tp ranks, is all-gathered once to cut the
+    cp share (forward, the whole sequence W = b x seq x h x 2 bytes) and its gradient once (backward, W / cp)."""
+    from autoplan.cost import comm
+
+    layers, seq, hidden, batch = 2, 1024, 64, 4
+    bandwidth, latency = 1e6, 1e-5
+    profile = gpt_profile(n_layer=layers, n_embd=hidden, seq=seq, batch=2)
+    features = CP_EP | {"tp_fused_split"}  # the fixture's attention is a fused qkv: split it over the tp ranks
+    ctx = Context(profile, cluster(4, intra_bw=bandwidth, latency_s=latency), Training(batch, "bf16"), features)
+    plain, sp = ctx.table(2, 1, cp=2), ctx.table(2, 1, sp=True, cp=2)
+    block = 2 * 1 * seq / 2 * hidden / 2 * 2
+    per_layer = 2 * (latency + block / bandwidth) + 2 * (latency + 2 * block / bandwidth)
+    assert sum(plain.cp_forward_s) + sum(plain.cp_backward_s) == pytest.approx(layers * per_layer, rel=1e-3)
+    whole, link = 1 * seq * hidden * 2, ctx.group(2, 1).link
+    gathers = comm.all_gather_s(whole, 2, link) + comm.all_gather_s(whole / 2, 2, link)
+    extra = sum(sp.cp_forward_s) + sum(sp.cp_backward_s) - sum(plain.cp_forward_s) - sum(plain.cp_backward_s)
+    assert extra == pytest.approx(gathers, rel=1e-3)
 
 
 def test_the_report_names_cp_and_ep_and_shows_memory_with_them_set_back_to_1():

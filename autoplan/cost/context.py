@@ -209,6 +209,12 @@ class Context:
                 ring_backward[u] += ring.backward_exposed_s
                 split = tp if role.get(call.node, "") in SPLIT_ROLES else 1
                 change[u] += (call.ring_saved_bytes - call.saved_bytes) * microbatch * self.scale / split
+            first = self._block_start(min(self._attention_module))
+            if sp and tp > 1 and first > 0:  # sequence shares under sequence parallelism (runtime/context_parallel.py)
+                whole = self.cut_bytes(cp)[first - 1] * microbatch * self.scale
+                tp_group = self.group(tp, 1)
+                ring_forward[first] += comm.all_gather_s(whole, tp, tp_group.link, tp_group.nodes)
+                ring_backward[first] += comm.all_gather_s(whole / cp, tp, tp_group.link, tp_group.nodes)
         return ShardedModules(cp=cp, expert_forward_s=experts.forward_s, expert_backward_s=experts.backward_s,
                               imbalance=tuple(imbalance), ring_forward_s=tuple(ring_forward),
                               ring_backward_s=tuple(ring_backward), all_to_all_s=tuple(all_to_all),
@@ -216,6 +222,17 @@ class Context:
                               input_change_bytes=tuple(-self.mask_cut_bytes[u - 1] * microbatch * self.scale
                                                        / (tp if sp and self.costs.modules[u].sequence_input else 1)
                                                        if cp > 1 and u > 0 else 0.0 for u in range(n)))
+
+    def _block_start(self, u: int) -> int:
+        """The first chain module of the block running module u (its siblings under the same parent before it, as
+        blocks.0.ln_1 before blocks.0.attn): where context parallelism cuts each rank's share of the sequence
+        (runtime/attention_blocks.py: the outermost module running the attention that started after the
+        embeddings)."""
+        fqns = [m.fqn for m in self.chain.modules]
+        parent = fqns[u].rpartition(".")[0]
+        while parent and u > 0 and fqns[u - 1].startswith(parent + "."):
+            u -= 1
+        return u
 
     def cut_bytes(self, cp: int = 1) -> tuple[float, ...]:
         """Bytes per sample crossing each module boundary (capture dtype), whole sequences; without the attention
