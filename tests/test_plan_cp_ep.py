@@ -3,6 +3,8 @@ and the pricing checked against closed forms written out here (issue 19)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from chain_fixtures import cluster, gpt_profile
 
@@ -66,7 +68,7 @@ def test_cp_pins_plan_with_tp_and_cp_with_pp_is_refused_while_the_program_cannot
     assert all(c.parallelism.expert_parallel_degree == 1 for c in default.candidates)
 
 
-def test_the_program_runs_ep_over_fsdp_ranks_only_and_the_rules_say_why_not_otherwise():
+def test_the_program_runs_ep_over_fsdp_ranks_with_tp_and_the_rules_say_why_not_otherwise():
     scope = Scope(features=SUPPORTED)
     assert problems(Layout(dp_replicate=1, dp_shard=4, ep=2, pp=1, tp=1, cp=1), scope) == []
     assert problems(Layout(dp_replicate=2, dp_shard=2, ep=2), scope) == []  # HSDP: ep splits each shard group
@@ -75,10 +77,12 @@ def test_the_program_runs_ep_over_fsdp_ranks_only_and_the_rules_say_why_not_othe
         "ep=2 with pp=2: the program cannot yet run expert parallelism inside pipeline stages (the stages are "
         "exported graphs, where the experts modules are no longer modules whose forward the all-to-all routing "
         "replaces; use ep=1 or pp=1)",
-        "ep=2 with tp=2: the program cannot yet run expert parallelism together with tensor parallelism (the "
-        "experts' stacked weights are not split within an expert; use ep=1 or tp=1)",
         "ep=2 with cp=2: the program splits the experts over data-parallel ranks only, not over the "
         "context-parallel ones that hold the same samples (use ep=1 or cp=1)"]
+    assert problems(Layout(dp_shard=2, ep=2, tp=2, sp="on"), scope) == []  # experts whole on every tp rank
+    assert problems(Layout(dp_shard=2, ep=2, tp=2), Scope(features=SUPPORTED - {"ep_tp"})) == [
+        "ep=2 with tp=2: the program cannot yet run expert parallelism together with tensor parallelism (use ep=1 "
+        "or tp=1)"]
     assert problems(Layout(dp_replicate=4, dp_shard=1, ep=2), scope) == [
         "ep=2 does not divide dp_shard=1 (1 % 2 = 1): the program splits the experts over ranks that FSDP2 shards "
         "the other parameters over, not beside DDP (use zero=3 with ep dividing dp, or ep=1)"]
@@ -157,6 +161,20 @@ def test_sharded_table_divides_by_cp_and_waits_for_the_busiest_expert_rank():
     # none: forward + backward + collectives + ring + all-to-alls; full adds the forward's part of each again
     assert table.time_s("none")[0] == pytest.approx(0.25 + 0.5 + 0.05 + 0.1 + 0.01 + 0.03)
     assert table.time_s("full")[1] == pytest.approx(2.5 / 4 + 5.0 / 4 + 0.08 + 2.5 / 4 + 0.04)
+    # ep with tp and sequence parallelism: each tp rank (2) routes its shard, the busiest rank's experts run on half
+    split = sharded_table(base, replace(sharded, expert_split=2))
+    assert split.forward_s == pytest.approx((1.0 / 4, (2.0 + (1.5 / 2 - 1) * 1.0) / 4))
+    assert split.backward_s == pytest.approx((2.0 / 4, (4.0 + (1.5 / 2 - 1) * 2.0) / 4))
+
+
+def test_expert_gradients_reduce_over_the_tp_ranks_too_when_each_routed_its_sequence_shard():
+    """dp_shard 4 x tp 2, ep 2: the experts' replicas are the dp/ep = 2 ranks holding the same experts; under sequence
+    parallelism each tp rank's expert gradients are its tokens' share, so they all-reduce over 2 x tp = 4 ranks."""
+    ctx = Context(gpt_profile(n_layer=2, seq=1024), cluster(8), Training(8, "bf16"), CP_EP)
+    par = Parallelism(data_parallel_shard_degree=4, tensor_parallel_degree=2, expert_parallel_degree=2)
+    assert ctx.groups(replace(par, enable_sequence_parallel=False)).expert_replicate.size == 2
+    assert ctx.groups(replace(par, enable_sequence_parallel=True)).expert_replicate.size == 4
+    assert ctx.groups(replace(par, data_parallel_shard_degree=2, enable_sequence_parallel=True)).expert_replicate.size == 2
 
 
 @pytest.mark.parametrize("shard, reshard, expert_shard", [(8, True, 2), (8, False, 1), (1, False, 1)])

@@ -180,7 +180,8 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
         parts, chain_modules = {0: ModelPart(model)}, {0: list(config.chain_modules)}
     del model  # this rank keeps only its stages
     # expert parallelism (without a pipeline, _check_runnable): each rank keeps its experts, FSDP leaves them alone
-    experts = (parallelize_experts(parts[0].module, device.type, config.dp, config.ep, dtype) if split is None
+    experts = (parallelize_experts(parts[0].module, device.type, config.dp, config.ep, dtype, config.tp,
+                                   config.sequence_parallel) if split is None
                else ExpertParallel([], None, config.dp))
 
     for s, part in parts.items():  # order as in torchtitan: tensor parallel, recompute, compile, FSDP
@@ -219,7 +220,7 @@ def _device(device: torch.device | str | None) -> torch.device:
 
 def _check_runnable(config: ParallelConfig) -> None:
     """The layout rules a ParallelConfig built by hand can break that this runtime cannot run (layout.py:
-    context or expert parallelism with a pipeline or tensor parallelism)."""
+    context or expert parallelism with a pipeline, expert parallelism with tensor parallelism)."""
     layout = Layout(dp_replicate=config.dp_replicate, dp_shard=config.dp_shard, cp=config.cp, ep=config.ep,
                     pp=config.pp, tp=config.tp)
     found = problems(layout, Scope(features=SUPPORTED))

@@ -25,6 +25,13 @@ gives each rank its slice, and a torch.distributed.checkpoint holds each expert 
 FSDP2 leaves them out (ignored_params), and after backward ExpertParallel.reduce_gradients sums them over the
 dp/ep replicas and divides by dp. Unlike torchtitan, the replicas hold the experts whole (not FSDP-sharded over
 dp_mod_ep).
+
+With tensor parallelism the experts are left out of the tensor-parallel plan and stay whole on every tp rank (ETP
+1); the ep group is the ep ranks of one tp index (the expert mesh's "ep" dim). TensorParallelTokens decides which
+tokens a tp rank routes: without sequence parallelism the tp ranks hold the same tokens (plain tensors) and each
+routes them all, so its expert gradients are whole; with it the tokens arrive as DTensors on the tp mesh and each
+tp rank routes its share of them (Shard(0) of the (tokens, hidden) rows), so the expert gradients are summed over
+the tp ranks too (the replica group becomes dp_mod_ep x tp).
 """
 
 from __future__ import annotations
@@ -157,7 +164,8 @@ class ExpertParallel:
     """This rank's expert parameters: DTensors sharded on dimension 0 over the expert mesh's "ep" dim (its
     slice of each stacked weight), so a checkpoint holds every expert once under the model's own names."""
     replicas: dist.ProcessGroup | None
-    """The ranks holding the same experts (dp/ep of them; None when ep = dp)."""
+    """The ranks whose expert gradients add up: those holding the same experts (dp/ep of them), times the tp ranks
+    when each routed its share of the tokens (sequence parallelism); None when that is this rank alone."""
     dp: int
     """Data-parallel ranks (the expert gradients are divided by it, as data parallelism averages the others)."""
 
@@ -167,12 +175,16 @@ class ExpertParallel:
 
 
 def parallelize_experts(module: nn.Module, device_type: str, dp: int, ep: int,
-                        dtype: torch.dtype = torch.float32) -> ExpertParallel:
+                        dtype: torch.dtype = torch.float32, tp: int = 1,
+                        sequence_parallel: bool = False) -> ExpertParallel:
     """Split every experts module of `module` over groups of ep consecutive data-parallel ranks (torchtitan's ep
-    borrowed from dp; call on every rank, before FSDP, which must leave ExpertParallel.params alone). Works on
-    the meta device: each parameter becomes a DTensor of the full shape, Shard(0) over the "ep" dim of an
-    expert mesh (pp 1, dp/ep, ep, tp 1), whose local tensor is this rank's experts; its forward runs on the
-    local tensors (cast to `dtype`), routing tokens with all-to-all (shard_experts)."""
+    borrowed from dp; call on every rank, before tensor parallelism and FSDP, which must leave
+    ExpertParallel.params alone). Works on the meta device: each parameter becomes a DTensor of the full shape,
+    Shard(0) over the "ep" dim of an expert mesh (pp 1, dp/ep, ep, tp), whose local tensor is this rank's experts;
+    its forward runs on the local tensors (cast to `dtype`), routing tokens with all-to-all (shard_experts) over
+    the ep ranks of this rank's tensor-parallel index. With tp > 1 (TensorParallelTokens) the experts stay whole:
+    without sequence parallelism the tp ranks route the same tokens, with it each routes its share of them and the
+    expert gradients are summed over the tp ranks too."""
     from torch.distributed.tensor import DTensor, Shard
 
     if ep == 1:
@@ -181,8 +193,9 @@ def parallelize_experts(module: nn.Module, device_type: str, dp: int, ep: int,
     if not experts:
         raise UserError(f"ep={ep}, but {type(module).__name__} has no experts module (num_experts and weights "
                         f"stacked per expert on dimension 0) to split: plan it with ep=1")
-    mesh = expert_mesh(device_type, 1, dp, ep)
+    mesh = expert_mesh(device_type, 1, dp, ep, tp)
     ep_mesh = mesh["ep"]
+    split = tp > 1 and sequence_parallel
     params = []
     for sub in experts:
         shard_experts(sub, ep_mesh.get_group())
@@ -191,8 +204,63 @@ def parallelize_experts(module: nn.Module, device_type: str, dp: int, ep: int,
             setattr(sub, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
             params.append(getattr(sub, name))
         _compute_on_local_tensors(sub, dtype)
-    replicas = mesh["dp_mod_ep"].get_group() if dp // ep > 1 else None
-    return ExpertParallel(params, replicas, dp)
+        if tp > 1:
+            TensorParallelTokens(mesh["tp"], split).wrap(sub)
+    return ExpertParallel(params, _replica_group(mesh, split), dp)
+
+
+def _replica_group(mesh, split_over_tp: bool) -> dist.ProcessGroup | None:
+    """The ranks whose expert gradients add up to the data-parallel sum: those holding the same experts (the
+    dp/ep replicas, "dp_mod_ep"), and the tensor-parallel ranks beside them when each routed its own share of the
+    tokens (sequence parallelism); None when that is this rank alone."""
+    dims = ("dp_mod_ep", "tp") if split_over_tp else ("dp_mod_ep",)
+    if all(mesh[d].size() == 1 for d in dims):
+        return None
+    if len(dims) == 1:
+        return mesh[dims[0]].get_group()
+    return mesh[dims]._flatten("dp_mod_ep_tp").get_group()
+
+
+class TensorParallelTokens:
+    """How an experts module meets tensor parallelism (the experts are left out of the tensor-parallel plan:
+    each expert stays whole on its rank, ETP 1). Its inputs are the tokens the tp ranks hold: plain tensors, the
+    same on every tp rank, without sequence parallelism (each rank routes them all over its ep group and its
+    expert gradients are whole); DTensors on the tp mesh with it (the router ran on them), which are split on the
+    tokens (dimension 0 of the (tokens, hidden) rows) so that each tp rank routes its share, and the output is
+    that share again (its expert gradients are then the share's: ExpertParallel sums them over the tp ranks).
+    Unlike torchtitan, whose ETP 1 borrows ep from the tp ranks too, ep here comes from data parallelism only:
+    the tp ranks of one data-parallel rank hold the same experts."""
+
+    def __init__(self, tp_mesh, split: bool) -> None:
+        self.mesh, self.split = tp_mesh, split
+        """The expert mesh's "tp" dim; whether each tp rank routes its own share of the tokens."""
+
+    def wrap(self, module: nn.Module) -> None:
+        inner = module.forward
+
+        def forward(hidden_states, top_k_index, top_k_weights):
+            return self(inner, hidden_states, top_k_index, top_k_weights)
+
+        module.forward = forward
+
+    def __call__(self, inner, hidden_states, top_k_index, top_k_weights):
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        dtensor = isinstance(hidden_states, DTensor)
+        if not dtensor and not self.split:
+            return inner(hidden_states, top_k_index, top_k_weights)
+        mesh = hidden_states.device_mesh if dtensor else self.mesh
+        if mesh.ndim != 1:
+            raise NotImplementedError(f"expert parallelism with tensor parallelism takes the tokens on a 1-D "
+                                      f"tensor-parallel mesh, got a {mesh.ndim}-D one")
+        layout = [Shard(0)] if self.split else [Replicate()]
+        rows = [t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+                for t in (hidden_states, top_k_index, top_k_weights)]
+        whole = rows[0]
+        local = [t.redistribute(mesh, layout).to_local() for t in rows]
+        out = DTensor.from_local(inner(*local), mesh, layout, run_check=False, shape=whole.shape,
+                                 stride=whole.stride())
+        return out if dtensor else out.redistribute(mesh, [Replicate()]).to_local()
 
 
 def _compute_on_local_tensors(module: nn.Module, dtype: torch.dtype) -> None:
