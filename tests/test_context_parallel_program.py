@@ -129,6 +129,7 @@ def main(argv):
 """Run as extra jobs on 4 ranks: GRADIENT_CASES."""
 GRADIENT_CASES = (("gpt", "on"), ("llama", "off"))
 RESUMED = ("llama", "dp=2,zero=1,cp=2")
+RESUMED_WITH_TP = ("gpt", "cp=2,tp=2,sp=on")
 FULL_ATTENTION = ("tagger", "cp=2, full attention")
 PINNED = {("gpt", "pin cp=2"): ("cp=2", 2), ("llama", "pin dp=2,cp=2"): ("dp=2,cp=2", 4),
           ("gpt", "pin cp=2,tp=2"): ("cp=2,tp=2", 4)}
@@ -158,7 +159,8 @@ def batch(tmp_path_factory):
                 json.dumps(MODELS[model].chain_modules), json.dumps(MODELS[model].tensor_parallel_plan))
         gradient_jobs.append(BatchJob(root, argv, 4, program=gradients))
     result = verify_many([folders[k] for k in keys], steps=STEPS, timeout_s=1200, nproc=4,
-                         extra_jobs=[*resume_jobs(folders[RESUMED], 4, 0), *gradient_jobs])
+                         extra_jobs=[*resume_jobs(folders[RESUMED], 4, 0), *gradient_jobs,
+                                     *resume_jobs(folders[RESUMED_WITH_TP], 4, 5)])
     return dict(zip(keys, result.results)), result.extra_errors, folders, root
 
 
@@ -189,3 +191,10 @@ def test_with_tensor_parallelism_every_gradient_is_the_single_device_models(batc
     assert len(ranks) == 4 and all(len(rank) > 10 for rank in ranks)
     for rank in ranks:
         assert max(rank.values()) <= 1e-6, rank
+
+
+def test_a_context_and_tensor_parallel_checkpoint_resumes_into_the_uninterrupted_run(batch):
+    _, errors, folders, _ = batch
+    failures = [e for e in errors[5:] if e]
+    assert not failures, failures[0][-3000:]
+    check_resumed(folders[RESUMED_WITH_TP])

@@ -137,6 +137,7 @@ def main(argv):
 '''
 """Run as extra jobs (sequence parallelism on and off) on 4 ranks."""
 RESUMED = ("mixtral", "dp=4,zero=3,ep=2")
+RESUMED_WITH_TP = ("qwen2_moe", "dp=2,zero=3,ep=2,tp=2")
 INSPECT = '''
 """On a dp=4 x ep=2 plan's ranks: the shape of each expert parameter (global, and this rank's local tensor) and
 whether its local tensor holds its experts of the single-device model's initial values; rank 0 writes JSON."""
@@ -198,7 +199,8 @@ def batch(tmp_path_factory):
     gradient_jobs = [BatchJob(root, (sp, str(root / f"gradients_sp_{sp}.json")), 4, program=gradients)
                      for sp in ("on", "off")]
     result = verify_many([folders[k] for k in keys], steps=STEPS, timeout_s=1500, nproc=4,
-                         extra_jobs=[*resume_jobs(folders[RESUMED], 4, 0), shapes, *gradient_jobs])
+                         extra_jobs=[*resume_jobs(folders[RESUMED], 4, 0), shapes, *gradient_jobs,
+                                     *resume_jobs(folders[RESUMED_WITH_TP], 4, 6)])
     return dict(zip(keys, result.results)), result.extra_errors, folders, root
 
 
@@ -215,7 +217,8 @@ def test_expert_parallel_program_trains_like_the_single_device_model(batch, key)
 @pytest.mark.parametrize("sp", ["on", "off"])
 def test_with_tensor_parallelism_every_gradient_is_the_single_device_models(batch, sp):
     _, errors, _, root = batch
-    assert not errors[-2 if sp == "on" else -1], errors[-2 if sp == "on" else -1][-3000:]
+    error = errors[4 if sp == "on" else 5]
+    assert not error, error[-3000:]
     ranks = json.loads((root / f"gradients_sp_{sp}.json").read_text())
     assert len(ranks) == 4 and all(len(rank) == 21 for rank in ranks)
     assert all(any(".experts." in name for name in rank) for rank in ranks)
@@ -232,6 +235,13 @@ def test_an_expert_parallel_checkpoint_resumes_into_the_uninterrupted_run(batch)
     saved = FileSystemReader(out / "checkpoints" / "step_2").read_metadata().state_dict_metadata
     experts = saved["model.model.layers.0.mlp.experts.gate_up_proj"]  # once, whole, in the halves of its ep group
     assert list(experts.size) == [4, 64, 16] and sorted(c.offsets[0] for c in experts.chunks) == [0, 2]
+
+
+def test_an_expert_and_tensor_parallel_checkpoint_resumes_into_the_uninterrupted_run(batch):
+    _, errors, folders, _ = batch
+    failures = [e for e in errors[6:] if e]
+    assert not failures, failures[0][-3000:]
+    check_resumed(folders[RESUMED_WITH_TP])
 
 
 def test_each_rank_holds_its_half_of_the_experts_with_the_single_device_values(batch):
