@@ -38,17 +38,19 @@ ALL_FEATURES = frozenset({
     "offload", "compile",
     "cp",                 # context parallelism (ring attention over SDPA) with FSDP/HSDP
     "cp_pp",              # context parallelism inside pipeline stages
-    "cp_tp",              # context parallelism with tensor parallelism; priced, not yet in train.py
+    "cp_tp",              # context parallelism with tensor parallelism (each tp rank rings its heads)
     "ep",                 # expert parallelism (all-to-all dispatch) over FSDP2's data-parallel ranks
     "ep_pp",              # expert parallelism inside pipeline stages; priced, not yet in train.py
-    "ep_tp",              # expert parallelism with tensor parallelism; priced, not yet in train.py
+    "ep_tp",              # expert parallelism with tensor parallelism (experts whole on each tp rank, ETP 1)
     "ep_cp",              # expert parallelism borrowing context-parallel ranks; priced, not yet in train.py
     "ep_ddp",             # expert parallelism beside DDP (ep not dividing dp_shard); priced, not yet in train.py
     "ep_offload",         # expert parallelism with FSDP2's CPU offload; priced, not yet in train.py
+    "cp_pp_tp",           # context parallelism inside pipeline stages with tensor parallelism; priced, not run yet
+    "ep_pp_tp",           # expert parallelism inside pipeline stages with tensor parallelism; priced, not run yet
 })
 """Everything the cost model can price. Beyond SUPPORTED, two features of Megatron-LM that torch does not run,
-context parallelism together with tensor parallelism, and expert parallelism together with
-a pipeline, tensor or context parallelism, or DDP, which the generated program does not run yet, priced only
+expert parallelism together with
+a pipeline or context parallelism, or DDP, which the generated program does not run yet, priced only
 when a caller asks for them (tests of the cost model; a search with features=ALL_FEATURES); the default search
 and autoplan.estimate, which benchmarks/accuracy.py prices the published runs with, never use them."""
 
@@ -68,12 +70,13 @@ SUPPORTED = frozenset({
     "compile",            # torch.compile per chain module (inductor; its CPU backend too)
     "cp",                 # context parallelism: torch's context_parallel over SDPA, FSDP2 over dp_shard x cp
     "cp_pp",              # cp inside pipeline stages: each rank's stages exported on its share of the sequence
+    "cp_tp",              # context parallelism with tensor parallelism: the ring over each tp rank's heads
     "ep",                 # expert parallelism: experts split over ep of the FSDP2 ranks, all-to-all dispatch
+    "ep_tp",              # expert parallelism with tensor parallelism: experts whole (ETP 1), tp ranks route their tokens
 })
 """What codegen can run. Remove a name to stop the search from emitting (or accepting a pin of) it.
-Not yet: pp_scatter_gather and tp_fused_split (not in torch), cp_tp (train.py runs context parallelism without
-tensor parallelism only), ep_pp, ep_tp, ep_cp, ep_ddp and ep_offload (train.py runs expert
-parallelism over FSDP2's data-parallel ranks only: no pipeline, tensor or context parallelism, ep dividing dp_shard,
+Not yet: pp_scatter_gather and tp_fused_split (not in torch), ep_pp, ep_cp, ep_ddp and ep_offload (train.py runs expert
+parallelism over FSDP2's data-parallel ranks only: no pipeline or context parallelism, ep dividing dp_shard,
 no CPU offload)."""
 
 CONTEXT_PARALLEL_CHUNKS = 2
@@ -283,6 +286,11 @@ def _features(layout: Layout, scope: Scope) -> list[str]:
     if _positive(layout.cp, layout.tp) and layout.cp > 1 and layout.tp > 1 and "cp_tp" not in have:
         out.append(f"cp={layout.cp} with tp={layout.tp}: the program cannot yet run context parallelism together "
                    f"with tensor parallelism (use cp=1 or tp=1)")
+    if (_positive(layout.cp, layout.pp, layout.tp) and min(layout.cp, layout.pp, layout.tp) > 1
+            and "cp_pp_tp" not in have and {"cp_pp", "cp_tp"} <= have):
+        out.append(f"cp={layout.cp} with pp={layout.pp} and tp={layout.tp}: the program runs context parallelism "
+                   f"inside pipeline stages and with tensor parallelism, not yet all three together (use one of them "
+                   f"at 1)")
     if _positive(layout.ep) and layout.ep > 1 and "ep" not in have:
         out.append(f"expert parallelism is priced but the generated program cannot run it yet (ep={layout.ep}; "
                    f"use ep=1)")
@@ -301,7 +309,11 @@ def _expert_parallel_features(layout: Layout, have: frozenset[str]) -> list[str]
                    f"forward the all-to-all routing replaces; use ep=1 or pp=1)")
     if _positive(layout.tp) and layout.tp > 1 and "ep_tp" not in have:
         out.append(f"ep={ep} with tp={layout.tp}: the program cannot yet run expert parallelism together with tensor "
-                   f"parallelism (the experts' stacked weights are not split within an expert; use ep=1 or tp=1)")
+                   f"parallelism (use ep=1 or tp=1)")
+    if (_positive(layout.pp, layout.tp) and layout.pp > 1 and layout.tp > 1 and "ep_pp_tp" not in have
+            and {"ep_pp", "ep_tp"} <= have):
+        out.append(f"ep={ep} with pp={layout.pp} and tp={layout.tp}: the program runs expert parallelism inside "
+                   f"pipeline stages and with tensor parallelism, not yet all three together (use one of them at 1)")
     if _positive(layout.cp) and layout.cp > 1 and "ep_cp" not in have:
         out.append(f"ep={ep} with cp={layout.cp}: the program splits the experts over data-parallel ranks only, not "
                    f"over the context-parallel ones that hold the same samples (use ep=1 or cp=1)")

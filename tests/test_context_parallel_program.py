@@ -1,8 +1,9 @@
 """Context parallelism in the generated program (issue 19): train.py with cp=2 (2 ranks), with dp=2 x cp=2 (4
-ranks, FSDP2 over dp_shard x cp, and HSDP: dp_replicate 2 x FSDP over the cp ranks) and with cp=2 inside a pp=2
+ranks, FSDP2 over dp_shard x cp, and HSDP: dp_replicate 2 x FSDP over the cp ranks), with cp=2 inside a pp=2
 pipeline (4 ranks: 1F1B, GPipe, interleaved with the first stage ending before the first block, full recompute)
-trains like the single-device model, with and without activation recomputation, causal attention, on HF Llama
-(sdpa) and the from-scratch GPT, and full (non-causal)
+and with tensor parallelism (cp=2 x tp=2: each tp rank's heads run the ring; with and without sequence
+parallelism) trains like the single-device model, with and without activation recomputation, causal attention,
+on HF Llama (sdpa) and the from-scratch GPT, and full (non-causal)
 attention on a small token tagger (torch's ring without load balancing); a dp=2 x cp=2 checkpoint
 (torch.distributed.checkpoint over the flattened dp_shard x cp mesh) resumes into the uninterrupted run. Plans
 written as tests/test_layouts.py writes them, and planned by the search with cp pinned, as a user would
@@ -13,7 +14,7 @@ import json
 import pytest
 
 from autoplan.api import plan_model
-from helpers.verify_many import verify_many
+from helpers.verify_many import BatchJob, verify_many
 from test_layouts import MODELS, check_parity, check_resumed, mb, model_layout, resume_jobs, write_case
 
 pytestmark = pytest.mark.slow  # one 4-process torchrun launch
@@ -77,6 +78,11 @@ CP_LAYOUTS = {
         activation_checkpoint="selective", **mb(1, 4)),
     ("llama", "hsdp dp_replicate=2,cp=2"): dict(data_parallel_replicate_degree=2, fsdp_reshard_after_forward="always",
                                                 context_parallel_degree=2, **mb(1, 4)),
+    ("gpt", "cp=2,tp=2,sp=on"): dict(context_parallel_degree=2, tensor_parallel_degree=2, **mb(2, 4)),
+    ("llama", "cp=2,tp=2,sp=off"): dict(context_parallel_degree=2, tensor_parallel_degree=2,
+                                        enable_sequence_parallel=False, **mb(1, 8)),
+    ("llama", "cp=2,tp=2,sp=on,recompute=selective"): dict(context_parallel_degree=2, tensor_parallel_degree=2,
+                                                          activation_checkpoint="selective", **mb(2, 4)),
 }
 STAGED_LAYOUTS = {
     ("gpt", "cp=2,pp=2,1f1b"): dict(context_parallel_degree=2, pipeline_parallel_degree=2,
@@ -92,10 +98,57 @@ STAGED_LAYOUTS = {
 }
 """cp inside pipeline stages: the chain cut in halves (four stages for the interleaved schedule, the first one the
 embeddings alone, so the whole sequence crosses to the first block's stage)."""
+GRADIENTS = '''
+"""cp 2 x tp 2 with sequence parallelism on or off (argv[1]) on a model source (argv[0], build_model, example_batch,
+loss_fn): every gradient after one forward_backward against the single-device model's; rank 0 writes the largest
+difference per parameter (argv[2]). AdamW's update is blind to a gradient's scale, so a gradient summed or averaged
+wrongly over the cp or tp ranks would pass the loss parity: this checks it."""
+import copy
+import gc
+import json
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import autoplan
+from autoplan.contract import call_model
+from autoplan.runtime.config import ParallelConfig
+
+
+def main(argv):
+    source, sp, out, chain, plan = argv[0], argv[1] == "on", argv[2], json.loads(argv[3]), json.loads(argv[4])
+    model_code = {}
+    exec(open(source).read(), model_code)
+    torch.manual_seed(0)
+    model = model_code["build_model"]()
+    reference = copy.deepcopy(model)
+    inputs, targets = model_code["example_batch"](4)
+    loss_fn = model_code["loss_fn"]
+    loss_fn(call_model(reference, inputs), targets).backward()
+    config = ParallelConfig(cp=2, tp=2, sequence_parallel=sp, microbatch_size=4, stages=(tuple(chain),),
+                            tensor_parallel_plan=plan)
+    parallel = autoplan.parallelize(model, config, device="cpu", loss_fn=loss_fn, example_inputs=inputs)
+    parallel.forward_backward(*parallel.shard_batch(inputs, targets))
+    expected, found = dict(reference.named_parameters()), {}
+    for name, param in parallel.model.named_parameters():
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        found[name] = (grad - expected[name].grad).abs().max().item()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, found)
+    if dist.get_rank() == 0:
+        with open(out, "w") as file:
+            json.dump(gathered, file)
+    del parallel, model
+    gc.collect()
+'''
+"""Run as extra jobs on 4 ranks: GRADIENT_CASES."""
+GRADIENT_CASES = (("gpt", "on"), ("llama", "off"))
 RESUMED = ("llama", "dp=2,zero=1,cp=2")
+RESUMED_WITH_TP = ("gpt", "cp=2,tp=2,sp=on")
 FULL_ATTENTION = ("tagger", "cp=2, full attention")
 PINNED = {("gpt", "pin cp=2"): ("cp=2", 2), ("llama", "pin dp=2,cp=2"): ("dp=2,cp=2", 4),
-          ("llama", "pin cp=2,pp=2"): ("cp=2,pp=2", 4)}
+          ("llama", "pin cp=2,pp=2"): ("cp=2,pp=2", 4), ("gpt", "pin cp=2,tp=2"): ("cp=2,tp=2", 4)}
 """Planned by the search: pins and GPUs."""
 
 
@@ -103,7 +156,7 @@ PINNED = {("gpt", "pin cp=2"): ("cp=2", 2), ("llama", "pin dp=2,cp=2"): ("dp=2,c
 def batch(tmp_path_factory):
     root = tmp_path_factory.mktemp("context_parallel")
     folders = {key: write_case(root, f"{key[0]} {key[1]}", MODELS[key[0]].source, [MODELS[key[0]].chain_modules],
-                               **layout) for key, layout in CP_LAYOUTS.items()}
+                               MODELS[key[0]].tensor_parallel_plan, **layout) for key, layout in CP_LAYOUTS.items()}
     folders.update({key: model_layout(root, *key, layout) for key, layout in STAGED_LAYOUTS.items()})
     folders[FULL_ATTENTION] = write_case(root, "tagger cp=2", TAGGER, [("embed", "pos", "blocks.0", "blocks.1", "head")],
                                          context_parallel_degree=2, **mb(2, 4))
@@ -113,24 +166,53 @@ def batch(tmp_path_factory):
         folders[model, name] = root / f"{model}_planned_{pin.replace(',', '_').replace('=', '')}"
         plan_model(str(source), gpus, "cpu", global_batch=8, pin=pin, out=folders[model, name])
     keys = list(folders)
-    result = verify_many([folders[k] for k in keys], steps=STEPS, timeout_s=900, nproc=4,
-                         extra_jobs=resume_jobs(folders[RESUMED], 4, 0))
-    return dict(zip(keys, result.results)), result.extra_errors, folders
+    gradients = root / "gradients.py"
+    gradients.write_text(GRADIENTS)
+    gradient_jobs = []
+    for model, sp in GRADIENT_CASES:
+        source = root / f"{model}_gradients_model.py"
+        source.write_text(MODELS[model].source)
+        argv = (str(source), sp, str(root / f"gradients_{model}_sp_{sp}.json"),
+                json.dumps(MODELS[model].chain_modules), json.dumps(MODELS[model].tensor_parallel_plan))
+        gradient_jobs.append(BatchJob(root, argv, 4, program=gradients))
+    result = verify_many([folders[k] for k in keys], steps=STEPS, timeout_s=1200, nproc=4,
+                         extra_jobs=[*resume_jobs(folders[RESUMED], 4, 0), *gradient_jobs,
+                                     *resume_jobs(folders[RESUMED_WITH_TP], 4, 5)])
+    return dict(zip(keys, result.results)), result.extra_errors, folders, root
 
 
 @pytest.mark.parametrize("key", [*CP_LAYOUTS, *STAGED_LAYOUTS, FULL_ATTENTION, *PINNED], ids=lambda key: " ".join(key))
 def test_context_parallel_program_trains_like_the_single_device_model(batch, key):
-    results, _, folders = batch
+    results, _, folders, _ = batch
     check_parity(results[key])
     assert "2-way context parallel" in (folders[key] / "train.py").read_text()
     parallelism = json.loads((folders[key] / "plan.json").read_text())["parallelism"]
     assert parallelism["context_parallel_degree"] == 2
     assert parallelism["pipeline_parallel_degree"] == (2 if "pp=2" in key[1] else 1)
+    assert parallelism["tensor_parallel_degree"] == (2 if "tp=2" in key[1] else 1)
 
 
 def test_a_context_parallel_checkpoint_resumes_into_the_uninterrupted_run(batch):
-    _, errors, folders = batch
-    failures = [e for e in errors if e]
+    _, errors, folders, _ = batch
+    failures = [e for e in errors[:3] if e]
     assert not failures, failures[0][-3000:]
     out = folders[RESUMED]
     check_resumed(out)
+
+
+@pytest.mark.parametrize("case", GRADIENT_CASES, ids=lambda case: f"{case[0]} sp={case[1]}")
+def test_with_tensor_parallelism_every_gradient_is_the_single_device_models(batch, case):
+    _, errors, _, root = batch
+    error = errors[3 + GRADIENT_CASES.index(case)]
+    assert not error, error[-3000:]
+    ranks = json.loads((root / f"gradients_{case[0]}_sp_{case[1]}.json").read_text())
+    assert len(ranks) == 4 and all(len(rank) > 10 for rank in ranks)
+    for rank in ranks:
+        assert max(rank.values()) <= 1e-6, rank
+
+
+def test_a_context_and_tensor_parallel_checkpoint_resumes_into_the_uninterrupted_run(batch):
+    _, errors, folders, _ = batch
+    failures = [e for e in errors[5:] if e]
+    assert not failures, failures[0][-3000:]
+    check_resumed(folders[RESUMED_WITH_TP])

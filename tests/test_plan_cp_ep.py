@@ -3,6 +3,8 @@ and the pricing checked against closed forms written out here (issue 19)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from chain_fixtures import cluster, gpt_profile
 
@@ -14,6 +16,7 @@ from autoplan.cost.memory import MemoryInputs, layout_memory
 from autoplan.errors import UserError
 from autoplan.layout import ALL_FEATURES, SUPPORTED, Layout, Scope, problems
 from autoplan.plan import Parallelism, _build
+from autoplan.solve.layouts import families
 from autoplan.solve.pins import parse_pins
 from autoplan.plan import Training
 from autoplan.solve.search import search, try_layout
@@ -43,7 +46,7 @@ def test_the_rules_give_their_arithmetic():
         "use zero=1, 2 or 3)"]
 
 
-def test_cp_pins_plan_with_and_without_a_pipeline_and_cp_with_tp_and_ep_are_refused_while_the_program_cannot_run_them():
+def test_cp_pins_plan_with_a_pipeline_and_with_tp():
     assert parse_pins("cp=2,ep=2") == Layout(cp=2, ep=2)
     profile = gpt_profile(n_layer=4, seq=2048, batch=2)
     training = Training(global_batch_size=8, dtype="bf16")
@@ -54,9 +57,11 @@ def test_cp_pins_plan_with_and_without_a_pipeline_and_cp_with_tp_and_ep_are_refu
     staged = search(profile, cluster(8), training, parse_pins("cp=2,pp=2")).best.parallelism
     assert (staged.context_parallel_degree, staged.pipeline_parallel_degree, staged.world_size) == (2, 2, 8)
     assert staged.sharded  # FSDP2 over dp_shard x cp inside each stage
-    with pytest.raises(UserError, match=r"cp=2 with tp=2: the program cannot yet run context parallelism together "
-                                        r"with tensor parallelism \(use cp=1 or tp=1\)"):
-        search(profile, cluster(8), training, parse_pins("cp=2,tp=2"))
+    with_tp = search(profile, cluster(8), training, parse_pins("cp=2,tp=2")).best.parallelism  # runs since cp_tp
+    assert (with_tp.context_parallel_degree, with_tp.tensor_parallel_degree, with_tp.world_size) == (2, 2, 8)
+    with pytest.raises(UserError, match=r"cp=2 with pp=2 and tp=2: the program runs context parallelism inside "
+                                        r"pipeline stages and with tensor parallelism, not yet all three together"):
+        search(profile, cluster(8), training, parse_pins("cp=2,pp=2,tp=2"))
     with pytest.raises(UserError, match=r"expert parallelism is priced but the generated program cannot run it yet "
                                         r"\(ep=2; use ep=1\)"):
         search(profile, cluster(8), training, parse_pins("ep=2"), features=SUPPORTED - {"ep"})
@@ -66,20 +71,22 @@ def test_cp_pins_plan_with_and_without_a_pipeline_and_cp_with_tp_and_ep_are_refu
     assert all(c.parallelism.expert_parallel_degree == 1 for c in default.candidates)
 
 
-def test_the_program_runs_ep_over_fsdp_ranks_only_and_the_rules_say_why_not_otherwise():
+def test_the_program_runs_ep_over_fsdp_ranks_with_tp_and_the_rules_say_why_not_otherwise():
     scope = Scope(features=SUPPORTED)
     assert problems(Layout(dp_replicate=1, dp_shard=4, ep=2, pp=1, tp=1, cp=1), scope) == []
     assert problems(Layout(dp_replicate=2, dp_shard=2, ep=2), scope) == []  # HSDP: ep splits each shard group
     assert problems(Layout(dp_shard=2, ep=2, pp=2, tp=2, cp=2), scope) == [
-        "cp=2 with tp=2: the program cannot yet run context parallelism together with tensor parallelism "
-        "(use cp=1 or tp=1)",
+        "cp=2 with pp=2 and tp=2: the program runs context parallelism inside pipeline stages and with tensor "
+        "parallelism, not yet all three together (use one of them at 1)",
         "ep=2 with pp=2: the program cannot yet run expert parallelism inside pipeline stages (the stages are "
         "exported graphs, where the experts modules are no longer modules whose forward the all-to-all routing "
         "replaces; use ep=1 or pp=1)",
-        "ep=2 with tp=2: the program cannot yet run expert parallelism together with tensor parallelism (the "
-        "experts' stacked weights are not split within an expert; use ep=1 or tp=1)",
         "ep=2 with cp=2: the program splits the experts over data-parallel ranks only, not over the "
         "context-parallel ones that hold the same samples (use ep=1 or cp=1)"]
+    assert problems(Layout(dp_shard=2, ep=2, tp=2, sp="on"), scope) == []  # experts whole on every tp rank
+    assert problems(Layout(dp_shard=2, ep=2, tp=2), Scope(features=SUPPORTED - {"ep_tp"})) == [
+        "ep=2 with tp=2: the program cannot yet run expert parallelism together with tensor parallelism (use ep=1 "
+        "or tp=1)"]
     assert problems(Layout(dp_replicate=4, dp_shard=1, ep=2), scope) == [
         "ep=2 does not divide dp_shard=1 (1 % 2 = 1): the program splits the experts over ranks that FSDP2 shards "
         "the other parameters over, not beside DDP (use zero=3 with ep dividing dp, or ep=1)"]
@@ -102,21 +109,25 @@ def test_a_parallel_config_with_ep_the_program_cannot_run_is_refused_before_any_
         ParallelConfig(ep=0)
 
 
-def test_the_default_search_tries_cp_inside_pipelines_and_keeps_it_out_of_tensor_parallelism():
+def test_the_default_search_tries_cp_inside_pipelines_and_with_tensor_parallelism_not_both():
     scope = Scope(features=SUPPORTED)
     assert problems(Layout(cp=2, pp=2, tp=1), scope) == []
     assert problems(Layout(cp=2, pp=2, tp=2), scope) == [
-        "cp=2 with tp=2: the program cannot yet run context parallelism together with tensor parallelism "
-        "(use cp=1 or tp=1)"]
+        "cp=2 with pp=2 and tp=2: the program runs context parallelism inside pipeline stages and with tensor "
+        "parallelism, not yet all three together (use one of them at 1)"]
+    assert problems(Layout(cp=2, pp=1, tp=2), scope) == []
     assert problems(Layout(cp=2, pp=2, tp=2), Scope(features=ALL_FEATURES)) == []  # priced all the same
     assert problems(Layout(cp=2, pp=1, tp=1), scope) == []
     long = gpt_profile(n_layer=4, seq=8192, batch=1)
     result = search(long, cluster(8), Training(global_batch_size=8, dtype="bf16"))
     with_cp = [c.parallelism for c in result.candidates if c.parallelism.context_parallel_degree > 1]
     assert with_cp, "the default search tries cp on long sequences"
-    assert all(p.tensor_parallel_degree == 1 for p in with_cp)
+    assert not any(p.tensor_parallel_degree > 1 and p.pipeline_parallel_degree > 1 for p in with_cp)
     staged = search(long, cluster(8), Training(global_batch_size=8, dtype="bf16"), parse_pins("pp=2")).best
     assert staged.parallelism.context_parallel_degree > 1, "the search picks cp inside a pipeline on long sequences"
+    scope = Scope(num_gpus=8, gpus_per_node=8, global_batch=8, features=SUPPORTED, sequence_length=8192,
+                  context_parallel_problem="")
+    assert {(f.tp, f.cp) for f in families(Layout(), scope) if f.pp == 1} >= {(2, 2), (2, 4), (4, 2)}  # cp x tp
 
 
 def test_attention_written_as_matmuls_refuses_cp_with_the_reason():
@@ -158,6 +169,22 @@ def test_sharded_table_divides_by_cp_and_waits_for_the_busiest_expert_rank():
     # none: forward + backward + collectives + ring + all-to-alls; full adds the forward's part of each again
     assert table.time_s("none")[0] == pytest.approx(0.25 + 0.5 + 0.05 + 0.1 + 0.01 + 0.03)
     assert table.time_s("full")[1] == pytest.approx(2.5 / 4 + 5.0 / 4 + 0.08 + 2.5 / 4 + 0.04)
+    # ep with tp and sequence parallelism: each tp rank (2) routes its shard, the busiest rank's experts run on half
+    split = sharded_table(base, replace(sharded, expert_split=2))
+    assert split.forward_s == pytest.approx((1.0 / 4, (2.0 + (1.5 / 2 - 1) * 1.0) / 4))
+    assert split.backward_s == pytest.approx((2.0 / 4, (4.0 + (1.5 / 2 - 1) * 2.0) / 4))
+
+
+def test_expert_gradients_reduce_over_the_tp_ranks_too_when_each_routed_its_sequence_shard():
+    """dp_shard 4 x tp 2, ep 2: FSDP2 shards the experts over the dp_shard/ep = 2 ranks holding the same ones, which
+    leaves no replica to all-reduce with; under sequence parallelism each tp rank's expert gradients are its tokens'
+    share, so they all-reduce over the tp = 2 ranks too."""
+    ctx = Context(gpt_profile(n_layer=2, seq=1024), cluster(8), Training(8, "bf16"), CP_EP)
+    par = Parallelism(data_parallel_shard_degree=4, tensor_parallel_degree=2, expert_parallel_degree=2)
+    assert ctx.groups(replace(par, enable_sequence_parallel=False)).expert_shard.size == 2
+    assert ctx.groups(replace(par, enable_sequence_parallel=False)).expert_replicate.size == 1
+    assert ctx.groups(replace(par, enable_sequence_parallel=True)).expert_replicate.size == 2
+    assert ctx.groups(replace(par, data_parallel_shard_degree=2, enable_sequence_parallel=True)).expert_replicate.size == 2
 
 
 @pytest.mark.parametrize("shard, reshard, expert_shard", [(8, True, 2), (8, False, 1), (1, False, 1)])
@@ -200,6 +227,28 @@ def test_context_parallel_halves_activations_and_prices_the_exposed_ring():
     assert priced.predicted.time_breakdown["context_parallel_comm"] == pytest.approx(2 * layers * per_layer, rel=1e-3)
     whole = with_memory_without_cp_ep(ctx, priced, ("none",)).predicted.peak_memory_without_context_parallel_bytes
     assert whole is not None and whole > priced.predicted.peak_memory_bytes
+
+
+def test_context_parallel_with_tensor_parallelism_rings_each_ranks_heads_and_gathers_the_sequence_parallel_input():
+    """cp = 2 x tp = 2 on the slow link: each tensor-parallel rank's ring carries its half of the heads' keys and
+    values (half the sp=off ring of test_context_parallel_halves_activations_and_prices_the_exposed_ring's block);
+    with sequence parallelism the first block's input, split over the tp ranks, is all-gathered once to cut the
+    cp share (forward, the whole sequence W = b x seq x h x 2 bytes) and its gradient once (backward, W / cp)."""
+    from autoplan.cost import comm
+
+    layers, seq, hidden, batch = 2, 1024, 64, 4
+    bandwidth, latency = 1e6, 1e-5
+    profile = gpt_profile(n_layer=layers, n_embd=hidden, seq=seq, batch=2)
+    features = CP_EP | {"tp_fused_split"}  # the fixture's attention is a fused qkv: split it over the tp ranks
+    ctx = Context(profile, cluster(4, intra_bw=bandwidth, latency_s=latency), Training(batch, "bf16"), features)
+    plain, sp = ctx.table(2, 1, cp=2), ctx.table(2, 1, sp=True, cp=2)
+    block = 2 * 1 * seq / 2 * hidden / 2 * 2
+    per_layer = 2 * (latency + block / bandwidth) + 2 * (latency + 2 * block / bandwidth)
+    assert sum(plain.cp_forward_s) + sum(plain.cp_backward_s) == pytest.approx(layers * per_layer, rel=1e-3)
+    whole, link = 1 * seq * hidden * 2, ctx.group(2, 1).link
+    gathers = comm.all_gather_s(whole, 2, link) + comm.all_gather_s(whole / 2, 2, link)
+    extra = sum(sp.cp_forward_s) + sum(sp.cp_backward_s) - sum(plain.cp_forward_s) - sum(plain.cp_backward_s)
+    assert extra == pytest.approx(gathers, rel=1e-3)
 
 
 def test_the_report_names_cp_and_ep_and_shows_memory_with_them_set_back_to_1():

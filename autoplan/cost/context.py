@@ -52,7 +52,8 @@ class Groups:
     """The ranks the expert parameters are FSDP-sharded over (dp_shard x cp / ep, or 1: expert_shard_degree)."""
     expert_replicate: comm.Group
     """The ranks holding the same experts' shard, which all-reduce their gradients (dp_replicate, or dp / ep when
-    the experts are not sharded)."""
+    the experts are not sharded), with the tp ranks beside them under sequence parallelism (whose expert gradients
+    are each their tokens' share)."""
 
 
 def expert_shard_degree(fsdp: int, ep: int) -> int:
@@ -145,9 +146,13 @@ class Context:
         t, r = par.tensor_parallel_degree, par.data_parallel_replicate_degree
         cp, ep, fsdp = par.context_parallel_degree, par.expert_parallel_degree, par.fsdp_shard_degree
         experts = expert_shard_degree(fsdp, ep)
+        replicas = self.group(r * fsdp // (ep * experts), t * ep * experts)
+        if ep > 1 and t > 1 and par.enable_sequence_parallel:  # the tp ranks' expert gradients are their shards'
+            replicas = comm.Group(replicas.size * t, (replicas if replicas.size > 1 else self.group(t, 1)).link,
+                                  replicas.nodes)
         return Groups(self.group(t, 1), self.group(fsdp, t), self.group(r, t * fsdp),
                       self.group(par.pipeline_parallel_degree, t * fsdp * r), self.group(cp, t), self.group(ep, t),
-                      self.group(experts, t * ep), self.group(r * fsdp // (ep * experts), t * ep * experts))
+                      self.group(experts, t * ep), replicas)
 
     def send_s(self, nbytes: float, par: Parallelism, link) -> float:
         """One activation (or gradient) crossing a stage boundary. Each tensor-parallel rank sends the
@@ -193,8 +198,9 @@ class Context:
         experts = self._ops_table(self._expert_nodes, tp, microbatch, sp)
         imbalance, all_to_all = [1.0] * n, [0.0] * n
         ep_group = self.group(ep, tp)
+        split = tp if sp and ep > 1 else 1  # tp ranks routing their own sequence shards (TensorParallelTokens)
         for layer, u in zip(self.experts, self._expert_module):
-            tokens = layer.tokens / self.profile.batch_size * microbatch / cp
+            tokens = layer.tokens / self.profile.batch_size * microbatch / cp / split
             loads = self.profile.router_loads.get(layer.module)
             measured = measured_imbalance(loads, ep_group.size) if loads else None  # profile --measure
             cost = expert_parallel_cost(layer, tokens, element, ep_group, measured_imbalance=measured)
@@ -214,13 +220,30 @@ class Context:
                 ring_backward[u] += ring.backward_exposed_s
                 split = tp if role.get(call.node, "") in SPLIT_ROLES else 1
                 change[u] += (call.ring_saved_bytes - call.saved_bytes) * microbatch * self.scale / split
+            first = self._block_start(min(self._attention_module))
+            if sp and tp > 1 and first > 0:  # sequence shares under sequence parallelism (runtime/context_parallel.py)
+                whole = self.cut_bytes(cp)[first - 1] * microbatch * self.scale
+                tp_group = self.group(tp, 1)
+                ring_forward[first] += comm.all_gather_s(whole, tp, tp_group.link, tp_group.nodes)
+                ring_backward[first] += comm.all_gather_s(whole / cp, tp, tp_group.link, tp_group.nodes)
         return ShardedModules(cp=cp, expert_forward_s=experts.forward_s, expert_backward_s=experts.backward_s,
                               imbalance=tuple(imbalance), ring_forward_s=tuple(ring_forward),
                               ring_backward_s=tuple(ring_backward), all_to_all_s=tuple(all_to_all),
-                              saved_change_bytes=tuple(change),
+                              saved_change_bytes=tuple(change), expert_split=split,
                               input_change_bytes=tuple(-self.mask_cut_bytes[u - 1] * microbatch * self.scale
                                                        / (tp if sp and self.costs.modules[u].sequence_input else 1)
                                                        if cp > 1 and u > 0 else 0.0 for u in range(n)))
+
+    def _block_start(self, u: int) -> int:
+        """The first chain module of the block running module u (its siblings under the same parent before it, as
+        blocks.0.ln_1 before blocks.0.attn): where context parallelism cuts each rank's share of the sequence
+        (runtime/attention_blocks.py: the outermost module running the attention that started after the
+        embeddings)."""
+        fqns = [m.fqn for m in self.chain.modules]
+        parent = fqns[u].rpartition(".")[0]
+        while parent and u > 0 and fqns[u - 1].startswith(parent + "."):
+            u -= 1
+        return u
 
     def cut_bytes(self, cp: int = 1) -> tuple[float, ...]:
         """Bytes per sample crossing each module boundary (capture dtype), whole sequences; without the attention

@@ -13,6 +13,11 @@
   and gradients are averaged over the cp ranks with the data-parallel ones (the evaluation's part).
   With a pipeline, the activations the stages send each other are the rank's seq/cp share from the first
   module calling attention on, and the whole sequence before it (cost/context.py rank_cut_bytes).
+- With tensor parallelism each tp rank rings its own heads (kv features / tp when the attention is split), over
+  the cp ranks of its tp index. With sequence parallelism too, the block where the shares start takes its input
+  split over the tp ranks: it is all-gathered over them once per micro-batch to cut the cp share (the whole
+  sequence, forward) and the share's gradient once (seq/cp, backward): Context._sharded_modules adds both to
+  that block's ring time.
 """
 
 from __future__ import annotations

@@ -72,7 +72,8 @@ class Parallelized:
     trains on), cp_rank and cp_size (which share of each sequence), tp_rank; is_first_stage, is_last_stage."""
     experts: ExpertParallel
     """The experts split over expert-parallel groups and FSDP2-sharded over the ranks holding the same experts (no
-    modules without expert parallelism)."""
+    modules without expert parallelism); forward_backward sums their gradients over the tp ranks when each routed
+    its share of the tokens."""
     device: torch.device
     """Where the parts compute."""
     dtype: torch.dtype
@@ -103,11 +104,12 @@ class Parallelized:
         return inputs_slice, targets_slice
 
     def forward_backward(self, inputs: Any, targets: Any) -> torch.Tensor | None:
-        """Forward and backward of this rank's batch (`step`, then `tied`), leaving in .grad the
+        """Forward and backward of this rank's batch (`step`, then `tied` and `experts`), leaving in .grad the
         gradients of the global batch's mean loss. Returns this rank's mean loss over its micro-batches, or None on a
         pipeline rank that does not compute the loss (every stage but the last). Call it on every rank."""
         local_loss = self.step(inputs, targets)
         self.tied.sum_gradients()
+        self.experts.reduce_gradients()  # with sequence parallelism: the tp ranks' shares of the expert gradients
         return local_loss
 
     def global_loss(self, local_loss: torch.Tensor | None) -> float:
@@ -188,7 +190,8 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
     del model  # this rank keeps only its stages
     # expert parallelism (without a pipeline, _check_runnable): each rank keeps its experts, FSDP2 shards them over
     # the ranks holding the same ones (shard_data_parallel)
-    experts = (parallelize_experts(parts[0].module, device.type, config.dp, config.ep, dtype, config.dp_replicate)
+    experts = (parallelize_experts(parts[0].module, device.type, config.dp, config.ep, dtype, config.dp_replicate,
+                                   config.tp, config.sequence_parallel)
                if split is None else ExpertParallel([], None, config.dp))
 
     for s, part in parts.items():  # order as in torchtitan: tensor parallel, recompute, compile, FSDP
@@ -228,7 +231,7 @@ def _device(device: torch.device | str | None) -> torch.device:
 
 def _check_runnable(config: ParallelConfig) -> None:
     """The layout rules a ParallelConfig built by hand can break that this runtime cannot run (layout.py:
-    context parallelism with tensor parallelism, expert parallelism with a pipeline or tensor parallelism)."""
+    context or expert parallelism with a pipeline, expert parallelism with context parallelism)."""
     layout = Layout(dp_replicate=config.dp_replicate, dp_shard=config.dp_shard, cp=config.cp, ep=config.ep,
                     pp=config.pp, tp=config.tp)
     found = problems(layout, Scope(features=SUPPORTED))

@@ -15,6 +15,15 @@ The handlers join torch's context-parallel op table, so they are active exactly 
 `context_parallel` region is (and DTensor's plain dispatch never sees a sequence-sharded attention).
 Attention masks are not handled (torch's CUDA handlers refuse them too): causal or full attention only.
 
+With tensor parallelism (mesh dims cp and tp), q, k and v reach attention as DTensors on the "tp" mesh split on
+the heads (runtime/tensor_parallel.py keeps a column-parallel Linear's output a DTensor), which torch's
+context_parallel refuses: tensor_parallel_heads_local hands it each rank's local heads, so every tensor-parallel rank
+runs the ring over the cp ranks of its own tp index on its heads (the cp group is the mesh's "cp" dim). Under
+sequence parallelism the first block's input is split on the sequence over the tp ranks; SequenceShards gathers it,
+cuts the cp share and splits that over the tp ranks again, so sequence parallelism goes on within the share (one
+all-gather over tp per micro-batch forward, one backward). The loss on vocabulary-sharded logits (loss_parallel)
+takes the targets' cp share as it is.
+
 ContextParallelRegion is what the generated program's step runs each micro-batch in: torch's context_parallel
 over the mesh's "cp" ranks (targets cut to the rank's share), the load balancing set from the attention's
 causality, and the shard_block_inputs hooks on the block found by runtime/attention_blocks.py and the chain
@@ -42,7 +51,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from autoplan.errors import UserError
@@ -151,9 +160,17 @@ class SequenceShards:
         """(first position, length) of each run of consecutive positions in `positions`."""
 
     def shard(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        """The rank's share of `tensor` along `dim` (differentiable: gradients flow to the whole tensor)."""
+        """The rank's share of `tensor` along `dim` (differentiable: gradients flow to the whole tensor). A
+        DTensor split on `dim` over the tensor-parallel ranks (sequence parallelism: the embeddings' output)
+        is all-gathered over them first (torch's head-tail order does not follow their contiguous pieces) and
+        its share split over them again (a local slice), so sequence parallelism goes on within the share."""
+        placements = tensor.placements if isinstance(tensor, DTensor) else None
+        if placements is not None and any(p.is_shard(dim % tensor.dim()) for p in placements):
+            tensor = tensor.redistribute(placements=[Replicate() if p.is_shard(dim % tensor.dim()) else p
+                                                     for p in placements])
         pieces = [tensor.narrow(dim, start, length) for start, length in self.runs]
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+        share = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+        return share.redistribute(placements=placements) if placements is not None else share
 
     def shard_sequences(self, value):
         """Every tensor in `value` (nested) whose sequence dimension is the whole sequence, sharded."""
@@ -224,6 +241,43 @@ def attention_through_functional(stage) -> int:
     return redirected
 
 
+@contextmanager
+def tensor_parallel_heads_local():
+    """Within a `context_parallel` region, F.scaled_dot_product_attention taking tensor-parallel DTensors (q, k, v
+    on the "tp" mesh, split on the heads: runtime/tensor_parallel.py keeps a column-parallel Linear's output a
+    DTensor) as their local heads. torch's patched function wraps every tensor it is given as a shard of the
+    sequence over the "cp" mesh and refuses a DTensor on another mesh (an AssertionError in its sdpa_input_fn);
+    attention is independent per head, so each tensor-parallel rank runs the ring over the cp group on its own
+    heads and the output is its heads' share again. Restores the function on exit."""
+    import torch.nn.functional as F
+
+    ring = F.scaled_dot_product_attention  # the version context_parallel patched in
+
+    def attend(*args, **kwargs):
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)]
+        if not tensors:
+            return ring(*args, **kwargs)
+        like = args[0] if isinstance(args[0], DTensor) else tensors[0]
+        for t in tensors:
+            if t.device_mesh != like.device_mesh or any(
+                    not p.is_replicate() and not (p.is_shard() and p.dim % t.dim() < SEQUENCE_DIM)
+                    for p in t.placements):
+                raise NotImplementedError(f"context parallel attention takes tensor-parallel q, k, v split on the "
+                                          f"batch or heads (dims 0, 1), got {t.placements} on {t.device_mesh}")
+        out = ring(*(_to_local(a) for a in args), **{k: _to_local(v) for k, v in kwargs.items()})
+        return DTensor.from_local(out, like.device_mesh, like.placements, run_check=False)
+
+    F.scaled_dot_product_attention = attend
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = ring
+
+
+def _to_local(value):
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
 class ContextParallelRegion:
     """Where a micro-batch's forward, loss and backward run under context parallelism (the step enters it
     per micro-batch): torch's `context_parallel` over the mesh's "cp" ranks, whose ring attention
@@ -263,7 +317,7 @@ class ContextParallelRegion:
         handles = []
         try:
             with context_parallel(self.mesh, buffers=buffers, buffer_seq_dims=[ACTIVATION_SEQUENCE_DIM] * len(buffers),
-                                  no_restore_buffers=set(buffers)):
+                                  no_restore_buffers=set(buffers)), tensor_parallel_heads_local():
                 shards = SequenceShards(self.mesh, seq_len, buffers[0].device)
                 handles = shard_block_inputs(self.blocks, shards)
                 yield pytree.tree_unflatten(local, spec)

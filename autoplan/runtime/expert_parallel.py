@@ -27,6 +27,13 @@ holding the same experts (ExpertParallel.fully_shard, from shard_data_parallel, 
 with the plan's resharding and HSDP over dp_replicate like the other parameters: a rank keeps 1/dp_shard of the
 expert states (E/ep experts split dp_shard/ep ways), gathers its E/ep experts for the forward and backward, and
 reduce-scatters their gradients over the replicas, divided by dp.
+
+With tensor parallelism the experts are left out of the tensor-parallel plan and stay whole on every tp rank (ETP
+1); the ep group is the ep ranks of one tp index (the expert mesh's "ep" dim). TensorParallelTokens decides which
+tokens a tp rank routes: without sequence parallelism the tp ranks hold the same tokens (plain tensors) and each
+routes them all, so its expert gradients are whole; with it the tokens arrive as DTensors on the tp mesh and each
+tp rank routes its share of them (Shard(0) of the (tokens, hidden) rows), so after backward
+ExpertParallel.reduce_gradients sums the expert gradients (FSDP2's shards of them) over the tp ranks too.
 """
 
 from __future__ import annotations
@@ -154,6 +161,22 @@ class ExpertParallel:
     """The expert mesh (EXPERT_MESH_DIMS); None without expert parallelism."""
     dp: int
     """Data-parallel ranks: the expert gradients are divided by it, as data parallelism averages the others."""
+    tp_sum: dist.ProcessGroup | None = None
+    """The tensor-parallel ranks whose expert gradients are each their share of the tokens' (sequence parallelism),
+    summed after backward (reduce_gradients); None when the tp ranks routed the same tokens."""
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """After backward (and FSDP2's reduction over the ranks holding the same experts): with sequence parallelism
+        each tp rank routed its share of the tokens, so the tp ranks' expert gradients (the same FSDP2 shard on each)
+        are summed; nothing to do otherwise."""
+        if self.tp_sum is None:
+            return
+        for sub in self.modules:
+            for param in sub.parameters(recurse=False):
+                if param.grad is not None:
+                    grad = param.grad
+                    dist.all_reduce(grad._local_tensor if hasattr(grad, "_local_tensor") else grad, group=self.tp_sum)
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
@@ -203,13 +226,16 @@ def _fsdp_placement(param: nn.Parameter, local_experts: int, shards: int):
 
 
 def parallelize_experts(module: nn.Module, device_type: str, dp: int, ep: int,
-                        dtype: torch.dtype = torch.float32, dp_replicate: int = 1) -> ExpertParallel:
+                        dtype: torch.dtype = torch.float32, dp_replicate: int = 1, tp: int = 1,
+                        sequence_parallel: bool = False) -> ExpertParallel:
     """Split every experts module of `module` over groups of ep consecutive data-parallel ranks (torchtitan's ep
-    borrowed from dp_shard; call on every rank, before FSDP, which shards them over the ranks holding the same
-    experts with ExpertParallel.fully_shard). Works on the meta device: each parameter becomes a DTensor of the
-    full shape, Shard(0) over the "ep" dim of an expert mesh (pp 1, dp_replicate, dp_shard/ep, ep, tp 1), whose
-    local tensor is this rank's experts; its forward runs on the local tensors (cast to `dtype`), routing tokens
-    with all-to-all (shard_experts)."""
+    borrowed from dp_shard; call on every rank, before tensor parallelism and FSDP, which shards them over the ranks
+    holding the same experts with ExpertParallel.fully_shard). Works on the meta device: each parameter becomes a
+    DTensor of the full shape, Shard(0) over the "ep" dim of an expert mesh (pp 1, dp_replicate, dp_shard/ep, ep,
+    tp), whose local tensor is this rank's experts; its forward runs on the local tensors (cast to `dtype`), routing
+    tokens with all-to-all (shard_experts) over the ep ranks of this rank's tensor-parallel index. With tp > 1
+    (TensorParallelTokens) the experts stay whole: without sequence parallelism the tp ranks route the same tokens,
+    with it each routes its share of them and the expert gradients are summed over the tp ranks too."""
     from torch.distributed.tensor import DTensor, Shard
 
     if ep == 1:
@@ -218,15 +244,60 @@ def parallelize_experts(module: nn.Module, device_type: str, dp: int, ep: int,
     if not experts:
         raise UserError(f"ep={ep}, but {type(module).__name__} has no experts module (num_experts and weights "
                         f"stacked per expert on dimension 0) to split: plan it with ep=1")
-    mesh = expert_mesh(device_type, 1, dp, ep, dp_replicate=dp_replicate)
+    mesh = expert_mesh(device_type, 1, dp, ep, tp, dp_replicate=dp_replicate)
     ep_mesh = mesh["ep"]
+    split = tp > 1 and sequence_parallel
     for sub in experts:
         shard_experts(sub, ep_mesh.get_group())
         for name, param in list(sub.named_parameters(recurse=False)):
             sharded = DTensor.from_local(param.detach(), ep_mesh, [Shard(0)], run_check=False)
             setattr(sub, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         _compute_on_local_tensors(sub, dtype)
-    return ExpertParallel(experts, mesh, dp)
+        if tp > 1:
+            TensorParallelTokens(mesh["tp"], split).wrap(sub)
+    return ExpertParallel(experts, mesh, dp, mesh["tp"].get_group() if split else None)
+
+
+class TensorParallelTokens:
+    """How an experts module meets tensor parallelism (the experts are left out of the tensor-parallel plan:
+    each expert stays whole on its rank, ETP 1). Its inputs are the tokens the tp ranks hold: plain tensors, the
+    same on every tp rank, without sequence parallelism (each rank routes them all over its ep group and its
+    expert gradients are whole); DTensors on the tp mesh with it (the router ran on them), which are split on the
+    tokens (dimension 0 of the (tokens, hidden) rows) so that each tp rank routes its share, and the output is
+    that share again (its expert gradients are then the share's: ExpertParallel sums them over the tp ranks).
+    Unlike torchtitan, whose ETP 1 borrows ep from the tp ranks too, ep here comes from data parallelism only:
+    the tp ranks of one data-parallel rank hold the same experts."""
+
+    def __init__(self, tp_mesh, split: bool) -> None:
+        self.mesh, self.split = tp_mesh, split
+        """The expert mesh's "tp" dim; whether each tp rank routes its own share of the tokens."""
+
+    def wrap(self, module: nn.Module) -> None:
+        inner = module.forward
+
+        def forward(hidden_states, top_k_index, top_k_weights):
+            return self(inner, hidden_states, top_k_index, top_k_weights)
+
+        module.forward = forward
+
+    def __call__(self, inner, hidden_states, top_k_index, top_k_weights):
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        dtensor = isinstance(hidden_states, DTensor)
+        if not dtensor and not self.split:
+            return inner(hidden_states, top_k_index, top_k_weights)
+        mesh = hidden_states.device_mesh if dtensor else self.mesh
+        if mesh.ndim != 1:
+            raise NotImplementedError(f"expert parallelism with tensor parallelism takes the tokens on a 1-D "
+                                      f"tensor-parallel mesh, got a {mesh.ndim}-D one")
+        layout = [Shard(0)] if self.split else [Replicate()]
+        rows = [t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+                for t in (hidden_states, top_k_index, top_k_weights)]
+        whole = rows[0]
+        local = [t.redistribute(mesh, layout).to_local() for t in rows]
+        out = DTensor.from_local(inner(*local), mesh, layout, run_check=False, shape=whole.shape,
+                                 stride=whole.stride())
+        return out if dtensor else out.redistribute(mesh, [Replicate()]).to_local()
 
 
 def _compute_on_local_tensors(module: nn.Module, dtype: torch.dtype) -> None:
