@@ -40,7 +40,7 @@ ALL_FEATURES = frozenset({
     "cp_pp",              # context parallelism inside pipeline stages; priced, not yet in train.py
     "cp_tp",              # context parallelism with tensor parallelism; priced, not yet in train.py
     "ep",                 # expert parallelism (all-to-all dispatch) over FSDP2's data-parallel ranks
-    "ep_pp",              # expert parallelism inside pipeline stages; priced, not yet in train.py
+    "ep_pp",              # expert parallelism inside pipeline stages (ep over each stage's data-parallel ranks)
     "ep_tp",              # expert parallelism with tensor parallelism; priced, not yet in train.py
     "ep_cp",              # expert parallelism borrowing context-parallel ranks; priced, not yet in train.py
     "ep_ddp",             # expert parallelism beside DDP (ep not dividing dp_shard); priced, not yet in train.py
@@ -48,7 +48,7 @@ ALL_FEATURES = frozenset({
 })
 """Everything the cost model can price. Beyond SUPPORTED, two features of Megatron-LM that torch does not run,
 context parallelism together with a pipeline or with tensor parallelism, and expert parallelism together with
-a pipeline, tensor or context parallelism, or DDP, which the generated program does not run yet, priced only
+tensor or context parallelism, DDP or CPU offload, which the generated program does not run yet, priced only
 when a caller asks for them (tests of the cost model; a search with features=ALL_FEATURES); the default search
 and autoplan.estimate, which benchmarks/accuracy.py prices the published runs with, never use them."""
 
@@ -68,12 +68,13 @@ SUPPORTED = frozenset({
     "compile",            # torch.compile per chain module (inductor; its CPU backend too)
     "cp",                 # context parallelism: torch's context_parallel over SDPA, FSDP2 over dp_shard x cp
     "ep",                 # expert parallelism: experts split over ep of the FSDP2 ranks, all-to-all dispatch
+    "ep_pp",              # ep inside pipeline stages: the stages call the experts modules (runtime/expert_calls.py)
 })
 """What codegen can run. Remove a name to stop the search from emitting (or accepting a pin of) it.
 Not yet: pp_scatter_gather and tp_fused_split (not in torch), cp_pp and cp_tp (train.py runs context parallelism
-without pipelines and tensor parallelism only), ep_pp, ep_tp, ep_cp, ep_ddp and ep_offload (train.py runs expert
-parallelism over FSDP2's data-parallel ranks only: no pipeline, tensor or context parallelism, ep dividing dp_shard,
-no CPU offload)."""
+without pipelines and tensor parallelism only), ep_tp, ep_cp, ep_ddp and ep_offload (train.py runs expert
+parallelism over FSDP2's data-parallel ranks only, of each pipeline stage: no tensor or context parallelism, ep
+dividing dp_shard, no CPU offload)."""
 
 CONTEXT_PARALLEL_CHUNKS = 2
 """Chunks per context-parallel rank: torch's causal load balancing cuts each sequence into 2 x cp chunks and
@@ -295,9 +296,8 @@ def _expert_parallel_features(layout: Layout, have: frozenset[str]) -> list[str]
         return []
     out = []
     if _positive(layout.pp) and layout.pp > 1 and "ep_pp" not in have:
-        out.append(f"ep={ep} with pp={layout.pp}: the program cannot yet run expert parallelism inside pipeline "
-                   f"stages (the stages are exported graphs, where the experts modules are no longer modules whose "
-                   f"forward the all-to-all routing replaces; use ep=1 or pp=1)")
+        out.append(f"ep={ep} with pp={layout.pp}: expert parallelism inside pipeline stages is not supported here "
+                   f"(use ep=1 or pp=1)")
     if _positive(layout.tp) and layout.tp > 1 and "ep_tp" not in have:
         out.append(f"ep={ep} with tp={layout.tp}: the program cannot yet run expert parallelism together with tensor "
                    f"parallelism (the experts' stacked weights are not split within an expert; use ep=1 or tp=1)")

@@ -63,7 +63,16 @@ EP_LAYOUTS = {
     ("qwen2_moe", "hsdp dp_replicate=2 x dp_shard=2,ep=2"): dict(
         data_parallel_replicate_degree=2, data_parallel_shard_degree=2, fsdp_reshard_after_forward="always",
         expert_parallel_degree=2, **mb(1, 2)),
+    ("mixtral", "pp=2,gpipe,dp=2,zero=3,ep=2"): dict(pipeline_parallel_degree=2, pipeline_parallel_schedule="gpipe",
+                                                     data_parallel_shard_degree=2, fsdp_reshard_after_forward="always",
+                                                     expert_parallel_degree=2, **mb(2, 2)),
+    ("qwen2_moe", "pp=2,1f1b,dp=2,zero=3,ep=2"): dict(pipeline_parallel_degree=2, pipeline_parallel_schedule="1f1b",
+                                                      data_parallel_shard_degree=2,
+                                                      fsdp_reshard_after_forward="always", expert_parallel_degree=2,
+                                                      **mb(2, 2)),
 }
+STAGES = {1: [CHAIN], 2: [CHAIN[:2], CHAIN[2:]]}
+"""The pipeline stages of a layout by its pipeline degree (one expert layer on each of 2 stages)."""
 RESUMED = ("mixtral", "dp=4,zero=3,ep=2")
 INSPECT = '''
 """On a dp=4 x ep=2 plan's ranks: the shape of each expert parameter (global, and this rank's local tensor) and
@@ -107,7 +116,8 @@ PINNED = {("mixtral", "pin ep=2"): ("ep=2", 2)}
 @pytest.fixture(scope="module")
 def batch(tmp_path_factory):
     root = tmp_path_factory.mktemp("expert_parallel")
-    folders = {key: write_case(root, f"{key[0]} {key[1]}", SOURCES[key[0]], [CHAIN], **layout)
+    folders = {key: write_case(root, f"{key[0]} {key[1]}", SOURCES[key[0]],
+                               STAGES[layout.get("pipeline_parallel_degree", 1)], **layout)
                for key, layout in EP_LAYOUTS.items()}
     for (model, name), (pin, gpus) in PINNED.items():
         source = root / f"{model}_model.py"

@@ -66,7 +66,7 @@ def test_cp_pins_plan_and_cp_with_pp_or_tp_and_ep_are_refused_while_the_program_
     assert all(c.parallelism.expert_parallel_degree == 1 for c in default.candidates)
 
 
-def test_the_program_runs_ep_over_fsdp_ranks_only_and_the_rules_say_why_not_otherwise():
+def test_the_program_runs_ep_over_fsdp_ranks_also_in_pipeline_stages_and_the_rules_say_why_not_otherwise():
     scope = Scope(features=SUPPORTED)
     assert problems(Layout(dp_replicate=1, dp_shard=4, ep=2, pp=1, tp=1, cp=1), scope) == []
     assert problems(Layout(dp_replicate=2, dp_shard=2, ep=2), scope) == []  # HSDP: ep splits each shard group
@@ -74,9 +74,6 @@ def test_the_program_runs_ep_over_fsdp_ranks_only_and_the_rules_say_why_not_othe
         "cp=2 with pp=2: the program cannot yet run context parallelism inside pipeline stages (use cp=1 or pp=1)",
         "cp=2 with tp=2: the program cannot yet run context parallelism together with tensor parallelism "
         "(use cp=1 or tp=1)",
-        "ep=2 with pp=2: the program cannot yet run expert parallelism inside pipeline stages (the stages are "
-        "exported graphs, where the experts modules are no longer modules whose forward the all-to-all routing "
-        "replaces; use ep=1 or pp=1)",
         "ep=2 with tp=2: the program cannot yet run expert parallelism together with tensor parallelism (the "
         "experts' stacked weights are not split within an expert; use ep=1 or tp=1)",
         "ep=2 with cp=2: the program splits the experts over data-parallel ranks only, not over the "
@@ -88,14 +85,18 @@ def test_the_program_runs_ep_over_fsdp_ranks_only_and_the_rules_say_why_not_othe
         "ep=2 with zero=0 (DDP): the program splits the experts over ranks that FSDP2 shards the other parameters "
         "over, not beside DDP (use zero=3 or ep=1)"]
     assert problems(Layout(dp_shard=2, ep=2, pp=2, tp=2, cp=2), Scope(features=ALL_FEATURES)) == []  # priced
+    assert problems(Layout(dp_shard=2, ep=2, pp=2), scope) == []  # the stages call the experts modules
+    assert problems(Layout(dp_shard=2, ep=2, pp=2), Scope(features=SUPPORTED - {"ep_pp"})) == [
+        "ep=2 with pp=2: expert parallelism inside pipeline stages is not supported here (use ep=1 or pp=1)"]
 
 
 def test_a_parallel_config_with_ep_the_program_cannot_run_is_refused_before_any_process_group():
     from autoplan.runtime.apply_plan import _check_runnable
     from autoplan.runtime.config import ParallelConfig
 
-    with pytest.raises(UserError, match=r"ep=2 with pp=2: the program cannot yet run expert parallelism"):
-        _check_runnable(ParallelConfig(dp_shard=2, ep=2, pp=2, stages=(("a",), ("b",))))
+    with pytest.raises(UserError, match=r"ep=2 with tp=2: the program cannot yet run expert parallelism"):
+        _check_runnable(ParallelConfig(dp_shard=2, ep=2, tp=2))
+    _check_runnable(ParallelConfig(dp_shard=2, ep=2, pp=2, stages=(("a",), ("b",))))
     with pytest.raises(UserError, match=r"ep=2 does not divide dp_shard=1 \(1 % 2 = 1\)"):
         _check_runnable(ParallelConfig(dp_replicate=2, ep=2))
     _check_runnable(ParallelConfig(dp_shard=2, ep=2))

@@ -171,7 +171,7 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
     split = None
     if config.pp > 1:  # cut this rank's stages out of the exported graph of the model
         inputs = _one_microbatch(example_inputs, config.microbatch_size)
-        split = split_model(model, to_device(inputs, "meta"), config.stages, device)
+        split = split_model(model, to_device(inputs, "meta"), config.stages, device, experts_as_modules=config.ep > 1)
         stage_ids = local_stages(rank.pp_rank, config.pp, config.virtual_stages)
         split.drop_other_stages(stage_ids)
         parts = {s: ModelPart(split.stages[s], split.state_fqns[s]) for s in stage_ids}
@@ -179,9 +179,9 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
     else:
         parts, chain_modules = {0: ModelPart(model)}, {0: list(config.chain_modules)}
     del model  # this rank keeps only its stages
-    # expert parallelism (without a pipeline, _check_runnable): each rank keeps its experts, FSDP leaves them alone
-    experts = (parallelize_experts(parts[0].module, device.type, config.dp, config.ep, dtype) if split is None
-               else ExpertParallel([], None, config.dp))
+    # expert parallelism: each rank keeps its experts (of its own stages), FSDP leaves them alone
+    experts = parallelize_experts(nn.ModuleList([part.module for part in parts.values()]) if split is not None
+                                  else parts[0].module, device.type, config.dp, config.ep, dtype, pp=config.pp)
 
     for s, part in parts.items():  # order as in torchtitan: tensor parallel, recompute, compile, FSDP
         part.module = tensor_parallel(part.module, mesh["tp"], config.tensor_parallel_plan, chain_modules[s],

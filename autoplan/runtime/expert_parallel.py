@@ -19,7 +19,8 @@ Both all-to-alls are autograd functions (torch's functional collectives), so bac
 The ep ranks hold different data (ep borrows ranks from data parallelism): a rank's expert gradients
 sum the contributions of every token of the group routed to its experts.
 
-In the generated program, autoplan.parallelize calls parallelize_experts before FSDP2: the sliced parameters
+In the generated program, autoplan.parallelize calls parallelize_experts before FSDP2 (with a pipeline, on this
+rank's stages, which call the experts modules as modules: runtime/expert_calls.py): the sliced parameters
 become DTensors sharded on dimension 0 over the expert mesh's "ep" dimension (so the initial values' broadcast
 gives each rank its slice, and a torch.distributed.checkpoint holds each expert once at the model's full shape),
 FSDP2 leaves them out (ignored_params), and after backward ExpertParallel.reduce_gradients sums them over the
@@ -167,21 +168,23 @@ class ExpertParallel:
 
 
 def parallelize_experts(module: nn.Module, device_type: str, dp: int, ep: int,
-                        dtype: torch.dtype = torch.float32) -> ExpertParallel:
+                        dtype: torch.dtype = torch.float32, pp: int = 1) -> ExpertParallel:
     """Split every experts module of `module` over groups of ep consecutive data-parallel ranks (torchtitan's ep
     borrowed from dp; call on every rank, before FSDP, which must leave ExpertParallel.params alone). Works on
     the meta device: each parameter becomes a DTensor of the full shape, Shard(0) over the "ep" dim of an
-    expert mesh (pp 1, dp/ep, ep, tp 1), whose local tensor is this rank's experts; its forward runs on the
-    local tensors (cast to `dtype`), routing tokens with all-to-all (shard_experts)."""
+    expert mesh (pp, dp/ep, ep, tp 1), whose local tensor is this rank's experts; its forward runs on the
+    local tensors (cast to `dtype`), routing tokens with all-to-all (shard_experts). With a pipeline (pp > 1)
+    `module` holds this rank's stages, whose experts modules split over the data-parallel ranks of the same
+    pipeline rank; a stage may hold none."""
     from torch.distributed.tensor import DTensor, Shard
 
     if ep == 1:
         return ExpertParallel([], None, dp)
     experts = [sub for sub in module.modules() if is_experts_module(sub)]
-    if not experts:
+    if not experts and pp == 1:
         raise UserError(f"ep={ep}, but {type(module).__name__} has no experts module (num_experts and weights "
                         f"stacked per expert on dimension 0) to split: plan it with ep=1")
-    mesh = expert_mesh(device_type, 1, dp, ep)
+    mesh = expert_mesh(device_type, pp, dp, ep)  # every rank builds it, with experts or not
     ep_mesh = mesh["ep"]
     params = []
     for sub in experts:
