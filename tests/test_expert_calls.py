@@ -20,6 +20,12 @@ from test_runtime import run_stages, stage_grads
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = [("model.embed_tokens", "model.layers.0"), ("model.layers.1", "model.norm", "lm_head")]
+FINE_STAGES = [("model.embed_tokens", "model.rotary_emb", "model.layers.0.input_layernorm", "model.layers.0.self_attn"),
+               ("model.layers.0.post_attention_layernorm", "model.layers.0.mlp.gate", "model.layers.0.mlp.experts",
+                "model.layers.1.input_layernorm"),
+               ("model.layers.1.self_attn", "model.layers.1.post_attention_layernorm", "model.layers.1.mlp.gate"),
+               ("model.layers.1.mlp.experts", "model.norm", "lm_head")]
+"""Stages as the search cut the tiny Mixtral for pp=2 x 2 virtual stages: the experts modules are chain modules."""
 
 
 def load(path: Path, name: str):
@@ -44,10 +50,7 @@ def build(name: str):
 @pytest.mark.parametrize("name", ["olmoe", "qwen2_moe", "mixtral"])
 def test_stages_call_the_experts_modules_and_chained_match_the_model(name):
     model, ids = build(name)
-    reference = copy.deepcopy(model)
-    expected = reference(input_ids=ids).logits
-    expected.square().mean().backward()
-    split = split_model(model, {"input_ids": ids}, STAGES, experts_as_modules=True)
+    split = assert_chained_stages_match_the_model(model, ids, STAGES)
     for k, stage in enumerate(split.stages):
         layer = stage.get_submodule(f"model.layers.{k}")
         assert isinstance(layer, fx.GraphModule)
@@ -56,6 +59,24 @@ def test_stages_call_the_experts_modules_and_chained_match_the_model(name):
         assert not any(n.target is EXPERTS_CALL for n in layer.graph.nodes)
         names = split.parameter_fqns[k]
         assert names[f"model.layers.{k}.mlp.experts.down_proj"] == f"model.layers.{k}.mlp.experts.down_proj"
+
+
+def test_an_experts_module_that_is_a_chain_module_is_called_as_that_chain_module():
+    model, ids = build("mixtral")
+    split = assert_chained_stages_match_the_model(model, ids, FINE_STAGES)
+    for k, layer in ((1, 0), (3, 1)):
+        fqn = f"model.layers.{layer}.mlp.experts"
+        assert fqn in split.chain_modules[k] and split.stages[k].get_submodule(fqn) is model.get_submodule(fqn)
+        assert split.state_fqns[k][f"{fqn}.gate_up_proj"] == f"{fqn}.gate_up_proj"
+    assert not any(".experts." in name for k in (0, 2) for name in split.parameter_fqns[k])
+
+
+def assert_chained_stages_match_the_model(model, ids, stages):
+    """Split with the experts as modules; the stages chained give the model's logits and gradients."""
+    reference = copy.deepcopy(model)
+    expected = reference(input_ids=ids).logits
+    expected.square().mean().backward()
+    split = split_model(model, {"input_ids": ids}, stages, experts_as_modules=True)
     logits = split.unflatten_output(run_stages(split, {"input_ids": ids})).logits
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
     logits.square().mean().backward()
@@ -63,6 +84,7 @@ def test_stages_call_the_experts_modules_and_chained_match_the_model(name):
     assert set(grads) == set(reference_params)
     for fqn, grad in grads.items():
         torch.testing.assert_close(grad, reference_params[fqn].grad, rtol=1e-4, atol=1e-6, msg=fqn)
+    return split
 
 
 def test_the_experts_run_their_own_forward_again_after_the_export():

@@ -2,10 +2,11 @@
 experts split over them) and dp=4 x ep=2 on 4 ranks (FSDP2 over the four, the experts split over pairs and
 replicated over 2; and HSDP dp_replicate 2 x dp_shard 2 with ep=2) trains like the single-device model, on a
 tiny examples/mixtral.py (grouped-matmul experts) and on HF OLMoE and Qwen2-MoE (a shared expert) from config
-(benchmarks/zoo/causal_lm.py); a dp=4 x ep=2 checkpoint (torch.distributed.checkpoint, the experts as DTensors
-sharded over the ep ranks) resumes into the uninterrupted run. Plans written as tests/test_layouts.py writes
-them, and one planned by the search with ep pinned (autoplan MODEL.py --gpu cpu --pin ep=2). One 4-process
-torchrun launch (tests/helpers/verify_many.py)."""
+(benchmarks/zoo/causal_lm.py); inside pipeline stages (pp=2 x dp=2, ep=2 over each stage's 2 data-parallel ranks,
+FSDP2 zero=3) on Mixtral (gpipe) and Qwen2-MoE (1f1b); a dp=4 x ep=2 checkpoint and a pp=2 x dp=2 x ep=2 one
+(torch.distributed.checkpoint, the experts as DTensors sharded over the ep ranks) resume into the uninterrupted
+run. Plans written as tests/test_layouts.py writes them, and two planned by the search with ep pinned (autoplan
+MODEL.py --gpu cpu --pin ep=2, and --pin ep=2,pp=2). One 4-process torchrun launch (tests/helpers/verify_many.py)."""
 
 import json
 from pathlib import Path
@@ -74,9 +75,12 @@ EP_LAYOUTS = {
 STAGES = {1: [CHAIN], 2: [CHAIN[:2], CHAIN[2:]]}
 """The pipeline stages of a layout by its pipeline degree (one expert layer on each of 2 stages)."""
 RESUMED = ("mixtral", "dp=4,zero=3,ep=2")
+PIPELINED = ("mixtral", "pp=2,gpipe,dp=2,zero=3,ep=2")
+"""Resumed from a checkpoint too, and inspected: each stage's ranks hold their halves of its experts."""
 INSPECT = '''
-"""On a dp=4 x ep=2 plan's ranks: the shape of each expert parameter (global, and this rank's local tensor) and
-whether its local tensor holds its experts of the single-device model's initial values; rank 0 writes JSON."""
+"""On an expert-parallel plan's ranks: the shape of each expert parameter of the stages the rank holds (global, and
+this rank's local tensor) and whether its local tensor holds its experts of the single-device model's initial
+values, by the model's name; rank 0 writes JSON."""
 import importlib.util
 import json
 from pathlib import Path
@@ -97,8 +101,12 @@ def main(argv):
     parallel = train.build_parallel_model(source, config, autoplan.init_mesh(config, device), device)
     full = dict(train.runtime.build_seeded(source, train.SEED).named_parameters())
     found = {}
-    for name, param in parallel.model.named_parameters():
-        if ".experts." in name:
+    for s, part in parallel.parts.items():
+        fqns = parallel.split.state_fqns[s] if parallel.split is not None else None
+        for stage_name, param in part.named_parameters():
+            name = stage_name if fqns is None else fqns[stage_name]
+            if ".experts." not in name:
+                continue
             local = param.to_local()
             first = parallel.rank.dp_rank % config.ep * local.shape[0]
             found[name] = {"global": list(param.shape), "local": list(local.shape),
@@ -108,9 +116,10 @@ def main(argv):
     if dist.get_rank() == 0:
         out.write_text(json.dumps(gathered))
 '''
-"""Run as an extra job on the RESUMED plan's 4 ranks."""
-PINNED = {("mixtral", "pin ep=2"): ("ep=2", 2)}
-"""Planned by the search: pins and GPUs."""
+"""Run as an extra job on the RESUMED and PIPELINED plans' 4 ranks."""
+PINNED = {("mixtral", "pin ep=2"): ("ep=2", 2), ("mixtral", "pin ep=2,pp=2"): ("ep=2,pp=2", 4)}
+"""Planned by the search: pins and GPUs (with pp=2 it cuts 2 x 2 interleaved stages, the experts modules chain
+modules of their own, so that each pipeline rank holds one stage without experts and one with)."""
 
 
 @pytest.fixture(scope="module")
@@ -122,15 +131,18 @@ def batch(tmp_path_factory):
     for (model, name), (pin, gpus) in PINNED.items():
         source = root / f"{model}_model.py"
         source.write_text(SOURCES[model])
-        folders[model, name] = root / f"{model}_planned"
+        folders[model, name] = root / f"{model} {name}".replace(" ", "_").replace("=", "").replace(",", "_")
         plan_model(str(source), gpus, "cpu", global_batch=8, pin=pin, out=folders[model, name])
     keys = list(folders)
     inspect = root / "inspect_experts.py"
     inspect.write_text(INSPECT)
-    shapes = BatchJob(folders[RESUMED], (str(folders[RESUMED]), str(root / "experts.json")), 4, program=inspect)
-    result = verify_many([folders[k] for k in keys], steps=STEPS, timeout_s=1200, nproc=4,
-                         extra_jobs=[*resume_jobs(folders[RESUMED], 4, 0), shapes])
-    return dict(zip(keys, result.results)), result.extra_errors, folders, root / "experts.json"
+    shapes = [BatchJob(folders[key], (str(folders[key]), str(root / f"experts{i}.json")), 4, program=inspect)
+              for i, key in enumerate((RESUMED, PIPELINED))]
+    result = verify_many([folders[k] for k in keys], steps=STEPS, timeout_s=1500, nproc=4,
+                         extra_jobs=[*resume_jobs(folders[RESUMED], 4, 0), *resume_jobs(folders[PIPELINED], 4, 3),
+                                     *shapes])
+    return dict(zip(keys, result.results)), result.extra_errors, folders, (root / "experts0.json",
+                                                                          root / "experts1.json")
 
 
 @pytest.mark.parametrize("key", [*EP_LAYOUTS, *PINNED], ids=lambda key: " ".join(key))
@@ -138,23 +150,38 @@ def test_expert_parallel_program_trains_like_the_single_device_model(batch, key)
     results, _, folders, _ = batch
     check_parity(results[key])
     assert "2-way expert parallel" in (folders[key] / "train.py").read_text()
-    assert json.loads((folders[key] / "plan.json").read_text())["parallelism"]["expert_parallel_degree"] == 2
+    parallelism = json.loads((folders[key] / "plan.json").read_text())["parallelism"]
+    assert parallelism["expert_parallel_degree"] == 2
+    assert parallelism["pipeline_parallel_degree"] == (2 if "pp=2" in key[1] else 1)
 
 
-def test_an_expert_parallel_checkpoint_resumes_into_the_uninterrupted_run(batch):
+@pytest.mark.parametrize("key", [RESUMED, PIPELINED], ids=lambda key: " ".join(key))
+def test_an_expert_parallel_checkpoint_resumes_into_the_uninterrupted_run(batch, key):
     _, errors, folders, _ = batch
-    failures = [e for e in errors if e]
+    failures = [e for e in errors[:6] if e]
     assert not failures, failures[0][-3000:]
-    out = folders[RESUMED]
+    out = folders[key]
     check_resumed(out)
     saved = FileSystemReader(out / "checkpoints" / "step_2").read_metadata().state_dict_metadata
-    experts = saved["model.model.layers.0.mlp.experts.gate_up_proj"]  # once, whole, in the halves of its ep group
+    # once, whole, in the halves of its ep group (a pipeline's stages are saved as stage<k>)
+    name = "model.model" if key == RESUMED else "model.stage0.model"
+    experts = saved[f"{name}.layers.0.mlp.experts.gate_up_proj"]
     assert list(experts.size) == [4, 64, 16] and sorted(c.offsets[0] for c in experts.chunks) == [0, 2]
 
 
-def test_each_rank_holds_its_half_of_the_experts_with_the_single_device_values(batch):
-    _, errors, _, found = batch
+def test_each_rank_of_a_pipeline_stage_holds_its_half_of_the_stages_experts(batch):
+    _, errors, _, (_, found) = batch
     assert not errors[-1], errors[-1][-3000:]
+    ranks = json.loads(found.read_text())  # ranks 0, 1: stage 0 (layer 0); ranks 2, 3: stage 1 (layer 1)
+    for rank, layer in zip(ranks, (0, 0, 1, 1)):
+        assert sorted(rank) == [f"model.layers.{layer}.mlp.experts.{name}" for name in ("down_proj", "gate_up_proj")]
+        assert rank[f"model.layers.{layer}.mlp.experts.gate_up_proj"]["local"] == [2, 64, 16]
+        assert all(entry["global"][0] == 4 and entry["values"] for entry in rank.values()), rank
+
+
+def test_each_rank_holds_its_half_of_the_experts_with_the_single_device_values(batch):
+    _, errors, _, (found, _) = batch
+    assert not errors[-2], errors[-2][-3000:]
     ranks = json.loads(found.read_text())
     assert len(ranks) == 4 and all(len(rank) == 4 for rank in ranks)  # 2 layers x gate_up_proj, down_proj
     for rank in ranks:

@@ -9,7 +9,8 @@ stage (a module called twice, with other work in between) cannot be one call; it
 
 An experts module exported as one experts_call node (runtime/expert_calls.py) becomes a call of the model's own
 module again, placed at its FQN (relative to the chain module that calls it) with its parameters and buffers
-under the model's names, so expert parallelism can shard it and route its tokens.
+under the model's names, so expert parallelism can shard it and route its tokens. An experts module that is a
+chain module itself is that chain module.
 """
 
 from __future__ import annotations
@@ -100,6 +101,9 @@ def build_stage_module(plan: StagePlan) -> tuple[fx.GraphModule, dict[str, State
             env[item] = _copy_node(graph, item, value, root_attrs, plan)
             continue
         chain_module_nodes = [n for n in plan.nodes if partition[n] == item]
+        if [called_experts(n) for n in chain_module_nodes] == [item]:  # the chain module is an experts module
+            env[chain_module_nodes[0]] = _copy_node(graph, chain_module_nodes[0], value, root_attrs, plan)
+            continue
         module, external, results = _chain_module_module(item, chain_module_nodes, plan, partition, owner, names)
         _set_nested(root, item, module)
         call = graph.call_module(item, tuple(value(n) for n in external))
@@ -229,7 +233,7 @@ def _chain_module_module(chain_module: str, nodes: list[fx.Node], plan: StagePla
     return fx.GraphModule(container, graph, class_name="Chain module"), external, results
 
 
-def _copy_node(graph: fx.Graph, node: fx.Node, value, attrs: "_AttributeNames", plan: StagePlan) -> fx.Node:
+def _copy_node(graph: fx.Graph, node: fx.Node, value, attrs: _AttributeNames, plan: StagePlan) -> fx.Node:
     """The node copied into `graph`, or for an experts_call node a call of the experts module it stands for."""
     fqn = called_experts(node)
     if fqn is None:
@@ -264,8 +268,8 @@ class _AttributeNames:
         its parameters and buffers under the model's names; returns its path."""
         if self.prefix:
             path = fqn[len(self.prefix) + 1:] if fqn.startswith(self.prefix + ".") else fqn.replace(".", "_")
-        else:
-            path = fqn if not self._under_chain_module(fqn) else fqn.replace(".", "_")
+        else:  # at its FQN unless inside a chain module the stage calls (or it is one: then there)
+            path = fqn if fqn in self.chain_modules or not self._under_chain_module(fqn) else fqn.replace(".", "_")
         while _has_attr(self.module, path):
             path += "_"
         _set_nested(self.module, path, module)
