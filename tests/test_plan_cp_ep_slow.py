@@ -54,10 +54,11 @@ def test_llama_3_1_8b_on_8_h100s_grows_cp_with_the_sequence_and_fits():
 @pytest.mark.slow
 def test_mixtral_shaped_models_on_64_h100s_pick_ep_when_faster_and_the_candidates_show_why():
     """ep as the program runs it (each rank keeps its E/ep experts whole; the ranks holding the same experts
-    all-reduce their gradients). With 8 Mixtral-8x7B layers, ep=8 over FSDP2 is faster than any ep=1 layout:
-    without ep every rank gathers and reduces all experts' weights. With all 32 layers one eighth of the
-    experts, whole, no longer fits beside the rest: the search keeps ep=1 and every ep row says by how much
-    it runs out of memory."""
+    all-reduce their gradients; also inside pipeline stages). With 8 Mixtral-8x7B layers, ep=8 over FSDP2 is faster
+    than any ep=1 layout: without ep every rank gathers and reduces all experts' weights. With all 32 layers one
+    eighth of the experts, whole, no longer fits beside the rest without a pipeline (every such ep row says by how
+    much it runs out of memory); with a pipeline each rank holds only its stages' experts, and ep=8 in pipeline
+    stages beats the best ep=1 layout."""
     cluster, training = Cluster(H100, 64, 8), Training(global_batch_size=256, dtype="bf16", tokens_per_sample=4096)
     profile = _profile("mixtral", dict(MIXTRAL_8X7B, LAYERS=8), 4096)
     result = search(profile, cluster, training, features=SUPPORTED | {"ep"})
@@ -72,9 +73,13 @@ def test_mixtral_shaped_models_on_64_h100s_pick_ep_when_faster_and_the_candidate
     assert len(without) and without["step_time_s"].min() > frame.iloc[0]["step_time_s"]
     assert "slower" in without.sort_values("step_time_s").iloc[0]["reason"]
 
-    whole = search(_profile("mixtral", MIXTRAL_8X7B, 4096), cluster, training, features=SUPPORTED | {"ep"})
-    assert whole.best.parallelism.expert_parallel_degree == 1 and whole.best.fits
+    profile = _profile("mixtral", MIXTRAL_8X7B, 4096)
+    whole = search(profile, cluster, training, features=SUPPORTED | {"ep"})
+    chosen = whole.best.parallelism
+    assert chosen.expert_parallel_degree > 1 and chosen.pipeline_parallel_degree > 1 and whole.best.fits
+    single = search(profile, cluster, training, parse_pins("ep=1"), features=SUPPORTED | {"ep"}).best
+    assert whole.best.predicted.step_time_s < single.predicted.step_time_s
     rows = candidates_frame(whole.candidates, whole.best)
-    with_ep = rows[rows["ep"] > 1]
-    assert len(with_ep) and not with_ep["fits"].any()
-    assert with_ep["reason"].str.startswith("OOM by at least").all()
+    unpipelined = rows[(rows["ep"] > 1) & (rows["pp"] == 1)]
+    assert len(unpipelined) and not unpipelined["fits"].any()
+    assert unpipelined["reason"].str.startswith("OOM by at least").all()
