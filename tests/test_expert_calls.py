@@ -13,6 +13,7 @@ import torch
 from torch import fx
 
 from autoplan.capture.experts import is_experts_module
+from autoplan.errors import UserError
 from autoplan.runtime import split_model
 from autoplan.runtime.expert_calls import EXPERTS_CALL, experts_as_calls
 
@@ -104,3 +105,10 @@ def test_without_experts_as_modules_the_experts_ops_stay_inlined():
     split = split_model(model, {"input_ids": ids}, STAGES)
     layer = split.stages[0].get_submodule("model.layers.0")
     assert not [n for n in layer.graph.nodes if n.op == "call_module"]
+
+
+def test_experts_as_modules_of_a_model_without_experts_is_refused_in_one_line():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(UserError, match=r"^expert parallelism, but Sequential has no experts module .* plan it with "
+                                        r"ep=1$"):
+        split_model(model, torch.randn(2, 4), [("0",)], experts_as_modules=True)

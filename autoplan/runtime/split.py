@@ -33,6 +33,7 @@ from torch import fx, nn
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
+from autoplan.capture.experts import is_experts_module
 from autoplan.contract import LossFn, compute_loss, model_args
 from autoplan.errors import UserError
 from autoplan.runtime.expert_calls import called_experts, experts_as_calls
@@ -115,6 +116,9 @@ def split_model(model: nn.Module, inputs: Any, stage_chain_modules: Sequence[Seq
     one, which CPU lacks). Without a `device`, a meta model is exported on meta."""
     args, kwargs = model_args(inputs)
     on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    if experts_as_modules and not any(map(is_experts_module, model.modules())):
+        raise UserError(f"expert parallelism, but {type(model).__name__} has no experts module (num_experts and "
+                        f"weights stacked per expert on dimension 0) to split: plan it with ep=1")
     try:
         with experts_as_calls(model) if experts_as_modules else contextlib.nullcontext():
             exported = _export(model, args, kwargs, on_meta, device)
