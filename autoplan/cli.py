@@ -86,7 +86,7 @@ def _pin_help() -> str:
     return (f"fix layout choices: {', '.join(PIN_KEYS)}; schedule is {' | '.join(SCHEDULES)}, recompute "
             f"{' | '.join(RECOMPUTE)}, zero {' | '.join(map(str, ZERO_STAGES))}, sp "
             f"{' | '.join(SEQUENCE_PARALLEL)} (default on with tp > 1); e.g. tp=8,pp=4,dp=2,zero=3 "
-            "(the README lists every name)")
+            "(the README lists every name); repeatable: --pin ep=2 --pin pp=2 is --pin ep=2,pp=2")
 
 
 def _plan_args(parser: argparse.ArgumentParser) -> None:
@@ -103,7 +103,7 @@ def _plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-per-gpu", metavar="SIZE", default=None, help="cap usable memory per GPU, e.g. 40GiB")
     parser.add_argument("--host-memory-per-node", metavar="SIZE", default=None,
                         help="host memory per node for CPU offload, e.g. 1TiB (default: the hardware profile's)")
-    parser.add_argument("--pin", metavar="K=V,...", default=None, help=_pin_help())
+    parser.add_argument("--pin", metavar="K=V,...", action="append", default=None, help=_pin_help())
     parser.add_argument("--hardware", metavar="PROFILE.yaml", default=None,
                         help="a hardware profile file, e.g. from autoplan calibrate (overrides --gpu)")
     parser.add_argument("--out", metavar="DIR", default="autoplan_out", help="output folder (default autoplan_out)")
@@ -155,7 +155,7 @@ def cmd_plan(args) -> int:
         result = plan_model(
             args.model, args.gpus, args.gpu, gpus_per_node=args.gpus_per_node, global_batch=args.global_batch,
             dtype=args.dtype, memory_per_gpu=args.memory_per_gpu, host_memory_per_node=args.host_memory_per_node,
-            pin=args.pin, hardware=args.hardware, solver=args.solver, time_limit=args.time_limit, out=args.out,
+            pin=",".join(args.pin) if args.pin else None, hardware=args.hardware, solver=args.solver, time_limit=args.time_limit, out=args.out,
         )
     if args.json:
         print(result.plan.to_json())

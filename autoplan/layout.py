@@ -40,7 +40,7 @@ ALL_FEATURES = frozenset({
     "cp_pp",              # context parallelism inside pipeline stages
     "cp_tp",              # context parallelism with tensor parallelism (each tp rank rings its heads)
     "ep",                 # expert parallelism (all-to-all dispatch) over FSDP2's data-parallel ranks
-    "ep_pp",              # expert parallelism inside pipeline stages; priced, not yet in train.py
+    "ep_pp",              # expert parallelism inside pipeline stages (ep over each stage's data-parallel ranks)
     "ep_tp",              # expert parallelism with tensor parallelism (experts whole on each tp rank, ETP 1)
     "ep_cp",              # expert parallelism borrowing context-parallel ranks; priced, not yet in train.py
     "ep_ddp",             # expert parallelism beside DDP (ep not dividing dp_shard); priced, not yet in train.py
@@ -50,7 +50,8 @@ ALL_FEATURES = frozenset({
 })
 """Everything the cost model can price. Beyond SUPPORTED, two features of Megatron-LM that torch does not run,
 expert parallelism together with
-a pipeline or context parallelism, or DDP, which the generated program does not run yet, priced only
+context parallelism, DDP or CPU offload, and the three-way combinations not run yet, which the generated program
+does not run, priced only
 when a caller asks for them (tests of the cost model; a search with features=ALL_FEATURES); the default search
 and autoplan.estimate, which benchmarks/accuracy.py prices the published runs with, never use them."""
 
@@ -73,11 +74,12 @@ SUPPORTED = frozenset({
     "cp_tp",              # context parallelism with tensor parallelism: the ring over each tp rank's heads
     "ep",                 # expert parallelism: experts split over ep of the FSDP2 ranks, all-to-all dispatch
     "ep_tp",              # expert parallelism with tensor parallelism: experts whole (ETP 1), tp ranks route their tokens
+    "ep_pp",              # ep inside pipeline stages: the stages call the experts modules (runtime/expert_calls.py)
 })
 """What codegen can run. Remove a name to stop the search from emitting (or accepting a pin of) it.
-Not yet: pp_scatter_gather and tp_fused_split (not in torch), ep_pp, ep_cp, ep_ddp and ep_offload (train.py runs expert
-parallelism over FSDP2's data-parallel ranks only: no pipeline or context parallelism, ep dividing dp_shard,
-no CPU offload)."""
+Not yet: pp_scatter_gather and tp_fused_split (not in torch), ep_cp, ep_ddp and ep_offload (train.py runs expert
+parallelism over FSDP2's data-parallel ranks only, of each pipeline stage: not over context-parallel ranks, ep
+dividing dp_shard, no CPU offload), cp_pp_tp and ep_pp_tp (each pair runs; the three together are not run yet)."""
 
 CONTEXT_PARALLEL_CHUNKS = 2
 """Chunks per context-parallel rank: torch's causal load balancing cuts each sequence into 2 x cp chunks and
@@ -304,9 +306,8 @@ def _expert_parallel_features(layout: Layout, have: frozenset[str]) -> list[str]
         return []
     out = []
     if _positive(layout.pp) and layout.pp > 1 and "ep_pp" not in have:
-        out.append(f"ep={ep} with pp={layout.pp}: the program cannot yet run expert parallelism inside pipeline "
-                   f"stages (the stages are exported graphs, where the experts modules are no longer modules whose "
-                   f"forward the all-to-all routing replaces; use ep=1 or pp=1)")
+        out.append(f"ep={ep} with pp={layout.pp}: expert parallelism inside pipeline stages is not supported here "
+                   f"(use ep=1 or pp=1)")
     if _positive(layout.tp) and layout.tp > 1 and "ep_tp" not in have:
         out.append(f"ep={ep} with tp={layout.tp}: the program cannot yet run expert parallelism together with tensor "
                    f"parallelism (use ep=1 or tp=1)")

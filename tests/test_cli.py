@@ -21,6 +21,7 @@ MLP = str(MODELS / "tiny_mlp.py")
     ([MLP, "--gpus", "2", "--memory-per-gpu", "lots"], "cannot read memory size 'lots'"),
     ([MLP, "--gpus", "2", "--pin", "warp=9"], "warp"),
     ([MLP, "--gpus", "4", "--gpu", "cpu", "--pin", "pp=3"], "3"),
+    ([MLP, "--gpus", "4", "--gpu", "cpu", "--pin", "pp=2", "--pin", "pp=4"], "'pp' is given twice"),
     ([MLP, "--gpus", "2", "--dtype", "fp8"], "--dtype must be bf16 or fp32"),
     (["/no/such/model.py", "--gpus", "2"], "model file not found"),
     ([MLP], "--gpus"),
@@ -33,6 +34,13 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, message):
     assert err.count("\n") == 1 and "Traceback" not in err
     assert not out.exists()
     assert not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+
+
+def test_repeated_pins_all_apply(tmp_path):
+    out = tmp_path / "out"
+    assert main([MLP, "--gpus", "4", "--gpu", "cpu", "--pin", "pp=2", "--pin", "dp=2,zero=3", "--out", str(out)]) == 0
+    parallelism = json.loads((out / "plan.json").read_text())["parallelism"]
+    assert parallelism["pipeline_parallel_degree"] == 2 and parallelism["data_parallel_shard_degree"] == 2
 
 
 def test_several_errors_are_reported_together(tmp_path, capsys):

@@ -70,6 +70,13 @@ EP_LAYOUTS = {
     ("qwen2_moe", "hsdp dp_replicate=2 x dp_shard=2,ep=2"): dict(
         data_parallel_replicate_degree=2, data_parallel_shard_degree=2, fsdp_reshard_after_forward="always",
         expert_parallel_degree=2, **mb(1, 2)),
+    ("mixtral", "pp=2,gpipe,dp=2,zero=3,ep=2"): dict(pipeline_parallel_degree=2, pipeline_parallel_schedule="gpipe",
+                                                     data_parallel_shard_degree=2, fsdp_reshard_after_forward="always",
+                                                     expert_parallel_degree=2, **mb(2, 2)),
+    ("qwen2_moe", "pp=2,1f1b,dp=2,zero=3,ep=2"): dict(pipeline_parallel_degree=2, pipeline_parallel_schedule="1f1b",
+                                                      data_parallel_shard_degree=2,
+                                                      fsdp_reshard_after_forward="always", expert_parallel_degree=2,
+                                                      **mb(2, 2)),
 }
 ATTENTION_TP_PLAN = {f"model.layers.{i}.self_attn.{p}_proj": "rowwise" if p == "o" else "colwise"
                      for i in range(2) for p in "qkvo"} | {"model.embed_tokens": "rowwise", "lm_head": "colwise"}
@@ -141,11 +148,16 @@ def main(argv):
     gc.collect()
 '''
 """Run as extra jobs (sequence parallelism on and off) on 4 ranks."""
+STAGES = {1: [CHAIN], 2: [CHAIN[:2], CHAIN[2:]]}
+"""The pipeline stages of a layout by its pipeline degree (one expert layer on each of 2 stages)."""
 RESUMED = ("mixtral", "dp=4,zero=3,ep=2")
 RESUMED_WITH_TP = ("qwen2_moe", "dp=2,zero=3,ep=2,tp=2")
+PIPELINED = ("mixtral", "pp=2,gpipe,dp=2,zero=3,ep=2")
+"""Resumed from a checkpoint too, and inspected: each stage's ranks hold their halves of its experts."""
 INSPECT = '''
-"""On a dp=4 x ep=2 plan's ranks: the shape of each expert parameter (global, and this rank's local tensor) and
-whether, gathered, it holds the single-device model's initial values; rank 0 writes JSON."""
+"""On an expert-parallel plan's ranks: the shape of each expert parameter of the stages the rank holds (global, and
+this rank's local tensor) and whether, gathered, it holds the single-device model's initial values, by the model's
+name; rank 0 writes JSON."""
 import importlib.util
 import json
 from pathlib import Path
@@ -166,44 +178,50 @@ def main(argv):
     parallel = train.build_parallel_model(source, config, autoplan.init_mesh(config, device), device)
     full = dict(train.runtime.build_seeded(source, train.SEED).named_parameters())
     found = {}
-    for name, param in parallel.model.named_parameters():
-        if ".experts." in name:
-            found[name] = {"global": list(param.shape), "local": list(param.to_local().shape),
-                           "values": torch.equal(param.full_tensor(), full[name])}
+    for s, part in parallel.parts.items():
+        fqns = parallel.split.state_fqns[s] if parallel.split is not None else None
+        for stage_name, param in part.named_parameters():
+            name = stage_name if fqns is None else fqns[stage_name]
+            if ".experts." in name:
+                found[name] = {"global": list(param.shape), "local": list(param.to_local().shape),
+                               "values": torch.equal(param.full_tensor(), full[name])}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, found)
     if dist.get_rank() == 0:
         out.write_text(json.dumps(gathered))
 '''
-"""Run as an extra job on the RESUMED plan's 4 ranks."""
+"""Run as an extra job on the RESUMED and PIPELINED plans' 4 ranks."""
 PINNED = {("mixtral", "pin ep=2"): ("ep=2", 2), ("mixtral", "pin dp=2,ep=2,tp=2"): ("dp=2,ep=2,tp=2", 4),
-          ("olmoe", "pin dp=2,ep=2,tp=2"): ("dp=2,ep=2,tp=2", 4)}
-"""Planned by the search: pins and GPUs."""
+          ("olmoe", "pin dp=2,ep=2,tp=2"): ("dp=2,ep=2,tp=2", 4), ("mixtral", "pin ep=2,pp=2"): ("ep=2,pp=2", 4)}
+"""Planned by the search: pins and GPUs (with pp=2 it cuts 2 x 2 interleaved stages, the experts modules chain
+modules of their own, so that each pipeline rank holds one stage without experts and one with)."""
 
 
 @pytest.fixture(scope="module")
 def batch(tmp_path_factory):
     root = tmp_path_factory.mktemp("expert_parallel")
-    folders = {key: write_case(root, f"{key[0]} {key[1]}", SOURCES[key[0]], [CHAIN], **layout)
+    folders = {key: write_case(root, f"{key[0]} {key[1]}", SOURCES[key[0]],
+                               STAGES[layout.get("pipeline_parallel_degree", 1)], **layout)
                for key, layout in EP_LAYOUTS.items()}
     folders.update({key: write_case(root, f"{key[0]} {key[1]}", SOURCES[key[0]], [CHAIN], plan, **layout)
                     for key, (plan, layout) in EP_TP_LAYOUTS.items()})
     for (model, name), (pin, gpus) in PINNED.items():
         source = root / f"{model}_model.py"
         source.write_text(SOURCES[model])
-        folders[model, name] = root / f"{model}_planned_{pin.replace(',', '_').replace('=', '')}"
+        folders[model, name] = root / f"{model} {name}".replace(" ", "_").replace("=", "").replace(",", "_")
         plan_model(str(source), gpus, "cpu", global_batch=8, pin=pin, out=folders[model, name])
     keys = list(folders)
     inspect = root / "inspect_experts.py"
     inspect.write_text(INSPECT)
-    shapes = BatchJob(folders[RESUMED], (str(folders[RESUMED]), str(root / "experts.json")), 4, program=inspect)
+    shapes = [BatchJob(folders[key], (str(folders[key]), str(root / f"experts{i}.json")), 4, program=inspect)
+              for i, key in enumerate((RESUMED, PIPELINED))]
     gradients = root / "expert_gradients.py"
     gradients.write_text(GRADIENTS)
     gradient_jobs = [BatchJob(root, (sp, str(root / f"gradients_sp_{sp}.json")), 4, program=gradients)
                      for sp in ("on", "off")]
-    result = verify_many([folders[k] for k in keys], steps=STEPS, timeout_s=1500, nproc=4,
-                         extra_jobs=[*resume_jobs(folders[RESUMED], 4, 0), shapes, *gradient_jobs,
-                                     *resume_jobs(folders[RESUMED_WITH_TP], 4, 6)])
+    result = verify_many([folders[k] for k in keys], steps=STEPS, timeout_s=1800, nproc=4,
+                         extra_jobs=[*resume_jobs(folders[RESUMED], 4, 0), *resume_jobs(folders[PIPELINED], 4, 3),
+                                     *shapes, *gradient_jobs, *resume_jobs(folders[RESUMED_WITH_TP], 4, 10)])
     return dict(zip(keys, result.results)), result.extra_errors, folders, root
 
 
@@ -215,12 +233,13 @@ def test_expert_parallel_program_trains_like_the_single_device_model(batch, key)
     parallelism = json.loads((folders[key] / "plan.json").read_text())["parallelism"]
     assert parallelism["expert_parallel_degree"] == 2
     assert parallelism["tensor_parallel_degree"] == (2 if "tp=2" in key[1] else 1)
+    assert parallelism["pipeline_parallel_degree"] == (2 if "pp=2" in key[1] else 1)
 
 
 @pytest.mark.parametrize("sp", ["on", "off"])
 def test_with_tensor_parallelism_every_gradient_is_the_single_device_models(batch, sp):
     _, errors, _, root = batch
-    error = errors[4 if sp == "on" else 5]
+    error = errors[8 if sp == "on" else 9]
     assert not error, error[-3000:]
     ranks = json.loads((root / f"gradients_sp_{sp}.json").read_text())
     assert len(ranks) == 4 and all(len(rank) == 21 for rank in ranks)
@@ -229,20 +248,35 @@ def test_with_tensor_parallelism_every_gradient_is_the_single_device_models(batc
         assert all(diff <= 1e-5 for diff, _ in rank.values()), rank  # a wrong sum over tp: ~5e-4 here
 
 
-def test_an_expert_parallel_checkpoint_resumes_into_the_uninterrupted_run(batch):
+@pytest.mark.parametrize("key", [RESUMED, PIPELINED], ids=lambda key: " ".join(key))
+def test_an_expert_parallel_checkpoint_resumes_into_the_uninterrupted_run(batch, key):
     _, errors, folders, _ = batch
-    failures = [e for e in errors[:3] if e]
+    failures = [e for e in errors[:6] if e]
     assert not failures, failures[0][-3000:]
-    out = folders[RESUMED]
+    out = folders[key]
     check_resumed(out)
     saved = FileSystemReader(out / "checkpoints" / "step_2").read_metadata().state_dict_metadata
-    experts = saved["model.model.layers.0.mlp.experts.gate_up_proj"]  # once, whole, one expert per rank
-    assert list(experts.size) == [4, 64, 16] and sorted(c.offsets[0] for c in experts.chunks) == [0, 1, 2, 3]
+    # once, whole (a pipeline's stages are saved as stage<k>): one expert per rank with dp=4 (ep halves, FSDP2 over
+    # the 2 ranks holding each), halves with a pipeline (dp=2 per stage: ep=2, nothing left for FSDP2 to split)
+    name = "model.model" if key == RESUMED else "model.stage0.model"
+    experts = saved[f"{name}.layers.0.mlp.experts.gate_up_proj"]
+    offsets = [0, 1, 2, 3] if key == RESUMED else [0, 2]
+    assert list(experts.size) == [4, 64, 16] and sorted(c.offsets[0] for c in experts.chunks) == offsets
+
+
+def test_each_rank_of_a_pipeline_stage_holds_its_half_of_the_stages_experts(batch):
+    _, errors, _, root = batch
+    assert not errors[7], errors[7][-3000:]
+    ranks = json.loads((root / "experts1.json").read_text())  # ranks 0, 1: stage 0 (layer 0); 2, 3: stage 1 (layer 1)
+    for rank, layer in zip(ranks, (0, 0, 1, 1)):
+        assert sorted(rank) == [f"model.layers.{layer}.mlp.experts.{name}" for name in ("down_proj", "gate_up_proj")]
+        assert rank[f"model.layers.{layer}.mlp.experts.gate_up_proj"]["local"] == [2, 64, 16]
+        assert all(entry["global"][0] == 4 and entry["values"] for entry in rank.values()), rank
 
 
 def test_an_expert_and_tensor_parallel_checkpoint_resumes_into_the_uninterrupted_run(batch):
     _, errors, folders, _ = batch
-    failures = [e for e in errors[6:] if e]
+    failures = [e for e in errors[10:] if e]
     assert not failures, failures[0][-3000:]
     check_resumed(folders[RESUMED_WITH_TP])
 
@@ -250,8 +284,8 @@ def test_an_expert_and_tensor_parallel_checkpoint_resumes_into_the_uninterrupted
 def test_each_rank_holds_a_quarter_of_the_experts_with_the_single_device_values(batch):
     """ep=2 splits the 4 experts in halves, FSDP2 each half over the 2 ranks holding it: one expert per rank."""
     _, errors, _, root = batch
-    assert not errors[3], errors[3][-3000:]
-    ranks = json.loads((root / "experts.json").read_text())
+    assert not errors[6], errors[6][-3000:]
+    ranks = json.loads((root / "experts0.json").read_text())
     assert len(ranks) == 4 and all(len(rank) == 4 for rank in ranks)  # 2 layers x gate_up_proj, down_proj
     for rank in ranks:
         assert rank["model.layers.0.mlp.experts.gate_up_proj"]["global"] == [4, 64, 16]

@@ -71,16 +71,15 @@ def test_cp_pins_plan_with_a_pipeline_and_with_tp():
     assert all(c.parallelism.expert_parallel_degree == 1 for c in default.candidates)
 
 
-def test_the_program_runs_ep_over_fsdp_ranks_with_tp_and_the_rules_say_why_not_otherwise():
+def test_the_program_runs_ep_over_fsdp_ranks_with_tp_or_in_pipeline_stages_and_the_rules_say_why_not_otherwise():
     scope = Scope(features=SUPPORTED)
     assert problems(Layout(dp_replicate=1, dp_shard=4, ep=2, pp=1, tp=1, cp=1), scope) == []
     assert problems(Layout(dp_replicate=2, dp_shard=2, ep=2), scope) == []  # HSDP: ep splits each shard group
     assert problems(Layout(dp_shard=2, ep=2, pp=2, tp=2, cp=2), scope) == [
         "cp=2 with pp=2 and tp=2: the program runs context parallelism inside pipeline stages and with tensor "
         "parallelism, not yet all three together (use one of them at 1)",
-        "ep=2 with pp=2: the program cannot yet run expert parallelism inside pipeline stages (the stages are "
-        "exported graphs, where the experts modules are no longer modules whose forward the all-to-all routing "
-        "replaces; use ep=1 or pp=1)",
+        "ep=2 with pp=2 and tp=2: the program runs expert parallelism inside pipeline stages and with tensor "
+        "parallelism, not yet all three together (use one of them at 1)",
         "ep=2 with cp=2: the program splits the experts over data-parallel ranks only, not over the "
         "context-parallel ones that hold the same samples (use ep=1 or cp=1)"]
     assert problems(Layout(dp_shard=2, ep=2, tp=2, sp="on"), scope) == []  # experts whole on every tp rank
@@ -94,14 +93,18 @@ def test_the_program_runs_ep_over_fsdp_ranks_with_tp_and_the_rules_say_why_not_o
         "ep=2 with zero=0 (DDP): the program splits the experts over ranks that FSDP2 shards the other parameters "
         "over, not beside DDP (use zero=3 or ep=1)"]
     assert problems(Layout(dp_shard=2, ep=2, pp=2, tp=2, cp=2), Scope(features=ALL_FEATURES)) == []  # priced
+    assert problems(Layout(dp_shard=2, ep=2, pp=2), scope) == []  # the stages call the experts modules
+    assert problems(Layout(dp_shard=2, ep=2, pp=2), Scope(features=SUPPORTED - {"ep_pp"})) == [
+        "ep=2 with pp=2: expert parallelism inside pipeline stages is not supported here (use ep=1 or pp=1)"]
 
 
 def test_a_parallel_config_with_ep_the_program_cannot_run_is_refused_before_any_process_group():
     from autoplan.runtime.apply_plan import _check_runnable
     from autoplan.runtime.config import ParallelConfig
 
-    with pytest.raises(UserError, match=r"ep=2 with pp=2: the program cannot yet run expert parallelism"):
-        _check_runnable(ParallelConfig(dp_shard=2, ep=2, pp=2, stages=(("a",), ("b",))))
+    with pytest.raises(UserError, match=r"ep=2 with tp=2: the program cannot yet run expert parallelism"):
+        _check_runnable(ParallelConfig(dp_shard=2, ep=2, tp=2))
+    _check_runnable(ParallelConfig(dp_shard=2, ep=2, pp=2, stages=(("a",), ("b",))))
     with pytest.raises(UserError, match=r"ep=2 does not divide dp_shard=1 \(1 % 2 = 1\)"):
         _check_runnable(ParallelConfig(dp_replicate=2, ep=2))
     _check_runnable(ParallelConfig(dp_shard=2, ep=2))

@@ -178,7 +178,8 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
         if attention is not None:  # exported on this rank's share of the sequence from the first block on
             stage_cp = PipelineContextParallel(mesh["cp"], attention, device)
         with stage_cp.export(model, inputs) if stage_cp is not None else nullcontext():
-            split = split_model(model, to_device(inputs, "meta"), config.stages, device)
+            split = split_model(model, to_device(inputs, "meta"), config.stages, device,
+                                experts_as_modules=config.ep > 1)
         if stage_cp is not None:
             stage_cp.prepare(split.stages)
         stage_ids = local_stages(rank.pp_rank, config.pp, config.virtual_stages)
@@ -188,11 +189,11 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
     else:
         parts, chain_modules = {0: ModelPart(model)}, {0: list(config.chain_modules)}
     del model  # this rank keeps only its stages
-    # expert parallelism (without a pipeline, _check_runnable): each rank keeps its experts, FSDP2 shards them over
-    # the ranks holding the same ones (shard_data_parallel)
-    experts = (parallelize_experts(parts[0].module, device.type, config.dp, config.ep, dtype, config.dp_replicate,
-                                   config.tp, config.sequence_parallel)
-               if split is None else ExpertParallel([], None, config.dp))
+    # expert parallelism: each rank keeps its experts (of its own stages), FSDP2 shards them over the ranks holding
+    # the same ones (shard_data_parallel)
+    experts = parallelize_experts(nn.ModuleList([part.module for part in parts.values()]) if split is not None
+                                  else parts[0].module, device.type, config.dp, config.ep, dtype, config.dp_replicate,
+                                  config.tp, config.sequence_parallel, pp=config.pp)
 
     for s, part in parts.items():  # order as in torchtitan: tensor parallel, recompute, compile, FSDP
         part.module = tensor_parallel(part.module, mesh["tp"], config.tensor_parallel_plan, chain_modules[s],
@@ -231,7 +232,7 @@ def _device(device: torch.device | str | None) -> torch.device:
 
 def _check_runnable(config: ParallelConfig) -> None:
     """The layout rules a ParallelConfig built by hand can break that this runtime cannot run (layout.py:
-    context or expert parallelism with a pipeline, expert parallelism with context parallelism)."""
+    context parallelism with expert parallelism, and three-way combinations not run yet)."""
     layout = Layout(dp_replicate=config.dp_replicate, dp_shard=config.dp_shard, cp=config.cp, ep=config.ep,
                     pp=config.pp, tp=config.tp)
     found = problems(layout, Scope(features=SUPPORTED))

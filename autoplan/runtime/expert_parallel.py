@@ -19,7 +19,8 @@ Both all-to-alls are autograd functions (torch's functional collectives), so bac
 The ep ranks hold different data (ep borrows ranks from data parallelism): a rank's expert gradients
 sum the contributions of every token of the group routed to its experts.
 
-In the generated program, autoplan.parallelize calls parallelize_experts before FSDP2: the sliced parameters
+In the generated program, autoplan.parallelize calls parallelize_experts before FSDP2 (with a pipeline, on this
+rank's stages, which call the experts modules as modules: runtime/expert_calls.py): the sliced parameters
 become DTensors sharded on dimension 0 over the expert mesh's "ep" dimension (so the initial values' broadcast
 gives each rank its slice, and a torch.distributed.checkpoint holds each expert once at the model's full shape).
 Then, as torchtitan does with its dp_mod_ep mesh, FSDP2 shards each experts module over the dp_shard/ep ranks
@@ -227,24 +228,26 @@ def _fsdp_placement(param: nn.Parameter, local_experts: int, shards: int):
 
 def parallelize_experts(module: nn.Module, device_type: str, dp: int, ep: int,
                         dtype: torch.dtype = torch.float32, dp_replicate: int = 1, tp: int = 1,
-                        sequence_parallel: bool = False) -> ExpertParallel:
+                        sequence_parallel: bool = False, pp: int = 1) -> ExpertParallel:
     """Split every experts module of `module` over groups of ep consecutive data-parallel ranks (torchtitan's ep
     borrowed from dp_shard; call on every rank, before tensor parallelism and FSDP, which shards them over the ranks
     holding the same experts with ExpertParallel.fully_shard). Works on the meta device: each parameter becomes a
-    DTensor of the full shape, Shard(0) over the "ep" dim of an expert mesh (pp 1, dp_replicate, dp_shard/ep, ep,
+    DTensor of the full shape, Shard(0) over the "ep" dim of an expert mesh (pp, dp_replicate, dp_shard/ep, ep,
     tp), whose local tensor is this rank's experts; its forward runs on the local tensors (cast to `dtype`), routing
     tokens with all-to-all (shard_experts) over the ep ranks of this rank's tensor-parallel index. With tp > 1
     (TensorParallelTokens) the experts stay whole: without sequence parallelism the tp ranks route the same tokens,
-    with it each routes its share of them and the expert gradients are summed over the tp ranks too."""
+    with it each routes its share of them and the expert gradients are summed over the tp ranks too. With a
+    pipeline (pp > 1) `module` holds this rank's stages, whose experts modules split over the data-parallel ranks of
+    the same pipeline rank; a stage may hold none."""
     from torch.distributed.tensor import DTensor, Shard
 
     if ep == 1:
         return ExpertParallel([], None, dp)
     experts = [sub for sub in module.modules() if is_experts_module(sub)]
-    if not experts:
+    if not experts and pp == 1:
         raise UserError(f"ep={ep}, but {type(module).__name__} has no experts module (num_experts and weights "
                         f"stacked per expert on dimension 0) to split: plan it with ep=1")
-    mesh = expert_mesh(device_type, 1, dp, ep, tp, dp_replicate=dp_replicate)
+    mesh = expert_mesh(device_type, pp, dp, ep, tp, dp_replicate=dp_replicate)  # every rank, with experts or not
     ep_mesh = mesh["ep"]
     split = tp > 1 and sequence_parallel
     for sub in experts:

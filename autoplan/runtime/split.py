@@ -16,6 +16,9 @@ Every tensor a stage returns is made contiguous (isend rejects views such as a t
 
 Parameters keep the model's real tensors. One used on several stages (tied weights) gets a copy per
 stage with the same initial value; the training program sums their gradients (see TiedParameter).
+
+With experts_as_modules (expert parallelism), each experts module is exported as one opaque call
+(runtime/expert_calls.py) that the stage turns back into a call of the model's module (runtime/stage_graph.py).
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ from torch import fx, nn
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
+from autoplan.capture.experts import is_experts_module
 from autoplan.contract import LossFn, compute_loss, model_args
 from autoplan.errors import UserError
+from autoplan.runtime.expert_calls import called_experts, experts_as_calls
 from autoplan.runtime.stage_graph import StagePlan, StateTensor, build_stage_module
 
 
@@ -99,8 +104,11 @@ class PipelineSplit:
 
 
 def split_model(model: nn.Module, inputs: Any, stage_chain_modules: Sequence[Sequence[str]],
-                device: torch.device | None = None) -> PipelineSplit:
+                device: torch.device | None = None, experts_as_modules: bool = False) -> PipelineSplit:
     """Export `model` on `inputs` (one micro-batch) and cut it into len(stage_units) stages.
+
+    experts_as_modules: the stages call the model's experts modules (runtime/expert_calls.py) instead of
+    running their ops inlined, so expert parallelism can shard them.
 
     A model on the meta device with a `device` to run on is exported on fake tensors of that device (no
     memory), so code that branches on the device type takes the branch the stages will run (transformers'
@@ -108,17 +116,25 @@ def split_model(model: nn.Module, inputs: Any, stage_chain_modules: Sequence[Seq
     one, which CPU lacks). Without a `device`, a meta model is exported on meta."""
     args, kwargs = model_args(inputs)
     on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    if experts_as_modules and not any(map(is_experts_module, model.modules())):
+        raise UserError(f"expert parallelism, but {type(model).__name__} has no experts module (num_experts and "
+                        f"weights stacked per expert on dimension 0) to split: plan it with ep=1")
     try:
-        if on_meta and device is not None:
-            exported = _export_on_fake_device(model, args, kwargs, torch.device(device))
-        else:
-            # on meta, tensors the forward creates without a device (torch.ones(n)) must be meta too
-            with torch.device("meta") if on_meta else contextlib.nullcontext():
-                exported = torch.export.export(model, args, kwargs, strict=False)
+        with experts_as_calls(model) if experts_as_modules else contextlib.nullcontext():
+            exported = _export(model, args, kwargs, on_meta, device)
     except Exception as e:  # noqa: BLE001 - any tracing failure in user code is reported as one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise UserError(f"torch.export could not trace the model for the pipeline split: {type(e).__name__}: {first}") from None
     return split_exported(exported, model, stage_chain_modules)
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict, on_meta: bool,
+            device: torch.device | None) -> torch.export.ExportedProgram:
+    if on_meta and device is not None:
+        return _export_on_fake_device(model, args, kwargs, torch.device(device))
+    # on meta, tensors the forward creates without a device (torch.ones(n)) must be meta too
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        return torch.export.export(model, args, kwargs, strict=False)
 
 
 def _export_on_fake_device(model: nn.Module, args: tuple, kwargs: dict, device: torch.device):
@@ -163,6 +179,7 @@ def split_exported(exported: torch.export.ExportedProgram, model: nn.Module,
                                       *model.named_buffers(remove_duplicate=False)]}
     chain_module_stage = _chain_module_stage_map(stage_chain_modules)
     graph = exported.graph_module.graph
+    experts = {fqn: model.get_submodule(fqn) for fqn in map(called_experts, graph.nodes) if fqn is not None}
     assignment = _assign(graph, state, chain_module_stage)
     _check_chain_modules_used(assignment, chain_module_stage)
 
@@ -183,7 +200,8 @@ def split_exported(exported: torch.export.ExportedProgram, model: nn.Module,
         nodes = _with_free_inputs(own, outputs, assignment.free, order)
         plan = StagePlan(index=k, inputs=list(boundary[k]), nodes=nodes, outputs=outputs,
                          chain_module_of={n: assignment.chain_module.get(n) for n in nodes},
-                         state=_stage_state(nodes, state, k, first_holder), attributes=exported.graph_module)
+                         state=_stage_state(nodes, state, k, first_holder), attributes=exported.graph_module,
+                         experts=experts)
         module, names, called_chain_modules = build_stage_module(plan)
         stages.append(module)
         chain_modules.append(called_chain_modules)

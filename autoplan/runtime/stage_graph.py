@@ -6,17 +6,24 @@ calls (pre-forward hooks), so this keeps per-block sharding and recomputation po
 holds the parameters only its ops read; a parameter read by several chain modules or by glue stays on the
 stage and is passed to the chain modules as an argument. A chain module whose ops interleave with the rest of the
 stage (a module called twice, with other work in between) cannot be one call; it stays inlined.
+
+An experts module exported as one experts_call node (runtime/expert_calls.py) becomes a call of the model's own
+module again, placed at its FQN (relative to the chain module that calls it) with its parameters and buffers
+under the model's names, so expert parallelism can shard it and route its tokens. An experts module that is a
+chain module itself is that chain module.
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
 import torch
 from torch import fx, nn
+
+from autoplan.runtime.expert_calls import called_experts
 
 ROOT = ""
 """Partition name of the stage's own graph (glue between chain modules)."""
@@ -61,6 +68,8 @@ class StagePlan:
     """Placeholders of parameters/buffers/constants this stage reads."""
     attributes: nn.Module
     """The exported GraphModule (holds subgraphs of higher-order ops, read via get_attr)."""
+    experts: dict[str, nn.Module] = field(default_factory=dict)
+    """The experts modules the graph's experts_call nodes stand for, by FQN (runtime/expert_calls.py)."""
 
 
 def build_stage_module(plan: StagePlan) -> tuple[fx.GraphModule, dict[str, StateTensor], tuple[str, ...]]:
@@ -89,9 +98,12 @@ def build_stage_module(plan: StagePlan) -> tuple[fx.GraphModule, dict[str, State
 
     for item in _item_order(plan, partition):
         if isinstance(item, fx.Node):
-            env[item] = graph.node_copy(item, value)
+            env[item] = _copy_node(graph, item, value, root_attrs, plan)
             continue
         chain_module_nodes = [n for n in plan.nodes if partition[n] == item]
+        if [called_experts(n) for n in chain_module_nodes] == [item]:  # the chain module is an experts module
+            env[chain_module_nodes[0]] = _copy_node(graph, chain_module_nodes[0], value, root_attrs, plan)
+            continue
         module, external, results = _chain_module_module(item, chain_module_nodes, plan, partition, owner, names)
         _set_nested(root, item, module)
         call = graph.call_module(item, tuple(value(n) for n in external))
@@ -214,11 +226,20 @@ def _chain_module_module(chain_module: str, nodes: list[fx.Node], plan: StagePla
         return local[node]
 
     for node in nodes:
-        local[node] = graph.node_copy(node, value)
+        local[node] = _copy_node(graph, node, value, attrs, plan)
     stage_outputs = {o for o in plan.outputs if isinstance(o, fx.Node)}
     results = [n for n in nodes if n in stage_outputs or any(u in partition and u not in inside for u in n.users)]
     graph.output(tuple(local[n] for n in results))
     return fx.GraphModule(container, graph, class_name="Chain module"), external, results
+
+
+def _copy_node(graph: fx.Graph, node: fx.Node, value, attrs: _AttributeNames, plan: StagePlan) -> fx.Node:
+    """The node copied into `graph`, or for an experts_call node a call of the experts module it stands for."""
+    fqn = called_experts(node)
+    if fqn is None:
+        return graph.node_copy(node, value)
+    path = attrs.module_for(fqn, plan.experts[fqn])
+    return graph.call_module(path, tuple(value(a) for a in node.args[:3]))
 
 
 class _AttributeNames:
@@ -241,6 +262,22 @@ class _AttributeNames:
         self.by_key[tensor.key] = name
         self.names[f"{self.prefix}.{name}" if self.prefix else name] = tensor
         return name
+
+    def module_for(self, fqn: str, module: nn.Module) -> str:
+        """Place the model's module `fqn` here (at its name relative to the chain module where possible) and list
+        its parameters and buffers under the model's names; returns its path."""
+        if self.prefix:
+            path = fqn[len(self.prefix) + 1:] if fqn.startswith(self.prefix + ".") else fqn.replace(".", "_")
+        else:  # at its FQN unless inside a chain module the stage calls (or it is one: then there)
+            path = fqn if fqn in self.chain_modules or not self._under_chain_module(fqn) else fqn.replace(".", "_")
+        while _has_attr(self.module, path):
+            path += "_"
+        _set_nested(self.module, path, module)
+        full = f"{self.prefix}.{path}" if self.prefix else path
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            self.names[f"{full}.{name}"] = StateTensor((f"{fqn}.{name}",), tensor,
+                                                       is_parameter=isinstance(tensor, nn.Parameter), key=id(tensor))
+        return path
 
     def _under_chain_module(self, fqn: str) -> bool:
         """True if a parent of `fqn` is a chain module submodule here (then the stage cannot use that path)."""
