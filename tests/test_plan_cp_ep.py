@@ -102,8 +102,9 @@ def test_a_parallel_config_with_ep_the_program_cannot_run_is_refused_before_any_
     from autoplan.runtime.apply_plan import _check_runnable
     from autoplan.runtime.config import ParallelConfig
 
-    with pytest.raises(UserError, match=r"ep=2 with tp=2: the program cannot yet run expert parallelism"):
-        _check_runnable(ParallelConfig(dp_shard=2, ep=2, tp=2))
+    with pytest.raises(UserError, match=r"ep=2 with pp=2 and tp=2: the program runs expert parallelism inside "):
+        _check_runnable(ParallelConfig(dp_shard=2, ep=2, tp=2, pp=2, stages=(("a",), ("b",))))
+    _check_runnable(ParallelConfig(dp_shard=2, ep=2, tp=2))
     _check_runnable(ParallelConfig(dp_shard=2, ep=2, pp=2, stages=(("a",), ("b",))))
     with pytest.raises(UserError, match=r"ep=2 does not divide dp_shard=1 \(1 % 2 = 1\)"):
         _check_runnable(ParallelConfig(dp_replicate=2, ep=2))

@@ -203,6 +203,8 @@ class ExpertParallel:
         from torch.distributed.fsdp import fully_shard
 
         mine = {id(sub) for sub in module.modules()}
+        if not any(id(sub) in mine for sub in self.modules):  # no expert parallelism, or none of the experts here
+            return
         mesh = self.fsdp_mesh
         shards = mesh.size(-1)
         for sub in self.modules:
