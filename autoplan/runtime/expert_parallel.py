@@ -214,7 +214,10 @@ class ExpertParallel:
             fully_shard(sub, mesh=mesh, shard_placement_fn=partial(_fsdp_placement, local_experts=local, shards=shards),
                         **kwargs)
             sub.set_gradient_divide_factor(float(self.dp))
-            if mesh.device_type == "cpu":  # gloo has no PREMUL_SUM: sum, then divide
+            # gloo has no PREMUL_SUM: sum, then divide. Not when FSDP2 shards over one rank: it then skips the
+            # reduce-scatter and divides the copy by the factor, and with forced sums divides again after (torch 2.13,
+            # _fsdp_collectives.foreach_reduce), which halved every expert gradient at dp_shard = ep = 2
+            if mesh.device_type == "cpu" and shards > 1:
                 sub.set_force_sum_reduction_for_comms(True)
 
 
