@@ -3,19 +3,21 @@ ranks, FSDP2 over dp_shard x cp, and HSDP: dp_replicate 2 x FSDP over the cp ran
 pipeline (4 ranks: 1F1B, GPipe, interleaved with the first stage ending before the first block, full recompute)
 and with tensor parallelism (cp=2 x tp=2: each tp rank's heads run the ring; with and without sequence
 parallelism) trains like the single-device model, with and without activation recomputation, causal attention,
-on HF Llama (sdpa) and the from-scratch GPT, and full (non-causal)
+on HF Llama (sdpa) and the from-scratch GPT (and dp=2 x cp=2 on a tiny HF Mixtral, a mixture of experts),
+and full (non-causal)
 attention on a small token tagger (torch's ring without load balancing); a dp=2 x cp=2 checkpoint
 (torch.distributed.checkpoint over the flattened dp_shard x cp mesh) resumes into the uninterrupted run. Plans
 written as tests/test_layouts.py writes them, and planned by the search with cp pinned, as a user would
 (autoplan MODEL.py --gpu cpu --pin cp=2). One 4-process torchrun launch (tests/helpers/verify_many.py)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from autoplan.api import plan_model
 from helpers.verify_many import BatchJob, verify_many
-from test_layouts import MODELS, check_parity, check_resumed, mb, model_layout, resume_jobs, write_case
+from test_layouts import MODELS, ModelCase, check_parity, check_resumed, mb, model_layout, resume_jobs, write_case
 
 pytestmark = pytest.mark.slow  # one 4-process torchrun launch
 
@@ -66,7 +68,23 @@ def example_batch(batch_size):
 def loss_fn(output, targets):
     return F.cross_entropy(output.reshape(-1, CLASSES), targets.reshape(-1))
 '''
+ROOT = Path(__file__).resolve().parents[1]
+MIXTRAL = f'''
+"""examples/mixtral.py shrunk (HF Mixtral from config, sdpa): 4 experts (top-2), 2 layers, width 16, sequence 8."""
+import importlib.util
+
+spec = importlib.util.spec_from_file_location("autoplan_cp_mixtral", "{ROOT}/examples/mixtral.py")
+mixtral = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mixtral)
+(mixtral.VOCAB, mixtral.HIDDEN, mixtral.INTERMEDIATE, mixtral.LAYERS, mixtral.HEADS, mixtral.KV_HEADS, mixtral.EXPERTS,
+ mixtral.EXPERTS_PER_TOKEN, mixtral.SEQ_LEN) = 64, 16, 32, 2, 4, 2, 4, 2, 8
+build_model, example_batch, loss_fn = mixtral.build_model, mixtral.example_batch, mixtral.loss_fn
+'''
+MODELS = {**MODELS, "mixtral": ModelCase(MIXTRAL, MODELS["llama"].chain_modules, MODELS["llama"].four_stages, {})}
+"""A mixture of experts too: the search prices cp for MoE models (each rank routes the tokens of its share)."""
 CP_LAYOUTS = {
+    ("mixtral", "dp=2,zero=3,cp=2"): dict(data_parallel_shard_degree=2, fsdp_reshard_after_forward="always",
+                                          context_parallel_degree=2, **mb(1, 4)),
     ("gpt", "cp=2, 2 accumulated micro-batches"): dict(context_parallel_degree=2, **mb(2, 4)),
     ("gpt", "dp=2,zero=3,cp=2"): dict(data_parallel_shard_degree=2, fsdp_reshard_after_forward="always",
                                       context_parallel_degree=2, **mb(1, 4)),

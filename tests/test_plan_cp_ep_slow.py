@@ -71,5 +71,7 @@ def test_mixtral_8x7b_on_64_h100s_picks_ep_because_it_is_faster_and_the_candidat
     assert frame.iloc[0]["ep"] == best.parallelism.expert_parallel_degree
     without = frame[frame["ep"] == 1]
     assert len(without) and without["step_time_s"].min() > frame.iloc[0]["step_time_s"]
-    assert "slower" in without.sort_values("step_time_s").iloc[0]["reason"]
+    # the fastest ep=1 layout (cp 2 x pp 8 interleaved since cp runs inside pipelines) comes within 1%: its row says so
+    reason = without.sort_values("step_time_s").iloc[0]["reason"]
+    assert "slower" in reason or ("a tie within 1%" in reason and "simpler" in reason), reason
     assert best.predicted.peak_memory_without_expert_parallel_bytes > cluster.usable_memory_bytes
