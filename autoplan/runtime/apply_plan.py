@@ -170,7 +170,7 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
     attention = None
     if config.cp > 1:  # from the block of the first attention call on, the ranks compute on sequence shares
         attention = find_attention_blocks(model, config.chain_modules,
-                                          _one_microbatch(example_inputs, config.microbatch_size))
+                                          _one_microbatch(example_inputs, config.microbatch_size), device)
 
     split = stage_cp = None
     if config.pp > 1:  # cut this rank's stages out of the exported graph of the model

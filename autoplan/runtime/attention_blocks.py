@@ -105,12 +105,14 @@ class _AttentionSpy(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def find_attention_blocks(model: nn.Module, chain_modules: Sequence[str], example_inputs: Any) -> AttentionBlocks:
+def find_attention_blocks(model: nn.Module, chain_modules: Sequence[str], example_inputs: Any,
+                          device: torch.device | str = "meta") -> AttentionBlocks:
     """The AttentionBlocks of `model` (its parameters on the meta device, as parallelize holds it before filling
-    in the values) on `example_inputs` (one micro-batch; moved to fake meta tensors). A UserError when the model
-    calls no attention, or calls it before any chain module has returned (nothing computes the positions on the
-    whole sequence first)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    in the values) on `example_inputs` (one micro-batch), run on fake tensors of `device` (so code that branches on
+    the device type takes the branch the run will: transformers' MoE experts pick grouped matmuls by it). A
+    UserError when the model calls no attention, or calls it before any chain module has returned (nothing computes
+    the positions on the whole sequence first)."""
+    from autoplan.runtime.split import fake_on_device
 
     chain = [u for u in chain_modules if u != ROOT_MODULE]
     for path in chain:
@@ -121,12 +123,11 @@ def find_attention_blocks(model: nn.Module, chain_modules: Sequence[str], exampl
             seen.add(id(module))
             handles.append(module.register_forward_pre_hook(spy.entering(path)))
             handles.append(module.register_forward_hook(spy.leaving, always_call=True))
-    fake = FakeTensorMode(allow_non_fake_inputs=True)  # the meta parameters join as fake tensors
     try:
-        inputs = pytree.tree_map(lambda t: fake.from_tensor(t.to("meta")) if isinstance(t, torch.Tensor) else t,
-                                 example_inputs)
-        with fake, spy, torch.no_grad():
-            call_model(model, inputs)
+        with fake_on_device(model, torch.device(device)) as fakes:
+            inputs = fakes.inputs(example_inputs)
+            with fakes.mode, torch.device(device), spy, torch.no_grad():
+                call_model(model, inputs)
     finally:
         for handle in handles:
             handle.remove()

@@ -139,10 +139,33 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, on_meta: bool,
 
 def _export_on_fake_device(model: nn.Module, args: tuple, kwargs: dict, device: torch.device):
     """torch.export of a meta `model` with its parameters, buffers and inputs swapped for fake tensors on
-    `device` (the same fake for every name of a shared tensor); the meta tensors are put back after."""
+    `device` (fake_on_device)."""
+    with fake_on_device(model, device) as fakes, torch.device(device):
+        return torch.export.export(model, fakes.inputs(args), fakes.inputs(kwargs), strict=False)
+
+
+@dataclass(frozen=True)
+class FakeModel:
+    """What fake_on_device yields."""
+
+    mode: Any
+    """The FakeTensorMode the model's fakes belong to (enter it to run the model)."""
+    fake: Any
+    """tensor -> a fake tensor of its shape, stride and dtype on the device (the same one for the same tensor)."""
+
+    def inputs(self, tree: Any) -> Any:
+        """`tree` with every tensor made such a fake."""
+        return pytree.tree_map(lambda value: self.fake(value) if isinstance(value, torch.Tensor) else value, tree)
+
+
+@contextlib.contextmanager
+def fake_on_device(model: nn.Module, device: torch.device):
+    """Within: `model`'s (meta) parameters and buffers are fake tensors on `device` (the same fake for every name of
+    a shared tensor), so code that branches on the device type takes the branch the real run will; yields the
+    FakeModel (its mode, and how inputs become such fakes). The meta tensors are put back after."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    mode = FakeTensorMode()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes: dict[int, torch.Tensor] = {}
 
     def fake(tensor: torch.Tensor) -> torch.Tensor:
@@ -160,10 +183,7 @@ def _export_on_fake_device(model: nn.Module, args: tuple, kwargs: dict, device: 
                     originals.append((store, name, tensor))
                     store[name] = fake(tensor)
     try:
-        swap = lambda value: fake(value) if isinstance(value, torch.Tensor) else value  # noqa: E731
-        with torch.device(device):
-            return torch.export.export(model, pytree.tree_map(swap, args), pytree.tree_map(swap, kwargs),
-                                       strict=False)
+        yield FakeModel(mode, fake)
     finally:
         for store, name, tensor in originals:
             store[name] = tensor
