@@ -46,13 +46,10 @@ ALL_FEATURES = frozenset({
     "ep_ddp",             # expert parallelism beside DDP (ep not dividing dp_shard); priced, not yet in train.py
     "ep_offload",         # expert parallelism with FSDP2's CPU offload; priced, not yet in train.py
     "compile_pp_experts", # torch.compile of pipeline stages holding expert layers; priced, fails in inductor here
-    "cp_pp_tp",           # context parallelism inside pipeline stages with tensor parallelism; priced, not run yet
-    "ep_pp_tp",           # expert parallelism inside pipeline stages with tensor parallelism; priced, not run yet
 })
 """Everything the cost model can price. Beyond SUPPORTED, two features of Megatron-LM that torch does not run,
 expert parallelism together with
-context parallelism, DDP or CPU offload, and the three-way combinations not run yet, which the generated program
-does not run, priced only
+context parallelism, DDP or CPU offload, which the generated program does not run, priced only
 when a caller asks for them (tests of the cost model; a search with features=ALL_FEATURES); the default search
 and autoplan.estimate, which benchmarks/accuracy.py prices the published runs with, never use them."""
 
@@ -80,7 +77,7 @@ SUPPORTED = frozenset({
 """What codegen can run. Remove a name to stop the search from emitting (or accepting a pin of) it.
 Not yet: pp_scatter_gather and tp_fused_split (not in torch), ep_cp, ep_ddp and ep_offload (train.py runs expert
 parallelism over FSDP2's data-parallel ranks only, of each pipeline stage: not over context-parallel ranks, ep
-dividing dp_shard, no CPU offload), cp_pp_tp and ep_pp_tp (each pair runs; the three together are not run yet)."""
+dividing dp_shard, no CPU offload)."""
 
 CONTEXT_PARALLEL_CHUNKS = 2
 """Chunks per context-parallel rank: torch's causal load balancing cuts each sequence into 2 x cp chunks and
@@ -289,11 +286,6 @@ def _features(layout: Layout, scope: Scope) -> list[str]:
     if _positive(layout.cp, layout.tp) and layout.cp > 1 and layout.tp > 1 and "cp_tp" not in have:
         out.append(f"cp={layout.cp} with tp={layout.tp}: the program cannot yet run context parallelism together "
                    f"with tensor parallelism (use cp=1 or tp=1)")
-    if (_positive(layout.cp, layout.pp, layout.tp) and min(layout.cp, layout.pp, layout.tp) > 1
-            and "cp_pp_tp" not in have and {"cp_pp", "cp_tp"} <= have):
-        out.append(f"cp={layout.cp} with pp={layout.pp} and tp={layout.tp}: the program runs context parallelism "
-                   f"inside pipeline stages and with tensor parallelism, not yet all three together (use one of them "
-                   f"at 1)")
     if _positive(layout.ep) and layout.ep > 1 and "ep" not in have:
         out.append(f"expert parallelism is priced but the generated program cannot run it yet (ep={layout.ep}; "
                    f"use ep=1)")
@@ -312,10 +304,6 @@ def _expert_parallel_features(layout: Layout, have: frozenset[str]) -> list[str]
     if _positive(layout.tp) and layout.tp > 1 and "ep_tp" not in have:
         out.append(f"ep={ep} with tp={layout.tp}: the program cannot yet run expert parallelism together with tensor "
                    f"parallelism (use ep=1 or tp=1)")
-    if (_positive(layout.pp, layout.tp) and layout.pp > 1 and layout.tp > 1 and "ep_pp_tp" not in have
-            and {"ep_pp", "ep_tp"} <= have):
-        out.append(f"ep={ep} with pp={layout.pp} and tp={layout.tp}: the program runs expert parallelism inside "
-                   f"pipeline stages and with tensor parallelism, not yet all three together (use one of them at 1)")
     if _positive(layout.cp) and layout.cp > 1 and "ep_cp" not in have:
         out.append(f"ep={ep} with cp={layout.cp}: the program splits the experts over data-parallel ranks only, not "
                    f"over the context-parallel ones that hold the same samples (use ep=1 or cp=1)")

@@ -59,9 +59,8 @@ def test_cp_pins_plan_with_a_pipeline_and_with_tp():
     assert staged.sharded  # FSDP2 over dp_shard x cp inside each stage
     with_tp = search(profile, cluster(8), training, parse_pins("cp=2,tp=2")).best.parallelism  # runs since cp_tp
     assert (with_tp.context_parallel_degree, with_tp.tensor_parallel_degree, with_tp.world_size) == (2, 2, 8)
-    with pytest.raises(UserError, match=r"cp=2 with pp=2 and tp=2: the program runs context parallelism inside "
-                                        r"pipeline stages and with tensor parallelism, not yet all three together"):
-        search(profile, cluster(8), training, parse_pins("cp=2,pp=2,tp=2"))
+    three = search(profile, cluster(8), training, parse_pins("cp=2,pp=2,tp=2")).best.parallelism  # all three run
+    assert (three.context_parallel_degree, three.pipeline_parallel_degree, three.tensor_parallel_degree) == (2, 2, 2)
     with pytest.raises(UserError, match=r"expert parallelism is priced but the generated program cannot run it yet "
                                         r"\(ep=2; use ep=1\)"):
         search(profile, cluster(8), training, parse_pins("ep=2"), features=SUPPORTED - {"ep"})
@@ -76,10 +75,6 @@ def test_the_program_runs_ep_over_fsdp_ranks_with_tp_or_in_pipeline_stages_and_t
     assert problems(Layout(dp_replicate=1, dp_shard=4, ep=2, pp=1, tp=1, cp=1), scope) == []
     assert problems(Layout(dp_replicate=2, dp_shard=2, ep=2), scope) == []  # HSDP: ep splits each shard group
     assert problems(Layout(dp_shard=2, ep=2, pp=2, tp=2, cp=2), scope) == [
-        "cp=2 with pp=2 and tp=2: the program runs context parallelism inside pipeline stages and with tensor "
-        "parallelism, not yet all three together (use one of them at 1)",
-        "ep=2 with pp=2 and tp=2: the program runs expert parallelism inside pipeline stages and with tensor "
-        "parallelism, not yet all three together (use one of them at 1)",
         "ep=2 with cp=2: the program splits the experts over data-parallel ranks only, not over the "
         "context-parallel ones that hold the same samples (use ep=1 or cp=1)"]
     assert problems(Layout(dp_shard=2, ep=2, tp=2, sp="on"), scope) == []  # experts whole on every tp rank
@@ -102,8 +97,9 @@ def test_a_parallel_config_with_ep_the_program_cannot_run_is_refused_before_any_
     from autoplan.runtime.apply_plan import _check_runnable
     from autoplan.runtime.config import ParallelConfig
 
-    with pytest.raises(UserError, match=r"ep=2 with pp=2 and tp=2: the program runs expert parallelism inside "):
-        _check_runnable(ParallelConfig(dp_shard=2, ep=2, tp=2, pp=2, stages=(("a",), ("b",))))
+    _check_runnable(ParallelConfig(dp_shard=2, ep=2, tp=2, pp=2, stages=(("a",), ("b",))))  # all three run
+    with pytest.raises(UserError, match=r"ep=2 with cp=2: the program splits the experts over data-parallel ranks"):
+        _check_runnable(ParallelConfig(dp_shard=2, ep=2, cp=2))
     _check_runnable(ParallelConfig(dp_shard=2, ep=2, tp=2))
     _check_runnable(ParallelConfig(dp_shard=2, ep=2, pp=2, stages=(("a",), ("b",))))
     with pytest.raises(UserError, match=r"ep=2 does not divide dp_shard=1 \(1 % 2 = 1\)"):
@@ -113,12 +109,10 @@ def test_a_parallel_config_with_ep_the_program_cannot_run_is_refused_before_any_
         ParallelConfig(ep=0)
 
 
-def test_the_default_search_tries_cp_inside_pipelines_and_with_tensor_parallelism_not_both():
+def test_the_default_search_tries_cp_inside_pipelines_and_with_tensor_parallelism():
     scope = Scope(features=SUPPORTED)
     assert problems(Layout(cp=2, pp=2, tp=1), scope) == []
-    assert problems(Layout(cp=2, pp=2, tp=2), scope) == [
-        "cp=2 with pp=2 and tp=2: the program runs context parallelism inside pipeline stages and with tensor "
-        "parallelism, not yet all three together (use one of them at 1)"]
+    assert problems(Layout(cp=2, pp=2, tp=2), scope) == []
     assert problems(Layout(cp=2, pp=1, tp=2), scope) == []
     assert problems(Layout(cp=2, pp=2, tp=2), Scope(features=ALL_FEATURES)) == []  # priced all the same
     assert problems(Layout(cp=2, pp=1, tp=1), scope) == []
@@ -126,7 +120,6 @@ def test_the_default_search_tries_cp_inside_pipelines_and_with_tensor_parallelis
     result = search(long, cluster(8), Training(global_batch_size=8, dtype="bf16"))
     with_cp = [c.parallelism for c in result.candidates if c.parallelism.context_parallel_degree > 1]
     assert with_cp, "the default search tries cp on long sequences"
-    assert not any(p.tensor_parallel_degree > 1 and p.pipeline_parallel_degree > 1 for p in with_cp)
     staged = search(long, cluster(8), Training(global_batch_size=8, dtype="bf16"), parse_pins("pp=2")).best
     assert staged.parallelism.context_parallel_degree > 1, "the search picks cp inside a pipeline on long sequences"
     scope = Scope(num_gpus=8, gpus_per_node=8, global_batch=8, features=SUPPORTED, sequence_length=8192,

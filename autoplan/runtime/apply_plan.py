@@ -232,7 +232,7 @@ def _device(device: torch.device | str | None) -> torch.device:
 
 def _check_runnable(config: ParallelConfig) -> None:
     """The layout rules a ParallelConfig built by hand can break that this runtime cannot run (layout.py:
-    context parallelism with expert parallelism, and three-way combinations not run yet)."""
+    context parallelism with expert parallelism)."""
     layout = Layout(dp_replicate=config.dp_replicate, dp_shard=config.dp_shard, cp=config.cp, ep=config.ep,
                     pp=config.pp, tp=config.tp)
     found = problems(layout, Scope(features=SUPPORTED))

@@ -17,6 +17,7 @@ therefore taken as causal here: a mask that is really there at run time is refus
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -124,7 +125,7 @@ def find_attention_blocks(model: nn.Module, chain_modules: Sequence[str], exampl
             handles.append(module.register_forward_pre_hook(spy.entering(path)))
             handles.append(module.register_forward_hook(spy.leaving, always_call=True))
     try:
-        with fake_on_device(model, torch.device(device)) as fakes:
+        with fake_on_device(model, torch.device(device)) as fakes, _experts_skipped(model):
             inputs = fakes.inputs(example_inputs)
             with fakes.mode, torch.device(device), spy, torch.no_grad():
                 call_model(model, inputs)
@@ -132,6 +133,27 @@ def find_attention_blocks(model: nn.Module, chain_modules: Sequence[str], exampl
         for handle in handles:
             handle.remove()
     return _blocks(spy, type(model).__name__)
+
+
+@contextmanager
+def _experts_skipped(model: nn.Module):
+    """Within: every experts module (capture/experts.py) returns zeros shaped like its hidden states instead of
+    computing. Which modules call attention does not depend on the experts' values, and on fake tensors their kernels
+    may refuse what the real ones take (transformers runs fp32 experts on CPU with torch._grouped_mm, whose meta
+    kernel demands bf16)."""
+    from autoplan.capture.experts import is_experts_module
+
+    experts = {module: module.__dict__.get("forward") for module in model.modules() if is_experts_module(module)}
+    for module in experts:
+        module.forward = lambda hidden_states, *args, **kwargs: torch.zeros_like(hidden_states)
+    try:
+        yield
+    finally:
+        for module, own in experts.items():
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
 
 
 def _blocks(spy: _AttentionSpy, model_name: str) -> AttentionBlocks:

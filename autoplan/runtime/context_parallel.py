@@ -474,7 +474,7 @@ class PipelineContextParallel:
         balance, _cp_options.enable_load_balance = _cp_options.enable_load_balance, self.attention.causal
         try:
             with context_parallel(self.mesh, buffers=[positions], buffer_seq_dims=[ACTIVATION_SEQUENCE_DIM],
-                                  no_restore_buffers={positions}):
+                                  no_restore_buffers={positions}), tensor_parallel_heads_local():
                 if not torch.equal(positions[0].cpu(), self.shards.positions.long()):
                     raise RuntimeError(f"context_parallel gives this rank positions {positions[0].tolist()}, the "
                                        f"stages were exported on {self.shards.positions.tolist()}")
