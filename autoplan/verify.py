@@ -14,10 +14,10 @@ invariant to a parameter's gradient scale (every expert gradient halved trained 
 1.4e-6). So both runs also write, after the first step's backward (--gradients-out, runtime/gradients.py),
 every parameter's gradient as a full tensor by the model's name, each rank its own file, and every gradient
 every rank reports is compared with the reference's: max |grad - reference| / max |reference| per parameter
-(at least GRADIENT_FLOOR of the model's largest gradient entry in the denominator: gradients that are zero but
-for rounding), the largest of them <= GRADIENT_TOLERANCE (verify.json "gradient_max_rel_diff", the parameter and rank in
-"gradient_worst"). A parameter of the model no rank reports, or a name the model does not have, fails the
-check ("gradient_problem").
+(at least GRADIENT_FLOOR of the model's largest gradient entry in the denominator: some gradients are zero but
+for rounding), the largest of them <= GRADIENT_TOLERANCE (verify.json "gradient_max_rel_diff", the parameter
+and rank in "gradient_worst"). A parameter of the model no rank reports, or a name the model does not have,
+fails the check ("gradient_problem").
 """
 
 from __future__ import annotations
@@ -175,6 +175,7 @@ def _compare(out_dir: Path, nproc: int, steps: int, reference_losses: list[float
     if gradients is not None:
         report["gradient_max_rel_diff"] = gradients.max_rel_diff if math.isfinite(gradients.max_rel_diff) else None
         report["gradient_tolerance"] = GRADIENT_TOLERANCE
+        report["gradient_floor"] = GRADIENT_FLOOR
         report["gradient_worst"] = gradients.worst
         if gradients.problem:
             report["gradient_problem"] = gradients.problem
