@@ -53,7 +53,7 @@ MODEL.py:factory names another factory than build_model."""
 
 EPILOG = """\
 exit codes: 0 success; 2 bad input or no layout fits (one line on stderr, --debug for a traceback);
-1 internal error (verify: loss parity failed); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM).
+1 internal error (verify: loss or gradient parity failed); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM).
 
 example: autoplan examples/llama.py:llama3_8b --gpus 8 --out llama_plan"""
 
@@ -126,7 +126,7 @@ def build_parser() -> dict[str, argparse.ArgumentParser]:
     profile.add_argument("--out", metavar="DIR", default="autoplan_profile",
                          help="output folder (default autoplan_profile)")
     _common(profile)
-    verify = _Parser(prog="autoplan verify", description="Run a generated program on CPU/gloo and check loss parity.")
+    verify = _Parser(prog="autoplan verify", description="Run a generated program on CPU/gloo and check loss and gradient parity.")
     verify.add_argument("dir", metavar="DIR", help="an output folder of autoplan plan")
     verify.add_argument("--nproc", type=int, default=None, help="processes to run (default: the plan's GPU count)")
     verify.add_argument("--steps", type=int, default=3, help="training steps compared (default 3)")
@@ -178,7 +178,7 @@ def cmd_profile(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from autoplan.verify import verify
+    from autoplan.verify import GRADIENT_TOLERANCE, PARITY_TOLERANCE, verify
 
     with _progress(args):
         result = verify(args.dir, nproc=args.nproc, steps=args.steps, timeout_s=args.timeout, measure=args.measure)
@@ -190,8 +190,17 @@ def cmd_verify(args) -> int:
     if not args.quiet:
         if result.dropout:
             print(f"dropout: {result.dropout}")
+        losses_pass = result.parity_max_abs_diff <= PARITY_TOLERANCE
         print(f"loss parity over {result.steps} steps on {result.nproc} processes: "
-              f"max |diff| = {result.parity_max_abs_diff:.3g} ({'PASS' if result.passed else 'FAIL'}, limit 1e-4)")
+              f"max |diff| = {result.parity_max_abs_diff:.3g} ({'PASS' if losses_pass else 'FAIL'}, "
+              f"limit {PARITY_TOLERANCE:g})")
+        gradients = result.gradients
+        if gradients.problem:
+            print(f"first-step gradients: FAIL, {gradients.problem}")
+        else:
+            print(f"first-step gradients of every parameter on every rank: max relative diff = "
+                  f"{gradients.max_rel_diff:.3g} at {gradients.worst} ({'PASS' if gradients.passed else 'FAIL'}, "
+                  f"limit {GRADIENT_TOLERANCE:g})")
     return 0 if result.passed else 1
 
 

@@ -8,6 +8,16 @@ per-step losses agree to float rounding (|diff| <= PARITY_TOLERANCE) when the pr
 Both run with --no-dropout (every dropout the identity, runtime/dropout.py): the ranks would draw other
 random numbers than the reference. The reference counts the dropout calls it disabled; verify.json's
 "dropout" says how dropout was handled.
+
+The losses cannot show a gradient summed or averaged with a wrong factor: AdamW's update is (nearly)
+invariant to a parameter's gradient scale (every expert gradient halved trained to the same losses within
+1.4e-6). So both runs also write, after the first step's backward (--gradients-out, runtime/gradients.py),
+every parameter's gradient as a full tensor by the model's name, each rank its own file, and every gradient
+every rank reports is compared with the reference's: max |grad - reference| / max |reference| per parameter
+(at least GRADIENT_FLOOR of the model's largest gradient entry in the denominator: some gradients are zero but
+for rounding), the largest of them <= GRADIENT_TOLERANCE (verify.json "gradient_max_rel_diff", the parameter
+and rank in "gradient_worst"). A parameter of the model no rank reports, or a name the model does not have,
+fails the check ("gradient_problem").
 """
 
 from __future__ import annotations
@@ -30,6 +40,17 @@ from autoplan.procs import kill_process_tree, running_ranks
 
 PARITY_TOLERANCE = 1e-4
 """Largest per-step |loss difference| accepted in fp32 (DESIGN.md, "How we know it works")."""
+GRADIENT_TOLERANCE = 1e-3
+"""Largest relative difference of a parameter's first-step gradient accepted (see GRADIENT_FLOOR). fp32 on CPU
+measures up to ~3e-6 (the sums run in other orders on the ranks); a gradient off by a factor (summed over 2
+ranks instead of averaged, halved) is off by 0.5 or more, so 1e-3 is far from both."""
+GRADIENT_FLOOR = 1e-3
+"""A parameter's difference is taken relative to max(max |reference|, GRADIENT_FLOOR x the largest |gradient|
+entry of the whole reference model). Some gradients are zero in exact arithmetic and rounding noise in fp32
+(the bias of an attention key projection: softmax ignores a constant added to every key), e.g. 6e-14 in
+deberta-v2 against a largest entry of 0.17: relative to itself that noise differs by 100% between two runs.
+Rounding noise stays below ~1e-7 of the largest entry, 1e-4 of the floor; a factor-2 error is still caught
+on every parameter whose gradient exceeds 2e-6 of the largest."""
 STDERR_TAIL_LINES = 25
 
 
@@ -46,7 +67,7 @@ class VerifyResult:
     parity_max_abs_diff: float
     """Largest per-step |loss - reference loss| (inf if a loss is NaN)."""
     passed: bool
-    """parity_max_abs_diff <= PARITY_TOLERANCE."""
+    """parity_max_abs_diff <= PARITY_TOLERANCE, and gradient_max_rel_diff <= GRADIENT_TOLERANCE when checked."""
     measured: dict[str, Any] = field(default_factory=dict)
     """With measure=True: measured vs predicted step time and peak memory."""
     dropout: str = ""
@@ -54,6 +75,31 @@ class VerifyResult:
     error: str = ""
     """Why a run produced no losses, when a caller checks several runs at once and reports each
     (then passed is False and the losses are empty); "" otherwise."""
+    gradients: GradientCheck | None = None
+    """The first step's gradients against the reference's (None: not checked, e.g. after an error)."""
+
+    @property
+    def gradient_max_rel_diff(self) -> float | None:
+        """The largest per-parameter relative gradient difference (inf on a gradient problem), None if unchecked."""
+        return None if self.gradients is None else self.gradients.max_rel_diff
+
+
+@dataclass(frozen=True)
+class GradientCheck:
+    """Every parameter's first-step gradient, as each rank reported it, against the single-device model's."""
+
+    max_rel_diff: float
+    """Largest max |grad - reference| / max(max |reference|, GRADIENT_FLOOR x the model's largest gradient entry)
+    over every parameter every rank reported (0/0 = 0, x/0 = inf); inf when `problem` is set."""
+    worst: str
+    """Where max_rel_diff was measured: "<parameter> on rank R" ("" when nothing was compared)."""
+    problem: str = ""
+    """Why the gradients could not be compared ("": they were): a rank wrote no file, a parameter of the model
+    no rank reported, a name or shape the model does not have."""
+
+    @property
+    def passed(self) -> bool:
+        return not self.problem and self.max_rel_diff <= GRADIENT_TOLERANCE
 
 
 def verify(out_dir: Path | str, nproc: int | None = None, steps: int = 3, timeout_s: float = 300,
@@ -73,13 +119,14 @@ def verify(out_dir: Path | str, nproc: int | None = None, steps: int = 3, timeou
         raise UserError(f"{out_dir} has no train.py: run `autoplan MODEL.py --out {out_dir}` first")
 
     with tempfile.TemporaryDirectory(prefix="autoplan-verify-") as tmp:
-        ref_out, dist_out, metrics_out, dropout_out = (
-            Path(tmp) / n for n in ("reference.json", "losses.json", "metrics.json", "dropout.json"))
+        ref_out, dist_out, metrics_out, dropout_out, ref_grads, dist_grads = (
+            Path(tmp) / n for n in ("reference.json", "losses.json", "metrics.json", "dropout.json",
+                                    "reference_gradients", "gradients"))
         common = list(run_args(steps))
-        reference = [sys.executable, "train.py", "--reference", *common, "--losses-out", str(ref_out),
-                     "--dropout-out", str(dropout_out)]
+        reference = [sys.executable, "train.py", "--reference", *common, "--gradients-out", str(ref_grads),
+                     "--losses-out", str(ref_out), "--dropout-out", str(dropout_out)]
         distributed = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                       "train.py", *common, "--losses-out", str(dist_out)]
+                       "train.py", *common, "--gradients-out", str(dist_grads), "--losses-out", str(dist_out)]
         if measure:
             distributed += ["--metrics-out", str(metrics_out)]
         runs = [_Run("reference run", reference, out_dir, Path(tmp)),
@@ -90,9 +137,10 @@ def verify(out_dir: Path | str, nproc: int | None = None, steps: int = 3, timeou
         losses = _read_losses(dist_out, runs[1], steps)
         metrics = json.loads(metrics_out.read_text()) if measure else {}
         dropout = dropout_handling(dropout_out)
+        gradients = compare_gradients(ref_grads, dist_grads, nproc)
 
     return _compare(out_dir, nproc, steps, reference_losses, losses, _measured(plan, metrics) if measure else {},
-                    dropout=dropout)
+                    dropout=dropout, gradients=gradients)
 
 
 def run_args(steps: int) -> tuple[str, ...]:
@@ -112,22 +160,86 @@ def dropout_handling(path: Path) -> str:
 
 
 def _compare(out_dir: Path, nproc: int, steps: int, reference_losses: list[float], losses: list[float],
-             measured: dict[str, Any], error: str = "", dropout: str = "") -> VerifyResult:
-    """The parity verdict, also written to out_dir/verify.json."""
+             measured: dict[str, Any], error: str = "", dropout: str = "",
+             gradients: GradientCheck | None = None) -> VerifyResult:
+    """The parity verdict (losses, and the gradients when checked), also written to out_dir/verify.json."""
     diffs = [abs(a - b) for a, b in zip(reference_losses, losses)]
     max_diff = math.inf if error or any(math.isnan(d) for d in diffs) else max(diffs)
+    passed = max_diff <= PARITY_TOLERANCE and (gradients is None or gradients.passed)
     result = VerifyResult(nproc=nproc, steps=steps, reference_losses=tuple(reference_losses), losses=tuple(losses),
-                          parity_max_abs_diff=max_diff, passed=max_diff <= PARITY_TOLERANCE, measured=measured,
-                          dropout=dropout, error=error)
+                          parity_max_abs_diff=max_diff, passed=passed, measured=measured,
+                          dropout=dropout, error=error, gradients=gradients)
     report = {"nproc": nproc, "steps": steps, "reference_losses": list(reference_losses), "losses": list(losses),
               "parity_max_abs_diff": max_diff if math.isfinite(max_diff) else None,
               "parity_tolerance": PARITY_TOLERANCE, "passed": result.passed, **measured}
+    if gradients is not None:
+        report["gradient_max_rel_diff"] = gradients.max_rel_diff if math.isfinite(gradients.max_rel_diff) else None
+        report["gradient_tolerance"] = GRADIENT_TOLERANCE
+        report["gradient_floor"] = GRADIENT_FLOOR
+        report["gradient_worst"] = gradients.worst
+        if gradients.problem:
+            report["gradient_problem"] = gradients.problem
     if dropout:
         report["dropout"] = dropout
     if error:
         report["error"] = error
     (out_dir / "verify.json").write_text(json.dumps(report, indent=2) + "\n")
     return result
+
+
+def compare_gradients(reference_dir: Path, distributed_dir: Path, nproc: int) -> GradientCheck:
+    """The gradients ranks 0..nproc-1 wrote to distributed_dir against the reference's in reference_dir
+    (train.py --gradients-out, runtime/gradients.py)."""
+    import torch  # not at import: the rest of verify runs the programs without it
+
+    from autoplan.runtime.gradients import GRADIENTS_FILE
+
+    def load(directory: Path, rank: int) -> dict | None:
+        path = directory / GRADIENTS_FILE.format(rank=rank)
+        return torch.load(path, weights_only=True) if path.is_file() else None
+
+    reference = load(reference_dir, 0)
+    if reference is None:
+        return GradientCheck(math.inf, "", "the reference run wrote no gradients (train.py --gradients-out)")
+    expected = reference["gradients"]
+    floor = GRADIENT_FLOOR * max((float(g.abs().max()) for g in expected.values() if g.numel()), default=0.0)
+    group_of = {name: tuple(names) for names in reference["aliases"] for name in names}
+    unreported = {group_of.get(name, (name,)) for name in expected}  # each parameter by all its names
+    worst, worst_at = 0.0, ""
+    for rank in range(nproc):
+        found = load(distributed_dir, rank)
+        if found is None:
+            return GradientCheck(math.inf, "", f"rank {rank} of the distributed run wrote no gradients "
+                                               f"(train.py --gradients-out)")
+        for name, grad in found["gradients"].items():
+            want = expected.get(name)
+            if want is None:
+                return GradientCheck(math.inf, "", f"rank {rank} reports a gradient for {name!r}, a name the "
+                                                   f"model's parameters do not have")
+            if grad.shape != want.shape:
+                return GradientCheck(math.inf, "", f"rank {rank}'s gradient of {name!r} has shape "
+                                                   f"{tuple(grad.shape)}, the model's {tuple(want.shape)}")
+            unreported.discard(group_of.get(name, (name,)))
+            rel = _relative_difference(grad, want, floor)
+            if rel > worst or not worst_at:
+                worst, worst_at = rel, f"{name} on rank {rank}"
+    if unreported:
+        missing = sorted(names[0] for names in unreported)
+        return GradientCheck(math.inf, worst_at, f"no rank reports the gradient of {len(missing)} of the model's "
+                                                 f"parameters (e.g. {missing[0]!r})")
+    return GradientCheck(worst, worst_at)
+
+
+def _relative_difference(grad: Any, want: Any, floor: float) -> float:
+    """max |grad - want| / max(max |want|, floor) (0/0 = 0, x/0 = inf, NaN anywhere = inf)."""
+    if not want.numel():
+        return 0.0
+    diff, scale = float((grad - want).abs().max()), max(float(want.abs().max()), floor)
+    if math.isnan(diff) or math.isnan(scale):
+        return math.inf
+    if scale == 0:
+        return 0.0 if diff == 0 else math.inf
+    return diff / scale
 
 
 def _load_plan(out_dir: Path) -> Plan:

@@ -63,8 +63,10 @@ def batch(tmp_path_factory):
 def test_trains_like_the_eager_single_device_model(batch, name):
     result = batch[0][name]
     assert not result.error, result.error[-3000:]
-    print(f"parity max |diff| = {result.parity_max_abs_diff:.3g}")  # shown by pytest -rP
-    assert result.passed and result.parity_max_abs_diff <= PARITY_TOLERANCE, (result.reference_losses, result.losses)
+    print(f"parity max |diff| = {result.parity_max_abs_diff:.3g}, gradient max rel diff = "  # shown by pytest -rP
+          f"{result.gradient_max_rel_diff:.3g} ({result.gradients.worst})")
+    assert result.parity_max_abs_diff <= PARITY_TOLERANCE, (result.reference_losses, result.losses)
+    assert result.passed and result.gradients.passed, result.gradients  # the first step's gradients too
     assert len(result.losses) == STEPS and result.reference_losses[0] != result.reference_losses[1]
 
 

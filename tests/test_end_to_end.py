@@ -1,5 +1,5 @@
 """The whole pipeline on model files the planner has never seen: plan with --gpu cpu, then
-`autoplan verify` runs the generated program under torchrun (gloo) and checks loss parity."""
+`autoplan verify` runs the generated program under torchrun (gloo) and checks loss and gradient parity."""
 
 import json
 from pathlib import Path
@@ -25,6 +25,8 @@ def verify_cli(tmp_path: Path, capsys) -> dict:
     assert code == 0, printed
     report = json.loads((out / "verify.json").read_text())
     assert report["parity_max_abs_diff"] <= 1e-4
+    assert report["gradient_max_rel_diff"] <= report["gradient_tolerance"] == 1e-3 and report["gradient_worst"]
+    assert "first-step gradients of every parameter on every rank" in printed and "PASS" in printed
     assert len(report["losses"]) == len(report["reference_losses"]) == 3
     return report
 

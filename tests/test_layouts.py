@@ -18,7 +18,7 @@ import pytest
 
 from autoplan.codegen import write_program
 from autoplan.plan import Plan
-from autoplan.verify import PARITY_TOLERANCE
+from autoplan.verify import GRADIENT_TOLERANCE, PARITY_TOLERANCE
 from helpers.plans import pinned_plan
 from helpers.verify_many import BatchJob, verify_many
 
@@ -234,6 +234,7 @@ def batch(tmp_path_factory):
     folders.update({key: model_layout(root, *key, par) for key, par in EXTRA_LAYOUTS.items()})
     folders.update({("other", name): write_case(root, name, source, stages, **par)
                     for name, (source, stages, par) in OTHER_MODELS.items()})
+    folders[HALVED] = halved_gradients_case(root)
     extra, resumed = [], {}
     for key in RESUMED:
         world = Plan.from_json((folders[key] / "plan.json").read_text()).parallelism.world_size
@@ -245,10 +246,33 @@ def batch(tmp_path_factory):
 
 
 def check_parity(result) -> None:
+    """Loss parity and the first step's gradients of every parameter on every rank, against the reference."""
     assert not result.error, result.error[-3000:]
-    print(f"parity max |diff| = {result.parity_max_abs_diff:.3g}")  # shown by pytest -rP
-    assert result.passed and result.parity_max_abs_diff <= PARITY_TOLERANCE, (result.reference_losses, result.losses)
+    gradients = result.gradients
+    print(f"parity max |diff| = {result.parity_max_abs_diff:.3g}, gradient max rel diff = "  # shown by pytest -rP
+          f"{gradients.max_rel_diff:.3g} ({gradients.worst})")
+    assert result.parity_max_abs_diff <= PARITY_TOLERANCE, (result.reference_losses, result.losses)
+    assert not gradients.problem and gradients.max_rel_diff <= GRADIENT_TOLERANCE, gradients
+    assert result.passed
     assert len(result.losses) == STEPS and result.reference_losses[0] != result.reference_losses[1]
+
+
+HALVED = ("gpt", "dp=2,zero=3,tp=2 mlp.fc gradients halved")
+"""A copy of the gpt dp=2,zero=3,tp=2 layout whose train.py halves the gradients of every mlp.fc after
+forward_backward (as expert parallelism once halved every expert gradient): the losses match under AdamW,
+the gradient check must fail."""
+HALVE_LINE = "local_loss = parallel.forward_backward(inputs, targets)  # and tied weights' gradients summed\n"
+
+
+def halved_gradients_case(root: Path) -> Path:
+    out = model_layout(root, HALVED[0], HALVED[1], LAYOUTS["dp=2,zero=3,tp=2"])
+    program = (out / "train.py").read_text()
+    assert HALVE_LINE in program
+    indent = " " * 12
+    halve = (f"{indent}for name, param in parts[0].named_parameters():\n"
+             f"{indent}    if '.mlp.fc.' in name:\n{indent}        param.grad.mul_(0.5)\n")
+    (out / "train.py").write_text(program.replace(HALVE_LINE, HALVE_LINE + halve))
+    return out
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -265,6 +289,15 @@ def test_more_layouts_train_like_the_single_device_model(batch, key):
 @pytest.mark.parametrize("name", list(OTHER_MODELS))
 def test_other_models_train_like_the_single_device_model(batch, name):
     check_parity(batch[0]["other", name])
+
+
+def test_a_gradient_halved_trains_to_the_same_losses_but_fails_the_gradient_check(batch):
+    result = batch[0][HALVED]
+    assert not result.error, result.error[-3000:]
+    assert result.parity_max_abs_diff <= PARITY_TOLERANCE  # AdamW: the loss parity cannot see it
+    gradients = result.gradients
+    assert not result.passed and not gradients.problem
+    assert gradients.max_rel_diff == pytest.approx(0.5, rel=1e-3) and ".mlp.fc." in gradients.worst, gradients
 
 
 @pytest.mark.parametrize("key", RESUMED, ids=lambda key: " ".join(key))

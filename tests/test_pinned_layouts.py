@@ -54,5 +54,5 @@ def test_pinned_layout_is_planned_as_asked_and_trains_with_parity(verified, mode
         assert par.activation_checkpoint == asked["recompute"]
     if par.tensor_parallel_degree > 1:
         assert plan.tensor_parallel_plan  # the pairs the program shards
-    assert result.error == "" and result.passed, result.error or result.parity_max_abs_diff
+    assert result.error == "" and result.passed, result.error or (result.parity_max_abs_diff, result.gradients)
     assert result.parity_max_abs_diff <= 1e-4

@@ -231,6 +231,19 @@ def test_a_failed_run_is_never_shown_as_parity():
     assert "The run failed" in failed and "RuntimeError: boom" in failed
 
 
+def test_the_gradient_check_is_shown_and_its_failure_is_never_parity():
+    checked = {**VERIFY, "gradient_max_rel_diff": 4.3e-7, "gradient_tolerance": 1e-3,
+               "gradient_worst": "blocks.0.ln_1.bias on rank 1"}
+    html = section_of(checked)[0]
+    assert ">parity<" in html and "max relative difference 4.30e-07 at blocks.0.ln_1.bias on rank 1 (within" in html
+    halved = {**checked, "passed": False, "gradient_max_rel_diff": 0.5, "gradient_worst": "mlp.fc.weight on rank 0"}
+    html = section_of(halved)[0]
+    assert "NO parity" in html and "5.00e-01 at mlp.fc.weight on rank 0 (ABOVE tolerance 0.001)" in html
+    missing = {**checked, "passed": False, "gradient_max_rel_diff": None, "gradient_problem": "no rank reports 'w'"}
+    assert "First-step gradients: FAIL, no rank reports &#x27;w&#x27;" in section_of(missing)[0]
+    assert "First-step gradients" not in section_of(VERIFY)[0]  # a verify.json from before the check
+
+
 def test_many_ranks_fold_into_details():
     verify = full_verify()
     verify["ranks"] = [{**verify["ranks"][0], "rank": r} for r in range(ROWS_SHOWN + 4)]

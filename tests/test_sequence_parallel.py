@@ -89,10 +89,12 @@ def test_tensor_parallel_program_trains_like_the_single_device_model(results, ca
     assert f"LOSS_PARALLEL = {'off' if 'gathered' in case[2] else 'on'!r}" in config
     assert ("'lm_head': 'colwise'" in config) == case[2].startswith("vocab")
     assert not result.error, result.error[-3000:]
-    assert result.passed and result.parity_max_abs_diff <= PARITY_TOLERANCE, (result.reference_losses, result.losses)
+    assert result.parity_max_abs_diff <= PARITY_TOLERANCE, (result.reference_losses, result.losses)
+    assert result.passed and result.gradients.passed, result.gradients  # the first step's gradients too
     assert len(result.losses) == STEPS and result.reference_losses[0] != result.reference_losses[1]
     verify = json.loads((folder / "verify.json").read_text())
     assert verify["parity_max_abs_diff"] == result.parity_max_abs_diff
+    assert verify["gradient_max_rel_diff"] == result.gradient_max_rel_diff
 
 
 @pytest.mark.parametrize("pin", list(GPT2_PINS))

@@ -4,18 +4,20 @@ reports hung, failing and diverging runs (stand-in train.py files that do not im
 Parity of every layout: test_layouts.py (one shared launch)."""
 
 import json
+import math
 import re
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from autoplan.codegen import write_program
 from autoplan.errors import UserError
 from autoplan.plan import Plan
 from autoplan.cli import main
-from autoplan.verify import ROOT_CAUSE_CHARS, root_cause, verify
+from autoplan.verify import GRADIENT_FLOOR, GRADIENT_TOLERANCE, ROOT_CAUSE_CHARS, compare_gradients, root_cause, verify
 from helpers.plans import pinned_plan
 from helpers.verify_many import verify_many
 from test_layouts import SKIP_NET, TINY_GPT
@@ -140,12 +142,17 @@ def test_diverging_losses_fail_and_are_written_down(tmp_path):
 
 FAKE_MAIN = """
 import json, os, sys
+from pathlib import Path
+import torch
 def main(argv):
     out = argv[argv.index('--losses-out') + 1]
     if {fail} and '--reference' not in argv and os.environ['RANK'] == '1':
         raise RuntimeError('stage 1 blew up')
     if '--reference' in argv or os.environ['RANK'] == '0':
         json.dump([1.0, 0.5], open(out, 'w'))
+    gradients = Path(argv[argv.index('--gradients-out') + 1])
+    gradients.mkdir(exist_ok=True)
+    torch.save({{"gradients": {{"w": torch.ones(2)}}, "aliases": []}}, gradients / f"rank{{os.environ['RANK']}}.pt")
 """
 
 
@@ -158,9 +165,67 @@ def test_verify_many_reports_a_failing_program_and_checks_the_others(tmp_path):
         (out / "train.py").write_text(FAKE_MAIN.format(fail=fail))
         folders.append(out)
     good, bad = verify_many(folders, steps=2, timeout_s=120).results
-    assert good.passed and good.losses == (1.0, 0.5) and not good.error
+    assert good.passed and good.losses == (1.0, 0.5) and not good.error and good.gradient_max_rel_diff == 0
     assert not bad.passed and "stage 1 blew up" in bad.error
     assert json.loads((folders[1] / "verify.json").read_text())["passed"] is False
+
+
+def write_gradients(directory: Path, rank: int, gradients: dict, aliases=()) -> None:
+    directory.mkdir(exist_ok=True)
+    torch.save({"gradients": gradients, "aliases": [list(a) for a in aliases]}, directory / f"rank{rank}.pt")
+
+
+def reference_w() -> torch.Tensor:
+    return torch.tensor([[1.0, -4.0], [2.0, 0.5]])
+
+
+def gradient_check(tmp_path: Path, ranks: list[dict | None]):
+    """compare_gradients of a reference with w (2 x 2), a weight tied under the names t and u, and b (zeros)
+    against each rank's reports (None: the rank wrote no file)."""
+    tmp_path.mkdir(exist_ok=True)
+    write_gradients(tmp_path / "reference", 0, {"w": reference_w(), "t": torch.ones(3), "u": torch.ones(3),
+                                               "b": torch.zeros(2)}, [("t", "u")])
+    for rank, found in enumerate(ranks):
+        if found is not None:
+            write_gradients(tmp_path / "ranks", rank, found)
+    return compare_gradients(tmp_path / "reference", tmp_path / "ranks", len(ranks))
+
+
+def test_gradients_are_compared_per_parameter_relative_to_its_largest_entry(tmp_path):
+    check = gradient_check(tmp_path, [{"w": torch.tensor([[1.0, -4.0], [2.0, 0.5 + 4e-6]]), "b": torch.zeros(2)},
+                                      {"u": torch.ones(3), "b": torch.zeros(2)}])
+    assert check.passed and check.max_rel_diff == pytest.approx(1e-6, rel=1e-2) and check.worst == "w on rank 0"
+
+
+def test_a_gradient_halved_fails_the_check_by_the_factor(tmp_path):
+    check = gradient_check(tmp_path, [{"w": reference_w() / 2, "t": torch.ones(3), "b": torch.zeros(2)}])
+    assert not check.passed and check.max_rel_diff == pytest.approx(0.5) and not check.problem
+    assert GRADIENT_TOLERANCE < 0.5
+
+
+def test_rounding_noise_on_a_zero_gradient_is_measured_against_the_models_largest_gradient(tmp_path):
+    # b is zero in exact arithmetic: 1e-12 against 3e-12 is a 200% difference of noise, 5e-10 of the floor
+    noise = gradient_check(tmp_path / "noise", [{"w": reference_w(), "t": torch.ones(3), "b": torch.full((2,), 3e-12)}])
+    assert noise.passed and noise.max_rel_diff == pytest.approx(3e-12 / (GRADIENT_FLOOR * 4.0), rel=1e-3)
+    # a real gradient on b, however small next to w's: its error counts against the floor (4e-3)
+    wrong = gradient_check(tmp_path / "wrong", [{"w": reference_w(), "t": torch.ones(3), "b": torch.ones(2)}])
+    assert not wrong.passed and wrong.max_rel_diff == pytest.approx(250) and wrong.worst == "b on rank 0"
+
+
+@pytest.mark.parametrize("ranks, problem", [
+    ([{"w": reference_w(), "b": torch.zeros(2)}], r"no rank reports the gradient of 1 .*e\.g\. 't'"),
+    ([{"w": reference_w(), "t": torch.ones(3), "b": torch.zeros(2), "x": torch.ones(1)}], r"rank 0 .* 'x', a name"),
+    ([{"w": reference_w()[0], "t": torch.ones(3), "b": torch.zeros(2)}], r"rank 0's gradient of 'w' has shape \(2,\)"),
+    ([{"w": reference_w(), "t": torch.ones(3), "b": torch.zeros(2)}, None], r"rank 1 .* wrote no gradients"),
+    ([{"w": reference_w() * math.nan, "t": torch.ones(3), "b": torch.zeros(2)}], None),
+], ids=["unreported", "unknown name", "shape", "rank without a file", "nan"])
+def test_a_gradient_no_rank_reports_or_the_model_lacks_fails_with_its_name(tmp_path, ranks, problem):
+    check = gradient_check(tmp_path, ranks)
+    assert not check.passed and check.max_rel_diff == math.inf
+    if problem is None:  # a NaN gradient: an infinite difference
+        assert check.worst == "w on rank 0" and not check.problem
+    else:
+        assert re.search(problem, check.problem), check.problem
 
 
 PIPELINE_STDERR = """\

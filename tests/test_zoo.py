@@ -78,7 +78,7 @@ def test_sampled_zoo_families_pass_parity_at_dp2_and_pp2_with_several_microbatch
                 assert parallelism["data_parallel_replicate_degree"] * parallelism["data_parallel_shard_degree"] == 2
             folders[(family, layout)] = out
     batch = verify_many(list(folders.values()), steps=3, timeout_s=300 + 120 * len(folders), nproc=2)
-    failed = {key: (result.error.splitlines()[-1:] if result.error else result.parity_max_abs_diff)
+    failed = {key: (result.error.splitlines()[-1:] if result.error else (result.parity_max_abs_diff, result.gradients))
               for key, result in zip(folders, batch.results) if not result.passed}
     assert not failed
     assert all(result.parity_max_abs_diff <= PARITY_LIMIT for result in batch.results)

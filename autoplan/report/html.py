@@ -351,9 +351,9 @@ def scaling_section(points: list[tuple]) -> str:
 
 
 def verify_section(verify: Any) -> str:
-    """Loss parity of the generated program against the single-process reference, and measured vs predicted
-    (overall, per stage and per rank: autoplan.report.verify_view). verify.json is user-editable, so any
-    value may be missing or malformed: such values are skipped, never trusted, never fatal."""
+    """Loss and first-step gradient parity of the generated program against the single-process reference, and
+    measured vs predicted (overall, per stage and per rank: autoplan.report.verify_view). verify.json is
+    user-editable, so any value may be missing or malformed: such values are skipped, never trusted, never fatal."""
     verify = verify if isinstance(verify, dict) else {}
     reference, losses = _steps(verify.get("reference_losses")), _steps(verify.get("losses"))
     tolerance = verify_view.finite(verify.get("parity_tolerance"))
@@ -370,7 +370,7 @@ def verify_section(verify: Any) -> str:
         detail = f"max |difference| {diff:.2e} (tolerance {tolerance:g})"
     html = (f'<section id="verification"><h2>Verification {badge}</h2><p class="lead">The generated program on '
             f"{esc(verify.get('nproc', '?'))} CPU processes (gloo) against the single-process model, same weights and "
-            f"batches: {esc(detail)}.</p>") + verify_view.dropout_html(verify)
+            f"batches: {esc(detail)}.</p>") + verify_view.gradients_html(verify) + verify_view.dropout_html(verify)
     error = verify.get("error")
     if isinstance(error, str) and error:
         html += f"<details><summary>The run failed</summary><pre>{esc(error)}</pre></details>"

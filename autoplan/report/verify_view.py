@@ -176,6 +176,23 @@ def dropout_html(verify: dict) -> str:
     return f'<p class="dropout">Dropout: {esc(dropout)}.</p>'
 
 
+def gradients_html(verify: dict) -> str:
+    """The first-step gradient check (verify.json's "gradient_*" keys, written by `autoplan verify`), or "" without
+    it (a verify.json from before the check)."""
+    problem, worst = verify.get("gradient_problem"), verify.get("gradient_worst")
+    if isinstance(problem, str) and problem:
+        return f'<p class="gradients">First-step gradients: FAIL, {esc(problem)}.</p>'
+    diff, tolerance = finite(verify.get("gradient_max_rel_diff")), finite(verify.get("gradient_tolerance"))
+    where = f" at {esc(worst)}" if isinstance(worst, str) and worst else ""
+    if diff is None:
+        if "gradient_max_rel_diff" in verify and verify["gradient_max_rel_diff"] is None:  # inf or NaN: written null
+            return f'<p class="gradients">First-step gradients: FAIL, an infinite or NaN difference{where}.</p>'
+        return ""
+    verdict = "" if tolerance is None else f" ({'within' if diff <= tolerance else 'ABOVE'} tolerance {tolerance:g})"
+    return (f'<p class="gradients">First-step gradients of every parameter on every rank against the reference: '
+            f"max relative difference {diff:.2e}{where}{verdict}.</p>")
+
+
 def comparison_html(verify: dict) -> str:
     """Everything measured: overall errors (text and bars), then per stage and per rank when present."""
     return overall_html(verify) + stages_html(parse_stages(verify)) + ranks_html(parse_ranks(verify))

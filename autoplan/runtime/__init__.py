@@ -15,6 +15,7 @@ from autoplan.runtime.compile import compile_modules
 from autoplan.runtime.config import ParallelConfig
 from autoplan.runtime.data import TrainingData, microbatches, shard, step_batch, to_device
 from autoplan.runtime.dropout import NoDropout
+from autoplan.runtime.gradients import full_gradients, save_gradients, save_reference_gradients
 from autoplan.runtime.interface import MISMATCH_EXIT_CODE, RUNTIME_API, check_runtime_api, runtime_api_mismatch
 from autoplan.runtime.materialize import (ModelPart, TensorEntry, build_on_meta, build_seeded, catalog, materialize,
                                           materialize_from, named_tensors)
@@ -36,9 +37,9 @@ __all__ = [
     "TensorBoardLog", "TensorEntry", "TiedGradients", "TiedParameter", "TrainingData", "adamw", "build_on_meta",
     "build_seeded",
     "call_model", "catalog", "check_runtime_api", "checkpoint_modules", "compile_modules", "compute_dtype",
-    "compute_loss", "default_log_dir", "default_loss", "device_mesh", "gather_rank_metrics", "global_mean_loss",
+    "compute_loss", "default_log_dir", "default_loss", "device_mesh", "full_gradients", "gather_rank_metrics", "global_mean_loss",
     "init_plan_mesh", "local_stages", "materialize", "materialize_from", "microbatches", "model_args",
     "named_tensors", "parallelize", "peak_memory_bytes", "rank_layout", "replicate_data_parallel", "restore_linears",
-    "runtime_api_mismatch", "shard", "shard_data_parallel", "split_model", "step_batch", "tensor_parallel",
+    "runtime_api_mismatch", "save_gradients", "save_reference_gradients", "shard", "shard_data_parallel", "split_model", "step_batch", "tensor_parallel",
     "tensor_parallel_context", "to_device",
 ]

@@ -129,14 +129,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="torch.compile each of the plan's chain modules (default: the plan's compile.enable)")
     parser.add_argument("--dropout-out", type=Path,
                         help="with --no-dropout: write the dropout calls it disabled per step here (JSON)")
+    parser.add_argument("--gradients-out", type=Path, metavar="DIR",
+                        help="after the first step's backward, write every parameter's gradient as a full tensor by "
+                             "the model's name to DIR/rank<R>.pt, each rank its own (autoplan verify compares them "
+                             "with the reference's)")
     args = parser.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
     return args
 
 
-def train_reference(model_source, device: torch.device, steps: int) -> list[float]:
-    """The single-device baseline: same initial weights, same batches, same optimizer, in fp32."""
+def train_reference(model_source, device: torch.device, steps: int, gradients_out=None) -> list[float]:
+    """The single-device baseline: same initial weights, same batches, same optimizer, in fp32; with
+    gradients_out, the first step's gradients written there (runtime.save_reference_gradients)."""
     torch.manual_seed(SEED)
     model = model_source.build_model().to(device)
     optimizer = runtime.adamw(model.parameters(), LEARNING_RATE, OPTIMIZER_IMPLEMENTATION)
@@ -147,6 +152,8 @@ def train_reference(model_source, device: torch.device, steps: int) -> list[floa
         optimizer.zero_grad(set_to_none=True)
         loss = runtime.compute_loss(model_source.loss_fn, runtime.call_model(model, inputs), targets)
         loss.backward()
+        if gradients_out and step == 0:
+            runtime.save_reference_gradients(gradients_out, model)
         optimizer.step()
         losses.append(loss.item())
         print(f"step {step} | loss {losses[-1]:.6f}")
@@ -186,7 +193,7 @@ def main(argv=None) -> list[float]:
     dropout = runtime.NoDropout(enabled=args.no_dropout)  # entered around the training steps only
     if args.reference:
         with dropout:
-            losses = train_reference(model_source, device, args.steps)
+            losses = train_reference(model_source, device, args.steps, args.gradients_out)
         if args.losses_out:
             args.losses_out.write_text(json.dumps(losses))
         if args.dropout_out:
@@ -215,6 +222,8 @@ def main(argv=None) -> list[float]:
             inputs, targets = runtime.to_device(data.batch(step), device)  # this data-parallel rank's share
             optimizer.zero_grad(set_to_none=True)
             local_loss = parallel.forward_backward(inputs, targets)  # and tied weights' gradients summed
+            if args.gradients_out and step == first_step:  # full tensors by the model's names (a collective)
+                runtime.save_gradients(args.gradients_out, parallel)
             optimizer.step()
         losses.append(runtime.global_mean_loss(local_loss, rank, device))  # mean over the global batch
         entry = metrics.record(step, losses[-1], time.perf_counter() - start, device, verbose=rank.rank == 0)

@@ -1,7 +1,7 @@
-"""autoplan.verify's loss-parity check for several output folders in ONE torchrun launch
-(tests/helpers/batch.py): process start-up, not training, dominates a small model's check, so the
-folders' programs and references share the processes. Loading plans, comparing losses and
-running subprocesses are autoplan.verify's own.
+"""autoplan.verify's parity check (losses and first-step gradients) for several output folders in ONE
+torchrun launch (tests/helpers/batch.py): process start-up, not training, dominates a small model's check,
+so the folders' programs and references share the processes. Loading plans, comparing losses and
+gradients and running subprocesses are autoplan.verify's own.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Sequence
 
 from autoplan.errors import UserError
 from autoplan.plan import Plan
-from autoplan.verify import VerifyResult, _compare, _load_plan, _Run, _run_all, run_args
+from autoplan.verify import VerifyResult, _compare, _load_plan, _Run, _run_all, compare_gradients, run_args
 
 BATCH_SCRIPT = Path(__file__).with_name("batch.py")
 """The batch runner, launched by path (tests/ is not a package on the children's sys.path)."""
@@ -95,7 +95,10 @@ def verify_many(out_dirs: list[Path | str], steps: int = 3, timeout_s: float = 6
             losses = _read_list(losses_path) if not error else []
             if not error and (len(reference) != steps or len(losses) != steps):
                 error = f"expected {steps} losses, got {len(reference)} (reference) and {len(losses)}"
-            results.append(_compare(out_dir, plan.parallelism.world_size, steps, reference, losses, {}, error))
+            world = plan.parallelism.world_size
+            gradients = None if error else compare_gradients(_gradients_dir(reference_of[i]),
+                                                             _gradients_dir(losses_path), world)
+            results.append(_compare(out_dir, world, steps, reference, losses, {}, error, gradients=gradients))
         return VerifyBatch(results, errors[offset:])
 
 
@@ -111,12 +114,23 @@ def _verification_jobs(out_dirs: list[Path], plans: list[Plan], steps: int,
                plan.parallelism.data_parallel_degree)
         if key not in references:
             references[key] = tmp / f"reference{len(references)}.json"
-            reference_jobs.append(BatchJob(out_dir, ("--reference", *common, "--losses-out", str(references[key])), 1))
+            reference_jobs.append(BatchJob(out_dir, ("--reference", *common, *_gradients_out(references[key]),
+                                                     "--losses-out", str(references[key])), 1))
         reference_of.append(references[key])
-    runs = [BatchJob(out_dir, (*common, "--losses-out", str(tmp / f"losses{i}.json")), plan.parallelism.world_size)
+    runs = [BatchJob(out_dir, (*common, *_gradients_out(tmp / f"losses{i}.json"), "--losses-out",
+                               str(tmp / f"losses{i}.json")), plan.parallelism.world_size)
             for i, (out_dir, plan) in enumerate(zip(out_dirs, plans))]
     # the largest jobs first: the one-rank references then fill the gaps
     return sorted(runs, key=lambda job: -job.world) + reference_jobs, reference_of
+
+
+def _gradients_dir(losses_path: Path) -> Path:
+    """Where the run that writes its losses to `losses_path` writes its first-step gradients."""
+    return losses_path.with_name(losses_path.stem + "_gradients")
+
+
+def _gradients_out(losses_path: Path) -> tuple[str, str]:
+    return ("--gradients-out", str(_gradients_dir(losses_path)))
 
 
 def _read_list(path: Path) -> list[float]:
