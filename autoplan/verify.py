@@ -123,10 +123,14 @@ def verify(out_dir: Path | str, nproc: int | None = None, steps: int = 3, timeou
             Path(tmp) / n for n in ("reference.json", "losses.json", "metrics.json", "dropout.json",
                                     "reference_gradients", "gradients"))
         common = list(run_args(steps))
-        reference = [sys.executable, "train.py", "--reference", *common, "--gradients-out", str(ref_grads),
-                     "--losses-out", str(ref_out), "--dropout-out", str(dropout_out)]
+        # a train.py generated before the gradient check has no --gradients-out: its losses are still compared
+        checks_gradients = "--gradients-out" in (out_dir / "train.py").read_text()
+        reference = [sys.executable, "train.py", "--reference", *common, "--losses-out", str(ref_out),
+                     "--dropout-out", str(dropout_out)] + (["--gradients-out", str(ref_grads)] if checks_gradients
+                                                           else [])
         distributed = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                       "train.py", *common, "--gradients-out", str(dist_grads), "--losses-out", str(dist_out)]
+                       "train.py", *common, "--losses-out", str(dist_out)] + (
+                           ["--gradients-out", str(dist_grads)] if checks_gradients else [])
         if measure:
             distributed += ["--metrics-out", str(metrics_out)]
         runs = [_Run("reference run", reference, out_dir, Path(tmp)),
@@ -137,7 +141,7 @@ def verify(out_dir: Path | str, nproc: int | None = None, steps: int = 3, timeou
         losses = _read_losses(dist_out, runs[1], steps)
         metrics = json.loads(metrics_out.read_text()) if measure else {}
         dropout = dropout_handling(dropout_out)
-        gradients = compare_gradients(ref_grads, dist_grads, nproc)
+        gradients = compare_gradients(ref_grads, dist_grads, nproc) if checks_gradients else None
 
     return _compare(out_dir, nproc, steps, reference_losses, losses, _measured(plan, metrics) if measure else {},
                     dropout=dropout, gradients=gradients)

@@ -140,6 +140,21 @@ def test_diverging_losses_fail_and_are_written_down(tmp_path):
     assert report["passed"] is False and report["losses"] == [1.0, 0.4]
 
 
+@pytest.mark.slow
+def test_a_program_generated_before_the_gradient_check_is_verified_on_its_losses(tmp_path, capsys):
+    """A train.py without --gradients-out (generated before verify compared gradients) would stop on the unknown
+    option: verify compares its losses and says the gradients were not checked."""
+    out = fake_program(tmp_path, """
+        if reference or rank == 0:
+            json.dump([1.0, 0.5], open(out, "w"))
+    """)
+    assert "--gradients-out" not in (out / "train.py").read_text()
+    assert main(["verify", str(out), "--steps", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "first-step gradients: not checked (this train.py predates the gradient check" in printed
+    assert "gradient_max_rel_diff" not in json.loads((out / "verify.json").read_text())
+
+
 FAKE_MAIN = """
 import json, os, sys
 from pathlib import Path
