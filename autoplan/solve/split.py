@@ -51,6 +51,7 @@ class _Tables:
                 self.run_of[u] = i
         self._stage: dict[int, dict] = {}
         self._shared: dict[tuple, dict] = {}
+        self._evaluated: dict[tuple, tuple | None] = {}
 
     def stage(self, s: int) -> dict:
         """Prefix sums of stage s: shared with every stage built from the same vectors, scaled by f."""
@@ -72,8 +73,15 @@ class _Tables:
 
     def evaluate(self, s: int, a: int, b: int, mode: str | None, cap: float, prior_max: float = 0.0):
         """(time, counts) of stage s holding [a, b) within `cap`, or None when it cannot fit.
-        counts: {(signature, mode): modules} of the recompute chosen (mixed) or the uniform mode.
-        `prior_max` is the largest transient term the rank already has from its earlier stages."""
+        counts: {(signature, mode): modules} of the recompute chosen (mixed) or the uniform mode (read only).
+        `prior_max` is the largest transient term the rank already has from its earlier stages. Remembered: the
+        packings of one split (greedy_split's bisection over stage times) ask again for the same stages."""
+        key = (s, a, b, mode, cap, prior_max)
+        if key not in self._evaluated:
+            self._evaluated[key] = self._evaluate(s, a, b, mode, cap, prior_max)
+        return self._evaluated[key]
+
+    def _evaluate(self, s: int, a: int, b: int, mode: str | None, cap: float, prior_max: float):
         t = self.stage(s)
         f = t["f"]
         memory = t["state"][b] - t["state"][a] + max(prior_max, *t["largest"][a:b])
