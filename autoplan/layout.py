@@ -48,9 +48,8 @@ ALL_FEATURES = frozenset({
     "compile_pp_experts", # torch.compile of pipeline stages holding expert layers; priced, fails in inductor here
 })
 """Everything the cost model can price. Beyond SUPPORTED, two features of Megatron-LM that torch does not run,
-expert parallelism together with
-context parallelism, DDP or CPU offload, which the generated program does not run, priced only
-when a caller asks for them (tests of the cost model; a search with features=ALL_FEATURES); the default search
+expert parallelism together with context parallelism, DDP or CPU offload, and torch.compile of pipeline stages
+holding expert layers, which the generated program does not run, priced only when a caller asks for them (tests of the cost model; a search with features=ALL_FEATURES); the default search
 and autoplan.estimate, which benchmarks/accuracy.py prices the published runs with, never use them."""
 
 SUPPORTED = frozenset({
@@ -77,7 +76,7 @@ SUPPORTED = frozenset({
 """What codegen can run. Remove a name to stop the search from emitting (or accepting a pin of) it.
 Not yet: pp_scatter_gather and tp_fused_split (not in torch), ep_cp, ep_ddp and ep_offload (train.py runs expert
 parallelism over FSDP2's data-parallel ranks only, of each pipeline stage: not over context-parallel ranks, ep
-dividing dp_shard, no CPU offload)."""
+dividing dp_shard, no CPU offload), compile_pp_experts (inductor stops in the experts' backward)."""
 
 CONTEXT_PARALLEL_CHUNKS = 2
 """Chunks per context-parallel rank: torch's causal load balancing cuts each sequence into 2 x cp chunks and
