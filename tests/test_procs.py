@@ -38,3 +38,13 @@ def test_ranks_below_a_launcher_are_named_and_killed_with_their_own_sessions():
     while alive(rank_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert launcher.poll() is not None and not alive(rank_pid)
+
+
+def test_a_rank_leaving_without_teardown_keeps_its_output_and_exit_code():
+    """exit_skipping_teardown (calibrate's worker ends with it): what the rank printed is flushed, the code is its."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", "from autoplan.procs import exit_skipping_teardown\n"
+                          "print('written', end='')\nexit_skipping_teardown(3)"], capture_output=True, text=True)
+    assert (run.returncode, run.stdout) == (3, "written")

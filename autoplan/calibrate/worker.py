@@ -26,6 +26,7 @@ from autoplan.calibrate.types import SIZES, Measurements, TierTimes
 from autoplan.calibrate.writer import default_base, write_profile
 from autoplan.errors import UserError
 from autoplan.hardware.profiles import load_hardware
+from autoplan.procs import exit_skipping_teardown
 
 
 def _env_int(name: str) -> int:
@@ -243,4 +244,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_skipping_teardown(main())
