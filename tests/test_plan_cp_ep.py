@@ -382,3 +382,23 @@ def test_compiled_pipeline_stages_holding_experts_are_refused_with_the_reason():
     assert problems(Layout(compile="on", pp=1), scope) == []
     assert problems(Layout(compile="on", pp=2), Scope(features=SUPPORTED, num_experts=())) == []
     assert problems(Layout(compile="on", pp=2), Scope(features=ALL_FEATURES, num_experts=(4,))) == []  # priced
+
+
+def test_with_cp_and_tp_the_experts_token_split_is_only_sequence_parallel_routing(tmp_path):
+    """ShardedModules.expert_split (tp ranks routing their own sequence shards) is tp only with sequence parallelism
+    and ep > 1; the ring's per-call head split under tp (HF Llama's attention runs inside its tensor-parallel
+    region) must not leak into it, or an ep=1 layout's expert compute would be divided by tp."""
+    from autoplan.hardware.profiles import load_hardware
+    from autoplan.profile import profile_model
+    from autoplan.source import load_source
+
+    from test_layouts import TINY_LLAMA
+
+    model = tmp_path / "llama.py"
+    model.write_text(TINY_LLAMA)
+    profile = profile_model(load_source(str(model)), 2, load_hardware("h100-sxm5-80gb"), measure=False, dtype="bf16")
+    ctx = Context(profile, cluster(8), Training(8, "bf16"), CP_EP)
+    assert {ctx.facts.role.get(call.node) for call in ctx.attention.calls} == {"interior"}  # heads split over tp
+    assert ctx._sharded_modules(2, 1, True, 2, 1).expert_split == 1
+    assert ctx._sharded_modules(2, 1, True, 1, 2).expert_split == 2
+    assert ctx._sharded_modules(2, 1, False, 2, 2).expert_split == 1
