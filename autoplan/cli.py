@@ -126,7 +126,8 @@ def build_parser() -> dict[str, argparse.ArgumentParser]:
     profile.add_argument("--out", metavar="DIR", default="autoplan_profile",
                          help="output folder (default autoplan_profile)")
     _common(profile)
-    verify = _Parser(prog="autoplan verify", description="Run a generated program on CPU/gloo and check loss and gradient parity.")
+    verify = _Parser(prog="autoplan verify",
+                     description="Run a generated program on CPU/gloo and check loss and gradient parity.")
     verify.add_argument("dir", metavar="DIR", help="an output folder of autoplan plan")
     verify.add_argument("--nproc", type=int, default=None, help="processes to run (default: the plan's GPU count)")
     verify.add_argument("--steps", type=int, default=3, help="training steps compared (default 3)")
@@ -155,7 +156,8 @@ def cmd_plan(args) -> int:
         result = plan_model(
             args.model, args.gpus, args.gpu, gpus_per_node=args.gpus_per_node, global_batch=args.global_batch,
             dtype=args.dtype, memory_per_gpu=args.memory_per_gpu, host_memory_per_node=args.host_memory_per_node,
-            pin=",".join(args.pin) if args.pin else None, hardware=args.hardware, solver=args.solver, time_limit=args.time_limit, out=args.out,
+            pin=",".join(args.pin) if args.pin else None, hardware=args.hardware, solver=args.solver,
+            time_limit=args.time_limit, out=args.out,
         )
     if args.json:
         print(result.plan.to_json())

@@ -49,8 +49,9 @@ ALL_FEATURES = frozenset({
 })
 """Everything the cost model can price. Beyond SUPPORTED, two features of Megatron-LM that torch does not run,
 expert parallelism together with context parallelism, DDP or CPU offload, and torch.compile of pipeline stages
-holding expert layers, which the generated program does not run, priced only when a caller asks for them (tests of the cost model; a search with features=ALL_FEATURES); the default search
-and autoplan.estimate, which benchmarks/accuracy.py prices the published runs with, never use them."""
+holding expert layers, which the generated program does not run, priced only when a caller asks for them (tests
+of the cost model; a search with features=ALL_FEATURES); the default search and autoplan.estimate, which
+benchmarks/accuracy.py prices the published runs with, never use them."""
 
 SUPPORTED = frozenset({
     "tp",                 # Megatron colwise/rowwise pairs (Plan.tensor_parallel_plan)
@@ -566,6 +567,7 @@ def _batch_norm_text(modules: tuple[str, ...]) -> str:
     return f"BatchNorm module '{modules[0]}'{more}"
 
 
-RULES = (_values, _features, _sequence_parallel, _context_parallel, _expert_parallel, _compiled_experts_in_stages, _degrees, _sharding_rules, _offload, _batch, _schedule, _batch_norm_microbatches,
-         _batch_norm_pipeline, _batch_norm_recompute, _stages)
+RULES = (_values, _features, _sequence_parallel, _context_parallel, _expert_parallel, _compiled_experts_in_stages,
+         _degrees, _sharding_rules, _offload, _batch, _schedule, _batch_norm_microbatches, _batch_norm_pipeline,
+         _batch_norm_recompute, _stages)
 """Every rule, in the order their messages read best."""

@@ -13,7 +13,7 @@ import torch
 from autoplan.errors import UserError
 from autoplan.runtime.attention_blocks import find_attention_blocks
 from autoplan.runtime.context_parallel import (PipelineContextParallel, SequenceShards, causal_mask_as_is_causal,
-                                               check_maskless, functional_attention, positions_given)
+                                               check_maskless, functional_attention, load_balanced, positions_given)
 from autoplan.runtime.data import to_device
 from autoplan.runtime.split import split_model
 
@@ -38,28 +38,14 @@ class Rank:
         return self.rank
 
 
-def balanced(causal: bool):
-    """torch's load-balancing switch, as context_parallel sets it for causal attention."""
-    from torch.distributed.tensor.experimental._attention import _cp_options
-
-    class Switch:
-        def __enter__(self):
-            self.before, _cp_options.enable_load_balance = _cp_options.enable_load_balance, causal
-
-        def __exit__(self, *exc):
-            _cp_options.enable_load_balance = self.before
-
-    return Switch()
-
-
 def test_a_rank_cuts_torch_head_tail_chunks_as_runs_of_positions():
-    with balanced(True):
+    with load_balanced(True):
         shares = [SequenceShards(Rank(r), 8, torch.device("cpu")) for r in range(2)]
     assert [s.positions.tolist() for s in shares] == [[0, 1, 6, 7], [2, 3, 4, 5]]
     assert [s.runs for s in shares] == [[(0, 2), (6, 2)], [(2, 4)]]
     x = torch.arange(16.0).view(2, 8)
     assert shares[0].shard(x, 1).tolist() == [[0, 1, 6, 7], [8, 9, 14, 15]]
-    with balanced(False):
+    with load_balanced(False):
         assert SequenceShards(Rank(1), 8, torch.device("cpu")).positions.tolist() == [4, 5, 6, 7]
 
 

@@ -218,8 +218,8 @@ class Context:
                                            attention.backward_s[u] / calls[u] / cp, cp_group)
                 ring_forward[u] += ring.forward_exposed_s
                 ring_backward[u] += ring.backward_exposed_s
-                split = tp if role.get(call.node, "") in SPLIT_ROLES else 1
-                change[u] += (call.ring_saved_bytes - call.saved_bytes) * microbatch * self.scale / split
+                heads = tp if role.get(call.node, "") in SPLIT_ROLES else 1  # its heads split over tp
+                change[u] += (call.ring_saved_bytes - call.saved_bytes) * microbatch * self.scale / heads
             first = self._block_start(min(self._attention_module))
             if sp and tp > 1 and first > 0:  # sequence shares under sequence parallelism (runtime/context_parallel.py)
                 whole = self.cut_bytes(cp)[first - 1] * microbatch * self.scale

@@ -278,6 +278,19 @@ def _to_local(value):
     return value.to_local() if isinstance(value, DTensor) else value
 
 
+@contextmanager
+def load_balanced(causal: bool):
+    """Within: torch's ring balances the causal triangle over the ranks (its head-tail load balancing,
+    `_cp_options.enable_load_balance`) exactly when the attention is `causal`; the setting is restored after."""
+    from torch.distributed.tensor.experimental._attention import _cp_options
+
+    saved, _cp_options.enable_load_balance = _cp_options.enable_load_balance, causal
+    try:
+        yield
+    finally:
+        _cp_options.enable_load_balance = saved
+
+
 class ContextParallelRegion:
     """Where a micro-batch's forward, loss and backward run under context parallelism (the step enters it
     per micro-batch): torch's `context_parallel` over the mesh's "cp" ranks, whose ring attention
@@ -299,7 +312,6 @@ class ContextParallelRegion:
         """Yields the rank's share of `targets` (every tensor whose dimension 1 is the attention's sequence,
         cut; the others as they are); the forward, the loss and its backward run inside."""
         from torch.distributed.tensor.experimental import context_parallel
-        from torch.distributed.tensor.experimental._attention import _cp_options
         from torch.utils import _pytree as pytree
 
         seq_len = self.attention.sequence_length
@@ -313,18 +325,17 @@ class ContextParallelRegion:
                             f"{ACTIVATION_SEQUENCE_DIM} (shapes {shapes})")
         local = [t.clone() if c else t for t, c in zip(leaves, cut)]  # context_parallel shards them in place
         buffers = [t for t, c in zip(local, cut) if c]
-        balance, _cp_options.enable_load_balance = _cp_options.enable_load_balance, self.attention.causal
         handles = []
         try:
-            with context_parallel(self.mesh, buffers=buffers, buffer_seq_dims=[ACTIVATION_SEQUENCE_DIM] * len(buffers),
-                                  no_restore_buffers=set(buffers)), tensor_parallel_heads_local():
+            with load_balanced(self.attention.causal), context_parallel(
+                    self.mesh, buffers=buffers, buffer_seq_dims=[ACTIVATION_SEQUENCE_DIM] * len(buffers),
+                    no_restore_buffers=set(buffers)), tensor_parallel_heads_local():
                 shards = SequenceShards(self.mesh, seq_len, buffers[0].device)
                 handles = shard_block_inputs(self.blocks, shards)
                 yield pytree.tree_unflatten(local, spec)
         finally:
             for handle in handles:
                 handle.remove()
-            _cp_options.enable_load_balance = balance
 
 
 @contextmanager
@@ -424,16 +435,11 @@ class PipelineContextParallel:
     export and at every step alike, so every stage, the activations they send and the targets agree."""
 
     def __init__(self, cp_mesh: "DeviceMesh", blocks: "AttentionBlocks", device: torch.device) -> None:
-        from torch.distributed.tensor.experimental._attention import _cp_options
-
         register_cpu_ring_attention()
         self.mesh, self.attention, self.device = cp_mesh, blocks, device
         """The 1-D "cp" mesh; the AttentionBlocks (runtime/attention_blocks.py); the compute device."""
-        balance, _cp_options.enable_load_balance = _cp_options.enable_load_balance, blocks.causal
-        try:
+        with load_balanced(blocks.causal):
             self.shards = SequenceShards(cp_mesh, blocks.sequence_length, device)
-        finally:
-            _cp_options.enable_load_balance = balance
 
     @contextmanager
     def export(self, model: torch.nn.Module, inputs: Any):
@@ -462,7 +468,6 @@ class PipelineContextParallel:
         """Where a schedule step runs (every stage's forward and backward): torch's context_parallel, its ring
         balanced as at the export. Yields the rank's share of `targets` (the last stage's; None elsewhere)."""
         from torch.distributed.tensor.experimental import context_parallel
-        from torch.distributed.tensor.experimental._attention import _cp_options
 
         seq_len = self.attention.sequence_length
         if targets is not None and (targets.dim() <= ACTIVATION_SEQUENCE_DIM
@@ -471,13 +476,10 @@ class PipelineContextParallel:
                             f"targets {tuple(targets.shape)} do not have the attention's {seq_len} tokens along "
                             f"dimension {ACTIVATION_SEQUENCE_DIM}")
         positions = torch.arange(seq_len, device=self.device).unsqueeze(0)  # what context_parallel shards here
-        balance, _cp_options.enable_load_balance = _cp_options.enable_load_balance, self.attention.causal
-        try:
-            with context_parallel(self.mesh, buffers=[positions], buffer_seq_dims=[ACTIVATION_SEQUENCE_DIM],
-                                  no_restore_buffers={positions}), tensor_parallel_heads_local():
-                if not torch.equal(positions[0].cpu(), self.shards.positions.long()):
-                    raise RuntimeError(f"context_parallel gives this rank positions {positions[0].tolist()}, the "
-                                       f"stages were exported on {self.shards.positions.tolist()}")
-                yield None if targets is None else self.shards.shard(targets, ACTIVATION_SEQUENCE_DIM)
-        finally:
-            _cp_options.enable_load_balance = balance
+        with load_balanced(self.attention.causal), context_parallel(
+                self.mesh, buffers=[positions], buffer_seq_dims=[ACTIVATION_SEQUENCE_DIM],
+                no_restore_buffers={positions}), tensor_parallel_heads_local():
+            if not torch.equal(positions[0].cpu(), self.shards.positions.long()):
+                raise RuntimeError(f"context_parallel gives this rank positions {positions[0].tolist()}, the "
+                                   f"stages were exported on {self.shards.positions.tolist()}")
+            yield None if targets is None else self.shards.shard(targets, ACTIVATION_SEQUENCE_DIM)

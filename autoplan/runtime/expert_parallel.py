@@ -145,11 +145,6 @@ def expert_mesh(device_type: str, pp: int, dp: int, ep: int, tp: int = 1, dp_rep
     return init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_DIMS)
 
 
-def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """The parameters of every experts module in `module`."""
-    return [param for sub in module.modules() if is_experts_module(sub) for param in sub.parameters(recurse=False)]
-
-
 @dataclass
 class ExpertParallel:
     """A model's experts split over expert-parallel groups (parallelize_experts), and how data parallelism shards
@@ -175,9 +170,8 @@ class ExpertParallel:
             return
         for sub in self.modules:
             for param in sub.parameters(recurse=False):
-                if param.grad is not None:
-                    grad = param.grad
-                    dist.all_reduce(grad._local_tensor if hasattr(grad, "_local_tensor") else grad, group=self.tp_sum)
+                if param.grad is not None:  # a DTensor (parallelize_experts): its local shard, in place
+                    dist.all_reduce(param.grad.to_local(), group=self.tp_sum)
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
@@ -202,14 +196,13 @@ class ExpertParallel:
         dp_mod_ep x ep exceeds the experts."""
         from torch.distributed.fsdp import fully_shard
 
-        mine = {id(sub) for sub in module.modules()}
-        if not any(id(sub) in mine for sub in self.modules):  # no expert parallelism, or none of the experts here
+        inside = {id(sub) for sub in module.modules()}
+        here = [sub for sub in self.modules if id(sub) in inside]
+        if not here:  # no expert parallelism, or none of the experts in this pipeline stage
             return
         mesh = self.fsdp_mesh
         shards = mesh.size(-1)
-        for sub in self.modules:
-            if id(sub) not in mine:
-                continue
+        for sub in here:
             local = sub.num_experts  # E/ep (shard_experts)
             fully_shard(sub, mesh=mesh, shard_placement_fn=partial(_fsdp_placement, local_experts=local, shards=shards),
                         **kwargs)
