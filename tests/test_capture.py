@@ -73,6 +73,40 @@ def test_tied_weights_are_one_parameter(gpt_graph):
     assert "lm_head.weight" not in gpt_graph.parameters
 
 
+def test_no_grad_regions_are_inlined_and_marked(tmp_path):
+    # What autoplan needs from export: ops a model runs under no_grad (a rotary table, a running statistic)
+    # come out inlined under their module and marked as building no autograd graph, and the rest not.
+    source = _model_file(tmp_path, "no_grad.py", """
+        import torch
+        from torch import nn
+
+        class Table(nn.Module):
+            def forward(self, x):
+                with torch.no_grad():
+                    return torch.arange(x.shape[1], dtype=x.dtype).cos()
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.table = Table()
+                self.fc = nn.Linear(8, 8)
+
+            def forward(self, x):
+                return self.fc(x + self.table(x))
+
+        def build_model():
+            return M()
+
+        def example_batch(batch_size):
+            return torch.randn(batch_size, 8), torch.randn(batch_size, 8)
+    """)
+    graph = capture_model(source, 2)
+    assert graph.method == "export"
+    marked = {n.module for n in graph.nodes if not n.grad_enabled}
+    assert marked == {"table"}
+    assert all(n.grad_enabled for n in graph.nodes if n.module == "fc")
+
+
 def test_dict_batch_becomes_kwargs_and_hf_llama_exports(tmp_path):
     source = _model_file(tmp_path, "llama.py", """
         import torch
@@ -92,8 +126,6 @@ def test_dict_batch_becomes_kwargs_and_hf_llama_exports(tmp_path):
     assert graph.inputs["input_ids"].meta.shape == (3, 16)
     layers = {m for n in graph.nodes for m in n.module_stack if re.fullmatch(r"model\.layers\.\d+", m)}
     assert layers == {"model.layers.0", "model.layers.1"}
-    # rotary embeddings run under no_grad: inlined, and marked as building no autograd graph
-    assert any(not n.grad_enabled for n in graph.nodes)
     profile = profile_graph(graph, source.spec, 3, load_hardware("h100-sxm5-80gb"), measure=False)
     assert sum(o.flops_fwd for o in profile.ops) > 0 and profile.unsupported_ops == ()
     assert profile.param_count == sum(graph.parameters.values()) > 0
