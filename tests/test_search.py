@@ -243,6 +243,6 @@ def test_a_milp_without_a_split_is_reported_as_what_it_said_not_as_a_time_limit(
     assert "time limit" not in warning and "None" not in warning and f"{100 * result.solver.gap:.1f}%" in warning
     timed = replace(result.solver, status="time_limit", gap=0.02)
     assert solver_warning(timed, None) == ("the MILP stopped at its 10 s time limit (--time-limit): the stage split "
-                                           "planned is the best found, within 2.0% of the optimal step time")
+                                           "planned is the best found, its slowest rank's time within 2.0% of the optimum's")
     assert "its 2.5 s time limit" in solver_warning(timed, 2.5)
     assert solver_warning(replace(result.solver, status="optimal", gap=0.0), None) == ""

@@ -307,7 +307,7 @@ def solver_warning(info: SolverInfo, time_limit_s: float | None) -> str:
     """The line to warn with when the MILP did not prove the plan's stage split optimal ("" when it did), naming
     what it reported (refine_with_ilp) and the time limit it ran under."""
     limit = ILP_TIME_LIMIT_S if time_limit_s is None else time_limit_s
-    within = f"within {100 * info.gap:.1f}% of the optimal step time"
+    within = f"its slowest rank's time within {100 * info.gap:.1f}% of the optimum's"
     if info.status == "time_limit":
         return (f"the MILP stopped at its {limit:g} s time limit (--time-limit): the stage split planned is the best "
                 f"found, {within}")
