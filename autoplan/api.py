@@ -141,7 +141,7 @@ def plan_model(
     from autoplan.profile import profile_model
     from autoplan.profile.unsupported import pipeline_refusal
     from autoplan.solve.pins import parse_pins
-    from autoplan.solve.search import search
+    from autoplan.solve.search import search, solver_warning
 
     started = time.perf_counter()
     errors = []
@@ -181,9 +181,9 @@ def plan_model(
     result = search(profile, cluster, training, pins, solver=solver, time_limit_s=time_limit)
 
     best = result.best
-    if result.solver.status == "time_limit":
-        log.warning("the solver hit the %s s time limit: this is the best plan found, within %.1f%% of optimal",
-                    time_limit, 100 * result.solver.gap)
+    warning = solver_warning(result.solver, time_limit)
+    if warning:
+        log.warning("%s", warning)
     alternatives = tuple(Alternative.of(c) for c in _next_best(result.candidates, best, 5))
     alternatives += tuple(Alternative.of(c) for c in _fastest_without_experts_split(result.candidates, best)
                           if Alternative.of(c) not in alternatives)

@@ -182,11 +182,13 @@ class SolverInfo:
     name: str
     """"highs" or "cbc" (the MILP solver), or "pinned" when every degree was fixed."""
     status: str
-    """"optimal", "time_limit" (best found, see gap) or "infeasible"."""
+    """What the MILP on the chosen layout's stage split reported (solve/search.py refine_with_ilp): "optimal",
+    "time_limit" (the best split found, see gap), or "infeasible" / "failed" (a solver failure: the fast packing's
+    split, which fits, is kept; gap to the step-time lower bound)."""
     time_s: float
     candidates_evaluated: int
     gap: float = 0.0
-    """Relative MIP gap of the chosen stage split when a time limit stopped the solver."""
+    """Relative gap of the chosen stage split to the optimum (a bound on it) when the MILP did not prove it optimal."""
 
 
 @dataclass(frozen=True)

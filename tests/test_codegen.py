@@ -318,6 +318,49 @@ def test_runtime_api_mismatch_exits_with_one_line(capsys, monkeypatch, offset):
     assert f"or install the autoplan that generated it (runtime API {program_api})" in err
 
 
+def test_the_runtime_api_check_comes_before_any_other_autoplan_name():
+    """Issue 26: the template imported autoplan.procs (added without a RUNTIME_API bump) above its check, so a new
+    train.py on an older autoplan died of an ImportError instead of the one line. The program binds the package
+    and its runtime, checks, and only then reads any other autoplan name (all through those two)."""
+    tree = ast.parse(TEMPLATE.read_text())
+    check = next(i for i, node in enumerate(tree.body) if ast.unparse(node) == "runtime.check_runtime_api(RUNTIME_API)")
+    imports = [(i, ast.unparse(node)) for i, node in enumerate(tree.body) if isinstance(node, (ast.Import, ast.ImportFrom))
+               and "autoplan" in ast.unparse(node)]
+    assert [text for _, text in imports] == ["import autoplan", "from autoplan import runtime"]
+    assert all(i < check for i, _ in imports)
+    nested = [ast.unparse(node) for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+              and node not in tree.body]
+    assert not [text for text in nested if "autoplan" in text], "every autoplan name goes through the check"
+    used_before = {node.id for statement in tree.body[:check] if not isinstance(statement, (ast.Import, ast.ImportFrom))
+                   for node in ast.walk(statement) if isinstance(node, ast.Name)}
+    assert not used_before & {"autoplan", "runtime"}
+
+
+@pytest.mark.parametrize("program", ["template", "golden"])
+def test_a_program_on_an_older_autoplan_stops_with_the_one_line(tmp_path, monkeypatch, capsys, program):
+    """An autoplan from before the interface grew: it provides the previous RUNTIME_API and lacks what was added
+    (autoplan.procs, importing it fails; runtime.exit_skipping_teardown and runtime.load_source). Importing the
+    program stops at once with the mismatch line and exit code 2, nothing imported that could fail first."""
+    from autoplan.runtime import interface
+
+    new = runtime.RUNTIME_API
+    monkeypatch.setattr(interface, "RUNTIME_API", new - 1)
+    monkeypatch.setitem(sys.modules, "autoplan.procs", None)
+    monkeypatch.delattr(runtime, "exit_skipping_teardown")
+    monkeypatch.delattr(runtime, "load_source")
+    monkeypatch.setattr(sys, "argv", ["/some/dir/train.py"])
+    path = TEMPLATE
+    if program == "golden":
+        path = tmp_path / "train.py"
+        path.write_text(render_golden_plan())
+    with pytest.raises(SystemExit) as exited:
+        load_module(path, f"autoplan_train_on_an_older_autoplan_{program}")
+    assert exited.value.code == runtime.MISMATCH_EXIT_CODE == 2
+    assert capsys.readouterr().err.splitlines() == [f"train.py: error: {runtime.runtime_api_mismatch(new)}"]
+    assert f"generated for autoplan runtime API {new}," in runtime.runtime_api_mismatch(new)
+    assert f"provides runtime API {new - 1}:" in runtime.runtime_api_mismatch(new)
+
+
 def run_reference(program_dir: Path) -> subprocess.CompletedProcess:
     """python train.py --reference --steps 1, on CPU, in `program_dir`."""
     return subprocess.run([sys.executable, "train.py", "--reference", "--steps", "1", "--device", "cpu"],

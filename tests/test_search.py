@@ -9,12 +9,14 @@ import pytest
 from chain_fixtures import GIB, a100_cluster, cluster, gpt_profile
 
 from autoplan.chain.modules import build_chain
+from autoplan.cost.evaluate import build_problem
 from autoplan.errors import Infeasible, UserError
 from autoplan.layout import SUPPORTED, Layout
 from autoplan.plan import Training
 from autoplan.solve.pins import parse_pins
 from autoplan.solve import search as search_module
-from autoplan.solve.search import search
+from autoplan.solve.ilp import IlpResult
+from autoplan.solve.search import search, solver_warning
 
 
 @lru_cache(maxsize=None)
@@ -205,3 +207,42 @@ def test_a_layout_whose_leanest_split_fits_is_planned_when_the_packing_finds_non
         search(gpt2_small(), capped(8, 0.5), TRAINING, pins)
     needed = float(re.search(r"needs ([0-9.]+) GiB per GPU", str(error.value)).group(1))
     assert needed > 0.5
+
+
+def test_no_plan_and_no_layout_called_fitting_is_over_the_memory_cap():
+    """Issue 26: the packing took the largest per-module sum of the transient terms where the plan's memory takes
+    each category's maximum: with FSDP's gathered parameters peaking on the widest block and the working set on
+    the head, layouts with per-module recompute were called fitting and planned over the cap (Qwen3-30B-A3B on
+    64 H100s: 74.99 GiB of 74.5). Caps between the leanest split and the no-recompute one plant the case."""
+    profile = gpt_profile(n_layer=4, n_embd=2048, vocab=8192, seq=1024, batch=1, n_head=16)
+    training = Training(global_batch_size=8, dtype="bf16")
+    pins = parse_pins("dp=8,zero=3,pp=1,microbatch=1,offload=none")
+    ample = search(profile, cluster(8), training, pins)
+    problem = build_problem(ample.context, ample.best.parallelism, ("none", "selective", "full"))
+    peaks = [max(range(problem.num_modules), key=vec.__getitem__) for vec in problem.memory[0].max_vectors]
+    assert len(set(peaks)) == 2, "the two transient categories peak on different modules"
+    lean, top = problem.memory_lower_bound(), ample.best.predicted.peak_memory_bytes
+    for fraction in (0.1, 0.4, 0.85):
+        cap = lean + (top - lean) * fraction
+        result = search(profile, replace(cluster(8), memory_per_gpu_bytes=cap), training, pins)
+        assert result.best.fits and result.best.predicted.peak_memory_bytes <= cap
+        assert all(c.predicted.peak_memory_bytes <= cap for c in result.candidates if c.fits)
+
+
+def test_a_milp_without_a_split_is_reported_as_what_it_said_not_as_a_time_limit(monkeypatch):
+    """Issue 26: a MILP that found the layout infeasible was reported as "the solver hit the None s time limit ...
+    within 100.0% of optimal". The status is what the MILP said; the gap, the kept split's to the lower bound; a
+    time limit names the limit it ran under."""
+    said = IlpResult(assignment=None, objective=None, status="infeasible", gap=0.0, solver="highs", backend="HiGHS",
+                     time_s=0.1)
+    monkeypatch.setattr(search_module, "solve_ilp", lambda *args, **kwargs: said)
+    result = search(gpt2_small(), cluster(8), TRAINING, parse_pins("dp=4,pp=2,microbatch=4"))
+    assert result.best.fits and result.solver.status == "infeasible" and 0.0 <= result.solver.gap < 1.0
+    warning = solver_warning(result.solver, None)
+    assert warning.startswith("the MILP reported no stage split within the memory cap, though the packing's split")
+    assert "time limit" not in warning and "None" not in warning and f"{100 * result.solver.gap:.1f}%" in warning
+    timed = replace(result.solver, status="time_limit", gap=0.02)
+    assert solver_warning(timed, None) == ("the MILP stopped at its 10 s time limit (--time-limit): the stage split "
+                                           "planned is the best found, its slowest rank's time within 2.0% of the optimum's")
+    assert "its 2.5 s time limit" in solver_warning(timed, 2.5)
+    assert solver_warning(replace(result.solver, status="optimal", gap=0.0), None) == ""

@@ -15,6 +15,10 @@ from functools import cached_property
 
 from autoplan.cost.memory import StageMemoryModel
 
+MEMORY_TOLERANCE = 1e-9
+"""Relative slack on the memory cap that every solver and ChainProblem.fits allow alike (floating-point sums):
+the packing, the DP and the MILP accept an assignment exactly when ChainProblem.fits does."""
+
 
 @dataclass(frozen=True)
 class Split:
@@ -70,15 +74,32 @@ class ChainProblem:
         return self.signature or tuple(range(self.num_modules))
 
     def runs(self) -> list[tuple[int, int]]:
-        """Maximal runs [start, end) of consecutive identical modules; modules of tied groups stand alone."""
+        """Maximal runs [start, end) of consecutive identical modules (same signature, and the same times and
+        memory terms, boundary bytes included: the MILP prices a run's modules by its first); modules of tied
+        groups stand alone."""
         tied = {u for modules in self.memory[0].tied_group_modules for u in modules}
         sig = self.signatures
         out, start = [], 0
         for u in range(1, self.num_modules + 1):
-            if u == self.num_modules or sig[u] != sig[start] or u in tied or start in tied:
+            if u == self.num_modules or sig[u] != sig[start] or u in tied or start in tied \
+                    or self._terms(u, u < self.num_modules - 1) != self._terms(start, u < self.num_modules - 1):
                 out.append((start, u))
                 start = u
         return out
+
+    def _terms(self, u: int, boundary: bool) -> tuple:
+        """Module u's times, linear and transient bytes and (with `boundary`; the last module has none) the bytes
+        a stage ending after it keeps, on every distinct stage model."""
+        times = tuple(self.module_time_s[k][u] for k in self.modes)
+        memory = tuple((m.state_bytes[u], tuple(m.activations[k][u] for k in self.modes),
+                        tuple(vec[u] for vec in m.max_vectors), m.cut_bytes[u] if boundary else None)
+                       for m in self.leanest_stages())
+        return times, memory
+
+    @property
+    def memory_limit_bytes(self) -> float:
+        """The cap with MEMORY_TOLERANCE: what fits, for every solver."""
+        return self.memory_cap_bytes * (1 + MEMORY_TOLERANCE)
 
     @property
     def num_modules(self) -> int:
@@ -137,8 +158,9 @@ class ChainProblem:
         """Memory of each rank."""
         return [sum(self.rank_breakdown(r, a).values()) for r in range(self.ranks)]
 
-    def fits(self, a: Assignment, tolerance: float = 1e-9) -> bool:
-        return all(m <= self.memory_cap_bytes * (1 + tolerance) for m in self.peak_memory(a))
+    def fits(self, a: Assignment) -> bool:
+        """Every rank's memory (rank_breakdown: the one memory model the plan reports) within the cap."""
+        return all(m <= self.memory_limit_bytes for m in self.peak_memory(a))
 
     @cached_property
     def fastest_module_time(self) -> tuple[float, ...]:

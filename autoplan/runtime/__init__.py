@@ -9,6 +9,7 @@ torch.utils.checkpoint, torch.distributed.checkpoint) wired up for a plan.
 """
 
 from autoplan.contract import call_model, compute_loss, default_loss, model_args
+from autoplan.procs import exit_skipping_teardown
 from autoplan.runtime.apply_plan import Parallelized, init_plan_mesh, parallelize
 from autoplan.runtime.checkpoint import Checkpointer
 from autoplan.runtime.compile import compile_modules
@@ -30,14 +31,17 @@ from autoplan.runtime.split import PipelineSplit, TiedParameter, split_model
 from autoplan.runtime.steps import AccumulationStep, PipelineStep
 from autoplan.runtime.tensorboard import TensorBoardLog, default_log_dir
 from autoplan.runtime.tensor_parallel import restore_linears, tensor_parallel, tensor_parallel_context
+from autoplan.source import load_source
 
 __all__ = [
     "AccumulationStep", "Checkpointer", "MISMATCH_EXIT_CODE", "ModelPart", "NoDropout", "ParallelConfig",
     "Parallelized", "PeakLiveMemory", "PipelineSplit", "PipelineStep", "RUNTIME_API", "RankLayout", "StepMetrics",
     "TensorBoardLog", "TensorEntry", "TiedGradients", "TiedParameter", "TrainingData", "adamw", "build_on_meta",
     "build_seeded", "call_model", "catalog", "check_runtime_api", "checkpoint_modules", "compile_modules",
-    "compute_dtype", "compute_loss", "default_log_dir", "default_loss", "device_mesh", "full_gradients",
-    "gather_rank_metrics", "global_mean_loss", "init_plan_mesh", "local_stages", "materialize", "materialize_from",
+    "compute_dtype", "compute_loss", "default_log_dir", "default_loss", "device_mesh", "exit_skipping_teardown",
+    "full_gradients",
+    "gather_rank_metrics", "global_mean_loss", "init_plan_mesh", "load_source", "local_stages", "materialize",
+    "materialize_from",
     "microbatches", "model_args", "named_tensors", "parallelize", "peak_memory_bytes", "rank_layout",
     "replicate_data_parallel", "restore_linears", "runtime_api_mismatch", "save_gradients",
     "save_reference_gradients", "shard", "shard_data_parallel", "split_model", "step_batch", "tensor_parallel",

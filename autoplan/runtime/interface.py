@@ -12,9 +12,14 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-RUNTIME_API = 4
-"""Bump it (and RUNTIME_API in codegen/templates/train.py) with any change to autoplan.runtime that a
-train.py generated before would call wrongly: a name, a signature, a meaning."""
+RUNTIME_API = 5
+"""Bump it (and RUNTIME_API in codegen/templates/train.py) with any change to what a train.py calls that a
+train.py generated before would call wrongly, or that one generated now would not find in an autoplan before:
+a name added, removed or renamed, a signature, a meaning. A train.py reaches autoplan through autoplan.runtime
+(and autoplan.parallelize, autoplan.init_mesh) only, and checks this first, at import, before any other autoplan
+name (tests/test_codegen.py). 5: runtime.exit_skipping_teardown and runtime.load_source (train.py imported
+autoplan.procs and autoplan.source directly, so on an autoplan without procs it died of an ImportError before
+its check)."""
 
 MISMATCH_EXIT_CODE = 2
 """What a program exits with on a mismatch: 2, the exit code of autoplan's own user errors (the user fixes

@@ -72,7 +72,7 @@ def _solve(problem: ChainProblem, modes: tuple[str, ...], objective: str) -> DpR
         return None
     assert problem.virtual == 1 or objective == "memory", "the DP is exact for one stage per rank"
     times = [problem.module_time_s[modes[u]][u] for u in range(n)]
-    cap = problem.memory_cap_bytes * (1 + 1e-9)
+    cap = problem.memory_limit_bytes
     best = [[math.inf] * (n + 1) for _ in range(p)]
     choice = [[-1] * (n + 1) for _ in range(p)]
     for s in range(p):

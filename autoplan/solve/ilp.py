@@ -26,8 +26,9 @@ o_s constant stage time (sends); C the memory cap.
 
 Order on adjacent runs implies it for all pairs, so every stage holds a contiguous slice and stages
 follow the chain. y, M and e only make the memory rows harder, so at a solution they may sit at their
-lower bounds: the rows then say "memory of rank q <= C" as cost/memory.py computes it (boundary bytes
-rounded up to the run's largest). With every run of length 1 this is exactly the module-level model.
+lower bounds: the rows then say "memory of rank q <= C" exactly as ChainProblem.fits computes it (runs break where a
+module's times or memory terms differ, its outgoing boundary bytes included, and C carries the same
+MEMORY_TOLERANCE), so the MILP and the packing agree on what fits. With every run of length 1 this is exactly the module-level model.
 Each family is built by the function of the same name below. The fast packing (split.py) or the exact
 DP (dp.py) supplies a warm start and an upper bound on T.
 """
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 import pulp
 
 from autoplan.cost.problem import Assignment, ChainProblem, Split
-from autoplan.solve.ilp_backend import choose_backend, mip_gap, resolve_solver
+from autoplan.solve.ilp_backend import choose_backend, mip_gap, resolve_solver, solver_status
 
 
 @dataclass
@@ -66,9 +67,11 @@ class IlpResult:
     objective: float | None
     """Slowest rank time of `assignment`, seconds."""
     status: str
-    """"optimal", "time_limit" (best found; see gap) or "infeasible"."""
+    """What the solver reported (solver_status): "optimal"; "time_limit" (stopped by the time limit, with the best
+    assignment found or none; see gap); "infeasible" (proved that no assignment fits); "failed" (stopped without a
+    solution or a proof, e.g. a solver error)."""
     gap: float
-    """Relative MIP gap when stopped by the time limit (0 when optimal)."""
+    """Relative MIP gap when stopped by the time limit with an assignment (0 when optimal, 1 without one)."""
     solver: str
     """"highs" or "cbc": the solver that ran."""
     backend: str
@@ -168,7 +171,7 @@ def memory(prob, v: IlpVariables, problem: ChainProblem) -> None:
                     if any(a <= u < z for u in modules):
                         prob += v.y[g, s] >= v.b[r, s], f"tied_{g}_{r}_{s}"
         largest = pulp.lpSum(v.M[j, q] for j in range(len(problem.memory[0].max_vectors)))
-        prob += pulp.lpSum(used) + largest <= problem.memory_cap_bytes, f"memory_{q}"
+        prob += pulp.lpSum(used) + largest <= problem.memory_limit_bytes, f"memory_{q}"
 
 
 def build_model(problem: ChainProblem, upper_bound: float | None = None) -> tuple[pulp.LpProblem, IlpVariables]:
@@ -197,14 +200,13 @@ def solve_ilp(problem: ChainProblem, solver: str = "highs", time_limit_s: float 
     backend, name = choose_backend(solver, time_limit_s, warm_start is not None)
     prob.solve(backend)
     elapsed = time.perf_counter() - started
+    status = solver_status(prob, time_limit_s)
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        stopped = time_limit_s is not None and prob.sol_status == pulp.LpSolutionNoSolutionFound
-        status = "time_limit" if stopped else "infeasible"
         return IlpResult(assignment=None, objective=None, status=status, gap=1.0 if status == "time_limit" else 0.0,
                          solver=name, backend=backend.name, time_s=elapsed)
     found = _read_assignment(v, problem)
     objective = problem.bottleneck(found)
-    if prob.sol_status == pulp.LpSolutionOptimal:
+    if status == "optimal":
         return IlpResult(assignment=found, objective=objective, status="optimal", gap=0.0, solver=name,
                          backend=backend.name, time_s=elapsed)
     gap = mip_gap(prob, objective, problem.time_lower_bound())

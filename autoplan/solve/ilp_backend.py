@@ -103,6 +103,28 @@ def choose_backend(solver: str, time_limit_s: float | None, warm: bool):
         return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, warmStart=warm), "cbc"
 
 
+def solver_status(prob: pulp.LpProblem, time_limit_s: float | None) -> str:
+    """What the solve of `prob` ended in, read from PuLP's solution status (prob.sol_status: its LpStatus says
+    "Optimal" after a time limit too): "optimal", "time_limit" (an incumbent, or none found in time), "infeasible"
+    (proved) or "failed" (no solution and no proof: a solver error, or unbounded). Without a solution, highspy
+    tells a time limit from an error; the command-line solvers do not, so there the time limit is taken to
+    have stopped them when one was set."""
+    if prob.sol_status == pulp.LpSolutionOptimal:
+        return "optimal"
+    if prob.sol_status == pulp.LpSolutionIntegerFeasible:
+        return "time_limit"  # the only limit set (HiGHS also stops so at an objective bound: none is set)
+    if prob.sol_status == pulp.LpSolutionInfeasible or prob.status == pulp.LpStatusInfeasible:
+        return "infeasible"  # CBC's "Integer infeasible" leaves the solution status at "no solution found"
+    if prob.sol_status == pulp.LpSolutionNoSolutionFound and time_limit_s is not None:
+        model_status = getattr(getattr(prob, "solverModel", None), "getModelStatus", None)
+        if model_status is None:
+            return "time_limit"
+        import highspy  # a highspy model answered: importable
+
+        return "time_limit" if model_status() == highspy.HighsModelStatus.kTimeLimit else "failed"
+    return "failed"
+
+
 def mip_gap(prob: pulp.LpProblem, objective: float, lower_bound: float) -> float:
     """HiGHS's MIP gap when it has one, else the gap to `lower_bound` (CBC reports none)."""
     info = getattr(getattr(prob, "solverModel", None), "getInfo", None)

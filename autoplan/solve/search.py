@@ -197,7 +197,7 @@ def compile_twin(ctx: Context, best: Candidate, pins: Layout, pinned_recompute: 
     other = ctx.compiled_as(not ctx.compiled)
     par = best.parallelism
     problem = build_problem(other, par, layouts.modes_for(par.activation_checkpoint, pinned_recompute))
-    twin = evaluate(other, par, problem, best.assignment, best.fits)
+    twin = evaluate(other, par, problem, best.assignment, problem.fits(best.assignment))
     change = (twin.predicted.step_time_s - best.predicted.step_time_s) / best.predicted.step_time_s * 100
     if ctx.compiled:
         reason = f"compile=off: {change:.1f}% slower than compile=on (pointwise ops run unfused)"
@@ -207,6 +207,8 @@ def compile_twin(ctx: Context, best: Candidate, pins: Layout, pinned_recompute: 
         reason = (f"compile=on: {-change:.1f}% faster per step, but off by default for CPU processes (inductor "
                   f"first compiles each distinct module with gcc, seconds to minutes here, more than a short run "
                   f"gains; pin compile=on)")
+    if not twin.fits:
+        reason += f"; {oom_reason(twin, problem.memory_cap_bytes)}"
     return dataclasses.replace(twin, reason=reason)
 
 
@@ -238,7 +240,8 @@ def try_layout(ctx: Context, par: Parallelism, modes: tuple[str, ...], cutoff: f
                explain: bool = True) -> Candidate | None:
     """`par` priced at its best split (None when a recompute mode was allowed and not used), or, when the
     packing finds no split that fits, at its leanest split: fitting if that one fits (the packing is a
-    heuristic), else with the OOM reason (None without `explain`)."""
+    heuristic), else with the OOM reason (None without `explain`). What fits is ChainProblem.fits's to say
+    (the memory the plan reports), whichever solver proposed the split."""
     problem = build_problem(ctx, par, modes)
     cap = problem.memory_cap_bytes
     bound = problem.memory_lower_bound()
@@ -250,6 +253,8 @@ def try_layout(ctx: Context, par: Parallelism, modes: tuple[str, ...], cutoff: f
         return Candidate(parallelism=par, stages=(), predicted=None, fits=False, reason=reason,
                          memory_needed_bytes=bound)
     found = greedy_split(problem, modes[0] if len(modes) == 1 else None, cutoff if cutoff < math.inf else None)
+    if found is not None and not problem.fits(found):
+        found = None  # the packing proposes, ChainProblem.fits decides (tests/test_ilp.py holds them equal)
     if found is None:
         if not explain:
             return None
@@ -268,7 +273,10 @@ def try_layout(ctx: Context, par: Parallelism, modes: tuple[str, ...], cutoff: f
 
 def refine_with_ilp(ctx: Context, candidate: Candidate, pinned: bool, solver: str,
                     time_limit_s: float | None) -> tuple[Candidate, SolverInfo]:
-    """Re-solve the winner's split and recompute as a MILP, seeded and bounded by its assignment."""
+    """Re-solve the winner's split and recompute as a MILP, seeded and bounded by its assignment. The plan's
+    SolverInfo says what the MILP reported: "optimal"; "time_limit" with the gap of the split kept (the MILP's own,
+    or, without an incumbent, the seed's to the step-time lower bound); "infeasible" or "failed" (a solver failure:
+    the seed fits, and the MILP's rows are ChainProblem.fits's own), the seed kept, gap to the lower bound."""
     par = candidate.parallelism
     mode = par.activation_checkpoint
     problem = build_problem(ctx, par, layouts.modes_for(mode, pinned))
@@ -289,9 +297,27 @@ def refine_with_ilp(ctx: Context, candidate: Candidate, pinned: bool, solver: st
         other = evaluate(ctx, par, problem, result.assignment, True)
         if other.predicted.step_time_s < candidate.predicted.step_time_s:
             candidate = other
-    if result.status == "infeasible":  # the seed fits, so only a solver failure lands here
-        info = dataclasses.replace(info, status="time_limit", gap=1.0)
+    if result.assignment is None:  # the seed is kept: its gap to the lower bound bounds the true one
+        lower = problem.time_lower_bound()
+        info = dataclasses.replace(info, gap=(bound - lower) / bound if bound > 0 else 0.0)
     return candidate, info
+
+
+def solver_warning(info: SolverInfo, time_limit_s: float | None) -> str:
+    """The line to warn with when the MILP did not prove the plan's stage split optimal ("" when it did), naming
+    what it reported (refine_with_ilp) and the time limit it ran under."""
+    limit = ILP_TIME_LIMIT_S if time_limit_s is None else time_limit_s
+    within = f"its slowest rank's time within {100 * info.gap:.1f}% of the optimum's"
+    if info.status == "time_limit":
+        return (f"the MILP stopped at its {limit:g} s time limit (--time-limit): the stage split planned is the best "
+                f"found, {within}")
+    if info.status == "infeasible":
+        return ("the MILP reported no stage split within the memory cap, though the packing's split fits it (a "
+                f"solver failure): the plan keeps that split, {within} (--solver cbc may prove it)")
+    if info.status == "failed":
+        return (f"the MILP stopped without a solution or a proof (a solver failure): the plan keeps the packing's "
+                f"split, {within}")
+    return ""
 
 
 def _by_time(c: Candidate) -> tuple:

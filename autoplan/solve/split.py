@@ -64,27 +64,28 @@ class _Tables:
                     "state": _prefix(model.state_bytes),
                     "act": {m: _prefix(model.activations_per_microbatch[m]) for m in self.modes},
                     "act_vec": model.activations_per_microbatch,
-                    "largest": list(model.largest_bytes) if model.max_vectors else [0.0] * self.n,
+                    "largest": [list(vec) for vec in model.max_vectors],
                     "groups": list(zip(model.group_bytes, model.tied_group_modules)),
                     "cut": model.cut_per_microbatch,
                 }
             self._stage[s] = {**self._shared[key], "f": model.in_flight}
         return self._stage[s]
 
-    def evaluate(self, s: int, a: int, b: int, mode: str | None, cap: float, prior_max: float = 0.0):
+    def evaluate(self, s: int, a: int, b: int, mode: str | None, cap: float, prior_max: tuple[float, ...] = ()):
         """(time, counts) of stage s holding [a, b) within `cap`, or None when it cannot fit.
         counts: {(signature, mode): modules} of the recompute chosen (mixed) or the uniform mode (read only).
-        `prior_max` is the largest transient term the rank already has from its earlier stages. Remembered: the
+        `prior_max` holds the largest transient term of each category (StageMemoryModel.largest_module) the rank
+        already has from its earlier stages (() for none). Remembered: the
         packings of one split (greedy_split's bisection over stage times) ask again for the same stages."""
         key = (s, a, b, mode, cap, prior_max)
         if key not in self._evaluated:
             self._evaluated[key] = self._evaluate(s, a, b, mode, cap, prior_max)
         return self._evaluated[key]
 
-    def _evaluate(self, s: int, a: int, b: int, mode: str | None, cap: float, prior_max: float):
+    def _evaluate(self, s: int, a: int, b: int, mode: str | None, cap: float, prior_max: tuple[float, ...]):
         t = self.stage(s)
         f = t["f"]
-        memory = t["state"][b] - t["state"][a] + max(prior_max, *t["largest"][a:b])
+        memory = t["state"][b] - t["state"][a] + sum(_largest(t, a, b, prior_max))
         memory += sum(g for g, modules in t["groups"] if any(a <= u < b for u in modules))
         if b < self.n:
             memory += t["cut"][b - 1] * f
@@ -115,8 +116,9 @@ class _Tables:
                 return time, _modes_from_increments(chosen)
         return None
 
-    def stage_memory(self, s: int, a: int, b: int, mode: str | None, counts: dict) -> tuple[float, float]:
-        """(linear bytes, largest transient bytes) of stage s holding [a, b) with the recompute chosen."""
+    def stage_memory(self, s: int, a: int, b: int, mode: str | None, counts: dict) -> tuple[float, tuple[float, ...]]:
+        """(linear bytes, largest transient bytes of each category) of stage s holding [a, b) with the recompute
+        chosen."""
         t = self.stage(s)
         base, f = mode or self.modes[0], t["f"]
         linear = t["state"][b] - t["state"][a] + (t["act"][base][b] - t["act"][base][a]) * f
@@ -126,7 +128,7 @@ class _Tables:
             for (sig, m), modules in counts.items():
                 u = self.first_of[sig]
                 linear -= modules * (t["act_vec"][base][u] - t["act_vec"][m][u]) * f
-        return linear, max(t["largest"][a:b])
+        return linear, _largest(t, a, b, ())
 
     @cached_property
     def even_stage_bytes(self) -> float:
@@ -156,6 +158,19 @@ class _Tables:
             at_saved, at_added = dm, dt
 
 
+def _largest(t: dict, a: int, b: int, prior_max: tuple[float, ...]) -> tuple[float, ...]:
+    """The largest transient term of each category on a rank whose stage holds [a, b), its earlier stages'
+    `prior_max` included: each category's maximum taken on its own, as StageMemoryModel.breakdown and
+    ChainProblem.rank_breakdown take it (the sum of the per-module sums' maximum would be smaller when the
+    categories peak on different modules: one module's working set, another's gathered parameters)."""
+    return _largest_of(prior_max, tuple(max(vec[a:b]) for vec in t["largest"]))
+
+
+def _largest_of(x: tuple[float, ...], y: tuple[float, ...]) -> tuple[float, ...]:
+    """Elementwise maximum of two per-category maxima, () standing for none."""
+    return tuple(map(max, x, y)) if x and y else x or y
+
+
 def _modes_from_increments(chosen: dict[tuple, int]) -> dict[tuple, int]:
     """Modules per (signature, final mode): a module that took a later increment ends in that mode."""
     out: dict[tuple, int] = {}
@@ -175,7 +190,7 @@ def _pack(tables: _Tables, stage_time: float, cap: float, mode: str | None) -> l
     (interleaved) find the memory its earlier ones used taken, and each stage leaves room for an even
     share of the rank's stages still to come."""
     n, stages, ranks = tables.n, tables.p.num_stages, tables.p.ranks
-    used, largest = [0.0] * ranks, [0.0] * ranks
+    used, largest = [0.0] * ranks, [()] * ranks
     share = tables.even_stage_bytes
     out, start = [], 0
     for s in range(stages):
@@ -205,13 +220,14 @@ def _pack(tables: _Tables, stage_time: float, cap: float, mode: str | None) -> l
         if ranks < stages:
             linear, peak = tables.stage_memory(s, start, end, mode, counts)
             used[rank] += linear
-            largest[rank] = max(largest[rank], peak)
+            largest[rank] = _largest_of(largest[rank], peak)
         out.append((start, end, counts))
         start = end
     return out if start == n else None
 
 
-def _fits(tables: _Tables, s: int, a: int, b: int, mode: str | None, cap: float, limit: float, prior_max: float):
+def _fits(tables: _Tables, s: int, a: int, b: int, mode: str | None, cap: float, limit: float,
+          prior_max: tuple[float, ...]):
     found = tables.evaluate(s, a, b, mode, cap, prior_max)
     if found is None or found[0] > limit * (1 + 1e-12):
         return None
@@ -242,7 +258,7 @@ def greedy_split(problem: ChainProblem, mode: str | None = None, cutoff: float |
     if stages > n:
         return None
     tables = _Tables(problem, problem.signatures)
-    cap = problem.memory_cap_bytes
+    cap = problem.memory_limit_bytes
     low = (problem.time_lower_bound() if mode is None else _uniform_lower_bound(problem, mode)) / v
     everything = sum(max(problem.module_time_s[m][u] for m in problem.modes) for u in range(n)) + \
         sum(problem.overhead(s) for s in range(stages))

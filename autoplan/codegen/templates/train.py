@@ -18,10 +18,9 @@ import torch.distributed as dist
 
 import autoplan
 from autoplan import runtime
-from autoplan.procs import exit_skipping_teardown
-from autoplan.source import load_source
 
-RUNTIME_API = 4  # the version of autoplan.runtime's interface this program was generated for
+RUNTIME_API = 5  # the version of autoplan's interface to programs (autoplan.runtime) this one was generated for
+runtime.check_runtime_api(RUNTIME_API)  # before any other autoplan name: one line and exit 2 if autoplan differs
 
 # ----------------------------------------------------------------------------------------------
 # The plan (numbers from plan.json)
@@ -144,11 +143,10 @@ def build_parallel_model(model_source, config, mesh, device) -> autoplan.Paralle
 
 
 def main(argv=None) -> list[float]:
-    runtime.check_runtime_api(RUNTIME_API)  # before anything else: one line and exit 2 if autoplan differs
     args = parse_args(argv)
     board = runtime.TensorBoardLog(args.tensorboard, PREDICTED)  # one line and exit 2 without the package
     device = torch.device(args.device)
-    model_source = load_source(f"{MODEL_SOURCE if args.model_file == 'planned' else MODEL_FILE}:{FACTORY}")
+    model_source = runtime.load_source(f"{MODEL_SOURCE if args.model_file == 'planned' else MODEL_FILE}:{FACTORY}")
     dropout = runtime.NoDropout(enabled=args.no_dropout)  # entered around the training steps only
     if args.reference:
         with dropout:
@@ -208,4 +206,4 @@ def main(argv=None) -> list[float]:
 
 if __name__ == "__main__":
     main()
-    exit_skipping_teardown(0)  # a gloo group torn down at interpreter exit can abort a finished run (SIGABRT)
+    runtime.exit_skipping_teardown(0)  # a gloo group torn down at interpreter exit can abort a finished run (SIGABRT)
