@@ -273,6 +273,22 @@ def call_user(source: ModelSource, what: str, fn: Callable, *args) -> Any:
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001
-        files = source.files or (source.path,)
-        raise UserError(f"{what} in {source.path.name} raised{_user_frame(e, files, source.root)}: "
-                        f"{type(e).__name__}: {e}") from None
+        raise user_error(source, what, e) from None
+
+
+def user_error(source: ModelSource, what: str, error: BaseException, note: str = "") -> UserError:
+    """"<what> in model.py raised (model.py:12): <Type>: <message>[ (note)]" for an exception of the user's code."""
+    return UserError(f"{what} in {source.path.name} raised{_user_frame(error, source.files or (source.path,), source.root)}"
+                     f": {type(error).__name__}: {error}" + (f" ({note})" if note else ""))
+
+
+def raised_in_user_code(source: ModelSource, error: BaseException) -> bool:
+    """Whether the innermost frame of `error`'s traceback is in the user's files (the user's code raised it,
+    not a library it called)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and Path(frames[-1].filename).resolve() in (source.files or (source.path,))
+
+
+def where(source: ModelSource, error: BaseException) -> str:
+    """"model.py:12": the innermost frame of `error` in the user's files, or ""."""
+    return _user_frame(error, source.files or (source.path,), source.root).strip(" ()")
