@@ -168,13 +168,29 @@ def _file_of(module: ModuleType) -> Path | None:
     return Path(file).resolve() if file else None
 
 
-def _forget_other_models(names: dict[str, Path]) -> None:
-    """Drop from sys.modules the modules an earlier model imported from its own folder under the names this
-    model's local files have (and their submodules), so that this model's imports find its own files."""
-    for name in list(sys.modules):
-        top = name.split(".")[0]
-        if name in _LOCAL_MODULES and (name in names or top in names):
-            del sys.modules[name]
+def _forget_other_models() -> None:
+    """Drop from sys.modules the modules imported from model folders' files before (_LOCAL_MODULES): a model
+    imports its own neighbours, not another folder's that have the same names (each folder's `model.py`), and
+    a neighbour it lacks is missing rather than borrowed."""
+    for name in _LOCAL_MODULES:
+        sys.modules.pop(name, None)
+
+
+_ON_PATH: list[str] = []
+"""The folders load_source put on sys.path for the model loaded last."""
+
+
+def _put_first_on_path(folders: tuple[Path, ...]) -> None:
+    """Put `folders` first on sys.path, as `python file.py` does, in place of the last model's: kept there
+    after loading, since a factory may import its neighbours only when it is called."""
+    for folder in _ON_PATH:
+        if folder in sys.path:
+            sys.path.remove(folder)
+    _ON_PATH[:] = [str(f) for f in folders]
+    for folder in reversed(_ON_PATH):
+        if folder in sys.path:
+            sys.path.remove(folder)
+        sys.path.insert(0, folder)
 
 
 def _is_free(name: str, path: Path) -> bool:
@@ -217,18 +233,14 @@ def load_source(spec: str) -> ModelSource:
     path = path.resolve()
     root, files = import_root(path), local_files(path)
     local_names = {module_name(f, root): f for f in files}
-    _forget_other_models(local_names)
+    _forget_other_models()
+    _put_first_on_path(search_dirs(path))
     name = module_name(path, root)
     if not _is_free(name, path):
         name = f"autoplan_user_model_{abs(hash(str(path)))}"
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
-    # as `python file.py` does, and kept: a factory may import its neighbours when it is called
-    for folder in reversed(search_dirs(path)):
-        if str(folder) in sys.path:
-            sys.path.remove(str(folder))
-        sys.path.insert(0, str(folder))
     try:
         module_spec.loader.exec_module(module)
     except ModuleNotFoundError as e:
