@@ -237,10 +237,11 @@ def test_a_failed_verify_records_why_and_names_the_users_file(tmp_path):
     assert planned.returncode == 0, planned.stderr
     verified = autoplan_cli("verify", str(out))
     assert verified.returncode == 2
-    assert "first exception: ValueError: rank 1 cannot (rank 1, at model_code/net.py:18 in forward)" in verified.stderr
+    first = f"first exception: ValueError: rank 1 cannot (rank 1, at {out}/model_code/net.py:18 in forward)\n"
+    assert first in verified.stderr, verified.stderr
     report = json.loads((out / "verify.json").read_text())
     assert report["passed"] is False and report["parity_max_abs_diff"] is None
-    assert "ValueError: rank 1 cannot (rank 1, at model_code/net.py:18 in forward)" in report["error"]
+    assert first in report["error"]
     assert "rank 1 cannot" in (out / "report.html").read_text()
 
 
