@@ -100,14 +100,14 @@ def test_a_helper_importing_the_model_file_gets_the_same_module(tmp_path):
     write_files(tmp_path, {
         "model.py": """
             import torch
-            from helpers import make
+            from neighbour import make
             WIDTH = 3
             def build_model():
                 return make()
             def example_batch(batch_size):
                 return torch.randn(batch_size, WIDTH), torch.randn(batch_size, 2)
         """,
-        "helpers.py": """
+        "neighbour.py": """
             import torch
             import model
             def make():
@@ -183,9 +183,12 @@ def plan_and_verify(model: Path, out: Path, pin: str, *verify_args: str) -> dict
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model, pin", [(NANOGPT, "dp=2"), (MINGPT, "dp=2"), (NANOGPT, "tp=2"), (NANOGPT, "pp=2")],
-                         ids=["nanogpt-dp2", "mingpt-dp2", "nanogpt-tp2", "nanogpt-pp2"])
+@pytest.mark.parametrize("model, pin", [(NANOGPT, "dp=2"), (MINGPT, "dp=2"), (NANOGPT, "tp=2"), (MINGPT, "tp=2"),
+                                        (NANOGPT, "pp=2")],
+                         ids=["nanogpt-dp2", "mingpt-dp2", "nanogpt-tp2", "mingpt-tp2", "nanogpt-pp2"])
 def test_wrappers_beside_nanogpt_and_mingpt_plan_and_verify(tmp_path, model, pin):
+    """minGPT at pp=2 is not here yet: its (logits, None) output stops the pipeline's program ("the pipeline
+    passes only tensors between stages and to the loss; got NoneType"), issue 26's third point."""
     report = plan_and_verify(model, tmp_path / "out", pin)
     assert report["model_file"] == "copy"
     assert (tmp_path / "out" / MODEL_COPY_DIR / "wrapper.py").read_bytes() == model.read_bytes()

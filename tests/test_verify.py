@@ -126,6 +126,8 @@ def test_a_failing_rank_is_reported_with_its_traceback(tmp_path):
     """)
     with pytest.raises(UserError, match=r"distributed run \(2 processes\) failed(.|\n)*stage 1 blew up"):
         verify(out, steps=2)
+    report = json.loads((out / "verify.json").read_text())  # a failed run is recorded too
+    assert report["passed"] is False and report["losses"] == [] and "stage 1 blew up" in report["error"]
 
 
 @pytest.mark.slow

@@ -128,7 +128,8 @@ def _verification_jobs(out_dirs: list[Path], plans: list[Plan], steps: int,
 def _model_code(out_dir: Path) -> tuple[tuple[str, bytes], ...]:
     """What the folder's program trains: its model_code/ files by path and contents, and which one it loads."""
     files = sorted(p for p in (out_dir / MODEL_COPY_DIR).rglob("*.py"))
-    loads = next(line for line in (out_dir / "train.py").read_text().splitlines() if line.startswith("MODEL_FILE"))
+    loads = next((line for line in (out_dir / "train.py").read_text().splitlines() if line.startswith("MODEL_FILE")),
+                 "")
     return ((loads, b""), *((str(p.relative_to(out_dir)), p.read_bytes()) for p in files))
 
 
