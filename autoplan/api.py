@@ -201,8 +201,6 @@ def plan_model(
         batch_norm_modules=result.context.batch_norm_modules,
         compile=Compile(enable=best.compile),
     )
-    if out is not None:
-        log.info("scaling curve: best layouts at %d/8 .. 4x%d GPUs", cluster.num_gpus, cluster.num_gpus)
     unpinned = pins == _pins_for_capture(Layout(), profile, warn=False)  # the curve's N point is then the plan's
     scaling = (scaling_curve(profile, cluster, training, best if unpinned else None, context=result.context)
                if out is not None else ())
@@ -262,6 +260,8 @@ def scaling_curve(profile: ModelProfile, cluster: Cluster, training: Training, p
     # by GPUs per node: the module tables' tensor-parallel links depend on it
     contexts: dict[int, Context] = {cluster.gpus_per_node: context} if context is not None else {}
     counts = sorted({max(1, round(cluster.num_gpus * f)) for f in SCALING_FACTORS})
+    log.info("scaling curve: best layouts at %s GPUs (%s to %s times the plan's %d)", ", ".join(map(str, counts)),
+             _fraction(min(SCALING_FACTORS)), _fraction(max(SCALING_FACTORS)), cluster.num_gpus)
     compiled = context.compiled if context is not None else layouts.compiled(pins, cluster, features)
     searched = [c for c in counts if c != cluster.num_gpus or planned is None]
     deadline = time.perf_counter() + budget_s
@@ -284,6 +284,11 @@ def scaling_curve(profile: ModelProfile, cluster: Cluster, training: Training, p
                   share, point)
         points.append(point)
     return tuple(points)
+
+
+def _fraction(factor: float) -> str:
+    """1/8 for 0.125, 4 for 4.0."""
+    return f"{factor:g}" if factor >= 1 else f"1/{round(1 / factor)}"
 
 
 def _scaling_point(ctx, pins, budget_s: float) -> ScalingPoint:

@@ -3,7 +3,7 @@
     autoplan MODEL.py --gpus N [...]        plan (the default subcommand)
     autoplan plan MODEL.py --gpus N [...]
     autoplan profile MODEL.py [--gpu NAME] [--measure] [--out DIR]
-    autoplan verify DIR [--nproc K] [--steps S] [--measure]
+    autoplan verify DIR [--nproc K] [--steps S] [--measure] [--model-file copy|planned]
     autoplan calibrate --out PROFILE.yaml [--nproc K]      measure this machine (or run under torchrun)
     autoplan calibrate --refit DIR --hardware PROFILE.yaml --out NEW.yaml
 
@@ -30,6 +30,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from autoplan.errors import UserError
+from autoplan.verify import MODEL_FILES
 
 SUBCOMMANDS = ("plan", "profile", "verify", "calibrate")
 
@@ -134,6 +135,10 @@ def build_parser() -> dict[str, argparse.ArgumentParser]:
     verify.add_argument("--timeout", type=float, default=600.0, help="seconds per run before it is killed")
     verify.add_argument("--measure", action="store_true",
                         help="also record step time and peak memory next to the prediction (verify.json)")
+    verify.add_argument("--model-file", choices=MODEL_FILES, default="copy",
+                        help="copy: run the copy of the model file (and of the modules beside it that it imports) "
+                             "that DIR/model_code/ holds, made at planning (default); planned: run the file the plan "
+                             "was made from (plan.json model.path), in place, as it is now")
     _common(verify)
     calibrate = _Parser(prog="autoplan calibrate", description="Measure this machine into a hardware profile "
                         "YAML (launches torchrun, or runs under it); with --refit, rescale a profile to a verified run.")
@@ -182,13 +187,12 @@ def cmd_profile(args) -> int:
 def cmd_verify(args) -> int:
     from autoplan.verify import GRADIENT_TOLERANCE, PARITY_TOLERANCE, verify
 
-    with _progress(args):
-        result = verify(args.dir, nproc=args.nproc, steps=args.steps, timeout_s=args.timeout, measure=args.measure)
-    report = Path(args.dir) / "report.html"
-    if report.is_file():
-        from autoplan.report.html import add_verification
-
-        add_verification(Path(args.dir), json.loads((Path(args.dir) / "verify.json").read_text()))
+    try:
+        with _progress(args):
+            result = verify(args.dir, nproc=args.nproc, steps=args.steps, timeout_s=args.timeout,
+                            measure=args.measure, model_file=args.model_file)
+    finally:  # a failed run's verify.json (passed false, the error) goes into the report too
+        _add_verification(Path(args.dir))
     if not args.quiet:
         if result.dropout:
             print(f"dropout: {result.dropout}")
@@ -207,6 +211,18 @@ def cmd_verify(args) -> int:
                   f"{gradients.max_rel_diff:.3g} at {gradients.worst} ({'PASS' if gradients.passed else 'FAIL'}, "
                   f"limit {GRADIENT_TOLERANCE:g})")
     return 0 if result.passed else 1
+
+
+def _add_verification(out_dir: Path) -> None:
+    """Put out_dir/verify.json into out_dir/report.html, when both are there."""
+    if (out_dir / "report.html").is_file() and (out_dir / "verify.json").is_file():
+        from autoplan.report.html import add_verification
+
+        try:
+            recorded = json.loads((out_dir / "verify.json").read_text())
+        except (OSError, ValueError):
+            return  # an edited verify.json: the report keeps what it had
+        add_verification(out_dir, recorded)
 
 
 def cmd_calibrate(args) -> int:

@@ -234,7 +234,8 @@ class Alternative:
 @dataclass(frozen=True)
 class ModelRef:
     path: str
-    """Path of the model.py the plan was made for (train.py loads the copy beside it)."""
+    """Path of the model file the plan was made for (train.py loads its copy in model_code/; --model-file planned
+    this file)."""
     factory: str = "build_model"
     param_count: int = 0
 

@@ -39,7 +39,7 @@ from autoplan.plan import Plan, load_plan
 from autoplan.procs import kill_process_tree, running_ranks
 
 PARITY_TOLERANCE = 1e-4
-"""Largest per-step |loss difference| accepted in fp32 (DESIGN.md, "How we know it works")."""
+"""Largest per-step |loss difference| accepted in fp32 (README.md, Quick start: loss parity)."""
 GRADIENT_TOLERANCE = 1e-3
 """Largest relative difference of a parameter's first-step gradient accepted (see GRADIENT_FLOOR). fp32 on CPU
 measures up to ~3e-6 (the sums run in other orders on the ranks); a gradient off by a factor (summed over 2
@@ -102,8 +102,15 @@ class GradientCheck:
         return not self.problem and self.max_rel_diff <= GRADIENT_TOLERANCE
 
 
+MODEL_FILES = ("copy", "planned")
+"""What `autoplan verify --model-file` runs (train.py's --model-file): the output folder's copy of the model
+files (model_code/, the default), or the file the plan was made from (plan.json model.path), in place."""
+
+
 def verify(out_dir: Path | str, nproc: int | None = None, steps: int = 3, timeout_s: float = 300,
-           measure: bool = False) -> VerifyResult:
+           measure: bool = False, model_file: str = "copy") -> VerifyResult:
+    """Both runs' parity verdict, written to out_dir/verify.json; when a run fails, verify.json records the
+    failure (passed false, "error") before the UserError saying why is raised."""
     out_dir = Path(out_dir)
     plan = _load_plan(out_dir)
     world = plan.parallelism.world_size
@@ -117,12 +124,33 @@ def verify(out_dir: Path | str, nproc: int | None = None, steps: int = 3, timeou
         raise UserError(f"--steps must be at least 1, got {steps}")
     if not (out_dir / "train.py").is_file():
         raise UserError(f"{out_dir} has no train.py: run `autoplan MODEL.py --out {out_dir}` first")
+    _check_model_file(model_file, plan, out_dir)
+    try:
+        return _verify_runs(out_dir, plan, nproc, steps, timeout_s, measure, model_file)
+    except UserError as e:
+        _compare(out_dir, nproc, steps, [], [], {}, error=str(e), model_file=model_file)
+        raise
 
+
+def _check_model_file(model_file: str, plan: Plan, out_dir: Path) -> None:
+    if model_file not in MODEL_FILES:
+        raise UserError(f"--model-file must be one of {', '.join(MODEL_FILES)}, got {model_file!r}")
+    if model_file == "planned":
+        if not Path(plan.model.path).is_file():
+            raise UserError(f"--model-file planned runs {plan.model.path}, the file this plan was made from, "
+                            f"which is not there now: verify the copy in {out_dir} (without --model-file)")
+        if "--model-file" not in (out_dir / "train.py").read_text():
+            raise UserError(f"{out_dir}/train.py has no --model-file option (an older autoplan wrote it): "
+                            f"plan again to run the planned file")
+
+
+def _verify_runs(out_dir: Path, plan: Plan, nproc: int, steps: int, timeout_s: float, measure: bool,
+                 model_file: str) -> VerifyResult:
     with tempfile.TemporaryDirectory(prefix="autoplan-verify-") as tmp:
         ref_out, dist_out, metrics_out, dropout_out, ref_grads, dist_grads = (
             Path(tmp) / n for n in ("reference.json", "losses.json", "metrics.json", "dropout.json",
                                     "reference_gradients", "gradients"))
-        common = list(run_args(steps))
+        common = list(run_args(steps)) + (["--model-file", model_file] if model_file != "copy" else [])
         # a train.py generated before the gradient check has no --gradients-out: its losses are still compared
         checks_gradients = "--gradients-out" in (out_dir / "train.py").read_text()
         reference = [sys.executable, "train.py", "--reference", *common, "--losses-out", str(ref_out),
@@ -144,7 +172,7 @@ def verify(out_dir: Path | str, nproc: int | None = None, steps: int = 3, timeou
         gradients = compare_gradients(ref_grads, dist_grads, nproc) if checks_gradients else None
 
     return _compare(out_dir, nproc, steps, reference_losses, losses, _measured(plan, metrics) if measure else {},
-                    dropout=dropout, gradients=gradients)
+                    dropout=dropout, gradients=gradients, model_file=model_file)
 
 
 def run_args(steps: int) -> tuple[str, ...]:
@@ -165,7 +193,7 @@ def dropout_handling(path: Path) -> str:
 
 def _compare(out_dir: Path, nproc: int, steps: int, reference_losses: list[float], losses: list[float],
              measured: dict[str, Any], error: str = "", dropout: str = "",
-             gradients: GradientCheck | None = None) -> VerifyResult:
+             gradients: GradientCheck | None = None, model_file: str = "copy") -> VerifyResult:
     """The parity verdict (losses, and the gradients when checked), also written to out_dir/verify.json."""
     diffs = [abs(a - b) for a, b in zip(reference_losses, losses)]
     max_diff = math.inf if error or any(math.isnan(d) for d in diffs) else max(diffs)
@@ -175,7 +203,7 @@ def _compare(out_dir: Path, nproc: int, steps: int, reference_losses: list[float
                           dropout=dropout, error=error, gradients=gradients)
     report = {"nproc": nproc, "steps": steps, "reference_losses": list(reference_losses), "losses": list(losses),
               "parity_max_abs_diff": max_diff if math.isfinite(max_diff) else None,
-              "parity_tolerance": PARITY_TOLERANCE, "passed": result.passed, **measured}
+              "parity_tolerance": PARITY_TOLERANCE, "passed": result.passed, "model_file": model_file, **measured}
     if gradients is not None:
         report["gradient_max_rel_diff"] = gradients.max_rel_diff if math.isfinite(gradients.max_rel_diff) else None
         report["gradient_tolerance"] = GRADIENT_TOLERANCE

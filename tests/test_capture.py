@@ -344,3 +344,27 @@ def test_factory_that_casts_to_bf16_keeps_its_tied_weights(tmp_path):
     graph = capture_model(source, 2)
     assert graph.method == "export" and graph.param_dtype == torch.bfloat16
     assert "lm_head.weight" not in graph.parameters and graph.parameters["wte.weight"] == 64 * 32
+
+
+def test_a_factory_failing_on_fake_and_meta_tensors_reports_its_own_error(tmp_path):
+    """trunc_normal_ reads values (fake tensors stop there); on the meta device the factory gets further and
+    fails on its own bug: that is the error to report, not the fake tensors' DataDependentOutputException."""
+    source = _model_file(tmp_path, "vit.py", """
+        import torch
+        from torch import nn
+
+        def build_model():
+            model = nn.Linear(8, 8)
+            nn.init.trunc_normal_(model.weight, std=0.02)
+            config = {"n_embd": 8}
+            return nn.Linear(config["n_embd"], config["n_layer"])
+
+        def example_batch(batch_size):
+            return torch.randn(batch_size, 8), torch.randn(batch_size, 8)
+    """)
+    with pytest.raises(UserError) as raised:
+        capture_model(source, 2)
+    message = str(raised.value)
+    assert message.startswith("build_model() in vit.py raised (vit.py:9): KeyError: 'n_layer' (on the meta device; "
+                              "on fake tensors it had stopped earlier at vit.py:7: "), message
+    assert "\n" not in message

@@ -76,7 +76,9 @@ def test_writes_train_py_model_copy_and_launcher(tmp_path):
     write_program(make_plan(), tmp_path, MLP)
     train_py = (tmp_path / "train.py").read_text()
     compile(train_py, "train.py", "exec")
-    assert (tmp_path / "model.py").read_bytes() == MLP.read_bytes()
+    assert (tmp_path / "model_code" / "mlp.py").read_bytes() == MLP.read_bytes()
+    assert sorted(p.name for p in (tmp_path / "model_code").iterdir()) == ["mlp.py"]  # it imports no neighbour
+    assert config_values(train_py)["MODEL_SOURCE"] == str(MLP)
     assert "    torchrun --standalone --nproc-per-node 4 train.py\n" in train_py
     assert "python train.py --reference" in train_py
     config = config_values(train_py)
@@ -148,7 +150,7 @@ def test_strange_module_and_file_names_cannot_change_the_program(tmp_path):
     assert config["TENSOR_PARALLEL_PLAN"] == {evil[0]: "colwise", evil[4]: "rowwise"}
     assert config["FACTORY"] == 'build"\nmodel' and config["MODEL_SOURCE"] == str(model_file)
     assert "pwned" not in ast.get_docstring(ast.parse(train_py))
-    assert (out / "model.py").read_bytes() == MLP.read_bytes()
+    assert (out / "model_code" / "my model's file.py").read_bytes() == MLP.read_bytes()
 
 
 @pytest.mark.parametrize("change, message", [

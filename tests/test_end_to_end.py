@@ -40,7 +40,7 @@ def test_pure_data_parallel_gpt_on_two_processes(tmp_path, capsys):
     assert par["pipeline_parallel_degree"] == 1
     assert plan["predicted"]["step_time_s"] > 0 and plan["predicted"]["peak_memory_bytes"] > 0
     assert plan["predicted"]["tokens_per_s"] > 0
-    for name in ("ops.csv", "modules.csv", "candidates.csv", "stages.csv", "train.py", "model.py"):
+    for name in ("ops.csv", "modules.csv", "candidates.csv", "stages.csv", "train.py", "model_code/tiny_gpt.py"):
         assert (tmp_path / "out" / name).is_file(), name
     verify_cli(tmp_path, capsys)
 

@@ -46,3 +46,12 @@ def test_a_count_where_nothing_fits_is_kept_with_its_reason():
         search(PROFILE, replace(tight, num_gpus=1, gpus_per_node=1), replace(TRAINING, global_batch_size=4))
     point = scaling_curve(PROFILE, tight, TRAINING, budget_s=60.0)[0]
     assert point.gpus == 1 and point.samples_per_s is None and point.note == "no layout fits"
+
+
+def test_the_log_line_names_the_gpu_counts(caplog):
+    """Once "best layouts at 8/8 .. 4x8 GPUs", which read as arithmetic nobody could follow."""
+    caplog.set_level("INFO", logger="autoplan")
+    points = scaling_curve(PROFILE, cluster(8), TRAINING, budget_s=0.0)
+    assert [p.gpus for p in points] == [1, 2, 4, 8, 16, 32]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("scaling curve:")]
+    assert lines == ["scaling curve: best layouts at 1, 2, 4, 8, 16, 32 GPUs (1/8 to 4 times the plan's 8)"]

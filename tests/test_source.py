@@ -39,7 +39,7 @@ def test_factory_can_be_named(tmp_path):
     ("", "empty"),
     (b"\x00\x01binary", "binary"),
     ("def build_model(:\n", "syntax error in .*model.py:1"),
-    ("import no_such_module_xyz\n", "not installed: no_such_module_xyz"),
+    ("import no_such_module_xyz\n", "model.py imports no_such_module_xyz, which is not installed and not a module or package in "),
     ("raise RuntimeError('boom')\n", "importing model.py failed \\(model.py:1\\): RuntimeError: boom"),
     ("def build_model(): pass\n", "must define example_batch"),
     ("x = 1\n", "must define build_model\\(\\) and example_batch"),

@@ -126,6 +126,8 @@ def test_a_failing_rank_is_reported_with_its_traceback(tmp_path):
     """)
     with pytest.raises(UserError, match=r"distributed run \(2 processes\) failed(.|\n)*stage 1 blew up"):
         verify(out, steps=2)
+    report = json.loads((out / "verify.json").read_text())  # a failed run is recorded too
+    assert report["passed"] is False and report["losses"] == [] and "stage 1 blew up" in report["error"]
 
 
 @pytest.mark.slow
@@ -330,8 +332,9 @@ def test_a_failing_pipeline_stage_shows_its_root_cause_first(tmp_path):
     assert message[0] == "the distributed run (2 processes) failed (exit code 1):"
     assert message[1].startswith("first exception: ValueError: rank-only failure: values out of range in the "
                                  "last block autoplan: at ")
-    assert message[1].endswith("out/model.py:17 in rank_check)")  # train.py runs its folder's copy
+    # train.py runs its folder's copy, by the user's file name
+    assert message[1].endswith("out/model_code/failing_stage.py:17 in rank_check)"), message[1]
     # the op, module and model line inside the generated stage code (runtime.failures)
     assert re.search(r"last block autoplan: at autoplan_test\.rank_check\.default in \S+ \(Checked\), pipeline "
-                     r"stage 1, from model\.py:\d+ in forward \(rank 1", message[1]), message[1]
+                     r"stage 1, from failing_stage\.py:\d+ in forward \(rank 1", message[1]), message[1]
     assert message[2] == "last lines of its stderr:"

@@ -12,10 +12,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
+                                           FakeTensorMode)
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from autoplan.errors import UserError
-from autoplan.source import ModelSource, call_user
+from autoplan.source import ModelSource, call_user, raised_in_user_code, user_error, where
 
 
 @dataclass
@@ -129,16 +131,39 @@ def _build_fake(source: ModelSource, fake_mode: FakeTensorMode) -> Any:
     what = f"{source.factory_name}()"
     try:
         with fake_mode:
-            return call_user(source, what, source.build_model)
-    except UserError as first_error:
+            model = source.build_model()
+    except UserError:
+        raise
+    except Exception as fake_error:  # noqa: BLE001 - the user's code: retried, then reported
         try:
             with torch.device("meta"):
-                model = call_user(source, what, source.build_model)
+                model = source.build_model()
         except UserError:
-            raise first_error from None
-    if isinstance(model, nn.Module):
-        _to_fake_cpu(model, fake_mode)
+            raise
+        except Exception as meta_error:  # noqa: BLE001
+            raise _factory_error(source, what, fake_error, meta_error) from None
+        if isinstance(model, nn.Module):
+            _to_fake_cpu(model, fake_mode)
     return model
+
+
+NEEDS_VALUES = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
+"""What fake tensors raise where the code reads a tensor's values (an initializer's rejection loop, .item(),
+a shape that depends on values): the factory did nothing wrong, fake tensors have no values."""
+
+
+def _factory_error(source: ModelSource, what: str, fake_error: Exception, meta_error: Exception) -> UserError:
+    """The factory failed on fake tensors and again on the meta device: report the error that is the factory's
+    own, not one of the fake tensors'. That is the meta attempt's when the fake one stopped where the code
+    reads values (NEEDS_VALUES) or inside a library while the meta one stopped in the user's code; else the
+    fake attempt's."""
+    meta_is_real = isinstance(fake_error, NEEDS_VALUES) or (
+        raised_in_user_code(source, meta_error) and not raised_in_user_code(source, fake_error))
+    if not meta_is_real:
+        return user_error(source, what, fake_error)
+    at = where(source, fake_error)
+    return user_error(source, what, meta_error, f"on the meta device; on fake tensors it had stopped earlier"
+                                                f"{' at ' + at if at else ''}: {type(fake_error).__name__}")
 
 
 def _to_fake_cpu(model: nn.Module, fake_mode: FakeTensorMode) -> None:

@@ -140,7 +140,7 @@ set -euo pipefail
 
 # ---- settings (environment variables at submission override these defaults) ----
 VENV="${{VENV:-$HOME/autoplan-venv}}"  # the environment with torch and autoplan (see above)
-OUT_DIR="${{OUT_DIR:-$SLURM_SUBMIT_DIR}}"  # the output folder (train.py, model.py, launch/)
+OUT_DIR="${{OUT_DIR:-$SLURM_SUBMIT_DIR}}"  # the output folder (train.py, model_code/, launch/)
 CHECKPOINT_DIR="${{CHECKPOINT_DIR:-$OUT_DIR/checkpoints/$SLURM_JOB_ID}}"
 STEPS="${{STEPS:-{STEPS}}}"
 MASTER_PORT="${{MASTER_PORT:-{RDZV_PORT}}}"

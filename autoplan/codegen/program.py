@@ -1,4 +1,5 @@
-"""Write the training program for a plan: train.py, a copy of the model file, launch/.
+"""Write the training program for a plan: train.py, a copy of the model file (with the local modules it
+imports) in model_code/, launch/.
 
 Every value from the plan enters train.py as a Python literal made by repr() (module names, the
 factory name, paths can be any string), and the docstring holds only numbers and fixed words, so
@@ -16,10 +17,17 @@ from autoplan.codegen.template import fill
 from autoplan.errors import UserError
 from autoplan.layout import SUPPORTED, TENSOR_PARALLEL_STYLES
 from autoplan.plan import Plan
+from autoplan.source import import_root, local_files
+
+MODEL_COPY_DIR = "model_code"
+"""The output folder's copy of the model file and the local modules and packages it imports, at their paths
+from its import root (source.import_root): `wrapper.py` beside `model.py` becomes model_code/wrapper.py and
+model_code/model.py, so the copy imports what the original did (and no name of the user's collides with
+train.py or plan.json)."""
 
 
 def write_program(plan: Plan, out_dir: Path, model_file: Path) -> None:
-    """Write out_dir/train.py, out_dir/model.py (a copy of `model_file`) and out_dir/launch/."""
+    """Write out_dir/train.py, out_dir/model_code/ (copy_model_files) and out_dir/launch/."""
     check_supported(plan)
     launch = launch_layout(plan)
     model_file = Path(model_file)
@@ -27,12 +35,24 @@ def write_program(plan: Plan, out_dir: Path, model_file: Path) -> None:
         raise UserError(f"model file not found: {model_file}")
     out_dir = Path(out_dir)
     (out_dir / "launch").mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(model_file, out_dir / "model.py")
-    (out_dir / "train.py").write_text(render_train_py(plan, launch))
+    copied = copy_model_files(model_file, out_dir / MODEL_COPY_DIR)
+    (out_dir / "train.py").write_text(render_train_py(plan, launch, copied))
     for name, text in launcher_files(launch).items():
         (out_dir / "launch" / name).write_text(text)
     for script in ("torchrun.sh", "job.sbatch"):
         (out_dir / "launch" / script).chmod(0o755)
+
+
+def copy_model_files(model_file: Path, folder: Path) -> Path:
+    """Copy the model file and the local files it imports (source.local_files) into `folder`, each at its
+    path from the import root; the model file's path there, relative to `folder`."""
+    model_file = Path(model_file).resolve()
+    root = import_root(model_file)
+    for file in local_files(model_file):
+        target = folder / file.relative_to(root)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(file, target)
+    return model_file.relative_to(root)
 
 
 def launcher_files(launch: Launch) -> dict[str, str]:
@@ -53,10 +73,12 @@ def check_supported(plan: Plan) -> None:
         raise UserError("cannot generate train.py for this plan: " + "; ".join(found))
 
 
-def render_train_py(plan: Plan, launch: Launch) -> str:
+def render_train_py(plan: Plan, launch: Launch, model_copy: Path | None = None) -> str:
     """The text of train.py for `plan`: the template codegen/templates/train.py with this plan's docstring
-    and config block in place of its own (codegen/template.py)."""
-    return fill(_docstring(plan, launch), _config_block(plan))
+    and config block in place of its own (codegen/template.py). `model_copy`: the model file's path in
+    MODEL_COPY_DIR (default: its name, a file outside packages)."""
+    model_copy = model_copy if model_copy is not None else Path(Path(plan.model.path).name)
+    return fill(_docstring(plan, launch), _config_block(plan, model_copy))
 
 
 def _docstring(plan: Plan, launch: Launch) -> str:
@@ -86,8 +108,9 @@ def _docstring(plan: Plan, launch: Launch) -> str:
         "kubectl create -f launch/trainjob.yaml (Kubeflow Trainer v2.2+) or launch/pytorchjob.yaml",
         "(Kubeflow Training Operator v1.7+). Set the values at the top of each file first.",
         "",
-        "Model: model.py beside this file, the copy made at planning (--model-file planned imports the",
-        "file it was planned from instead, MODEL_SOURCE, with the edits made there since).",
+        f"Model: MODEL_FILE in {MODEL_COPY_DIR}/ beside this file, the copy made at planning of the model file",
+        "and of the modules beside it that it imports (--model-file planned imports the file it was",
+        "planned from instead, MODEL_SOURCE, with the edits made there since).",
         "",
         "Data: the model file's make_dataloader(rank, world_size[, batch_size]) if it has one (shard",
         "with a DistributedSampler), else synthetic batches from its example_batch.",
@@ -173,12 +196,13 @@ def _predicted(plan: Plan) -> dict[str, float]:
     return {key: float(value) for key, value in values.items() if value is not None}
 
 
-def _config_block(plan: Plan) -> str:
+def _config_block(plan: Plan, model_copy: Path) -> str:
     p, t = plan.parallelism, plan.training
     rows = [
         ("MODEL_SOURCE", repr(plan.model.path), "the file it was planned from (used with --model-file planned)"),
-        ("MODEL_FILE", 'Path(__file__).with_name("model.py")', "the copy made at planning: what trains by default"),
-        ("FACTORY", repr(plan.model.factory), "function in model.py that builds the model"),
+        ("MODEL_FILE", f"Path(__file__).parent / {MODEL_COPY_DIR!r} / {model_copy.as_posix()!r}",
+         "the copy made at planning: what trains by default"),
+        ("FACTORY", repr(plan.model.factory), "function in the model file that builds the model"),
         ("SEED", repr(t.seed), "weights: manual_seed(SEED); step t's batch: SEED + 1000 + t"),
         ("LEARNING_RATE", repr(t.learning_rate), "AdamW"),
         ("OPTIMIZER_IMPLEMENTATION", repr(t.optimizer_implementation), "AdamW kernels: fused | foreach | for-loop"),

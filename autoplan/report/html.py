@@ -19,7 +19,7 @@ from autoplan.report.schedule import makespan_s, step_schedule
 from autoplan.report.svg import ACCENT, esc, fmt_bytes, fmt_number, fmt_seconds
 
 PARITY_TOLERANCE = 1e-4
-"""|loss difference| allowed between the distributed program and the reference, fp32 (DESIGN.md)."""
+"""|loss difference| allowed between the distributed program and the reference, fp32 (autoplan.verify.PARITY_TOLERANCE)."""
 TABLE_ROWS = 20
 """Candidates shown before the rest fold into <details>."""
 VERIFY_BEGIN, VERIFY_END = "<!-- verify:begin -->", "<!-- verify:end -->"

@@ -17,8 +17,9 @@ On a cluster, from this folder: sbatch launch/job.sbatch (SLURM), or build launc
 kubectl create -f launch/trainjob.yaml (Kubeflow Trainer v2.2+) or launch/pytorchjob.yaml
 (Kubeflow Training Operator v1.7+). Set the values at the top of each file first.
 
-Model: model.py beside this file, the copy made at planning (--model-file planned imports the
-file it was planned from instead, MODEL_SOURCE, with the edits made there since).
+Model: MODEL_FILE in model_code/ beside this file, the copy made at planning of the model file
+and of the modules beside it that it imports (--model-file planned imports the file it was
+planned from instead, MODEL_SOURCE, with the edits made there since).
 
 Data: the model file's make_dataloader(rank, world_size[, batch_size]) if it has one (shard
 with a DistributedSampler), else synthetic batches from its example_batch.
@@ -53,8 +54,8 @@ runtime.check_runtime_api(RUNTIME_API)  # before any other autoplan name: one li
 # ----------------------------------------------------------------------------------------------
 # The plan (numbers from plan.json)
 MODEL_SOURCE = 'examples/mlp.py'    # the file it was planned from (used with --model-file planned)
-MODEL_FILE = Path(__file__).with_name("model.py")  # the copy made at planning: what trains by default
-FACTORY = 'build_model'             # function in model.py that builds the model
+MODEL_FILE = Path(__file__).parent / 'model_code' / 'mlp.py'  # the copy made at planning: what trains by default
+FACTORY = 'build_model'             # function in the model file that builds the model
 SEED = 7                            # weights: manual_seed(SEED); step t's batch: SEED + 1000 + t
 LEARNING_RATE = 0.0003              # AdamW
 OPTIMIZER_IMPLEMENTATION = 'fused'  # AdamW kernels: fused | foreach | for-loop
@@ -109,8 +110,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="train until this many optimizer steps are done")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--model-file", choices=("copy", "planned"), default="copy",
-                        help="copy: model.py beside this file, the copy made at planning (default); planned: the file "
-                             "it was planned from, MODEL_SOURCE, as it is now (its edits since then train too)")
+                        help="copy: MODEL_FILE, the copy in model_code/ beside this file made at planning, with the "
+                             "modules beside the model file that it imports (default); planned: the file it was "
+                             "planned from, MODEL_SOURCE, as it is now, importing its neighbours there (its edits "
+                             "since then train too)")
     parser.add_argument("--checkpoint-dir", type=Path, help="save checkpoints here (torch.distributed.checkpoint)")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: at the end only)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")

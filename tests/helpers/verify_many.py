@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
+from autoplan.codegen.program import MODEL_COPY_DIR
 from autoplan.errors import UserError
 from autoplan.plan import Plan
 from autoplan.verify import VerifyResult, _compare, _load_plan, _Run, _run_all, compare_gradients, run_args
@@ -110,7 +111,7 @@ def _verification_jobs(out_dirs: list[Path], plans: list[Plan], steps: int,
     references: dict[tuple, Path] = {}
     reference_jobs, reference_of = [], []
     for out_dir, plan in zip(out_dirs, plans):
-        key = ((out_dir / "model.py").read_bytes(), plan.model.factory, json.dumps(plan.to_dict()["training"]),
+        key = (_model_code(out_dir), plan.model.factory, json.dumps(plan.to_dict()["training"]),
                plan.parallelism.data_parallel_degree)
         if key not in references:
             references[key] = tmp / f"reference{len(references)}.json"
@@ -122,6 +123,14 @@ def _verification_jobs(out_dirs: list[Path], plans: list[Plan], steps: int,
             for i, (out_dir, plan) in enumerate(zip(out_dirs, plans))]
     # the largest jobs first: the one-rank references then fill the gaps
     return sorted(runs, key=lambda job: -job.world) + reference_jobs, reference_of
+
+
+def _model_code(out_dir: Path) -> tuple[tuple[str, bytes], ...]:
+    """What the folder's program trains: its model_code/ files by path and contents, and which one it loads."""
+    files = sorted(p for p in (out_dir / MODEL_COPY_DIR).rglob("*.py"))
+    loads = next((line for line in (out_dir / "train.py").read_text().splitlines() if line.startswith("MODEL_FILE")),
+                 "")
+    return ((loads, b""), *((str(p.relative_to(out_dir)), p.read_bytes()) for p in files))
 
 
 def _gradients_dir(losses_path: Path) -> Path:

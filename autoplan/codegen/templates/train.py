@@ -26,7 +26,7 @@ runtime.check_runtime_api(RUNTIME_API)  # before any other autoplan name: one li
 # The plan (numbers from plan.json)
 # --- plan config begin ---
 MODEL_SOURCE = "model.py"  # placeholders, replaced by the plan's values (program.py, _config_block)
-MODEL_FILE = Path(__file__).with_name("model.py")
+MODEL_FILE = Path(__file__).parent / "model_code" / "model.py"
 FACTORY = "build_model"
 SEED = 0
 LEARNING_RATE = 1e-3
@@ -67,8 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="train until this many optimizer steps are done")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--model-file", choices=("copy", "planned"), default="copy",
-                        help="copy: model.py beside this file, the copy made at planning (default); planned: the file "
-                             "it was planned from, MODEL_SOURCE, as it is now (its edits since then train too)")
+                        help="copy: MODEL_FILE, the copy in model_code/ beside this file made at planning, with the "
+                             "modules beside the model file that it imports (default); planned: the file it was "
+                             "planned from, MODEL_SOURCE, as it is now, importing its neighbours there (its edits "
+                             "since then train too)")
     parser.add_argument("--checkpoint-dir", type=Path, help="save checkpoints here (torch.distributed.checkpoint)")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: at the end only)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
