@@ -85,11 +85,14 @@ def canonical_names(model: nn.Module) -> dict[str, str]:
     return names
 
 
-def disable_kv_cache(model: nn.Module) -> None:
-    """Hugging Face models return a KV cache by default; training (and export) wants none."""
+def disable_kv_cache(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Hugging Face models return a KV cache by default; training (and export) wants none: the model's config
+    says so from now on, and the keyword arguments returned (a copy of `kwargs`) pass use_cache=False where
+    the batch passed use_cache."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "use_cache"):
         config.use_cache = False
+    return {**kwargs, "use_cache": False} if "use_cache" in kwargs else dict(kwargs)
 
 
 def build_fake_model(source: ModelSource, batch_size: int) -> FakeModel:
@@ -111,9 +114,7 @@ def _for_training(source: ModelSource, batch_size: int, model: nn.Module, batch:
         raise UserError(f"{source.path.name}: {source.factory_name}() must return a torch.nn.Module, "
                         f"got {type(model).__name__}")
     args, kwargs = _split_inputs(source, batch_size, batch)
-    disable_kv_cache(model)
-    if "use_cache" in kwargs:
-        kwargs["use_cache"] = False
+    kwargs = disable_kv_cache(model, kwargs)
     model.train()
     return FakeModel(model, args, kwargs, fake_mode, batch_size, canonical_names(model))
 
