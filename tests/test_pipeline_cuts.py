@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicCache
 
 from autoplan.contract import call_model, default_loss
 from autoplan.runtime import split_model
@@ -138,24 +139,22 @@ def test_use_cache_in_the_batch_is_no_input_of_the_first_stage():
     torch.testing.assert_close(output.logits, expected.logits, rtol=0, atol=1e-6)
 
 
-class Memo:
-    """An object a forward returns beside its prediction (a cache of its own kind, not a registered pytree)."""
+class ReturnsACache(nn.Module):
+    """Not a Hugging Face model, but it returns a Hugging Face KV cache beside its prediction, and a constant."""
 
-
-class ReturnsAnObject(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
 
     def forward(self, x):
-        return self.b(torch.tanh(self.a(x))), Memo(), 3
+        return self.b(torch.tanh(self.a(x))), DynamicCache(), 3
 
 
-def test_objects_in_the_output_are_dropped_and_constants_kept():
+def test_a_kv_cache_in_the_output_is_dropped_and_constants_kept():
     torch.manual_seed(0)
     x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
-    split, output, expected = assert_stages_match_model(ReturnsAnObject(), [["a"], ["b"]], x, y)
-    assert output[1] is None and output[2] == 3 and isinstance(expected[1], Memo)
+    split, output, expected = assert_stages_match_model(ReturnsACache(), [["a"], ["b"]], x, y)
+    assert isinstance(expected[1], DynamicCache) and output[1] is None and output[2] == 3
     torch.testing.assert_close(output[0], expected[0], rtol=0, atol=1e-6)
 
 

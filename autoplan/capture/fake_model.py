@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from autoplan.contract import disable_kv_cache
 from autoplan.errors import UserError
 from autoplan.source import ModelSource, call_user
 
@@ -83,16 +84,6 @@ def canonical_names(model: nn.Module) -> dict[str, str]:
                               model.named_buffers(remove_duplicate=False)):
         names[name] = first_name_by_id.setdefault(id(tensor), name)
     return names
-
-
-def disable_kv_cache(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Hugging Face models return a KV cache by default; training (and export) wants none: the model's config
-    says so from now on, and the keyword arguments returned (a copy of `kwargs`) pass use_cache=False where
-    the batch passed use_cache."""
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "use_cache"):
-        config.use_cache = False
-    return {**kwargs, "use_cache": False} if "use_cache" in kwargs else dict(kwargs)
 
 
 def build_fake_model(source: ModelSource, batch_size: int) -> FakeModel:

@@ -34,8 +34,8 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from autoplan.capture.experts import is_experts_module
-from autoplan.capture.fake_model import disable_kv_cache
-from autoplan.contract import LossFn, compute_loss, model_args
+from autoplan.contract import (CONSTANT_TYPES, LossFn, compute_loss, disable_kv_cache, model_args,
+                               outputs_without_caches)
 from autoplan.errors import UserError
 from autoplan.runtime.expert_calls import called_experts, experts_as_calls
 from autoplan.runtime.stage_graph import SendLayout, StagePlan, StateTensor, build_stage_module
@@ -132,27 +132,12 @@ def split_model(model: nn.Module, inputs: Any, stage_chain_modules: Sequence[Seq
     kwargs = disable_kv_cache(model, kwargs)  # training keeps no KV cache (Hugging Face models return one by default)
     try:
         with experts_as_calls(model) if experts_as_modules else contextlib.nullcontext(), \
-                _outputs_without_objects(model):
+                outputs_without_caches(model):
             exported = _export(model, args, kwargs, on_meta, device)
     except Exception as e:  # noqa: BLE001 - any tracing failure in user code is reported as one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise UserError(f"torch.export could not trace the model for the pipeline split: {type(e).__name__}: {first}") from None
     return split_exported(exported, model, stage_chain_modules)
-
-
-@contextlib.contextmanager
-def _outputs_without_objects(model: nn.Module):
-    """Within: `model`'s output has None in place of every leaf that is neither a tensor nor a constant (a KV cache
-    object such as transformers' DynamicCache, which export cannot flatten: "Found <class ...> in output"). Tensors
-    inside tuples, lists, dicts and Hugging Face ModelOutputs stay where they are; the loss reads those."""
-    def keep(leaf: Any) -> Any:
-        return leaf if isinstance(leaf, (torch.Tensor, *CONSTANT_TYPES)) else None
-
-    handle = model.register_forward_hook(lambda module, args, output: pytree.tree_map(keep, output))
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict, on_meta: bool,
@@ -270,10 +255,6 @@ def split_exported(exported: torch.export.ExportedProgram, model: nn.Module,
              for values in [*boundary, sent_outputs]]
     return PipelineSplit(stages, chain_modules, tied, metas, fqns, state_fqns, exported.call_spec.in_spec,
                          exported.call_spec.out_spec, output_constants, input_constants)
-
-
-CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
-"""Values export records as they were (a forward that returns (logits, None), a shape it read): carried, not sent."""
 
 
 def _constants(assignment: _Assignment, values: Sequence[Any]) -> dict[fx.Node, Any]:
