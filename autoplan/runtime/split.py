@@ -266,7 +266,8 @@ def _constants(assignment: _Assignment, values: Sequence[Any]) -> dict[fx.Node, 
     for value in values:
         if not isinstance(value, fx.Node):
             if not isinstance(value, CONSTANT_TYPES):
-                raise UserError(f"the model returns a {type(value).__name__}; a pipeline returns tensors and constants")
+                raise UserError(f"the model's output holds a {type(value).__name__}; a pipeline's last stage returns "
+                                f"tensors and constants only: plan this model with --pin pp=1")
             continue
         meta = value.meta.get("val")
         if isinstance(meta, torch.Tensor):
@@ -274,8 +275,8 @@ def _constants(assignment: _Assignment, values: Sequence[Any]) -> dict[fx.Node, 
         if not isinstance(meta, CONSTANT_TYPES):
             module = assignment.chain_module.get(value) or "glue between modules"
             raise UserError(f"{value.name} ({module}, stage {assignment.stage.get(value, 0)}) is a {type(meta).__name__} "
-                            f"used on a later stage or returned by the model; the pipeline sends only tensors between "
-                            f"stages: cut the model before or after it (--pin pp=1 avoids the cut)")
+                            f"computed from tensor data and used on a later stage or by the loss; a pipeline sends only "
+                            f"tensors and carries only constants: plan this model with --pin pp=1")
         constants[value] = meta
     return constants
 
