@@ -12,7 +12,11 @@ A value made on stage i and used on stage j > i + 1 is threaded through the stag
 stage k's outputs are the values still needed by stages > k, in graph order, and they arrive as the
 positional arguments of stage k + 1 (how PipelineStage passes them). Stage 0 takes the flattened
 model inputs; the last stage returns the flattened model outputs (rebuild them with out_spec).
-Every tensor a stage returns is made contiguous (isend rejects views such as a transpose).
+Every tensor a stage returns is contiguous (isend rejects views such as a transpose); one sent to the next stage
+is sent as it lies in memory and arrives with the strides the exported graph gave it (stage_graph.SendLayout), so
+the receiving stage's views work as they did in the model. Values that are not tensors are never sent: constants
+(a forward that returns (logits, None), use_cache=True in a batch) are carried (PipelineSplit.output_constants,
+input_constants), a KV cache in the output is dropped before export (contract.outputs_without_caches).
 
 Parameters keep the model's real tensors. One used on several stages (tied weights) gets a copy per
 stage with the same initial value; the training program sums their gradients (see TiedParameter).
