@@ -4,7 +4,8 @@ one shared launch with loss and first-step gradient parity against the single-de
   - a minGPT look-alike whose forward returns (logits, None), pp=2;
   - a torchtitan-style Llama (complex RoPE, transposes around attention, `.view` after them), pp=3 as planned (cut
     inside attention twice) and pp=2 cut just before attention, where the transposed query, key and value cross;
-  - a Hugging Face Llama from a plain LlamaConfig (use_cache left True: a DynamicCache in its output), pp=2,tp=2.
+  - a Hugging Face Llama from a plain LlamaConfig (use_cache left True: a DynamicCache in its output), pp=2,tp=2,
+    and wrapped in a forward that passes use_cache=True, pp=2 (planning exports it with the cache dropped).
 The same checks in one process, fast: tests/test_pipeline_cuts.py."""
 
 from pathlib import Path
@@ -18,13 +19,14 @@ from helpers.plans import pinned_plan
 from helpers.verify_many import verify_many
 from test_pipeline_cuts import load_model_file, titan_chain
 
-pytestmark = pytest.mark.slow  # plans 3 layouts and trains 4 programs under one torchrun launch (~2 min)
+pytestmark = pytest.mark.slow  # plans 4 layouts and trains 5 programs under one torchrun launch (~2 min)
 
 MODELS = Path(__file__).parent / "models"
 PLANNED = {  # name -> (model file, GPUs, pin)
     "mingpt pp=2": ("loss_inside_gpt.py", 2, "pp=2"),
     "titan pp=3": ("titan_llama.py", 3, "pp=3"),  # the planner cuts before a value projection and attention
     "hf llama use_cache pp=2,tp=2": ("plain_llama.py", 4, "pp=2,tp=2"),
+    "hf llama cache forced pp=2": ("plain_llama.py:build_cached", 2, "pp=2"),
 }
 INSIDE_ATTENTION = "titan pp=2 cut before attention"
 
