@@ -13,10 +13,14 @@ losses equals the loss of the whole batch (what gradient accumulation and pipeli
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import sys
+from typing import Any, Callable, Iterator
 
 import torch
+from torch import nn
 from torch.nn import functional as F
+from torch.utils import _pytree as pytree
 
 from autoplan.errors import UserError
 
@@ -35,6 +39,45 @@ def model_args(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
 def call_model(model: Callable[..., Any], inputs: Any) -> Any:
     args, kwargs = model_args(inputs)
     return model(*args, **kwargs)
+
+
+CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
+"""Leaves of a model's inputs or outputs that torch.export records as constants (a forward returning (logits, None),
+use_cache=True in a batch): a pipeline carries them, it never sends them."""
+
+
+def disable_kv_cache(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Hugging Face models return a KV cache by default; training (and export) wants none: the model's config
+    says so from now on, and the keyword arguments returned (a copy of `kwargs`) pass use_cache=False where
+    the batch passed use_cache."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "use_cache"):
+        config.use_cache = False
+    return {**kwargs, "use_cache": False} if "use_cache" in kwargs else dict(kwargs)
+
+
+def is_kv_cache(value: Any) -> bool:
+    """A Hugging Face KV cache (transformers.cache_utils.Cache: DynamicCache, StaticCache, ...). A model that returned
+    one imported transformers' cache module: nothing is imported here."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    return cache_utils is not None and isinstance(value, cache_utils.Cache)
+
+
+@contextlib.contextmanager
+def outputs_without_caches(model: nn.Module) -> Iterator[None]:
+    """Within: `model`'s output has None in place of every KV cache in it (is_kv_cache), an object torch.export
+    cannot flatten ("Found <class 'transformers.cache_utils.DynamicCache'> in output") and training never reads,
+    whatever made the model return one (use_cache=True inside its forward, a cache class a config asks for). The
+    tensors around it (in tuples, lists, dicts, Hugging Face ModelOutputs) stay where they are: the loss reads those.
+    What planning exports (capture) and what the pipeline's stages are cut from (runtime/split.py) run so."""
+    def drop_caches(module: nn.Module, args: Any, output: Any) -> Any:
+        return pytree.tree_map(lambda leaf: None if is_kv_cache(leaf) else leaf, output, is_leaf=is_kv_cache)
+
+    handle = model.register_forward_hook(drop_caches)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def model_logits(output: Any) -> torch.Tensor:

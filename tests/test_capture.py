@@ -323,10 +323,11 @@ def test_hf_cache_objects_in_outputs_and_use_cache_in_the_batch(tmp_path):
     source = _model_file(tmp_path, "cached.py", body)
     plain = capture_model(source, 2)
     assert plain.method == "export" and len(plain.outputs) == 1  # use_cache=True in the batch is overridden
+    # the cache object is dropped from the exported output (as the pipeline's stages drop it): exported, so a
+    # pipeline can be planned, and its outputs are the logits alone
     cached = capture_model(load_source(f"{tmp_path / 'cached.py'}:build_cached"), 2)
-    assert cached.method == "symbolic_trace" and "DynamicCache" in cached.failures[0]
-    # logits, then a key and a value per layer
-    assert [cached.meta(ref).shape for ref in cached.outputs] == [(2, 16, 256)] + [(2, 2, 16, 16)] * 4
+    assert cached.method == "export" and not cached.failures
+    assert [cached.meta(ref).shape for ref in cached.outputs] == [(2, 16, 256)]
     assert sum(1 for n in cached.nodes if str(n.target) == "aten.linear.default") == \
         sum(1 for n in plain.nodes if str(n.target) == "aten.linear.default")
 

@@ -3,8 +3,9 @@
 A chain of methods, each tried when the one before fails, so that a model that runs eagerly can always
 be profiled; why each earlier method failed is kept in OpGraph.failures:
 
-1. "export": torch.export (non-strict), the cleanest graph.
-2. "symbolic_trace": make_fx tracing of the forward flattened to tensors (custom output objects, caches).
+1. "export": torch.export (non-strict), the cleanest graph; a KV cache in the output is dropped from it, as the
+   pipeline's stages drop it (contract.outputs_without_caches).
+2. "symbolic_trace": make_fx tracing of the forward flattened to tensors (custom output objects).
 3. "dispatch": record the ops a dispatch mode sees while the forward runs on fake tensors.
 4. "dispatch" on real tensors, for a model of at most REAL_RUN_MAX_STATE_BYTES whose forward needs
    tensor values (data-dependent control flow, an op without a fake kernel).

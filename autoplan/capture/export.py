@@ -20,6 +20,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from autoplan.capture.fake_model import FakeModel
 from autoplan.capture.graph import GraphInput, OpGraph, OpNode, TensorMeta, ValueRef, output_refs, storage_roots
 from autoplan.capture.graph import tokens_per_sample as _tokens_per_sample
+from autoplan.contract import outputs_without_caches
 
 
 class CaptureError(Exception):
@@ -170,6 +171,6 @@ def graph_from_export(ep: ExportedProgram, fake: FakeModel) -> OpGraph:
 
 def capture_export(fake: FakeModel) -> OpGraph:
     """torch.export the forward on fake tensors (raises whatever export raises)."""
-    with fake.fake_mode:
+    with fake.fake_mode, outputs_without_caches(fake.model):  # as the pipeline's stages are exported
         ep = torch.export.export(fake.model, fake.args, fake.kwargs, strict=False)
     return graph_from_export(ep, fake)

@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
                                            FakeTensorMode)
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+from autoplan.contract import disable_kv_cache
 from autoplan.errors import UserError
 from autoplan.source import ModelSource, call_user, raised_in_user_code, user_error, where
 
@@ -87,13 +88,6 @@ def canonical_names(model: nn.Module) -> dict[str, str]:
     return names
 
 
-def disable_kv_cache(model: nn.Module) -> None:
-    """Hugging Face models return a KV cache by default; training (and export) wants none."""
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "use_cache"):
-        config.use_cache = False
-
-
 def build_fake_model(source: ModelSource, batch_size: int) -> FakeModel:
     """Call the user's factory and example_batch under FakeTensorMode."""
     if batch_size < 1:
@@ -113,9 +107,7 @@ def _for_training(source: ModelSource, batch_size: int, model: nn.Module, batch:
         raise UserError(f"{source.path.name}: {source.factory_name}() must return a torch.nn.Module, "
                         f"got {type(model).__name__}")
     args, kwargs = _split_inputs(source, batch_size, batch)
-    disable_kv_cache(model)
-    if "use_cache" in kwargs:
-        kwargs["use_cache"] = False
+    kwargs = disable_kv_cache(model, kwargs)
     model.train()
     return FakeModel(model, args, kwargs, fake_mode, batch_size, canonical_names(model))
 

@@ -12,7 +12,11 @@ A value made on stage i and used on stage j > i + 1 is threaded through the stag
 stage k's outputs are the values still needed by stages > k, in graph order, and they arrive as the
 positional arguments of stage k + 1 (how PipelineStage passes them). Stage 0 takes the flattened
 model inputs; the last stage returns the flattened model outputs (rebuild them with out_spec).
-Every tensor a stage returns is made contiguous (isend rejects views such as a transpose).
+Every tensor a stage returns is contiguous (isend rejects views such as a transpose); one sent to the next stage
+is sent as it lies in memory and arrives with the strides the exported graph gave it (stage_graph.SendLayout), so
+the receiving stage's views work as they did in the model. Values that are not tensors are never sent: constants
+(a forward that returns (logits, None), use_cache=True in a batch) are carried (PipelineSplit.output_constants,
+input_constants), a KV cache in the output is dropped before export (contract.outputs_without_caches).
 
 Parameters keep the model's real tensors. One used on several stages (tied weights) gets a copy per
 stage with the same initial value; the training program sums their gradients (see TiedParameter).
@@ -34,10 +38,11 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from autoplan.capture.experts import is_experts_module
-from autoplan.contract import LossFn, compute_loss, model_args
+from autoplan.contract import (CONSTANT_TYPES, LossFn, compute_loss, disable_kv_cache, model_args,
+                               outputs_without_caches)
 from autoplan.errors import UserError
 from autoplan.runtime.expert_calls import called_experts, experts_as_calls
-from autoplan.runtime.stage_graph import StagePlan, StateTensor, build_stage_module
+from autoplan.runtime.stage_graph import SendLayout, StagePlan, StateTensor, build_stage_module
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,13 @@ class PipelineSplit:
     in_spec: pytree.TreeSpec
     """Pytree spec of (args, kwargs) the model was exported with."""
     out_spec: pytree.TreeSpec
-    """Pytree spec of the model output; the last stage returns its leaves."""
+    """Pytree spec of the model output; the last stage returns its tensor leaves."""
+    output_constants: tuple[tuple[int, Any], ...] = ()
+    """(position among the output's leaves, value) of the leaves that are not tensors (the None of a forward that
+    returns (logits, None)): the pipeline does not send them, unflatten_output puts them back."""
+    input_constants: tuple[int, ...] = ()
+    """Positions among the flat model inputs of those that are not tensors (use_cache=True in a batch): the export
+    took them as constants, stage 0 takes only the tensors."""
 
     def example_tensors(self, stage: int, device: torch.device) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """Empty tensors shaped like one micro-batch's inputs and outputs of `stage`."""
@@ -90,10 +101,13 @@ class PipelineSplit:
         leaves, spec = pytree.tree_flatten(model_args(inputs))
         if spec != self.in_spec:
             raise UserError(f"model inputs changed structure since the pipeline split: {spec} vs {self.in_spec}")
-        return leaves
+        return [leaf for i, leaf in enumerate(leaves) if i not in self.input_constants]
 
     def unflatten_output(self, flat: Sequence[Any]) -> Any:
-        return pytree.tree_unflatten(list(flat), self.out_spec)
+        """The model output from the last stage's tensors (and the constants the output had)."""
+        sent, constants = iter(flat), dict(self.output_constants)
+        leaves = [constants[i] if i in constants else next(sent) for i in range(len(flat) + len(constants))]
+        return pytree.tree_unflatten(leaves, self.out_spec)
 
     def loss(self, loss_fn: LossFn | None) -> LossFn:
         """Loss on the last stage's output: the model output rebuilt, then loss_fn or the default."""
@@ -119,8 +133,10 @@ def split_model(model: nn.Module, inputs: Any, stage_chain_modules: Sequence[Seq
     if experts_as_modules and not any(map(is_experts_module, model.modules())):
         raise UserError(f"expert parallelism, but {type(model).__name__} has no experts module (num_experts and "
                         f"weights stacked per expert on dimension 0) to split: plan it with ep=1")
+    kwargs = disable_kv_cache(model, kwargs)  # training keeps no KV cache (Hugging Face models return one by default)
     try:
-        with experts_as_calls(model) if experts_as_modules else contextlib.nullcontext():
+        with experts_as_calls(model) if experts_as_modules else contextlib.nullcontext(), \
+                outputs_without_caches(model):
             exported = _export(model, args, kwargs, on_meta, device)
     except Exception as e:  # noqa: BLE001 - any tracing failure in user code is reported as one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -207,21 +223,25 @@ def split_exported(exported: torch.export.ExportedProgram, model: nn.Module,
     output_node = next(n for n in graph.nodes if n.op == "output")
     model_outputs = list(output_node.args[0])
     last_use = _last_use(assignment.stage, output_node, num_stages)
-    boundary = [user_inputs] + [
-        [v for v in sorted(assignment.stage, key=order.__getitem__)
-         if assignment.stage[v] < k <= last_use.get(v, -1)]
-        for k in range(1, num_stages)
-    ]
+    crossing = [[v for v in sorted(assignment.stage, key=order.__getitem__)
+                 if assignment.stage[v] < k <= last_use.get(v, -1)]
+                for k in range(1, num_stages)]
+    constants = _constants(assignment, [*user_inputs, *(v for values in crossing for v in values), *model_outputs])
+    boundary = [[v for v in values if v not in constants] for values in [user_inputs, *crossing]]
+    input_constants = tuple(i for i, v in enumerate(user_inputs) if v in constants)
+    sent_outputs = [o for o in model_outputs if isinstance(o, fx.Node) and o not in constants]
+    output_constants = tuple((i, constants.get(o, o)) for i, o in enumerate(model_outputs) if o not in sent_outputs)
+    layouts = {v: SendLayout.of(v.meta["val"]) for values in boundary[1:] for v in values}
     first_holder: dict[int, int] = {}
     stages, chain_modules, fqns, state_fqns, holders = [], [], [], [], {}
     for k in range(num_stages):
-        outputs = boundary[k + 1] if k + 1 < num_stages else model_outputs
+        outputs = boundary[k + 1] if k + 1 < num_stages else sent_outputs
         own = [n for n in graph.nodes if assignment.stage.get(n) == k and n.op != "placeholder"]
         nodes = _with_free_inputs(own, outputs, assignment.free, order)
         plan = StagePlan(index=k, inputs=list(boundary[k]), nodes=nodes, outputs=outputs,
                          chain_module_of={n: assignment.chain_module.get(n) for n in nodes},
                          state=_stage_state(nodes, state, k, first_holder), attributes=exported.graph_module,
-                         experts=experts)
+                         experts=experts, layouts=layouts, constants=constants)
         module, names, called_chain_modules = build_stage_module(plan)
         stages.append(module)
         chain_modules.append(called_chain_modules)
@@ -235,9 +255,34 @@ def split_exported(exported: torch.export.ExportedProgram, model: nn.Module,
         for held in holders.values() if len(held) > 1
     )
     carries_grad = _carries_grad(graph, state)
-    metas = [tuple(_meta_of(v, carries_grad) for v in values) for values in [*boundary, model_outputs]]
+    metas = [tuple(_meta_of(v, carries_grad, layouts.get(v)) for v in values)
+             for values in [*boundary, sent_outputs]]
     return PipelineSplit(stages, chain_modules, tied, metas, fqns, state_fqns, exported.call_spec.in_spec,
-                         exported.call_spec.out_spec)
+                         exported.call_spec.out_spec, output_constants, input_constants)
+
+
+def _constants(assignment: _Assignment, values: Sequence[Any]) -> dict[fx.Node, Any]:
+    """The values among `values` (ops of the graph, or literals export put in its output) that are not tensors,
+    each with the constant it stands for (a literal stands for itself). Such a value is used where it is needed and
+    never sent: the pipeline sends tensors only. A non-tensor value that is not a constant (a number read from a
+    tensor's data) cannot cross a cut: a clear error, naming it and the module that made it."""
+    constants: dict[fx.Node, Any] = {}
+    for value in values:
+        if not isinstance(value, fx.Node):
+            if not isinstance(value, CONSTANT_TYPES):
+                raise UserError(f"the model's output holds a {type(value).__name__}; a pipeline's last stage returns "
+                                f"tensors and constants only: plan this model with --pin pp=1")
+            continue
+        meta = value.meta.get("val")
+        if isinstance(meta, torch.Tensor):
+            continue
+        if not isinstance(meta, CONSTANT_TYPES):
+            module = assignment.chain_module.get(value) or "glue between modules"
+            raise UserError(f"{value.name} ({module}, stage {assignment.stage.get(value, 0)}) is a {type(meta).__name__} "
+                            f"computed from tensor data and used on a later stage or by the loss; a pipeline sends only "
+                            f"tensors and carries only constants: plan this model with --pin pp=1")
+        constants[value] = meta
+    return constants
 
 
 def _carries_grad(graph: fx.Graph, state: dict[str, StateTensor]) -> set[fx.Node]:
@@ -255,12 +300,15 @@ def _carries_grad(graph: fx.Graph, state: dict[str, StateTensor]) -> set[fx.Node
     return result
 
 
-def _meta_of(value: Any, carries_grad: set[fx.Node]) -> tuple[tuple[int, ...], torch.dtype, bool]:
+def _meta_of(value: Any, carries_grad: set[fx.Node],
+             layout: SendLayout | None) -> tuple[tuple[int, ...], torch.dtype, bool]:
+    """(shape as sent, dtype, requires_grad) of a tensor entering or leaving a stage."""
     meta = value.meta.get("val") if isinstance(value, fx.Node) else value
     if not isinstance(meta, torch.Tensor):
         raise UserError(f"the pipeline passes only tensors between stages and to the loss; got {type(meta).__name__} "
                         f"({getattr(value, 'name', value)})")
-    return tuple(int(d) for d in meta.shape), meta.dtype, value in carries_grad
+    shape = layout.wire_shape if layout is not None else tuple(int(d) for d in meta.shape)
+    return shape, meta.dtype, value in carries_grad
 
 
 def _state_placeholders(exported, model: nn.Module) -> tuple[dict[str, StateTensor], list[fx.Node]]:

@@ -11,6 +11,12 @@ An experts module exported as one experts_call node (runtime/expert_calls.py) be
 module again, placed at its FQN (relative to the chain module that calls it) with its parameters and buffers
 under the model's names, so expert parallelism can shard it and route its tokens. An experts module that is a
 chain module itself is that chain module.
+
+A tensor crossing a cut arrives with the strides it had in the exported graph (SendLayout): the sender makes it
+contiguous in the order of its strides, the receiver permutes it back (and re-expands broadcast dimensions). The
+stage's later ops then see the layout the model produced: a transposed query that reaches attention as a plain
+contiguous tensor makes attention's output contiguous in the other order, and the model's `.view` after
+`transpose(1, 2)` fails (export records no `.contiguous()` that was a no-op when it traced).
 """
 
 from __future__ import annotations
@@ -50,6 +56,52 @@ class StateTensor:
         return next((f[len(prefix) + 1:] for f in self.fqns if f.startswith(prefix + ".")), None)
 
 
+@dataclass(frozen=True)
+class SendLayout:
+    """How a tensor crosses a cut between stages so that it arrives with the strides the exported graph gave it.
+
+    The pipeline sends contiguous tensors (isend rejects views) into contiguous receive buffers. A tensor is sent
+    with each broadcast dimension (stride 0, as `expand` makes) cut to size 1, permuted so that its strides fall
+    (then contiguous: no copy for a transposed or permuted tensor, one copy for a slice with gaps), and the
+    receiver permutes it back and expands it again: the same shape, the same order of strides."""
+
+    shape: tuple[int, ...]
+    """The tensor's shape in the exported graph."""
+    expanded: tuple[int, ...]
+    """Broadcast dimensions (stride 0, size > 1): sent with size 1, expanded on arrival."""
+    order: tuple[int, ...]
+    """The dimensions from the largest stride to the smallest: the order they are sent in."""
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> SendLayout:
+        shape, stride = tuple(int(d) for d in tensor.shape), tuple(int(s) for s in tensor.stride())
+        expanded = tuple(d for d, (size, step) in enumerate(zip(shape, stride)) if step == 0 and size > 1)
+        order = tuple(sorted(range(len(shape)), key=lambda d: (-stride[d], d)))
+        return cls(shape, expanded, order)
+
+    @property
+    def wire_shape(self) -> tuple[int, ...]:
+        """The shape of the contiguous tensor sent (and of the receiver's buffer)."""
+        sent = [1 if d in self.expanded else size for d, size in enumerate(self.shape)]
+        return tuple(sent[d] for d in self.order)
+
+    def send(self, graph: fx.Graph, node: fx.Node) -> fx.Node:
+        for dim in self.expanded:
+            node = graph.call_method("narrow", (node, dim, 0, 1))
+        if self.order != tuple(range(len(self.order))):
+            node = graph.call_method("permute", (node, self.order))
+        # contiguous() returns an already contiguous tensor itself: this copies only slices with gaps
+        return graph.call_method("contiguous", (node,))
+
+    def receive(self, graph: fx.Graph, node: fx.Node) -> fx.Node:
+        if self.order != tuple(range(len(self.order))):
+            inverse = tuple(sorted(range(len(self.order)), key=self.order.__getitem__))
+            node = graph.call_method("permute", (node, inverse))
+        if self.expanded:
+            node = graph.call_method("expand", (node, self.shape))
+        return node
+
+
 @dataclass
 class StagePlan:
     """What build_stage_module needs to know about one stage."""
@@ -70,6 +122,11 @@ class StagePlan:
     """The exported GraphModule (holds subgraphs of higher-order ops, read via get_attr)."""
     experts: dict[str, nn.Module] = field(default_factory=dict)
     """The experts modules the graph's experts_call nodes stand for, by FQN (runtime/expert_calls.py)."""
+    layouts: dict[fx.Node, SendLayout] = field(default_factory=dict)
+    """How each tensor this stage receives from, or sends to, another stage travels (the model's inputs, which
+    stage 0 takes, and its outputs, which the last stage hands to the loss, are not sent between stages)."""
+    constants: dict[fx.Node, Any] = field(default_factory=dict)
+    """Values of the exported graph that are Python constants (not tensors): used where they are, never sent."""
 
 
 def build_stage_module(plan: StagePlan) -> tuple[fx.GraphModule, dict[str, StateTensor], tuple[str, ...]]:
@@ -84,7 +141,11 @@ def build_stage_module(plan: StagePlan) -> tuple[fx.GraphModule, dict[str, State
     names: dict[str, StateTensor] = {}
     root_attrs = _AttributeNames(root, names, prefix=ROOT, chain_modules=set(chain_modules))
     graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {n: graph.placeholder(n.name) for n in plan.inputs}
+    env: dict[fx.Node, Any] = dict(plan.constants)
+    for node in plan.inputs:
+        env[node] = graph.placeholder(node.name)
+        if node in plan.layouts:
+            env[node] = plan.layouts[node].receive(graph, env[node])
     for node in _inputs_written_in_place(plan):
         env[node] = graph.call_method("clone", (env[node],))
 
@@ -109,7 +170,7 @@ def build_stage_module(plan: StagePlan) -> tuple[fx.GraphModule, dict[str, State
         call = graph.call_module(item, tuple(value(n) for n in external))
         for i, result in enumerate(results):
             env[result] = graph.call_function(operator.getitem, (call, i))
-    graph.output(tuple(_contiguous(graph, value(o), o) if isinstance(o, fx.Node) else o for o in plan.outputs))
+    graph.output(tuple(_sent(graph, value(o), o, plan.layouts) for o in plan.outputs))
     return fx.GraphModule(root, graph, class_name=f"Stage{plan.index}"), names, tuple(chain_modules)
 
 
@@ -147,12 +208,13 @@ def _schema_arguments(schema: torch.FunctionSchema, node: fx.Node) -> list[tuple
     return passed
 
 
-def _contiguous(graph: fx.Graph, node: fx.Node, original: fx.Node) -> fx.Node:
-    """A stage output as a contiguous tensor: the pipeline sends it with isend, which rejects views
-    such as a transposed projection (the receiver's buffer is contiguous, same shape and dtype).
-    contiguous() returns an already contiguous tensor itself, so this copies only views."""
-    if not isinstance(original.meta.get("val"), torch.Tensor):
+def _sent(graph: fx.Graph, node: Any, original: Any, layouts: dict[fx.Node, SendLayout]) -> Any:
+    """A stage output as it leaves: laid out for the next stage (SendLayout), or, for the model's outputs, as a
+    contiguous tensor (contiguous() returns an already contiguous tensor itself)."""
+    if not isinstance(original, fx.Node) or not isinstance(original.meta.get("val"), torch.Tensor):
         return node
+    if original in layouts:
+        return layouts[original].send(graph, node)
     return graph.call_method("contiguous", (node,))
 
 
