@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.runtime.expert_parallel import ExpertParallel
-from autoplan.runtime.mesh import RankLayout, fsdp_mesh
+from autoplan.runtime.mesh import RankLayout, fsdp_mesh, local_device
 from autoplan.runtime.recompute import ROOT_MODULE, submodule
 from autoplan.runtime.split import PipelineSplit
 
@@ -87,7 +87,7 @@ def replicate_data_parallel(module: nn.Module, mesh: DeviceMesh, device: torch.d
 
     # gradient_as_bucket_view: gradients live in DDP's buckets, no second copy (as the cost model prices it)
     return DistributedDataParallel(module, process_group=mesh["dp_replicate"].get_group(),
-                                   device_ids=[device.index] if device.type == "cuda" else None,
+                                   device_ids=[local_device(device).index] if device.type == "cuda" else None,
                                    gradient_as_bucket_view=True)
 
 
