@@ -3,7 +3,7 @@
     autoplan MODEL.py --gpus N [...]        plan (the default subcommand)
     autoplan plan MODEL.py --gpus N [...]
     autoplan profile MODEL.py [--gpu NAME] [--measure] [--out DIR]
-    autoplan verify DIR [--nproc K] [--steps S] [--measure]
+    autoplan verify DIR [--nproc K] [--steps S] [--measure] [--device cuda]
     autoplan calibrate --out PROFILE.yaml [--nproc K]      measure this machine (or run under torchrun)
     autoplan calibrate --refit DIR --hardware PROFILE.yaml --out NEW.yaml
 
@@ -108,6 +108,9 @@ def _plan_args(parser: argparse.ArgumentParser) -> None:
                         help="a hardware profile file, e.g. from autoplan calibrate (overrides --gpu)")
     parser.add_argument("--out", metavar="DIR", default="autoplan_out", help="output folder (default autoplan_out)")
     parser.add_argument("--solver", metavar="highs|cbc", default="highs", help="MILP solver (default highs)")
+    parser.add_argument("--measure", action="store_true", default=None,
+                        help="price with op times measured on this machine: on a GPU machine its GPU stands for "
+                             "--gpu's, ops timed in the plan's dtype (default: measured for --gpu cpu only)")
     parser.add_argument("--time-limit", metavar="S", default=None, type=float, help="solver time limit, seconds")
     parser.add_argument("--json", action="store_true", help="print plan.json to stdout instead of the summary")
     _common(parser)
@@ -134,6 +137,9 @@ def build_parser() -> dict[str, argparse.ArgumentParser]:
     verify.add_argument("--timeout", type=float, default=600.0, help="seconds per run before it is killed")
     verify.add_argument("--measure", action="store_true",
                         help="also record step time and peak memory next to the prediction (verify.json)")
+    verify.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: parity on CPU processes (default); cuda (with --measure): train on this machine's "
+                             "GPUs and record step time, MFU and peak memory beside the prediction")
     _common(verify)
     calibrate = _Parser(prog="autoplan calibrate", description="Measure this machine into a hardware profile "
                         "YAML (launches torchrun, or runs under it); with --refit, rescale a profile to a verified run.")
@@ -157,6 +163,7 @@ def cmd_plan(args) -> int:
             args.model, args.gpus, args.gpu, gpus_per_node=args.gpus_per_node, global_batch=args.global_batch,
             dtype=args.dtype, memory_per_gpu=args.memory_per_gpu, host_memory_per_node=args.host_memory_per_node,
             pin=",".join(args.pin) if args.pin else None, hardware=args.hardware, solver=args.solver,
+            measure=args.measure,
             time_limit=args.time_limit, out=args.out,
         )
     if args.json:
@@ -183,12 +190,17 @@ def cmd_verify(args) -> int:
     from autoplan.verify import GRADIENT_TOLERANCE, PARITY_TOLERANCE, verify
 
     with _progress(args):
-        result = verify(args.dir, nproc=args.nproc, steps=args.steps, timeout_s=args.timeout, measure=args.measure)
+        result = verify(args.dir, nproc=args.nproc, steps=args.steps, timeout_s=args.timeout, measure=args.measure,
+                        device=args.device)
     report = Path(args.dir) / "report.html"
     if report.is_file():
         from autoplan.report.html import add_verification
 
         add_verification(Path(args.dir), json.loads((Path(args.dir) / "verify.json").read_text()))
+    if result.device == "cuda":
+        if not args.quiet:
+            print(gpu_measurement_text(result))
+        return 0 if result.passed else 1
     if not args.quiet:
         if result.dropout:
             print(f"dropout: {result.dropout}")
@@ -207,6 +219,25 @@ def cmd_verify(args) -> int:
                   f"{gradients.max_rel_diff:.3g} at {gradients.worst} ({'PASS' if gradients.passed else 'FAIL'}, "
                   f"limit {GRADIENT_TOLERANCE:g})")
     return 0 if result.passed else 1
+
+
+def gpu_measurement_text(result) -> str:
+    """What `autoplan verify --device cuda --measure` prints: measured beside predicted, and their ratios."""
+    m = result.measured
+    step, predicted = m["measured_step_time_s"], m["predicted_step_time_s"]
+    peak, predicted_peak = m["measured_peak_memory_bytes"], m["predicted_peak_memory_bytes"]
+    lines = [f"trained {result.steps} steps on {result.nproc} GPU{'s' if result.nproc != 1 else ''}: "
+             f"losses {result.losses[0]:.4g} -> {result.losses[-1]:.4g}"
+             + ("" if result.passed else f" ({result.error})"),
+             f"step time  {step * 1e3:.1f} ms measured, {predicted * 1e3:.1f} ms predicted "
+             f"(measured / predicted {step / predicted:.3f})"]
+    if m.get("measured_mfu") is not None:
+        lines.append(f"MFU        {m['measured_mfu'] * 100:.1f}% measured, {m['predicted_mfu'] * 100:.1f}% predicted")
+    lines.append(f"peak memory {peak / 2**30:.2f} GiB measured, {predicted_peak / 2**30:.2f} GiB predicted "
+                 f"(measured / predicted {peak / predicted_peak:.3f})" if predicted_peak else
+                 f"peak memory {peak / 2**30:.2f} GiB measured")
+    lines.append("loss and gradient parity: checked on CPU processes (autoplan verify DIR), not on cuda")
+    return "\n".join(lines)
 
 
 def cmd_calibrate(args) -> int:

@@ -87,7 +87,9 @@ class Context:
         self.dtype = training_dtype(training.dtype)
         self.dtype_bytes = bytes_per_element(self.dtype)
         self.scale = activation_scale(self.chain.capture_dtype, self.dtype)
-        self.use_measured = self.costs.measured and cluster.gpu.name == "cpu"
+        # ops timed on this machine price a plan for its kind of device: the CPU's for --gpu cpu, a GPU's
+        # (autoplan --measure on a GPU machine, in the plan's dtype) for a GPU profile
+        self.use_measured = self.costs.measured and (cluster.gpu.name == "cpu") == (self.costs.measured_on == "cpu")
         self.attention = attention_facts(profile)
         """The model's SDPA calls (what context parallelism rings) and why it cannot, if it cannot."""
         self.experts = expert_layers(profile)

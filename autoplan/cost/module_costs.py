@@ -110,7 +110,9 @@ class ChainCosts:
     tied_split: tuple[bool, ...]
     """Per ModuleChain.tied_groups entry: True when tensor parallelism splits that parameter."""
     measured: bool
-    """Times come from measurements on this machine (profile device "cpu")."""
+    """Times come from measurements on this machine (`measured_on`)."""
+    measured_on: str = ""
+    """The device the ops were timed on (ModelProfile.device: "cpu" or "cuda"), "" when none was timed."""
     whole_model_times_s: tuple[tuple[int, float], ...] = ()
     """(batch size, forward+backward seconds) of the whole model measured here (ModelProfile)."""
 
@@ -195,7 +197,8 @@ def chain_costs(profile: ModelProfile, chain: ModuleChain, facts: TensorParallel
         modules=tuple(modules),
         signature=tuple(signatures),
         tied_split=tuple(g.parameter in facts.sharded_parameters for g in chain.tied_groups),
-        measured=profile.device == "cpu" and any(op.source == "measured" for op in profile.ops),
+        measured=any(op.source == "measured" for op in profile.ops),
+        measured_on=profile.device if any(op.source == "measured" for op in profile.ops) else "",
         whole_model_times_s=tuple(sorted(profile.whole_model_times_s.items())),
     )
 
