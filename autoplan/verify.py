@@ -227,15 +227,24 @@ def train_and_measure(out_dir: Path, plan: Plan, device: str, nproc: int, steps:
     `extra_args` (e.g. --no-compile), as it trains (dropout kept), and measure it against `plan`."""
     with tempfile.TemporaryDirectory(prefix="autoplan-measure-") as tmp:
         losses_out, metrics_out = Path(tmp) / "losses.json", Path(tmp) / "metrics.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                   "train.py", "--device", device, "--steps", str(steps), "--losses-out", str(losses_out),
-                   "--metrics-out", str(metrics_out), *extra_args]
-        run = _Run(f"{device} run ({nproc} process{'es' if nproc != 1 else ''})", command, out_dir, Path(tmp), env)
-        _run_all([run], timeout_s, sequential=True)
+        run = run_train_py(out_dir, device, nproc, ("--steps", str(steps), "--losses-out", str(losses_out),
+                                                    "--metrics-out", str(metrics_out), *extra_args), timeout_s, env,
+                           Path(tmp))
         losses = _read_losses(losses_out, run, steps)
         metrics = json.loads(metrics_out.read_text())
         stderr = run.stderr_path.read_text(errors="replace")
     return MeasuredRun(tuple(losses), _measured(plan, metrics, device=device), tuple(metrics["steps"]), stderr)
+
+
+def run_train_py(out_dir: Path, device: str, nproc: int, args: tuple[str, ...], timeout_s: float,
+                 env: dict[str, str] | None, tmp: Path) -> _Run:
+    """Run DIR/train.py --device `device` `args` on `nproc` processes (torchrun) in a session of its own, its
+    stderr kept under `tmp`; killed with its ranks after `timeout_s` (a UserError then, or when it fails)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "train.py", "--device", device, *args]
+    run = _Run(f"{device} run ({nproc} process{'es' if nproc != 1 else ''})", command, out_dir, tmp, env)
+    _run_all([run], timeout_s, sequential=True)
+    return run
 
 
 def run_args(steps: int) -> tuple[str, ...]:
