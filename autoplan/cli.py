@@ -130,7 +130,8 @@ def build_parser() -> dict[str, argparse.ArgumentParser]:
                          help="output folder (default autoplan_profile)")
     _common(profile)
     verify = _Parser(prog="autoplan verify",
-                     description="Run a generated program on CPU/gloo and check loss and gradient parity.")
+                     description="Run a generated program on CPU/gloo and check loss and gradient parity; with "
+                                 "--device cuda --measure, train it on this machine's GPUs and measure it.")
     verify.add_argument("dir", metavar="DIR", help="an output folder of autoplan plan")
     verify.add_argument("--nproc", type=int, default=None, help="processes to run (default: the plan's GPU count)")
     verify.add_argument("--steps", type=int, default=3, help="training steps compared (default 3)")

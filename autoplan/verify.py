@@ -195,7 +195,9 @@ def measure_on_gpus(out_dir: Path, nproc: int | None = None, steps: int = 10, ti
     if steps < 1:
         raise UserError(f"--steps must be at least 1, got {steps}")
     world = _gpus_for(plan, nproc)
-    run = train_and_measure(out_dir, plan, "cuda", world, steps, timeout_s)
+    # each rank's share of the host's cores (rank 0 builds the model on the CPU: one thread is slow for that)
+    threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}
+    run = train_and_measure(out_dir, plan, "cuda", world, steps, timeout_s, env=threads)
     losses, measured = list(run.losses), run.measured
     finite = all(math.isfinite(x) for x in losses)
     report = {"device": "cuda", "nproc": world, "steps": steps, "losses": losses, "passed": finite,
