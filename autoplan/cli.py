@@ -269,9 +269,10 @@ def cmd_calibrate(args) -> int:
         print(f"matmul peak TFLOP/s {peaks} (efficiency {gpu.matmul_efficiency:.2f}); memory "
               f"{gpu.memory_bandwidth_bytes_per_s / 1e9:.3g} GB/s (efficiency {gpu.memory_efficiency:.2f}); "
               f"kernel overhead {gpu.kernel_overhead_s * 1e6:.3g} us")
+        kept = " (not measured on one rank: the base profile's)" if link.source.startswith("not measured") else ""
         print(f"intra-node {link.name}: {link.bus_bandwidth_bytes_per_s / 1e9:.3g} GB/s bus bandwidth, "
               f"{link.latency_s * 1e6:.3g} us latency; inter-node {profile.inter_node.bus_bandwidth_bytes_per_s / 1e9:.3g} "
-              f"GB/s, {profile.inter_node.latency_s * 1e6:.3g} us")
+              f"GB/s, {profile.inter_node.latency_s * 1e6:.3g} us{kept}")
         print(f"wrote {args.out}; plan with it: autoplan MODEL.py --gpus N --hardware {args.out}")
     return 0
 

@@ -151,8 +151,7 @@ class OpTimer:
         if self.device == "cpu":
             torch.set_num_threads(THREADS_PER_RANK)
         try:
-            timing = measure_call(call, self.device, self.float_dtype) if self.float_dtype is not None else \
-                measure_call(call, self.device)
+            timing = measure_call(call, self.device, self.float_dtype)
             return [timing.forward_s, timing.backward_s]
         except Exception as e:  # noqa: BLE001 - e.g. an op that needs meaningful values: estimate it instead
             log.debug("cannot time %s on random inputs: %s", call.target, _one_line(e))
