@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The first GPU run of autoplan: one prepared check for a machine with one H100 or H200 and this repository.
-# It finishes in under 8 minutes (every step has its own time limit; they sum to 475 s, the install step included) and prints measured /
-# predicted ratios; everything goes to one log, benchmarks/results/gpu_check_<device>_<UTC time>.log, beside
-# the steps' JSON files (benchmarks/results/gpu_check_<device>/).
+# It finishes in under 8 minutes (every step has its own time limit; they sum to 470 s, the install step
+# included) and prints measured / predicted ratios; everything goes to one log,
+# benchmarks/results/gpu_check_<device>_<UTC time>.log, beside the steps' JSON files
+# (benchmarks/results/gpu_check_<device>/).
 #
 #   bash benchmarks/gpu_check.sh [--device cuda|cpu] [--wheels DIR]
 #
@@ -105,16 +106,16 @@ fi
 (command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv) 2>&1 | tee -a "$LOG"
 
 G="$PY benchmarks/gpu_check.py --device $DEVICE --results $RESULTS"
-step detect    10  $G detect
+step detect     5  $G detect
 step plan      70  $G plan
 step train_compile   75 $G train --plan base --run compile --steps "$TRAIN_STEPS" --timeout "$(s 70)"
 step train_eager     45 $G train --plan base --run eager --no-compile --steps "$TRAIN_STEPS" --timeout "$(s 40)"
 step train_selective 45 $G train --plan selective --run selective --steps "$SHORT_STEPS" --timeout "$(s 40)"
 step train_full      45 $G train --plan full --run full --steps "$SHORT_STEPS" --timeout "$(s 40)"
 step calibrate 50  $G calibrate --timeout "$(s 45)"
-step offload   25  $G offload --steps "$OFFLOAD_STEPS"
-step checkpoint 35 $G checkpoint --timeout "$(s 10)"
-step profile   35  $G profile
-step summary   10  $G summary
+step offload   20  $G offload --steps "$OFFLOAD_STEPS"
+step checkpoint 30 $G checkpoint --timeout "$(s 9)"
+step profile   50  $G profile
+step summary    5  $G summary
 log "gpu_check: $FAILED step(s) failed or timed out; log $LOG"
 [ "$FAILED" -eq 0 ]
