@@ -42,13 +42,14 @@ def profile(model, gpu: str = "cpu", **options):
     return profile_only(model, gpu, **options)
 
 
-def init_mesh(plan, device=None):
+def init_mesh(plan, device=None, timeout_s=None):
     """The plan's torch DeviceMesh, dims ("pp", "dp_replicate", "dp_shard", "cp", "tp"), over the processes torchrun
-    started (it starts the process group, NCCL on CUDA or gloo on CPU, unless one is running). `plan`: a Plan,
-    the path of a plan.json or of an output folder. A UserError if the number of processes is not the plan's."""
+    started (it starts the process group, NCCL on CUDA or gloo on CPU, unless one is running; its collectives time
+    out after `timeout_s` seconds, default 30 minutes). `plan`: a Plan, the path of a plan.json or of an output
+    folder. A UserError if the number of processes is not the plan's."""
     from autoplan.runtime.apply_plan import init_plan_mesh
 
-    return init_plan_mesh(plan, device)
+    return init_plan_mesh(plan, device, timeout_s)
 
 
 def parallelize(model, plan, mesh=None, *, device=None, example_inputs=None, loss_fn=None, initial_values=None):

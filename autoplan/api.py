@@ -135,8 +135,11 @@ def plan_model(
     time_limit: float | None = None,
     example_batch: Any = None,
     out: str | os.PathLike | None = None,
+    measure: bool | None = None,
 ) -> PlanResult:
-    """Plan a model for `gpus` accelerators; with `out`, also write the output folder."""
+    """Plan a model for `gpus` accelerators; with `out`, also write the output folder. `measure`: price with op
+    times measured on this machine (default: for --gpu cpu only); for a GPU profile it needs a CUDA GPU here,
+    which stands for the planned one (ops timed in the plan's dtype)."""
     from autoplan.layout import Layout
     from autoplan.profile import profile_model
     from autoplan.profile.unsupported import pipeline_refusal
@@ -172,9 +175,10 @@ def plan_model(
     on_cpu = cluster.gpu.name == "cpu"
     dtype = dtype or ("fp32" if on_cpu else "bf16")
     batch = int(global_batch) if global_batch is not None else DEFAULT_BATCH_PER_GPU * cluster.num_gpus
+    measure = _measure_here(on_cpu if measure is None else measure, cluster.gpu.name)
 
     log.info("capture + profile %s at batch %d on %s", source.spec, PROFILE_BATCH_SIZE, cluster.gpu.name)
-    profile = profile_model(source, PROFILE_BATCH_SIZE, cluster.hardware, measure=on_cpu, dtype=dtype)
+    profile = profile_model(source, PROFILE_BATCH_SIZE, cluster.hardware, measure=measure, dtype=dtype)
     pins = _pins_for_capture(pins, profile)
     training = Training(global_batch_size=batch, dtype=dtype, tokens_per_sample=profile.tokens_per_sample)
     log.info("search %d GPUs, %d ops, %d parameters", cluster.num_gpus, len(profile.ops), profile.param_count)
@@ -432,6 +436,15 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _measure_here(measure: bool, gpu_name: str) -> bool:
+    """`measure`, if this machine can stand for `gpu_name` (the CPU for "cpu", a CUDA GPU for a GPU profile);
+    a UserError when asked to measure a GPU here without one."""
+    if measure and gpu_name != "cpu" and not _has_cuda():
+        raise UserError(f"--measure times ops on this machine, which has no GPU to stand for {gpu_name}: "
+                        f"use --gpu cpu, or run where the GPU is")
+    return measure
+
+
 def profile_only(model: Any, gpu: str = DEFAULT_GPU, *, hardware: str | None = None, measure: bool | None = None,
                  batch_size: int = PROFILE_BATCH_SIZE, dtype: str | None = None,
                  out: str | os.PathLike | None = None) -> ModelProfile:
@@ -445,10 +458,7 @@ def profile_only(model: Any, gpu: str = DEFAULT_GPU, *, hardware: str | None = N
     hw = load_hardware(hardware if hardware else gpu)
     source = _source(model, None)
     on_cpu = hw.gpu.name == "cpu"
-    measure = on_cpu if measure is None else measure
-    if measure and not on_cpu and not _has_cuda():
-        raise UserError(f"--measure times ops on this machine, which has no GPU to stand for {hw.gpu.name}: "
-                        f"use --gpu cpu, or run where the GPU is")
+    measure = _measure_here(on_cpu if measure is None else measure, hw.gpu.name)
     profile = profile_model(source, batch_size, hw, measure=measure, dtype=dtype or ("fp32" if on_cpu else "bf16"))
     if out is not None:
         with _staged_folder(Path(out)) as staging:

@@ -3,7 +3,7 @@
     autoplan MODEL.py --gpus N [...]        plan (the default subcommand)
     autoplan plan MODEL.py --gpus N [...]
     autoplan profile MODEL.py [--gpu NAME] [--measure] [--out DIR]
-    autoplan verify DIR [--nproc K] [--steps S] [--measure] [--model-file copy|planned]
+    autoplan verify DIR [--nproc K] [--steps S] [--measure] [--model-file copy|planned] [--device cuda]
     autoplan calibrate --out PROFILE.yaml [--nproc K]      measure this machine (or run under torchrun)
     autoplan calibrate --refit DIR --hardware PROFILE.yaml --out NEW.yaml
 
@@ -109,6 +109,9 @@ def _plan_args(parser: argparse.ArgumentParser) -> None:
                         help="a hardware profile file, e.g. from autoplan calibrate (overrides --gpu)")
     parser.add_argument("--out", metavar="DIR", default="autoplan_out", help="output folder (default autoplan_out)")
     parser.add_argument("--solver", metavar="highs|cbc", default="highs", help="MILP solver (default highs)")
+    parser.add_argument("--measure", action="store_true", default=None,
+                        help="price with op times measured on this machine: on a GPU machine its GPU stands for "
+                             "--gpu's, ops timed in the plan's dtype (default: measured for --gpu cpu only)")
     parser.add_argument("--time-limit", metavar="S", default=None, type=float, help="solver time limit, seconds")
     parser.add_argument("--json", action="store_true", help="print plan.json to stdout instead of the summary")
     _common(parser)
@@ -128,7 +131,8 @@ def build_parser() -> dict[str, argparse.ArgumentParser]:
                          help="output folder (default autoplan_profile)")
     _common(profile)
     verify = _Parser(prog="autoplan verify",
-                     description="Run a generated program on CPU/gloo and check loss and gradient parity.")
+                     description="Run a generated program on CPU/gloo and check loss and gradient parity; with "
+                                 "--device cuda --measure, train it on this machine's GPUs and measure it.")
     verify.add_argument("dir", metavar="DIR", help="an output folder of autoplan plan")
     verify.add_argument("--nproc", type=int, default=None, help="processes to run (default: the plan's GPU count)")
     verify.add_argument("--steps", type=int, default=3, help="training steps compared (default 3)")
@@ -139,6 +143,9 @@ def build_parser() -> dict[str, argparse.ArgumentParser]:
                         help="copy: run the copy of the model file (and of the modules beside it that it imports) "
                              "that DIR/model_code/ holds, made at planning (default); planned: run the file the plan "
                              "was made from (plan.json model.path), in place, as it is now")
+    verify.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: parity on CPU processes (default); cuda (with --measure): train on this machine's "
+                             "GPUs and record step time, MFU and peak memory beside the prediction")
     _common(verify)
     calibrate = _Parser(prog="autoplan calibrate", description="Measure this machine into a hardware profile "
                         "YAML (launches torchrun, or runs under it); with --refit, rescale a profile to a verified run.")
@@ -162,6 +169,7 @@ def cmd_plan(args) -> int:
             args.model, args.gpus, args.gpu, gpus_per_node=args.gpus_per_node, global_batch=args.global_batch,
             dtype=args.dtype, memory_per_gpu=args.memory_per_gpu, host_memory_per_node=args.host_memory_per_node,
             pin=",".join(args.pin) if args.pin else None, hardware=args.hardware, solver=args.solver,
+            measure=args.measure,
             time_limit=args.time_limit, out=args.out,
         )
     if args.json:
@@ -190,9 +198,13 @@ def cmd_verify(args) -> int:
     try:
         with _progress(args):
             result = verify(args.dir, nproc=args.nproc, steps=args.steps, timeout_s=args.timeout,
-                            measure=args.measure, model_file=args.model_file)
+                            measure=args.measure, model_file=args.model_file, device=args.device)
     finally:  # a failed run's verify.json (passed false, the error) goes into the report too
         _add_verification(Path(args.dir))
+    if result.device == "cuda":
+        if not args.quiet:
+            print(gpu_measurement_text(result))
+        return 0 if result.passed else 1
     if not args.quiet:
         if result.dropout:
             print(f"dropout: {result.dropout}")
@@ -225,6 +237,25 @@ def _add_verification(out_dir: Path) -> None:
         add_verification(out_dir, recorded)
 
 
+def gpu_measurement_text(result) -> str:
+    """What `autoplan verify --device cuda --measure` prints: measured beside predicted, and their ratios."""
+    m = result.measured
+    step, predicted = m["measured_step_time_s"], m["predicted_step_time_s"]
+    peak, predicted_peak = m["measured_peak_memory_bytes"], m["predicted_peak_memory_bytes"]
+    lines = [f"trained {result.steps} steps on {result.nproc} GPU{'s' if result.nproc != 1 else ''}: "
+             f"losses {result.losses[0]:.4g} -> {result.losses[-1]:.4g}"
+             + ("" if result.passed else f" ({result.error})"),
+             f"step time  {step * 1e3:.1f} ms measured, {predicted * 1e3:.1f} ms predicted "
+             f"(measured / predicted {step / predicted:.3f})"]
+    if m.get("measured_mfu") is not None:
+        lines.append(f"MFU        {m['measured_mfu'] * 100:.1f}% measured, {m['predicted_mfu'] * 100:.1f}% predicted")
+    lines.append(f"peak memory {peak / 2**30:.2f} GiB measured, {predicted_peak / 2**30:.2f} GiB predicted "
+                 f"(measured / predicted {peak / predicted_peak:.3f})" if predicted_peak else
+                 f"peak memory {peak / 2**30:.2f} GiB measured")
+    lines.append("loss and gradient parity: checked on CPU processes (autoplan verify DIR), not on cuda")
+    return "\n".join(lines)
+
+
 def cmd_calibrate(args) -> int:
     base = args.hardware or args.gpu
     if args.refit is not None:
@@ -253,9 +284,10 @@ def cmd_calibrate(args) -> int:
         print(f"matmul peak TFLOP/s {peaks} (efficiency {gpu.matmul_efficiency:.2f}); memory "
               f"{gpu.memory_bandwidth_bytes_per_s / 1e9:.3g} GB/s (efficiency {gpu.memory_efficiency:.2f}); "
               f"kernel overhead {gpu.kernel_overhead_s * 1e6:.3g} us")
+        kept = " (not measured on one rank: the base profile's)" if link.source.startswith("not measured") else ""
         print(f"intra-node {link.name}: {link.bus_bandwidth_bytes_per_s / 1e9:.3g} GB/s bus bandwidth, "
               f"{link.latency_s * 1e6:.3g} us latency; inter-node {profile.inter_node.bus_bandwidth_bytes_per_s / 1e9:.3g} "
-              f"GB/s, {profile.inter_node.latency_s * 1e6:.3g} us")
+              f"GB/s, {profile.inter_node.latency_s * 1e6:.3g} us{kept}")
         print(f"wrote {args.out}; plan with it: autoplan MODEL.py --gpus N --hardware {args.out}")
     return 0
 

@@ -398,6 +398,15 @@ def _sequence_parallel(layout: Layout, scope: Scope) -> list[str]:
     return []
 
 
+def fsdp_wraps(dp_replicate: int, dp_shard: int, cp: int, tp: int) -> bool:
+    """FSDP2 wraps the model (runtime/parallel.py shard_data_parallel): with data parallelism whose states are
+    sharded (dp_shard x cp > 1), or replicated beside tensor parallelism (DDP cannot bucket DTensors). Else DDP
+    or no data parallelism, and a bf16 plan trains as torch.autocast over fp32 weights (cost/memory.py prices
+    it so); under FSDP2 its MixedPrecisionPolicy computes in bf16."""
+    shard = dp_shard * cp
+    return dp_replicate * shard > 1 and (shard > 1 or tp > 1)
+
+
 def _sharding(layout: Layout) -> tuple[bool, str] | None:
     """(sharded, reshard) from zero or from dp_shard and reshard; None when not known. With cp > 1 the model
     states are sharded over dp_shard x cp (FSDP over the context-parallel ranks too, as torchtitan)."""

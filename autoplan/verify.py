@@ -77,6 +77,8 @@ class VerifyResult:
     (then passed is False and the losses are empty); "" otherwise."""
     gradients: GradientCheck | None = None
     """The first step's gradients against the reference's (None: not checked, e.g. after an error)."""
+    device: str = "cpu"
+    """Where the program ran: "cpu" (parity checked) or "cuda" (measured only, measure_on_gpus)."""
 
     @property
     def gradient_max_rel_diff(self) -> float | None:
@@ -108,10 +110,20 @@ files (model_code/, the default), or the file the plan was made from (plan.json 
 
 
 def verify(out_dir: Path | str, nproc: int | None = None, steps: int = 3, timeout_s: float = 300,
-           measure: bool = False, model_file: str = "copy") -> VerifyResult:
-    """Both runs' parity verdict, written to out_dir/verify.json; when a run fails, verify.json records the
-    failure (passed false, "error") before the UserError saying why is raised."""
+           measure: bool = False, model_file: str = "copy", device: str = "cpu") -> VerifyResult:
+    """Loss and gradient parity of DIR/train.py on CPU processes against the single-device run (with `measure`,
+    step time and peak memory beside the prediction), written to out_dir/verify.json; with device="cuda" (and
+    `measure`), the program trains on this machine's GPUs instead and only the measurement is recorded
+    (measure_on_gpus). When a run fails, verify.json records the failure (passed false, "error") before the
+    UserError saying why is raised."""
     out_dir = Path(out_dir)
+    if device not in DEVICES:
+        raise UserError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "cuda":
+        if not measure:
+            raise UserError("--device cuda measures the program on this machine's GPUs: add --measure (loss and "
+                            "gradient parity are checked on CPU processes: drop --device)")
+        return measure_on_gpus(out_dir, nproc, steps, timeout_s)
     plan = _load_plan(out_dir)
     world = plan.parallelism.world_size
     if nproc is None:
@@ -173,6 +185,96 @@ def _verify_runs(out_dir: Path, plan: Plan, nproc: int, steps: int, timeout_s: f
 
     return _compare(out_dir, nproc, steps, reference_losses, losses, _measured(plan, metrics) if measure else {},
                     dropout=dropout, gradients=gradients, model_file=model_file)
+
+
+DEVICES = ("cpu", "cuda")
+"""Where verify runs the program: CPU processes (gloo; parity, optionally measured) or this machine's GPUs
+(NCCL; measured only)."""
+GPU_PARITY_NOTE = ("not checked on cuda: the program trains in the plan's dtype (bf16 mixed precision) there, the "
+                   "single-device reference in fp32, so their losses differ by more than rounding; `autoplan verify "
+                   "DIR` checks loss and gradient parity on CPU processes")
+
+
+def _gpus_for(plan: Plan, nproc: int | None) -> int:
+    """The plan's world size, if this machine has that many CUDA GPUs (else a UserError saying so)."""
+    import torch  # not at import: verify's CPU path runs the programs without it
+
+    world = plan.parallelism.world_size
+    if nproc is not None and nproc != world:
+        raise UserError(f"--nproc {nproc} does not match the plan's {world} processes")
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < world:
+        raise UserError(f"--device cuda runs the plan's {world} processes on one GPU each, but this machine has "
+                        f"{have} CUDA GPU{'s' if have != 1 else ''}: plan for --gpus {have} or fewer, or verify on "
+                        f"CPU (drop --device)" if have else
+                        f"--device cuda needs CUDA GPUs, but torch {torch.__version__} sees none on this machine: "
+                        f"verify on CPU (drop --device)")
+    return world
+
+
+def measure_on_gpus(out_dir: Path, nproc: int | None = None, steps: int = 10, timeout_s: float = 600) -> VerifyResult:
+    """Train DIR/train.py for `steps` steps on the plan's number of this machine's GPUs (torchrun, NCCL, the
+    plan's dtype and compile setting; dropout as in training) and record its step time, MFU and peak memory
+    beside the prediction in verify.json ("device": "cuda"; parity is not checked there: GPU_PARITY_NOTE).
+    `passed` is whether the run trained to finite losses."""
+    plan = _load_plan(out_dir)
+    if not (out_dir / "train.py").is_file():
+        raise UserError(f"{out_dir} has no train.py: run `autoplan MODEL.py --out {out_dir}` first")
+    if steps < 1:
+        raise UserError(f"--steps must be at least 1, got {steps}")
+    world = _gpus_for(plan, nproc)
+    # each rank's share of the host's cores (rank 0 builds the model on the CPU: one thread is slow for that)
+    threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}
+    run = train_and_measure(out_dir, plan, "cuda", world, steps, timeout_s, env=threads)
+    losses, measured = list(run.losses), run.measured
+    finite = all(math.isfinite(x) for x in losses)
+    report = {"device": "cuda", "nproc": world, "steps": steps, "losses": losses, "passed": finite,
+              "parity": GPU_PARITY_NOTE, **measured}
+    if not finite:
+        report["error"] = "a loss is not finite (NaN or infinity): the run diverged"
+    (out_dir / "verify.json").write_text(json.dumps(report, indent=2) + "\n")
+    return VerifyResult(nproc=world, steps=steps, reference_losses=(), losses=tuple(losses),
+                        parity_max_abs_diff=math.nan, passed=finite, measured=measured, device="cuda",
+                        error=report.get("error", ""))
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """One measured training run of a generated program (train_and_measure)."""
+
+    losses: tuple[float, ...]
+    measured: dict[str, Any]
+    """verify.json's measured fields (_measured): step time, peak memory, per rank and stage, MFU on a GPU."""
+    steps: tuple[dict[str, Any], ...]
+    """train.py's per-step records (rank 0's: seconds, peak_memory_bytes, mfu, ...)."""
+    stderr: str
+    """What the run printed on stderr (torch's logs, e.g. TORCH_LOGS=recompiles)."""
+
+
+def train_and_measure(out_dir: Path, plan: Plan, device: str, nproc: int, steps: int, timeout_s: float,
+                      extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> MeasuredRun:
+    """Run DIR/train.py on `nproc` processes on `device` (torchrun) for `steps` steps with --metrics-out and
+    `extra_args` (e.g. --no-compile), as it trains (dropout kept), and measure it against `plan`."""
+    with tempfile.TemporaryDirectory(prefix="autoplan-measure-") as tmp:
+        losses_out, metrics_out = Path(tmp) / "losses.json", Path(tmp) / "metrics.json"
+        run = run_train_py(out_dir, device, nproc, ("--steps", str(steps), "--losses-out", str(losses_out),
+                                                    "--metrics-out", str(metrics_out), *extra_args), timeout_s, env,
+                           Path(tmp))
+        losses = _read_losses(losses_out, run, steps)
+        metrics = json.loads(metrics_out.read_text())
+        stderr = run.stderr_path.read_text(errors="replace")
+    return MeasuredRun(tuple(losses), _measured(plan, metrics, device=device), tuple(metrics["steps"]), stderr)
+
+
+def run_train_py(out_dir: Path, device: str, nproc: int, args: tuple[str, ...], timeout_s: float,
+                 env: dict[str, str] | None, tmp: Path) -> _Run:
+    """Run DIR/train.py --device `device` `args` on `nproc` processes (torchrun) in a session of its own, its
+    stderr kept under `tmp`; killed with its ranks after `timeout_s` (a UserError then, or when it fails)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "train.py", "--device", device, *args]
+    run = _Run(f"{device} run ({nproc} process{'es' if nproc != 1 else ''})", command, out_dir, tmp, env)
+    _run_all([run], timeout_s, sequential=True)
+    return run
 
 
 def run_args(steps: int) -> tuple[str, ...]:
@@ -280,9 +382,16 @@ def _load_plan(out_dir: Path) -> Plan:
     return load_plan(out_dir / "plan.json")
 
 
-MEASURED_ON = ("cpu (gloo): step time = median over steps (not the first, not the memory-tracked last) of each "
-               "rank's wall time, the slowest rank's; peak memory = peak of live tensor storage bytes during "
-               "the last step, the fullest rank's")
+MEASURED_ON = {
+    "cpu": ("cpu (gloo): step time = median over steps (not the first, not the memory-tracked last) of each "
+            "rank's wall time, the slowest rank's; peak memory = peak of live tensor storage bytes during "
+            "the last step, the fullest rank's"),
+    "cuda": ("cuda (nccl): step time = median over steps (not the first, not the memory-tracked last) of each "
+             "rank's wall time to the step's loss on the host, the slowest rank's; MFU = the plan's model FLOPs per "
+             "step / (that step time x GPUs x the planned GPU's dense peak); peak memory = "
+             "torch.cuda.max_memory_allocated during the last step, the fullest rank's"),
+}
+"""How verify --measure measures, per device."""
 
 
 def _timed_steps(times: list[float], tracked: int | None) -> list[float]:
@@ -300,8 +409,9 @@ def _error(predicted: float, measured: float) -> float | None:
     return predicted / measured - 1 if measured > 0 else None
 
 
-def _measured(plan: Plan, metrics: dict[str, Any]) -> dict[str, Any]:
-    """Per rank and overall: measured step time and peak live tensor memory against the plan's."""
+def _measured(plan: Plan, metrics: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
+    """Per rank and overall: measured step time and peak live tensor memory against the plan's (and on a GPU
+    the MFU that step time gives, against the plan's)."""
     stage_memory = {s.index: s.predicted_memory_bytes for s in plan.stages}
     ranks = []
     for r in metrics["ranks"]:
@@ -322,30 +432,34 @@ def _measured(plan: Plan, metrics: dict[str, Any]) -> dict[str, Any]:
                        "measured_peak_memory_bytes": max(holders, default=None)})
     step = max(r["measured_step_time_s"] for r in ranks)
     peak = max(r["measured_peak_memory_bytes"] for r in ranks)
-    return {
+    found = {
         "measured_step_time_s": step,
         "predicted_step_time_s": plan.predicted.step_time_s,
         "measured_peak_memory_bytes": peak,
         "predicted_peak_memory_bytes": plan.predicted.peak_memory_bytes,
         "step_time_error": _error(plan.predicted.step_time_s, step),
         "peak_memory_error": _error(plan.predicted.peak_memory_bytes, peak),
-        "measured_on": MEASURED_ON,
+        "measured_on": MEASURED_ON[device],
         "predicted_for": plan.cluster.gpu,
         "ranks": ranks,
         "stages": stages,
     }
+    if device == "cuda":  # the same FLOPs and peak as the prediction's MFU: it scales with 1 / step time
+        found["measured_mfu"] = plan.predicted.mfu * plan.predicted.step_time_s / step if step > 0 else None
+        found["predicted_mfu"] = plan.predicted.mfu
+    return found
 
 
 class _Run:
     """One subprocess in its own session, its stderr kept in a file for the error message."""
 
-    def __init__(self, name: str, command: list[str], cwd: Path, tmp: Path) -> None:
-        self.name, self.command, self.cwd = name, command, cwd
+    def __init__(self, name: str, command: list[str], cwd: Path, tmp: Path, env: dict[str, str] | None = None) -> None:
+        self.name, self.command, self.cwd, self.env = name, command, cwd, env or {}
         self.stderr_path = tmp / f"{name.split()[0]}.stderr"
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env}
         with open(self.stderr_path, "wb") as stderr:
             self.process = subprocess.Popen(self.command, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL,
                                             stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)

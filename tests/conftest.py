@@ -17,6 +17,18 @@ os.environ.setdefault("AUTOPLAN_CACHE", tempfile.mkdtemp(prefix="autoplan-test-c
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need CUDA: without it they are skipped, saying so (never silently passed)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA GPU: torch {torch.__version__} sees none on this machine")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 @dataclass(frozen=True)
 class BuiltWheel:
     wheel: zipfile.ZipFile

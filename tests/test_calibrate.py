@@ -251,7 +251,7 @@ def test_refit_of_a_cpu_plan_moves_the_next_prediction_toward_the_measurement(pl
 
 @pytest.mark.parametrize("args, message", [
     (["--out", "profile.txt"], "must name a .yaml file"),
-    (["--out", "p.yaml", "--nproc", "1"], "--nproc must be an integer >= 2"),
+    (["--out", "p.yaml", "--nproc", "0"], "--nproc must be an integer >= 1"),
     (["--out", "p.yaml", "--nproc", "two"], "invalid int value"),
     (["--out", "p.yaml", "--gpu", "tpu-v9"], "unknown hardware 'tpu-v9'"),
     (["--out", "p.yaml", "--timeout", "0"], "--timeout must be positive"),

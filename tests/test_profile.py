@@ -198,9 +198,9 @@ def test_measured_times_are_cached_on_disk_per_model_shapes_and_device(tmp_path,
     timed = []
     original = measure.measure_call
 
-    def counting_measure_call(call, device="cpu"):
+    def counting_measure_call(call, device="cpu", float_dtype=None):
         timed.append(call)
-        return original(call, device)
+        return original(call, device, float_dtype)
 
     monkeypatch.setattr(measure, "measure_call", counting_measure_call)
     source = load_source(str(EXAMPLES / "mlp.py"))

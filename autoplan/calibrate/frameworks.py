@@ -76,7 +76,7 @@ def _paired_times(clock: Clock, first: Callable[[], object], second: Callable[[]
             dist.barrier()
             clock.sync()
             samples.append(clock.once(fn))
-    times = torch.tensor(samples, dtype=torch.float64).view(pairs, 2)
+    times = clock.numbers(samples).view(pairs, 2)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     return [(a, b) for a, b in times.tolist()]
 

@@ -25,7 +25,9 @@ log = logging.getLogger("autoplan")
 
 STDERR_TAIL_LINES = 25
 CPU_DEFAULT_NPROC = 2
-"""Ranks on the CPU when --nproc is not given: enough to time every link operation."""
+"""Ranks on the CPU when --nproc is not given: enough to time every link operation. On a GPU machine, one rank
+per GPU: on a one-GPU machine one rank, which measures the device alone (its profile keeps the base profile's
+links, calibrate/worker.py ONE_RANK)."""
 KILL_GRACE_S = 5.0
 """After SIGTERM, torchrun gets this long to stop its ranks before they are killed."""
 
@@ -72,8 +74,9 @@ def calibrate(out: str | os.PathLike, nproc: int | None = None, base: str | None
         run(out, base, timeout_s)
         return load_hardware(str(out)) if os.environ.get("RANK") == "0" else None
     nproc = _default_nproc(base) if nproc is None else nproc
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 2:
-        raise UserError(f"--nproc must be an integer >= 2 (links are measured between ranks), got {nproc!r}")
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise UserError(f"--nproc must be an integer >= 1 (1 rank measures the device alone; links need 2 or "
+                        f"more), got {nproc!r}")
     _warn_if_busy()
     _launch(out, nproc, base, timeout_s)
     return load_hardware(str(out))

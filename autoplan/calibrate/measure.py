@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -51,6 +53,12 @@ class Clock:
         fn()
         return time.perf_counter() - started
 
+    def numbers(self, values: list[float]) -> torch.Tensor:
+        """`values` as a float64 tensor on the device the process group communicates on: the GPU under NCCL
+        (which has no CPU backend: "No backend type associated with device type cpu"), else the CPU. Every
+        tensor a probe hands to a collective comes from here."""
+        return torch.tensor(values, dtype=torch.float64, device=self.device if self.cuda else "cpu")
+
     def seconds(self, fn: Callable[[], object]) -> float:
         """Seconds of `fn` (median) after one warm-up call, repeated to about MIN_TIMED_SECONDS."""
         fn()
@@ -64,11 +72,9 @@ def matmul_flops_per_s(clock: Clock, dtype_names: tuple[str, ...], sizes: tuple[
     """Achieved FLOP/s of square n x n @ n x n matmuls (2 n^3 FLOPs) per dtype and n. A dtype the
     device cannot multiply is left out."""
     rates: dict[str, dict[int, float]] = {}
-    tf32_before = torch.backends.cuda.matmul.allow_tf32
-    try:
-        for name in dtype_names:
-            torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
-            by_size = {}
+    for name in dtype_names:
+        by_size = {}
+        with tf32_matmuls(name == "tf32"):
             for n in sizes:
                 a = torch.randn(n, n, device=clock.device).to(DTYPES[name])
                 b = torch.randn(n, n, device=clock.device).to(DTYPES[name])
@@ -76,11 +82,26 @@ def matmul_flops_per_s(clock: Clock, dtype_names: tuple[str, ...], sizes: tuple[
                     by_size[n] = 2 * n**3 / clock.seconds(lambda: torch.mm(a, b))
                 except RuntimeError:  # e.g. no fp16 matmul kernel on this device
                     break
-            if by_size:
-                rates[name] = by_size
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32_before
+        if by_size:
+            rates[name] = by_size
     return rates
+
+
+@contextmanager
+def tf32_matmuls(enabled: bool) -> Iterator[None]:
+    """fp32 CUDA matmuls on TF32 tensor cores inside the block (`enabled`) or in full fp32, restored after.
+    Through torch's fp32_precision setting where torch has it (2.9+): torch refuses to read the legacy
+    allow_tf32 flag once the new setting was used ("mix of the legacy and new APIs"), so the two are never
+    mixed; the legacy flag only on a torch without the new one."""
+    matmul = torch.backends.cuda.matmul
+    new_api = hasattr(matmul, "fp32_precision")
+    name, value = ("fp32_precision", "tf32" if enabled else "ieee") if new_api else ("allow_tf32", enabled)
+    before = getattr(matmul, name)
+    setattr(matmul, name, value)
+    try:
+        yield
+    finally:
+        setattr(matmul, name, before)
 
 
 def copy_bytes_per_s(clock: Clock, sizes: tuple[int, ...]) -> dict[int, float]:
@@ -119,7 +140,7 @@ def _reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group) -> None:
 
 def _slowest(clock: Clock, samples: list[float], group) -> float:
     """Median over repeats of the slowest rank's time: a collective ends when its last rank does."""
-    times = torch.tensor(samples, dtype=torch.float64, device=clock.device if clock.cuda else "cpu")
+    times = clock.numbers(samples)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     return median(times.tolist())
 
@@ -253,13 +274,13 @@ def concurrent_slowdown(clock: Clock) -> float:
     it alone (the others waiting at a barrier): > 1 where ranks share caches, memory bandwidth or a
     hypervisor's cores (a CPU), ~1 on GPUs. The same on every rank (a collective)."""
     step = _transformer_step(clock.device)
-    ratios = torch.zeros(SLOWDOWN_TRIALS, dtype=torch.float64)
-    for trial in range(SLOWDOWN_TRIALS):
+    ratios = []
+    for _ in range(SLOWDOWN_TRIALS):
         dist.barrier()
-        alone = torch.tensor([clock.seconds(step) if dist.get_rank() == 0 else 0.0], dtype=torch.float64)
+        alone = clock.numbers([clock.seconds(step) if dist.get_rank() == 0 else 0.0])
         dist.barrier()
         dist.broadcast(alone, 0)
-        together = torch.tensor([clock.seconds(step)], dtype=torch.float64)
+        together = clock.numbers([clock.seconds(step)])
         dist.all_reduce(together)
-        ratios[trial] = together.item() / dist.get_world_size() / alone.item()
-    return max(1.0, statistics.median(ratios.tolist()))
+        ratios.append(together.item() / dist.get_world_size() / alone.item())
+    return max(1.0, statistics.median(ratios))

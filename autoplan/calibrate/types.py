@@ -51,7 +51,7 @@ class Measurements:
     kernel_overhead_s: float
     """Time of one tiny op (1-element add), seconds: dispatch and launch cost."""
     tiers: dict[str, TierTimes]
-    """"intra_node" and "inter_node" -> link times."""
+    """"intra_node" and "inter_node" -> link times; empty when the run had one rank (`links_not_measured`)."""
     resident_bytes: float
     """Memory a rank holds before any tensor: RSS on CPU; CUDA context and library workspaces on GPU."""
     device_memory_bytes: float | None = None
@@ -79,6 +79,8 @@ class Measurements:
     all-reduces, seconds (None: not measured)."""
     optimizer_tensor_overhead_s: float | None = None
     """AdamW step time per one-element parameter tensor, seconds (None: not measured)."""
+    links_not_measured: str = ""
+    """Why no link was measured (a run on one rank), "" when they were: the profile keeps its base's links."""
     extra: dict[str, float] = field(default_factory=dict)
     """Other numbers worth keeping (e.g. per-rank spread), written as they are."""
 

@@ -14,6 +14,7 @@ import datetime
 import os
 import platform
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -116,12 +117,61 @@ def _fsdp_collectives_seconds(tier: TierTimes, unit_bytes: int) -> float:
     return 2 * _op_seconds(tier, "all_gather", unit_bytes) + _op_seconds(tier, "reduce_scatter", unit_bytes)
 
 
+ONE_RANK = ("one rank: links, overlap and the parallel wrappers' host costs need 2 or more ranks (launch "
+            "--nproc 2 or more on a machine with 2 or more devices to measure them)")
+"""Why a calibration on one rank (a one-GPU machine) measures only the single-device numbers."""
+
+
+@dataclass(frozen=True)
+class BetweenRanks:
+    """What a calibration measures among its ranks: the framework probes (comm_overlap and the host costs of
+    FSDP2, DDP, DTensor and pipelining, each rank's medians) and rank 0's pipeline fit. Empty on one rank."""
+
+    framework: dict[str, float] = field(default_factory=dict)
+    pipeline_constant: float | None = None
+    pipeline_slowdown: float | None = None
+
+
+def _median_over_ranks(framework: list[dict], name: str) -> float | None:
+    values = [f[name] for f in framework if name in f]
+    return median(values) if values else None
+
+
+def _measure_between_ranks(clock: measure.Clock, device: torch.device, world: int, per_node: int,
+                           sizes) -> tuple[dict[str, TierTimes], BetweenRanks]:
+    """The link tiers and the framework probes, on 2 or more ranks; nothing on one (ONE_RANK says why)."""
+    if world == 1:
+        return {}, BetweenRanks()
+    tiers = _measure_tiers(clock, world, per_node, sizes)
+    world_mesh = init_device_mesh(device.type, (world,))
+    tier = tiers["inter_node" if per_node < world else "intra_node"]
+    intra = tiers["intra_node"]
+    p2p = op_fits(intra.seconds, intra.group_size)["p2p"].latency_s
+    tp_all_reduce = _op_seconds(tier, "all_reduce", frameworks.tp_mlp_all_reduce_bytes())
+    ddp_all_reduce = _op_seconds(tier, "all_reduce", frameworks.ddp_gradient_bytes())
+    probed = frameworks.in_rounds({
+        "comm_overlap": lambda: measure.comm_overlap_fraction(clock, sizes.overlap_message_bytes,
+                                                              sizes.overlap_matmul_n),
+        "fsdp_unit": lambda: frameworks.fsdp_unit_overhead_seconds(
+            clock, world_mesh, lambda unit_bytes: _fsdp_collectives_seconds(tier, unit_bytes)),
+        "optimizer_dtensor": lambda: frameworks.optimizer_dtensor_overhead_seconds(clock, world_mesh),
+        "pipeline_small": lambda: frameworks.pipelined_stage_seconds(
+            clock, p2p, frameworks.PIPELINE_MICROBATCH_SIZES[0]),
+        "pipeline_large": lambda: frameworks.pipelined_stage_seconds(
+            clock, p2p, frameworks.PIPELINE_MICROBATCH_SIZES[1]),
+        "dtensor_op": lambda: frameworks.tensor_parallel_op_overhead_seconds(clock, world_mesh, tp_all_reduce),
+        "ddp_tensor": lambda: frameworks.ddp_tensor_overhead_seconds(clock, ddp_all_reduce),
+    })
+    # rank 0's fit is written: its pairs are timed as the slowest rank's, split into forward and
+    # backward by rank 0's own forward share
+    constant, slowdown = frameworks.pipeline_overheads(probed.pop("pipeline_small"), probed.pop("pipeline_large"))
+    return tiers, BetweenRanks(probed, constant, slowdown)
+
+
 def run(out: Path, base: str | None, timeout_s: float) -> Measurements:
     """Measure on every rank; rank 0 writes `out`. Returns the measurements (on every rank)."""
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
     local_rank, per_node = _env_int("LOCAL_RANK"), _env_int("LOCAL_WORLD_SIZE")
-    if world < 2:
-        raise UserError("calibrate needs at least 2 ranks to measure links, got WORLD_SIZE=1: use --nproc 2 or more")
     base_profile = load_hardware(base) if base else None
     # --gpu cpu means this machine's CPU even where a GPU is present (as everywhere in autoplan)
     cuda = torch.cuda.is_available() and not (base_profile and base_profile.gpu.name == "cpu")
@@ -149,39 +199,16 @@ def run(out: Path, base: str | None, timeout_s: float) -> Measurements:
         dist.barrier()
         local["tiny_op"] = measure.tiny_op_seconds(clock)
         local["optimizer_tensor"] = measure.optimizer_tensor_overhead_seconds(clock)
-        slowdown = measure.concurrent_slowdown(clock)
+        slowdown = measure.concurrent_slowdown(clock) if world > 1 else None
         gathered = [None] * world
         dist.all_gather_object(gathered, local)
         overheads = [g["tiny_op"] for g in gathered]
         matmul = _per_rank_median_of([g["matmul"] for g in gathered])
         copy = _per_rank_median_of([g["copy"] for g in gathered])
-
-        tiers = _measure_tiers(clock, world, per_node, sizes)
-        world_mesh = init_device_mesh(device.type, (world,))
-        tier = tiers["inter_node" if per_node < world else "intra_node"]
-        intra = tiers["intra_node"]
-        p2p = op_fits(intra.seconds, intra.group_size)["p2p"].latency_s
-        tp_all_reduce = _op_seconds(tier, "all_reduce", frameworks.tp_mlp_all_reduce_bytes())
-        ddp_all_reduce = _op_seconds(tier, "all_reduce", frameworks.ddp_gradient_bytes())
-        probed = frameworks.in_rounds({
-            "comm_overlap": lambda: measure.comm_overlap_fraction(clock, sizes.overlap_message_bytes,
-                                                                  sizes.overlap_matmul_n),
-            "fsdp_unit": lambda: frameworks.fsdp_unit_overhead_seconds(
-                clock, world_mesh, lambda unit_bytes: _fsdp_collectives_seconds(tier, unit_bytes)),
-            "optimizer_dtensor": lambda: frameworks.optimizer_dtensor_overhead_seconds(clock, world_mesh),
-            "pipeline_small": lambda: frameworks.pipelined_stage_seconds(
-                clock, p2p, frameworks.PIPELINE_MICROBATCH_SIZES[0]),
-            "pipeline_large": lambda: frameworks.pipelined_stage_seconds(
-                clock, p2p, frameworks.PIPELINE_MICROBATCH_SIZES[1]),
-            "dtensor_op": lambda: frameworks.tensor_parallel_op_overhead_seconds(clock, world_mesh, tp_all_reduce),
-            "ddp_tensor": lambda: frameworks.ddp_tensor_overhead_seconds(clock, ddp_all_reduce),
-        })
-        # rank 0's fit is written: its pairs are timed as the slowest rank's, split into forward and
-        # backward by rank 0's own forward share
-        pipeline_constant, pipeline_slowdown = frameworks.pipeline_overheads(probed["pipeline_small"],
-                                                                             probed["pipeline_large"])
-        framework = [None] * world
-        dist.all_gather_object(framework, probed)
+        tiers, between = _measure_between_ranks(clock, device, world, per_node, sizes)
+        framework = [between.framework] * world if world == 1 else [None] * world
+        if world > 1:
+            dist.all_gather_object(framework, between.framework)
         if cuda:
             free, total = torch.cuda.mem_get_info(device)
             resident = float(total - free - torch.cuda.memory_reserved(device))
@@ -204,15 +231,16 @@ def run(out: Path, base: str | None, timeout_s: float) -> Measurements:
             device_memory_bytes=float(torch.cuda.get_device_properties(device).total_memory) if cuda else None,
             peak_allocated_bytes=float(torch.cuda.max_memory_allocated(device)) if cuda else None,
             devices_per_node=torch.cuda.device_count() if cuda else None,
-            comm_overlap=probed["comm_overlap"],
-            fsdp_unit_overhead_s=median([f["fsdp_unit"] for f in framework]),
-            optimizer_dtensor_overhead_s=median([f["optimizer_dtensor"] for f in framework]),
-            pipeline_microbatch_overhead_s=pipeline_constant,
-            pipeline_compute_slowdown=pipeline_slowdown,
+            comm_overlap=between.framework.get("comm_overlap"),
+            fsdp_unit_overhead_s=_median_over_ranks(framework, "fsdp_unit"),
+            optimizer_dtensor_overhead_s=_median_over_ranks(framework, "optimizer_dtensor"),
+            pipeline_microbatch_overhead_s=between.pipeline_constant,
+            pipeline_compute_slowdown=between.pipeline_slowdown,
             concurrent_slowdown=slowdown,
-            dtensor_op_overhead_s=median([f["dtensor_op"] for f in framework]),
-            ddp_tensor_overhead_s=median([f["ddp_tensor"] for f in framework]),
+            dtensor_op_overhead_s=_median_over_ranks(framework, "dtensor_op"),
+            ddp_tensor_overhead_s=_median_over_ranks(framework, "ddp_tensor"),
             optimizer_tensor_overhead_s=median([g["optimizer_tensor"] for g in gathered]),
+            links_not_measured=ONE_RANK if world == 1 else "",
             extra={"load_average_at_start": load_at_start, "cpu_count": float(os.cpu_count() or 0),
                    "kernel_overhead_spread": measure.spread(overheads),
                    "matmul_spread": measure.spread([max(max(by_n.values()) for by_n in g["matmul"].values())

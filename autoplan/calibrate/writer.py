@@ -17,7 +17,8 @@ import yaml
 from autoplan.calibrate.fit import LinkFit, fit_alpha_beta, fit_throughput, link_points, op_fits
 from autoplan.calibrate.types import ROUNDS, SIZES, Measurements, TierTimes
 from autoplan.errors import UserError
-from autoplan.hardware.profiles import AUTO_MEMORY, GB, GIB, HOST_OVERHEADS, MICRO, TERA, parse_hardware
+from autoplan.hardware.profiles import (AUTO_MEMORY, GB, GIB, HOST_OVERHEADS, MICRO, TERA, link_dict,
+                                       parse_hardware)
 from autoplan.hardware.types import HardwareProfile
 
 UNITS_COMMENT = "# Units are in the field names: tflops = 1e12 FLOP/s, gb = 1e9 bytes, gib = 2**30 bytes, us = 1e-6 s."
@@ -111,27 +112,26 @@ def profile_fields(found: Measurements, base: HardwareProfile | None) -> dict[st
         reserved_how = (f"max(measured CUDA context + NCCL/cuBLAS memory {measured / GIB:.2f} GiB, "
                         f"the base profile's allowance)" if base else "measured CUDA context + NCCL/cuBLAS memory")
     name = base.gpu.name if base else re.sub(r"[^a-z0-9]+", "-", found.device_name.lower()).strip("-")
-    intra_fit, inter_fit = _tier_fit(found.tiers["intra_node"]), _tier_fit(found.tiers["inter_node"])
-    intra_name = base.intra_node.name if base else "intra-node"
-    inter_name = intra_name if found.tiers["inter_node"].copied_from else (base.inter_node.name if datasheet else "network")
-    if found.tiers["intra_node"].copied_from:
-        intra_name = inter_name
+    between = (f"dtensor_op_overhead = a tensor-parallel MLP's "
+               f"forward+backward over its plain local shard's, less two modeled all-reduces, per DTensor op "
+               f"counted; optimizer_dtensor_overhead = AdamW step time per sharded DTensor; fsdp_unit_overhead = fully_shard's extra time "
+               f"per unit of two transformer layers, less its modeled collectives; ddp_tensor_overhead = "
+               f"DistributedDataParallel's extra step time over two transformer layers, less their modeled "
+               f"gradient all-reduce, per parameter tensor; pipeline_microbatch_overhead "
+               f"+ pipeline_compute_slowdown x the stage's compute = the time per stage and micro-batch that makes "
+               f"the simulated GPipe step of stages of one transformer layer last as measured, fitted per (stage "
+               f"alone, pipelined) pair at two micro-batch sizes, a line through the two; the wrapped-vs-"
+               f"plain differences are medians of back-to-back pairs; "
+               f"comm_overlap = share of an all-reduce hidden by matmuls run beside it; these framework probes "
+               f"and comm_overlap are medians of {ROUNDS} rounds taken in turns; "
+               f"concurrent_slowdown = a transformer layer's step on all ranks at once over rank 0 alone")
+    if found.links_not_measured:
+        between = (f"comm_overlap, concurrent_slowdown and the host overheads of DDP, FSDP2, DTensor and pipelining "
+                   f"are the base profile's, not measured ({found.links_not_measured})")
     gpu_source = (f"autoplan calibrate {found.date} on {found.device_name}, torch {found.torch_version}, "
-                  f"{found.world_size} {found.backend} ranks x {found.threads_per_rank} thread(s): {fit.how}; "
-                  f"kernel_overhead = median time of a 1-element add; dtensor_op_overhead = a tensor-parallel MLP's "
-                  f"forward+backward over its plain local shard's, less two modeled all-reduces, per DTensor op "
-                  f"counted; optimizer_tensor_overhead (optimizer_dtensor_overhead) = AdamW step time "
-                  f"per one-element tensor (per sharded DTensor); fsdp_unit_overhead = fully_shard's extra time "
-                  f"per unit of two transformer layers, less its modeled collectives; ddp_tensor_overhead = "
-                  f"DistributedDataParallel's extra step time over two transformer layers, less their modeled "
-                  f"gradient all-reduce, per parameter tensor; pipeline_microbatch_overhead "
-                  f"+ pipeline_compute_slowdown x the stage's compute = the time per stage and micro-batch that makes "
-                  f"the simulated GPipe step of stages of one transformer layer last as measured, fitted per (stage "
-                  f"alone, pipelined) pair at two micro-batch sizes, a line through the two; the wrapped-vs-"
-                  f"plain differences are medians of back-to-back pairs; "
-                  f"comm_overlap = share of an all-reduce hidden by matmuls run beside it; these framework probes "
-                  f"and comm_overlap are medians of {ROUNDS} rounds taken in turns; "
-                  f"concurrent_slowdown = a transformer layer's step on all ranks at once over rank 0 alone; "
+                  f"{found.world_size} {found.backend} rank(s) x {found.threads_per_rank} thread(s): {fit.how}; "
+                  f"kernel_overhead = median time of a 1-element add; optimizer_tensor_overhead = AdamW step time per "
+                  f"one-element tensor; {between}; "
                   f"memory_reserved = {reserved_how}")
     return {
         "name": name,
@@ -147,11 +147,31 @@ def profile_fields(found: Measurements, base: HardwareProfile | None) -> dict[st
             **_host_fields(found, base),
             "source": gpu_source,
         },
-        "intra_node": _link(intra_name, intra_fit, _link_source(found, "intra_node", intra_fit),
-                            found.tiers["intra_node"]),
-        "inter_node": _link(inter_name, inter_fit, _link_source(found, "inter_node", inter_fit),
-                            found.tiers["inter_node"]),
+        **_links(found, base, datasheet),
     }
+
+
+def _links(found: Measurements, base: HardwareProfile | None, datasheet: bool) -> dict[str, Any]:
+    """The intra_node and inter_node sections: fitted to the measured tiers, or, when the run measured no
+    link (one rank), the base profile's, their source saying so."""
+    if found.links_not_measured:
+        if base is None:
+            raise UserError(f"calibrate measured no link ({found.links_not_measured}) and no base profile "
+                            f"supplies them for {found.device_name}: pass --gpu NAME or --hardware FILE whose links "
+                            f"to keep")
+        return {tier: {**link_dict(getattr(base, tier)),
+                       "source": f"not measured by autoplan calibrate {found.date} ({found.links_not_measured}); "
+                                 f"kept from profile {base.gpu.name}: {getattr(base, tier).source}"}
+                for tier in ("intra_node", "inter_node")}
+    intra_fit, inter_fit = _tier_fit(found.tiers["intra_node"]), _tier_fit(found.tiers["inter_node"])
+    intra_name = base.intra_node.name if base else "intra-node"
+    inter_name = intra_name if found.tiers["inter_node"].copied_from else (base.inter_node.name if datasheet else "network")
+    if found.tiers["intra_node"].copied_from:
+        intra_name = inter_name
+    return {"intra_node": _link(intra_name, intra_fit, _link_source(found, "intra_node", intra_fit),
+                                found.tiers["intra_node"]),
+            "inter_node": _link(inter_name, inter_fit, _link_source(found, "inter_node", inter_fit),
+                                found.tiers["inter_node"])}
 
 
 def measurements_fields(found: Measurements, base_label: str | None) -> dict[str, Any]:
@@ -188,7 +208,7 @@ def measurements_fields(found: Measurements, base_label: str | None) -> dict[str
         "copy_gb_per_s": {nbytes: _round(r / GB) for nbytes, r in sorted(found.copy_bytes_per_s.items())},
         "kernel_overhead_us": _round(found.kernel_overhead_s / MICRO),
         "resident_gib": _round(found.resident_bytes / GIB),
-        "links": links,
+        "links": links or f"not measured: {found.links_not_measured}",
     }
     if found.device_memory_bytes is not None:
         fields["device_memory_gib"] = _round(found.device_memory_bytes / GIB)
@@ -233,8 +253,10 @@ def write_profile(found: Measurements, out: Path, base: HardwareProfile | None, 
         f"# Started from profile: {base_label or 'none'}. Each number's origin is in the `source` fields; the raw",
         "# timings are under `measurements:` (not read by the planner). Plan with: autoplan MODEL.py --hardware THIS.yaml",
     ]
-    if found.tiers["inter_node"].copied_from:
+    if found.links_not_measured:
+        header.append(f"# intra_node and inter_node are the base profile's, not measured: {found.links_not_measured}.")
+    elif found.tiers["inter_node"].copied_from:
         header.append("# inter_node is a copy of intra_node: all ranks ran on one node, so no inter-node link was measured.")
-    if found.tiers["intra_node"].copied_from:
+    if not found.links_not_measured and found.tiers["intra_node"].copied_from:
         header.append("# intra_node is a copy of inter_node: one rank per node, so no intra-node link was measured.")
     return write_checked(out, profile_text(header + [UNITS_COMMENT], raw))

@@ -91,6 +91,37 @@ def has_trait(op: OpProfile, trait: str) -> bool:
     return trait in OP_TRAITS.get(packet(op), ())
 
 
+AUTOCAST_LOWER = frozenset("""
+linear addmm mm mv addmv addbmm bmm matmul baddbmm einsum convolution conv1d conv2d conv3d conv_transpose1d
+conv_transpose2d conv_transpose3d _convolution prelu _grouped_mm scaled_dot_product_attention
+_scaled_dot_product_flash_attention _scaled_dot_product_efficient_attention _scaled_dot_product_cudnn_attention
+""".split())
+"""Op packets torch.autocast runs in the lower precision (bf16) on CUDA: its lower_precision_fp list
+(aten/src/ATen/autocast_mode.cpp), matmuls, convolutions and attention. Their inputs are cast to bf16 (the
+casts are what they save for backward) and their outputs are bf16."""
+AUTOCAST_FP32 = frozenset("""
+layer_norm native_layer_norm group_norm native_group_norm softmax _softmax log_softmax _log_softmax pow rsqrt exp
+expm1 log log1p log2 log10 reciprocal sum cumsum prod norm logsumexp cross_entropy_loss nll_loss nll_loss_forward
+nll_loss2d mse_loss l1_loss smooth_l1_loss huber_loss kl_div binary_cross_entropy_with_logits cosine_similarity
+""".split())
+"""Op packets torch.autocast runs in float32 on CUDA (its fp32 list): norms, softmax, reductions, losses."""
+
+
+def autocast_fp32_nodes(ops: tuple[OpProfile, ...] | list[OpProfile]) -> frozenset[str]:
+    """The float ops (nodes, in graph order) of a float32 capture whose outputs torch.autocast(bfloat16) keeps
+    in float32: AUTOCAST_FP32 ops; and, by type promotion, every other op but AUTOCAST_LOWER's that reads a
+    float32 value: a parameter (fp32 weights under autocast), a graph input (no op input) or an fp32 op's output.
+    In a Hugging Face transformer that is the embedding's output and the residual stream it feeds (adds, norms),
+    while the matmuls, attention and the MLP between them run in bf16."""
+    fp32: set[str] = set()
+    for op in ops:
+        if op.dtype != "float32" or packet(op) in AUTOCAST_LOWER:
+            continue
+        if packet(op) in AUTOCAST_FP32 or op.params or not op.inputs or any(i in fp32 for i in op.inputs):
+            fp32.add(op.node)
+    return frozenset(fp32)
+
+
 def cost_kind(op: OpProfile) -> str:
     """The cost model's kind: "view" (no kernel), "attention" (activation x activation FLOPs), "gemm"
     (FLOPs against a weight: Linear, conv, grouped expert matmuls) or "memory" (elementwise, norms,

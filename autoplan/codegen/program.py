@@ -185,6 +185,24 @@ def _peak_flops_per_gpu(plan: Plan) -> float | None:
     return None
 
 
+MIN_PROCESS_GROUP_TIMEOUT_S = 1800.0
+"""The shortest collective timeout train.py gets (runtime/mesh.py PROCESS_GROUP_TIMEOUT_S, 30 minutes: torch's
+NCCL default is 10)."""
+BUILD_BYTES_PER_S = 1e8
+"""fp32 bytes per second rank 0 builds and initializes the model at on the CPU while the other ranks wait in the
+first broadcast: nn.Linear and nn.Embedding initialize at 0.13-0.14 GB/s on one thread of this project's VM
+(torchrun gives each rank OMP_NUM_THREADS=1), rounded down."""
+BUILD_TIME_MARGIN = 2.0
+"""The timeout is this many times the estimated build (a slower host, the model's own init code, the broadcast)."""
+
+
+def process_group_timeout_s(param_count: int) -> float:
+    """Seconds train.py's collectives wait before failing: at least MIN_PROCESS_GROUP_TIMEOUT_S, and
+    BUILD_TIME_MARGIN x the time rank 0 takes to build `param_count` fp32 parameters (BUILD_BYTES_PER_S): the
+    other ranks wait that long in the first collective. Llama-3-70B: 2 x 4 x 70.6e9 / 1e8 = 5,600 s."""
+    return max(MIN_PROCESS_GROUP_TIMEOUT_S, round(BUILD_TIME_MARGIN * 4 * param_count / BUILD_BYTES_PER_S))
+
+
 PREDICTED_KEYS = ("step_time_s", "samples_per_s", "tokens_per_s", "mfu", "peak_memory_bytes")
 """plan.json predicted values that train.py's PREDICTED carries (what runtime.TensorBoardLog draws beside the
 measured ones), by their plan.json names."""
@@ -230,6 +248,8 @@ def _config_block(plan: Plan, model_copy: Path) -> str:
         ("TOKENS_PER_SAMPLE", repr(t.tokens_per_sample), "for tokens/s (None: not token inputs)"),
         ("MODEL_FLOPS_PER_STEP", repr(float(plan.predicted.model_flops_per_step)), "for MFU"),
         ("PEAK_FLOPS_PER_GPU", repr(_peak_flops_per_gpu(plan)), f"dense peak of the planned GPU in {t.dtype}, for MFU"),
+        ("PROCESS_GROUP_TIMEOUT_S", repr(float(process_group_timeout_s(plan.model.param_count))),
+         "collective timeout, seconds: rank 0 builds the model while the others wait (--process-group-timeout)"),
     ]
     width = 34  # aligns the comments; a longer line just pushes its comment right
     lines = [f"{f'{name} = {value}':<{width}}  # {comment}" for name, value, comment in rows]

@@ -36,8 +36,9 @@ from functools import cached_property
 
 from autoplan.chain.modules import ModuleChain
 from autoplan.cost import calibration, comm
-from autoplan.cost.dtypes import activation_scale, peak_flops
-from autoplan.cost.module_costs import MODES, ChainCosts, OpCost, ModuleCosts, saved_by_mode, split_roles
+from autoplan.cost.dtypes import activation_scale, bytes_per_element, peak_flops
+from autoplan.cost.module_costs import (MODES, ChainCosts, ModuleCosts, OpCost, autocast_weight_copy_bytes,
+                                       saved_by_mode, split_roles)
 from autoplan.hardware.types import Gpu, Host, Link
 
 ADAMW_BYTES_PER_PARAM = {"fused": 28, "foreach": 80, "for-loop": 80}
@@ -225,6 +226,9 @@ class TableSetting:
     compiled: bool = False
     """The modules run under torch.compile (plan.json compile.enable): each op's time scales by its class's
     calibration.COMPILE_TIME_FACTOR."""
+    autocast: bool = False
+    """bf16 runs as torch.autocast over fp32 weights (no FSDP2, layout.fsdp_wraps): activations as autocast saves
+    them (module_costs.saved_by_mode) and its bf16 weight copies (autocast_weight_copy_bytes)."""
 
 
 @dataclass(frozen=True)
@@ -279,12 +283,18 @@ def _module_row(module: ModuleCosts, setting: TableSetting, timing: MeasuredScal
             cheap += f
         tp_fwd += _tp_forward(op, tp, b, scale, link, sp, setting.loss_parallel)
         tp_bwd += _tp_backward(op, tp, b * scale, link, sp, setting.compiled)
-    saved = saved_by_mode(module, tp, scale, sp, setting.compiled)
+    saved = saved_by_mode(module, tp, scale, sp, setting.compiled, setting.autocast)
     sharded_logits = tp > 1 and setting.loss_parallel and any(op.tp_role == "head" for op in module.ops)
     logits = module.output_buffer_bytes / (tp if sharded_logits else 1)
-    working = saved["none"] * b + calibration.LOSS_BUFFER_FACTOR * logits * b * scale
+    loss_scale = 1.0 if setting.autocast else scale  # autocast's cross-entropy upcasts the logits to fp32
+    working = saved["none"] * b + calibration.LOSS_BUFFER_FACTOR * logits * b * loss_scale
+    activations = {m: saved[m] * b for m in MODES}
+    if setting.autocast:  # the weights' bf16 copies: saved without recompute, remade in backward with it
+        copies = autocast_weight_copy_bytes(module, tp, bytes_per_element(setting.train_dtype))
+        activations["none"] += copies
+        working += copies
     return _ModuleRow(forward_s=fwd, backward_s=bwd, tp_forward_s=tp_fwd, tp_backward_s=tp_bwd, cheap_forward_s=cheap,
-                    activation_bytes={m: saved[m] * b for m in MODES}, working_bytes=working)
+                    activation_bytes=activations, working_bytes=working)
 
 
 DTENSOR_ROLES = frozenset({"colwise", "rowwise", "interior"})

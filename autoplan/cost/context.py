@@ -27,6 +27,7 @@ from autoplan.cost.dtypes import activation_scale, bytes_per_element, training_d
 from autoplan.cost.memory import LayoutMemory, MemoryInputs, layout_memory
 from autoplan.cost.module_costs import SPLIT_ROLES, ChainCosts, chain_costs
 from autoplan.hardware.types import Cluster
+from autoplan.layout import fsdp_wraps
 from autoplan.plan import Parallelism, Training
 from autoplan.profile.types import ModelProfile
 
@@ -87,7 +88,9 @@ class Context:
         self.dtype = training_dtype(training.dtype)
         self.dtype_bytes = bytes_per_element(self.dtype)
         self.scale = activation_scale(self.chain.capture_dtype, self.dtype)
-        self.use_measured = self.costs.measured and cluster.gpu.name == "cpu"
+        # ops timed on this machine price a plan for its kind of device: the CPU's for --gpu cpu, a GPU's
+        # (autoplan --measure on a GPU machine, in the plan's dtype) for a GPU profile
+        self.use_measured = self.costs.measured and (cluster.gpu.name == "cpu") == (self.costs.measured_on == "cpu")
         self.attention = attention_facts(profile)
         """The model's SDPA calls (what context parallelism rings) and why it cannot, if it cannot."""
         self.experts = expert_layers(profile)
@@ -164,25 +167,33 @@ class Context:
         return comm.p2p_s(nbytes / tp, link) + comm.all_gather_s(nbytes, tp, self.group(tp, 1).link)
 
     def table(self, tp: int, microbatch: int, sp: bool = False, loss_parallel: bool = True, cp: int = 1,
-              ep: int = 1) -> ModuleTable:
+              ep: int = 1, autocast: bool = False) -> ModuleTable:
         """Module costs at tensor-parallel degree `tp`, micro-batch size `microbatch`, sequence parallel `sp`, the
         loss on sharded logits or gathered ones (`loss_parallel`), context- and expert-parallel degrees `cp` and
-        `ep`, and this context's compile setting."""
-        key = (tp, microbatch, sp and tp > 1, self.compiled, loss_parallel, cp, ep)
+        `ep`, and this context's compile setting; with `autocast` (bf16 without FSDP2: autocast_layout), the
+        activations as torch.autocast keeps them (the times are the same)."""
+        key = (tp, microbatch, sp and tp > 1, self.compiled, loss_parallel, cp, ep, autocast)
         if key not in self._tables:
             if cp == 1 and ep == 1:
-                self._tables[key] = self._part_table(self.costs, tp, microbatch, key[2], loss_parallel)
+                self._tables[key] = self._part_table(self.costs, tp, microbatch, key[2], loss_parallel, autocast)
             else:
-                base = self.table(tp, microbatch, sp, loss_parallel)
+                base = self.table(tp, microbatch, sp, loss_parallel, autocast=autocast)
                 self._tables[key] = sharded_table(base, self._sharded_modules(tp, microbatch, key[2], cp, ep))
         return self._tables[key]
 
     def _part_table(self, costs: ChainCosts, tp: int, microbatch: int, sp: bool,
-                    loss_parallel: bool = True) -> ModuleTable:
+                    loss_parallel: bool = True, autocast: bool = False) -> ModuleTable:
         return module_table(costs, TableSetting(
             gpu=self.cluster.gpu, capture_dtype=self.chain.capture_dtype, train_dtype=self.dtype, tp=tp,
             microbatch=microbatch, tp_link=self.group(tp, 1).link, use_measured=self.use_measured, sp=sp,
-            compiled=self.compiled, loss_parallel=loss_parallel))
+            compiled=self.compiled, loss_parallel=loss_parallel, autocast=autocast))
+
+    def autocast_layout(self, par: Parallelism) -> bool:
+        """bf16 trains as torch.autocast over fp32 weights in this layout: FSDP2 does not wrap it
+        (layout.fsdp_wraps), so no MixedPrecisionPolicy computes in bf16 (runtime/steps.py)."""
+        return self.dtype == "bf16" and not fsdp_wraps(par.data_parallel_replicate_degree,
+                                                        par.data_parallel_shard_degree, par.context_parallel_degree,
+                                                        par.tensor_parallel_degree)
 
     def _ops_table(self, nodes: frozenset[str], tp: int, microbatch: int, sp: bool) -> ModuleTable:
         """The module table of only the ops in `nodes` (each module's share: its experts, its attention)."""
@@ -279,22 +290,24 @@ class Context:
         return [g.numel / (tp if split else 1) for g, split in zip(self.chain.tied_groups, self.costs.tied_split)]
 
     def layout_memory(self, inputs: MemoryInputs, shard: int, reshard_after_forward: bool, pp: int,
-                      offload: bool = False, expert_shard: int = 1) -> LayoutMemory:
-        key = (id(inputs), shard, reshard_after_forward, pp > 1, offload, expert_shard)
+                      offload: bool = False, expert_shard: int = 1, autocast: bool = False) -> LayoutMemory:
+        key = (id(inputs), shard, reshard_after_forward, pp > 1, offload, expert_shard, autocast)
         if key not in self._layouts:
             self._layouts[key] = layout_memory(inputs, self.dtype, shard, reshard_after_forward, pp, offload,
-                                               expert_shard)
+                                               expert_shard, autocast)
         return self._layouts[key]
 
     def memory_inputs(self, tp: int, microbatch: int, sp: bool = False, loss_parallel: bool = True, cp: int = 1,
-                      ep: int = 1) -> MemoryInputs:
-        key = (tp, microbatch, sp and tp > 1, loss_parallel, cp, ep)
+                      ep: int = 1, autocast: bool = False) -> MemoryInputs:
+        key = (tp, microbatch, sp and tp > 1, loss_parallel, cp, ep, autocast)
         if key not in self._inputs:
             self._inputs[key] = self._memory_inputs(*key)
         return self._inputs[key]
 
-    def _memory_inputs(self, tp: int, microbatch: int, sp: bool, loss_parallel: bool, cp: int, ep: int) -> MemoryInputs:
-        table = self.table(tp, microbatch, sp, loss_parallel, cp, ep)
+    def _memory_inputs(self, tp: int, microbatch: int, sp: bool, loss_parallel: bool, cp: int, ep: int,
+                       autocast: bool = False) -> MemoryInputs:
+        table = self.table(tp, microbatch, sp, loss_parallel, cp, ep, autocast)
+        cut_scale = 1.0 if autocast else self.scale  # autocast's residual stream is fp32
         own, groups = self.module_numel(tp, ep), self.group_numel(tp)
         whole = [own[u] + sum(n for n, g in zip(groups, self.chain.tied_groups) if u in g.modules)
                  for u in range(len(own))]
@@ -303,7 +316,7 @@ class Context:
             tied_group_modules=tuple(g.modules for g in self.chain.tied_groups),
             module_largest_numel=tuple(whole), activations=table.activation_bytes,
             working_bytes=table.working_bytes,
-            cut_bytes=tuple(c * microbatch * self.scale for c in self.rank_cut_bytes(cp)),
+            cut_bytes=tuple(c * microbatch * cut_scale for c in self.rank_cut_bytes(cp)),
             expert_numel=tuple(self.module_expert_numel(ep)) if self.experts else (),
         )
 

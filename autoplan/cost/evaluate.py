@@ -70,10 +70,11 @@ def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> Cha
     m = par.pipeline_parallel_num_microbatches
     sp, loss_parallel = par.enable_sequence_parallel, not par.disable_loss_parallel
     cp, ep = par.context_parallel_degree, par.expert_parallel_degree
-    inputs = ctx.memory_inputs(tp, mbs, sp, loss_parallel, cp, ep)
+    autocast = ctx.autocast_layout(par)
+    inputs = ctx.memory_inputs(tp, mbs, sp, loss_parallel, cp, ep, autocast)
     stages = pp * v
     shared = ctx.layout_memory(inputs, par.fsdp_shard_degree, par.reshards_after_forward, pp,
-                               par.enable_cpu_offload, expert_shard_degree(par.fsdp_shard_degree, ep))
+                               par.enable_cpu_offload, expert_shard_degree(par.fsdp_shard_degree, ep), autocast)
     models = tuple(shared.stage(s, microbatches_in_flight(par.pipeline_parallel_schedule, pp, m, s, v))
                    for s in range(stages))
     table = ctx.table(tp, mbs, sp, loss_parallel, cp, ep)
@@ -109,7 +110,8 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     # with ep = 1 the experts are parameters like the others (in their module's FSDP2 unit or DDP bucket)
     experts = ctx.module_expert_numel(ep) if ep > 1 else [0.0] * len(own)
     expert_shard = expert_shard_degree(par.fsdp_shard_degree, ep)
-    cut = [c * mbs * ctx.scale for c in ctx.rank_cut_bytes(cp)]
+    cut_scale = 1.0 if ctx.autocast_layout(par) else ctx.scale  # autocast sends the fp32 residual stream
+    cut = [c * mbs * cut_scale for c in ctx.rank_cut_bytes(cp)]
     n, ranges, modes = len(chain), assignment.split.ranges(), assignment.modes
     parts: list[dict[str, float]] = []
     costs: list[StageCost] = []

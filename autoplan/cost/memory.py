@@ -49,6 +49,12 @@ MODEL_STATE_BYTES_PER_PARAM = {
 bf16 mixed precision: bf16 weights and gradients, fp32 master weights + exp_avg + exp_avg_sq
 (2 + 2 + 12; Rajbhandari et al., ZeRO, K = 12). Both total 16 bytes per parameter."""
 
+AUTOCAST_STATE_BYTES_PER_PARAM = {"parameters": 4, "gradients": 4, "optimizer": 8}
+"""Bytes per parameter when bf16 trains as torch.autocast over fp32 weights (no FSDP2: layout.fsdp_wraps): the
+fp32 weights, their fp32 gradients (autograd accumulates into the fp32 leaves) and AdamW's two fp32 moments, no
+separate master copy. The same 16 bytes as mixed precision's 2 + 2 + 12, in other categories; the bf16 copies
+autocast makes of the weights are activations (module_costs.autocast_weight_copy_bytes)."""
+
 STATE_CATEGORIES = ("parameters", "gradients", "optimizer")
 
 HOST_STATE_BYTES_PER_PARAM = 16
@@ -209,14 +215,16 @@ class LayoutMemory:
 
 
 def layout_memory(inputs: MemoryInputs, train_dtype: str, shard: int, reshard_after_forward: bool,
-                  num_ranks: int, offload: bool = False, expert_shard: int = 1) -> LayoutMemory:
+                  num_ranks: int, offload: bool = False, expert_shard: int = 1, autocast: bool = False) -> LayoutMemory:
     """The memory vectors of a layout. `shard` is the data-parallel sharding degree (dp_shard x cp; 1 for
     DDP); `num_ranks` the pipeline degree; `offload`: the model states are on the host (CPU offload);
-    `expert_shard`: the ranks the expert parameters' states are sharded over (the FSDP group over ep)."""
+    `expert_shard`: the ranks the expert parameters' states are sharded over (the FSDP group over ep);
+    `autocast`: bf16 runs as torch.autocast over fp32 weights (AUTOCAST_STATE_BYTES_PER_PARAM; `inputs` then
+    holds autocast's activations, Context.memory_inputs)."""
     dtype = training_dtype(train_dtype)
     zero = zero_of(shard, reshard_after_forward)
     element = bytes_per_element(dtype)
-    per_param = MODEL_STATE_BYTES_PER_PARAM[dtype]
+    per_param = AUTOCAST_STATE_BYTES_PER_PARAM if autocast else MODEL_STATE_BYTES_PER_PARAM[dtype]
     firsts = (("optimizer", 1), ("gradients", 2), ("parameters", 3))
     divisor = {c: shard if zero >= first else 1 for c, first in firsts}
     expert_divisor = {c: expert_shard if zero >= first else 1 for c, first in firsts}

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoplan.chain.modules import ModuleChain
-from autoplan.chain.ops import cost_kind, has_trait
+from autoplan.chain.ops import AUTOCAST_LOWER, autocast_fp32_nodes, cost_kind, has_trait, packet
 from autoplan.chain.tensor_parallel import TensorParallelFacts
 from autoplan.profile.types import ModelProfile, OpProfile
 
@@ -74,6 +74,12 @@ class OpCost:
     shares_gather: bool = False
     """A colwise Linear (or the head) reading the same tensor as an earlier one of its module (k and v after
     q): with sequence parallelism it uses that one's all-gather (runtime/sequence_gather.py)."""
+    autocast_fp32: bool = False
+    """Under torch.autocast (bf16 without FSDP2) the op computes in and saves float32 (chain.ops.autocast_fp32_nodes:
+    the residual stream, norms, losses), whatever the training dtype."""
+    autocast_weight_numel: float = 0.0
+    """Parameter elements autocast casts to bf16 for this op (an AUTOCAST_LOWER op's weights and bias, per
+    tensor-parallel rank if it is split), which it saves for backward: one copy per micro-batch in flight."""
 
     @property
     def compile_class(self) -> str:
@@ -110,7 +116,9 @@ class ChainCosts:
     tied_split: tuple[bool, ...]
     """Per ModuleChain.tied_groups entry: True when tensor parallelism splits that parameter."""
     measured: bool
-    """Times come from measurements on this machine (profile device "cpu")."""
+    """Times come from measurements on this machine (`measured_on`)."""
+    measured_on: str = ""
+    """The device the ops were timed on (ModelProfile.device: "cpu" or "cuda"), "" when none was timed."""
     whole_model_times_s: tuple[tuple[int, float], ...] = ()
     """(batch size, forward+backward seconds) of the whole model measured here (ModelProfile)."""
 
@@ -124,11 +132,13 @@ class ChainCosts:
         return out
 
 
-def op_cost(op: OpProfile, profile: ModelProfile, role: str, shares_gather: bool = False) -> OpCost:
+def op_cost(op: OpProfile, profile: ModelProfile, role: str, shares_gather: bool = False,
+            autocast_fp32: bool = False) -> OpCost:
     batch = profile.batch_size
     param_bytes = sum(profile.parameters.get(p, 0) for p in op.params) * profile.parameter_bytes_per_element
     param_bytes = min(param_bytes, op.input_bytes)  # buffers read as params are not in `parameters`
     measured = op.source == "measured"
+    cast = packet(op) in AUTOCAST_LOWER and op.dtype == "float32"
     return OpCost(
         kind=cost_kind(op),
         tp_role=role,
@@ -148,6 +158,8 @@ def op_cost(op: OpProfile, profile: ModelProfile, role: str, shares_gather: bool
         profile_batch=batch,
         rows=_rows(op) / batch,
         shares_gather=shares_gather,
+        autocast_fp32=autocast_fp32,
+        autocast_weight_numel=param_bytes / profile.parameter_bytes_per_element if cast else 0.0,
     )
 
 
@@ -161,13 +173,15 @@ def _rows(op: OpProfile) -> float:
     return float(rows)
 
 
-def _op_costs(nodes, by_node: dict[str, OpProfile], profile: ModelProfile, facts: TensorParallelFacts):
-    """The OpCost of each of a module's ops, marking the colwise Linears that share an earlier one's input."""
+def _op_costs(nodes, by_node: dict[str, OpProfile], profile: ModelProfile, facts: TensorParallelFacts,
+              fp32: frozenset[str] = frozenset()):
+    """The OpCost of each of a module's ops, marking the colwise Linears that share an earlier one's input and
+    the ops autocast keeps in float32 (`fp32`)."""
     gathered: set[str] = set()
     for node in nodes:
         op, role = by_node[node], facts.role.get(node, "")
         source = op.inputs[0] if role in ("colwise", "head") and op.inputs else None
-        yield op_cost(op, profile, role, shares_gather=source in gathered)
+        yield op_cost(op, profile, role, shares_gather=source in gathered, autocast_fp32=node in fp32)
         if source is not None:
             gathered.add(source)
 
@@ -177,8 +191,9 @@ def chain_costs(profile: ModelProfile, chain: ModuleChain, facts: TensorParallel
     outputs = set(profile.output_nodes)
     tied = {g.parameter for g in chain.tied_groups}
     modules, signatures, seen = [], [], {}
+    fp32 = autocast_fp32_nodes(profile.ops)
     for i, module in enumerate(chain.modules):
-        ops = tuple(_op_costs(module.ops, by_node, profile, facts))
+        ops = tuple(_op_costs(module.ops, by_node, profile, facts, fp32))
         own = [p for p in module.parameters if p not in tied]
         split = sum(profile.parameters[p] for p in own if p in facts.sharded_parameters)
         costs = ModuleCosts(
@@ -195,28 +210,49 @@ def chain_costs(profile: ModelProfile, chain: ModuleChain, facts: TensorParallel
         modules=tuple(modules),
         signature=tuple(signatures),
         tied_split=tuple(g.parameter in facts.sharded_parameters for g in chain.tied_groups),
-        measured=profile.device == "cpu" and any(op.source == "measured" for op in profile.ops),
+        measured=any(op.source == "measured" for op in profile.ops),
+        measured_on=profile.device if any(op.source == "measured" for op in profile.ops) else "",
         whole_model_times_s=tuple(sorted(profile.whole_model_times_s.items())),
     )
 
 
 def saved_by_mode(module: ModuleCosts, tp: int, scale: float, sp: bool = False,
-                  compiled: bool = False) -> dict[str, float]:
+                  compiled: bool = False, autocast: bool = False) -> dict[str, float]:
     """Activation bytes per sample kept for backward under each recompute mode, in the training dtype
     (`scale` = its element size over the capture's). With sequence parallelism (`sp`) the ops between the
     pairs keep sequence shards (norm inputs, dropout masks: Korthikanti et al. 2022, Eq. 4), and so does the
     module's input when it arrives sequence-sharded. So does the input a colwise Linear (or the head) all-gathers:
     runtime/sequence_gather.py keeps the shard for backward and gathers it again there, as Megatron-LM does;
     in a `compiled` module torch.compile's graph keeps the gathered input whole (those hooks stay out of it),
-    but the head's: runtime/compile.py leaves the chain modules of the tensor-parallel plan eager."""
+    but the head's: runtime/compile.py leaves the chain modules of the tensor-parallel plan eager.
+    Under torch.autocast (`autocast`: bf16 without FSDP2) the ops it keeps in float32 (OpCost.autocast_fp32) save
+    float32 and the module's input (the residual stream) arrives in float32; the rest saves bf16 (`scale`)."""
     def share(nbytes: float, split: bool) -> float:
         return nbytes / tp if split else nbytes
 
     gathered = {"head"} if compiled else {"colwise", "head"}
     saved_split = {"rowwise", "interior"} | ({"sequence"} | gathered if sp else set())
-    none = sum(share(op.saved_bytes * (scale if op.saved_scales else 1.0), op.tp_role in saved_split)
-               for op in module.ops)
+
+    def op_scale(op: OpCost) -> float:
+        return 1.0 if not op.saved_scales or (autocast and op.autocast_fp32) else scale
+
+    none = sum(share(op.saved_bytes * op_scale(op), op.tp_role in saved_split) for op in module.ops)
+    input_scale = 1.0 if autocast else scale
     module_input = share(module.input_bytes, sp and module.sequence_input)
-    kept = scale * (module_input + sum(share(op.output_bytes, op.tp_role in ("colwise", "interior"))
-                                       for op in module.ops if op.kind in ("gemm", "attention")))
-    return {"none": none, "selective": min(none, kept), "full": min(none, scale * module_input)}
+    kept = input_scale * module_input + scale * sum(share(op.output_bytes, op.tp_role in ("colwise", "interior"))
+                                                    for op in module.ops if op.kind in ("gemm", "attention"))
+    return {"none": none, "selective": min(none, kept), "full": min(none, input_scale * module_input)}
+
+
+AUTOCAST_SPLIT_ROLES = frozenset({"colwise", "rowwise", "head"})
+"""Tensor-parallel roles whose weights a rank holds 1/tp of (its autocast copy too)."""
+
+
+def autocast_weight_copy_bytes(module: ModuleCosts, tp: int, element: int) -> float:
+    """Bytes of the `element`-byte (bf16: 2) copies torch.autocast makes of the weights its matmuls read. Without
+    recompute they are saved for backward, one copy per micro-batch in flight (autocast's cache is cleared when
+    each micro-batch's forward leaves its autocast region); selective recompute (which saves matmul outputs only)
+    and full recompute remake them in backward: one module's copies at a time."""
+    return element * sum(op.autocast_weight_numel / (tp if op.tp_role in AUTOCAST_SPLIT_ROLES else 1)
+                         for op in module.ops)
+

@@ -237,7 +237,7 @@ def load_hardware(name_or_path: str) -> HardwareProfile:
     return parse_hardware(text, path)
 
 
-def _link_dict(link: Link) -> dict[str, Any]:
+def link_dict(link: Link) -> dict[str, Any]:
     raw = {
         "name": link.name,
         "bus_bandwidth_gb_per_s": link.bus_bandwidth_bytes_per_s / GB,
@@ -270,8 +270,8 @@ def hardware_to_yaml(profile: HardwareProfile) -> str:
             **{f"{name}_us": getattr(gpu, f"{name}_s") / MICRO for name in HOST_OVERHEADS},
             "source": gpu.source,
         },
-        "intra_node": _link_dict(profile.intra_node),
-        "inter_node": _link_dict(profile.inter_node),
+        "intra_node": link_dict(profile.intra_node),
+        "inter_node": link_dict(profile.inter_node),
         "host": {"memory_gib": profile.host.memory_bytes / GIB,
                  "memory_bandwidth_gb_per_s": profile.host.memory_bandwidth_bytes_per_s / GB,
                  "memory_efficiency": profile.host.memory_efficiency,

@@ -48,13 +48,15 @@ def measure_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def device_description(device: str) -> str:
-    """What timings depend on besides the op: the processor (or GPU) and the torch version."""
+def device_description(device: str, float_dtype: torch.dtype | None = None) -> str:
+    """What timings depend on besides the op: the processor (or GPU), the torch version and the dtype float32
+    inputs are timed in."""
     if device == "cuda":
         hardware = torch.cuda.get_device_name()
     else:
         hardware = f"{platform.machine()} {platform.processor() or 'cpu'} x{THREADS_PER_RANK} thread"
-    return f"{device}: {hardware}; torch {torch.__version__}"
+    timed = f"; float inputs in {str(float_dtype).removeprefix('torch.')}" if float_dtype is not None else ""
+    return f"{device}: {hardware}; torch {torch.__version__}{timed}"
 
 
 def _median_seconds(run: Callable[[], object], device: str) -> float:
@@ -76,10 +78,23 @@ def _median_seconds(run: Callable[[], object], device: str) -> float:
     return statistics.median(samples)
 
 
-def measure_call(call: OpCall, device: str = "cpu") -> Timing:
-    """Median forward and backward time of `call` on random tensors on `device`, seconds."""
+TIMED_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+"""Training dtype -> the dtype an op's float32 inputs are timed in on a GPU (None: as captured). A bf16 plan
+trains under FSDP2's MixedPrecisionPolicy or autocast, so its ops run on bf16 tensors; ops a model itself runs
+in fp32 (an RMSNorm's variance) are timed in bf16 too. On the CPU ops are timed as captured (fp32): CPU plans
+train in fp32."""
+
+
+def timed_dtype(device: str, train_dtype: str) -> torch.dtype | None:
+    """The dtype float32 op inputs are timed in on `device` for a plan training in `train_dtype`."""
+    return TIMED_DTYPES.get(train_dtype) if device == "cuda" else None
+
+
+def measure_call(call: OpCall, device: str = "cpu", float_dtype: torch.dtype | None = None) -> Timing:
+    """Median forward and backward time of `call` on random tensors on `device` (float32 inputs in
+    `float_dtype` when given), seconds."""
     with torch.device(device), torch.set_grad_enabled(call.grad_enabled):
-        leaves, _ = make_inputs(call, fill=True)
+        leaves, _ = make_inputs(call, fill=True, float_dtype=float_dtype)
         mutable = call.target._schema.is_mutable
 
         def forward():
@@ -107,9 +122,11 @@ class OpTimer:
     """measure_call with a cache by signature (in memory and on disk); None for an op that cannot be
     timed, with the reason in `errors`."""
 
-    def __init__(self, cache: TimingCache, device: str = "cpu") -> None:
+    def __init__(self, cache: TimingCache, device: str = "cpu", float_dtype: torch.dtype | None = None) -> None:
         self.cache = cache
         self.device = device
+        self.float_dtype = float_dtype
+        """The dtype float32 inputs are timed in (timed_dtype), None: as captured."""
         self.errors: dict[str, str] = {}
         """Op (target name) -> why it could not be timed."""
         self.measured = 0
@@ -134,7 +151,7 @@ class OpTimer:
         if self.device == "cpu":
             torch.set_num_threads(THREADS_PER_RANK)
         try:
-            timing = measure_call(call, self.device)
+            timing = measure_call(call, self.device, self.float_dtype)
             return [timing.forward_s, timing.backward_s]
         except Exception as e:  # noqa: BLE001 - e.g. an op that needs meaningful values: estimate it instead
             log.debug("cannot time %s on random inputs: %s", call.target, _one_line(e))

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from autoplan.capture import OpGraph, OpNode, ValueRef, capture_model
 from autoplan.hardware.types import HardwareProfile
-from autoplan.profile.measure import OpTimer, device_description, measure_device
+from autoplan.profile.measure import OpTimer, device_description, measure_device, timed_dtype
 from autoplan.profile.replay import FakeReplayer, OpCall, ReplayResult, SavedTensor, op_call
 from autoplan.profile.roofline import backward_bytes, peak_flops, roofline_seconds
 from autoplan.profile.timing_cache import TimingCache, cache_key
@@ -81,17 +81,21 @@ class _Timer:
         return forward, backward, "estimated"
 
 
-def _op_timer(graph: OpGraph, model: str) -> OpTimer:
-    """A timer on this machine's device, with the on-disk cache of (model, batch shapes, device)."""
+def _op_timer(graph: OpGraph, model: str, train_dtype: str = "fp32") -> OpTimer:
+    """A timer on this machine's device, timing ops as a `train_dtype` plan runs them there (timed_dtype), with
+    the on-disk cache of (model, batch shapes, device and timed dtype)."""
     device = measure_device()
+    float_dtype = timed_dtype(device, train_dtype)
     inputs = [(name, g.meta.shape, str(g.meta.dtype)) for name, g in graph.inputs.items() if g.kind == "input"]
-    return OpTimer(TimingCache.open(cache_key(model, inputs, device_description(device))), device)
+    return OpTimer(TimingCache.open(cache_key(model, inputs, device_description(device, float_dtype))), device,
+                   float_dtype)
 
 
 def profile_graph(graph: OpGraph, model: str, batch_size: int, hardware: HardwareProfile, measure: bool,
                   dtype: str = "fp32") -> ModelProfile:
-    """Profile every op of `graph`. `dtype` names the hardware peak the roofline uses ("fp32", "bf16")."""
-    op_timer = _op_timer(graph, model) if measure else None
+    """Profile every op of `graph`. `dtype`, the training dtype, names the hardware peak the roofline uses
+    ("fp32", "bf16") and, measured on a GPU, the dtype the ops are timed in."""
+    op_timer = _op_timer(graph, model, dtype) if measure else None
     timer = _Timer(hardware, op_timer, dtype)
     replayer = FakeReplayer(accelerator=hardware.gpu.name != "cpu")
     requires_grad = {ValueRef(name): graph_input.requires_grad for name, graph_input in graph.inputs.items()}

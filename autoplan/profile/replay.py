@@ -8,6 +8,8 @@ signatures however many layers it has.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -108,13 +110,17 @@ def op_call(node: OpNode, graph: OpGraph, requires_grad: dict[ValueRef, bool]) -
     return OpCall(node.target, args, kwargs, tuple(slots), node.grad_enabled), slot_refs
 
 
-def make_inputs(call: OpCall, fill: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def make_inputs(call: OpCall, fill: bool, float_dtype: torch.dtype | None = None
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(leaf tensors, tensors to pass) for a call, in the current (fake or real) mode; with `fill`,
-    real values (random floats, zero integers, True masks).
+    real values (random floats, zero integers, True masks); with `float_dtype`, float32 slots in that dtype
+    (an op timed as a bf16 mixed-precision run computes it).
 
     Leaves that require grad are passed as clones to in-place ops, which may not mutate a leaf."""
     leaves = []
     for spec in call.slots:
+        if float_dtype is not None and spec.dtype == torch.float32:
+            spec = dataclasses.replace(spec, dtype=float_dtype)
         tensor = _filled(spec) if fill else torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype)
         leaves.append(tensor.requires_grad_() if spec.requires_grad else tensor)
     if not call.target._schema.is_mutable:

@@ -355,6 +355,8 @@ def verify_section(verify: Any) -> str:
     measured vs predicted (overall, per stage and per rank: autoplan.report.verify_view). verify.json is
     user-editable, so any value may be missing or malformed: such values are skipped, never trusted, never fatal."""
     verify = verify if isinstance(verify, dict) else {}
+    if verify.get("device") == "cuda":
+        return _gpu_measurement_section(verify)
     reference, losses = _steps(verify.get("reference_losses")), _steps(verify.get("losses"))
     tolerance = verify_view.finite(verify.get("parity_tolerance"))
     tolerance = tolerance if tolerance is not None and tolerance > 0 else PARITY_TOLERANCE
@@ -379,6 +381,28 @@ def verify_section(verify: Any) -> str:
             [("single process (reference)", "#a0cbe8", reference), ("generated program", "#1f4e79", losses)],
             "optimizer step", "loss", lambda v: f"{v:g}", lambda v: f"{v:.4g}", "loss parity",
             dashed=("generated program",), halo=("single process (reference)",))
+    return html + verify_view.comparison_html(verify) + "</section>"
+
+
+def _gpu_measurement_section(verify: dict) -> str:
+    """`autoplan verify --device cuda --measure`: the program trained on GPUs, measured against the prediction
+    (no parity: verify.json's "parity" says why)."""
+    losses = _steps(verify.get("losses"))
+    ok = verify.get("passed") is True
+    badge = f'<span class="badge {"ok" if ok else "bad"}">{"trained on GPU" if ok else "GPU run failed"}</span>'
+    note = verify.get("parity") if isinstance(verify.get("parity"), str) else ""
+    html = (f'<section id="verification"><h2>Verification {badge}</h2><p class="lead">The generated program '
+            f"trained on {esc(verify.get('nproc', '?'))} GPU(s) for {esc(verify.get('steps', '?'))} steps. "
+            f"Parity: {esc(note)}.</p>")
+    mfu, predicted_mfu = verify_view.finite(verify.get("measured_mfu")), verify_view.finite(verify.get("predicted_mfu"))
+    if mfu is not None and predicted_mfu is not None:
+        html += f"<p>MFU {mfu * 100:.1f}% measured, {predicted_mfu * 100:.1f}% predicted.</p>"
+    error = verify.get("error")
+    if isinstance(error, str) and error:
+        html += f"<details><summary>The run failed</summary><pre>{esc(error)}</pre></details>"
+    if losses:
+        html += charts.line_chart([("generated program on GPU", "#1f4e79", losses)], "optimizer step", "loss",
+                                  lambda v: f"{v:g}", lambda v: f"{v:.4g}", "loss")
     return html + verify_view.comparison_html(verify) + "</section>"
 
 

@@ -219,8 +219,9 @@ def overall_html(verify: dict) -> str:
     where = [f"measured on {esc(on)}" for on in [verify.get("measured_on")] if isinstance(on, str) and on]
     target = verify.get("predicted_for")
     if isinstance(target, str) and target:
-        where.append(f"predicted for {esc(target)}"
-                     + ("" if target.lower().startswith("cpu") else " (another device: expect times to differ)"))
+        measured_on_cpu = str(verify.get("measured_on", "cpu")).startswith("cpu")
+        where.append(f"predicted for {esc(target)}" + ("" if target.lower().startswith("cpu") == measured_on_cpu
+                                                       else " (another device: expect times to differ)"))
     note = f" ({'; '.join(where)})" if where else ""
     return (f'<h3>Predicted vs measured</h3><p class="lead">Errors are predicted / measured - 1: negative means the '
             f"plan expected less than the run needed{note}. Beyond ±{TIME_TOLERANCE:.0%} (time) or "

@@ -39,7 +39,8 @@ from autoplan.runtime.context_parallel import ContextParallelRegion, PipelineCon
 from autoplan.runtime.data import batch_size_of, shard, to_device
 from autoplan.runtime.expert_parallel import ExpertParallel, parallelize_experts
 from autoplan.runtime.materialize import ModelPart, catalog, materialize_from, named_tensors
-from autoplan.runtime.mesh import MESH_DIMS, RankLayout, device_mesh, global_mean_loss, local_stages, rank_layout
+from autoplan.runtime.mesh import (MESH_DIMS, RankLayout, device_mesh, global_mean_loss, local_device, local_stages,
+                                   rank_layout)
 from autoplan.runtime.optimizer import param_groups
 from autoplan.runtime.parallel import TiedGradients, compute_dtype, replicate_data_parallel, shard_data_parallel
 from autoplan.runtime.recompute import ROOT_MODULE, checkpoint_modules
@@ -118,12 +119,14 @@ class Parallelized:
         return global_mean_loss(local_loss, self.rank, self.device)
 
 
-def init_plan_mesh(plan: Any, device: torch.device | str | None = None) -> DeviceMesh:
-    """Start the process group (NCCL on CUDA, gloo on CPU) unless one is running, and build the plan's mesh
-    (pp, dp_replicate, dp_shard, cp, tp). `plan`: a Plan, a plan.json or output folder path, or a ParallelConfig.
-    A UserError if the number of processes is not the plan's."""
+def init_plan_mesh(plan: Any, device: torch.device | str | None = None, timeout_s: float | None = None) -> DeviceMesh:
+    """Start the process group (NCCL on CUDA, gloo on CPU; its collectives time out after `timeout_s`, default
+    mesh.PROCESS_GROUP_TIMEOUT_S) unless one is running, and build the plan's mesh (pp, dp_replicate, dp_shard,
+    cp, tp). `plan`: a Plan, a plan.json or output folder path, or a ParallelConfig. A UserError if the number
+    of processes is not the plan's."""
     config = as_config(plan)
-    return device_mesh(_device(device), config.pp, config.dp_replicate, config.dp_shard, config.tp, config.cp)
+    return device_mesh(_device(device), config.pp, config.dp_replicate, config.dp_shard, config.tp, config.cp,
+                       timeout_s)
 
 
 def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
@@ -220,14 +223,17 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
         region = ContextParallelRegion(mesh["cp"], modules[0], attention) if attention is not None else None
         step = AccumulationStep(modules[0], config.num_microbatches, loss_fn, dtype, tensor_parallel=config.tp > 1,
                                 loss_parallel=loss_parallel, context_parallel=region)
+    if device.type == "cuda":  # the steps' peak, not the model's materialization (rank 0's broadcast buffers)
+        torch.cuda.reset_peak_memory_stats(device)
     return Parallelized(parts=modules, step=step, tied=tied, split=split, mesh=mesh, rank=rank, experts=experts,
                         device=device, dtype=dtype)
 
 
 def _device(device: torch.device | str | None) -> torch.device:
+    """The device to compute on: `device` (default cuda if available, else cpu), with this process's GPU index."""
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return local_device(device)
 
 
 def _check_runnable(config: ParallelConfig) -> None:

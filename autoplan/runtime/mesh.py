@@ -10,6 +10,7 @@ shards the model states over dp_shard x cp (the flattened dim "dp_shard_cp", tor
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -57,14 +58,32 @@ class RankLayout:
         return self.pp_rank == self.pp_size - 1
 
 
+PROCESS_GROUP_TIMEOUT_S = 1800.0
+"""How long a collective waits for every rank before the process group gives up, seconds, unless the program
+says otherwise (train.py sizes it to the model: codegen/program.py process_group_timeout_s). torch's default,
+10 minutes under NCCL, is shorter than rank 0 takes to build a large model on the CPU while the other ranks
+wait in the first broadcast."""
+
+
+def local_device(device: torch.device | str) -> torch.device:
+    """`device` with this process's GPU index: "cuda" alone is cuda:LOCAL_RANK (torchrun's local rank; the GPU
+    device_mesh makes current), which DDP's device_ids and every per-GPU call need; other devices as they are."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return device
+
+
 def device_mesh(device: torch.device, pp: int, dp_replicate: int, dp_shard: int, tp: int = 1,
-                cp: int = 1) -> DeviceMesh:
+                cp: int = 1, timeout_s: float | None = None) -> DeviceMesh:
     """The mesh (pp, dp_replicate, dp_shard, cp, tp) over all processes, after starting the process group
-    (NCCL on CUDA, gloo on CPU) unless one is running. A UserError if the world size is not their product."""
+    (NCCL on CUDA, gloo on CPU; collectives time out after `timeout_s`, default PROCESS_GROUP_TIMEOUT_S) unless
+    one is running. A UserError if the world size is not their product."""
     if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(local_device(device))
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        timeout = datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S if timeout_s is None else timeout_s)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     world, planned = dist.get_world_size(), pp * dp_replicate * dp_shard * cp * tp
     if world != planned:
         raise UserError(f"the plan is for pp {pp} x dp_replicate {dp_replicate} x dp_shard {dp_shard} x cp {cp} x "

@@ -30,9 +30,14 @@ class StepMetrics:
     """One record per step: step, loss, seconds, samples_per_s, tokens_per_s, mfu, peak_memory_bytes."""
 
     def record(self, step: int, loss: float, seconds: float, device: torch.device, verbose: bool) -> dict:
-        """Log a step (peak memory is the largest over ranks: a collective, so every rank calls it)."""
+        """Log a step (peak memory is the largest over ranks: a collective, so every rank calls it). On CUDA
+        each step's peak is its own: the allocator's peak is reset after reading it (parallelize resets it
+        after building the model), so a step's number holds neither the materialization nor an earlier step's
+        compilation; the first step's holds its own compilation."""
         entry = {"step": step, "loss": loss, "seconds": seconds, "samples_per_s": self.global_batch / seconds,
                  "peak_memory_bytes": int(max_over_ranks(peak_memory_bytes(device), device))}
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         text = f"step {step} | loss {loss:.6f} | {seconds * 1e3:.1f} ms | {entry['samples_per_s']:.1f} samples/s"
         if self.tokens_per_sample:
             entry["tokens_per_s"] = entry["samples_per_s"] * self.tokens_per_sample

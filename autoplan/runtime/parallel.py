@@ -22,8 +22,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from autoplan.layout import fsdp_wraps
 from autoplan.runtime.expert_parallel import ExpertParallel
-from autoplan.runtime.mesh import RankLayout, fsdp_mesh
+from autoplan.runtime.mesh import RankLayout, fsdp_mesh, local_device
 from autoplan.runtime.recompute import ROOT_MODULE, submodule
 from autoplan.runtime.split import PipelineSplit
 
@@ -55,10 +56,9 @@ def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, reshard_after_forwa
     from autoplan.runtime.batchnorm import sync_batch_norm
 
     module = sync_batch_norm(module, mesh, batch_norm_modules)
-    replicate, tp = mesh["dp_replicate"].size(), mesh["tp"].size()
-    shard = mesh["dp_shard"].size() * mesh["cp"].size()
-    if replicate * shard == 1 or (shard == 1 and tp == 1):
+    if not fsdp_wraps(mesh["dp_replicate"].size(), mesh["dp_shard"].size(), mesh["cp"].size(), mesh["tp"].size()):
         return module
+    shard = mesh["dp_shard"].size() * mesh["cp"].size()
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     dp_mesh = fsdp_mesh(mesh)
@@ -87,7 +87,7 @@ def replicate_data_parallel(module: nn.Module, mesh: DeviceMesh, device: torch.d
 
     # gradient_as_bucket_view: gradients live in DDP's buckets, no second copy (as the cost model prices it)
     return DistributedDataParallel(module, process_group=mesh["dp_replicate"].get_group(),
-                                   device_ids=[device.index] if device.type == "cuda" else None,
+                                   device_ids=[local_device(device).index] if device.type == "cuda" else None,
                                    gradient_as_bucket_view=True)
 
 

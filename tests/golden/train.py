@@ -80,6 +80,7 @@ COMPILE = False                     # torch.compile per chain module (train.py -
 TOKENS_PER_SAMPLE = None            # for tokens/s (None: not token inputs)
 MODEL_FLOPS_PER_STEP = 4000000000000.0  # for MFU
 PEAK_FLOPS_PER_GPU = 989000000000000.0  # dense peak of the planned GPU in bf16, for MFU
+PROCESS_GROUP_TIMEOUT_S = 1800.0    # collective timeout, seconds: rank 0 builds the model while the others wait (--process-group-timeout)
 PREDICTED = {  # plan.json predicted: --tensorboard logs them beside the measured values
     'step_time_s': 0.2,
     'samples_per_s': 160.0,
@@ -109,6 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10, help="train until this many optimizer steps are done")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--process-group-timeout", type=float, default=PROCESS_GROUP_TIMEOUT_S, metavar="SECONDS",
+                        help="how long a collective waits for every rank before failing (default: sized to the "
+                             "time rank 0 takes to build the model on the CPU while the others wait)")
     parser.add_argument("--model-file", choices=("copy", "planned"), default="copy",
                         help="copy: MODEL_FILE, the copy in model_code/ beside this file made at planning, with the "
                              "modules beside the model file that it imports (default); planned: the file it was "
@@ -204,7 +208,7 @@ def main(argv=None) -> list[float]:
 
     # processes and the device mesh ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     config = parallel_config(args.compile)
-    mesh = autoplan.init_mesh(config, device)
+    mesh = autoplan.init_mesh(config, device, timeout_s=args.process_group_timeout)
     parallel = build_parallel_model(model_source, config, mesh, device)
     rank, parts = parallel.rank, parallel.parts
     optimizer = runtime.adamw(parallel.parameters(), LEARNING_RATE, OPTIMIZER_IMPLEMENTATION)

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# The first GPU run of autoplan: one prepared check for a machine with one H100 or H200 and this repository.
+# It finishes in under 8 minutes (every step has its own time limit; they sum to 470 s, the install step
+# included) and prints measured / predicted ratios; everything goes to one log,
+# benchmarks/results/gpu_check_<device>_<UTC time>.log, beside the steps' JSON files
+# (benchmarks/results/gpu_check_<device>/).
+#
+#   bash benchmarks/gpu_check.sh [--device cuda|cpu] [--wheels DIR]
+#
+# Steps (benchmarks/gpu_check.py has one subcommand each):
+#   plan        Llama-3.2-1B's shapes (benchmarks/models/llama32_1b.py) for --gpus 1 on the machine's profile
+#               (H100 or H200, detected): the search's plan, its layout without compile, and recompute=selective
+#               and recompute=full under compile
+#   train       20 steps compiled and 20 eager (step time, MFU, peak memory, the compile speed-up against the
+#               predicted one, recompiles counted from TORCH_LOGS=recompiles); 10 steps each of the selective and
+#               full plans under compile
+#   calibrate   autoplan calibrate on one rank: bf16 GEMM TFLOP/s, HBM bandwidth and launch overhead against the
+#               profile's, writing a calibrated profile (calibrated.yaml)
+#   offload     FSDP2 with pinned-memory CPU offload on a one-rank mesh
+#   checkpoint  a DCP save and resume (train.py --checkpoint-dir, --resume) against a straight run
+#   profile     autoplan profile --measure (ops timed on the GPU in bf16) against the roofline, per op kind
+#   summary     every ratio in one table
+#
+# Packages the GPU machine may lack (PuLP, highspy, ...) come as wheels from a folder: --wheels DIR or
+# AUTOPLAN_WHEELS=DIR. Prepare it on a machine with the internet, for the GPU machine's Python and platform:
+#   pip download -d wheels/ --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#       "pulp>=2.8" "highspy>=1.7" "networkx>=3" "pandas>=2" "pyyaml>=6" "rich>=13" "transformers>=4.45"
+# (torch itself is the machine's CUDA build; nothing here installs it). The script installs from the folder
+# only what does not import, with pip --no-index.
+#
+# --device cpu is the dry run (tests/test_gpu_check.py runs it): the model shrunk to 2 layers, one CPU process,
+# torch.compile disabled (TORCHDYNAMO_DISABLE=1: it checks the script, not inductor), shorter runs, every time
+# limit x5 (GPU_CHECK_SLACK=N sets the factor: a CPU shared with other work is slow to start torch). About 2 min
+# of CPU time; its results go to benchmarks/results/gpu_check_cpu* (ignored by git) unless GPU_CHECK_RESULTS and
+# GPU_CHECK_LOG say otherwise.
+set -uo pipefail
+
+DEVICE=cuda
+WHEELS="${AUTOPLAN_WHEELS:-}"
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --device) DEVICE="$2"; shift 2 ;;
+        --wheels) WHEELS="$2"; shift 2 ;;
+        *) echo "gpu_check.sh: unknown argument $1 (use --device cuda|cpu, --wheels DIR)" >&2; exit 2 ;;
+    esac
+done
+case "$DEVICE" in cuda|cpu) ;; *) echo "gpu_check.sh: --device must be cuda or cpu, got $DEVICE" >&2; exit 2 ;; esac
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python}"
+STAMP="$(date -u +%Y%m%dT%H%M%SZ)"
+RESULTS="${GPU_CHECK_RESULTS:-$REPO/benchmarks/results/gpu_check_$DEVICE}"
+LOG="${GPU_CHECK_LOG:-$REPO/benchmarks/results/gpu_check_${DEVICE}_$STAMP.log}"
+mkdir -p "$RESULTS" "$(dirname "$LOG")"
+: > "$LOG"
+FAILED=0
+
+if [ "$DEVICE" = cpu ]; then
+    # the dry run checks the script on a CPU shared with other work: no time limit is a measurement there
+    export TORCHDYNAMO_DISABLE=1
+    TRAIN_STEPS=3; SHORT_STEPS=2; OFFLOAD_STEPS=3; SLACK="${GPU_CHECK_SLACK:-5}"
+else
+    TRAIN_STEPS=20; SHORT_STEPS=10; OFFLOAD_STEPS=5; SLACK="${GPU_CHECK_SLACK:-1}"
+fi
+s() { echo $(( $1 * SLACK )); }  # a limit in seconds, scaled for the dry run
+
+log() { echo "$@" | tee -a "$LOG"; }
+
+# step NAME TIMEOUT_S COMMAND...: run in a session of its own under its own time limit (x SLACK), output into
+# the log; past the limit the whole session is killed (torchrun's ranks included, so none outlives its step);
+# a failure is noted and the next step runs
+step() {
+    local name="$1" limit; limit="$(s "$2")"; shift 2
+    local started=$SECONDS code
+    log "=== $name (limit ${limit} s): $*"
+    setsid "$@" > >(tee -a "$LOG") 2>&1 < /dev/null &
+    local pid=$!
+    while kill -0 "$pid" 2>/dev/null && [ $((SECONDS - started)) -lt "$limit" ]; do sleep 1; done
+    if kill -0 "$pid" 2>/dev/null; then
+        kill -TERM -- "-$pid" 2>/dev/null; sleep 5; kill -KILL -- "-$pid" 2>/dev/null
+        wait "$pid" 2>/dev/null
+        log "=== $name: TIMED OUT after ${limit} s (killed)"; FAILED=$((FAILED + 1))
+        return
+    fi
+    wait "$pid"; code=$?
+    sleep 0.2  # tee's last lines
+    if [ "$code" -ne 0 ]; then
+        log "=== $name: FAILED (exit $code)"; FAILED=$((FAILED + 1))
+    else
+        log "=== $name: done in $((SECONDS - started)) s"
+    fi
+}
+
+log "gpu_check $STAMP on $(hostname), device $DEVICE, repository $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?')"
+if ! "$PY" -c "import pulp, highspy, networkx, pandas, yaml, rich, transformers" 2>/dev/null; then
+    if [ -z "$WHEELS" ]; then
+        log "gpu_check: a package autoplan needs does not import and no wheel folder was given (--wheels DIR or AUTOPLAN_WHEELS)"
+        exit 2
+    fi
+    step install 30 "$PY" -m pip install --no-index --find-links "$WHEELS" "pulp>=2.8" "highspy>=1.7" "networkx>=3" \
+        "pandas>=2" "pyyaml>=6" "rich>=13" "transformers>=4.45"
+fi
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])" 2>&1 | tee -a "$LOG"
+(command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv) 2>&1 | tee -a "$LOG"
+
+G="$PY benchmarks/gpu_check.py --device $DEVICE --results $RESULTS"
+step detect     5  $G detect
+step plan      70  $G plan
+step train_compile   75 $G train --plan base --run compile --steps "$TRAIN_STEPS" --timeout "$(s 70)"
+step train_eager     45 $G train --plan base --run eager --no-compile --steps "$TRAIN_STEPS" --timeout "$(s 40)"
+step train_selective 45 $G train --plan selective --run selective --steps "$SHORT_STEPS" --timeout "$(s 40)"
+step train_full      45 $G train --plan full --run full --steps "$SHORT_STEPS" --timeout "$(s 40)"
+step calibrate 50  $G calibrate --timeout "$(s 45)"
+step offload   20  $G offload --steps "$OFFLOAD_STEPS"
+step checkpoint 30 $G checkpoint --timeout "$(s 9)"
+step profile   50  $G profile
+step summary    5  $G summary
+log "gpu_check: $FAILED step(s) failed or timed out; log $LOG"
+[ "$FAILED" -eq 0 ]

@@ -1,0 +1,41 @@
+"""benchmarks/gpu_check.sh, the prepared first GPU run, cannot rot: its CPU dry run (--device cpu: the shrunken
+Llama, one CPU process) runs every step of the same script here and ends with the summary of ratios."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+STEPS = ("detect", "plan", "train_compile", "train_eager", "train_selective", "train_full", "calibrate", "offload",
+         "checkpoint", "profile", "summary")
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_on_cpu(tmp_path):
+    results, log = tmp_path / "results", tmp_path / "gpu_check.log"
+    # a CPU shared with other jobs starts torch slowly: the dry run's limits are not what it checks
+    env = {**os.environ, "GPU_CHECK_RESULTS": str(results), "GPU_CHECK_LOG": str(log), "GPU_CHECK_SLACK": "40",
+           "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(["bash", str(SCRIPT), "--device", "cpu"], cwd=ROOT, env=env, capture_output=True,
+                          text=True)
+    text = log.read_text()
+    assert done.returncode == 0, text[-4000:]
+    for step in STEPS:
+        assert f"=== {step}: done in" in text, f"{step} did not finish:\n{text[-4000:]}"
+    summary = json.loads((results / "summary.json").read_text())
+    for run in ("compile", "eager", "selective", "full"):
+        assert float(summary[f"train {run} step time"]) > 0 and float(summary[f"train {run} peak memory"]) > 0
+    assert summary["offload"] == "PASS" and summary["checkpoint"] == "PASS"
+    assert float(summary["calibrate gemm_flops_per_s"]) > 0
+    assert float(summary["profile gemm measured / roofline"]) > 0
+    assert (results / "calibrated.yaml").is_file()
+    assert "gpu_check: 0 step(s) failed or timed out" in text
+
+
+def test_gpu_check_refuses_bad_arguments():
+    done = subprocess.run(["bash", str(SCRIPT), "--device", "tpu"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--device must be cuda or cpu" in done.stderr
