@@ -47,6 +47,10 @@ SHAPE_OPS = ops_with("reshape")
 ELEMENTWISE_OPS = ops_with("pointwise")
 ATTENTION_OPS = ops_with("per_head")
 """Attention over heads: each head's scores and outputs depend on that head's features only."""
+REDUCTION_OPS = ops_with("reduction")
+NORM_OPS = ops_with("norm")
+"""Reductions and norms keep the heads split when they reduce over one head's features only (a per-head
+QK-norm): _reduced_size reads which dimension from the op's shapes."""
 FUSED_SPLIT_OPS = ops_with("splits")
 """Ops that, applied straight to a column-parallel Linear's output, cut a fused projection (qkv) along
 the features the Linear shards. Megatron-LM interleaves such weights so each rank holds whole q, k, v
@@ -106,11 +110,29 @@ class DivisibilityFact:
 
 
 @dataclass(frozen=True)
+class LeftWhole:
+    """Linears that tensor parallelism leaves whole (replicated on every tensor-parallel rank), and why."""
+
+    modules: tuple[str, ...]
+    """The Linears' module FQNs (a block: the ones one split would have had to shard together)."""
+    op: str
+    """The op that would have needed every rank's features, e.g. "aten.mean.dim"."""
+    op_module: str
+    """The module that runs it ("" for the root)."""
+    reason: str
+
+    def line(self) -> str:
+        where = self.op_module or "the model"
+        return f"{', '.join(self.modules)} left whole: {self.op} in {where}: {self.reason}"
+
+
+@dataclass(frozen=True)
 class TensorParallelFacts:
     """Everything the cost model and the search need to know about tensor parallelism of a profile."""
 
     plan: dict[str, str]
-    """Module FQN -> "colwise" | "rowwise" (Plan.tensor_parallel_plan)."""
+    """Module FQN -> "colwise" | "rowwise" | "replicate" (Plan.tensor_parallel_plan; "replicate": a module whose
+    parameters split ops read, a per-head norm's weight)."""
     role: dict[str, str]
     """Op node -> "colwise", "rowwise", "interior", "head" or "embedding"; absent = replicated."""
     sharded_parameters: frozenset[str]
@@ -120,6 +142,8 @@ class TensorParallelFacts:
     """Sizes tp must divide: out_features of colwise, in_features of rowwise, heads, vocabulary."""
     sequence_parallel_problem: str = ""
     """Why the ops between the pairs cannot run on sequence shards (the first op that mixes tokens), or ""."""
+    left_whole: tuple[LeftWhole, ...] = ()
+    """Every Linear no split shards, in blocks, with the op and the reason (the head's too)."""
 
     @property
     def has_head(self) -> bool:
@@ -160,14 +184,24 @@ def tensor_parallel_facts(profile: ModelProfile, vocab_parallel: bool = True,
             derived.add(op.node)
     role: dict[str, str] = {}
     facts: list[DivisibilityFact] = []
+    whole: dict[str, LeftWhole] = {}  # Linear node -> why its block stays whole
     for op in profile.ops:
-        if is_weight_linear(op) and op.node not in role:
-            region = _grow_region(op.node, ops, consumers, role, derived, fused_split)
-            if region is not None:
-                role.update(region)
-                facts += _region_facts(region, ops, consumers)
+        if not is_weight_linear(op) or op.node in role or op.node in whole:
+            continue
+        region: dict[str, str] = {}
+        try:
+            _grow_region(op.node, ops, consumers, role, derived, fused_split, region)
+        except _Whole as e:
+            linears = [n for n in region if is_weight_linear(ops[n]) and n not in whole]
+            block = LeftWhole(tuple(dict.fromkeys(ops[n].module for n in linears)), e.op.op, e.op.module, e.reason)
+            whole.update((n, block) for n in linears)
+            continue
+        role.update(region)
+        facts += _region_facts(region, ops, consumers)
     if vocab_parallel:
-        facts += _vocab_parallel(profile, ops, consumers, role)
+        facts += _vocab_parallel(profile, ops, consumers, role, whole)
+    else:
+        _explain_heads(profile, ops, consumers, whole, "the vocabulary-parallel head is off for this search")
     problem = _sequence_parallel(ops, consumers, role) if role else ""
     plan: dict[str, str] = {}
     sharded: set[str] = set()
@@ -179,9 +213,16 @@ def tensor_parallel_facts(profile: ModelProfile, vocab_parallel: bool = True,
         elif r in ("rowwise", "embedding"):
             plan[op.module] = "rowwise"
             sharded.add(_weight(op))
+    for node, r in role.items():  # a per-head norm's weight, read by split ops: replicated
+        if r == "interior":
+            for param in ops[node].params:
+                owner = param.rpartition(".")[0]
+                if param not in sharded and owner not in plan:
+                    plan[owner] = "replicate"
     unique = {(f.size, f.what): f for f in facts}
+    left_whole = tuple(dict.fromkeys(b for n, b in whole.items() if n not in role))
     return TensorParallelFacts(plan, role, frozenset(sharded), tuple(sorted(unique.values(), key=lambda f: f.what)),
-                               problem)
+                               problem, left_whole)
 
 
 def _sequence_parallel(ops, consumers, role: dict[str, str]) -> str:
@@ -216,25 +257,35 @@ def _weight(op: OpProfile) -> str:
     return own if own in op.params else op.params[0]
 
 
-def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set[str],
-                 fused_split: bool = True) -> dict[str, str] | None:
-    """The region opened by Linear `start`, or None when some split tensor would have to be gathered.
+class _Whole(Exception):
+    """A region cannot stay split: the op that would need the missing features, and why."""
+
+    def __init__(self, op: OpProfile, reason: str) -> None:
+        super().__init__(reason)
+        self.op, self.reason = op, reason
+
+
+def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set[str], fused_split: bool,
+                 region: dict[str, str]) -> None:
+    """Fill `region` with the region opened by Linear `start`; raises _Whole when some split tensor would have
+    to be gathered (`region` then holds what it had reached).
 
     Grows forward from every split tensor to its consumers and backward from every interior op to the
     operands it needs split (sibling projections such as k_proj reached through rotary embedding)."""
-    region = {start: "colwise"}
+    region[start] = "colwise"
     work = [("forward", start)]
 
-    def claim(node: str, r: str) -> bool:
-        if node in taken or region.get(node, r) != r:
-            return False
+    def claim(node: str, r: str) -> None:
+        if node in taken:
+            raise _Whole(ops[node], f"it is already split with {_describe(ops[node])}'s region")
+        if region.get(node, r) != r:
+            raise _Whole(ops[node], f"it would be both {region[node]} and {r} in one region")
         if node not in region:
             region[node] = r
             if r != "rowwise":
                 work.append(("forward", node))
             if r == "interior":
                 work.append(("backward", node))
-        return True
 
     while work:
         direction, node = work.pop()
@@ -242,10 +293,16 @@ def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set
             for c in consumers[node]:
                 op = ops[c]
                 if not fused_split and _projection_output(node, region, ops) and packet(op) in FUSED_SPLIT_OPS:
-                    return None  # a fused projection split along its sharded features (see FUSED_SPLIT_OPS)
-                if not claim(c, "rowwise" if is_weight_linear(op) else "interior") or not (
-                        is_weight_linear(op) or _keeps_heads(op)):
-                    return None
+                    raise _Whole(op, "it cuts a fused projection (q, k and v in one Linear) along the features the "
+                                     "Linear would shard: torch's ColwiseParallel shards the fused rows as they are, "
+                                     "so a rank would hold some heads' q but other heads' k and v")
+                if is_weight_linear(op):
+                    claim(c, "rowwise")
+                    continue
+                why = _mixes_heads(op)
+                if why:
+                    raise _Whole(op, why)
+                claim(c, "interior")
             continue
         op = ops[node]
         # an attention matmul multiplies two activations head by head: both split, however small one is
@@ -254,22 +311,73 @@ def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set
         largest = max((ops[s].output_bytes for s in op.inputs if s in ops and s in derived), default=0)
         for src in op.inputs:
             if region.get(src) == "rowwise":
-                return None  # a split op would read a rowwise Linear's full (all-reduced) output
+                raise _Whole(op, f"it reads the split features together with the full output of row-parallel "
+                                 f"{ops[src].module}")
             small = not per_head and ops[src].output_bytes * BROADCAST_RATIO <= largest
             if src in region or src not in derived or small:
                 continue  # already split, a constant (mask, positions), or a small broadcast operand
             producer = ops[src]
             if is_weight_linear(producer):
-                if not claim(src, "colwise"):
-                    return None
-            elif not _keeps_heads(producer) or not claim(src, "interior"):
-                return None
+                claim(src, "colwise")
+                continue
+            why = _mixes_heads(producer)
+            if why:
+                raise _Whole(op, f"it joins the split features with the output of {_describe(producer)}, which "
+                                 f"cannot be split: {why}")
+            claim(src, "interior")
     if "rowwise" not in region.values():
-        return None
+        raise _Whole(ops[start], "no row-parallel Linear reads its split output")
     for node, r in region.items():
-        if r == "rowwise" and any(src not in region for src in ops[node].inputs):
-            return None
-    return region
+        for src in ops[node].inputs:
+            if r == "rowwise" and src not in region:
+                raise _Whole(ops[node], f"it also reads the output of {_describe(ops[src])}, which is not split")
+    _check_per_head_reductions(region, ops)
+
+
+def _describe(op: OpProfile) -> str:
+    return f"{op.op} in {op.module or 'the model'}"
+
+
+def _mixes_heads(op: OpProfile) -> str:
+    """"" when `op` keeps a tensor split by heads split (each output head depends on that head only); else why."""
+    name = packet(op)
+    if name in SHAPE_OPS or name in ELEMENTWISE_OPS:
+        return ""
+    if name in ATTENTION_OPS:
+        return "" if not op.params else "it multiplies by a weight, not head by head"
+    if name in REDUCTION_OPS or name in NORM_OPS:
+        return "" if _reduced_size(op) else "it reduces over more than the innermost dimension (or the capture " \
+                                            "does not show which)"
+    return "no rule says it keeps each rank's features apart (it may mix features of every rank)"
+
+
+def _reduced_size(op: OpProfile) -> int | None:
+    """The size of the innermost dimension when `op` reduces (normalizes) over it alone, else None."""
+    if not op.input_shapes or not op.input_shapes[0]:
+        return None
+    shape = tuple(op.input_shapes[0])
+    if packet(op) in NORM_OPS:  # normalized_shape is the weight's
+        weight = op.input_shapes[1] if len(op.input_shapes) > 1 and op.params else None
+        return shape[-1] if weight is not None and tuple(weight) == shape[-1:] else None
+    out = tuple(op.output_shapes[0]) if op.output_shapes else None
+    if out == shape[:-1] + (1,) or (out == shape[:-1] and (len(shape) < 2 or shape[-2] != shape[-1])):
+        return shape[-1]
+    return None
+
+
+def _check_per_head_reductions(region: dict[str, str], ops) -> None:
+    """A reduction (a norm) inside the region reduces over a head's features only: its innermost dimension is
+    a proper divisor of every colwise Linear's features (queries and keys viewed as heads x head_dim, as
+    Qwen3's and Gemma-3's QK-norms are), so with tp dividing the heads each rank holds whole heads."""
+    features = sorted({out_in_features(ops[n])[0] for n, r in region.items() if r == "colwise"})
+    for node, r in region.items():
+        op = ops[node]
+        if r != "interior" or (packet(op) not in REDUCTION_OPS and packet(op) not in NORM_OPS):
+            continue
+        size = _reduced_size(op)
+        if size is None or any(f % size or f == size for f in features):
+            raise _Whole(op, f"it reduces over {size} features at once, every head of a "
+                             f"{'/'.join(map(str, features))}-feature projection, not one head's")
 
 
 def _projection_output(node: str, region: dict[str, str], ops) -> bool:
@@ -281,13 +389,6 @@ def _projection_output(node: str, region: dict[str, str], ops) -> bool:
             return False
         node = op.inputs[0]
     return True
-
-
-def _keeps_heads(op: OpProfile) -> bool:
-    name = packet(op)
-    if name in SHAPE_OPS or name in ELEMENTWISE_OPS:
-        return True
-    return name in ATTENTION_OPS and not op.params
 
 
 def _region_facts(region: dict[str, str], ops, consumers) -> list[DivisibilityFact]:
@@ -317,13 +418,32 @@ def _heads_after_view(view: OpProfile, ops, consumers) -> int | None:
     return None
 
 
-def _vocab_parallel(profile: ModelProfile, ops, consumers, role: dict[str, str]) -> list[DivisibilityFact]:
-    """Mark the output head and the word embedding; returns their vocabulary sizes as facts."""
-    facts = []
+def _output_heads(profile: ModelProfile, ops, consumers, role: dict[str, str]) -> list[OpProfile]:
+    """Unsplit Linears whose output is a model output (through shape ops only): output heads."""
     outputs = set(profile.output_nodes)
-    heads = [op for op in profile.ops if is_weight_linear(op) and op.node not in role
-             and _reaches_only_outputs(op.node, ops, consumers, outputs)]
+    return [op for op in profile.ops if is_weight_linear(op) and op.node not in role
+            and _reaches_only_outputs(op.node, ops, consumers, outputs)]
+
+
+def _explain_heads(profile: ModelProfile, ops, consumers, whole: dict[str, LeftWhole], reason: str) -> None:
+    """The output heads stay whole for `reason`."""
+    for op in _output_heads(profile, ops, consumers, {}):
+        whole[op.node] = LeftWhole((op.module,), op.op, op.module, reason)
+
+
+def _vocab_parallel(profile: ModelProfile, ops, consumers, role: dict[str, str],
+                    whole: dict[str, LeftWhole]) -> list[DivisibilityFact]:
+    """Mark the output head and the word embedding; returns their vocabulary sizes as facts. A head whose
+    vocabulary is no multiple of VOCAB_MULTIPLE is left whole (`whole` says so)."""
+    facts = []
+    heads = _output_heads(profile, ops, consumers, role)
     head_weights = set()
+    for op in heads:
+        vocabulary = op.input_shapes[1][0]
+        if vocabulary % VOCAB_MULTIPLE:
+            whole[op.node] = LeftWhole((op.module,), op.op, op.module, (
+                f"its vocabulary of {vocabulary} is no multiple of {VOCAB_MULTIPLE}: torch's tensor parallelism "
+                "cannot pad it as Megatron-LM does, so the head is not vocabulary-parallel"))
     heads = [op for op in heads if op.input_shapes[1][0] % VOCAB_MULTIPLE == 0]
     for op in heads:
         role[op.node] = "head"

@@ -12,7 +12,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-RUNTIME_API = 4
+RUNTIME_API = 5
 """Bump it (and RUNTIME_API in codegen/templates/train.py) with any change to autoplan.runtime that a
 train.py generated before would call wrongly: a name, a signature, a meaning."""
 

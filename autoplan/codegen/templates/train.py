@@ -21,7 +21,7 @@ from autoplan import runtime
 from autoplan.procs import exit_skipping_teardown
 from autoplan.source import load_source
 
-RUNTIME_API = 4  # the version of autoplan.runtime's interface this program was generated for
+RUNTIME_API = 5  # the version of autoplan.runtime's interface this program was generated for
 
 # ----------------------------------------------------------------------------------------------
 # The plan (numbers from plan.json)
