@@ -197,6 +197,7 @@ def plan_model(
         solver=result.solver,
         alternatives=alternatives,
         tensor_parallel_plan=dict(best.tensor_parallel_plan),
+        tensor_parallel_left_whole=result.context.facts.left_whole if best.tensor_parallel_plan else (),
         activation_checkpoint_modules=tuple(best.activation_checkpoint_modules),
         batch_norm_modules=result.context.batch_norm_modules,
         compile=Compile(enable=best.compile),

@@ -14,6 +14,8 @@ An op is named by its packet: "aten.linear.default" -> "linear". Its traits:
     splits       cuts a tensor into pieces (what a fused qkv projection's split runs)
     reduction    reduces its input over some dimensions (which ones: the op's input and output shapes)
     norm         normalizes over its trailing dimensions, as many as its weight has (layer and RMS norms)
+    loss_parallel  torch's loss_parallel computes it on logits sharded on the vocabulary
+    loss         a loss of logits and targets (computed inside a model's forward: HF labels=, nanoGPT targets)
     mask         saves a one-byte bool mask for backward, whatever the training dtype (dropout)
     linear       nn.Linear's own op (tensor-parallel codegen shards Linear modules by name)
     embedding    nn.Embedding's own op
@@ -54,11 +56,14 @@ mean sum amax amin var var_mean std logsumexp | reduction
 linalg_vector_norm norm                       | reduction
 rms_norm _fused_rms_norm layer_norm           | norm
 native_layer_norm                             | norm
+_log_softmax log_softmax                      | loss_parallel
+cross_entropy_loss nll_loss nll_loss_nd       | loss_parallel loss
+nll_loss_forward nll_loss2d_forward           | loss_parallel loss
 """
 """Each line: op packets | the traits they all have."""
 
 TRAITS = ("view", "reshape", "pointwise", "per_head", "attention", "gemm", "splits", "mask", "reduction", "norm",
-          "linear", "embedding")
+          "loss_parallel", "loss", "linear", "embedding")
 
 
 def _parse(table: str) -> dict[str, frozenset[str]]:

@@ -35,9 +35,11 @@ Roles per op (TensorParallelFacts.role): "colwise", "rowwise", "interior" (insid
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 
 from autoplan.chain.ops import ops_with, packet
+from autoplan.plan import LeftWhole
 from autoplan.profile.types import ModelProfile, OpProfile
 
 LINEAR_OPS = ops_with("linear")
@@ -49,6 +51,10 @@ ATTENTION_OPS = ops_with("per_head")
 """Attention over heads: each head's scores and outputs depend on that head's features only."""
 REDUCTION_OPS = ops_with("reduction")
 NORM_OPS = ops_with("norm")
+LOSS_PARALLEL_OPS = ops_with("loss_parallel")
+"""Ops torch's loss_parallel computes on logits sharded on the vocabulary (log-softmax, the NLL loss)."""
+LOSS_OPS = ops_with("loss")
+"""Losses computed inside the model (HF's labels=, nanoGPT's targets): a vocabulary-parallel head may feed one."""
 """Reductions and norms keep the heads split when they reduce over one head's features only (a per-head
 QK-norm): _reduced_size reads which dimension from the op's shapes."""
 FUSED_SPLIT_OPS = ops_with("splits")
@@ -110,23 +116,6 @@ class DivisibilityFact:
 
 
 @dataclass(frozen=True)
-class LeftWhole:
-    """Linears that tensor parallelism leaves whole (replicated on every tensor-parallel rank), and why."""
-
-    modules: tuple[str, ...]
-    """The Linears' module FQNs (a block: the ones one split would have had to shard together)."""
-    op: str
-    """The op that would have needed every rank's features, e.g. "aten.mean.dim"."""
-    op_module: str
-    """The module that runs it ("" for the root)."""
-    reason: str
-
-    def line(self) -> str:
-        where = self.op_module or "the model"
-        return f"{', '.join(self.modules)} left whole: {self.op} in {where}: {self.reason}"
-
-
-@dataclass(frozen=True)
 class TensorParallelFacts:
     """Everything the cost model and the search need to know about tensor parallelism of a profile."""
 
@@ -184,24 +173,35 @@ def tensor_parallel_facts(profile: ModelProfile, vocab_parallel: bool = True,
             derived.add(op.node)
     role: dict[str, str] = {}
     facts: list[DivisibilityFact] = []
-    whole: dict[str, LeftWhole] = {}  # Linear node -> why its block stays whole
+    whole: dict[str, LeftWhole] = {}  # Linear node -> why it stays whole (the first failed region reaching it)
     for op in profile.ops:
-        if not is_weight_linear(op) or op.node in role or op.node in whole:
+        if not is_weight_linear(op) or op.node in role:
             continue
         region: dict[str, str] = {}
         try:
             _grow_region(op.node, ops, consumers, role, derived, fused_split, region)
         except _Whole as e:
-            linears = [n for n in region if is_weight_linear(ops[n]) and n not in whole]
-            block = LeftWhole(tuple(dict.fromkeys(ops[n].module for n in linears)), e.op.op, e.op.module, e.reason)
-            whole.update((n, block) for n in linears)
+            upstream = [n for n in _feeding_linears(op.node, ops) if n in whole]
+            block = LeftWhole((), e.op.op, e.op.module, e.reason) if not upstream or op.node in whole else \
+                LeftWhole((), ops[upstream[0]].op, ops[upstream[0]].module, (
+                    f"its input is computed from the output of {ops[upstream[0]].module}, which stays whole, so "
+                    "no split input reaches it to reduce as the row-parallel half of a pair"))
+            for n in region:
+                if is_weight_linear(ops[n]):
+                    whole.setdefault(n, block)
             continue
         role.update(region)
         facts += _region_facts(region, ops, consumers)
     if vocab_parallel:
         facts += _vocab_parallel(profile, ops, consumers, role, whole)
+        _explain_in_model_losses(profile, ops, consumers, role, whole)
     else:
         _explain_heads(profile, ops, consumers, whole, "the vocabulary-parallel head is off for this search")
+    blocks: dict[LeftWhole, list[str]] = {}
+    for n, block in whole.items():
+        if n not in role:
+            blocks.setdefault(block, []).append(ops[n].module)
+    left_whole = tuple(replace(b, modules=tuple(dict.fromkeys(modules))) for b, modules in blocks.items())
     problem = _sequence_parallel(ops, consumers, role) if role else ""
     plan: dict[str, str] = {}
     sharded: set[str] = set()
@@ -220,7 +220,6 @@ def tensor_parallel_facts(profile: ModelProfile, vocab_parallel: bool = True,
                 if param not in sharded and owner not in plan:
                     plan[owner] = "replicate"
     unique = {(f.size, f.what): f for f in facts}
-    left_whole = tuple(dict.fromkeys(b for n, b in whole.items() if n not in role))
     return TensorParallelFacts(plan, role, frozenset(sharded), tuple(sorted(unique.values(), key=lambda f: f.what)),
                                problem, left_whole)
 
@@ -257,6 +256,23 @@ def _weight(op: OpProfile) -> str:
     return own if own in op.params else op.params[0]
 
 
+def _feeding_linears(node: str, ops) -> list[str]:
+    """The weight Linears whose outputs reach `node`'s inputs through shape ops and attention only, nearest first:
+    the colwise halves (q, k, v) that a row-parallel `node` (an attention's output projection) would pair with."""
+    found, seen, frontier = [], set(), list(ops[node].inputs)
+    while frontier:
+        n = frontier.pop(0)
+        if n in seen or n not in ops:
+            continue
+        seen.add(n)
+        name = packet(ops[n])
+        if is_weight_linear(ops[n]):
+            found.append(n)
+        elif name in SHAPE_OPS or name in ATTENTION_OPS:
+            frontier.extend(ops[n].inputs)
+    return found
+
+
 class _Whole(Exception):
     """A region cannot stay split: the op that would need the missing features, and why."""
 
@@ -277,7 +293,7 @@ def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set
 
     def claim(node: str, r: str) -> None:
         if node in taken:
-            raise _Whole(ops[node], f"it is already split with {_describe(ops[node])}'s region")
+            raise _Whole(ops[node], f"it would join the split region of {ops[node].module or 'the model'} already found")
         if region.get(node, r) != r:
             raise _Whole(ops[node], f"it would be both {region[node]} and {r} in one region")
         if node not in region:
@@ -303,6 +319,7 @@ def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set
                 if why:
                     raise _Whole(op, why)
                 claim(c, "interior")
+                _check_per_head_reduction(op, region, ops)
             continue
         op = ops[node]
         # an attention matmul multiplies two activations head by head: both split, however small one is
@@ -325,6 +342,7 @@ def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set
                 raise _Whole(op, f"it joins the split features with the output of {_describe(producer)}, which "
                                  f"cannot be split: {why}")
             claim(src, "interior")
+            _check_per_head_reduction(producer, region, ops)
     if "rowwise" not in region.values():
         raise _Whole(ops[start], "no row-parallel Linear reads its split output")
     for node, r in region.items():
@@ -369,15 +387,20 @@ def _check_per_head_reductions(region: dict[str, str], ops) -> None:
     """A reduction (a norm) inside the region reduces over a head's features only: its innermost dimension is
     a proper divisor of every colwise Linear's features (queries and keys viewed as heads x head_dim, as
     Qwen3's and Gemma-3's QK-norms are), so with tp dividing the heads each rank holds whole heads."""
-    features = sorted({out_in_features(ops[n])[0] for n, r in region.items() if r == "colwise"})
     for node, r in region.items():
-        op = ops[node]
-        if r != "interior" or (packet(op) not in REDUCTION_OPS and packet(op) not in NORM_OPS):
-            continue
-        size = _reduced_size(op)
-        if size is None or any(f % size or f == size for f in features):
-            raise _Whole(op, f"it reduces over {size} features at once, every head of a "
-                             f"{'/'.join(map(str, features))}-feature projection, not one head's")
+        if r == "interior":
+            _check_per_head_reduction(ops[node], region, ops)
+
+
+def _check_per_head_reduction(op: OpProfile, region: dict[str, str], ops) -> None:
+    """_check_per_head_reductions for one op, against the colwise Linears the region holds so far."""
+    if packet(op) not in REDUCTION_OPS and packet(op) not in NORM_OPS:
+        return
+    features = sorted({out_in_features(ops[n])[0] for n, r in region.items() if r == "colwise"})
+    size = _reduced_size(op)
+    if size is None or any(f % size or f == size for f in features):
+        raise _Whole(op, f"it reduces over {size} features at once, not over one head's: every feature of a "
+                         f"{'/'.join(map(str, features))}-feature projection")
 
 
 def _projection_output(node: str, region: dict[str, str], ops) -> bool:
@@ -419,16 +442,43 @@ def _heads_after_view(view: OpProfile, ops, consumers) -> int | None:
 
 
 def _output_heads(profile: ModelProfile, ops, consumers, role: dict[str, str]) -> list[OpProfile]:
-    """Unsplit Linears whose output is a model output (through shape ops only): output heads."""
+    """Unsplit Linears whose output is a model output or a loss computed inside the model, through shape ops and
+    the ops torch's loss_parallel computes on vocabulary-sharded logits only: output heads."""
     outputs = set(profile.output_nodes)
     return [op for op in profile.ops if is_weight_linear(op) and op.node not in role
-            and _reaches_only_outputs(op.node, ops, consumers, outputs)]
+            and _logits_path(op.node, ops, consumers, outputs)[:2] == (True, None)]
 
 
 def _explain_heads(profile: ModelProfile, ops, consumers, whole: dict[str, LeftWhole], reason: str) -> None:
     """The output heads stay whole for `reason`."""
     for op in _output_heads(profile, ops, consumers, {}):
-        whole[op.node] = LeftWhole((op.module,), op.op, op.module, reason)
+        whole[op.node] = LeftWhole((op.module,), op.op, op.module, reason + _head_cost(op, profile.batch_size))
+
+
+def _head_cost(op: OpProfile, batch: int) -> str:
+    """What a head left whole costs each tensor-parallel rank, as a clause."""
+    vocabulary, hidden = out_in_features(op)
+    flops = (op.flops_fwd + op.flops_bwd) / max(batch, 1)
+    return (f"; each tensor-parallel rank then holds all {vocabulary} x {hidden} head weights and computes all "
+            f"{vocabulary} logits ({flops / 1e6:.3g} MFLOP per sample forward and backward), where a vocabulary-"
+            f"parallel head computes 1/tp of them")
+
+
+def _explain_in_model_losses(profile: ModelProfile, ops, consumers, role: dict[str, str],
+                             whole: dict[str, LeftWhole]) -> None:
+    """A Linear whose logits reach a model output or a loss only through an op loss_parallel cannot compute on
+    vocabulary-sharded logits (a loss inside forward with a z-loss, say): why it is no vocabulary-parallel head."""
+    outputs = set(profile.output_nodes)
+    for op in profile.ops:
+        if not is_weight_linear(op) or op.node in role:
+            continue
+        reaches, blocker, loss = _logits_path(op.node, ops, consumers, outputs)
+        if reaches and blocker is not None:
+            goal = "the loss it computes inside forward" if loss else "the model's output"
+            whole[op.node] = LeftWhole((op.module,), blocker.op, blocker.module, (
+                f"its logits pass through {blocker.op} on the way to {goal}, which torch's loss_parallel cannot "
+                "compute on logits sharded on the vocabulary, so the head is not vocabulary-parallel"
+                + _head_cost(op, profile.batch_size)))
 
 
 def _vocab_parallel(profile: ModelProfile, ops, consumers, role: dict[str, str],
@@ -460,20 +510,59 @@ def _vocab_parallel(profile: ModelProfile, ops, consumers, role: dict[str, str],
     return facts
 
 
-def _reaches_only_outputs(node: str, ops, consumers, outputs: set[str]) -> bool:
-    """The Linear's output is a model output, possibly through shape ops only."""
-    seen, frontier = set(), [node]
+def _logits_path(node: str, ops, consumers, outputs: set[str]) -> tuple[bool, OpProfile | None, bool]:
+    """Whether the Linear's output reaches a model output or a loss (LOSS_OPS) before any other weight Linear; the
+    first op on the way that is neither a shape op nor one torch's loss_parallel computes on vocabulary-sharded
+    logits (None when there is none); and whether it reaches a loss computed inside the model."""
+    seen, frontier, blocker, reaches, loss = set(), [node], None, False, False
     while frontier:
         n = frontier.pop()
         if n in seen:
             continue
         seen.add(n)
-        if not consumers[n]:
-            if n not in outputs:
-                return False
-            continue
+        reaches |= n in outputs
         for c in consumers[n]:
-            if packet(ops[c]) not in SHAPE_OPS:
-                return False
+            op = ops[c]
+            if is_weight_linear(op):
+                return False, None, False
+            name = packet(op)
+            if name in LOSS_OPS:
+                reaches = loss = True
+                continue  # the loss: what follows it (a mean, a scale) no longer has the vocabulary
+            if name not in SHAPE_OPS and name not in LOSS_PARALLEL_OPS and blocker is None:
+                blocker = op
             frontier.append(c)
-    return bool(outputs & seen)
+    return reaches, blocker, loss
+
+
+_LAYER_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
+
+
+def _pattern(text: str) -> str:
+    """A name with its layer indices as "*" ("model.layers.3.mlp" -> "model.layers.*.mlp"): one line per kind of
+    block, not per layer."""
+    return _LAYER_INDEX.sub("*", text)
+
+
+def split_lines(plan: dict[str, str]) -> list[str]:
+    """The tensor-parallel plan as lines, one per style and kind of module: "colwise: model.layers.*.mlp.up_proj
+    (32), lm_head"."""
+    lines = []
+    for style in ("colwise", "rowwise", "replicate"):
+        counts: dict[str, int] = {}
+        for fqn, s in plan.items():
+            if s == style:
+                counts[_pattern(fqn)] = counts.get(_pattern(fqn), 0) + 1
+        if counts:
+            lines.append(f"{style}: " + ", ".join(f"{p} ({n})" if n > 1 else p for p, n in counts.items()))
+    return lines
+
+
+def left_whole_lines(blocks: tuple[LeftWhole, ...]) -> list[str]:
+    """The Linears left whole as lines, one per kind of block with how many: "model.layers.*.attn.c_attn (12x)
+    left whole: aten.split.Tensor in model.layers.*.attn: it cuts a fused projection ..."."""
+    counts: dict[str, int] = {}
+    for b in blocks:
+        line = _pattern(b.line())
+        counts[line] = counts.get(line, 0) + 1
+    return [line if n == 1 else line.replace(" left whole:", f" ({n}x) left whole:", 1) for line, n in counts.items()]

@@ -49,7 +49,7 @@ from autoplan import runtime
 from autoplan.procs import exit_skipping_teardown
 from autoplan.source import load_source
 
-RUNTIME_API = 4  # the version of autoplan.runtime's interface this program was generated for
+RUNTIME_API = 5  # the version of autoplan.runtime's interface this program was generated for
 
 # ----------------------------------------------------------------------------------------------
 # The plan (numbers from plan.json)
@@ -86,7 +86,7 @@ PREDICTED = {  # plan.json predicted: --tensorboard logs them beside the measure
     'mfu': 0.3,
     'peak_memory_bytes': 1073741824.0,
 }
-TENSOR_PARALLEL_PLAN = {  # nn.Linear FQN -> colwise | rowwise (when TP > 1)
+TENSOR_PARALLEL_PLAN = {  # nn.Linear FQN -> colwise | rowwise; replicate: a per-head norm between them (when TP > 1)
     'layers.0.0': 'colwise',
     'layers.1.0': 'rowwise',
 }
