@@ -338,6 +338,10 @@ def not_planned(context) -> tuple[str, ...]:
     elif degrees and "tp" in context.features and context.loss_parallel_problem:
         lines.append(f"no loss parallel (with tp > 1 the logits are gathered for the loss): "
                      f"{context.loss_parallel_problem}")
+    if degrees and {"tp", "sp"} <= context.features and context.facts.plan and context.facts.sequence_parallel_problem:
+        lines.append(f"no sequence parallelism (with tp > 1 the norms, residual adds and dropout between the split "
+                     f"Linears keep whole-sequence activations on every tensor-parallel rank, tp times those of "
+                     f"sp=on): {context.facts.sequence_parallel_problem}")
     return tuple(lines)
 
 

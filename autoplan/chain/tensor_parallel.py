@@ -197,6 +197,11 @@ def tensor_parallel_facts(profile: ModelProfile, vocab_parallel: bool = True,
         _explain_in_model_losses(profile, ops, consumers, role, whole)
     else:
         _explain_heads(profile, ops, consumers, whole, "the vocabulary-parallel head is off for this search")
+    for op in profile.ops:  # a module computing a projection from its own parameters (nn.MultiheadAttention)
+        if packet(op) in LINEAR_OPS and op.params and not is_weight_linear(op) and op.node not in role:
+            whole.setdefault(op.node, LeftWhole((), op.op, op.module, (
+                f"{op.module or 'the model'} multiplies by {', '.join(op.params)} in its own forward, not by calling "
+                "an nn.Linear module: torch's tensor parallelism shards Linear modules through their forward")))
     blocks: dict[LeftWhole, list[str]] = {}
     for n, block in whole.items():
         if n not in role:
