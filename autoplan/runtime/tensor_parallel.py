@@ -103,11 +103,11 @@ def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, s
     _retie(module, ties)
     if not sequence_parallel:  # with it every parameter is replicated below
         replicate_parameters(module, tp_mesh, replicated)
+    if isinstance(module, fx.GraphModule):  # DTensors run through a stage's graph (split heads, sequence shards)
+        _drop_metadata_asserts(module)
     if sequence_parallel:
         gather.attach_release(module)
         replicate_parameters(module, tp_mesh)
-        if isinstance(module, fx.GraphModule):
-            _drop_metadata_asserts(module)
         module.register_forward_pre_hook(_float_inputs_replicated(tp_mesh), with_kwargs=True)
     module.register_forward_hook(outputs_to_plain)
     return module
