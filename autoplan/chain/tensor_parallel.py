@@ -6,17 +6,24 @@ some hidden features) and closes at row-parallel Linears (weight split by input 
 partial outputs are all-reduced back to the full tensor). Between the two only ops that never mix the
 split dimension may run: elementwise ops, shape ops that keep heads whole (view, transpose, ...; not
 a split of a fused projection: FUSED_SPLIT_OPS), and attention over heads (SDPA, activation x
-activation matmuls, softmax over keys). A replicated tensor may join an elementwise op only when it is much smaller than the
+activation matmuls, softmax over keys), and reductions and norms over the innermost dimension when it holds
+one head's features (a per-head QK-norm: the op's input and output shapes say which dimension it reduces;
+_check_per_head_reductions). Complex rotary embeddings (view_as_complex, a complex freqs_cis, view_as_real)
+are views. A replicated tensor may join an elementwise op only when it is much smaller than the
 split one or computed without any Linear (a broadcast: rotary tables, masks), never into an attention matmul
 (both of its activations are split by heads); a full-width replicated
 tensor (a residual) would need the missing features, so the region is dropped and its Linears stay
-replicated.
+replicated. A parameter read inside a region (the norm's weight) stays whole: plan style "replicate".
+Every Linear left whole is reported (TensorParallelFacts.left_whole) with the op that would have needed
+every rank's features and why.
 
 Examples: GPT attn.qkv -> attn.proj and mlp.fc -> mlp.proj; HF Llama q/k/v_proj -> o_proj and
-gate/up_proj -> down_proj.
+gate/up_proj -> down_proj; HF Qwen3 q/k/v_proj -> q_norm, k_norm (replicate) -> o_proj; torchtitan's
+Llama3 wq/wk/wv -> wo through complex RoPE.
 
 With the vocabulary-parallel option (layout.SUPPORTED "tp_vocab_parallel") the output head (a
-Linear whose output is a model output) is also "colwise", its logits left sharded on the vocabulary for
+Linear whose output is a model output, or the input of a loss computed inside forward through the ops
+torch's loss_parallel computes: LOSS_OPS, LOSS_PARALLEL_OPS) is also "colwise", its logits left sharded on the vocabulary for
 the loss (loss_parallel; gathered when the plan disables it), and an input embedding tied to that
 head or with as many rows as the head has outputs (the word embedding, not a position table) is
 "rowwise" (RowwiseParallel on nn.Embedding: vocabulary rows split, outputs reduce-scattered onto the
@@ -498,7 +505,8 @@ def _vocab_parallel(profile: ModelProfile, ops, consumers, role: dict[str, str],
         if vocabulary % VOCAB_MULTIPLE:
             whole[op.node] = LeftWhole((op.module,), op.op, op.module, (
                 f"its vocabulary of {vocabulary} is no multiple of {VOCAB_MULTIPLE}: torch's tensor parallelism "
-                "cannot pad it as Megatron-LM does, so the head is not vocabulary-parallel"))
+                "cannot pad it as Megatron-LM does, so the head is not vocabulary-parallel"
+                + _head_cost(op, profile.batch_size)))
     heads = [op for op in heads if op.input_shapes[1][0] % VOCAB_MULTIPLE == 0]
     for op in heads:
         role[op.node] = "head"
