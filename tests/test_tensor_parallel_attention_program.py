@@ -6,6 +6,8 @@ HF Qwen3 with labels=) with the vocabulary-parallel head. Planned through plan_m
 user would; checked in one 4-process torchrun launch (tests/helpers/verify_many.py)."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,3 +71,26 @@ def test_attention_split_by_heads_trains_like_the_single_device_model(results, c
     assert not result.error, result.error[-3000:]
     assert result.parity_max_abs_diff <= PARITY_TOLERANCE, (result.reference_losses, result.losses)
     assert result.passed and result.gradients.passed, result.gradients
+
+
+SPLIT_ATTENTION = {"qwen3 tp=2": "model.layers.{}.self_attn", "titan llama tp=2": "layers.{}.attention",
+                   "titan llama qk-norm tp=2": "layers.{}.attention", "qwen3 labels= tp=2": "model.layers.{}.self_attn"}
+"""Plans with sequence parallelism whose attention modules must run on each rank's heads."""
+
+
+def test_split_attention_runs_on_each_ranks_heads_without_gathering_them(results, tmp_path):
+    """Forward, each attention module issues exactly its sequence-parallel pair of collectives: one all-gather of
+    its input (shared by q, k and v) and the output projection's reduce-scatter; a norm or rotary embedding that
+    DTensor could not run on split heads would add an all-gather inside it."""
+    out = tmp_path / "collectives.json"
+    pairs = [str(arg) for case in SPLIT_ATTENTION for arg in (results[case][0], CASES[case][0])]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(Path(__file__).parent / "helpers" / "forward_collectives.py"), str(out), *pairs]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(out.read_text())
+    for case, attention in SPLIT_ATTENTION.items():
+        collectives = found[str(results[case][0])]
+        for layer in range(2):
+            assert collectives[attention.format(layer)] == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}, \
+                (case, collectives)
