@@ -201,6 +201,7 @@ def plan_model(
         solver=result.solver,
         alternatives=alternatives,
         tensor_parallel_plan=dict(best.tensor_parallel_plan),
+        tensor_parallel_left_whole=result.context.facts.left_whole if best.tensor_parallel_plan else (),
         activation_checkpoint_modules=tuple(best.activation_checkpoint_modules),
         batch_norm_modules=result.context.batch_norm_modules,
         compile=Compile(enable=best.compile),
@@ -346,6 +347,10 @@ def not_planned(context) -> tuple[str, ...]:
     elif degrees and "tp" in context.features and context.loss_parallel_problem:
         lines.append(f"no loss parallel (with tp > 1 the logits are gathered for the loss): "
                      f"{context.loss_parallel_problem}")
+    if degrees and {"tp", "sp"} <= context.features and context.facts.plan and context.facts.sequence_parallel_problem:
+        lines.append(f"no sequence parallelism (with tp > 1 the norms, residual adds and dropout between the split "
+                     f"Linears keep whole-sequence activations on every tensor-parallel rank, tp times those of "
+                     f"sp=on): {context.facts.sequence_parallel_problem}")
     return tuple(lines)
 
 

@@ -315,6 +315,8 @@ def summary(plan, out: str | None) -> Group:
     if p.enable_cpu_offload:
         head.add_row("host", f"{pred.host_memory_per_node_bytes / gib:,.0f} GiB of host memory per node (CPU offload: "
                      f"parameters, gradients and optimizer state; the optimizer steps on the CPU)")
+    if p.tensor_parallel_degree > 1:
+        head.add_row("tensor par.", escape(_tensor_parallel_text(plan)))
     head.add_row("compile", "on (torch.compile per module)" if plan.compile.enable else "off")
     head.add_row("solver", f"{plan.solver.name} {plan.solver.status} in {plan.solver.time_s:.2f} s, "
                  f"{plan.solver.candidates_evaluated} candidates")
@@ -331,6 +333,15 @@ def summary(plan, out: str | None) -> Group:
         parts.append(f"wrote {escape(out)}/ (plan.json, train.py, launch/, report.html, *.csv, unsupported_ops.txt); "
                      f"{_verify_hint(plan, out)}")
     return Group(*parts)
+
+
+def _tensor_parallel_text(plan) -> str:
+    """What tensor parallelism splits (one line per style) and every kind of block it leaves whole, with why."""
+    from autoplan.chain.tensor_parallel import left_whole_lines, split_lines
+
+    lines = split_lines(plan.tensor_parallel_plan)
+    whole = left_whole_lines(plan.tensor_parallel_left_whole)
+    return "\n".join(lines + (whole or ["every Linear is split"]))
 
 
 def _expert_parallel_line(plan) -> str:

@@ -28,7 +28,10 @@ OFFLOAD = ("none", "cpu")
 on the host and steps the optimizer there."""
 COMPILE = ("off", "on")
 """compile.enable: torch.compile per chain module (torchtitan compiles each TransformerBlock)."""
-TENSOR_PARALLEL_STYLES = ("colwise", "rowwise")
+TENSOR_PARALLEL_STYLES = ("colwise", "rowwise", "replicate")
+"""tensor_parallel_plan styles: a Linear split by output rows or by input columns, or a module run inside a split
+region whose parameters stay whole (a per-head QK-norm: replicated on the tensor-parallel mesh, gradients summed;
+what torchtitan's Qwen3 plan does for q_norm and k_norm)."""
 ZERO_STAGES = (0, 1, 2, 3)
 
 ALL_FEATURES = frozenset({

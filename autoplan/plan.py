@@ -249,6 +249,23 @@ class ClusterRef:
 
 
 @dataclass(frozen=True)
+class LeftWhole:
+    """Linears that tensor parallelism leaves whole (replicated on every tensor-parallel rank), and why."""
+
+    modules: tuple[str, ...]
+    """The Linears' module FQNs (a block: the ones one split would have had to shard together)."""
+    op: str
+    """The op that would have needed every rank's features, e.g. "aten.mean.dim"."""
+    op_module: str
+    """The module that runs it ("" for the root)."""
+    reason: str
+
+    def line(self) -> str:
+        where = self.op_module or "the model"
+        return f"{', '.join(self.modules)} left whole: {self.op} in {where}: {self.reason}"
+
+
+@dataclass(frozen=True)
 class Plan:
     model: ModelRef
     cluster: ClusterRef
@@ -270,6 +287,10 @@ class Plan:
     Optional in schema 2 (absent: none)."""
     compile: Compile = field(default_factory=Compile)
     """torch.compile per chain module (plan.json compile.enable)."""
+    tensor_parallel_left_whole: tuple[LeftWhole, ...] = ()
+    """When tp > 1, the Linears the tensor-parallel plan leaves whole (replicated on every tensor-parallel rank), in
+    blocks: {modules, op, op_module, reason}, the op that would have needed every rank's features and why.
+    Optional in schema 2 (absent: none listed)."""
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -338,6 +359,12 @@ class Plan:
         recomputed = raw.get("activation_checkpoint_modules", [])
         if not isinstance(recomputed, list) or not all(isinstance(m, str) for m in recomputed):
             raise PlanError("plan.json: activation_checkpoint_modules must be a list of module names")
+        whole_raw = raw.get("tensor_parallel_left_whole", [])
+        if not isinstance(whole_raw, list) or not all(
+                isinstance(b, dict) and isinstance(b.get("modules"), list) and
+                all(isinstance(b.get(k), str) for k in ("op", "op_module", "reason")) for b in whole_raw):
+            raise PlanError("plan.json: tensor_parallel_left_whole must be a list of {modules, op, op_module, reason}")
+        left_whole = tuple(LeftWhole(tuple(b["modules"]), b["op"], b["op_module"], b["reason"]) for b in whole_raw)
         batch_norm = raw.get("batch_norm_modules", [])
         if not isinstance(batch_norm, list) or not all(isinstance(m, str) for m in batch_norm):
             raise PlanError("plan.json: batch_norm_modules must be a list of module names")
@@ -353,6 +380,7 @@ class Plan:
             tensor_parallel_plan=dict(tp_plan),
             activation_checkpoint_modules=tuple(recomputed),
             batch_norm_modules=tuple(batch_norm),
+            tensor_parallel_left_whole=left_whole,
             **_compile_section(raw),
         )
         broken = plan.problems(features=None)

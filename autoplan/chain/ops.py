@@ -12,6 +12,10 @@ An op is named by its packet: "aten.linear.default" -> "linear". Its traits:
                  only: its cost is the bytes it moves
     gemm         a matmul-like op whose cost is FLOPs (with a weight: a "gemm"; without: "attention")
     splits       cuts a tensor into pieces (what a fused qkv projection's split runs)
+    reduction    reduces its input over some dimensions (which ones: the op's input and output shapes)
+    norm         normalizes over its trailing dimensions, as many as its weight has (layer and RMS norms)
+    loss_parallel  torch's loss_parallel computes it on logits sharded on the vocabulary
+    loss         a loss of logits and targets (computed inside a model's forward: HF labels=, nanoGPT targets)
     mask         saves a one-byte bool mask for backward, whatever the training dtype (dropout)
     linear       nn.Linear's own op (tensor-parallel codegen shards Linear modules by name)
     embedding    nn.Embedding's own op
@@ -38,6 +42,7 @@ unsqueeze squeeze expand select alias detach  | view reshape
 split split_with_sizes chunk unbind narrow    | view reshape splits
 slice                                         | view reshape splits
 as_strided                                    | view
+view_as_complex view_as_real                  | view reshape
 reshape contiguous clone cat stack flatten    | reshape
 unflatten _to_copy to type_as lift_fresh_copy | reshape
 add sub mul div neg pow exp log sqrt rsqrt    | pointwise
@@ -47,10 +52,18 @@ masked_fill hardtanh leaky_relu elu mish      | pointwise
 softplus gelu_ silu_ relu_ mul_ add_          | pointwise
 bernoulli rand_like zeros_like ones_like      | pointwise
 dropout native_dropout                        | pointwise mask
+mean sum amax amin var var_mean std logsumexp | reduction
+linalg_vector_norm norm                       | reduction
+rms_norm _fused_rms_norm layer_norm           | norm
+native_layer_norm                             | norm
+_log_softmax log_softmax                      | loss_parallel
+cross_entropy_loss nll_loss nll_loss_nd       | loss_parallel loss
+nll_loss_forward nll_loss2d_forward           | loss_parallel loss
 """
 """Each line: op packets | the traits they all have."""
 
-TRAITS = ("view", "reshape", "pointwise", "per_head", "attention", "gemm", "splits", "mask", "linear", "embedding")
+TRAITS = ("view", "reshape", "pointwise", "per_head", "attention", "gemm", "splits", "mask", "reduction", "norm",
+          "loss_parallel", "loss", "linear", "embedding")
 
 
 def _parse(table: str) -> dict[str, frozenset[str]]:

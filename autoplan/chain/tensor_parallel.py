@@ -6,17 +6,24 @@ some hidden features) and closes at row-parallel Linears (weight split by input 
 partial outputs are all-reduced back to the full tensor). Between the two only ops that never mix the
 split dimension may run: elementwise ops, shape ops that keep heads whole (view, transpose, ...; not
 a split of a fused projection: FUSED_SPLIT_OPS), and attention over heads (SDPA, activation x
-activation matmuls, softmax over keys). A replicated tensor may join an elementwise op only when it is much smaller than the
+activation matmuls, softmax over keys), and reductions and norms over the innermost dimension when it holds
+one head's features (a per-head QK-norm: the op's input and output shapes say which dimension it reduces;
+_check_per_head_reductions). Complex rotary embeddings (view_as_complex, a complex freqs_cis, view_as_real)
+are views. A replicated tensor may join an elementwise op only when it is much smaller than the
 split one or computed without any Linear (a broadcast: rotary tables, masks), never into an attention matmul
 (both of its activations are split by heads); a full-width replicated
 tensor (a residual) would need the missing features, so the region is dropped and its Linears stay
-replicated.
+replicated. A parameter read inside a region (the norm's weight) stays whole: plan style "replicate".
+Every Linear left whole is reported (TensorParallelFacts.left_whole) with the op that would have needed
+every rank's features and why.
 
 Examples: GPT attn.qkv -> attn.proj and mlp.fc -> mlp.proj; HF Llama q/k/v_proj -> o_proj and
-gate/up_proj -> down_proj.
+gate/up_proj -> down_proj; HF Qwen3 q/k/v_proj -> q_norm, k_norm (replicate) -> o_proj; torchtitan's
+Llama3 wq/wk/wv -> wo through complex RoPE.
 
 With the vocabulary-parallel option (layout.SUPPORTED "tp_vocab_parallel") the output head (a
-Linear whose output is a model output) is also "colwise", its logits left sharded on the vocabulary for
+Linear whose output is a model output, or the input of a loss computed inside forward through the ops
+torch's loss_parallel computes: LOSS_OPS, LOSS_PARALLEL_OPS) is also "colwise", its logits left sharded on the vocabulary for
 the loss (loss_parallel; gathered when the plan disables it), and an input embedding tied to that
 head or with as many rows as the head has outputs (the word embedding, not a position table) is
 "rowwise" (RowwiseParallel on nn.Embedding: vocabulary rows split, outputs reduce-scattered onto the
@@ -35,9 +42,11 @@ Roles per op (TensorParallelFacts.role): "colwise", "rowwise", "interior" (insid
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 
 from autoplan.chain.ops import ops_with, packet
+from autoplan.plan import LeftWhole
 from autoplan.profile.types import ModelProfile, OpProfile
 
 LINEAR_OPS = ops_with("linear")
@@ -47,6 +56,14 @@ SHAPE_OPS = ops_with("reshape")
 ELEMENTWISE_OPS = ops_with("pointwise")
 ATTENTION_OPS = ops_with("per_head")
 """Attention over heads: each head's scores and outputs depend on that head's features only."""
+REDUCTION_OPS = ops_with("reduction")
+NORM_OPS = ops_with("norm")
+LOSS_PARALLEL_OPS = ops_with("loss_parallel")
+"""Ops torch's loss_parallel computes on logits sharded on the vocabulary (log-softmax, the NLL loss)."""
+LOSS_OPS = ops_with("loss")
+"""Losses computed inside the model (HF's labels=, nanoGPT's targets): a vocabulary-parallel head may feed one."""
+"""Reductions and norms keep the heads split when they reduce over one head's features only (a per-head
+QK-norm): _reduced_size reads which dimension from the op's shapes."""
 FUSED_SPLIT_OPS = ops_with("splits")
 """Ops that, applied straight to a column-parallel Linear's output, cut a fused projection (qkv) along
 the features the Linear shards. Megatron-LM interleaves such weights so each rank holds whole q, k, v
@@ -110,7 +127,8 @@ class TensorParallelFacts:
     """Everything the cost model and the search need to know about tensor parallelism of a profile."""
 
     plan: dict[str, str]
-    """Module FQN -> "colwise" | "rowwise" (Plan.tensor_parallel_plan)."""
+    """Module FQN -> "colwise" | "rowwise" | "replicate" (Plan.tensor_parallel_plan; "replicate": a module whose
+    parameters split ops read, a per-head norm's weight)."""
     role: dict[str, str]
     """Op node -> "colwise", "rowwise", "interior", "head" or "embedding"; absent = replicated."""
     sharded_parameters: frozenset[str]
@@ -120,6 +138,8 @@ class TensorParallelFacts:
     """Sizes tp must divide: out_features of colwise, in_features of rowwise, heads, vocabulary."""
     sequence_parallel_problem: str = ""
     """Why the ops between the pairs cannot run on sequence shards (the first op that mixes tokens), or ""."""
+    left_whole: tuple[LeftWhole, ...] = ()
+    """Every Linear no split shards, in blocks, with the op and the reason (the head's too)."""
 
     @property
     def has_head(self) -> bool:
@@ -160,14 +180,40 @@ def tensor_parallel_facts(profile: ModelProfile, vocab_parallel: bool = True,
             derived.add(op.node)
     role: dict[str, str] = {}
     facts: list[DivisibilityFact] = []
+    whole: dict[str, LeftWhole] = {}  # Linear node -> why it stays whole (the first failed region reaching it)
     for op in profile.ops:
-        if is_weight_linear(op) and op.node not in role:
-            region = _grow_region(op.node, ops, consumers, role, derived, fused_split)
-            if region is not None:
-                role.update(region)
-                facts += _region_facts(region, ops, consumers)
+        if not is_weight_linear(op) or op.node in role:
+            continue
+        region: dict[str, str] = {}
+        try:
+            _grow_region(op.node, ops, consumers, role, derived, fused_split, region)
+        except _Whole as e:
+            upstream = [n for n in _feeding_linears(op.node, ops) if n in whole]
+            block = LeftWhole((), e.op.op, e.op.module, e.reason) if not upstream or op.node in whole else \
+                LeftWhole((), ops[upstream[0]].op, ops[upstream[0]].module, (
+                    f"its input is computed from the output of {ops[upstream[0]].module}, which stays whole, so "
+                    "no split input reaches it to reduce as the row-parallel half of a pair"))
+            for n in region:
+                if is_weight_linear(ops[n]):
+                    whole.setdefault(n, block)
+            continue
+        role.update(region)
+        facts += _region_facts(region, ops, consumers)
     if vocab_parallel:
-        facts += _vocab_parallel(profile, ops, consumers, role)
+        facts += _vocab_parallel(profile, ops, consumers, role, whole)
+        _explain_in_model_losses(profile, ops, consumers, role, whole)
+    else:
+        _explain_heads(profile, ops, consumers, whole, "the vocabulary-parallel head is off for this search")
+    for op in profile.ops:  # a module computing a projection from its own parameters (nn.MultiheadAttention)
+        if packet(op) in LINEAR_OPS and op.params and not is_weight_linear(op) and op.node not in role:
+            whole.setdefault(op.node, LeftWhole((), op.op, op.module, (
+                f"{op.module or 'the model'} multiplies by {', '.join(op.params)} in its own forward, not by calling "
+                "an nn.Linear module: torch's tensor parallelism shards Linear modules through their forward")))
+    blocks: dict[LeftWhole, list[str]] = {}
+    for n, block in whole.items():
+        if n not in role:
+            blocks.setdefault(block, []).append(ops[n].module)
+    left_whole = tuple(replace(b, modules=tuple(dict.fromkeys(modules))) for b, modules in blocks.items())
     problem = _sequence_parallel(ops, consumers, role) if role else ""
     plan: dict[str, str] = {}
     sharded: set[str] = set()
@@ -179,9 +225,15 @@ def tensor_parallel_facts(profile: ModelProfile, vocab_parallel: bool = True,
         elif r in ("rowwise", "embedding"):
             plan[op.module] = "rowwise"
             sharded.add(_weight(op))
+    for node, r in role.items():  # a per-head norm's weight, read by split ops: replicated
+        if r == "interior":
+            for param in ops[node].params:
+                owner = param.rpartition(".")[0]
+                if param not in sharded and owner not in plan:
+                    plan[owner] = "replicate"
     unique = {(f.size, f.what): f for f in facts}
     return TensorParallelFacts(plan, role, frozenset(sharded), tuple(sorted(unique.values(), key=lambda f: f.what)),
-                               problem)
+                               problem, left_whole)
 
 
 def _sequence_parallel(ops, consumers, role: dict[str, str]) -> str:
@@ -216,25 +268,52 @@ def _weight(op: OpProfile) -> str:
     return own if own in op.params else op.params[0]
 
 
-def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set[str],
-                 fused_split: bool = True) -> dict[str, str] | None:
-    """The region opened by Linear `start`, or None when some split tensor would have to be gathered.
+def _feeding_linears(node: str, ops) -> list[str]:
+    """The weight Linears whose outputs reach `node`'s inputs through shape ops and attention only, nearest first:
+    the colwise halves (q, k, v) that a row-parallel `node` (an attention's output projection) would pair with."""
+    found, seen, frontier = [], set(), list(ops[node].inputs)
+    while frontier:
+        n = frontier.pop(0)
+        if n in seen or n not in ops:
+            continue
+        seen.add(n)
+        name = packet(ops[n])
+        if is_weight_linear(ops[n]):
+            found.append(n)
+        elif name in SHAPE_OPS or name in ATTENTION_OPS:
+            frontier.extend(ops[n].inputs)
+    return found
+
+
+class _Whole(Exception):
+    """A region cannot stay split: the op that would need the missing features, and why."""
+
+    def __init__(self, op: OpProfile, reason: str) -> None:
+        super().__init__(reason)
+        self.op, self.reason = op, reason
+
+
+def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set[str], fused_split: bool,
+                 region: dict[str, str]) -> None:
+    """Fill `region` with the region opened by Linear `start`; raises _Whole when some split tensor would have
+    to be gathered (`region` then holds what it had reached).
 
     Grows forward from every split tensor to its consumers and backward from every interior op to the
     operands it needs split (sibling projections such as k_proj reached through rotary embedding)."""
-    region = {start: "colwise"}
+    region[start] = "colwise"
     work = [("forward", start)]
 
-    def claim(node: str, r: str) -> bool:
-        if node in taken or region.get(node, r) != r:
-            return False
+    def claim(node: str, r: str) -> None:
+        if node in taken:
+            raise _Whole(ops[node], f"it would join the split region of {ops[node].module or 'the model'} already found")
+        if region.get(node, r) != r:
+            raise _Whole(ops[node], f"it would be both {region[node]} and {r} in one region")
         if node not in region:
             region[node] = r
             if r != "rowwise":
                 work.append(("forward", node))
             if r == "interior":
                 work.append(("backward", node))
-        return True
 
     while work:
         direction, node = work.pop()
@@ -242,10 +321,17 @@ def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set
             for c in consumers[node]:
                 op = ops[c]
                 if not fused_split and _projection_output(node, region, ops) and packet(op) in FUSED_SPLIT_OPS:
-                    return None  # a fused projection split along its sharded features (see FUSED_SPLIT_OPS)
-                if not claim(c, "rowwise" if is_weight_linear(op) else "interior") or not (
-                        is_weight_linear(op) or _keeps_heads(op)):
-                    return None
+                    raise _Whole(op, "it cuts a fused projection (q, k and v in one Linear) along the features the "
+                                     "Linear would shard: torch's ColwiseParallel shards the fused rows as they are, "
+                                     "so a rank would hold some heads' q but other heads' k and v")
+                if is_weight_linear(op):
+                    claim(c, "rowwise")
+                    continue
+                why = _mixes_heads(op)
+                if why:
+                    raise _Whole(op, why)
+                claim(c, "interior")
+                _check_per_head_reduction(op, region, ops)
             continue
         op = ops[node]
         # an attention matmul multiplies two activations head by head: both split, however small one is
@@ -254,22 +340,79 @@ def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set
         largest = max((ops[s].output_bytes for s in op.inputs if s in ops and s in derived), default=0)
         for src in op.inputs:
             if region.get(src) == "rowwise":
-                return None  # a split op would read a rowwise Linear's full (all-reduced) output
+                raise _Whole(op, f"it reads the split features together with the full output of row-parallel "
+                                 f"{ops[src].module}")
             small = not per_head and ops[src].output_bytes * BROADCAST_RATIO <= largest
             if src in region or src not in derived or small:
                 continue  # already split, a constant (mask, positions), or a small broadcast operand
             producer = ops[src]
             if is_weight_linear(producer):
-                if not claim(src, "colwise"):
-                    return None
-            elif not _keeps_heads(producer) or not claim(src, "interior"):
-                return None
+                claim(src, "colwise")
+                continue
+            why = _mixes_heads(producer)
+            if why:
+                raise _Whole(op, f"it joins the split features with the output of {_describe(producer)}, which "
+                                 f"cannot be split: {why}")
+            claim(src, "interior")
+            _check_per_head_reduction(producer, region, ops)
     if "rowwise" not in region.values():
-        return None
+        raise _Whole(ops[start], "no row-parallel Linear reads its split output")
     for node, r in region.items():
-        if r == "rowwise" and any(src not in region for src in ops[node].inputs):
-            return None
-    return region
+        for src in ops[node].inputs:
+            if r == "rowwise" and src not in region:
+                raise _Whole(ops[node], f"it also reads the output of {_describe(ops[src])}, which is not split")
+    _check_per_head_reductions(region, ops)
+
+
+def _describe(op: OpProfile) -> str:
+    return f"{op.op} in {op.module or 'the model'}"
+
+
+def _mixes_heads(op: OpProfile) -> str:
+    """"" when `op` keeps a tensor split by heads split (each output head depends on that head only); else why."""
+    name = packet(op)
+    if name in SHAPE_OPS or name in ELEMENTWISE_OPS:
+        return ""
+    if name in ATTENTION_OPS:
+        return "" if not op.params else "it multiplies by a weight, not head by head"
+    if name in REDUCTION_OPS or name in NORM_OPS:
+        return "" if _reduced_size(op) else "it reduces over more than the innermost dimension (or the capture " \
+                                            "does not show which)"
+    return "no rule says it keeps each rank's features apart (it may mix features of every rank)"
+
+
+def _reduced_size(op: OpProfile) -> int | None:
+    """The size of the innermost dimension when `op` reduces (normalizes) over it alone, else None."""
+    if not op.input_shapes or not op.input_shapes[0]:
+        return None
+    shape = tuple(op.input_shapes[0])
+    if packet(op) in NORM_OPS:  # normalized_shape is the weight's
+        weight = op.input_shapes[1] if len(op.input_shapes) > 1 and op.params else None
+        return shape[-1] if weight is not None and tuple(weight) == shape[-1:] else None
+    out = tuple(op.output_shapes[0]) if op.output_shapes else None
+    if out == shape[:-1] + (1,) or (out == shape[:-1] and (len(shape) < 2 or shape[-2] != shape[-1])):
+        return shape[-1]
+    return None
+
+
+def _check_per_head_reductions(region: dict[str, str], ops) -> None:
+    """A reduction (a norm) inside the region reduces over a head's features only: its innermost dimension is
+    a proper divisor of every colwise Linear's features (queries and keys viewed as heads x head_dim, as
+    Qwen3's and Gemma-3's QK-norms are), so with tp dividing the heads each rank holds whole heads."""
+    for node, r in region.items():
+        if r == "interior":
+            _check_per_head_reduction(ops[node], region, ops)
+
+
+def _check_per_head_reduction(op: OpProfile, region: dict[str, str], ops) -> None:
+    """_check_per_head_reductions for one op, against the colwise Linears the region holds so far."""
+    if packet(op) not in REDUCTION_OPS and packet(op) not in NORM_OPS:
+        return
+    features = sorted({out_in_features(ops[n])[0] for n, r in region.items() if r == "colwise"})
+    size = _reduced_size(op)
+    if size is None or any(f % size or f == size for f in features):
+        raise _Whole(op, f"it reduces over {size} features at once, not over one head's: every feature of a "
+                         f"{'/'.join(map(str, features))}-feature projection")
 
 
 def _projection_output(node: str, region: dict[str, str], ops) -> bool:
@@ -281,13 +424,6 @@ def _projection_output(node: str, region: dict[str, str], ops) -> bool:
             return False
         node = op.inputs[0]
     return True
-
-
-def _keeps_heads(op: OpProfile) -> bool:
-    name = packet(op)
-    if name in SHAPE_OPS or name in ELEMENTWISE_OPS:
-        return True
-    return name in ATTENTION_OPS and not op.params
 
 
 def _region_facts(region: dict[str, str], ops, consumers) -> list[DivisibilityFact]:
@@ -317,13 +453,60 @@ def _heads_after_view(view: OpProfile, ops, consumers) -> int | None:
     return None
 
 
-def _vocab_parallel(profile: ModelProfile, ops, consumers, role: dict[str, str]) -> list[DivisibilityFact]:
-    """Mark the output head and the word embedding; returns their vocabulary sizes as facts."""
-    facts = []
+def _output_heads(profile: ModelProfile, ops, consumers, role: dict[str, str]) -> list[OpProfile]:
+    """Unsplit Linears whose output is a model output or a loss computed inside the model, through shape ops and
+    the ops torch's loss_parallel computes on vocabulary-sharded logits only: output heads."""
     outputs = set(profile.output_nodes)
-    heads = [op for op in profile.ops if is_weight_linear(op) and op.node not in role
-             and _reaches_only_outputs(op.node, ops, consumers, outputs)]
+    return [op for op in profile.ops if is_weight_linear(op) and op.node not in role
+            and _logits_path(op.node, ops, consumers, outputs)[:2] == (True, None)]
+
+
+def _explain_heads(profile: ModelProfile, ops, consumers, whole: dict[str, LeftWhole], reason: str) -> None:
+    """The output heads stay whole for `reason`."""
+    for op in _output_heads(profile, ops, consumers, {}):
+        whole[op.node] = LeftWhole((op.module,), op.op, op.module, reason + _head_cost(op, profile.batch_size))
+
+
+def _head_cost(op: OpProfile, batch: int) -> str:
+    """What a head left whole costs each tensor-parallel rank, as a clause."""
+    vocabulary, hidden = out_in_features(op)
+    flops = (op.flops_fwd + op.flops_bwd) / max(batch, 1)
+    return (f"; each tensor-parallel rank then holds all {vocabulary} x {hidden} head weights and computes all "
+            f"{vocabulary} logits ({flops / 1e6:.3g} MFLOP per sample forward and backward), where a vocabulary-"
+            f"parallel head computes 1/tp of them")
+
+
+def _explain_in_model_losses(profile: ModelProfile, ops, consumers, role: dict[str, str],
+                             whole: dict[str, LeftWhole]) -> None:
+    """A Linear whose logits reach a model output or a loss only through an op loss_parallel cannot compute on
+    vocabulary-sharded logits (a loss inside forward with a z-loss, say): why it is no vocabulary-parallel head."""
+    outputs = set(profile.output_nodes)
+    for op in profile.ops:
+        if not is_weight_linear(op) or op.node in role:
+            continue
+        reaches, blocker, loss = _logits_path(op.node, ops, consumers, outputs)
+        if reaches and blocker is not None:
+            goal = "the loss it computes inside forward" if loss else "the model's output"
+            whole[op.node] = LeftWhole((op.module,), blocker.op, blocker.module, (
+                f"its logits pass through {blocker.op} on the way to {goal}, which torch's loss_parallel cannot "
+                "compute on logits sharded on the vocabulary, so the head is not vocabulary-parallel"
+                + _head_cost(op, profile.batch_size)))
+
+
+def _vocab_parallel(profile: ModelProfile, ops, consumers, role: dict[str, str],
+                    whole: dict[str, LeftWhole]) -> list[DivisibilityFact]:
+    """Mark the output head and the word embedding; returns their vocabulary sizes as facts. A head whose
+    vocabulary is no multiple of VOCAB_MULTIPLE is left whole (`whole` says so)."""
+    facts = []
+    heads = _output_heads(profile, ops, consumers, role)
     head_weights = set()
+    for op in heads:
+        vocabulary = op.input_shapes[1][0]
+        if vocabulary % VOCAB_MULTIPLE:
+            whole[op.node] = LeftWhole((op.module,), op.op, op.module, (
+                f"its vocabulary of {vocabulary} is no multiple of {VOCAB_MULTIPLE}: torch's tensor parallelism "
+                "cannot pad it as Megatron-LM does, so the head is not vocabulary-parallel"
+                + _head_cost(op, profile.batch_size)))
     heads = [op for op in heads if op.input_shapes[1][0] % VOCAB_MULTIPLE == 0]
     for op in heads:
         role[op.node] = "head"
@@ -340,20 +523,59 @@ def _vocab_parallel(profile: ModelProfile, ops, consumers, role: dict[str, str])
     return facts
 
 
-def _reaches_only_outputs(node: str, ops, consumers, outputs: set[str]) -> bool:
-    """The Linear's output is a model output, possibly through shape ops only."""
-    seen, frontier = set(), [node]
+def _logits_path(node: str, ops, consumers, outputs: set[str]) -> tuple[bool, OpProfile | None, bool]:
+    """Whether the Linear's output reaches a model output or a loss (LOSS_OPS) before any other weight Linear; the
+    first op on the way that is neither a shape op nor one torch's loss_parallel computes on vocabulary-sharded
+    logits (None when there is none); and whether it reaches a loss computed inside the model."""
+    seen, frontier, blocker, reaches, loss = set(), [node], None, False, False
     while frontier:
         n = frontier.pop()
         if n in seen:
             continue
         seen.add(n)
-        if not consumers[n]:
-            if n not in outputs:
-                return False
-            continue
+        reaches |= n in outputs
         for c in consumers[n]:
-            if packet(ops[c]) not in SHAPE_OPS:
-                return False
+            op = ops[c]
+            if is_weight_linear(op):
+                return False, None, False
+            name = packet(op)
+            if name in LOSS_OPS:
+                reaches = loss = True
+                continue  # the loss: what follows it (a mean, a scale) no longer has the vocabulary
+            if name not in SHAPE_OPS and name not in LOSS_PARALLEL_OPS and blocker is None:
+                blocker = op
             frontier.append(c)
-    return bool(outputs & seen)
+    return reaches, blocker, loss
+
+
+_LAYER_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
+
+
+def _pattern(text: str) -> str:
+    """A name with its layer indices as "*" ("model.layers.3.mlp" -> "model.layers.*.mlp"): one line per kind of
+    block, not per layer."""
+    return _LAYER_INDEX.sub("*", text)
+
+
+def split_lines(plan: dict[str, str]) -> list[str]:
+    """The tensor-parallel plan as lines, one per style and kind of module: "colwise: model.layers.*.mlp.up_proj
+    (32), lm_head"."""
+    lines = []
+    for style in ("colwise", "rowwise", "replicate"):
+        counts: dict[str, int] = {}
+        for fqn, s in plan.items():
+            if s == style:
+                counts[_pattern(fqn)] = counts.get(_pattern(fqn), 0) + 1
+        if counts:
+            lines.append(f"{style}: " + ", ".join(f"{p} ({n})" if n > 1 else p for p, n in counts.items()))
+    return lines
+
+
+def left_whole_lines(blocks: tuple[LeftWhole, ...]) -> list[str]:
+    """The Linears left whole as lines, one per kind of block with how many: "model.layers.*.attn.c_attn (12x)
+    left whole: aten.split.Tensor in model.layers.*.attn: it cuts a fused projection ..."."""
+    counts: dict[str, int] = {}
+    for b in blocks:
+        line = _pattern(b.line())
+        counts[line] = counts.get(line, 0) + 1
+    return [line if n == 1 else line.replace(" left whole:", f" ({n}x) left whole:", 1) for line, n in counts.items()]

@@ -148,7 +148,8 @@ def _layout(plan: Plan) -> str:
                      f"dp_shard {p.data_parallel_shard_degree}, reshard {p.fsdp_reshard_after_forward}")
     if p.tensor_parallel_degree > 1:
         sequence = ", sequence parallel" if p.enable_sequence_parallel else ""
-        parts.append(f"{p.tensor_parallel_degree}-way tensor parallel ({len(plan.tensor_parallel_plan)} Linears{sequence})")
+        split = sum(style != "replicate" for style in plan.tensor_parallel_plan.values())
+        parts.append(f"{p.tensor_parallel_degree}-way tensor parallel ({split} Linears{sequence})")
     if p.context_parallel_degree > 1:
         parts.append(f"{p.context_parallel_degree}-way context parallel (ring attention over SDPA, FSDP2 over "
                      f"dp_shard {p.data_parallel_shard_degree} x cp {p.context_parallel_degree})")
@@ -257,7 +258,7 @@ def _config_block(plan: Plan, model_copy: Path) -> str:
                             "plan.json predicted: --tensorboard logs them beside the measured values")
     lines += _literal_block("TENSOR_PARALLEL_PLAN", "{}", [f"{fqn!r}: {style!r}," for fqn, style in
                                                            plan.tensor_parallel_plan.items()],
-                            "nn.Linear FQN -> colwise | rowwise (when TP > 1)")
+                            "nn.Linear FQN -> colwise | rowwise; replicate: a per-head norm between them (when TP > 1)")
     lines += _literal_block("RECOMPUTE_MODULES", "[]", [f"{name!r}," for name in plan.activation_checkpoint_modules],
                             "the modules recomputed in backward, in the RECOMPUTE mode")
     lines += _literal_block("BATCH_NORM_MODULES", "[]", [f"{name!r}," for name in plan.batch_norm_modules],

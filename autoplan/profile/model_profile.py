@@ -140,6 +140,7 @@ def profile_graph(graph: OpGraph, model: str, batch_size: int, hardware: Hardwar
             time_fwd_s=time_fwd,
             time_bwd_s=time_bwd,
             source=source,
+            output_shapes=tuple(tuple(meta.shape) for meta in node.outputs),
         ))
     op_failures = [f"{op}: not replayed on fake tensors, counted as 0 FLOPs and nothing saved ({error})"
                    for op, error in sorted(replay_errors.items())]

@@ -48,6 +48,9 @@ class OpProfile:
     """Backward time on the profiled device, seconds."""
     source: str
     """"measured" (timed on the local device) or "estimated" (roofline on a hardware profile)."""
+    output_shapes: tuple[tuple[int, ...], ...] = ()
+    """Shapes of the tensor outputs, in order (empty in profiles saved before they were recorded): which
+    dimensions an op keeps, e.g. a norm's reduction over the head dimension only."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ class ModelProfile:
                 "inputs": tuple(op["inputs"]),
                 "params": tuple(op["params"]),
                 "input_shapes": tuple(tuple(s) for s in op["input_shapes"]),
+                "output_shapes": tuple(tuple(s) for s in op.get("output_shapes", ())),
             })
             for op in raw.pop("ops")
         )

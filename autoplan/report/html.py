@@ -98,6 +98,7 @@ def render_report(result, verify: dict | None = None, scaling: list[tuple] | Non
     sections = [
         ("summary", "Summary", summary_section(plan)),
         ("memory", "Memory", memory_section(plan)),
+        ("tensor-parallel", "Tensor parallel", tensor_parallel_section(plan)),
         ("modules", "Time per module", modules_section(result)),
         ("schedule", "Schedule", schedule_section(plan)),
         ("candidates", "Candidates", candidates_section(plan, candidates, best)),
@@ -151,6 +152,24 @@ def summary_section(plan) -> str:
         html += '<p class="lead">Where the step time goes (hover for values).</p>' + charts.stacked_bars(
             [row], fmt_seconds, "seconds per optimizer step", "step time breakdown", row_height=34)
     return html
+
+
+def tensor_parallel_section(plan) -> str:
+    """With tp > 1: the Linears split (by style) and every block left whole, with the op and the reason."""
+    from autoplan.chain.tensor_parallel import split_lines
+
+    if plan.parallelism.tensor_parallel_degree <= 1:
+        return ""
+    split = "".join(f"<li>{esc(line)}</li>" for line in split_lines(plan.tensor_parallel_plan))
+    rows = "".join(f"<tr><td>{esc(', '.join(b.modules))}</td><td><code>{esc(b.op)}</code> in "
+                   f"{esc(b.op_module or 'the model')}</td><td>{esc(b.reason)}</td></tr>"
+                   for b in plan.tensor_parallel_left_whole)
+    whole = (f"<h3>Left whole (replicated on every tensor-parallel rank)</h3><table><thead><tr><th>Linears</th>"
+             f"<th>op</th><th>why</th></tr></thead><tbody>{rows}</tbody></table>" if rows
+             else "<p>Every Linear is split.</p>")
+    return (f"<h2>Tensor parallelism</h2><p class=\"lead\">{plan.parallelism.tensor_parallel_degree}-way: the Linears "
+            f"split (colwise by output features, rowwise by input features; replicate: a per-head norm between "
+            f"them) and the blocks left whole, with the op that keeps them whole.</p><ul>{split}</ul>{whole}")
 
 
 def memory_section(plan) -> str:

@@ -42,7 +42,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from autoplan.errors import UserError
 from autoplan.runtime.sequence_gather import SequenceGather
 
-STYLES = ("colwise", "rowwise")
+STYLES = ("colwise", "rowwise", "replicate")
 
 
 def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, str],
@@ -59,13 +59,16 @@ def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, s
         plan = _stage_plan(module, plan, chain_modules)
     styles = {}
     gather = SequenceGather()
+    replicated = [fqn for fqn, style in plan.items() if style == "replicate"]
     for fqn, style in plan.items():
+        if style not in STYLES:
+            raise UserError(f"tensor-parallel style of {fqn!r} must be one of {STYLES}, got {style!r}")
+        if style == "replicate":
+            continue
         try:
             layer = module.get_submodule(fqn)
         except AttributeError:
             raise UserError(f"the tensor-parallel plan names {fqn!r}, which the model does not have") from None
-        if style not in STYLES:
-            raise UserError(f"tensor-parallel style of {fqn!r} must be one of {STYLES}, got {style!r}")
         if isinstance(layer, nn.Embedding) and style == "rowwise":  # vocabulary rows split, looked up locally
             if layer.num_embeddings % tp_mesh.size():
                 raise UserError(f"{fqn!r} has {layer.num_embeddings} rows, not divisible by tp {tp_mesh.size()}")
@@ -98,11 +101,13 @@ def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, s
     ties = _tied_parameters(module)
     parallelize_module(module, tp_mesh, styles)
     _retie(module, ties)
+    if not sequence_parallel:  # with it every parameter is replicated below
+        replicate_parameters(module, tp_mesh, replicated)
+    if isinstance(module, fx.GraphModule):  # DTensors run through a stage's graph (split heads, sequence shards)
+        _drop_metadata_asserts(module)
     if sequence_parallel:
         gather.attach_release(module)
         replicate_parameters(module, tp_mesh)
-        if isinstance(module, fx.GraphModule):
-            _drop_metadata_asserts(module)
         module.register_forward_pre_hook(_float_inputs_replicated(tp_mesh), with_kwargs=True)
     module.register_forward_hook(outputs_to_plain)
     return module
@@ -232,13 +237,17 @@ def _plain_input_replicated(tp_mesh: DeviceMesh):
     return hook
 
 
-def replicate_parameters(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+def replicate_parameters(module: nn.Module, tp_mesh: DeviceMesh, within: Sequence[str] | None = None) -> None:
     """Every parameter of `module` that is not a DTensor yet becomes a replicated DTensor on `tp_mesh`
-    (as SequenceParallel does for a norm's), keeping tied parameters tied."""
+    (as SequenceParallel does for a norm's), keeping tied parameters tied; with `within`, only the parameters of
+    those modules (FQNs): a per-head norm inside a split region, whose gradient each rank computes from its own
+    heads (Partial, summed by reduce_partial_gradients)."""
     from torch.distributed.tensor import DTensor
 
     replaced: dict[int, nn.Parameter] = {}
-    for owner in module.modules():
+    for prefix, owner in module.named_modules():
+        if within is not None and not any(prefix == u or prefix.startswith(u + ".") for u in within):
+            continue
         for name, param in list(owner._parameters.items()):
             if param is None or isinstance(param, DTensor):
                 continue
@@ -343,12 +352,13 @@ def _stage_plan(stage: fx.GraphModule, plan: Mapping[str, str], chain_modules: S
     def in_stage(fqn: str) -> bool:
         return any(fqn == u or fqn.startswith(u + ".") or not u for u in chain_modules)
 
-    wanted = {fqn for fqn in plan if in_stage(fqn)}
+    replicated = {fqn for fqn, style in plan.items() if style == "replicate" and in_stage(fqn)}
+    wanted = {fqn for fqn in plan if in_stage(fqn)} - replicated
     missing = wanted - restore_linears(stage, wanted)
     if missing:
         raise UserError(f"tensor parallel: {', '.join(sorted(map(repr, missing)))} run no linear op in the "
                         "exported graph of their stage (not an nn.Linear, or its chain module was inlined)")
-    return {fqn: plan[fqn] for fqn in wanted}
+    return {fqn: plan[fqn] for fqn in wanted | replicated}
 
 
 @contextlib.contextmanager

@@ -87,7 +87,7 @@ PREDICTED = {  # plan.json predicted: --tensorboard logs them beside the measure
     'mfu': 0.3,
     'peak_memory_bytes': 1073741824.0,
 }
-TENSOR_PARALLEL_PLAN = {  # nn.Linear FQN -> colwise | rowwise (when TP > 1)
+TENSOR_PARALLEL_PLAN = {  # nn.Linear FQN -> colwise | rowwise; replicate: a per-head norm between them (when TP > 1)
     'layers.0.0': 'colwise',
     'layers.1.0': 'rowwise',
 }
