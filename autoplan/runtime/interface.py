@@ -19,8 +19,8 @@ a name added, removed or renamed, a signature, a meaning. A train.py reaches aut
 (and autoplan.parallelize, autoplan.init_mesh) only, and checks this first, at import, before any other autoplan
 name (tests/test_codegen.py). 5: runtime.exit_skipping_teardown and runtime.load_source (train.py imported
 autoplan.procs and autoplan.source directly, so on an autoplan without procs it died of an ImportError before
-its check); autoplan.init_mesh(timeout_s=) for the process group's timeout; the tensor-parallel plan's 'replicate' style (a norm's weight
-inside a split region, a replicated DTensor whose gradient is summed)."""
+its check); autoplan.init_mesh(timeout_s=) for the process group's timeout; the tensor-parallel plan's
+'replicate' style (a norm's weight inside a split region, a replicated DTensor whose gradient is summed)."""
 
 MISMATCH_EXIT_CODE = 2
 """What a program exits with on a mismatch: 2, the exit code of autoplan's own user errors (the user fixes
