@@ -23,8 +23,8 @@ Llama3 wq/wk/wv -> wo through complex RoPE.
 
 With the vocabulary-parallel option (layout.SUPPORTED "tp_vocab_parallel") the output head (a
 Linear whose output is a model output, or the input of a loss computed inside forward through the ops
-torch's loss_parallel computes: LOSS_OPS, LOSS_PARALLEL_OPS) is also "colwise", its logits left sharded on the vocabulary for
-the loss (loss_parallel; gathered when the plan disables it), and an input embedding tied to that
+torch's loss_parallel computes: LOSS_OPS, LOSS_PARALLEL_OPS) is also "colwise", its logits left sharded on the
+vocabulary for the loss (loss_parallel; gathered when the plan disables it), and an input embedding tied to that
 head or with as many rows as the head has outputs (the word embedding, not a position table) is
 "rowwise" (RowwiseParallel on nn.Embedding: vocabulary rows split, outputs reduce-scattered onto the
 sequence with sequence parallelism, else all-reduced). runtime/tensor_parallel.py runs both.
@@ -174,13 +174,32 @@ def tensor_parallel_facts(profile: ModelProfile, vocab_parallel: bool = True,
         for src in op.inputs:
             if src in consumers:
                 consumers[src].append(op.node)
+    role, facts, whole = _regions(profile, ops, consumers, fused_split)
+    if vocab_parallel:
+        facts += _vocab_parallel(profile, ops, consumers, role, whole)
+        _explain_in_model_losses(profile, ops, consumers, role, whole)
+    else:
+        _explain_heads(profile, ops, consumers, whole, "the vocabulary-parallel head is off for this search")
+    _explain_functional_linears(profile, role, whole)
+    left_whole = _left_whole_blocks(whole, role, ops)
+    problem = _sequence_parallel(ops, consumers, role) if role else ""
+    plan, sharded = _module_plan(role, ops)
+    unique = {(f.size, f.what): f for f in facts}
+    return TensorParallelFacts(plan, role, frozenset(sharded), tuple(sorted(unique.values(), key=lambda f: f.what)),
+                               problem, left_whole)
+
+
+def _regions(profile: ModelProfile, ops, consumers,
+             fused_split: bool) -> tuple[dict[str, str], list[DivisibilityFact], dict[str, LeftWhole]]:
+    """Every region a weight Linear opens: the ops' roles, the sizes tp must divide, and per Linear left whole
+    why (the first failed region that reached it; an output projection fed by a whole q, k, v says so)."""
     derived: set[str] = set()  # ops downstream of some Linear (not constants, masks or position tables)
     for op in profile.ops:
         if is_weight_linear(op) or any(src in derived for src in op.inputs):
             derived.add(op.node)
     role: dict[str, str] = {}
     facts: list[DivisibilityFact] = []
-    whole: dict[str, LeftWhole] = {}  # Linear node -> why it stays whole (the first failed region reaching it)
+    whole: dict[str, LeftWhole] = {}
     for op in profile.ops:
         if not is_weight_linear(op) or op.node in role:
             continue
@@ -199,22 +218,29 @@ def tensor_parallel_facts(profile: ModelProfile, vocab_parallel: bool = True,
             continue
         role.update(region)
         facts += _region_facts(region, ops, consumers)
-    if vocab_parallel:
-        facts += _vocab_parallel(profile, ops, consumers, role, whole)
-        _explain_in_model_losses(profile, ops, consumers, role, whole)
-    else:
-        _explain_heads(profile, ops, consumers, whole, "the vocabulary-parallel head is off for this search")
-    for op in profile.ops:  # a module computing a projection from its own parameters (nn.MultiheadAttention)
+    return role, facts, whole
+
+
+def _explain_functional_linears(profile: ModelProfile, role: dict[str, str], whole: dict[str, LeftWhole]) -> None:
+    """A module computing a projection from its own parameters (nn.MultiheadAttention) stays whole: say why."""
+    for op in profile.ops:
         if packet(op) in LINEAR_OPS and op.params and not is_weight_linear(op) and op.node not in role:
             whole.setdefault(op.node, LeftWhole((), op.op, op.module, (
                 f"{op.module or 'the model'} multiplies by {', '.join(op.params)} in its own forward, not by calling "
                 "an nn.Linear module: torch's tensor parallelism shards Linear modules through their forward")))
+
+
+def _left_whole_blocks(whole: dict[str, LeftWhole], role: dict[str, str], ops) -> tuple[LeftWhole, ...]:
+    """The reasons of the Linears left whole, each with every module it applies to."""
     blocks: dict[LeftWhole, list[str]] = {}
     for n, block in whole.items():
         if n not in role:
             blocks.setdefault(block, []).append(ops[n].module)
-    left_whole = tuple(replace(b, modules=tuple(dict.fromkeys(modules))) for b, modules in blocks.items())
-    problem = _sequence_parallel(ops, consumers, role) if role else ""
+    return tuple(replace(b, modules=tuple(dict.fromkeys(modules))) for b, modules in blocks.items())
+
+
+def _module_plan(role: dict[str, str], ops) -> tuple[dict[str, str], set[str]]:
+    """Module FQN -> style, and the parameters split, from the ops' roles."""
     plan: dict[str, str] = {}
     sharded: set[str] = set()
     for node, r in role.items():
@@ -231,9 +257,7 @@ def tensor_parallel_facts(profile: ModelProfile, vocab_parallel: bool = True,
                 owner = param.rpartition(".")[0]
                 if param not in sharded and owner not in plan:
                     plan[owner] = "replicate"
-    unique = {(f.size, f.what): f for f in facts}
-    return TensorParallelFacts(plan, role, frozenset(sharded), tuple(sorted(unique.values(), key=lambda f: f.what)),
-                               problem, left_whole)
+    return plan, sharded
 
 
 def _sequence_parallel(ops, consumers, role: dict[str, str]) -> str:
@@ -305,7 +329,8 @@ def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set
 
     def claim(node: str, r: str) -> None:
         if node in taken:
-            raise _Whole(ops[node], f"it would join the split region of {ops[node].module or 'the model'} already found")
+            raise _Whole(ops[node], f"it would join the split region of {ops[node].module or 'the model'} "
+                                    "already found")
         if region.get(node, r) != r:
             raise _Whole(ops[node], f"it would be both {region[node]} and {r} in one region")
         if node not in region:
