@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 
 from torch import nn
 
-from autoplan.runtime.recompute import ROOT_MODULE, submodule
+from autoplan.runtime.recompute import ROOT_MODULE, allow_mode_in_compiled_checkpoint, submodule
 
 
 def compile_modules(module: nn.Module, chain_modules: Sequence[str], enabled: bool,
@@ -31,6 +31,7 @@ def compile_modules(module: nn.Module, chain_modules: Sequence[str], enabled: bo
     (_no_autograd_cache)."""
     if not enabled:
         return module
+    allow_mode_in_compiled_checkpoint()  # recomputed chain modules turn dropout off inside their checkpoint
     if tensor_parallel_plan:
         _no_autograd_cache()
     sharded = set(tensor_parallel_plan or ())
