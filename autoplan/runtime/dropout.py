@@ -172,3 +172,13 @@ def recompute_context() -> Any:
     nothing. Built when the block is entered: torch.compile traces entering it inside a checkpointed module
     (runtime/recompute.py), where building it would break the graph."""
     return _ACTIVE[-1].quiet if _ACTIVE else nullcontext()
+
+
+def attention_without_dropout(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """F.scaled_dot_product_attention's arguments with dropout_p = 0 while a NoDropout block is active (else as
+    given), for a call NoDropout's mode does not see: torch.compile traces context parallelism's patched attention
+    (runtime/context_parallel.py) with the model's dropout_p (seen on a GPT with attention dropout at cp=2:
+    "aten.add.Tensor got mixed torch.Tensor and DTensor"). Not counted: the reference run counts."""
+    if not _ACTIVE:
+        return args, kwargs
+    return _Call(*_SDPA_ARGUMENTS, args, kwargs).replaced("dropout_p", 0.0)
