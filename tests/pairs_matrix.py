@@ -217,8 +217,8 @@ def matrix() -> Covering:
 
 
 def name(case: Case) -> str:
-    return ",".join(f"{k}={v}" if not isinstance(v, str) or k in ("tp", "cp", "ep") else
-                    (v if k in ("model", "data", "pipeline") else f"{k}={v}") for k, v in case.items() if v is not None)
+    """The case's values that apply, "model=llama,data=fsdp,...", in the factors' order."""
+    return ",".join(f"{k}={v}" for k, v in case.items() if v is not None)
 
 
 def write_case(root: Path, index: int, case: Case) -> Path:

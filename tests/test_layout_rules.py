@@ -66,3 +66,17 @@ def test_layout_rules_are_written_only_in_layout_py(phrase):
             continue
         lines = [line for line in path.read_text().splitlines() if phrase in line and not unrelated.search(line)]
         assert not lines, f"{path.relative_to(ROOT)} writes a layout rule: {lines[0].strip()}"
+
+
+def test_compiled_recompute_in_the_ring_over_tensor_parallel_shards_is_refused_naming_what_to_change():
+    from autoplan.layout import ALL_FEATURES, SUPPORTED, Layout, Scope, problems
+
+    layout = Layout(tp=2, cp=2, recompute="full", compile="on")
+    found = [p for p in problems(layout, Scope(features=SUPPORTED)) if "AOTAutograd" in p]
+    assert found == ["compile=on with recompute=full, cp=2 and tp=2: torch.compile of a recomputed module running the "
+                     "ring attention over tensor-parallel shards fails in AOTAutograd (use compile=off, recompute=none, "
+                     "cp=1 or tp=1)"]
+    for runs in (Layout(tp=2, cp=2, recompute="none", compile="on"), Layout(tp=1, cp=2, recompute="full", compile="on"),
+                 Layout(tp=2, cp=2, recompute="selective", compile="off")):
+        assert not [p for p in problems(runs, Scope(features=SUPPORTED)) if "AOTAutograd" in p]
+    assert not [p for p in problems(layout, Scope(features=ALL_FEATURES)) if "AOTAutograd" in p]  # priced
