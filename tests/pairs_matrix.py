@@ -16,7 +16,7 @@ from typing import Any, Callable
 from autoplan.codegen import write_program
 from autoplan.layout import (COMPILE, OFFLOAD, RECOMPUTE, RESHARD, SCHEDULES, SEQUENCE_PARALLEL, SUPPORTED,
                              ZERO_STAGES, Layout, Scope, problems)
-from autoplan.plan import OPTIMIZER_IMPLEMENTATIONS, Compile
+from autoplan.plan import OPTIMIZER_IMPLEMENTATIONS, Compile, Plan
 from helpers.all_pairs import Case, Covering, Factor, covering_array
 from test_expert_parallel_program import ATTENTION_TP_PLAN, CHAIN as MIXTRAL_CHAIN, SOURCES as MOE_SOURCES
 from test_layouts import MODELS as LAYOUT_MODELS, make_plan
@@ -221,14 +221,10 @@ def name(case: Case) -> str:
     return ",".join(f"{k}={v}" for k, v in case.items() if v is not None)
 
 
-def write_case(root: Path, index: int, case: Case) -> Path:
-    """The case's generated program (plan.json and train.py, as `autoplan` writes them) under root/<index>."""
+def plan_of(case: Case, model_file: Path) -> Plan:
+    """The case's plan.json (a pinned plan, as tests/test_layouts.py writes them) for the model in `model_file`."""
     model = models()[case["model"]]
     lay = layout(case)
-    folder = root / f"case{index:02d}"
-    folder.mkdir(parents=True)
-    model_file = folder / "user_model.py"
-    model_file.write_text(model.source)
     stages = {1: [model.chain], 2: [model.chain[:len(model.chain) // 2], model.chain[len(model.chain) // 2:]],
               4: model.four_stages}[lay.pp * lay.virtual_stages]
     plan = make_plan(model_file, stages, model.tensor_parallel_plan,
@@ -239,9 +235,33 @@ def write_case(root: Path, index: int, case: Case) -> Path:
                      pipeline_parallel_schedule=lay.schedule, pipeline_parallel_virtual_stages=lay.virtual_stages,
                      pipeline_parallel_microbatch_size=lay.microbatch, pipeline_parallel_num_microbatches=lay.microbatches,
                      activation_checkpoint=lay.recompute, enable_cpu_offload=lay.offload == "cpu")
-    plan = replace(plan, compile=Compile(case["compile"] == "on"),
+    return replace(plan, compile=Compile(case["compile"] == "on"),
                    training=replace(plan.training, optimizer_implementation=case["optimizer"]),
                    batch_norm_modules=tuple(model.facts.get("batch_norm_modules", ())))
+
+
+def runs_as(plan: Plan) -> dict[str, Any]:
+    """What the program runs of a plan, in the matrix's factors (to check that a case's plan is the case)."""
+    par = plan.parallelism
+    data = {shape: name for name, shape in DATA.items()}[par.data_parallel_replicate_degree,
+                                                           par.data_parallel_shard_degree]
+    tp = par.tensor_parallel_degree
+    pipeline = "pp=1" if par.pipeline_parallel_degree == 1 else par.pipeline_parallel_schedule
+    return {"data": data, "reshard": par.fsdp_reshard_after_forward if par.sharded else None, "tp": tp,
+            "sp": ("on" if par.enable_sequence_parallel else "off") if tp > 1 else None,
+            "loss_parallel": ("off" if par.disable_loss_parallel else "on") if tp > 1 and "lm_head" in
+            plan.tensor_parallel_plan else None, "cp": par.context_parallel_degree, "ep": par.expert_parallel_degree,
+            "pipeline": pipeline, "recompute": par.activation_checkpoint, "compile": "on" if plan.compile.enable else "off",
+            "offload": "cpu" if par.enable_cpu_offload else "none", "optimizer": plan.training.optimizer_implementation}
+
+
+def write_case(root: Path, index: int, case: Case) -> Path:
+    """The case's generated program (plan.json and train.py, as `autoplan` writes them) under root/<index>."""
+    folder = root / f"case{index:02d}"
+    folder.mkdir(parents=True)
+    model_file = folder / "user_model.py"
+    model_file.write_text(models()[case["model"]].source)
+    plan = plan_of(case, model_file)
     write_program(plan, folder / "out", model_file)
     (folder / "out" / "plan.json").write_text(plan.to_json())
     return folder / "out"

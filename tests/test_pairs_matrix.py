@@ -62,6 +62,15 @@ def test_every_pair_the_rules_allow_is_covered_and_every_other_is_refused_by_a_r
         assert pm.reasons(case) == [] and pm.ranks(case) <= pm.MAX_RANKS
 
 
+def test_each_cases_plan_runs_the_case(tmp_path):
+    """A value the plan writer does not know (a new offload target, say) would run as another: every value of every
+    case must come back from its plan.json."""
+    for case in pm.matrix().cases:
+        plan = pm.plan_of(case, tmp_path / "model.py")
+        assert pm.runs_as(plan) == {k: v for k, v in case.items() if k != "model"}, pm.name(case)
+        assert plan.problems() == [], (pm.name(case), plan.problems())
+
+
 @pytest.mark.parametrize("recompute, kind", list(pm.REQUIRED), ids=lambda x: x)
 def test_compile_with_recompute_runs_beside_each_kind_of_parallelism(recompute, kind):
     assert any(c["compile"] == "on" and c["recompute"] == recompute and pm.PARALLELISMS[kind](c)
