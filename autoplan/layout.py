@@ -49,6 +49,7 @@ ALL_FEATURES = frozenset({
     "ep_ddp",             # expert parallelism beside DDP (ep not dividing dp_shard); priced, not yet in train.py
     "ep_offload",         # expert parallelism with FSDP2's CPU offload; priced, not yet in train.py
     "compile_pp_experts", # torch.compile of pipeline stages holding expert layers; priced, fails in inductor here
+    "compile_tp_recompute",  # compile of recomputed tp modules (sp off, or in the ring); priced, fails here
 })
 """Everything the cost model can price. Beyond SUPPORTED, two features of Megatron-LM that torch does not run,
 expert parallelism together with context parallelism, DDP or CPU offload, and torch.compile of pipeline stages
@@ -80,7 +81,9 @@ SUPPORTED = frozenset({
 """What codegen can run. Remove a name to stop the search from emitting (or accepting a pin of) it.
 Not yet: pp_scatter_gather and tp_fused_split (not in torch), ep_cp, ep_ddp and ep_offload (train.py runs expert
 parallelism over FSDP2's data-parallel ranks only, of each pipeline stage: not over context-parallel ranks, ep
-dividing dp_shard, no CPU offload), compile_pp_experts (inductor stops in the experts' backward)."""
+dividing dp_shard, no CPU offload), compile_pp_experts (inductor stops in the experts' backward),
+compile_tp_recompute (AOTAutograd stops on a recomputed module over tensor-parallel shards that are not sequence
+shards, or in the ring)."""
 
 CONTEXT_PARALLEL_CHUNKS = 2
 """Chunks per context-parallel rank: torch's causal load balancing cuts each sequence into 2 x cp chunks and
@@ -375,6 +378,24 @@ def _compiled_experts_in_stages(layout: Layout, scope: Scope) -> list[str]:
     return []
 
 
+def _compiled_recompute_over_tensor_parallel(layout: Layout, scope: Scope) -> list[str]:
+    """torch.compile of a recomputed module over tensor-parallel DTensors that are not sequence-sharded (sp=off),
+    or inside the context-parallel ring, fails on CPU/gloo with torch 2.13: AOTAutograd saves a DeviceMesh among the
+    checkpoint's tensors ("expected all tensors_saved_with_vc_check to be Tensors"; seen on a GPT with full recompute
+    at dp=2 x tp=2 and at cp=2 x tp=2, both sp=off, tests/test_pairs_matrix.py); with sequence parallelism and no
+    ring (HF Llama at tp=2 with selective and full recompute) it compiles."""
+    if (layout.compile != "on" or layout.recompute not in ("selective", "full") or not _positive(layout.tp)
+            or layout.tp == 1 or scope.features is None or "compile_tp_recompute" in scope.features):
+        return []
+    cp = layout.cp if _positive(layout.cp) else 1
+    if layout.sp == "off" or cp > 1:
+        where = f"sp={layout.sp}" if layout.sp == "off" else f"cp={cp}"
+        return [f"compile=on with recompute={layout.recompute} at tp={layout.tp} with {where}: torch.compile of a "
+                f"recomputed module over tensor-parallel shards fails in AOTAutograd here unless they are sequence "
+                f"shards outside the ring (use compile=off, recompute=none, tp=1, or sp=on with cp=1)"]
+    return []
+
+
 def _offload(layout: Layout, scope: Scope) -> list[str]:
     """CPU offload is FSDP2's (CPUOffloadPolicy of fully_shard): the model states must be sharded, and no
     pipeline (it would hold the stage's unsharded parameters and gradients on the GPU to the last micro-batch,
@@ -580,6 +601,7 @@ def _batch_norm_text(modules: tuple[str, ...]) -> str:
 
 
 RULES = (_values, _features, _sequence_parallel, _context_parallel, _expert_parallel, _compiled_experts_in_stages,
+         _compiled_recompute_over_tensor_parallel,
          _degrees, _sharding_rules, _offload, _batch, _schedule, _batch_norm_microbatches, _batch_norm_pipeline,
          _batch_norm_recompute, _stages)
 """Every rule, in the order their messages read best."""

@@ -158,3 +158,16 @@ def test_a_gpt_with_dropout_passes_verify(tmp_path, capsys, pin):
     report = json.loads((out / "verify.json").read_text())
     assert report["parity_max_abs_diff"] <= 1e-4 and report["dropout"].startswith(said)
     assert f"Dropout: {said}" in (out / "report.html").read_text()
+
+
+def test_attention_arguments_lose_their_dropout_only_inside_a_no_dropout_block():
+    from autoplan.runtime.dropout import attention_without_dropout
+
+    q = torch.randn(1, 2, 4, 8)
+    assert attention_without_dropout((q, q, q), {"dropout_p": 0.1, "is_causal": True}) == \
+        ((q, q, q), {"dropout_p": 0.1, "is_causal": True})
+    with NoDropout() as switch:
+        args, kwargs = attention_without_dropout((q, q, q, None, 0.1), {"is_causal": True})
+        assert args[4] == 0.0 and kwargs == {"is_causal": True}
+        assert attention_without_dropout((q, q, q), {"dropout_p": 0.1})[1] == {"dropout_p": 0.0}
+    assert switch.calls == 0  # the reference run counts

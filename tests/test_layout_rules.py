@@ -66,3 +66,22 @@ def test_layout_rules_are_written_only_in_layout_py(phrase):
             continue
         lines = [line for line in path.read_text().splitlines() if phrase in line and not unrelated.search(line)]
         assert not lines, f"{path.relative_to(ROOT)} writes a layout rule: {lines[0].strip()}"
+
+
+def test_compiled_recompute_over_tensor_parallel_shards_is_refused_unless_sequence_parallel_outside_the_ring():
+    from autoplan.layout import ALL_FEATURES, SUPPORTED, Layout, Scope, problems
+
+    def refused(layout, features=SUPPORTED):
+        return [p for p in problems(layout, Scope(features=features)) if "AOTAutograd" in p]
+
+    assert refused(Layout(tp=2, sp="off", cp=1, recompute="full", compile="on")) == [
+        "compile=on with recompute=full at tp=2 with sp=off: torch.compile of a recomputed module over tensor-parallel "
+        "shards fails in AOTAutograd here unless they are sequence shards outside the ring (use compile=off, "
+        "recompute=none, tp=1, or sp=on with cp=1)"]
+    assert "with cp=2" in refused(Layout(tp=2, sp="on", cp=2, recompute="selective", compile="on"))[0]
+    for runs in (Layout(tp=2, sp="on", cp=1, recompute="full", compile="on"),
+                 Layout(tp=2, sp="off", cp=2, recompute="none", compile="on"),
+                 Layout(tp=1, cp=2, recompute="full", compile="on"),
+                 Layout(tp=2, sp="off", cp=2, recompute="selective", compile="off")):
+        assert not refused(runs), runs
+    assert not refused(Layout(tp=2, sp="off", recompute="full", compile="on"), ALL_FEATURES)  # priced

@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 
 from torch import nn
 
-from autoplan.runtime.recompute import ROOT_MODULE, submodule
+from autoplan.runtime.recompute import ROOT_MODULE, allow_mode_in_compiled_checkpoint, submodule
 
 
 def compile_modules(module: nn.Module, chain_modules: Sequence[str], enabled: bool,
@@ -28,9 +28,15 @@ def compile_modules(module: nn.Module, chain_modules: Sequence[str], enabled: bo
     tangent AOTAutograd cannot prepare (torch 2.13: "Attempting to use FunctionalTensor on its own"), and
     torchtitan compiles the transformer blocks only. Their ops are a matmul or a lookup, which compile
     prices unchanged (COMPILE_TIME_FACTOR). With tensor parallelism AOTAutograd's on-disk cache is off
-    (_no_autograd_cache)."""
+    (_no_autograd_cache).
+
+    Shapes are static (dynamic=False): train.py's micro-batches all have one shape, and with symbolic shapes (what
+    dynamo turns to after a recompile) AOTAutograd failed to trace a recomputed module over tensor-parallel
+    DTensors on torch 2.13 (a GPT at tp=2 with full recompute: "RecursionError" and "SymInt is not tracked with
+    proxy" in proxy_tensor, tests/test_pairs_matrix.py)."""
     if not enabled:
         return module
+    allow_mode_in_compiled_checkpoint()  # recomputed chain modules turn dropout off inside their checkpoint
     if tensor_parallel_plan:
         _no_autograd_cache()
     sharded = set(tensor_parallel_plan or ())
@@ -38,7 +44,7 @@ def compile_modules(module: nn.Module, chain_modules: Sequence[str], enabled: bo
         if path in sharded:
             continue
         target = module if path == ROOT_MODULE else submodule(module, path)
-        target.compile()
+        target.compile(dynamic=False)
     return module
 
 

@@ -55,6 +55,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from autoplan.errors import UserError
+from autoplan.runtime.dropout import attention_without_dropout
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -254,6 +255,7 @@ def tensor_parallel_heads_local():
     ring = F.scaled_dot_product_attention  # the version context_parallel patched in
 
     def attend(*args, **kwargs):
+        args, kwargs = attention_without_dropout(args, kwargs)  # what NoDropout's mode does, seen by torch.compile
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)]
         if not tensors:
             return ring(*args, **kwargs)

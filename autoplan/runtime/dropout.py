@@ -144,10 +144,13 @@ class NoDropout:
         self.calls = 0
         """Dropout calls with p > 0 in training made inside the block, each answered without dropout."""
         self._mode: _DropoutOff | None = None
+        self.quiet: _DropoutOff | None = None
+        """While entered: the same switch, not counting (recompute_context)."""
 
     def __enter__(self) -> NoDropout:
         if self.enabled:
             self._mode = _DropoutOff(self)
+            self.quiet = _DropoutOff(self, counting=False)
             self._mode.__enter__()
             _ACTIVE.append(self)
         return self
@@ -166,5 +169,16 @@ _ACTIVE: list[NoDropout] = []
 def recompute_context() -> Any:
     """A context for an activation-checkpointing recomputation (torch.utils.checkpoint's context_fn, second
     element): dropout off while a NoDropout block is active (its calls there are not counted again), else
-    nothing."""
-    return _DropoutOff(_ACTIVE[-1], counting=False) if _ACTIVE else nullcontext()
+    nothing. Built when the block is entered: torch.compile traces entering it inside a checkpointed module
+    (runtime/recompute.py), where building it would break the graph."""
+    return _ACTIVE[-1].quiet if _ACTIVE else nullcontext()
+
+
+def attention_without_dropout(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """F.scaled_dot_product_attention's arguments with dropout_p = 0 while a NoDropout block is active (else as
+    given), for a call NoDropout's mode does not see: torch.compile traces context parallelism's patched attention
+    (runtime/context_parallel.py) with the model's dropout_p (seen on a GPT with attention dropout at cp=2:
+    "aten.add.Tensor got mixed torch.Tensor and DTensor"). Not counted: the reference run counts."""
+    if not _ACTIVE:
+        return args, kwargs
+    return _Call(*_SDPA_ARGUMENTS, args, kwargs).replaced("dropout_p", 0.0)

@@ -5,6 +5,12 @@ keeping them.
   "selective"  keep the outputs of matmuls and attention (the expensive ops) and recompute the
                rest (norms, activations, elementwise): op-level selective checkpointing as in
                torchtitan, with torch.utils.checkpoint.create_selective_checkpoint_contexts.
+
+Under torch.compile (the plan's compile=on compiles the checkpointed chain modules) dynamo turns each
+checkpoint into a higher-order op: torch then accepts only TorchDispatchModes from context_fn
+(_compiled_context), and traces the checkpointed function with the torch-function modes active outside it
+popped, so runtime.NoDropout's mode does not reach it: the function enters that mode itself
+(_run_without_dropout), as the eager recomputation does (recompute_context).
 """
 
 from __future__ import annotations
@@ -41,11 +47,27 @@ def _save_matmuls(saved: set, ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _recompute_all(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def selective_context():
     """Context pair for torch.utils.checkpoint (context_fn): save matmul/attention outputs only."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     return create_selective_checkpoint_contexts(partial(_save_matmuls, saved_ops()))
+
+
+def _compiled_context(selective: bool):
+    """The context pair under torch.compile, where torch accepts only a pair of TorchDispatchModes: the
+    selective policy, or "recompute every op" for full (what torch itself runs for a checkpoint without a
+    context_fn under compile). Dropout is _run_without_dropout's: the recomputation is part of the compiled graph,
+    traced from the forward."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(partial(_save_matmuls, saved_ops()) if selective else _recompute_all)
 
 
 @contextmanager
@@ -56,9 +78,42 @@ def _both(first, second):
 
 def _contexts(selective: bool):
     """torch.utils.checkpoint's context_fn: the forward and recomputation contexts ("selective": what to
-    save), the recomputation also with dropout off while runtime.NoDropout is active (runtime/dropout.py)."""
+    save). Eager (and a region dynamo leaves to eager at a graph break), the recomputation runs with dropout off
+    while runtime.NoDropout is active (runtime/dropout.py); while torch.compile traces the checkpoint,
+    _compiled_context."""
+    if torch.compiler.is_compiling():
+        return _compiled_context(selective)
     forward, recompute = selective_context() if selective else (nullcontext(), nullcontext())
     return forward, _both(recompute, recompute_context())
+
+
+def _run_without_dropout(module: nn.Module, *args, **kwargs):
+    """The checkpointed function: `module`'s forward. While torch.compile traces it, NoDropout's mode (when one
+    is active) is entered here, inside the checkpoint, where dynamo traces it into the graph (the recomputation
+    in backward is part of that graph). Eager, NoDropout's own mode covers the forward and recompute_context
+    the recomputation."""
+    if torch.compiler.is_compiling():
+        with recompute_context():
+            return module(*args, **kwargs)
+    return module(*args, **kwargs)
+
+
+def _checkpoint(module: nn.Module, *args, context_fn, **kwargs):
+    """checkpoint_wrapper's checkpoint_fn: torch.utils.checkpoint of _run_without_dropout (non-reentrant)."""
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(_run_without_dropout, module, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def allow_mode_in_compiled_checkpoint() -> None:
+    """Let dynamo trace _run_without_dropout's entering of NoDropout's mode inside a checkpoint: torch 2.13 calls
+    a change of the torch-function mode stack there a side effect that backward's recomputation would not
+    replay, and leaves the whole checkpointed module to eager at a graph break ("HOP: Unsafe side effect"). Under
+    compile the recomputation is traced from the same graph, mode included, so nothing is lost; a model's own
+    Python side effects in a compiled checkpointed forward then run once, as without recomputation."""
+    import torch._dynamo.config
+
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 def checkpoint_modules(module: nn.Module, chain_modules: Sequence[str], mode: str) -> nn.Module:
@@ -70,7 +125,7 @@ def checkpoint_modules(module: nn.Module, chain_modules: Sequence[str], mode: st
         raise UserError(f"activation_checkpoint must be one of {MODES}, got {mode!r}")
     if mode == "none":
         return module
-    kwargs = {"context_fn": partial(_contexts, mode == "selective")}
+    kwargs = {"checkpoint_fn": _checkpoint, "context_fn": partial(_contexts, mode == "selective")}
     for path in chain_modules:
         if path == ROOT_MODULE:
             return checkpoint_wrapper(module, **kwargs)

@@ -1,0 +1,64 @@
+"""Activation checkpointing of compiled chain modules (the plan's recompute=selective|full with compile=on):
+torch.compile accepts the checkpoint's contexts, the first step's gradients equal the model's without either,
+dropout is off inside the compiled checkpoint while runtime.NoDropout is active (autoplan verify) and on
+without it, and nothing falls back to eager at a graph break. AOTAutograd (where torch.compile handles the
+checkpoint) with the aot_eager backend: inductor's C++ build of the same graphs runs in the slow parity
+matrix (tests/test_pairs_matrix.py)."""
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from autoplan.runtime import NoDropout, checkpoint_modules, compile_modules
+
+COMPILE = nn.Module.compile
+
+
+class Block(nn.Module):
+    """A matmul (saved by "selective"), a pointwise op (recomputed) and dropout three ways."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.dropout(torch.tanh(self.drop(self.fc(x))), 0.3, self.training)
+        q = y.view(2, 2, 4, 2)
+        return F.scaled_dot_product_attention(q, q, q, dropout_p=0.5 if self.training else 0.0).reshape(4, 8) + x
+
+
+@pytest.fixture
+def aot_eager(monkeypatch):
+    """compile_modules' nn.Module.compile through AOTAutograd without inductor's C++ build; counts graph breaks."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(nn.Module, "compile", lambda self, **kwargs: COMPILE(self, backend="aot_eager", **kwargs))
+    torch._dynamo.reset()
+    counters.clear()
+    yield counters
+    torch._dynamo.reset()
+
+
+def first_gradient(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    weight = next(p for name, p in model.named_parameters() if name.endswith("fc.weight"))
+    return torch.autograd.grad(model(x).square().sum(), weight)[0]
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recomputed_compiled_modules_train_like_the_plain_model_with_dropout_off(aot_eager, mode):
+    torch.manual_seed(0)
+    model, x = nn.Sequential(Block(), Block()), torch.randn(4, 8)
+    model.eval()  # every dropout off: the reference
+    reference = first_gradient(model, x)
+    model.train()
+    chain = ["0", "1"]
+    wrapped = compile_modules(checkpoint_modules(model, chain, mode), chain, True)
+    with NoDropout():
+        gradient = first_gradient(wrapped, x)
+    torch.testing.assert_close(gradient, reference)
+    assert not aot_eager["graph_break"], dict(aot_eager["graph_break"])  # each module compiled whole
+    assert aot_eager["stats"]["unique_graphs"] >= 1
+    assert not torch.allclose(first_gradient(wrapped, x), reference)  # without NoDropout, training drops out
