@@ -384,7 +384,7 @@ def _reference_model(out: Path, steps: int):
     spec = importlib.util.spec_from_file_location("generated_train", out / "train.py")
     program = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(program)
-    source = program.load_source(f"{program.MODEL_FILE}:{program.FACTORY}")
+    source = program.runtime.load_source(f"{program.MODEL_FILE}:{program.FACTORY}")
     built = []
 
     class Recording:

@@ -173,7 +173,7 @@ def main(argv):
     spec = importlib.util.spec_from_file_location("autoplan_ep_train", folder / "train.py")
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
-    source = train.load_source(f"{train.MODEL_FILE}:{train.FACTORY}")
+    source = train.runtime.load_source(f"{train.MODEL_FILE}:{train.FACTORY}")
     config, device = train.parallel_config(False), torch.device("cpu")
     parallel = train.build_parallel_model(source, config, autoplan.init_mesh(config, device), device)
     full = dict(train.runtime.build_seeded(source, train.SEED).named_parameters())
