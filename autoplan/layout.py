@@ -384,15 +384,11 @@ def _compiled_recompute_over_tensor_parallel(layout: Layout, scope: Scope) -> li
     checkpoint's tensors ("expected all tensors_saved_with_vc_check to be Tensors"; seen on a GPT with full recompute
     at dp=2 x tp=2 and at cp=2 x tp=2, both sp=off, tests/test_pairs_matrix.py); with sequence parallelism and no
     ring (HF Llama at tp=2 with selective and full recompute) it compiles."""
-    if (layout.compile != "on" or not _positive(layout.tp) or layout.tp == 1 or scope.features is None
-            or "compile_tp_recompute" in scope.features):
+    if (layout.compile != "on" or layout.recompute not in ("selective", "full") or not _positive(layout.tp)
+            or layout.tp == 1 or scope.features is None or "compile_tp_recompute" in scope.features):
         return []
     cp = layout.cp if _positive(layout.cp) else 1
-    if cp > 1 and layout.recompute not in ("selective", "full"):
-        return [f"compile=on at tp={layout.tp} with cp={cp}: torch.compile of the ring attention over tensor-parallel "
-                f"shards lost loss parity at the second step here (HF Mixtral at cp=2 x tp=2, sp=off, with CPU "
-                f"offload, tests/test_pairs_matrix.py; use compile=off, tp=1 or cp=1)"]
-    if layout.recompute in ("selective", "full") and (layout.sp == "off" or cp > 1):
+    if layout.sp == "off" or cp > 1:
         where = f"sp={layout.sp}" if layout.sp == "off" else f"cp={cp}"
         return [f"compile=on with recompute={layout.recompute} at tp={layout.tp} with {where}: torch.compile of a "
                 f"recomputed module over tensor-parallel shards fails in AOTAutograd here unless they are sequence "
