@@ -64,6 +64,17 @@ def parallelize(model, plan, mesh=None, *, device=None, example_inputs=None, los
                  initial_values=initial_values)
 
 
+def model_copy(plan):
+    """The path of the copy of the model file an output folder holds (model_code/, made at planning; the file
+    the generated train.py runs). `plan`: the output folder or its plan.json."""
+    from pathlib import Path
+
+    from autoplan.codegen.program import find_model_copy
+
+    folder = Path(plan) if Path(plan).is_dir() else Path(plan).parent
+    return find_model_copy(folder, load_plan(plan).model.path)
+
+
 _LAZY = {"Parallelized": "autoplan.runtime.apply_plan", "ParallelConfig": "autoplan.runtime.config"}
 """Public names whose modules import torch: imported on first use."""
 
@@ -76,5 +87,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'autoplan' has no attribute {name!r}")
 
 
-__all__ = ["plan", "estimate", "profile", "parallelize", "init_mesh", "load_plan", "Plan", "Parallelism", "Parallelized",
+__all__ = ["plan", "estimate", "profile", "parallelize", "init_mesh", "load_plan", "model_copy", "Plan", "Parallelism", "Parallelized",
            "ParallelConfig", "Cluster", "UserError", "Infeasible"]

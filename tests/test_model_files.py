@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.codegen.program import MODEL_COPY_DIR, copy_model_files
+from autoplan.codegen.program import MODEL_COPY_DIR, copy_model_files, find_model_copy
 from autoplan.errors import UserError
 from autoplan.source import call_user, load_source, local_files
 
@@ -92,6 +92,22 @@ def test_a_model_file_inside_a_package_is_imported_as_its_module(tmp_path):
     copied = copy_model_files(PACKAGED, tmp_path / MODEL_COPY_DIR)
     assert copied == Path("tinylm/plan.py")
     assert load_source(str(tmp_path / MODEL_COPY_DIR / copied)).module.__file__ == str(tmp_path / MODEL_COPY_DIR / copied)
+
+
+def test_the_copy_of_the_planned_file_is_found_among_files_of_its_name(tmp_path):
+    """autoplan.model_copy (the recipes' default model file): the planned file's copy, not another file of
+    its name in a package beside it (minGPT's wrapper named model.py beside mingpt/model.py)."""
+    source_dir = tmp_path / "src"
+    write_files(source_dir, {"model.py": "from mingpt.model import GPT\n", "mingpt/__init__.py": "",
+                             "mingpt/model.py": "GPT = 1\n"})
+    out = tmp_path / "out"
+    copy_model_files(source_dir / "model.py", out / MODEL_COPY_DIR)
+    assert find_model_copy(out, (source_dir / "model.py").resolve()) == out / MODEL_COPY_DIR / "model.py"
+    packaged = (source_dir / "mingpt" / "model.py").resolve()
+    copy_model_files(source_dir / "mingpt" / "model.py", tmp_path / "out2" / MODEL_COPY_DIR)
+    assert find_model_copy(tmp_path / "out2", packaged) == tmp_path / "out2" / MODEL_COPY_DIR / "mingpt" / "model.py"
+    with pytest.raises(UserError, match="holds no copy of model.py"):
+        find_model_copy(tmp_path / "elsewhere", source_dir / "model.py")
 
 
 def test_a_helper_importing_the_model_file_gets_the_same_module(tmp_path):

@@ -55,6 +55,21 @@ def copy_model_files(model_file: Path, folder: Path) -> Path:
     return model_file.relative_to(root)
 
 
+def find_model_copy(out_dir: Path, planned: str | Path) -> Path:
+    """The path of the model file's copy in out_dir/model_code/ (copy_model_files): of the copied files named
+    as the planned one (`planned`: its absolute path, plan.json model.path), the one whose path in the copy ends that path the longest
+    way (a package's model.py beside a file model.py at the import root is told apart so). A UserError if the
+    folder holds no copy."""
+    name, planned = Path(planned).name, Path(planned).parts
+    folder = Path(out_dir) / MODEL_COPY_DIR
+    found = [f for f in folder.rglob(name) if f.is_file()] if folder.is_dir() else []
+    ends = [f for f in found if planned[-len(f.relative_to(folder).parts):] == f.relative_to(folder).parts]
+    if not ends:
+        raise UserError(f"{folder} holds no copy of {name}: is {out_dir} an autoplan output "
+                        f"folder? (give the model file with --model)")
+    return max(ends, key=lambda f: len(f.relative_to(folder).parts))
+
+
 def launcher_files(launch: Launch) -> dict[str, str]:
     """File name in launch/ -> contents."""
     return {"torchrun.sh": torchrun_script(launch), "job.sbatch": sbatch_script(launch), "Dockerfile": dockerfile(),

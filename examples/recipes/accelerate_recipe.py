@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 from pathlib import Path
 
@@ -28,19 +27,19 @@ from accelerate import Accelerator
 from accelerate.utils import send_to_device
 
 import autoplan
+from autoplan.source import load_source
 
 
 def load_model_file(path: Path):
-    spec = importlib.util.spec_from_file_location("recipe_model", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The model file as a module (build_model, example_batch, optional loss_fn), loaded as autoplan loads it:
+    the local files it imports (model_code/ holds them beside the copy) import as they did at planning."""
+    return load_source(str(path)).module
 
 
 def main(argv=None) -> list[float]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("plan", type=Path, help="the autoplan output folder (or its plan.json)")
-    parser.add_argument("--model", type=Path, help="the model file (default: model.py in the plan's folder)")
+    parser.add_argument("--model", type=Path, help="the model file (default: the plan folder's copy, model_code/)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--losses-out", type=Path, help="write the per-step losses here (JSON list)")
@@ -48,8 +47,7 @@ def main(argv=None) -> list[float]:
 
     accelerator = Accelerator(cpu=args.device == "cpu")  # starts the process group if none is running
     plan = autoplan.load_plan(args.plan)
-    folder = args.plan if args.plan.is_dir() else args.plan.parent
-    model_file = load_model_file(args.model or folder / "model.py")
+    model_file = load_model_file(args.model or autoplan.model_copy(args.plan))
     seed, global_batch = plan.training.seed, plan.training.global_batch_size
 
     torch.manual_seed(seed)  # rank 0's values are the ones every rank starts from

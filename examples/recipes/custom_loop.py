@@ -5,8 +5,8 @@ Plan the model first, then launch this with the plan's number of processes:
     autoplan examples/gpt.py --gpus 2 --gpu cpu --pin dp=2 --out autoplan_out
     torchrun --standalone --nproc-per-node 2 examples/recipes/custom_loop.py autoplan_out --steps 5
 
-The model comes from the model file the plan's folder holds (model.py: build_model, example_batch, and
-loss_fn if it has one). Its data are synthetic batches drawn as the generated train.py draws them (step t:
+The model comes from the copy of the model file the plan's folder holds (model_code/: build_model,
+example_batch, and loss_fn if it has one). Its data are synthetic batches drawn as the generated train.py draws them (step t:
 torch.manual_seed(seed + 1000 + t), then example_batch(global batch)), so the losses of the two programs
 compare; put your own data loader there, each rank taking its slice of the global batch (shard_batch).
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 from pathlib import Path
 
@@ -23,14 +22,13 @@ import torch
 import torch.distributed as dist
 
 import autoplan
+from autoplan.source import load_source
 
 
 def load_model_file(path: Path):
-    """The model file as a module (build_model, example_batch, optional loss_fn)."""
-    spec = importlib.util.spec_from_file_location("recipe_model", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The model file as a module (build_model, example_batch, optional loss_fn), loaded as autoplan loads it:
+    the local files it imports (model_code/ holds them beside the copy) import as they did at planning."""
+    return load_source(str(path)).module
 
 
 def to_device(batch, device: torch.device):
@@ -47,15 +45,14 @@ def to_device(batch, device: torch.device):
 def main(argv=None) -> list[float]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("plan", type=Path, help="the autoplan output folder (or its plan.json)")
-    parser.add_argument("--model", type=Path, help="the model file (default: model.py in the plan's folder)")
+    parser.add_argument("--model", type=Path, help="the model file (default: the plan folder's copy, model_code/)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--losses-out", type=Path, help="write the per-step losses here (JSON list)")
     args = parser.parse_args(argv)
 
     plan = autoplan.load_plan(args.plan)
-    folder = args.plan if args.plan.is_dir() else args.plan.parent
-    model_file = load_model_file(args.model or folder / "model.py")
+    model_file = load_model_file(args.model or autoplan.model_copy(args.plan))
     seed, global_batch = plan.training.seed, plan.training.global_batch_size
     device = torch.device(args.device)
 

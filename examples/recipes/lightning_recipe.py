@@ -18,7 +18,6 @@ The batches are the generated train.py's synthetic ones, so the losses compare.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 import autoplan
+from autoplan.source import load_source
 
 
 class PlannedModule(L.LightningModule):
@@ -75,24 +75,22 @@ class PlannedModule(L.LightningModule):
 
 
 def load_model_file(path: Path):
-    spec = importlib.util.spec_from_file_location("recipe_model", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The model file as a module (build_model, example_batch, optional loss_fn), loaded as autoplan loads it:
+    the local files it imports (model_code/ holds them beside the copy) import as they did at planning."""
+    return load_source(str(path)).module
 
 
 def main(argv=None) -> list[float]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("plan", type=Path, help="the autoplan output folder (or its plan.json)")
-    parser.add_argument("--model", type=Path, help="the model file (default: model.py in the plan's folder)")
+    parser.add_argument("--model", type=Path, help="the model file (default: the plan folder's copy, model_code/)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--losses-out", type=Path, help="write the per-step losses here (JSON list)")
     args = parser.parse_args(argv)
 
     plan = autoplan.load_plan(args.plan)
-    folder = args.plan if args.plan.is_dir() else args.plan.parent
-    module = PlannedModule(load_model_file(args.model or folder / "model.py"), plan, args.steps)
+    module = PlannedModule(load_model_file(args.model or autoplan.model_copy(args.plan)), plan, args.steps)
     processes = plan.parallelism.world_size  # Lightning's own mesh is only told the count: the plan makes its own
     per_node = min(processes, plan.cluster.gpus_per_node)
     trainer = L.Trainer(accelerator="gpu" if args.device == "cuda" else "cpu", devices=per_node,
