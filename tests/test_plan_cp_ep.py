@@ -32,8 +32,9 @@ def test_the_rules_give_their_arithmetic():
                  "cp=3 does not divide 8 GPUs", "ep=3 does not divide the 8 experts of an expert layer (8 % 3 = 2)"):
         assert part in text, text
     assert problems(Layout(ep=4, dp=2), scope) == [
-        "ep=4 does not divide dp=2 x cp=1 = 2 (expert parallelism borrows its ranks from the data- and "
-        "context-parallel ones)"]
+        "ep=4 does not divide dp=2 x cp=1 x tp=1 = 2 (2 % 4 = 2; expert parallelism is cut from the data-, context- "
+        "and tensor-parallel ranks of a pipeline rank)"]
+    assert problems(Layout(ep=4, dp=2, tp=2), scope) == problems(Layout(ep=4, dp=1, cp=2, tp=2), scope) == []
     assert problems(Layout(dp=2, cp=2, tp=2, pp=1), Scope(num_gpus=16)) == ["dp=2 x cp=2 x tp=2 x pp=1 = 8, not 16 GPUs"]
     assert problems(Layout(dp=2, cp=2, tp=2, pp=2, ep=4), Scope(num_gpus=16)) == []  # ep borrows: it does not multiply
     no_experts = problems(Layout(ep=2), Scope(num_experts=()))
@@ -70,23 +71,25 @@ def test_cp_pins_plan_with_a_pipeline_and_with_tp():
     assert all(c.parallelism.expert_parallel_degree == 1 for c in default.candidates)
 
 
-def test_the_program_runs_ep_over_fsdp_ranks_with_tp_or_in_pipeline_stages_and_the_rules_say_why_not_otherwise():
+def test_the_program_runs_ep_folded_over_dp_shard_cp_tp_or_in_pipeline_stages_and_the_rules_say_why_not_otherwise():
     scope = Scope(features=SUPPORTED)
     assert problems(Layout(dp_replicate=1, dp_shard=4, ep=2, pp=1, tp=1, cp=1), scope) == []
     assert problems(Layout(dp_replicate=2, dp_shard=2, ep=2), scope) == []  # HSDP: ep splits each shard group
-    assert problems(Layout(dp_shard=2, ep=2, pp=2, tp=2, cp=2), scope) == [
-        "ep=2 with cp=2: the program splits the experts over data-parallel ranks only, not over the "
-        "context-parallel ones that hold the same samples (use ep=1 or cp=1)"]
+    assert problems(Layout(dp_shard=2, ep=2, pp=2, tp=2, cp=2), scope) == []  # folded over dp_shard x cp x tp
+    assert problems(Layout(dp_shard=2, ep=2, cp=2), Scope(features=SUPPORTED - {"ep_cp"})) == [
+        "ep=2 with cp=2: the program does not yet fold expert parallelism over the context-parallel ranks (use ep=1 "
+        "or cp=1)"]
     assert problems(Layout(dp_shard=2, ep=2, tp=2, sp="on"), scope) == []  # experts whole on every tp rank
+    assert problems(Layout(dp_replicate=2, dp_shard=1, ep=4, tp=4), scope) == []  # ep over the tp ranks
     assert problems(Layout(dp_shard=2, ep=2, tp=2), Scope(features=SUPPORTED - {"ep_tp"})) == [
         "ep=2 with tp=2: the program cannot yet run expert parallelism together with tensor parallelism (use ep=1 "
         "or tp=1)"]
     assert problems(Layout(dp_replicate=4, dp_shard=1, ep=2), scope) == [
-        "ep=2 does not divide dp_shard=1 (1 % 2 = 1): the program splits the experts over ranks that FSDP2 shards "
-        "the other parameters over, not beside DDP (use zero=3 with ep dividing dp, or ep=1)"]
+        "ep=2 does not divide dp_shard=1 x cp=1 x tp=1 = 1 (1 % 2 = 1): the program cuts expert parallelism from the "
+        "ranks of one data-parallel replica, not across replicas (use a larger dp_shard, or an ep dividing 1)"]
     assert problems(Layout(dp=4, zero=0, ep=2), scope) == [
-        "ep=2 with zero=0 (DDP): the program splits the experts over ranks that FSDP2 shards the other parameters "
-        "over, not beside DDP (use zero=3 or ep=1)"]
+        "ep=2 with zero=0 (DDP): the program shards the experts' states with FSDP2 over the ranks holding the same "
+        "experts, not beside DDP (use zero=3 or ep=1)"]
     assert problems(Layout(dp_shard=2, ep=2, pp=2, tp=2, cp=2), Scope(features=ALL_FEATURES)) == []  # priced
     assert problems(Layout(dp_shard=2, ep=2, pp=2), scope) == []  # the stages call the experts modules
     assert problems(Layout(dp_shard=2, ep=2, pp=2), Scope(features=SUPPORTED - {"ep_pp"})) == [
@@ -98,11 +101,11 @@ def test_a_parallel_config_with_ep_the_program_cannot_run_is_refused_before_any_
     from autoplan.runtime.config import ParallelConfig
 
     _check_runnable(ParallelConfig(dp_shard=2, ep=2, tp=2, pp=2, stages=(("a",), ("b",))))  # all three run
-    with pytest.raises(UserError, match=r"ep=2 with cp=2: the program splits the experts over data-parallel ranks"):
-        _check_runnable(ParallelConfig(dp_shard=2, ep=2, cp=2))
+    _check_runnable(ParallelConfig(dp_shard=2, ep=2, cp=2))
+    _check_runnable(ParallelConfig(ep=2, tp=2))  # ep over the tp ranks
     _check_runnable(ParallelConfig(dp_shard=2, ep=2, tp=2))
     _check_runnable(ParallelConfig(dp_shard=2, ep=2, pp=2, stages=(("a",), ("b",))))
-    with pytest.raises(UserError, match=r"ep=2 does not divide dp_shard=1 \(1 % 2 = 1\)"):
+    with pytest.raises(UserError, match=r"ep=2 does not divide dp_shard=1 x cp=1 x tp=1 = 1 \(1 % 2 = 1\)"):
         _check_runnable(ParallelConfig(dp_replicate=2, ep=2))
     _check_runnable(ParallelConfig(dp_shard=2, ep=2))
     with pytest.raises(UserError, match=r"degrees must be positive integers, got ep 0"):
