@@ -54,6 +54,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.capture.experts import is_experts_module
 from autoplan.errors import UserError
+from autoplan.layout import expert_folded_ranks
 
 
 @dataclass(frozen=True)
@@ -138,11 +139,6 @@ shards them), with the dp_replicate replicas beside (HSDP). A rank's index among
 (dp_shard index x cp + cp index) x tp + tp index, is efsdp index x ep + ep index."""
 
 
-def folded_ranks(dp_shard: int, cp: int = 1, tp: int = 1) -> int:
-    """The ranks expert parallelism is cut from (layout.py expert_folded_ranks states the rule)."""
-    return dp_shard * cp * tp
-
-
 def expert_mesh(device_type: str, pp: int, dp: int, ep: int, tp: int = 1, dp_replicate: int = 1, cp: int = 1):
     """The mesh EXPERT_MESH_DIMS over every process (all of them call it, in the same order); `dp` counts every
     data-parallel rank (dp_replicate x dp_shard)."""
@@ -150,7 +146,7 @@ def expert_mesh(device_type: str, pp: int, dp: int, ep: int, tp: int = 1, dp_rep
 
     if dp % dp_replicate:
         raise ValueError(f"dp {dp} is not a multiple of dp_replicate {dp_replicate}")
-    folded = folded_ranks(dp // dp_replicate, cp, tp)
+    folded = expert_folded_ranks(dp // dp_replicate, cp, tp)
     if folded % ep:
         raise ValueError(f"expert parallelism is cut from dp_shard {dp // dp_replicate} x cp {cp} x tp {tp} = {folded} "
                          f"ranks: ep {ep} does not divide them ({folded} % {ep} = {folded % ep})")
