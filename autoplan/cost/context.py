@@ -64,7 +64,7 @@ def expert_shard_degree(fsdp: int, ep: int, tp: int = 1) -> int:
     dp_shard x cp x tp / ep ranks holding the same ones (runtime/expert_parallel.py "efsdp"), so a rank keeps
     1/(dp_shard x cp x tp) of the expert states. At ep 1 the experts are parameters like the others, whole on each tp
     rank: fsdp. 1 (whole E/ep experts, gradients all-reduced over the ranks holding them) without FSDP (fsdp 1), or
-    when ep does not divide the folded ranks (ep then borrows replicas: priced, not run)."""
+    when the folded ranks are no multiple of ep (ep then borrows replicas: priced, not run)."""
     if fsdp <= 1:
         return 1
     if ep == 1:

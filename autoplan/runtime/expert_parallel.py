@@ -149,7 +149,7 @@ def expert_mesh(device_type: str, pp: int, dp: int, ep: int, tp: int = 1, dp_rep
     folded = expert_folded_ranks(dp // dp_replicate, cp, tp)
     if folded % ep:
         raise ValueError(f"expert parallelism is cut from dp_shard {dp // dp_replicate} x cp {cp} x tp {tp} = {folded} "
-                         f"ranks: ep {ep} does not divide them ({folded} % {ep} = {folded % ep})")
+                         f"ranks, which ep {ep} must divide ({folded} % {ep} = {folded % ep}; layout.py states the rule)")
     shape = (pp, dp_replicate, folded // ep, ep)
     return init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_DIMS)
 
