@@ -16,8 +16,8 @@ group (the module's own parameters, sliced, under their own names) and replaces 
    adds them up per token (so the router's gradient stays on the sender).
 
 Both all-to-alls are autograd functions (torch's functional collectives), so backward retraces the route.
-The ep ranks hold different data (ep borrows ranks from data parallelism): a rank's expert gradients
-sum the contributions of every token of the group routed to its experts.
+The ep ranks hold different tokens (see below: one route per token): a rank's expert gradients sum the
+contributions of every token of the group routed to its experts.
 
 In the generated program, autoplan.parallelize calls parallelize_experts before FSDP2 (with a pipeline, on this
 rank's stages, which call the experts modules as modules: runtime/expert_calls.py): the sliced parameters
