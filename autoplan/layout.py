@@ -44,9 +44,9 @@ ALL_FEATURES = frozenset({
     "cp_tp",              # context parallelism with tensor parallelism (each tp rank rings its heads)
     "ep",                 # expert parallelism (all-to-all dispatch) over FSDP2's data-parallel ranks
     "ep_pp",              # expert parallelism inside pipeline stages (ep over each stage's data-parallel ranks)
-    "ep_tp",              # expert parallelism with tensor parallelism (experts whole on each tp rank, ETP 1)
-    "ep_cp",              # expert parallelism borrowing context-parallel ranks; priced, not yet in train.py
-    "ep_ddp",             # expert parallelism beside DDP (ep not dividing dp_shard); priced, not yet in train.py
+    "ep_tp",              # expert parallelism folded over tensor-parallel ranks (experts whole, ETP 1)
+    "ep_cp",              # expert parallelism folded over context-parallel ranks; priced, not yet in train.py
+    "ep_ddp",             # expert parallelism across replicas (ep not dividing dp_shard x cp x tp, or DDP); priced only
     "ep_offload",         # expert parallelism with FSDP2's CPU offload; priced, not yet in train.py
     "compile_pp_experts", # torch.compile of pipeline stages holding expert layers; priced, fails in inductor here
     "compile_tp_recompute",  # compile of recomputed tp modules (sp off, or in the ring); priced, fails here
@@ -76,13 +76,14 @@ SUPPORTED = frozenset({
     "cp_pp",              # cp inside pipeline stages: each rank's stages exported on its share of the sequence
     "cp_tp",              # context parallelism with tensor parallelism: the ring over each tp rank's heads
     "ep",                 # expert parallelism: experts split over ep of the FSDP2 ranks, all-to-all dispatch
-    "ep_tp",              # expert parallelism with tensor parallelism: experts whole (ETP 1), tp ranks route their tokens
+    "ep_tp",              # ep folded over the tp ranks: experts whole (ETP 1), each tp rank routes 1/tp of the tokens
     "ep_pp",              # ep inside pipeline stages: the stages call the experts modules (runtime/expert_calls.py)
+    "ep_cp",              # ep folded over the context-parallel ranks, which route their own sequence shares
 })
 """What codegen can run. Remove a name to stop the search from emitting (or accepting a pin of) it.
-Not yet: pp_scatter_gather and tp_fused_split (not in torch), ep_cp, ep_ddp and ep_offload (train.py runs expert
-parallelism over FSDP2's data-parallel ranks only, of each pipeline stage: not over context-parallel ranks, ep
-dividing dp_shard, no CPU offload), compile_pp_experts (inductor stops in the experts' backward),
+Not yet: pp_scatter_gather and tp_fused_split (not in torch), ep_cp, ep_ddp and ep_offload (train.py cuts expert
+parallelism from dp_shard x tp of each pipeline stage and replica: not over context-parallel ranks, not across
+replicas, no CPU offload), compile_pp_experts (inductor stops in the experts' backward),
 compile_tp_recompute (AOTAutograd stops on a recomputed module over tensor-parallel shards that are not sequence
 shards, or in the ring), compile_tp_experts (compiled, a mixture of experts at tp > 1 trains off the reference)."""
 
@@ -119,7 +120,8 @@ VOCABULARY = (
     Term("cp", "context_parallel_degree", "ranks that split each sequence (ring attention over SDPA); the "
          "model states are FSDP-sharded over dp_shard x cp, as torchtitan"),
     Term("ep", "expert_parallel_degree", "ranks that split each expert layer's experts (all-to-all dispatch), "
-         "borrowed from the dp x cp ranks as torchtitan does: it does not multiply the GPU count"),
+         "cut from the dp_shard x cp x tp ranks as torchtitan and Megatron-Core fold it: it does not multiply the "
+         "GPU count; each tp rank routes its own 1/tp of the tokens"),
     Term("pp", "pipeline_parallel_degree", "pipeline ranks"),
     Term("schedule", "pipeline_parallel_schedule", "gpipe, 1f1b or interleaved"),
     Term("virtual_stages", "pipeline_parallel_virtual_stages", "stages per pipeline rank (interleaved)"),
@@ -160,7 +162,8 @@ class Layout:
     cp: int | None = None
     """Context-parallel degree: ranks sharing each sequence (they multiply the GPU count with dp, tp, pp)."""
     ep: int | None = None
-    """Expert-parallel degree: ranks sharing each expert layer's experts, taken from the dp x cp ranks."""
+    """Expert-parallel degree: ranks sharing each expert layer's experts, cut from the dp_shard x cp x tp ranks
+    (expert_folded_ranks)."""
     pp: int | None = None
     schedule: str | None = None
     virtual_stages: int | None = None
@@ -312,15 +315,20 @@ def _expert_parallel_features(layout: Layout, have: frozenset[str]) -> list[str]
         out.append(f"ep={ep} with tp={layout.tp}: the program cannot yet run expert parallelism together with tensor "
                    f"parallelism (use ep=1 or tp=1)")
     if _positive(layout.cp) and layout.cp > 1 and "ep_cp" not in have:
-        out.append(f"ep={ep} with cp={layout.cp}: the program splits the experts over data-parallel ranks only, not "
-                   f"over the context-parallel ones that hold the same samples (use ep=1 or cp=1)")
-    if _positive(layout.dp_shard) and layout.dp_shard % ep and "ep_ddp" not in have:
-        out.append(f"ep={ep} does not divide dp_shard={layout.dp_shard} ({layout.dp_shard} % {ep} = "
-                   f"{layout.dp_shard % ep}): the program splits the experts over ranks that FSDP2 shards the other "
-                   f"parameters over, not beside DDP (use zero=3 with ep dividing dp, or ep=1)")
+        out.append(f"ep={ep} with cp={layout.cp}: the program does not yet fold expert parallelism over the "
+                   f"context-parallel ranks (use ep=1 or cp=1)")
+    cp, tp = _or_one(layout.cp), _or_one(layout.tp)
+    dp = layout.data_parallel
+    whole = not _positive(dp) or expert_folded_ranks(dp, cp, tp) % ep == 0  # else _expert_parallel says why
+    if _positive(layout.dp_shard) and expert_folded_ranks(layout.dp_shard, cp, tp) % ep and whole and \
+            "ep_ddp" not in have:
+        ranks = expert_folded_ranks(layout.dp_shard, cp, tp)
+        out.append(f"ep={ep} does not divide dp_shard={layout.dp_shard} x cp={cp} x tp={tp} = {ranks} ({ranks} % {ep} "
+                   f"= {ranks % ep}): the program cuts expert parallelism from the ranks of one data-parallel replica, "
+                   f"not across replicas (use a larger dp_shard, or an ep dividing {ranks})")
     elif layout.zero == 0 and "ep_ddp" not in have:
-        out.append(f"ep={ep} with zero=0 (DDP): the program splits the experts over ranks that FSDP2 shards the "
-                   f"other parameters over, not beside DDP (use zero=3 or ep=1)")
+        out.append(f"ep={ep} with zero=0 (DDP): the program shards the experts' states with FSDP2 over the ranks "
+                   f"holding the same experts, not beside DDP (use zero=3 or ep=1)")
     if layout.offload == "cpu" and "ep_offload" not in have:
         out.append(f"ep={ep} with offload=cpu: the program does not yet run the experts' own FSDP2 units with CPU "
                    f"offload (use offload=none or ep=1)")
@@ -346,10 +354,18 @@ def _context_parallel(layout: Layout, scope: Scope) -> list[str]:
     return out
 
 
+def expert_folded_ranks(dp_shard: int, cp: int, tp: int) -> int:
+    """The ranks expert parallelism is cut from: dp_shard x cp x tp, those of one pipeline rank and data-parallel
+    replica ("MoE parallel folding", as torchtitan and Megatron-Core with expert-tensor-parallel 1). ep of them split
+    the experts (tp innermost, so ep spans the tp ranks first), and the dp_shard x cp x tp / ep ranks holding the same
+    experts shard their states (FSDP2; runtime/expert_parallel.py EXPERT_MESH_DIMS). ep must divide it."""
+    return dp_shard * cp * tp
+
+
 def _expert_parallel(layout: Layout, scope: Scope) -> list[str]:
-    """ep > 1 needs expert layers whose expert count it divides, and borrows its ranks from the data-parallel
-    and context-parallel ones (torchtitan's rule: ep divides dp x cp; the expert-parallel group is the innermost
-    ep of them)."""
+    """ep > 1 needs expert layers whose expert count it divides, and is cut from the dp x cp x tp ranks (replicas
+    included only with the "ep_ddp" feature, _expert_parallel_features: the program folds it over dp_shard x cp x
+    tp, expert_folded_ranks)."""
     ep = layout.ep
     if not _positive(ep) or ep == 1:
         return []
@@ -361,11 +377,17 @@ def _expert_parallel(layout: Layout, scope: Scope) -> list[str]:
         if experts % ep:
             out.append(f"ep={ep} does not divide the {experts} experts of an expert layer "
                        f"({experts} % {ep} = {experts % ep})")
-    dp, cp = layout.data_parallel, layout.cp if _positive(layout.cp) else 1
-    if _positive(dp) and (dp * cp) % ep:
-        out.append(f"ep={ep} does not divide dp={dp} x cp={cp} = {dp * cp} (expert parallelism borrows its ranks "
-                   f"from the data- and context-parallel ones)")
+    dp, cp, tp = layout.data_parallel, _or_one(layout.cp), _or_one(layout.tp)
+    if _positive(dp) and expert_folded_ranks(dp, cp, tp) % ep:
+        ranks = expert_folded_ranks(dp, cp, tp)
+        out.append(f"ep={ep} does not divide dp={dp} x cp={cp} x tp={tp} = {ranks} ({ranks} % {ep} = {ranks % ep}; "
+                   f"expert parallelism is cut from the data-, context- and tensor-parallel ranks of a pipeline rank)")
     return out
+
+
+def _or_one(value: int | None) -> int:
+    """A degree, 1 when not known (yet)."""
+    return value if _positive(value) else 1
 
 
 def _compiled_experts_in_stages(layout: Layout, scope: Scope) -> list[str]:

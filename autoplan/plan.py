@@ -87,7 +87,7 @@ class Parallelism:
 
     @property
     def world_size(self) -> int:
-        """dp x cp x tp x pp (ep borrows from dp x cp: it does not multiply)."""
+        """dp x cp x tp x pp (ep is folded over dp_shard x cp x tp: it does not multiply)."""
         return (self.data_parallel_degree * self.context_parallel_degree * self.tensor_parallel_degree
                 * self.pipeline_parallel_degree)
 

@@ -109,7 +109,7 @@ FEATURE_VALUES = {
     "zero3": ("reshard", "always"), "hsdp": ("data", "hsdp"), "gpipe": ("pipeline", "gpipe"),
     "1f1b": ("pipeline", "1f1b"), "interleaved": ("pipeline", "interleaved"), "selective": ("recompute", "selective"),
     "full": ("recompute", "full"), "offload": ("offload", "cpu"), "compile": ("compile", "on"), "cp": ("cp", 2),
-    "ep": ("ep", 2), "cp_pp": None, "cp_tp": None, "ep_tp": None, "ep_pp": None,
+    "ep": ("ep", 2), "cp_pp": None, "cp_tp": None, "ep_tp": None, "ep_pp": None, "ep_cp": None,
 }
 """The matrix value that runs each SUPPORTED feature; None for a feature that is a pair of two of them (cp_pp is
 (cp=2, a pipeline), covered as that pair)."""

@@ -1,8 +1,8 @@
 """Expert parallelism in the generated program (issue 19): train.py with ep=2 on 2 ranks (FSDP2 over both, the
 experts split over them) and dp=4 x ep=2 on 4 ranks (FSDP2 over the four, the experts split over pairs and
 FSDP2-sharded over the 2 ranks holding the same ones: whole experts with 4, dimension 1 with 2 experts; and HSDP
-dp_replicate 2 x dp_shard 2 with ep=2, the experts replicated over dp_replicate; and dp=2 x ep=2 x tp=2, the
-experts whole on each tp rank, with and without sequence parallelism) trains like the single-device model, on a
+dp_replicate 2 x dp_shard 2 with ep=2, the experts replicated over dp_replicate; and dp=2 x ep=2 x tp=2, ep folded
+over the tp ranks, with and without sequence parallelism) trains like the single-device model, on a
 tiny examples/mixtral.py (grouped-matmul experts) and on HF OLMoE and Qwen2-MoE (a shared expert) from config
 (benchmarks/zoo/causal_lm.py); a dp=4 x ep=2 checkpoint (torch.distributed.checkpoint, the experts as DTensors
 sharded over the ep ranks and over FSDP2's) resumes into the uninterrupted run. Plans written as
@@ -80,7 +80,8 @@ EP_LAYOUTS = {
 }
 ATTENTION_TP_PLAN = {f"model.layers.{i}.self_attn.{p}_proj": "rowwise" if p == "o" else "colwise"
                      for i in range(2) for p in "qkvo"} | {"model.embed_tokens": "rowwise", "lm_head": "colwise"}
-"""Tensor parallelism for the attention and the vocabulary (the experts are left out: each stays whole, ETP 1)."""
+"""Tensor parallelism for the attention and the vocabulary (the experts are left out: each stays whole, ETP 1, and ep
+is folded over the tp ranks)."""
 SHARED_EXPERT_TP_PLAN = ATTENTION_TP_PLAN | {f"model.layers.{i}.mlp.shared_expert.{p}_proj": "rowwise" if p == "down"
                                              else "colwise" for i in range(2) for p in ("gate", "up", "down")}
 EP_TP_LAYOUTS = {
@@ -88,15 +89,15 @@ EP_TP_LAYOUTS = {
         data_parallel_shard_degree=2, fsdp_reshard_after_forward="always", expert_parallel_degree=2,
         tensor_parallel_degree=2, enable_sequence_parallel=False, **mb(1, 4))),
     # sp=on: the search refuses it for these models (their MoE block flattens the sequence-sharded tokens), but
-    # the program runs it: each tp rank routes its share of the tokens (TensorParallelTokens)
+    # the program runs it: each tp rank routes its share of the tokens (TensorParallelTokens), already distinct
     ("mixtral", "dp=2,zero=1,ep=2,tp=2,sp=on"): (ATTENTION_TP_PLAN, dict(
         data_parallel_shard_degree=2, expert_parallel_degree=2, tensor_parallel_degree=2,
         enable_sequence_parallel=True, **mb(2, 2))),
 }
 GRADIENTS = f'''
 """dp_shard 2 x ep 2 x tp 2 with sequence parallelism on or off (argv[0]): every gradient after one forward_backward
-of a tiny examples/mixtral.py against the single-device model's (the expert gradients against the rank's experts'
-slice); rank 0 writes the largest difference per parameter (argv[1]). AdamW's update is blind to a gradient's
+of a tiny examples/mixtral.py against the single-device model's (the expert gradients gathered over the ep and FSDP2
+ranks); rank 0 writes the largest difference per parameter (argv[1]). AdamW's update is blind to a gradient's
 scale, so a wrongly summed or divided expert gradient would pass the loss parity: this checks it."""
 import copy
 import gc
@@ -132,11 +133,7 @@ def main(argv):
     expected, found = dict(reference.named_parameters()), {{}}
     for name, param in parallel.model.named_parameters():
         grad, want = param.grad, expected[name].grad
-        if ".experts." in name:
-            grad = grad.to_local()
-            first = parallel.rank.dp_rank % config.ep * grad.shape[0]
-            want = want[first:first + grad.shape[0]]
-        elif isinstance(grad, DTensor):
+        if isinstance(grad, DTensor):  # the experts: ep over the tp pairs, FSDP2 over the 2 data-parallel ranks
             grad = grad.full_tensor()
         found[name] = [(grad - want).abs().max().item(), want.abs().max().item()]
     gathered = [None] * dist.get_world_size()

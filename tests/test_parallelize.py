@@ -230,7 +230,7 @@ def test_a_pipeline_plan_needs_example_inputs():
     assert "2-rank pipeline: pass example_inputs=" in message
 
 
-def test_a_context_parallel_plan_needs_example_inputs_and_a_config_with_cp_and_ep_is_refused():
+def test_a_context_parallel_plan_needs_example_inputs_and_a_config_with_ep_across_replicas_is_refused():
     from autoplan.runtime.apply_plan import _check_runnable
 
     model = tiny_gpt().build_model()
@@ -240,10 +240,11 @@ def test_a_context_parallel_plan_needs_example_inputs_and_a_config_with_cp_and_e
     assert config.world_size == 4 and config.arithmetic().endswith("cp 2 x tp 1 = 4")
     _check_runnable(config)  # cp inside pipeline stages runs (tests/test_context_parallel_program.py)
     _check_runnable(ParallelConfig(cp=2, tp=2, stages=(TINY_GPT_CHAIN,)))  # and cp with tp
-    message = one_line_error(autoplan.parallelize, model, ParallelConfig(cp=2, dp_shard=2, ep=2,
+    _check_runnable(ParallelConfig(cp=2, dp_shard=2, ep=4, stages=(TINY_GPT_CHAIN,)))  # ep folded over dp_shard x cp
+    message = one_line_error(autoplan.parallelize, model, ParallelConfig(cp=2, dp_replicate=2, ep=4,
                                                                          stages=(TINY_GPT_CHAIN,)),
                              example_inputs=tiny_gpt().example_batch(1)[0])
-    assert "ep=2 with cp=2: the program splits the experts over data-parallel ranks only" in message
+    assert "ep=4 does not divide dp_shard=1 x cp=2 x tp=1 = 2 (2 % 4 = 2)" in message
 
 
 def test_a_plan_for_another_model_names_the_module_it_lacks():

@@ -32,8 +32,9 @@ def test_the_rules_give_their_arithmetic():
                  "cp=3 does not divide 8 GPUs", "ep=3 does not divide the 8 experts of an expert layer (8 % 3 = 2)"):
         assert part in text, text
     assert problems(Layout(ep=4, dp=2), scope) == [
-        "ep=4 does not divide dp=2 x cp=1 = 2 (expert parallelism borrows its ranks from the data- and "
-        "context-parallel ones)"]
+        "ep=4 does not divide dp=2 x cp=1 x tp=1 = 2 (2 % 4 = 2; expert parallelism is cut from the data-, context- "
+        "and tensor-parallel ranks of a pipeline rank)"]
+    assert problems(Layout(ep=4, dp=2, tp=2), scope) == problems(Layout(ep=4, dp=1, cp=2, tp=2), scope) == []
     assert problems(Layout(dp=2, cp=2, tp=2, pp=1), Scope(num_gpus=16)) == ["dp=2 x cp=2 x tp=2 x pp=1 = 8, not 16 GPUs"]
     assert problems(Layout(dp=2, cp=2, tp=2, pp=2, ep=4), Scope(num_gpus=16)) == []  # ep borrows: it does not multiply
     no_experts = problems(Layout(ep=2), Scope(num_experts=()))
@@ -70,23 +71,25 @@ def test_cp_pins_plan_with_a_pipeline_and_with_tp():
     assert all(c.parallelism.expert_parallel_degree == 1 for c in default.candidates)
 
 
-def test_the_program_runs_ep_over_fsdp_ranks_with_tp_or_in_pipeline_stages_and_the_rules_say_why_not_otherwise():
+def test_the_program_runs_ep_folded_over_dp_shard_cp_tp_or_in_pipeline_stages_and_the_rules_say_why_not_otherwise():
     scope = Scope(features=SUPPORTED)
     assert problems(Layout(dp_replicate=1, dp_shard=4, ep=2, pp=1, tp=1, cp=1), scope) == []
     assert problems(Layout(dp_replicate=2, dp_shard=2, ep=2), scope) == []  # HSDP: ep splits each shard group
-    assert problems(Layout(dp_shard=2, ep=2, pp=2, tp=2, cp=2), scope) == [
-        "ep=2 with cp=2: the program splits the experts over data-parallel ranks only, not over the "
-        "context-parallel ones that hold the same samples (use ep=1 or cp=1)"]
+    assert problems(Layout(dp_shard=2, ep=2, pp=2, tp=2, cp=2), scope) == []  # folded over dp_shard x cp x tp
+    assert problems(Layout(dp_shard=2, ep=2, cp=2), Scope(features=SUPPORTED - {"ep_cp"})) == [
+        "ep=2 with cp=2: the program does not yet fold expert parallelism over the context-parallel ranks (use ep=1 "
+        "or cp=1)"]
     assert problems(Layout(dp_shard=2, ep=2, tp=2, sp="on"), scope) == []  # experts whole on every tp rank
+    assert problems(Layout(dp_replicate=2, dp_shard=1, ep=4, tp=4), scope) == []  # ep over the tp ranks
     assert problems(Layout(dp_shard=2, ep=2, tp=2), Scope(features=SUPPORTED - {"ep_tp"})) == [
         "ep=2 with tp=2: the program cannot yet run expert parallelism together with tensor parallelism (use ep=1 "
         "or tp=1)"]
     assert problems(Layout(dp_replicate=4, dp_shard=1, ep=2), scope) == [
-        "ep=2 does not divide dp_shard=1 (1 % 2 = 1): the program splits the experts over ranks that FSDP2 shards "
-        "the other parameters over, not beside DDP (use zero=3 with ep dividing dp, or ep=1)"]
+        "ep=2 does not divide dp_shard=1 x cp=1 x tp=1 = 1 (1 % 2 = 1): the program cuts expert parallelism from the "
+        "ranks of one data-parallel replica, not across replicas (use a larger dp_shard, or an ep dividing 1)"]
     assert problems(Layout(dp=4, zero=0, ep=2), scope) == [
-        "ep=2 with zero=0 (DDP): the program splits the experts over ranks that FSDP2 shards the other parameters "
-        "over, not beside DDP (use zero=3 or ep=1)"]
+        "ep=2 with zero=0 (DDP): the program shards the experts' states with FSDP2 over the ranks holding the same "
+        "experts, not beside DDP (use zero=3 or ep=1)"]
     assert problems(Layout(dp_shard=2, ep=2, pp=2, tp=2, cp=2), Scope(features=ALL_FEATURES)) == []  # priced
     assert problems(Layout(dp_shard=2, ep=2, pp=2), scope) == []  # the stages call the experts modules
     assert problems(Layout(dp_shard=2, ep=2, pp=2), Scope(features=SUPPORTED - {"ep_pp"})) == [
@@ -98,11 +101,11 @@ def test_a_parallel_config_with_ep_the_program_cannot_run_is_refused_before_any_
     from autoplan.runtime.config import ParallelConfig
 
     _check_runnable(ParallelConfig(dp_shard=2, ep=2, tp=2, pp=2, stages=(("a",), ("b",))))  # all three run
-    with pytest.raises(UserError, match=r"ep=2 with cp=2: the program splits the experts over data-parallel ranks"):
-        _check_runnable(ParallelConfig(dp_shard=2, ep=2, cp=2))
+    _check_runnable(ParallelConfig(dp_shard=2, ep=2, cp=2))
+    _check_runnable(ParallelConfig(ep=2, tp=2))  # ep over the tp ranks
     _check_runnable(ParallelConfig(dp_shard=2, ep=2, tp=2))
     _check_runnable(ParallelConfig(dp_shard=2, ep=2, pp=2, stages=(("a",), ("b",))))
-    with pytest.raises(UserError, match=r"ep=2 does not divide dp_shard=1 \(1 % 2 = 1\)"):
+    with pytest.raises(UserError, match=r"ep=2 does not divide dp_shard=1 x cp=1 x tp=1 = 1 \(1 % 2 = 1\)"):
         _check_runnable(ParallelConfig(dp_replicate=2, ep=2))
     _check_runnable(ParallelConfig(dp_shard=2, ep=2))
     with pytest.raises(UserError, match=r"degrees must be positive integers, got ep 0"):
@@ -172,16 +175,81 @@ def test_sharded_table_divides_by_cp_and_waits_for_the_busiest_expert_rank():
     assert split.backward_s == pytest.approx((2.0 / 4, (4.0 + (1.5 / 2 - 1) * 2.0) / 4))
 
 
-def test_expert_gradients_reduce_over_the_tp_ranks_too_when_each_routed_its_sequence_shard():
-    """dp_shard 4 x tp 2, ep 2: FSDP2 shards the experts over the dp_shard/ep = 2 ranks holding the same ones, which
-    leaves no replica to all-reduce with; under sequence parallelism each tp rank's expert gradients are its tokens'
-    share, so they all-reduce over the tp = 2 ranks too."""
+@pytest.mark.parametrize("shard, tp, ep, replicate, expert_shard, expert_replicate", [
+    (4, 2, 2, 1, 4, 1),  # ep over each tp pair, FSDP2 over the 4 ranks holding the same experts
+    (2, 2, 4, 1, 1, 1),  # ep over all 4 ranks: each holds its E/4 experts whole
+    (1, 4, 2, 1, 1, 2),  # no FSDP2 (one data-parallel rank): the 2 tp pairs holding the same experts all-reduce
+    (2, 2, 2, 2, 2, 2),  # HSDP: FSDP2 over 2, replicas 2
+])
+def test_the_expert_groups_are_folded_over_dp_shard_and_tp(shard, tp, ep, replicate, expert_shard, expert_replicate):
+    """The expert mesh is cut from dp_shard x cp x tp, tp innermost (runtime/expert_parallel.py): the ep group is ep
+    consecutive ranks (stride 1, over the tp ranks first), the experts' FSDP group the next dp_shard x tp / ep
+    (stride ep), the replicas beyond; with or without sequence parallelism (every tp rank routes its own tokens)."""
     ctx = Context(gpt_profile(n_layer=2, seq=1024), cluster(8), Training(8, "bf16"), CP_EP)
-    par = Parallelism(data_parallel_shard_degree=4, tensor_parallel_degree=2, expert_parallel_degree=2)
-    assert ctx.groups(replace(par, enable_sequence_parallel=False)).expert_shard.size == 2
-    assert ctx.groups(replace(par, enable_sequence_parallel=False)).expert_replicate.size == 1
-    assert ctx.groups(replace(par, enable_sequence_parallel=True)).expert_replicate.size == 2
-    assert ctx.groups(replace(par, data_parallel_shard_degree=2, enable_sequence_parallel=True)).expert_replicate.size == 2
+    par = Parallelism(data_parallel_replicate_degree=replicate, data_parallel_shard_degree=shard,
+                      tensor_parallel_degree=tp, expert_parallel_degree=ep)
+    for sp in (False, True):
+        groups = ctx.groups(replace(par, enable_sequence_parallel=sp))
+        assert groups.ep == ctx.group(ep, 1)
+        assert groups.expert_shard == ctx.group(expert_shard, ep)
+        assert groups.expert_replicate.size == expert_replicate
+
+
+@pytest.mark.parametrize("shard, cp, tp, ep", [(8, 1, 1, 4), (4, 1, 2, 2), (4, 1, 2, 8), (2, 2, 2, 4), (2, 1, 4, 8),
+                                               (2, 2, 2, 8)])
+def test_expert_states_per_rank_divide_by_every_folded_rank(olmoe_context, shard, cp, tp, ep):
+    """N parameters on a tensor-parallel rank, X of them experts (all E, whole on every tp rank: ETP 1), zero=3 over
+    dp_shard x cp, bf16 AdamW (2 + 2 + 12 bytes): ep folded over dp_shard x cp x tp leaves each rank E/ep experts,
+    FSDP2-sharded over the dp_shard x cp x tp / ep ranks holding them, so the rank keeps 16 X / (dp_shard x cp x tp)
+    bytes of expert states, and 16 (N - X) / (dp_shard x cp) of the others. Before folding, ep came from dp_shard x
+    cp only and every tp rank held 16 X / (dp_shard x cp)."""
+    ctx = olmoe_context
+    numel, experts = ctx.total_numel(tp), sum(ctx.expert_numel)
+    fsdp = shard * cp
+    assert expert_shard_degree(fsdp, ep, tp) == shard * cp * tp // ep
+    memory = ctx.layout_memory(ctx.memory_inputs(tp, 1, ep=ep), fsdp, True, 1,
+                               expert_shard=expert_shard_degree(fsdp, ep, tp))
+    states = sum(sum(memory.per_module[c]) + sum(memory.per_tied_group[c]) for c in ("parameters", "gradients",
+                                                                                     "optimizer"))
+    assert states == pytest.approx(16 * ((numel - experts) / fsdp + experts / (shard * cp * tp)))
+
+
+def test_the_search_tries_ep_folded_over_the_tensor_parallel_ranks(olmoe_context):
+    """On 4 GPUs at tp=4 (one data-parallel rank) the search tries every ep dividing the 8 experts and the 4 folded
+    ranks (before, ep had to divide dp x cp = 1), and every layout it keeps is one the rules accept."""
+    ctx = olmoe_context
+    result = search(ctx.profile, cluster(4), Training(8, "bf16"), parse_pins("tp=4"), features=CP_EP)
+    tried = {c.parallelism.expert_parallel_degree for c in result.candidates}
+    assert {2, 4} <= tried <= {1, 2, 4}
+    four = [c for c in result.candidates if c.parallelism.expert_parallel_degree == 4]
+    assert all(c.parallelism.tensor_parallel_degree == 4 and c.parallelism.data_parallel_shard_degree == 1
+               for c in four)
+
+
+def test_a_planned_layout_prices_the_folded_expert_states_and_one_route_per_token(olmoe_context):
+    """Through the evaluation a plan gets (cost/evaluate.py): at dp_shard 4 x tp 2 the model states of ep=8 (each
+    rank 1 of the 8 experts, whole) are smaller than those of ep=1 (the experts sharded over dp_shard 4 only) by
+    16 X (1/4 - 1/8) bytes; and with ep > 1 every tp rank routes its own half of the tokens, sequence parallelism or
+    not: its all-to-alls move half the rows, and its experts compute half of them."""
+    from autoplan.cost.evaluate import build_problem
+
+    ctx = olmoe_context
+    par = Parallelism(data_parallel_shard_degree=4, tensor_parallel_degree=2, fsdp_reshard_after_forward="always",
+                      enable_sequence_parallel=False, pipeline_parallel_microbatch_size=1,
+                      pipeline_parallel_num_microbatches=2)
+    experts = sum(ctx.expert_numel)
+
+    def states(ep: int) -> float:
+        problem = build_problem(ctx, replace(par, expert_parallel_degree=ep), ("none",))
+        return sum(sum(problem.memory[0].per_module[c]) + sum(problem.memory[0].per_tied_group[c])
+                   for c in ("parameters", "gradients", "optimizer"))
+
+    assert states(1) - states(8) == pytest.approx(16 * experts * (1 / 4 - 1 / 8))
+    folded = ctx._sharded_modules(2, 1, False, 1, 2)
+    assert folded.expert_split == 2
+    alone = ctx._sharded_modules(1, 1, False, 1, 2)  # tp 1: the same tokens per rank as each tp rank's half x 2
+    assert sum(folded.all_to_all_s) < sum(alone.all_to_all_s)
+    assert ctx._sharded_modules(2, 1, True, 1, 2).expert_split == 2
 
 
 @pytest.mark.parametrize("shard, reshard, expert_shard", [(8, True, 2), (8, False, 1), (1, False, 1)])
@@ -397,10 +465,11 @@ def test_compiled_experts_with_tensor_parallelism_are_refused_with_the_reason():
     assert problems(Layout(compile="on", tp=2), Scope(features=ALL_FEATURES, num_experts=(4,))) == []  # priced
 
 
-def test_with_cp_and_tp_the_experts_token_split_is_only_sequence_parallel_routing(tmp_path):
-    """ShardedModules.expert_split (tp ranks routing their own sequence shards) is tp only with sequence parallelism
-    and ep > 1; the ring's per-call head split under tp (HF Llama's attention runs inside its tensor-parallel
-    region) must not leak into it, or an ep=1 layout's expert compute would be divided by tp."""
+def test_with_cp_and_tp_the_experts_token_split_is_only_expert_parallel_routing(tmp_path):
+    """ShardedModules.expert_split (tp ranks routing their own share of the tokens) is tp only with ep > 1, sequence
+    parallelism or not (one route per token, runtime/expert_parallel.py TensorParallelTokens); the ring's per-call
+    head split under tp (HF Llama's attention runs inside its tensor-parallel region) must not leak into it, or an
+    ep=1 layout's expert compute would be divided by tp."""
     from autoplan.hardware.profiles import load_hardware
     from autoplan.profile import profile_model
     from autoplan.source import load_source
@@ -414,4 +483,5 @@ def test_with_cp_and_tp_the_experts_token_split_is_only_sequence_parallel_routin
     assert {ctx.facts.role.get(call.node) for call in ctx.attention.calls} == {"interior"}  # heads split over tp
     assert ctx._sharded_modules(2, 1, True, 2, 1).expert_split == 1
     assert ctx._sharded_modules(2, 1, True, 1, 2).expert_split == 2
-    assert ctx._sharded_modules(2, 1, False, 2, 2).expert_split == 1
+    assert ctx._sharded_modules(2, 1, False, 2, 2).expert_split == 2
+    assert ctx._sharded_modules(2, 1, False, 2, 1).expert_split == 1

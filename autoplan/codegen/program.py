@@ -170,7 +170,7 @@ def _layout(plan: Plan) -> str:
                      f"dp_shard {p.data_parallel_shard_degree} x cp {p.context_parallel_degree})")
     if p.expert_parallel_degree > 1:
         parts.append(f"{p.expert_parallel_degree}-way expert parallel (the experts split over groups of "
-                     f"{p.expert_parallel_degree} data-parallel ranks, all-to-all token dispatch)")
+                     f"{p.expert_parallel_degree} of the dp_shard x cp x tp ranks, all-to-all token dispatch)")
     if p.pipeline_parallel_degree > 1:
         virtual = (f", {p.pipeline_parallel_virtual_stages} stages per rank"
                    if p.pipeline_parallel_virtual_stages > 1 else "")
@@ -252,7 +252,7 @@ def _config_block(plan: Plan, model_copy: Path) -> str:
          "cross-entropy on the vocabulary-sharded logits (TP head): on | off"),
         ("CP", repr(p.context_parallel_degree), "context-parallel ranks: each a share of every sequence (ring attention)"),
         ("EP", repr(p.expert_parallel_degree),
-         "expert-parallel ranks (borrowed from data parallel): each group of EP splits every expert layer's experts"),
+         "expert-parallel ranks (folded over dp_shard x cp x tp): each group of EP splits every expert layer's experts"),
         ("PP", repr(p.pipeline_parallel_degree), "pipeline ranks"),
         ("VIRTUAL_STAGES", repr(p.pipeline_parallel_virtual_stages), "stages per pipeline rank (interleaved schedule)"),
         ("SCHEDULE", repr(p.pipeline_parallel_schedule), "pipeline schedule"),

@@ -123,7 +123,7 @@ class ShardedModules:
     where _1 is the module's cost on the whole sequence (ModuleTable at cp = 1): a rank holds seq/cp tokens of
     every sequence and the load-balanced ring gives it 1/cp of the attention too; the experts' compute waits
     for the busiest expert-parallel rank (cost/expert_parallel.py router_imbalance), on its share of the tokens
-    (1/expert_split of them: the tensor-parallel ranks route their own sequence shards under sequence parallelism)."""
+    (1/expert_split of them: with ep > 1 each tensor-parallel rank routes its own 1/tp of the tokens)."""
 
     cp: int
     expert_forward_s: tuple[float, ...]
@@ -143,8 +143,8 @@ class ShardedModules:
     """The attention masks in the module's input, negated, per micro-batch, bytes (the ring runs without them): added
     to what selective and full recompute keep of the input."""
     expert_split: int = 1
-    """Tensor-parallel ranks sharing the expert layers' tokens: tp with sequence parallelism and ep > 1 (each routes
-    its sequence shard, runtime/expert_parallel.py TensorParallelTokens), else 1 (each routes them all)."""
+    """Tensor-parallel ranks sharing the expert layers' tokens: tp when ep > 1 (each routes its own 1/tp of them,
+    sequence parallelism or not: runtime/expert_parallel.py TensorParallelTokens), else 1 (each runs them all)."""
 
 
 def sharded_table(base: ModuleTable, sharded: ShardedModules) -> ModuleTable:

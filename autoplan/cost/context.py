@@ -3,9 +3,9 @@ costs, module tables and memory inputs cached per (tp, micro-batch, sp, cp, ep),
 
 Mesh dims in rank order ("pp", "dp_replicate", "dp_shard", "cp", "tp"), torchtitan's: tensor parallel groups
 are contiguous (stride 1, inside a node), cp has stride tp, dp_shard stride tp x cp, dp_replicate stride
-tp x cp x dp_shard and the pipeline stride tp x cp x dp. FSDP shards over dp_shard x cp (stride tp). The
-expert-parallel group is the innermost ep of those ranks (stride tp), the experts' FSDP group the rest of
-them (stride tp x ep).
+tp x cp x dp_shard and the pipeline stride tp x cp x dp. FSDP shards over dp_shard x cp (stride tp). Expert
+parallelism is folded over dp_shard x cp x tp (layout.expert_folded_ranks): the expert-parallel group is the
+innermost ep of those ranks (stride 1, the tp ranks first), the experts' FSDP group the rest of them (stride ep).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from autoplan.cost.dtypes import activation_scale, bytes_per_element, training_d
 from autoplan.cost.memory import LayoutMemory, MemoryInputs, layout_memory
 from autoplan.cost.module_costs import SPLIT_ROLES, ChainCosts, chain_costs
 from autoplan.hardware.types import Cluster
-from autoplan.layout import fsdp_wraps
+from autoplan.layout import expert_folded_ranks, fsdp_wraps
 from autoplan.plan import Parallelism, Training
 from autoplan.profile.types import ModelProfile
 
@@ -57,15 +57,20 @@ class Groups:
     are each their tokens' share)."""
 
 
-def expert_shard_degree(fsdp: int, ep: int) -> int:
-    """Ranks the expert parameters' states shard over, with FSDP over `fsdp` ranks (dp_shard x cp) and expert
-    parallelism `ep`: the fsdp/ep ranks holding the same experts, over which FSDP2 shards each rank's E/ep experts
-    (torchtitan's dp_shard_mod_ep; runtime/expert_parallel.py ExpertParallel.fully_shard), so a rank keeps 1/fsdp
-    of the expert states as of the others; 1 (whole E/ep experts, gradients all-reduced over their replicas) without
-    FSDP (fsdp 1) or when fsdp is no multiple of ep (ep then borrows replicate ranks: priced, not run)."""
-    if fsdp <= 1 or fsdp % ep:
+def expert_shard_degree(fsdp: int, ep: int, tp: int = 1) -> int:
+    """Ranks the expert parameters' states shard over, with FSDP over `fsdp` ranks (dp_shard x cp), expert
+    parallelism `ep` and tensor parallelism `tp`. Expert parallelism is folded over dp_shard x cp x tp
+    (layout.expert_folded_ranks): a rank holds E/ep experts, whole (ETP 1), and FSDP2 shards them over the
+    dp_shard x cp x tp / ep ranks holding the same ones (runtime/expert_parallel.py "efsdp"), so a rank keeps
+    1/(dp_shard x cp x tp) of the expert states. At ep 1 the experts are parameters like the others, whole on each tp
+    rank: fsdp. 1 (whole E/ep experts, gradients all-reduced over the ranks holding them) without FSDP (fsdp 1), or
+    when the folded ranks are no multiple of ep (ep then borrows replicas: priced, not run)."""
+    if fsdp <= 1:
         return 1
-    return fsdp // ep
+    if ep == 1:
+        return fsdp
+    folded = expert_folded_ranks(dp_shard=fsdp, cp=1, tp=tp)
+    return 1 if folded % ep else folded // ep
 
 
 class Context:
@@ -148,14 +153,14 @@ class Context:
     def groups(self, par: Parallelism) -> Groups:
         t, r = par.tensor_parallel_degree, par.data_parallel_replicate_degree
         cp, ep, fsdp = par.context_parallel_degree, par.expert_parallel_degree, par.fsdp_shard_degree
-        experts = expert_shard_degree(fsdp, ep)
-        replicas = self.group(r * fsdp // (ep * experts), t * ep * experts)
-        if ep > 1 and t > 1 and par.enable_sequence_parallel:  # the tp ranks' expert gradients are their shards'
-            replicas = comm.Group(replicas.size * t, (replicas if replicas.size > 1 else self.group(t, 1)).link,
-                                  replicas.nodes)
+        experts = expert_shard_degree(fsdp, ep, t)
+        # the expert mesh folded over dp_shard x cp x tp (tp innermost): ep consecutive ranks, then the experts' FSDP
+        # ranks, then the ranks holding the same experts' shard (the replicas, and the folded ranks beyond ep x
+        # experts when FSDP2 does not shard them), which sum their gradients
+        replicas = self.group(max(1, r * fsdp * t // (ep * experts)), ep * experts)
         return Groups(self.group(t, 1), self.group(fsdp, t), self.group(r, t * fsdp),
-                      self.group(par.pipeline_parallel_degree, t * fsdp * r), self.group(cp, t), self.group(ep, t),
-                      self.group(experts, t * ep), replicas)
+                      self.group(par.pipeline_parallel_degree, t * fsdp * r), self.group(cp, t), self.group(ep, 1),
+                      self.group(experts, ep), replicas)
 
     def send_s(self, nbytes: float, par: Parallelism, link) -> float:
         """One activation (or gradient) crossing a stage boundary. Each tensor-parallel rank sends the
@@ -208,8 +213,8 @@ class Context:
         n, element = len(self.chain), self.dtype_bytes
         experts = self._ops_table(self._expert_nodes, tp, microbatch, sp)
         imbalance, all_to_all = [1.0] * n, [0.0] * n
-        ep_group = self.group(ep, tp)
-        split = tp if sp and ep > 1 else 1  # tp ranks routing their own sequence shards (TensorParallelTokens)
+        ep_group = self.group(ep, 1)  # folded over the tp ranks first (runtime/expert_parallel.py)
+        split = tp if ep > 1 else 1  # each tp rank routes its own 1/tp of the tokens (TensorParallelTokens)
         for layer, u in zip(self.experts, self._expert_module):
             tokens = layer.tokens / self.profile.batch_size * microbatch / cp / split
             loads = self.profile.router_loads.get(layer.module)

@@ -74,7 +74,7 @@ def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> Cha
     inputs = ctx.memory_inputs(tp, mbs, sp, loss_parallel, cp, ep, autocast)
     stages = pp * v
     shared = ctx.layout_memory(inputs, par.fsdp_shard_degree, par.reshards_after_forward, pp,
-                               par.enable_cpu_offload, expert_shard_degree(par.fsdp_shard_degree, ep), autocast)
+                               par.enable_cpu_offload, expert_shard_degree(par.fsdp_shard_degree, ep, tp), autocast)
     models = tuple(shared.stage(s, microbatches_in_flight(par.pipeline_parallel_schedule, pp, m, s, v))
                    for s in range(stages))
     table = ctx.table(tp, mbs, sp, loss_parallel, cp, ep)
@@ -109,7 +109,7 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     own, tied = ctx.module_numel(tp, ep), ctx.group_numel(tp)
     # with ep = 1 the experts are parameters like the others (in their module's FSDP2 unit or DDP bucket)
     experts = ctx.module_expert_numel(ep) if ep > 1 else [0.0] * len(own)
-    expert_shard = expert_shard_degree(par.fsdp_shard_degree, ep)
+    expert_shard = expert_shard_degree(par.fsdp_shard_degree, ep, par.tensor_parallel_degree)
     cut_scale = 1.0 if ctx.autocast_layout(par) else ctx.scale  # autocast sends the fp32 residual stream
     cut = [c * mbs * cut_scale for c in ctx.rank_cut_bytes(cp)]
     n, ranges, modes = len(chain), assignment.split.ranges(), assignment.modes

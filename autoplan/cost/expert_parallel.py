@@ -16,10 +16,10 @@ runtime/expert_parallel.py runs it:
   the experts).
 - Memory: a rank holds E/ep of the experts' weights, gradients and optimizer states; every other
   parameter stays data-parallel.
-- With tensor parallelism the experts stay whole on each tp rank (ETP 1) and the ep group is the ep ranks of one
-  tp index (stride tp). Without sequence parallelism the tp ranks route the same tokens (all of the rows, all of
-  the expert compute, on each); with it each routes its sequence shard (rows and expert compute / tp) and the
-  expert gradients are all-reduced over the tp ranks too (cost/context.py).
+- Expert parallelism is folded over dp_shard x cp x tp (layout.expert_folded_ranks): the ep group is the
+  innermost ep of those ranks (stride 1, over the tp ranks first), the experts stay whole (ETP 1), and each tp
+  rank routes its own 1/tp of the tokens, sequence parallelism or not (rows and expert compute / tp; cost/context.py
+  expert_shard_degree for the states).
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ it every rank holds the whole sequence: cost/context.py rank_cut_bytes); the mod
 dp_shard x cp (`shard` here).
 Expert parallelism (ep): a rank holds E/ep of each expert layer's experts (MemoryInputs.expert_numel, already
 divided), their states sharded over `expert_shard` ranks (cost/context.py expert_shard_degree: FSDP2 shards them
-over the dp_shard x cp / ep ranks holding the same experts, as the program runs them, so under ZeRO a rank keeps
-1/(dp_shard x cp) of the expert states, as of the others) by the same ZeRO stage as the other parameters; every
+over the dp_shard x cp x tp / ep ranks holding the same experts, as the program runs them, so under ZeRO a rank
+keeps 1/(dp_shard x cp x tp) of the expert states) by the same ZeRO stage as the other parameters; every
 other parameter as without ep.
 Allocator fragmentation, the CUDA context and NCCL/cuBLAS workspaces are the hardware profile's
 Gpu.memory_reserved_bytes (the "stated fragmentation allowance", ~5% of HBM plus ~1.5 GiB), already

@@ -72,9 +72,9 @@ class Parallelized:
     """Where this process sits: rank, pp_rank, dp_rank and dp_size (which slice of the global batch it
     trains on), cp_rank and cp_size (which share of each sequence), tp_rank; is_first_stage, is_last_stage."""
     experts: ExpertParallel
-    """The experts split over expert-parallel groups and FSDP2-sharded over the ranks holding the same experts (no
-    modules without expert parallelism); forward_backward sums their gradients over the tp ranks when each routed
-    its share of the tokens."""
+    """The experts split over expert-parallel groups cut from dp_shard x cp x tp and FSDP2-sharded over the ranks
+    holding the same experts (no modules without expert parallelism); without FSDP2, forward_backward sums their
+    gradients over those ranks."""
     device: torch.device
     """Where the parts compute."""
     dtype: torch.dtype
@@ -110,7 +110,7 @@ class Parallelized:
         pipeline rank that does not compute the loss (every stage but the last). Call it on every rank."""
         local_loss = self.step(inputs, targets)
         self.tied.sum_gradients()
-        self.experts.reduce_gradients()  # with sequence parallelism: the tp ranks' shares of the expert gradients
+        self.experts.reduce_gradients()  # without FSDP2: the expert gradients summed over the ranks holding them
         return local_loss
 
     def global_loss(self, local_loss: torch.Tensor | None) -> float:
@@ -196,7 +196,7 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
     # the same ones (shard_data_parallel)
     experts = parallelize_experts(nn.ModuleList([part.module for part in parts.values()]) if split is not None
                                   else parts[0].module, device.type, config.dp, config.ep, dtype, config.dp_replicate,
-                                  config.tp, config.sequence_parallel, pp=config.pp)
+                                  config.tp, pp=config.pp, cp=config.cp, tp_mesh=mesh["tp"])
 
     for s, part in parts.items():  # order as in torchtitan: tensor parallel, recompute, compile, FSDP
         part.module = tensor_parallel(part.module, mesh["tp"], config.tensor_parallel_plan, chain_modules[s],

@@ -35,9 +35,10 @@ class ParallelConfig:
     share of every sequence from the first chain module that calls scaled_dot_product_attention on (ring
     attention); the model states are FSDP2-sharded over dp_shard x cp."""
     ep: int = 1
-    """Expert-parallel ranks, borrowed from data parallelism: each group of ep consecutive data-parallel ranks
-    splits every experts module's experts (runtime/expert_parallel.py, all-to-all dispatch); the dp/ep groups
-    hold the same experts. Not a mesh dimension of its own: it does not change the number of processes."""
+    """Expert-parallel ranks, folded over the dp_shard x cp x tp ranks of a pipeline rank and replica: each group of
+    ep consecutive ones (tp innermost) splits every experts module's experts (runtime/expert_parallel.py, all-to-all
+    dispatch); the dp_shard x cp x tp / ep groups hold the same experts. Not a mesh dimension of its own: it does not
+    change the number of processes."""
     pp: int = 1
     """Pipeline ranks (the outermost mesh dimension)."""
     virtual_stages: int = 1

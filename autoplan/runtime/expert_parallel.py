@@ -16,25 +16,30 @@ group (the module's own parameters, sliced, under their own names) and replaces 
    adds them up per token (so the router's gradient stays on the sender).
 
 Both all-to-alls are autograd functions (torch's functional collectives), so backward retraces the route.
-The ep ranks hold different data (ep borrows ranks from data parallelism): a rank's expert gradients
-sum the contributions of every token of the group routed to its experts.
+The ep ranks hold different tokens (see below: one route per token): a rank's expert gradients sum the
+contributions of every token of the group routed to its experts.
 
 In the generated program, autoplan.parallelize calls parallelize_experts before FSDP2 (with a pipeline, on this
 rank's stages, which call the experts modules as modules: runtime/expert_calls.py): the sliced parameters
 become DTensors sharded on dimension 0 over the expert mesh's "ep" dimension (so the initial values' broadcast
 gives each rank its slice, and a torch.distributed.checkpoint holds each expert once at the model's full shape).
-Then, as torchtitan does with its dp_mod_ep mesh, FSDP2 shards each experts module over the dp_shard/ep ranks
-holding the same experts (ExpertParallel.fully_shard, from shard_data_parallel, before the modules around it),
-with the plan's resharding and HSDP over dp_replicate like the other parameters: a rank keeps 1/dp_shard of the
-expert states (E/ep experts split dp_shard/ep ways), gathers its E/ep experts for the forward and backward, and
-reduce-scatters their gradients over the replicas, divided by dp.
 
-With tensor parallelism the experts are left out of the tensor-parallel plan and stay whole on every tp rank (ETP
-1); the ep group is the ep ranks of one tp index (the expert mesh's "ep" dim). TensorParallelTokens decides which
-tokens a tp rank routes: without sequence parallelism the tp ranks hold the same tokens (plain tensors) and each
-routes them all, so its expert gradients are whole; with it the tokens arrive as DTensors on the tp mesh and each
-tp rank routes its share of them (Shard(0) of the (tokens, hidden) rows), so after backward
-ExpertParallel.reduce_gradients sums the expert gradients (FSDP2's shards of them) over the tp ranks too.
+The expert mesh is folded over the ranks of one pipeline rank and data-parallel replica, dp_shard x cp x tp, as
+torchtitan and Megatron-Core fold it ("MoE parallel folding", expert-tensor-parallel 1): of those ranks, numbered
+as the plan's mesh numbers them (tp innermost), each ep consecutive ones split the experts ("ep") and the
+dp_shard x cp x tp / ep ranks holding the same experts ("efsdp") FSDP2-shard them (ExpertParallel.fully_shard,
+from shard_data_parallel, before the modules around it), with the plan's resharding and HSDP over dp_replicate like
+the other parameters. So a rank keeps 1/(dp_shard x cp x tp) of the expert states, and ep may span tensor- and
+context-parallel ranks, which hold distinct tokens once every tp rank routes its own share.
+
+One route per token (TensorParallelTokens): with tensor parallelism the experts are left out of the tensor-parallel
+plan (each expert whole on its rank, ETP 1) and each tp rank routes a distinct 1/tp share of the tokens. Tokens that
+arrive as DTensors on the tp mesh (sequence parallelism) are already distinct shares: each rank routes its own.
+Plain tokens are the same on every tp rank (no sequence parallelism): each rank routes its 1/tp slice of the rows and
+the outputs are all-gathered after, as torchtitan's ReordererSequenceParallel does. Every rank's routed tokens are
+then distinct, so the all-to-all (within ep) and FSDP2's reduce-scatter (over efsdp, with HSDP's all-reduce over
+dp_replicate) sum each expert's gradient over all tokens; it is divided by dp x cp, the loss terms the global mean
+averages. Without FSDP2 (one data-parallel rank, cp 1) ExpertParallel.reduce_gradients sums it over efsdp.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.capture.experts import is_experts_module
 from autoplan.errors import UserError
+from autoplan.layout import expert_folded_ranks
 
 
 @dataclass(frozen=True)
@@ -125,23 +131,26 @@ def _waited(tensor: torch.Tensor) -> torch.Tensor:
     return wait() if callable(wait) else tensor
 
 
-EXPERT_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
-"""The expert mesh: each dp_shard group cut into ep groups of consecutive ranks (which split the experts among
-them) and dp_shard/ep ranks holding the same experts (dp_shard_mod_ep, over which FSDP2 shards them), with the
-dp_replicate replicas beside (HSDP), as torchtitan borrows ep from data parallelism. Its ranks are numbered as the
-plan's mesh numbers them (runtime/mesh.py: pp, then data parallel, then tp), so a rank's data-parallel index is
-(dp_replicate index x dp_shard/ep + dp_shard_mod_ep index) x ep + ep index."""
+EXPERT_MESH_DIMS = ("pp", "dp_replicate", "efsdp", "ep")
+"""The expert mesh: the dp_shard x cp x tp ranks of each pipeline rank and data-parallel replica (numbered as the
+plan's mesh numbers them: runtime/mesh.py, tp innermost) cut into groups of ep consecutive ranks, which split the
+experts among them ("ep"), and the dp_shard x cp x tp / ep ranks holding the same experts ("efsdp", over which FSDP2
+shards them), with the dp_replicate replicas beside (HSDP). A rank's index among the folded ranks,
+(dp_shard index x cp + cp index) x tp + tp index, is efsdp index x ep + ep index."""
 
 
-def expert_mesh(device_type: str, pp: int, dp: int, ep: int, tp: int = 1, dp_replicate: int = 1):
+def expert_mesh(device_type: str, pp: int, dp: int, ep: int, tp: int = 1, dp_replicate: int = 1, cp: int = 1):
     """The mesh EXPERT_MESH_DIMS over every process (all of them call it, in the same order); `dp` counts every
     data-parallel rank (dp_replicate x dp_shard)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if dp % dp_replicate or (dp // dp_replicate) % ep:
-        raise ValueError(f"expert parallel borrows its ranks from FSDP's: ep {ep} must divide dp_shard = dp {dp} / "
-                         f"dp_replicate {dp_replicate}")
-    shape = (pp, dp_replicate, dp // dp_replicate // ep, ep, tp)
+    if dp % dp_replicate:
+        raise ValueError(f"dp {dp} is not a multiple of dp_replicate {dp_replicate}")
+    folded = expert_folded_ranks(dp // dp_replicate, cp, tp)
+    if folded % ep:
+        raise ValueError(f"expert parallelism is cut from dp_shard {dp // dp_replicate} x cp {cp} x tp {tp} = {folded} "
+                         f"ranks, which ep {ep} must divide ({folded} % {ep} = {folded % ep}; layout.py states the rule)")
+    shape = (pp, dp_replicate, folded // ep, ep)
     return init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_DIMS)
 
 
@@ -155,58 +164,61 @@ class ExpertParallel:
     slice of each stacked weight), so a checkpoint holds every expert once under the model's own names."""
     mesh: DeviceMesh | None
     """The expert mesh (EXPERT_MESH_DIMS); None without expert parallelism."""
-    dp: int
-    """Data-parallel ranks: the expert gradients are divided by it, as data parallelism averages the others."""
-    tp_sum: dist.ProcessGroup | None = None
-    """The tensor-parallel ranks whose expert gradients are each their share of the tokens' (sequence parallelism),
-    summed after backward (reduce_gradients); None when the tp ranks routed the same tokens."""
+    loss_terms: int
+    """dp x cp: the ranks whose mean losses the global loss averages. Every rank routes distinct tokens, so the
+    summed expert gradients are divided by it, as data parallelism averages the others."""
+    sharded: bool = False
+    """FSDP2 shards the experts (fully_shard was called): its reduce-scatter sums their gradients over efsdp."""
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """After backward (and FSDP2's reduction over the ranks holding the same experts): with sequence parallelism
-        each tp rank routed its share of the tokens, so the tp ranks' expert gradients (the same FSDP2 shard on each)
-        are summed; nothing to do otherwise."""
-        if self.tp_sum is None:
+        """After backward: without FSDP2 (one data-parallel rank and cp 1, so dp x cp = 1) sum each expert's
+        gradient over the efsdp ranks holding the same experts, which routed other tokens (tp > ep); FSDP2 does it
+        otherwise."""
+        if self.mesh is None or self.sharded or self.mesh["efsdp"].size() == 1:
             return
+        group = self.mesh["efsdp"].get_group()
         for sub in self.modules:
             for param in sub.parameters(recurse=False):
-                if param.grad is not None:  # a DTensor (parallelize_experts): its local shard, in place
-                    dist.all_reduce(param.grad.to_local(), group=self.tp_sum)
+                if param.grad is not None:  # a DTensor (parallelize_experts): its local experts, in place
+                    local = param.grad.to_local()
+                    dist.all_reduce(local, group=group)
+                    local.div_(self.loss_terms)
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
-        """The ranks holding the same experts: "dp_shard_mod_ep", with "dp_replicate" before it when it is more
-        than 1 (HSDP, as the other parameters)."""
+        """The ranks holding the same experts: "efsdp", with "dp_replicate" before it when it is more than 1
+        (HSDP, as the other parameters)."""
         if self.mesh is None:
             raise ValueError("no expert parallelism: there is no expert mesh")
         if self.mesh["dp_replicate"].size() > 1:
-            return self.mesh["dp_replicate", "dp_shard_mod_ep"]
-        return self.mesh["dp_shard_mod_ep"]
+            return self.mesh["dp_replicate", "efsdp"]
+        return self.mesh["efsdp"]
 
     def fully_shard(self, module: nn.Module, **kwargs) -> None:
         """FSDP2 over fsdp_mesh for each experts module inside `module` (call before the modules around them are
-        sharded, which then leave them alone), as torchtitan's apply_fsdp does over dp_mod_ep. kwargs: fully_shard's
-        (reshard_after_forward, mp_policy, offload_policy) as the other parameters have them.
+        sharded, which then leave them alone), as torchtitan's apply_fsdp does over its expert FSDP mesh. kwargs:
+        fully_shard's (reshard_after_forward, mp_policy, offload_policy) as the other parameters have them.
 
         Each rank's gradient of its experts sums what its ep group's tokens contributed (the all-to-all brought
-        them); the reduce-scatter (and HSDP's all-reduce) sums it over the replicas, which makes every data-parallel
-        rank's contribution, so it is divided by dp (not by the fsdp_mesh size, FSDP2's default) to be the gradient
-        of the global batch's mean loss, as data parallelism averages the others. FSDP2 shards dimension 0 (whole
-        experts) when it splits the rank's E/ep experts evenly, else dimension 1, as torchtitan does when
-        dp_mod_ep x ep exceeds the experts."""
+        them); the reduce-scatter (and HSDP's all-reduce) sums it over the ranks holding the same experts, which
+        makes every rank's contribution, so it is divided by dp x cp (not by the fsdp_mesh size, FSDP2's default) to
+        be the gradient of the global batch's mean loss. FSDP2 shards dimension 0 (whole experts) when it splits the
+        rank's E/ep experts evenly, else dimension 1, as torchtitan does when efsdp x ep exceeds the experts."""
         from torch.distributed.fsdp import fully_shard
 
         inside = {id(sub) for sub in module.modules()}
         here = [sub for sub in self.modules if id(sub) in inside]
         if not here:  # no expert parallelism, or none of the experts in this pipeline stage
             return
+        self.sharded = True
         mesh = self.fsdp_mesh
         shards = mesh.size(-1)
         for sub in here:
             local = sub.num_experts  # E/ep (shard_experts)
             fully_shard(sub, mesh=mesh, shard_placement_fn=partial(_fsdp_placement, local_experts=local, shards=shards),
                         **kwargs)
-            sub.set_gradient_divide_factor(float(self.dp))
+            sub.set_gradient_divide_factor(float(self.loss_terms))
             # gloo has no PREMUL_SUM: sum, then divide. Not when FSDP2 shards over one rank: it then skips the
             # reduce-scatter and divides the copy by the factor, and with forced sums divides again after (torch 2.13,
             # _fsdp_collectives.foreach_reduce), which halved every expert gradient at dp_shard = ep = 2
@@ -226,28 +238,27 @@ def _fsdp_placement(param: nn.Parameter, local_experts: int, shards: int):
 
 def parallelize_experts(module: nn.Module, device_type: str, dp: int, ep: int,
                         dtype: torch.dtype = torch.float32, dp_replicate: int = 1, tp: int = 1,
-                        sequence_parallel: bool = False, pp: int = 1) -> ExpertParallel:
-    """Split every experts module of `module` over groups of ep consecutive data-parallel ranks (torchtitan's ep
-    borrowed from dp_shard; call on every rank, before tensor parallelism and FSDP, which shards them over the ranks
-    holding the same experts with ExpertParallel.fully_shard). Works on the meta device: each parameter becomes a
-    DTensor of the full shape, Shard(0) over the "ep" dim of an expert mesh (pp, dp_replicate, dp_shard/ep, ep,
-    tp), whose local tensor is this rank's experts; its forward runs on the local tensors (cast to `dtype`), routing
-    tokens with all-to-all (shard_experts) over the ep ranks of this rank's tensor-parallel index. With tp > 1
-    (TensorParallelTokens) the experts stay whole: without sequence parallelism the tp ranks route the same tokens,
-    with it each routes its share of them and the expert gradients are summed over the tp ranks too. With a
-    pipeline (pp > 1) `module` holds this rank's stages, whose experts modules split over the data-parallel ranks of
-    the same pipeline rank; a stage may hold none."""
+                        pp: int = 1, cp: int = 1, tp_mesh: DeviceMesh | None = None) -> ExpertParallel:
+    """Split every experts module of `module` over groups of ep consecutive ranks of dp_shard x cp x tp (the folded
+    expert mesh, EXPERT_MESH_DIMS; call on every rank, before tensor parallelism and FSDP, which shards them over the
+    ranks holding the same experts with ExpertParallel.fully_shard). Works on the meta device: each parameter becomes
+    a DTensor of the full shape, Shard(0) over the expert mesh's "ep" dim, whose local tensor is this rank's experts;
+    its forward runs on the local tensors (cast to `dtype`), routing tokens with all-to-all (shard_experts). With
+    tp > 1, each tp rank routes its own share of the tokens over the plan's `tp_mesh` (TensorParallelTokens). With a
+    pipeline (pp > 1) `module` holds this rank's stages, whose experts modules split over the ranks of the same
+    pipeline rank; a stage may hold none."""
     from torch.distributed.tensor import DTensor, Shard
 
     if ep == 1:
-        return ExpertParallel([], None, dp)
+        return ExpertParallel([], None, dp * cp)
+    if tp > 1 and (tp_mesh is None or tp_mesh.size() != tp):
+        raise ValueError(f"expert parallelism with tp={tp} needs the plan's tensor-parallel mesh of {tp} ranks")
     experts = [sub for sub in module.modules() if is_experts_module(sub)]
     if not experts and pp == 1:
         raise UserError(f"ep={ep}, but {type(module).__name__} has no experts module (num_experts and weights "
                         f"stacked per expert on dimension 0) to split: plan it with ep=1")
-    mesh = expert_mesh(device_type, pp, dp, ep, tp, dp_replicate=dp_replicate)  # every rank, with experts or not
+    mesh = expert_mesh(device_type, pp, dp, ep, tp, dp_replicate=dp_replicate, cp=cp)  # every rank, experts or not
     ep_mesh = mesh["ep"]
-    split = tp > 1 and sequence_parallel
     for sub in experts:
         shard_experts(sub, ep_mesh.get_group())
         for name, param in list(sub.named_parameters(recurse=False)):
@@ -255,23 +266,22 @@ def parallelize_experts(module: nn.Module, device_type: str, dp: int, ep: int,
             setattr(sub, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         _compute_on_local_tensors(sub, dtype)
         if tp > 1:
-            TensorParallelTokens(mesh["tp"], split).wrap(sub)
-    return ExpertParallel(experts, mesh, dp, mesh["tp"].get_group() if split else None)
+            TensorParallelTokens(tp_mesh).wrap(sub)
+    return ExpertParallel(experts, mesh, dp * cp)
 
 
 class TensorParallelTokens:
-    """How an experts module meets tensor parallelism (the experts are left out of the tensor-parallel plan:
-    each expert stays whole on its rank, ETP 1). Its inputs are the tokens the tp ranks hold: plain tensors, the
-    same on every tp rank, without sequence parallelism (each rank routes them all over its ep group and its
-    expert gradients are whole); DTensors on the tp mesh with it (the router ran on them), which are split on the
-    tokens (dimension 0 of the (tokens, hidden) rows) so that each tp rank routes its share, and the output is
-    that share again (its expert gradients are then the share's: ExpertParallel sums them over the tp ranks).
-    Unlike torchtitan, whose ETP 1 borrows ep from the tp ranks too, ep here comes from data parallelism only:
-    the tp ranks of one data-parallel rank hold the same experts."""
+    """One route per token under tensor parallelism (the experts are left out of the tensor-parallel plan: each
+    expert stays whole on its rank, ETP 1, and the ep group may span tp ranks). The experts module's inputs are the
+    tokens the tp ranks hold: DTensors on the tp mesh with sequence parallelism (the router ran on them), each rank
+    routing its share (Shard(0) of the (tokens, hidden) rows; the output is that share again); plain tensors without
+    it, the same on every tp rank, of which each rank routes its 1/tp slice of the rows, the outputs all-gathered
+    after (torchtitan's ReordererSequenceParallel). In backward the gather's gradient is each rank's slice (the
+    ranks' gradients of replicated activations are the same) and the slice's gradient is all-gathered."""
 
-    def __init__(self, tp_mesh, split: bool) -> None:
-        self.mesh, self.split = tp_mesh, split
-        """The expert mesh's "tp" dim; whether each tp rank routes its own share of the tokens."""
+    def __init__(self, tp_mesh: DeviceMesh) -> None:
+        self.mesh = tp_mesh
+        """The plan's tensor-parallel mesh."""
 
     def wrap(self, module: nn.Module) -> None:
         inner = module.forward
@@ -285,18 +295,15 @@ class TensorParallelTokens:
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
         dtensor = isinstance(hidden_states, DTensor)
-        if not dtensor and not self.split:
-            return inner(hidden_states, top_k_index, top_k_weights)
         mesh = hidden_states.device_mesh if dtensor else self.mesh
         if mesh.ndim != 1:
             raise NotImplementedError(f"expert parallelism with tensor parallelism takes the tokens on a 1-D "
                                       f"tensor-parallel mesh, got a {mesh.ndim}-D one")
-        layout = [Shard(0)] if self.split else [Replicate()]
         rows = [t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, [Replicate()], run_check=False)
                 for t in (hidden_states, top_k_index, top_k_weights)]
         whole = rows[0]
-        local = [t.redistribute(mesh, layout).to_local() for t in rows]
-        out = DTensor.from_local(inner(*local), mesh, layout, run_check=False, shape=whole.shape,
+        local = [t.redistribute(mesh, [Shard(0)]).to_local() for t in rows]
+        out = DTensor.from_local(inner(*local), mesh, [Shard(0)], run_check=False, shape=whole.shape,
                                  stride=whole.stride())
         return out if dtensor else out.redistribute(mesh, [Replicate()]).to_local()
 

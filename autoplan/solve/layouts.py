@@ -9,8 +9,9 @@ The search's own scope (not validity): reshard=never shards over every data-para
 power of two of nodes. Context parallelism (when the features allow it and the model's attention can ring):
 cp x tp within a node, and only while each rank keeps at least MIN_CONTEXT_PARALLEL_TOKENS of a sequence
 (shorter shards make every ring step latency-bound, and short sequences need no cp). Expert parallelism (for
-models with expert layers): every ep dividing each layer's expert count and the FSDP group dp_shard x cp
-(torchtitan's own rule; the layout rule and a pin accept any ep dividing dp x cp, e.g. with DDP).
+models with expert layers): every ep dividing each layer's expert count and the ranks it is folded over,
+dp_shard x cp x tp (layout.expert_folded_ranks, as torchtitan and Megatron-Core fold it; a pin may ask for an
+ep dividing dp x cp x tp, which the layout rules refuse unless the features price it).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, replace
 from autoplan.cost.context import Context
 from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster
-from autoplan.layout import RECOMPUTE, Layout, Scope, problems, schedule_problems
+from autoplan.layout import RECOMPUTE, Layout, Scope, expert_folded_ranks, problems, schedule_problems
 from autoplan.plan import Parallelism
 
 MAX_VIRTUAL_STAGES = 8
@@ -64,7 +65,7 @@ class Family:
     cp: int = 1
     """Context-parallel degree (the model states are sharded over dp_shard x cp)."""
     ep: int = 1
-    """Expert-parallel degree (borrowed from the dp x cp ranks)."""
+    """Expert-parallel degree (folded over the dp_shard x cp x tp ranks)."""
 
     @property
     def dp(self) -> int:
@@ -113,7 +114,7 @@ def families(pins: Layout, scope: Scope, rejected: list[str] | None = None) -> l
                 dp = gpus // (tp * pp * cp)
                 if pins.dp not in (None, dp):
                     continue
-                for ep in expert_parallel_options(pins, scope, dp * cp):
+                for ep in expert_parallel_options(pins, scope, expert_folded_ranks(dp, cp, tp)):
                     out += _sharded_families(pins, scope, tp, cp, ep, pp, dp, rejected)
     return out
 
@@ -126,7 +127,7 @@ def _sharded_families(pins: Layout, scope: Scope, tp: int, cp: int, ep: int, pp:
     for shard, reshard in _sharding_options(pins, dp, features, cp):
         if 1 < shard < dp and not _whole_nodes(shard * cp * tp, per_node):
             continue
-        if ep > 1 and (shard * cp) % ep and pins.ep is None:  # torchtitan borrows ep from dp_shard x cp only
+        if ep > 1 and expert_folded_ranks(shard, cp, tp) % ep and pins.ep is None:  # folded over dp_shard x cp x tp
             continue
         sp = sequence_parallel(pins, tp, scope)
         for offload in _offload_options(pins, shard * cp, reshard, scope):
@@ -157,7 +158,7 @@ def context_parallel_options(pins: Layout, scope: Scope, tp: int) -> list[int]:
 
 
 def expert_parallel_options(pins: Layout, scope: Scope, ranks: int) -> list[int]:
-    """ep degrees to try over `ranks` (dp x cp) data- and context-parallel ranks: the pin; else 1, and when the
+    """ep degrees to try over `ranks` (dp x cp x tp, layout.expert_folded_ranks) ranks: the pin; else 1, and when the
     features allow expert parallelism, every divisor of the layers' expert counts that divides `ranks`."""
     if pins.ep:
         return [pins.ep]

@@ -220,7 +220,7 @@ def family_memory_bound(ctx: Context, fam: layouts.Family) -> float:
     numel = ctx.total_numel(fam.tp, fam.ep)
     experts = sum(ctx.module_expert_numel(fam.ep))
     zero = zero_of(fam.fsdp, fam.reshard)
-    expert_shard = expert_shard_degree(fam.fsdp, fam.ep)
+    expert_shard = expert_shard_degree(fam.fsdp, fam.ep, fam.tp)
     states = sum(model_state_bytes(numel - experts, ctx.dtype, zero, fam.fsdp).values()) + \
         sum(model_state_bytes(experts, ctx.dtype, zero, expert_shard).values())
     if fam.pp > 1 and zero >= 2:  # unreduced gradients (and unsharded FSDP parameters) under pipelining
