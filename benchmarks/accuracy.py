@@ -326,12 +326,13 @@ FRONTIER_MODELS = {
 }
 """runs_frontier.csv model -> the model file built from its config."""
 FRONTIER_GPUS = {
-    "h100-96gb-500w": ("h100-sxm5-80gb", "no 96 GB / 500 W H100 profile: h100-sxm5-80gb (989 TFLOP/s, 3.35 TB/s) "
-                                         "stands for it, memory uncapped; compare ratios and memory, not speed"),
-    "dgx-h100 (H100 SXM 80GB)": ("h100-sxm5-80gb", ""),
-    "h100-80gb-hbm3": ("h100-sxm5-80gb", ""),
+    "h100-96gb-500w": ("h100-sxm5-80gb", 96e9, "no 96 GB / 500 W H100 profile: h100-sxm5-80gb (989 TFLOP/s, "
+                                               "3.35 TB/s) stands for it with 96 GB; compare ratios and memory"),
+    "dgx-h100 (H100 SXM 80GB)": ("h100-sxm5-80gb", None, ""),
+    "h100-80gb-hbm3": ("h100-sxm5-80gb", None, ""),
 }
-"""runs_frontier.csv gpu -> autoplan's hardware profile, and a note where the profile is only the nearest."""
+"""runs_frontier.csv gpu -> autoplan's hardware profile, the GPU's memory where the profile's differs (bytes; the
+profile's reserve taken off), and a note where the profile is only the nearest."""
 FRONTIER_SEQUENCE_FILE = '''import sys
 sys.path.insert(0, {folder!r})
 import {module} as model_file
@@ -397,19 +398,28 @@ def frontier_row(row: dict, compile_off: bool = False) -> dict:
     path = FRONTIER_MODELS.get(row["model"])
     if path is None or not path.exists():
         return {"skip": f"model file {path.relative_to(ROOT) if path else row['model']} is absent"}
-    gpu, note = FRONTIER_GPUS.get(row["gpu"], (row["gpu"], ""))
+    from autoplan.hardware.profiles import load_hardware
+
+    gpu, memory_bytes, note = FRONTIER_GPUS.get(row["gpu"], (row["gpu"], None, ""))
+    cap = None if memory_bytes is None else memory_bytes - load_hardware(gpu).gpu.memory_reserved_bytes
     pins, batch = frontier_pins(row)
     if compile_off:
         pins = pins.replace("compile=on", "compile=off")
-    pinned_all = "recompute=" in pins
     with tempfile.TemporaryDirectory() as tmp:
         model_file = Path(tmp) / f"frontier_{path.stem}.py"
         model_file.write_text(FRONTIER_SEQUENCE_FILE.format(folder=str(path.parent), module=path.stem,
                                                             seq=int(row["seq_len"])))
         started = time.perf_counter()
         try:
-            plan = autoplan.estimate(str(model_file), int(row["gpus"]), pins, gpu, global_batch=batch,
-                                     memory_per_gpu="1TiB" if pinned_all or note else None)
+            try:
+                plan = autoplan.estimate(str(model_file), int(row["gpus"]), pins, gpu, global_batch=batch,
+                                         memory_per_gpu=cap)
+            except UserError as e:  # priced all the same, beyond the GPU's memory, to show by how much
+                if "fit" not in str(e):
+                    raise
+                plan = autoplan.estimate(str(model_file), int(row["gpus"]), pins, gpu, global_batch=batch,
+                                         memory_per_gpu="1TiB")
+                note = "; ".join(x for x in (note, "does not fit the GPU: priced with memory uncapped") if x)
         except UserError as e:
             if "compile=on" in pins and "compile" in str(e):
                 out = frontier_row(row, compile_off=True)
