@@ -18,6 +18,10 @@
    FSDP on 8 H100s, beside torchtitan's published 1.16x (cost/calibration.py COMPILE_TIME_FACTOR).
 5. This machine: a small GPT trained on CPU, step time and peak tensor memory measured (MemTracker on
    real tensors) next to autoplan's prediction from its measured op timings.
+6. --frontier: every row of runs_frontier.csv (torchtitan's Llama-3.1-405B context-parallel ladder, NeMo's
+   Llama-2-7B long-sequence ladder, torchtitan's DeepSeek-V3-16B) priced through autoplan.estimate with the row's
+   layout pinned: tokens/s (or TFLOP/s) per GPU and memory against the published, and each ladder's throughput
+   ratios (each row over the ladder's first), predicted against published. Runs alone: --frontier-only.
 
 llm-analysis pins transformers < 5, so install it without dependencies:
     pip install --no-deps llm-analysis==0.2.2 "fire>=0.5,<0.6"
@@ -43,6 +47,7 @@ from autoplan.solve.search import search  # noqa: E402
 
 GB = 1e9
 DEFAULT_RUNS = ROOT.parent / "shared" / "reference" / "runs.csv"
+DEFAULT_FRONTIER = ROOT.parent / "shared" / "reference" / "runs_frontier.csv"
 LLM_ANALYSIS_FLOPS_EFFICIENCY = 0.5
 """llm-analysis constant.py: "FLOPS efficiency achieved by Megatron-LM is ~0.5 for LLM training"."""
 LLM_ANALYSIS_GPUS = {"a100-sxm4-80gb": "a100-sxm-80gb", "a100-sxm4-40gb": "a100-sxm-40gb",
@@ -314,12 +319,212 @@ def this_machine(batch: int = 8, steps: int = 5) -> None:
           f"{plan.predicted.peak_memory_bytes / 2**20:.1f} MiB ({err(plan.predicted.peak_memory_bytes, memory)})")
 
 
+FRONTIER_MODELS = {
+    "llama3.1-405b": ROOT / "benchmarks" / "models" / "llama31_405b.py",
+    "llama2-7b": ROOT / "benchmarks" / "models" / "llama2_7b.py",
+    "deepseek-v3-16b (torchtitan flavor)": ROOT / "benchmarks" / "models" / "deepseek_v3_16b.py",
+}
+"""runs_frontier.csv model -> the model file built from its config."""
+FRONTIER_GPUS = {
+    "h100-96gb-500w": ("h100-sxm5-80gb", 96e9, "no 96 GB / 500 W H100 profile: h100-sxm5-80gb (989 TFLOP/s, "
+                                               "3.35 TB/s) stands for it with 96 GB; compare ratios and memory"),
+    "dgx-h100 (H100 SXM 80GB)": ("h100-sxm5-80gb", None, ""),
+    "h100-80gb-hbm3": ("h100-sxm5-80gb", None, ""),
+}
+"""runs_frontier.csv gpu -> autoplan's hardware profile, the GPU's memory where the profile's differs (bytes; the
+profile's reserve taken off), and a note where the profile is only the nearest."""
+FRONTIER_SEQUENCE_FILE = '''import sys
+sys.path.insert(0, {folder!r})
+import {module} as model_file
+if hasattr(model_file, "llama"):
+    model_file.llama.SEQ_LEN = {seq}
+elif hasattr(model_file, "SEQ_LEN"):
+    model_file.SEQ_LEN = {seq}
+build_model, example_batch, loss_fn = model_file.build_model, model_file.example_batch, model_file.loss_fn
+'''
+
+
+def leading_int(text: str) -> int | None:
+    """The number a runs_frontier.csv cell starts with ("1 (assumed torchtitan default)" -> 1, "fsdp8" -> 8)."""
+    digits = "".join(c for c in text.removeprefix("fsdp").split(" ")[0].split("-")[0] if c.isdigit() or c == ".")
+    return int(float(digits)) if digits else None
+
+
+def leading_float(text: str) -> float | None:
+    """The published figure of a cell; a range "11254-11758" gives its middle."""
+    parts = [p for p in text.split(" ")[0].split("-") if p]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        return None
+    return sum(values) / len(values) if values else None
+
+
+def frontier_pins(row: dict) -> tuple[str, int]:
+    """The row's layout as --pin, and its global batch (sequences)."""
+    dp, tp, pp, cp, ep = (leading_int(row[k]) or 1 for k in ("fsdp_or_dp", "tp", "pp", "cp", "ep"))
+    assert dp * tp * pp * cp == int(row["gpus"]), f"{row['id']}: dp {dp} x tp {tp} x pp {pp} x cp {cp} != gpus"
+    microbatch = leading_int(row["micro_batch"]) or 1
+    pins = [f"dp={dp}", f"tp={tp}", f"pp={pp}", f"cp={cp}", f"ep={ep}", f"microbatch={microbatch}"]
+    if row["fsdp_or_dp"].startswith("fsdp") or ep > 1:
+        pins.append("zero=3")
+    recompute = {"full": "full", "selective op": "selective"}.get(row["recompute"])
+    if recompute:
+        pins.append(f"recompute={recompute}")
+    pins.append("compile=" + ("on" if row["compile"] == "yes" else "off"))
+    if pp > 1 and row["id"].startswith("tt-"):
+        pins.append("schedule=interleaved")  # torchtitan's 405B runs: interleaved 1F1B
+    batch = leading_int(row["global_batch_seqs"]) or dp * microbatch
+    return ",".join(pins), batch
+
+
+def llama_flops_per_token(row: dict) -> float:
+    """Model FLOPs per token of a dense Llama row, forward and backward, no recompute: 6 x the matmul parameters
+    plus attention's scores and values (12 x layers x hidden x sequence, not halved for causality, as Megatron-LM
+    and NeMo count). Published TFLOP/s and tokens/s convert through it; ratios within a ladder do not depend on it."""
+    layers, hidden, ffn, heads, kv = (int(row[k]) for k in ("layers", "hidden", "ffn", "heads", "kv_heads"))
+    kv_features = hidden // heads * kv
+    matmul = layers * (2 * hidden * hidden + 2 * hidden * kv_features + 3 * hidden * ffn) + hidden * int(row["vocab"])
+    return 6 * matmul + 12 * layers * hidden * int(row["seq_len"])
+
+
+def frontier_row(row: dict, compile_off: bool = False) -> dict:
+    """One runs_frontier.csv row through autoplan.estimate (the plain CLI's path), its layout pinned. A layout rule
+    refusing compile=on there (the program cannot run it) prices it with compile=off, said in the note;
+    `compile_off`: so from the start (a ladder's rows priced alike)."""
+    import autoplan
+    from autoplan.errors import UserError
+
+    path = FRONTIER_MODELS.get(row["model"])
+    if path is None or not path.exists():
+        return {"skip": f"model file {path.relative_to(ROOT) if path else row['model']} is absent"}
+    from autoplan.hardware.profiles import load_hardware
+
+    gpu, memory_bytes, note = FRONTIER_GPUS.get(row["gpu"], (row["gpu"], None, ""))
+    cap = None if memory_bytes is None else memory_bytes - load_hardware(gpu).gpu.memory_reserved_bytes
+    pins, batch = frontier_pins(row)
+    if compile_off:
+        pins = pins.replace("compile=on", "compile=off")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_file = Path(tmp) / f"frontier_{path.stem}.py"
+        model_file.write_text(FRONTIER_SEQUENCE_FILE.format(folder=str(path.parent), module=path.stem,
+                                                            seq=int(row["seq_len"])))
+        started = time.perf_counter()
+        try:
+            try:
+                plan = autoplan.estimate(str(model_file), int(row["gpus"]), pins, gpu, global_batch=batch,
+                                         memory_per_gpu=cap)
+            except UserError as e:  # priced all the same, beyond the GPU's memory, to show by how much
+                if "fit" not in str(e):
+                    raise
+                plan = autoplan.estimate(str(model_file), int(row["gpus"]), pins, gpu, global_batch=batch,
+                                         memory_per_gpu="1TiB")
+                note = "; ".join(x for x in (note, "does not fit the GPU: priced with memory uncapped") if x)
+        except UserError as e:
+            if "compile=on" in pins and "compile" in str(e):
+                out = frontier_row(row, compile_off=True)
+                out["note"] = "; ".join(x for x in (out.get("note"), f"compile=off: {e}") if x)
+                out["compile_fallback"] = True
+                return out
+            return {"skip": str(e), "pins": pins}
+    predicted = plan.predicted
+    tokens = batch * int(row["seq_len"]) / predicted.step_time_s / int(row["gpus"])
+    return {"pins": pins, "batch": batch, "note": note, "tokens": tokens, "step": predicted.step_time_s,
+            "memory": predicted.peak_memory_bytes / 2**30, "time_s": time.perf_counter() - started,
+            "layout": plan.parallelism, "breakdown": predicted.memory_breakdown}
+
+
+def frontier(path: str | Path = DEFAULT_FRONTIER) -> list[dict]:
+    """Every row priced; printed with its errors and each ladder's throughput ratios. Returns the rows."""
+    import csv
+
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    print("\n## Frontier runs (runs_frontier.csv), layouts pinned, through autoplan.estimate")
+    print(f"{'run':>26} {'pins':>60} | {'tok/s/GPU':>9} {'pred':>8} {'err':>7} | {'TFLOP/s':>7} {'pred':>7} "
+          f"{'err':>7} | {'GiB':>6} {'pred':>6} {'err':>7}")
+    results = []
+    for row in rows:
+        out = frontier_row(row)
+        dense = row["ffn"] != ""
+        per_token = llama_flops_per_token(row) if dense else None
+        published_tflops = leading_float(row["tflops_per_gpu"])
+        published_tokens = leading_float(row["tokens_per_s_per_gpu"])
+        if published_tokens is None and published_tflops is not None and per_token:
+            published_tokens = published_tflops * 1e12 / per_token
+        if published_tflops is None and published_tokens is not None and per_token:
+            published_tflops = published_tokens * per_token / 1e12
+        memory = leading_float(row["memory_gib"])
+        out.update(row=row, published_tokens=published_tokens, published_tflops=published_tflops,
+                   published_memory=memory)
+        results.append(out)
+        if "skip" in out:
+            print(f"{row['id']:>26} {out.get('pins', ''):>60} | - ({out['skip']})")
+            continue
+        tflops = out["tokens"] * per_token / 1e12 if per_token else None
+        print(f"{row['id']:>26} {out['pins']:>60} | {fmt(published_tokens, 0):>9} {out['tokens']:>8.0f} "
+              f"{err(out['tokens'], published_tokens):>7} | {fmt(published_tflops, 0):>7} {fmt(tflops, 0):>7} "
+              f"{err(tflops, published_tflops):>7} | {fmt(memory):>6} {out['memory']:>6.1f} "
+              f"{err(out['memory'], memory):>7}" + (f"  [{out['note']}]" if out["note"] else ""))
+    print("\n## Frontier ladders: throughput of each row over its ladder's first (tokens/s per GPU x FLOPs per token)")
+    ladders: dict[str, list[dict]] = {}
+    for out in results:
+        ladders.setdefault(out["row"]["model"], []).append(out)
+    for model, ladder in ladders.items():
+        if len(ladder) < 2:
+            continue
+        if any(out.get("compile_fallback") for out in ladder):  # price the ladder alike: compile=off throughout
+            print(f"{model}: rows priced with compile=off (a layout rule refuses compile=on on some)")
+            ladder = [out if out.get("compile_fallback") or "skip" in out
+                      else {**out, **frontier_row(out["row"], compile_off=True)} for out in ladder]
+        print(f"{model}:")
+        ladder_ratios(ladder, ladder[0])
+        attention_bound = [out for out in ladder if attention_share(out["row"]) >= FP8_FREE_ATTENTION_SHARE]
+        if "8" in ladder[0]["row"]["precision"] and attention_bound and attention_bound[0] is not ladder[0]:
+            print(f"{model}, from its first row whose attention is >= {FP8_FREE_ATTENTION_SHARE:.0%} of the model FLOPs "
+                  f"(float8 linears, which autoplan prices in bf16, no longer set the pace):")
+            ladder_ratios(attention_bound, attention_bound[0])
+    return results
+
+
+FP8_FREE_ATTENTION_SHARE = 0.9
+"""A row's attention share of its model FLOPs (llama_flops_per_token) from which a float8 run's pace is its (bf16)
+attention's: the ratios of such rows compare what autoplan prices (bf16) with what the run ran."""
+
+
+def attention_share(row: dict) -> float:
+    """Attention's share of a dense Llama row's model FLOPs (llama_flops_per_token), 0 for other rows."""
+    if row["ffn"] == "":
+        return 0.0
+    return 12 * int(row["layers"]) * int(row["hidden"]) * int(row["seq_len"]) / llama_flops_per_token(row)
+
+
+def ladder_ratios(ladder: list[dict], first: dict) -> None:
+    """Each row's throughput (tokens/s per GPU x FLOPs per token) over `first`'s, published and predicted."""
+    for out in ladder:
+        row = out["row"]
+        if "skip" in out or "skip" in first:
+            print(f"  {row['id']:>26}: -")
+            continue
+        scale = llama_flops_per_token(row) / llama_flops_per_token(first["row"])
+        published = out["published_tokens"] / first["published_tokens"] * scale
+        predicted = out["tokens"] / first["tokens"] * scale
+        print(f"  {row['id']:>26}: published {published:5.2f}  predicted {predicted:5.2f}  "
+              f"({err(predicted, published)})  attention {attention_share(row):4.0%} of the FLOPs")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", default=str(DEFAULT_RUNS), help="runs.csv of published runs")
     parser.add_argument("--skip-capture", action="store_true", help="skip the real capture path")
     parser.add_argument("--skip-cpu", action="store_true", help="skip the measurement on this machine")
+    parser.add_argument("--frontier", nargs="?", const=str(DEFAULT_FRONTIER), default=None, metavar="CSV",
+                        help="also price runs_frontier.csv's rows (section 6)")
+    parser.add_argument("--frontier-only", action="store_true", help="run only the frontier section")
     args = parser.parse_args()
+    if args.frontier_only:
+        frontier(args.frontier or DEFAULT_FRONTIER)
+        return
     rows = read_runs(args.runs)
     published(rows)
     if not args.skip_capture:
@@ -329,6 +534,8 @@ def main() -> None:
     memory_single_gpu()
     if not args.skip_cpu:
         this_machine()
+    if args.frontier:
+        frontier(args.frontier)
 
 
 if __name__ == "__main__":

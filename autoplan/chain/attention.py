@@ -6,12 +6,14 @@ token on the rank's shard. So a model can run with cp > 1 when every op that com
 kind "attention") is an SDPA kernel: attention written as activation x activation matmuls, a softmax between
 them, would see only its shard's keys. A mask argument in the capture is the model's causal mask (transformers
 builds it under tracing and passes is_causal at run time); the runtime refuses any other. Under the ring the
-kernel keeps what a flash kernel keeps for backward, its output and logsumexp (AttentionCall.ring_saved_bytes),
-never the (seq x seq) attention weights a masked call on the capture's math path saves.
+kernel keeps what a flash kernel keeps for backward, its queries, keys and values, output and logsumexp
+(AttentionCall.ring_saved_bytes), never the (seq x seq) attention weights a masked call on the capture's math path
+saves.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from autoplan.chain.ops import cost_kind, packet
@@ -41,8 +43,8 @@ class AttentionCall:
     saved_bytes: float = 0.0
     """Bytes per sample the captured call keeps for backward beyond what earlier ops keep (capture dtype)."""
     ring_saved_bytes: float = 0.0
-    """Bytes per sample the ring's flash kernel keeps instead: the output and one fp32 logsumexp per query head
-    and token (LOGSUMEXP_BYTES)."""
+    """Bytes per sample the ring's flash kernel keeps instead: its queries, keys and values (ring_saved_bytes), the
+    output and one fp32 logsumexp per query head and token (LOGSUMEXP_BYTES)."""
     mask: str = ""
     """The node of the captured call's mask argument ("" without one): the ring runs without it, so no module
     boundary carries it."""
@@ -61,6 +63,16 @@ class AttentionFacts:
         return max((c.sequence_length for c in self.calls), default=None)
 
 
+def ring_saved_bytes(saved: float, output: float, qkv_shapes, logsumexp: float) -> float:
+    """What the ring's kernel keeps for backward, bytes (capture dtype): its output and logsumexp, and the queries,
+    keys and values its backward reads again, as far as the captured call kept them itself (`saved` beyond its output
+    and logsumexp; all of them when the capture's math path saved (seq x seq) weights in their place). `output`: the
+    output's bytes, whose shape is the queries', which gives the element size."""
+    numel = [1.0 * math.prod(shape) for shape in qkv_shapes]
+    inputs = output / numel[0] * sum(numel) if numel[0] else 0.0
+    return output + logsumexp + min(inputs, max(0.0, saved - output - logsumexp))
+
+
 def attention_facts(profile: ModelProfile) -> AttentionFacts:
     calls, other = [], None
     for op in profile.ops:
@@ -72,7 +84,8 @@ def attention_facts(profile: ModelProfile) -> AttentionFacts:
             masked = len(shapes) > 3 and len(op.inputs) > 3 and len(shapes[3]) >= 2
             calls.append(AttentionCall(
                 op.node, op.module, seq, shapes[1][1] * shapes[1][3], saved_bytes=op.saved_bytes / batch,
-                ring_saved_bytes=(op.output_bytes + batch * heads * seq * LOGSUMEXP_BYTES) / batch,
+                ring_saved_bytes=ring_saved_bytes(op.saved_bytes, op.output_bytes, shapes[:3],
+                                                  batch * heads * seq * LOGSUMEXP_BYTES) / batch,
                 mask=op.inputs[3] if masked else ""))
         elif other is None:
             other = op

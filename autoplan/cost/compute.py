@@ -115,13 +115,15 @@ def _at(values: tuple[float, ...], u: int) -> float:
 class ShardedModules:
     """What context parallelism (cp) and expert parallelism change in each module's costs, per micro-batch:
 
-        forward(u)     = (forward_1(u) + (imbalance(u) / expert_split - 1) x expert_forward_1(u)) / cp   (and backward)
-        tp collectives, selective recompute: / cp
+        forward(u)     = forward_r(u) + (imbalance(u) / expert_split - 1) x expert_forward_1(u) / cp   (and backward)
+        tp collectives, selective recompute: as on the rank's tokens (_r)
         kept bytes: (bytes_1(u) + saved_change(u)) / cp, what recompute keeps of the input less its masks
         cp_forward(u)  = ring_forward(u),  ep_forward(u) = all_to_all(u) / 2                (and backward alike)
 
-    where _1 is the module's cost on the whole sequence (ModuleTable at cp = 1): a rank holds seq/cp tokens of
-    every sequence and the load-balanced ring gives it 1/cp of the attention too; the experts' compute waits
+    where _1 is the module's cost on the whole sequence (ModuleTable at cp = 1) and _r its cost on a rank's tokens
+    (the ModuleTable at micro-batch / cp: its FLOPs and activation traffic / cp, its kernel launches, weight reads and
+    collective latencies whole): a rank holds seq/cp tokens of every sequence and the load-balanced ring gives it
+    1/cp of the attention too; the experts' compute waits
     for the busiest expert-parallel rank (cost/expert_parallel.py router_imbalance), on its share of the tokens
     (1/expert_split of them: with ep > 1 each tensor-parallel rank routes its own 1/tp of the tokens)."""
 
@@ -142,33 +144,43 @@ class ShardedModules:
     input_change_bytes: tuple[float, ...] = ()
     """The attention masks in the module's input, negated, per micro-batch, bytes (the ring runs without them): added
     to what selective and full recompute keep of the input."""
+    ring_working_bytes: tuple[float, ...] = ()
+    """The ring's transient buffers while the module's attention runs on a rank, bytes (cost/context_parallel.py
+    RingAttentionCost.working_bytes; already per rank): added to its working bytes."""
     expert_split: int = 1
     """Tensor-parallel ranks sharing the expert layers' tokens: tp when ep > 1 (each routes its own 1/tp of them,
     sequence parallelism or not: runtime/expert_parallel.py TensorParallelTokens), else 1 (each runs them all)."""
 
 
-def sharded_table(base: ModuleTable, sharded: ShardedModules) -> ModuleTable:
-    """`base` (the modules on whole sequences, all experts local) under context and expert parallelism."""
+def sharded_table(base: ModuleTable, sharded: ShardedModules, rank: ModuleTable | None = None) -> ModuleTable:
+    """`base` (the modules on whole sequences, all experts local) under context and expert parallelism. `rank`: the
+    modules priced on a rank's tokens (micro-batch / cp): its times replace base's / cp, since a rank still launches
+    every kernel, reads every weight and pays every collective's latency on its 1/cp of the tokens (None: / cp)."""
     cp, n, split = sharded.cp, len(base.forward_s), sharded.expert_split
 
     def per_rank(values) -> tuple[float, ...]:
         return tuple(v / cp for v in values)
 
+    def rank_times(name: str) -> tuple[float, ...]:
+        return getattr(rank, name) if rank is not None else per_rank(getattr(base, name))
+
     change = sharded.saved_change_bytes or (0.0,) * n
     inputs = sharded.input_change_bytes or (0.0,) * n
+    forward, backward = rank_times("forward_s"), rank_times("backward_s")
+    ring = sharded.ring_working_bytes or (0.0,) * n
     kept = base.activation_bytes
     none = tuple(kept["none"][u] + change[u] for u in range(n))
     activations = {m: none if m == "none" else tuple(max(0.0, min(v + i, whole)) for v, i, whole in
                                                       zip(kept[m], inputs, none)) for m in kept}
     return ModuleTable(
-        forward_s=tuple((base.forward_s[u] + (sharded.imbalance[u] / split - 1) * sharded.expert_forward_s[u]) / cp
+        forward_s=tuple(forward[u] + (sharded.imbalance[u] / split - 1) * sharded.expert_forward_s[u] / cp
                         for u in range(n)),
-        backward_s=tuple((base.backward_s[u] + (sharded.imbalance[u] / split - 1) * sharded.expert_backward_s[u]) / cp
+        backward_s=tuple(backward[u] + (sharded.imbalance[u] / split - 1) * sharded.expert_backward_s[u] / cp
                          for u in range(n)),
-        tp_forward_s=per_rank(base.tp_forward_s), tp_backward_s=per_rank(base.tp_backward_s),
-        cheap_forward_s=per_rank(base.cheap_forward_s),
+        tp_forward_s=rank_times("tp_forward_s"), tp_backward_s=rank_times("tp_backward_s"),
+        cheap_forward_s=rank_times("cheap_forward_s"),
         activation_bytes={m: per_rank(v) for m, v in activations.items()},
-        working_bytes=per_rank(w + c for w, c in zip(base.working_bytes, change)),
+        working_bytes=tuple((base.working_bytes[u] + change[u]) / cp + ring[u] for u in range(n)),
         cp_forward_s=sharded.ring_forward_s, cp_backward_s=sharded.ring_backward_s,
         ep_forward_s=tuple(t / 2 for t in sharded.all_to_all_s), ep_backward_s=tuple(t / 2 for t in sharded.all_to_all_s))
 
@@ -213,7 +225,7 @@ class TableSetting:
     train_dtype: str
     tp: int
     """Tensor-parallel degree."""
-    microbatch: int
+    microbatch: float
     """Samples per micro-batch."""
     tp_link: Link
     """The link the tensor-parallel group's collectives run over."""

@@ -21,7 +21,7 @@ from autoplan.chain.modules import build_chain
 from autoplan.chain.tensor_parallel import tensor_parallel_facts
 from autoplan.cost import comm
 from autoplan.cost.compute import ModuleTable, ShardedModules, TableSetting, module_table, sharded_table
-from autoplan.cost.context_parallel import ring_attention_cost
+from autoplan.cost.context_parallel import StepCosts, ring_attention_cost
 from autoplan.cost.expert_parallel import expert_parallel_cost, measured_imbalance
 from autoplan.cost.dtypes import activation_scale, bytes_per_element, training_dtype
 from autoplan.cost.memory import LayoutMemory, MemoryInputs, layout_memory
@@ -183,10 +183,12 @@ class Context:
                 self._tables[key] = self._part_table(self.costs, tp, microbatch, key[2], loss_parallel, autocast)
             else:
                 base = self.table(tp, microbatch, sp, loss_parallel, autocast=autocast)
-                self._tables[key] = sharded_table(base, self._sharded_modules(tp, microbatch, key[2], cp, ep))
+                rank = self._part_table(self.costs, tp, microbatch / cp, key[2], loss_parallel, autocast) \
+                    if cp > 1 else None  # a rank's tokens: its kernels launch and its weights stream whole
+                self._tables[key] = sharded_table(base, self._sharded_modules(tp, microbatch, key[2], cp, ep), rank)
         return self._tables[key]
 
-    def _part_table(self, costs: ChainCosts, tp: int, microbatch: int, sp: bool,
+    def _part_table(self, costs: ChainCosts, tp: int, microbatch: float, sp: bool,
                     loss_parallel: bool = True, autocast: bool = False) -> ModuleTable:
         return module_table(costs, TableSetting(
             gpu=self.cluster.gpu, capture_dtype=self.chain.capture_dtype, train_dtype=self.dtype, tp=tp,
@@ -222,18 +224,21 @@ class Context:
             cost = expert_parallel_cost(layer, tokens, element, ep_group, measured_imbalance=measured)
             imbalance[u] = max(imbalance[u], cost.imbalance)
             all_to_all[u] += cost.all_to_all_s
-        ring_forward, ring_backward, change = [0.0] * n, [0.0] * n, [0.0] * n
+        ring_forward, ring_backward, change, ring_working = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
         if cp > 1:
             attention = self._ops_table(frozenset(c.node for c in self.attention.calls), tp, microbatch, sp)
             calls = [self._attention_module.count(u) for u in range(n)]
             cp_group, role = self.group(cp, tp), self.facts.role
+            gpu = self.cluster.gpu
+            step = StepCosts(gpu.kernel_overhead_s, gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency)
             for call, u in zip(self.attention.calls, self._attention_module):
                 features = call.kv_features / (tp if role.get(call.node, "") in SPLIT_ROLES else 1)
                 ring = ring_attention_cost(microbatch, call.sequence_length, features, element,
                                            attention.forward_s[u] / calls[u] / cp,
-                                           attention.backward_s[u] / calls[u] / cp, cp_group)
+                                           attention.backward_s[u] / calls[u] / cp, cp_group, step)
                 ring_forward[u] += ring.forward_exposed_s
                 ring_backward[u] += ring.backward_exposed_s
+                ring_working[u] = max(ring_working[u], ring.working_bytes)
                 heads = tp if role.get(call.node, "") in SPLIT_ROLES else 1  # its heads split over tp
                 change[u] += (call.ring_saved_bytes - call.saved_bytes) * microbatch * self.scale / heads
             first = self._block_start(min(self._attention_module))
@@ -245,7 +250,8 @@ class Context:
         return ShardedModules(cp=cp, expert_forward_s=experts.forward_s, expert_backward_s=experts.backward_s,
                               imbalance=tuple(imbalance), ring_forward_s=tuple(ring_forward),
                               ring_backward_s=tuple(ring_backward), all_to_all_s=tuple(all_to_all),
-                              saved_change_bytes=tuple(change), expert_split=split,
+                              saved_change_bytes=tuple(change), ring_working_bytes=tuple(ring_working),
+                              expert_split=split,
                               input_change_bytes=tuple(-self.mask_cut_bytes[u - 1] * microbatch * self.scale
                                                        / (tp if sp and self.costs.modules[u].sequence_input else 1)
                                                        if cp > 1 and u > 0 else 0.0 for u in range(n)))
