@@ -64,7 +64,8 @@ class ModuleTable:
     """Tensor-parallel collectives of the forward (exposed), seconds."""
     tp_backward_s: tuple[float, ...]
     cheap_forward_s: tuple[float, ...]
-    """Forward of the memory-bound ops: what selective recompute repeats, seconds."""
+    """Forward of the ops selective recompute repeats (the memory-bound ops and the grouped expert matmuls:
+    OpCost.kept_by_selective), seconds."""
     activation_bytes: dict[str, tuple[float, ...]]
     """Recompute mode -> bytes each module keeps for backward per micro-batch (training dtype)."""
     working_bytes: tuple[float, ...]
@@ -74,8 +75,15 @@ class ModuleTable:
     """Context parallelism's ring traffic the forward's attention does not hide (exposed), seconds; () at cp = 1."""
     cp_backward_s: tuple[float, ...] = ()
     ep_forward_s: tuple[float, ...] = ()
-    """Expert parallelism's dispatch and combine all-to-alls of the forward (exposed), seconds; () at ep = 1."""
+    """Expert parallelism's dispatch and combine all-to-alls of the forward and the route around them (exposed),
+    seconds; () at ep = 1."""
     ep_backward_s: tuple[float, ...] = ()
+
+    def selective_recompute_s(self, u: int) -> float:
+        """What selective recompute runs again in module u's backward: its ops whose outputs it does not keep
+        (cheap_forward_s) and its experts' forward all-to-alls, which run inside the checkpointed module and are
+        not in the program's save list (runtime/recompute.py), seconds."""
+        return self.cheap_forward_s[u] + _at(self.ep_forward_s, u)
 
     def parallel_forward_s(self, u: int) -> float:
         """Module u's exposed context- and expert-parallel communication of the forward, seconds."""
@@ -101,7 +109,7 @@ class ModuleTable:
         base = (self.forward_s[u] + self.backward_s[u] + self.tp_forward_s[u] + self.tp_backward_s[u]
                 + self.parallel_forward_s(u) + self.parallel_backward_s(u))
         if mode == "selective":
-            return base + self.cheap_forward_s[u]
+            return base + self.selective_recompute_s(u)
         if mode == "full":
             return base + self.forward_s[u] + self.tp_forward_s[u] + self.parallel_forward_s(u)
         return base
@@ -142,6 +150,11 @@ class ShardedModules:
     input_change_bytes: tuple[float, ...] = ()
     """The attention masks in the module's input, negated, per micro-batch, bytes (the ring runs without them): added
     to what selective and full recompute keep of the input."""
+    route_forward_s: tuple[float, ...] = ()
+    """Per module, its expert layers' route around the rows' all-to-alls in the forward (cost/expert_parallel.py
+    route_s: counts and ids all-to-alls, host syncs, permutation passes), seconds; () without."""
+    route_backward_s: tuple[float, ...] = ()
+    """The same in the backward (permutation passes), seconds."""
     expert_split: int = 1
     """Tensor-parallel ranks sharing the expert layers' tokens: tp with sequence parallelism and ep > 1 (each routes
     its sequence shard, runtime/expert_parallel.py TensorParallelTokens), else 1 (each routes them all)."""
@@ -170,7 +183,8 @@ def sharded_table(base: ModuleTable, sharded: ShardedModules) -> ModuleTable:
         activation_bytes={m: per_rank(v) for m, v in activations.items()},
         working_bytes=per_rank(w + c for w, c in zip(base.working_bytes, change)),
         cp_forward_s=sharded.ring_forward_s, cp_backward_s=sharded.ring_backward_s,
-        ep_forward_s=tuple(t / 2 for t in sharded.all_to_all_s), ep_backward_s=tuple(t / 2 for t in sharded.all_to_all_s))
+        ep_forward_s=tuple(t / 2 + _at(sharded.route_forward_s, u) for u, t in enumerate(sharded.all_to_all_s)),
+        ep_backward_s=tuple(t / 2 + _at(sharded.route_backward_s, u) for u, t in enumerate(sharded.all_to_all_s)))
 
 
 @dataclass(frozen=True)
@@ -279,7 +293,7 @@ def _module_row(module: ModuleCosts, setting: TableSetting, timing: MeasuredScal
             f += forward_ops * gpu.dtensor_op_overhead_s
             g += backward_ops * gpu.dtensor_op_overhead_s
         fwd, bwd = fwd + f, bwd + g
-        if op.kind == "memory":
+        if not op.kept_by_selective:  # what selective recompute runs again (views cost nothing)
             cheap += f
         tp_fwd += _tp_forward(op, tp, b, scale, link, sp, setting.loss_parallel)
         tp_bwd += _tp_backward(op, tp, b * scale, link, sp, setting.compiled)

@@ -207,16 +207,19 @@ class Context:
         (cost/context_parallel.py, cost/expert_parallel.py)."""
         n, element = len(self.chain), self.dtype_bytes
         experts = self._ops_table(self._expert_nodes, tp, microbatch, sp)
-        imbalance, all_to_all = [1.0] * n, [0.0] * n
+        imbalance, all_to_all, route_forward, route_backward = [1.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
         ep_group = self.group(ep, tp)
         split = tp if sp and ep > 1 else 1  # tp ranks routing their own sequence shards (TensorParallelTokens)
         for layer, u in zip(self.experts, self._expert_module):
             tokens = layer.tokens / self.profile.batch_size * microbatch / cp / split
             loads = self.profile.router_loads.get(layer.module)
             measured = measured_imbalance(loads, ep_group.size) if loads else None  # profile --measure
-            cost = expert_parallel_cost(layer, tokens, element, ep_group, measured_imbalance=measured)
+            cost = expert_parallel_cost(layer, tokens, element, ep_group, measured_imbalance=measured,
+                                        gpu=self.cluster.gpu)
             imbalance[u] = max(imbalance[u], cost.imbalance)
             all_to_all[u] += cost.all_to_all_s
+            route_forward[u] += cost.route_forward_s
+            route_backward[u] += cost.route_backward_s
         ring_forward, ring_backward, change = [0.0] * n, [0.0] * n, [0.0] * n
         if cp > 1:
             attention = self._ops_table(frozenset(c.node for c in self.attention.calls), tp, microbatch, sp)
@@ -240,6 +243,7 @@ class Context:
         return ShardedModules(cp=cp, expert_forward_s=experts.forward_s, expert_backward_s=experts.backward_s,
                               imbalance=tuple(imbalance), ring_forward_s=tuple(ring_forward),
                               ring_backward_s=tuple(ring_backward), all_to_all_s=tuple(all_to_all),
+                              route_forward_s=tuple(route_forward), route_backward_s=tuple(route_backward),
                               saved_change_bytes=tuple(change), expert_split=split,
                               input_change_bytes=tuple(-self.mask_cut_bytes[u - 1] * microbatch * self.scale
                                                        / (tp if sp and self.costs.modules[u].sequence_input else 1)

@@ -1,0 +1,106 @@
+"""Expert compute and all-to-all priced as the program runs them (cost/expert_parallel.py route_s,
+cost/module_costs.py OpCost.kept_by_selective, cost/compute.py ModuleTable.selective_recompute_s): the route's
+permutation passes, id and count exchanges and host syncs around the rows' all-to-alls; selective recompute
+running the grouped expert matmuls and the experts' forward all-to-alls again, as runtime/recompute.py's save
+list leaves them out."""
+
+import pytest
+
+from autoplan.chain.experts import ExpertLayer
+from autoplan.cost.comm import Group
+from autoplan.cost.compute import ModuleTable
+from autoplan.cost.expert_parallel import (ID_BYTES, ROUTE_BACKWARD_PASSES, ROUTE_FORWARD_PASSES, ROUTE_HOST_SYNCS,
+                                           expert_parallel_cost, route_s)
+from autoplan.cost.module_costs import ModuleCosts, OpCost, saved_by_mode
+from autoplan.hardware.types import Link
+
+LAYER = ExpertLayer(module="layers.0.mlp.experts", router="layers.0.mlp.gate", parameters=("a", "b"),
+                    num_experts=64, top_k=6, tokens=4096, hidden=2048, parameter_numel=64 * 3 * 2048 * 1408)
+NVLINK = Link("nvlink", bus_bandwidth_bytes_per_s=360e9, latency_s=20e-6, source="test")
+IB = Link("ib", bus_bandwidth_bytes_per_s=40e9, latency_s=50e-6, source="test")
+
+
+class _Gpu:
+    memory_bandwidth_bytes_per_s = 3.35e12
+    memory_efficiency = 0.8
+    kernel_overhead_s = 5e-6
+
+
+def _all_to_all(nbytes: float, n: int, link: Link, nodes: int = 1) -> float:
+    import math
+    alpha = link.latency_s * (max(1.0, math.log2(nodes)) if nodes > 1 else 1.0)
+    return alpha + nbytes * (n - 1) / n / link.bus_bandwidth_bytes_per_s
+
+
+def test_the_route_costs_its_passes_its_id_and_count_exchanges_and_its_host_syncs():
+    rows, stream = 16384 * 6, 3.35e12 * 0.8
+    forward, backward = route_s(rows, 2048, 2, Group(8, NVLINK), _Gpu())
+    row_bytes = rows * 2048 * 2
+    counts = _all_to_all(8 * ID_BYTES, 8, NVLINK)
+    ids = _all_to_all(rows * ID_BYTES, 8, NVLINK)
+    assert forward == pytest.approx(counts + ids + ROUTE_HOST_SYNCS * 5e-6 + ROUTE_FORWARD_PASSES * row_bytes / stream,
+                                    rel=1e-12)
+    assert backward == pytest.approx(ROUTE_BACKWARD_PASSES * row_bytes / stream, rel=1e-12)
+    # 6 and 8 passes of 403 MB at 2.68 TB/s: about 0.9 and 1.2 ms per layer and micro-batch
+    assert 0.85e-3 < forward < 1.0e-3 and 1.15e-3 < backward < 1.25e-3
+
+
+def test_the_route_exchanges_cross_the_links_of_their_group():
+    rows = 16384 * 6
+    inside, _ = route_s(rows, 2048, 2, Group(8, NVLINK), _Gpu())
+    across, _ = route_s(rows, 2048, 2, Group(16, IB, nodes=2), _Gpu())
+    passes = ROUTE_HOST_SYNCS * 5e-6 + ROUTE_FORWARD_PASSES * rows * 2048 * 2 / (3.35e12 * 0.8)
+    assert across - passes == pytest.approx(_all_to_all(16 * ID_BYTES, 16, IB, 2) + _all_to_all(rows * ID_BYTES, 16, IB, 2))
+    assert across > inside
+
+
+def test_one_rank_has_no_route():
+    assert route_s(98304, 2048, 2, Group(1, NVLINK), _Gpu()) == (0.0, 0.0)
+    cost = expert_parallel_cost(LAYER, 16384, 2, Group(1, NVLINK), gpu=_Gpu())
+    assert (cost.route_forward_s, cost.route_backward_s) == (0.0, 0.0)
+
+
+def test_expert_parallel_cost_carries_the_route():
+    cost = expert_parallel_cost(LAYER, 16384, 2, Group(8, NVLINK), gpu=_Gpu())
+    assert (cost.route_forward_s, cost.route_backward_s) == route_s(16384 * 6, 2048, 2, Group(8, NVLINK), _Gpu())
+
+
+def _op(kind: str, grouped: bool, output: float, saved: float) -> OpCost:
+    return OpCost(kind=kind, tp_role="", flops_fwd=1.0, flops_bwd=2.0, activation_bytes=output, parameter_bytes=0.0,
+                  input_activation_bytes=0.0, output_bytes=output, saved_bytes=saved, saved_scales=True,
+                  has_backward=True, time_fwd_s=0.0, time_bwd_s=0.0, measured=False, profile_batch=1,
+                  grouped=grouped)
+
+
+def test_selective_recompute_keeps_dense_matmul_outputs_not_grouped_expert_ones():
+    dense, grouped = _op("gemm", False, 100.0, 50.0), _op("gemm", True, 1000.0, 500.0)
+    assert dense.kept_by_selective and not grouped.kept_by_selective
+    module = ModuleCosts(ops=(dense, grouped, _op("memory", False, 10.0, 2000.0)), input_bytes=7.0,
+                         output_buffer_bytes=0.0, replicated_numel=0, split_numel=0)
+    saved = saved_by_mode(module, tp=1, scale=1.0)
+    assert saved["selective"] == 7.0 + 100.0  # the input and the dense matmul's output
+    assert saved["none"] == 2550.0
+
+
+def test_the_program_does_not_save_grouped_matmuls_under_selective():
+    """The rule the price follows (kept_by_selective) is the program's: runtime/recompute.py's save list."""
+    import torch
+
+    from autoplan.runtime.recompute import saved_ops
+
+    assert torch.ops.aten.mm.default in saved_ops()
+    assert torch.ops.aten._grouped_mm.default not in saved_ops()
+
+
+def _table(cheap: float, ep_forward: float) -> ModuleTable:
+    return ModuleTable(forward_s=(1.0,), backward_s=(2.0,), tp_forward_s=(0.0,), tp_backward_s=(0.0,),
+                       cheap_forward_s=(cheap,), activation_bytes={"none": (0.0,), "selective": (0.0,), "full": (0.0,)},
+                       working_bytes=(0.0,), ep_forward_s=(ep_forward,), ep_backward_s=(0.5,))
+
+
+def test_selective_recompute_runs_the_experts_forward_all_to_alls_again():
+    table = _table(cheap=0.25, ep_forward=0.125)
+    assert table.selective_recompute_s(0) == 0.25 + 0.125
+    assert table.time_s("selective")[0] == pytest.approx(1.0 + 2.0 + 0.125 + 0.5 + 0.25 + 0.125)
+    assert table.time_s("full")[0] == pytest.approx(1.0 + 2.0 + 0.125 + 0.5 + 1.0 + 0.125)
+    assert _table(cheap=0.25, ep_forward=0.0).selective_recompute_s(0) == 0.25
