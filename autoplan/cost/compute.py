@@ -293,7 +293,7 @@ def _module_row(module: ModuleCosts, setting: TableSetting, timing: MeasuredScal
             f += forward_ops * gpu.dtensor_op_overhead_s
             g += backward_ops * gpu.dtensor_op_overhead_s
         fwd, bwd = fwd + f, bwd + g
-        if not op.kept_by_selective:  # what selective recompute runs again (views cost nothing)
+        if op.kind != "view" and not op.kept_by_selective:  # what selective recompute runs again
             cheap += f
         tp_fwd += _tp_forward(op, tp, b, scale, link, sp, setting.loss_parallel)
         tp_bwd += _tp_backward(op, tp, b * scale, link, sp, setting.compiled)
