@@ -104,3 +104,17 @@ def test_selective_recompute_runs_the_experts_forward_all_to_alls_again():
     assert table.time_s("selective")[0] == pytest.approx(1.0 + 2.0 + 0.125 + 0.5 + 0.25 + 0.125)
     assert table.time_s("full")[0] == pytest.approx(1.0 + 2.0 + 0.125 + 0.5 + 1.0 + 0.125)
     assert _table(cheap=0.25, ep_forward=0.0).selective_recompute_s(0) == 0.25
+
+
+@pytest.mark.parametrize("name", ["aten._grouped_mm.default", "transformers.grouped_mm_fallback.default"])
+def test_grouped_expert_matmuls_are_priced_as_matmuls(name):
+    """A capture on fake tensors records transformers' fallback op, a GPU run aten._grouped_mm; neither lists the
+    stacked weights as parameters (it reads views of them), and both are matmuls priced at matmul efficiency."""
+    from autoplan.chain.ops import cost_kind
+    from autoplan.profile.types import OpProfile
+
+    op = OpProfile(node="g", op=name, module="layers.0.mlp.experts", module_stack=("layers.0.mlp.experts",),
+                   inputs=("rows", "weight", "offsets"), params=(), input_shapes=((96, 32), (4, 32, 64), (4,)),
+                   dtype="float32", flops_fwd=2 * 96 * 32 * 64, flops_bwd=4 * 96 * 32 * 64, input_bytes=0,
+                   output_bytes=96 * 64 * 4, saved_bytes=0, time_fwd_s=0.0, time_bwd_s=0.0, source="estimated")
+    assert cost_kind(op) == "gemm"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoplan.chain.ops import packet
+from autoplan.chain.ops import is_grouped_matmul_name, packet
 from autoplan.profile.types import ModelProfile, OpProfile
 
 
@@ -98,7 +98,7 @@ def _parameter_shapes(op: OpProfile) -> list[tuple[str, tuple[int, ...]]]:
 
 def is_grouped_matmul(op: OpProfile) -> bool:
     """A matmul of row groups by stacked weights (aten._grouped_mm, transformers' grouped_mm fallback)."""
-    return "grouped_mm" in packet(op)
+    return is_grouped_matmul_name(packet(op))
 
 
 def _top_k(router: OpProfile, tokens: int, consumers: dict[str, list[OpProfile]]) -> int:
