@@ -48,7 +48,7 @@ def test_the_imbalance_is_the_busiest_rank_of_a_uniform_router(rows, degree):
 def test_a_measured_router_ratio_replaces_the_uniform_one():
     assert expert_parallel_cost(LAYER, 8192, 2, Group(8, NVLINK), measured_imbalance=1.7).imbalance == 1.7
     uniform = expert_parallel_cost(LAYER, 8192, 2, Group(8, NVLINK)).imbalance
-    assert uniform == pytest.approx(1 + math.sqrt(2 * math.log(8) * 7 / (8192 * 8 * 8)))
+    assert uniform == pytest.approx(router_imbalance(8192 * 8 * 8, 8, LAYER.num_experts, LAYER.top_k))
 
 
 def test_measured_rows_group_as_the_ranks_hold_the_experts():

@@ -4,6 +4,9 @@ permutation passes, id and count exchanges and host syncs around the rows' all-t
 running the grouped expert matmuls and the experts' forward all-to-alls again, as runtime/recompute.py's save
 list leaves them out."""
 
+import math
+import random
+
 import pytest
 
 from autoplan.chain.experts import ExpertLayer
@@ -118,3 +121,31 @@ def test_grouped_expert_matmuls_are_priced_as_matmuls(name):
                    dtype="float32", flops_fwd=2 * 96 * 32 * 64, flops_bwd=4 * 96 * 32 * 64, input_bytes=0,
                    output_bytes=96 * 64 * 4, saved_bytes=0, time_fwd_s=0.0, time_bwd_s=0.0, source="estimated")
     assert cost_kind(op) == "gemm"
+
+
+def test_the_expected_maximum_of_standard_normals():
+    from autoplan.cost.expert_parallel import expected_normal_maximum
+
+    assert expected_normal_maximum(1) == 0.0
+    assert expected_normal_maximum(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-9)  # closed forms
+    assert expected_normal_maximum(3) == pytest.approx(1.5 / math.sqrt(math.pi), rel=1e-9)
+    assert expected_normal_maximum(8) == pytest.approx(1.4236, abs=1e-4)  # order-statistics tables
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, degree", [(256, 8, 4, 2), (512, 64, 6, 8), (256, 128, 8, 16)])
+def test_the_busiest_rank_of_a_top_k_router_over_distinct_experts(tokens, experts, top_k, degree):
+    """Each token sends its k rows to k distinct experts drawn uniformly; rank r holds experts r E/ep ..: the
+    busiest rank's rows over the mean, simulated, against router_imbalance's closed form (its excess over 1
+    within 10%; the binomial form without the (E - k) / (E - 1) factor and with sqrt(2 ln ep) is 25-100% off)."""
+    from autoplan.cost.expert_parallel import router_imbalance
+
+    rng = random.Random(0)
+    share, trials, ratios = experts // degree, 400, []
+    for _ in range(trials):
+        counts = [0] * degree
+        for _ in range(tokens):
+            for expert in rng.sample(range(experts), top_k):
+                counts[expert // share] += 1
+        ratios.append(max(counts) * degree / (tokens * top_k))
+    simulated = sum(ratios) / trials
+    assert router_imbalance(tokens * top_k, degree, experts, top_k) - 1 == pytest.approx(simulated - 1, rel=0.10)
