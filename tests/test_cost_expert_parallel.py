@@ -16,10 +16,11 @@ LAYER = ExpertLayer(module="layers.0.mlp.experts", router="layers.0.mlp.gate", p
 NVLINK = Link("nvlink", bus_bandwidth_bytes_per_s=360e9, latency_s=20e-6, source="test")
 
 
-def test_the_four_all_to_alls_move_the_rows_that_leave_the_rank():
+def test_the_four_all_to_alls_move_the_busiest_ranks_rows_that_leave_it():
     cost = expert_parallel_cost(LAYER, tokens_per_microbatch=8192, bytes_per_element=2, group=Group(8, NVLINK))
     rows = 8192 * 8
-    one = 20e-6 + rows * 2048 * 2 * (7 / 8) / 360e9
+    busiest = rows * router_imbalance(rows * 8, 8, LAYER.num_experts, LAYER.top_k)  # it receives the most rows
+    one = 20e-6 + busiest * 2048 * 2 * (7 / 8) / 360e9
     assert cost.rows == rows
     assert cost.all_to_all_s == pytest.approx(ALL_TO_ALLS_PER_LAYER * one, rel=1e-12)
     assert cost.expert_parameter_numel == LAYER.parameter_numel / 8

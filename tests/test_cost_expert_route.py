@@ -149,3 +149,10 @@ def test_the_busiest_rank_of_a_top_k_router_over_distinct_experts(tokens, expert
         ratios.append(max(counts) * degree / (tokens * top_k))
     simulated = sum(ratios) / trials
     assert router_imbalance(tokens * top_k, degree, experts, top_k) - 1 == pytest.approx(simulated - 1, rel=0.10)
+
+
+def test_a_skewed_router_slows_the_all_to_alls_by_its_busiest_rank():
+    even = expert_parallel_cost(LAYER, 16384, 2, Group(8, NVLINK), measured_imbalance=1.0)
+    skewed = expert_parallel_cost(LAYER, 16384, 2, Group(8, NVLINK), measured_imbalance=1.5)
+    alpha = 4 * 20e-6
+    assert skewed.all_to_all_s - alpha == pytest.approx(1.5 * (even.all_to_all_s - alpha), rel=1e-12)

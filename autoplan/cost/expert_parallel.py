@@ -6,7 +6,8 @@ runtime/expert_parallel.py runs it:
   rows x features x bytes. Of a rank's rows, (ep-1)/ep leave it when the router spreads them evenly (the
   all-to-all's bus factor), so one all-to-all takes alpha + rows x features x bytes x (ep-1)/ep / busbw.
   The next op needs its result (the experts need their rows, the combine needs the outputs), so nothing
-  hides it.
+  hides it. The all-to-all ends when the busiest rank has received its rows (dispatch) or sent them back
+  (combine), so its bytes are those of the busiest rank: the mean's times the imbalance below.
 - Load imbalance: the layer waits for the rank with the most rows. A router spreading n rows over ep
   ranks uniformly at random gives the ranks multinomial counts (mean n/ep), which for large n are
   n/ep + sqrt(n/ep) (Z_r - mean of the Z) for ep independent standard normals Z_r (the counts sum to n); the
@@ -150,9 +151,11 @@ def expert_parallel_cost(layer: ExpertLayer, tokens_per_microbatch: float, bytes
     degree = group.size
     if degree <= 1:
         return ExpertParallelCost(rows, 0.0, 1.0, float(layer.parameter_numel))
-    one = all_to_all_s(rows * layer.hidden * bytes_per_element, degree, group.link, group.nodes)
-    imbalance = measured_imbalance if measured_imbalance is not None else router_imbalance(rows * degree, degree, layer.num_experts,
-                                                                                          layer.top_k)
+    if measured_imbalance is None:
+        imbalance = router_imbalance(rows * degree, degree, layer.num_experts, layer.top_k)
+    else:
+        imbalance = max(1.0, measured_imbalance)
+    one = all_to_all_s(rows * imbalance * layer.hidden * bytes_per_element, degree, group.link, group.nodes)
     forward, backward = route_s(rows, layer.hidden, bytes_per_element, group, gpu) if gpu else (0.0, 0.0)
-    return ExpertParallelCost(rows, ALL_TO_ALLS_PER_LAYER * one, max(1.0, imbalance),
+    return ExpertParallelCost(rows, ALL_TO_ALLS_PER_LAYER * one, imbalance,
                               layer.parameter_numel / degree, forward, backward)
