@@ -156,3 +156,25 @@ def test_a_skewed_router_slows_the_all_to_alls_by_its_busiest_rank():
     skewed = expert_parallel_cost(LAYER, 16384, 2, Group(8, NVLINK), measured_imbalance=1.5)
     alpha = 4 * 20e-6
     assert skewed.all_to_all_s - alpha == pytest.approx(1.5 * (even.all_to_all_s - alpha), rel=1e-12)
+
+
+def test_the_busiest_rank_holds_and_recomputes_its_experts_extra_rows():
+    """A rank receiving 1.5 times the mean rows saves 1.5 times what its experts save for the mean rows (kept
+    without recompute, and in the working set of its backward), and reruns 1.5 times their forward under
+    selective recompute."""
+    from autoplan.cost.compute import ShardedModules, busiest_rank_expert_bytes, sharded_table
+
+    base = ModuleTable(forward_s=(1.0, 2.0), backward_s=(2.0, 4.0), tp_forward_s=(0.0, 0.0), tp_backward_s=(0.0, 0.0),
+                       cheap_forward_s=(0.1, 0.6), activation_bytes={"none": (100.0, 800.0), "selective": (40.0, 50.0),
+                                                                      "full": (10.0, 10.0)},
+                       working_bytes=(100.0, 900.0))
+    sharded = ShardedModules(cp=1, expert_forward_s=(0.0, 1.0), expert_backward_s=(0.0, 2.0), imbalance=(1.0, 1.5),
+                             ring_forward_s=(0.0, 0.0), ring_backward_s=(0.0, 0.0), all_to_all_s=(0.0, 0.08),
+                             saved_change_bytes=(0.0, 0.0), input_change_bytes=(0.0, 0.0),
+                             expert_cheap_forward_s=(0.0, 0.4), expert_saved_bytes=(0.0, 600.0))
+    assert busiest_rank_expert_bytes(sharded, 2) == pytest.approx((0.0, 300.0))
+    table = sharded_table(base, sharded)
+    assert table.activation_bytes["none"] == pytest.approx((100.0, 800.0 + 300.0))
+    assert table.activation_bytes["selective"] == pytest.approx((40.0, 50.0))  # the experts' rows are not kept
+    assert table.working_bytes == pytest.approx((100.0, 900.0 + 300.0))
+    assert table.cheap_forward_s == pytest.approx((0.1, 0.6 + 0.5 * 0.4))

@@ -158,6 +158,12 @@ class ShardedModules:
     expert_split: int = 1
     """Tensor-parallel ranks sharing the expert layers' tokens: tp with sequence parallelism and ep > 1 (each routes
     its sequence shard, runtime/expert_parallel.py TensorParallelTokens), else 1 (each routes them all)."""
+    expert_cheap_forward_s: tuple[float, ...] = ()
+    """Per module, the forward of its experts' ops that selective recompute repeats (all experts, whole rows),
+    seconds; () without experts."""
+    expert_saved_bytes: tuple[float, ...] = ()
+    """Per module, what its experts' ops save for backward without recompute (all experts, whole rows), per
+    micro-batch, bytes; () without experts."""
 
 
 def sharded_table(base: ModuleTable, sharded: ShardedModules) -> ModuleTable:
@@ -169,8 +175,9 @@ def sharded_table(base: ModuleTable, sharded: ShardedModules) -> ModuleTable:
 
     change = sharded.saved_change_bytes or (0.0,) * n
     inputs = sharded.input_change_bytes or (0.0,) * n
+    busiest = busiest_rank_expert_bytes(sharded, n)
     kept = base.activation_bytes
-    none = tuple(kept["none"][u] + change[u] for u in range(n))
+    none = tuple(kept["none"][u] + change[u] + busiest[u] for u in range(n))
     activations = {m: none if m == "none" else tuple(max(0.0, min(v + i, whole)) for v, i, whole in
                                                       zip(kept[m], inputs, none)) for m in kept}
     return ModuleTable(
@@ -179,12 +186,23 @@ def sharded_table(base: ModuleTable, sharded: ShardedModules) -> ModuleTable:
         backward_s=tuple((base.backward_s[u] + (sharded.imbalance[u] / split - 1) * sharded.expert_backward_s[u]) / cp
                          for u in range(n)),
         tp_forward_s=per_rank(base.tp_forward_s), tp_backward_s=per_rank(base.tp_backward_s),
-        cheap_forward_s=per_rank(base.cheap_forward_s),
+        cheap_forward_s=tuple((base.cheap_forward_s[u] + (sharded.imbalance[u] / split - 1)
+                               * _at(sharded.expert_cheap_forward_s, u)) / cp for u in range(n)),
         activation_bytes={m: per_rank(v) for m, v in activations.items()},
-        working_bytes=per_rank(w + c for w, c in zip(base.working_bytes, change)),
+        working_bytes=per_rank(w + c + b for w, c, b in zip(base.working_bytes, change, busiest)),
         cp_forward_s=sharded.ring_forward_s, cp_backward_s=sharded.ring_backward_s,
         ep_forward_s=tuple(t / 2 + _at(sharded.route_forward_s, u) for u, t in enumerate(sharded.all_to_all_s)),
         ep_backward_s=tuple(t / 2 + _at(sharded.route_backward_s, u) for u, t in enumerate(sharded.all_to_all_s)))
+
+
+def busiest_rank_expert_bytes(sharded: ShardedModules, n: int) -> tuple[float, ...]:
+    """Per module, what the busiest expert-parallel rank's experts save beyond the captured graph's (which routes
+    the mean rows): the rows it receives are the mean's times the router imbalance, over the tensor-parallel
+    ranks sharing the tokens (the same share its expert compute takes), and its experts' saved tensors scale with
+    them, per micro-batch, bytes. Kept without recompute and in the working set of the module's backward; selective
+    and full recompute keep none of the experts' rows (cost/module_costs.py)."""
+    return tuple((sharded.imbalance[u] / sharded.expert_split - 1) * _at(sharded.expert_saved_bytes, u)
+                 for u in range(n))
 
 
 @dataclass(frozen=True)

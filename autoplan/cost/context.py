@@ -244,6 +244,8 @@ class Context:
                               imbalance=tuple(imbalance), ring_forward_s=tuple(ring_forward),
                               ring_backward_s=tuple(ring_backward), all_to_all_s=tuple(all_to_all),
                               route_forward_s=tuple(route_forward), route_backward_s=tuple(route_backward),
+                              expert_cheap_forward_s=experts.cheap_forward_s,
+                              expert_saved_bytes=experts.activation_bytes["none"],
                               saved_change_bytes=tuple(change), expert_split=split,
                               input_change_bytes=tuple(-self.mask_cut_bytes[u - 1] * microbatch * self.scale
                                                        / (tp if sp and self.costs.modules[u].sequence_input else 1)
