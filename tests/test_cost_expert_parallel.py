@@ -16,10 +16,11 @@ LAYER = ExpertLayer(module="layers.0.mlp.experts", router="layers.0.mlp.gate", p
 NVLINK = Link("nvlink", bus_bandwidth_bytes_per_s=360e9, latency_s=20e-6, source="test")
 
 
-def test_the_four_all_to_alls_move_the_rows_that_leave_the_rank():
+def test_the_four_all_to_alls_move_the_busiest_ranks_rows_that_leave_it():
     cost = expert_parallel_cost(LAYER, tokens_per_microbatch=8192, bytes_per_element=2, group=Group(8, NVLINK))
     rows = 8192 * 8
-    one = 20e-6 + rows * 2048 * 2 * (7 / 8) / 360e9
+    busiest = rows * router_imbalance(rows * 8, 8, LAYER.num_experts, LAYER.top_k)  # it receives the most rows
+    one = 20e-6 + busiest * 2048 * 2 * (7 / 8) / 360e9
     assert cost.rows == rows
     assert cost.all_to_all_s == pytest.approx(ALL_TO_ALLS_PER_LAYER * one, rel=1e-12)
     assert cost.expert_parameter_numel == LAYER.parameter_numel / 8
@@ -48,7 +49,7 @@ def test_the_imbalance_is_the_busiest_rank_of_a_uniform_router(rows, degree):
 def test_a_measured_router_ratio_replaces_the_uniform_one():
     assert expert_parallel_cost(LAYER, 8192, 2, Group(8, NVLINK), measured_imbalance=1.7).imbalance == 1.7
     uniform = expert_parallel_cost(LAYER, 8192, 2, Group(8, NVLINK)).imbalance
-    assert uniform == pytest.approx(1 + math.sqrt(2 * math.log(8) * 7 / (8192 * 8 * 8)))
+    assert uniform == pytest.approx(router_imbalance(8192 * 8 * 8, 8, LAYER.num_experts, LAYER.top_k))
 
 
 def test_measured_rows_group_as_the_ranks_hold_the_experts():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoplan.chain.ops import packet
+from autoplan.chain.ops import is_grouped_matmul_name, packet
 from autoplan.profile.types import ModelProfile, OpProfile
 
 
@@ -79,7 +79,7 @@ def _experts_module(profile: ModelProfile, parent: str, experts: int) -> tuple[s
         for name, shape in _parameter_shapes(op):
             if len(shape) == 3 and shape[0] == experts:
                 stacked.setdefault(_parent(name), set()).add(name)
-        if _is_grouped_matmul(op) and len(op.input_shapes) >= 2 and len(op.input_shapes[1]) == 3 \
+        if is_grouped_matmul(op) and len(op.input_shapes) >= 2 and len(op.input_shapes[1]) == 3 \
                 and op.input_shapes[1][0] == experts and len(op.input_shapes[0]) == 2:
             rows.setdefault(op.module, op.input_shapes[0][1])
     for module, names in stacked.items():
@@ -96,9 +96,9 @@ def _parameter_shapes(op: OpProfile) -> list[tuple[str, tuple[int, ...]]]:
     return []
 
 
-def _is_grouped_matmul(op: OpProfile) -> bool:
+def is_grouped_matmul(op: OpProfile) -> bool:
     """A matmul of row groups by stacked weights (aten._grouped_mm, transformers' grouped_mm fallback)."""
-    return "grouped_mm" in packet(op)
+    return is_grouped_matmul_name(packet(op))
 
 
 def _top_k(router: OpProfile, tokens: int, consumers: dict[str, list[OpProfile]]) -> int:

@@ -143,6 +143,8 @@ def cost_kind(op: OpProfile) -> str:
     traits = OP_TRAITS.get(name, frozenset())
     if "view" in traits:
         return "view"
+    if is_grouped_matmul_name(name) and op.flops_fwd > 0:  # its weights arrive as views of the stacked parameters
+        return "gemm"
     if "attention" in traits and not op.params:
         return "attention"
     if ("gemm" in traits or name.startswith("conv")) and op.params and op.flops_fwd > 0:
@@ -150,6 +152,12 @@ def cost_kind(op: OpProfile) -> str:
     if "gemm" in traits and op.flops_fwd > 0:
         return "attention"
     return "memory"
+
+
+def is_grouped_matmul_name(name: str) -> bool:
+    """A matmul of row groups by stacked expert weights, by its packet name: aten._grouped_mm, and transformers'
+    grouped_mm fallback (what a capture on fake tensors records)."""
+    return "grouped_mm" in name
 
 
 _FLOP_WORDS = frozenset({"mm", "dot", "bilinear", "tensordot", "attention", "conv", "addbmm"})

@@ -64,7 +64,8 @@ class ModuleTable:
     """Tensor-parallel collectives of the forward (exposed), seconds."""
     tp_backward_s: tuple[float, ...]
     cheap_forward_s: tuple[float, ...]
-    """Forward of the memory-bound ops: what selective recompute repeats, seconds."""
+    """Forward of the ops selective recompute repeats (the memory-bound ops and the grouped expert matmuls:
+    OpCost.kept_by_selective), seconds."""
     activation_bytes: dict[str, tuple[float, ...]]
     """Recompute mode -> bytes each module keeps for backward per micro-batch (training dtype)."""
     working_bytes: tuple[float, ...]
@@ -74,8 +75,15 @@ class ModuleTable:
     """Context parallelism's ring traffic the forward's attention does not hide (exposed), seconds; () at cp = 1."""
     cp_backward_s: tuple[float, ...] = ()
     ep_forward_s: tuple[float, ...] = ()
-    """Expert parallelism's dispatch and combine all-to-alls of the forward (exposed), seconds; () at ep = 1."""
+    """Expert parallelism's dispatch and combine all-to-alls of the forward and the route around them (exposed),
+    seconds; () at ep = 1."""
     ep_backward_s: tuple[float, ...] = ()
+
+    def selective_recompute_s(self, u: int) -> float:
+        """What selective recompute runs again in module u's backward: its ops whose outputs it does not keep
+        (cheap_forward_s) and its experts' forward all-to-alls, which run inside the checkpointed module and are
+        not in the program's save list (runtime/recompute.py), seconds."""
+        return self.cheap_forward_s[u] + _at(self.ep_forward_s, u)
 
     def parallel_forward_s(self, u: int) -> float:
         """Module u's exposed context- and expert-parallel communication of the forward, seconds."""
@@ -101,7 +109,7 @@ class ModuleTable:
         base = (self.forward_s[u] + self.backward_s[u] + self.tp_forward_s[u] + self.tp_backward_s[u]
                 + self.parallel_forward_s(u) + self.parallel_backward_s(u))
         if mode == "selective":
-            return base + self.cheap_forward_s[u]
+            return base + self.selective_recompute_s(u)
         if mode == "full":
             return base + self.forward_s[u] + self.tp_forward_s[u] + self.parallel_forward_s(u)
         return base
@@ -147,9 +155,20 @@ class ShardedModules:
     ring_working_bytes: tuple[float, ...] = ()
     """The ring's transient buffers while the module's attention runs on a rank, bytes (cost/context_parallel.py
     RingAttentionCost.working_bytes; already per rank): added to its working bytes."""
+    route_forward_s: tuple[float, ...] = ()
+    """Per module, its expert layers' route around the rows' all-to-alls in the forward (cost/expert_parallel.py
+    route_s: counts and ids all-to-alls, host syncs, permutation passes), seconds; () without."""
+    route_backward_s: tuple[float, ...] = ()
+    """The same in the backward (permutation passes), seconds."""
     expert_split: int = 1
     """Tensor-parallel ranks sharing the expert layers' tokens: tp when ep > 1 (each routes its own 1/tp of them,
     sequence parallelism or not: runtime/expert_parallel.py TensorParallelTokens), else 1 (each runs them all)."""
+    expert_cheap_forward_s: tuple[float, ...] = ()
+    """Per module, the forward of its experts' ops that selective recompute repeats (all experts, whole rows),
+    seconds; () without experts."""
+    expert_saved_bytes: tuple[float, ...] = ()
+    """Per module, what its experts' ops save for backward without recompute (all experts, whole rows), per
+    micro-batch, bytes; () without experts."""
 
 
 def sharded_table(base: ModuleTable, sharded: ShardedModules, rank: ModuleTable | None = None) -> ModuleTable:
@@ -168,8 +187,9 @@ def sharded_table(base: ModuleTable, sharded: ShardedModules, rank: ModuleTable 
     inputs = sharded.input_change_bytes or (0.0,) * n
     forward, backward = rank_times("forward_s"), rank_times("backward_s")
     ring = sharded.ring_working_bytes or (0.0,) * n
+    busiest = busiest_rank_expert_bytes(sharded, n)
     kept = base.activation_bytes
-    none = tuple(kept["none"][u] + change[u] for u in range(n))
+    none = tuple(kept["none"][u] + change[u] + busiest[u] for u in range(n))
     activations = {m: none if m == "none" else tuple(max(0.0, min(v + i, whole)) for v, i, whole in
                                                       zip(kept[m], inputs, none)) for m in kept}
     return ModuleTable(
@@ -178,11 +198,23 @@ def sharded_table(base: ModuleTable, sharded: ShardedModules, rank: ModuleTable 
         backward_s=tuple(backward[u] + (sharded.imbalance[u] / split - 1) * sharded.expert_backward_s[u] / cp
                          for u in range(n)),
         tp_forward_s=rank_times("tp_forward_s"), tp_backward_s=rank_times("tp_backward_s"),
-        cheap_forward_s=rank_times("cheap_forward_s"),
+        cheap_forward_s=tuple(cheap + (sharded.imbalance[u] / split - 1) * _at(sharded.expert_cheap_forward_s, u) / cp
+                              for u, cheap in enumerate(rank_times("cheap_forward_s"))),
         activation_bytes={m: per_rank(v) for m, v in activations.items()},
-        working_bytes=tuple((base.working_bytes[u] + change[u]) / cp + ring[u] for u in range(n)),
+        working_bytes=tuple((base.working_bytes[u] + change[u] + busiest[u]) / cp + ring[u] for u in range(n)),
         cp_forward_s=sharded.ring_forward_s, cp_backward_s=sharded.ring_backward_s,
-        ep_forward_s=tuple(t / 2 for t in sharded.all_to_all_s), ep_backward_s=tuple(t / 2 for t in sharded.all_to_all_s))
+        ep_forward_s=tuple(t / 2 + _at(sharded.route_forward_s, u) for u, t in enumerate(sharded.all_to_all_s)),
+        ep_backward_s=tuple(t / 2 + _at(sharded.route_backward_s, u) for u, t in enumerate(sharded.all_to_all_s)))
+
+
+def busiest_rank_expert_bytes(sharded: ShardedModules, n: int) -> tuple[float, ...]:
+    """Per module, what the busiest expert-parallel rank's experts save beyond the captured graph's (which routes
+    the mean rows): the rows it receives are the mean's times the router imbalance, over the tensor-parallel
+    ranks sharing the tokens (the same share its expert compute takes), and its experts' saved tensors scale with
+    them, per micro-batch, bytes. Kept without recompute and in the working set of the module's backward; selective
+    and full recompute keep none of the experts' rows (cost/module_costs.py)."""
+    return tuple((sharded.imbalance[u] / sharded.expert_split - 1) * _at(sharded.expert_saved_bytes, u)
+                 for u in range(n))
 
 
 @dataclass(frozen=True)
@@ -291,7 +323,7 @@ def _module_row(module: ModuleCosts, setting: TableSetting, timing: MeasuredScal
             f += forward_ops * gpu.dtensor_op_overhead_s
             g += backward_ops * gpu.dtensor_op_overhead_s
         fwd, bwd = fwd + f, bwd + g
-        if op.kind == "memory":
+        if op.kind != "view" and not op.kept_by_selective:  # what selective recompute runs again
             cheap += f
         tp_fwd += _tp_forward(op, tp, b, scale, link, sp, setting.loss_parallel)
         tp_bwd += _tp_backward(op, tp, b * scale, link, sp, setting.compiled)

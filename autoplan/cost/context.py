@@ -214,16 +214,19 @@ class Context:
         (cost/context_parallel.py, cost/expert_parallel.py)."""
         n, element = len(self.chain), self.dtype_bytes
         experts = self._ops_table(self._expert_nodes, tp, microbatch, sp)
-        imbalance, all_to_all = [1.0] * n, [0.0] * n
+        imbalance, all_to_all, route_forward, route_backward = [1.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
         ep_group = self.group(ep, 1)  # folded over the tp ranks first (runtime/expert_parallel.py)
         split = tp if ep > 1 else 1  # each tp rank routes its own 1/tp of the tokens (TensorParallelTokens)
         for layer, u in zip(self.experts, self._expert_module):
             tokens = layer.tokens / self.profile.batch_size * microbatch / cp / split
             loads = self.profile.router_loads.get(layer.module)
             measured = measured_imbalance(loads, ep_group.size) if loads else None  # profile --measure
-            cost = expert_parallel_cost(layer, tokens, element, ep_group, measured_imbalance=measured)
+            cost = expert_parallel_cost(layer, tokens, element, ep_group, measured_imbalance=measured,
+                                        gpu=self.cluster.gpu)
             imbalance[u] = max(imbalance[u], cost.imbalance)
             all_to_all[u] += cost.all_to_all_s
+            route_forward[u] += cost.route_forward_s
+            route_backward[u] += cost.route_backward_s
         ring_forward, ring_backward, change, ring_working = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
         if cp > 1:
             attention = self._ops_table(frozenset(c.node for c in self.attention.calls), tp, microbatch, sp)
@@ -250,6 +253,9 @@ class Context:
         return ShardedModules(cp=cp, expert_forward_s=experts.forward_s, expert_backward_s=experts.backward_s,
                               imbalance=tuple(imbalance), ring_forward_s=tuple(ring_forward),
                               ring_backward_s=tuple(ring_backward), all_to_all_s=tuple(all_to_all),
+                              route_forward_s=tuple(route_forward), route_backward_s=tuple(route_backward),
+                              expert_cheap_forward_s=experts.cheap_forward_s,
+                              expert_saved_bytes=experts.activation_bytes["none"],
                               saved_change_bytes=tuple(change), ring_working_bytes=tuple(ring_working),
                               expert_split=split,
                               input_change_bytes=tuple(-self.mask_cut_bytes[u - 1] * microbatch * self.scale

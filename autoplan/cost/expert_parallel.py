@@ -6,14 +6,28 @@ runtime/expert_parallel.py runs it:
   rows x features x bytes. Of a rank's rows, (ep-1)/ep leave it when the router spreads them evenly (the
   all-to-all's bus factor), so one all-to-all takes alpha + rows x features x bytes x (ep-1)/ep / busbw.
   The next op needs its result (the experts need their rows, the combine needs the outputs), so nothing
-  hides it.
+  hides it. The all-to-all ends when the busiest rank has received its rows (dispatch) or sent them back
+  (combine), so its bytes are those of the busiest rank: the mean's times the imbalance below.
 - Load imbalance: the layer waits for the rank with the most rows. A router spreading n rows over ep
-  ranks uniformly at random gives each a binomial count (mean n/ep, standard deviation
-  sqrt(n (1/ep)(1-1/ep))); the largest of ep such counts lies about sqrt(2 ln ep) deviations above the
-  mean (the Gaussian maximum), so the busiest rank holds (1 + sqrt(2 ln(ep) (ep-1) / n)) times the mean.
+  ranks uniformly at random gives the ranks multinomial counts (mean n/ep), which for large n are
+  n/ep + sqrt(n/ep) (Z_r - mean of the Z) for ep independent standard normals Z_r (the counts sum to n); the
+  busiest rank lies E[max of ep standard normals] x sqrt(n/ep) rows above the mean (expected_normal_maximum:
+  0.56 for 2 ranks, 1.42 for 8, 2.0 for 32). A token's k rows go to k distinct experts of E, so the rows a rank
+  gets of one token are hypergeometric, not binomial: the variance shrinks by (E - k) / (E - 1). The busiest
+  rank holds 1 + E[max] sqrt(ep (E - k) / ((E - 1) n)) times the mean (router_imbalance).
   A router that prefers some experts is worse: a measured ratio replaces this one when there is one
   (measured_imbalance: the rows `autoplan profile --measure` counted per expert, grouped as the ranks hold
   the experts).
+- The route around the all-to-alls (runtime/expert_parallel.py _route), which the captured experts module does not
+  hold (it runs only when ep > 1): in the forward, the gather of each row's token into destination order, the
+  multiply of the returned rows by their router weights and the index_add that sums them per token, each a
+  read and a write of rows x features x bytes (ROUTE_FORWARD_PASSES); in the backward, the index_add's gather of
+  the output gradient, the multiply's two gradients (rows x weights, and the weights' gradient reading the rows
+  and the gradient) and the gather's scatter-add back onto the tokens (ROUTE_BACKWARD_PASSES); each at the
+  device's streaming bandwidth (Gpu.memory_bandwidth_bytes_per_s x memory_efficiency). Before the rows move,
+  the forward exchanges the row counts (one all-to-all of ep integers: latency) and then the expert ids (rows x 8
+  bytes), and reads both counts back to the host (`.tolist()`, ROUTE_HOST_SYNCS): each sync drains the GPU's
+  queue, which then waits for the next kernel's launch (Gpu.kernel_overhead_s).
 - Memory: a rank holds E/ep of the experts' weights, gradients and optimizer states; every other
   parameter stays data-parallel.
 - Expert parallelism is folded over dp_shard x cp x tp (layout.expert_folded_ranks): the ep group is the
@@ -26,13 +40,30 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Sequence
 
 from autoplan.chain.experts import ExpertLayer
 from autoplan.cost.comm import Group, all_to_all_s
+from autoplan.hardware.types import Gpu
 
 ALL_TO_ALLS_PER_LAYER = 4
 """Dispatch and combine in the forward, and both again in the backward."""
+
+ROUTE_FORWARD_PASSES = 6
+"""Bytes the route's forward moves around the all-to-alls per byte of its rows (rows x features x element): the
+gather into destination order, the router-weight multiply and the per-token index_add, each one read and one
+write."""
+
+ROUTE_BACKWARD_PASSES = 8
+"""The same for its backward: the index_add's gather (2), the multiply's input gradient (2) and its weights'
+gradient reading the rows and the gradient (2), the gather's scatter-add (2)."""
+
+ROUTE_HOST_SYNCS = 2
+"""Host reads of the row counts per forward (the counts sent and those received, `.tolist()`)."""
+
+ID_BYTES = 8
+"""Bytes per row of the expert ids sent with the rows (int64)."""
 
 
 @dataclass(frozen=True)
@@ -47,14 +78,41 @@ class ExpertParallelCost:
     """The busiest rank's expert rows over the mean (>= 1): the experts' compute time is multiplied by it."""
     expert_parameter_numel: float
     """Expert parameter elements this rank holds (E/ep experts)."""
+    route_forward_s: float = 0.0
+    """The route's forward beyond the rows' all-to-alls: the counts and ids all-to-alls, its host syncs and its
+    permutation passes (exposed: the experts wait for them), seconds."""
+    route_backward_s: float = 0.0
+    """The route's backward permutation passes, seconds."""
 
 
-def router_imbalance(rows: float, degree: int) -> float:
-    """The busiest of `degree` ranks' rows over the mean when `rows` rows are spread uniformly at random
-    (the Gaussian maximum of `degree` binomial counts; 1 for one rank)."""
+QUADRATURE_POINTS = 4001
+"""Points of the Simpson rule over [-10, 10] for expected_normal_maximum (its error is below 1e-9)."""
+
+
+@lru_cache(maxsize=None)
+def expected_normal_maximum(n: int) -> float:
+    """E[max of n independent standard normals]: the integral of x n phi(x) Phi(x)^(n-1) (0 for n = 1)."""
+    if n <= 1:
+        return 0.0
+    lo, hi, points = -10.0, 10.0, QUADRATURE_POINTS
+    step = (hi - lo) / (points - 1)
+    total = 0.0
+    for i in range(points):
+        x = lo + i * step
+        density = n * math.exp(-x * x / 2) / math.sqrt(2 * math.pi) * (0.5 * math.erfc(-x / math.sqrt(2))) ** (n - 1)
+        weight = 1 if i in (0, points - 1) else (4 if i % 2 else 2)
+        total += weight * x * density
+    return total * step / 3
+
+
+def router_imbalance(rows: float, degree: int, experts: int = 0, top_k: int = 1) -> float:
+    """The busiest of `degree` ranks' rows over the mean when `rows` rows are spread uniformly at random, each
+    token's `top_k` rows over distinct experts of `experts` (0: rows independent) split evenly over the ranks
+    (the module docstring; 1 for one rank)."""
     if degree <= 1 or rows <= 0:
         return 1.0
-    return 1.0 + math.sqrt(2 * math.log(degree) * (degree - 1) / rows)
+    distinct = (experts - top_k) / (experts - 1) if experts > 1 and top_k > 1 else 1.0
+    return 1.0 + expected_normal_maximum(degree) * math.sqrt(degree * distinct / rows)
 
 
 def measured_imbalance(rows_per_expert: Sequence[int], degree: int) -> float | None:
@@ -70,16 +128,34 @@ def measured_imbalance(rows_per_expert: Sequence[int], degree: int) -> float | N
     return busiest * degree / total
 
 
+def route_s(rows: float, features: int, bytes_per_element: float, group: Group, gpu: Gpu) -> tuple[float, float]:
+    """(forward, backward) seconds of the route around the rows' all-to-alls for `rows` (token, slot) rows of
+    `features` elements on one rank of `group` (the module docstring; 0 for one rank)."""
+    if group.size <= 1 or rows <= 0:
+        return 0.0, 0.0
+    row_bytes = rows * features * bytes_per_element
+    stream = gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency
+    counts = all_to_all_s(group.size * ID_BYTES, group.size, group.link, group.nodes)
+    ids = all_to_all_s(rows * ID_BYTES, group.size, group.link, group.nodes)
+    forward = counts + ids + ROUTE_HOST_SYNCS * gpu.kernel_overhead_s + ROUTE_FORWARD_PASSES * row_bytes / stream
+    return forward, ROUTE_BACKWARD_PASSES * row_bytes / stream
+
+
 def expert_parallel_cost(layer: ExpertLayer, tokens_per_microbatch: float, bytes_per_element: float,
-                         group: Group, measured_imbalance: float | None = None) -> ExpertParallelCost:
+                         group: Group, measured_imbalance: float | None = None,
+                         gpu: Gpu | None = None) -> ExpertParallelCost:
     """The cost of `layer` on one rank of the expert-parallel `group` for a micro-batch of
     `tokens_per_microbatch` tokens on that rank (measured_imbalance: the router's ratio from a profile
-    measurement, replacing the uniform one)."""
+    measurement, replacing the uniform one; `gpu`: the device the route's passes run on, none priced without)."""
     rows = tokens_per_microbatch * layer.top_k
     degree = group.size
     if degree <= 1:
         return ExpertParallelCost(rows, 0.0, 1.0, float(layer.parameter_numel))
-    one = all_to_all_s(rows * layer.hidden * bytes_per_element, degree, group.link, group.nodes)
-    imbalance = measured_imbalance if measured_imbalance is not None else router_imbalance(rows * degree, degree)
-    return ExpertParallelCost(rows, ALL_TO_ALLS_PER_LAYER * one, max(1.0, imbalance),
-                              layer.parameter_numel / degree)
+    if measured_imbalance is None:
+        imbalance = router_imbalance(rows * degree, degree, layer.num_experts, layer.top_k)
+    else:
+        imbalance = max(1.0, measured_imbalance)
+    one = all_to_all_s(rows * imbalance * layer.hidden * bytes_per_element, degree, group.link, group.nodes)
+    forward, backward = route_s(rows, layer.hidden, bytes_per_element, group, gpu) if gpu else (0.0, 0.0)
+    return ExpertParallelCost(rows, ALL_TO_ALLS_PER_LAYER * one, imbalance,
+                              layer.parameter_numel / degree, forward, backward)

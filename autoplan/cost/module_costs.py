@@ -13,7 +13,10 @@ recompute mode (parallelism.activation_checkpoint, chosen per module):
 - selective: the module's input plus the outputs of its gemm and attention ops (torch selective
              activation checkpointing that saves matmul and attention outputs; Korthikanti et al.
              2022 keep matmul outputs and recompute the cheap ops the same way). Recompute costs
-             the forward time of the "memory" ops;
+             the forward time of the "memory" ops. Grouped expert matmuls are not kept: the program's
+             policy (runtime/recompute.py) saves the outputs of mm, addmm, bmm and attention, not of
+             aten._grouped_mm (as torchtitan's default save list leaves it out), so under selective the
+             experts' grouped GEMMs run again in backward (OpCost.kept_by_selective);
 - full:      the module's input only (the checkpoint boundary); recompute costs the whole forward.
 Each is capped by "none" (recomputing never keeps more).
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autoplan.chain.experts import is_grouped_matmul
 from autoplan.chain.modules import ModuleChain
 from autoplan.chain.ops import AUTOCAST_LOWER, autocast_fp32_nodes, cost_kind, has_trait, packet
 from autoplan.chain.tensor_parallel import TensorParallelFacts
@@ -80,6 +84,14 @@ class OpCost:
     autocast_weight_numel: float = 0.0
     """Parameter elements autocast casts to bf16 for this op (an AUTOCAST_LOWER op's weights and bias, per
     tensor-parallel rank if it is split), which it saves for backward: one copy per micro-batch in flight."""
+    grouped: bool = False
+    """A grouped expert matmul (chain.experts.is_grouped_matmul): selective recompute runs it again."""
+
+    @property
+    def kept_by_selective(self) -> bool:
+        """Whether selective recompute keeps the op's output (a dense matmul or attention); every other op
+        (grouped expert matmuls included) is recomputed in backward."""
+        return self.kind in ("gemm", "attention") and not self.grouped
 
     @property
     def compile_class(self) -> str:
@@ -160,6 +172,7 @@ def op_cost(op: OpProfile, profile: ModelProfile, role: str, shares_gather: bool
         shares_gather=shares_gather,
         autocast_fp32=autocast_fp32,
         autocast_weight_numel=param_bytes / profile.parameter_bytes_per_element if cast else 0.0,
+        grouped=is_grouped_matmul(op),
     )
 
 
@@ -240,7 +253,7 @@ def saved_by_mode(module: ModuleCosts, tp: int, scale: float, sp: bool = False,
     input_scale = 1.0 if autocast else scale
     module_input = share(module.input_bytes, sp and module.sequence_input)
     kept = input_scale * module_input + scale * sum(share(op.output_bytes, op.tp_role in ("colwise", "interior"))
-                                                    for op in module.ops if op.kind in ("gemm", "attention"))
+                                                    for op in module.ops if op.kept_by_selective)
     return {"none": none, "selective": min(none, kept), "full": min(none, input_scale * module_input)}
 
 
