@@ -115,7 +115,7 @@ def _at(values: tuple[float, ...], u: int) -> float:
 class ShardedModules:
     """What context parallelism (cp) and expert parallelism change in each module's costs, per micro-batch:
 
-        forward(u)     = (forward_1(u) + (imbalance(u) / expert_split - 1) x expert_forward_1(u)) / cp   (and backward)
+        forward(u)     = (forward_1(u) + (imbalance(u) - 1) x expert_forward_1(u)) / cp   (and backward)
         tp collectives, selective recompute: / cp
         kept bytes: (bytes_1(u) + saved_change(u)) / cp, what recompute keeps of the input less its masks
         cp_forward(u)  = ring_forward(u),  ep_forward(u) = all_to_all(u) / 2                (and backward alike)
@@ -123,7 +123,8 @@ class ShardedModules:
     where _1 is the module's cost on the whole sequence (ModuleTable at cp = 1): a rank holds seq/cp tokens of
     every sequence and the load-balanced ring gives it 1/cp of the attention too; the experts' compute waits
     for the busiest expert-parallel rank (cost/expert_parallel.py router_imbalance), on its share of the tokens
-    (1/expert_split of them: the tensor-parallel ranks route their own sequence shards under sequence parallelism)."""
+    (1/tp of them under sequence parallelism, where each tensor-parallel rank routes its own sequence shard: the
+    experts' ops have a sequence role, so forward_1 and expert_forward_1 already price that share)."""
 
     cp: int
     expert_forward_s: tuple[float, ...]
@@ -142,14 +143,11 @@ class ShardedModules:
     input_change_bytes: tuple[float, ...] = ()
     """The attention masks in the module's input, negated, per micro-batch, bytes (the ring runs without them): added
     to what selective and full recompute keep of the input."""
-    expert_split: int = 1
-    """Tensor-parallel ranks sharing the expert layers' tokens: tp with sequence parallelism and ep > 1 (each routes
-    its sequence shard, runtime/expert_parallel.py TensorParallelTokens), else 1 (each routes them all)."""
 
 
 def sharded_table(base: ModuleTable, sharded: ShardedModules) -> ModuleTable:
     """`base` (the modules on whole sequences, all experts local) under context and expert parallelism."""
-    cp, n, split = sharded.cp, len(base.forward_s), sharded.expert_split
+    cp, n = sharded.cp, len(base.forward_s)
 
     def per_rank(values) -> tuple[float, ...]:
         return tuple(v / cp for v in values)
@@ -161,9 +159,9 @@ def sharded_table(base: ModuleTable, sharded: ShardedModules) -> ModuleTable:
     activations = {m: none if m == "none" else tuple(max(0.0, min(v + i, whole)) for v, i, whole in
                                                       zip(kept[m], inputs, none)) for m in kept}
     return ModuleTable(
-        forward_s=tuple((base.forward_s[u] + (sharded.imbalance[u] / split - 1) * sharded.expert_forward_s[u]) / cp
+        forward_s=tuple((base.forward_s[u] + (sharded.imbalance[u] - 1) * sharded.expert_forward_s[u]) / cp
                         for u in range(n)),
-        backward_s=tuple((base.backward_s[u] + (sharded.imbalance[u] / split - 1) * sharded.expert_backward_s[u]) / cp
+        backward_s=tuple((base.backward_s[u] + (sharded.imbalance[u] - 1) * sharded.expert_backward_s[u]) / cp
                          for u in range(n)),
         tp_forward_s=per_rank(base.tp_forward_s), tp_backward_s=per_rank(base.tp_backward_s),
         cheap_forward_s=per_rank(base.cheap_forward_s),

@@ -25,7 +25,7 @@ from autoplan.cost.context_parallel import ring_attention_cost
 from autoplan.cost.expert_parallel import expert_parallel_cost, measured_imbalance
 from autoplan.cost.dtypes import activation_scale, bytes_per_element, training_dtype
 from autoplan.cost.memory import LayoutMemory, MemoryInputs, layout_memory
-from autoplan.cost.module_costs import SPLIT_ROLES, ChainCosts, chain_costs
+from autoplan.cost.module_costs import SEQUENCE_ROLES, SPLIT_ROLES, ChainCosts, chain_costs
 from autoplan.hardware.types import Cluster
 from autoplan.layout import fsdp_wraps
 from autoplan.plan import Parallelism, Training
@@ -55,6 +55,16 @@ class Groups:
     """The ranks holding the same experts' shard, which all-reduce their gradients (dp_replicate, or dp / ep when
     the experts are not sharded), with the tp ranks beside them under sequence parallelism (whose expert gradients
     are each their tokens' share)."""
+
+
+def _sequence_local_numel(profile: ModelProfile, role: dict[str, str], module_of: dict[str, int],
+                          n: int) -> tuple[float, ...]:
+    """Per chain module, the elements of the parameters its "sequence_local" ops read (each counted once)."""
+    found: list[set[str]] = [set() for _ in range(n)]
+    for op in profile.ops:
+        if role.get(op.node, "") == "sequence_local" and op.node in module_of:
+            found[module_of[op.node]].update(p for p in op.params if p in profile.parameters)
+    return tuple(float(sum(profile.parameters[p] for p in params)) for params in found)
 
 
 def expert_shard_degree(fsdp: int, ep: int) -> int:
@@ -109,6 +119,12 @@ class Context:
         self._expert_nodes = frozenset(n for n, m in owner.items()
                                        if any(m == layer.module or m.startswith(layer.module + ".")
                                               for layer in self.experts))
+        self._experts_on_shards = bool(self._expert_nodes) and all(
+            self.facts.role.get(n, "") in SEQUENCE_ROLES for n in self._expert_nodes)
+        """Under sequence parallelism the experts run on each tp rank's sequence shard (their ops' roles)."""
+        self.sequence_local_numel = _sequence_local_numel(profile, self.facts.role, module_of, len(self.chain))
+        """Per module, the replicated parameter elements that modules run on each tp rank's tokens read (a router's,
+        the experts' at ep = 1): under sequence parallelism their gradients are summed over the tp ranks."""
         self._tables: dict[tuple, ModuleTable] = {}
         self._inputs: dict[tuple[int, int, bool], MemoryInputs] = {}
         self._layouts: dict[tuple, LayoutMemory] = {}
@@ -209,7 +225,9 @@ class Context:
         experts = self._ops_table(self._expert_nodes, tp, microbatch, sp)
         imbalance, all_to_all = [1.0] * n, [0.0] * n
         ep_group = self.group(ep, tp)
-        split = tp if sp and ep > 1 else 1  # tp ranks routing their own sequence shards (TensorParallelTokens)
+        # with sequence parallelism each tp rank routes its own sequence shard (chain/tensor_parallel.py's
+        # "sequence_local" modules): the table already prices the experts' compute on 1/tp of the tokens
+        split = tp if sp and self._experts_on_shards else 1
         for layer, u in zip(self.experts, self._expert_module):
             tokens = layer.tokens / self.profile.batch_size * microbatch / cp / split
             loads = self.profile.router_loads.get(layer.module)
@@ -240,7 +258,7 @@ class Context:
         return ShardedModules(cp=cp, expert_forward_s=experts.forward_s, expert_backward_s=experts.backward_s,
                               imbalance=tuple(imbalance), ring_forward_s=tuple(ring_forward),
                               ring_backward_s=tuple(ring_backward), all_to_all_s=tuple(all_to_all),
-                              saved_change_bytes=tuple(change), expert_split=split,
+                              saved_change_bytes=tuple(change),
                               input_change_bytes=tuple(-self.mask_cut_bytes[u - 1] * microbatch * self.scale
                                                        / (tp if sp and self.costs.modules[u].sequence_input else 1)
                                                        if cp > 1 and u > 0 else 0.0 for u in range(n)))

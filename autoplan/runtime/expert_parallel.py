@@ -263,9 +263,11 @@ class TensorParallelTokens:
     """How an experts module meets tensor parallelism (the experts are left out of the tensor-parallel plan:
     each expert stays whole on its rank, ETP 1). Its inputs are the tokens the tp ranks hold: plain tensors, the
     same on every tp rank, without sequence parallelism (each rank routes them all over its ep group and its
-    expert gradients are whole); DTensors on the tp mesh with it (the router ran on them), which are split on the
-    tokens (dimension 0 of the (tokens, hidden) rows) so that each tp rank routes its share, and the output is
-    that share again (its expert gradients are then the share's: ExpertParallel sums them over the tp ranks).
+    expert gradients are whole); with it, this rank's own tokens as plain tensors when its MoE block runs on the
+    rank's sequence shard (runtime/tensor_parallel.py run_on_local_tokens, the plan's "sequence_local" modules), or
+    DTensors on the tp mesh (a plan without them: the router ran on DTensors), which are split on the tokens
+    (dimension 0 of the (tokens, hidden) rows) so that each tp rank routes its share, and the output is that share
+    again. Either way its expert gradients are its tokens' share: ExpertParallel sums them over the tp ranks.
     Unlike torchtitan, whose ETP 1 borrows ep from the tp ranks too, ep here comes from data parallelism only:
     the tp ranks of one data-parallel rank hold the same experts."""
 
@@ -285,8 +287,8 @@ class TensorParallelTokens:
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
         dtensor = isinstance(hidden_states, DTensor)
-        if not dtensor and not self.split:
-            return inner(hidden_states, top_k_index, top_k_weights)
+        if not dtensor:  # the same tokens on every tp rank, or (split) this rank's own: its MoE block runs on its
+            return inner(hidden_states, top_k_index, top_k_weights)  # sequence shard (run_on_local_tokens)
         mesh = hidden_states.device_mesh if dtensor else self.mesh
         if mesh.ndim != 1:
             raise NotImplementedError(f"expert parallelism with tensor parallelism takes the tokens on a 1-D "
