@@ -292,7 +292,15 @@ def _sequence_parallel(ops, consumers, role: dict[str, str]) -> tuple[str, list[
             return _mixes_tokens(op, "it is split over the tensor-parallel ranks as well"), []
         found = _sequence_rule(op, tokens)
         if isinstance(found, str):
+            before = next((tokens[src] for src in op.inputs if src in tokens and tokens[src].why), None)
+            if before is not None:  # the op that left the token order (DTensor would have run it) says why
+                return _mixes_tokens(ops[before.origin], before.why), []
             return _mixes_tokens(op, found), []
+        if found.kind == "dtensor" and not found.why:
+            found = replace(found, origin=node, why=next(
+                (tokens[src].why for src in op.inputs if src in tokens and tokens[src].why), ""))
+            if not found.why:
+                found = replace(found, why=_dtensor_reason(op, tokens))
         tokens[node] = found
     for node in reached:  # what leaves the shards (to a colwise Linear's all-gather, as an output) is [b, s, ...]
         if any(role.get(c, "") in ("colwise", "head") for c in consumers[node]) and tokens[node].kind == "routes":
@@ -323,6 +331,12 @@ def _sequence_rule(op: OpProfile, tokens: dict[str, "Tokens"]) -> "Tokens | str"
     return found
 
 
+def _dtensor_reason(op: OpProfile, tokens: dict[str, "Tokens"]) -> str:
+    """Why `op`, run by DTensor on a shard, leaves the token order (_token_rule's reason)."""
+    found = _token_rule(op, tokens)
+    return found if isinstance(found, str) else "its result is not in token order"
+
+
 def _mixes_tokens(op: OpProfile, why: str) -> str:
     where = f" in {op.module}" if op.module else ""
     return f"{op.op}{where} would read a sequence shard, and it does not compute token by token: {why}"
@@ -345,6 +359,10 @@ class Tokens:
     """Tokens ("tokens")."""
     dims: int = 0
     """Dimensions of the tensor ("tokens": 3 or more for a [b, s, ...] shard DTensor runs ops on)."""
+    origin: str = ""
+    """("dtensor") The op whose result left the token order."""
+    why: str = ""
+    """("dtensor") How it did (_token_rule's reason)."""
 
 
 def _shape(op: OpProfile) -> tuple[int, ...]:

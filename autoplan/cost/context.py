@@ -57,13 +57,15 @@ class Groups:
     are each their tokens' share)."""
 
 
-def _sequence_local_numel(profile: ModelProfile, role: dict[str, str], module_of: dict[str, int],
+def _sequence_local_numel(profile: ModelProfile, plan: dict[str, str], module_of: dict[str, int],
                           n: int) -> tuple[float, ...]:
-    """Per chain module, the elements of the parameters its "sequence_local" ops read (each counted once)."""
+    """Per chain module, the elements of the parameters of the modules that run on each tp rank's sequence shard
+    (tensor-parallel style "sequence_local"), where the ops reading them run (each counted once)."""
+    local = tuple(fqn + "." for fqn, style in plan.items() if style == "sequence_local")
     found: list[set[str]] = [set() for _ in range(n)]
     for op in profile.ops:
-        if role.get(op.node, "") == "sequence_local" and op.node in module_of:
-            found[module_of[op.node]].update(p for p in op.params if p in profile.parameters)
+        if op.node in module_of:
+            found[module_of[op.node]].update(p for p in op.params if p in profile.parameters and p.startswith(local))
     return tuple(float(sum(profile.parameters[p] for p in params)) for params in found)
 
 
@@ -119,10 +121,9 @@ class Context:
         self._expert_nodes = frozenset(n for n, m in owner.items()
                                        if any(m == layer.module or m.startswith(layer.module + ".")
                                               for layer in self.experts))
-        self._experts_on_shards = bool(self._expert_nodes) and all(
-            self.facts.role.get(n, "") in SEQUENCE_ROLES for n in self._expert_nodes)
+        self._experts_on_shards = any(self.facts.role.get(n, "") in SEQUENCE_ROLES for n in self._expert_nodes)
         """Under sequence parallelism the experts run on each tp rank's sequence shard (their ops' roles)."""
-        self.sequence_local_numel = _sequence_local_numel(profile, self.facts.role, module_of, len(self.chain))
+        self.sequence_local_numel = _sequence_local_numel(profile, self.facts.plan, module_of, len(self.chain))
         """Per module, the replicated parameter elements that modules run on each tp rank's tokens read (a router's,
         the experts' at ep = 1): under sequence parallelism their gradients are summed over the tp ranks."""
         self._tables: dict[tuple, ModuleTable] = {}
