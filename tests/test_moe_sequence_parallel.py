@@ -29,7 +29,7 @@ from autoplan.cost.expert_parallel import expert_parallel_cost
 from autoplan.layout import SUPPORTED
 from autoplan.plan import Training
 
-from helpers.verify_many import verify_many
+from helpers.verify_many import BatchJob, verify_many
 from test_expert_parallel_program import SOURCES as MOE_SOURCES
 from test_layouts import check_parity
 
@@ -113,6 +113,12 @@ BODIES = {
         "        return (tokens * weights.sum(-1, keepdim=True)).view(b, s, h)",
         "aten.mul.Tensor in blocks.0.moe would read a sequence shard, and it does not compute token by token: it "
         "combines a token's values with one computed from many tokens (a sum, sort or count over them)"),
+    # expert choice without weights: each expert takes the tokens scoring highest for it (a top-k over the tokens)
+    "picks each expert's tokens (a top-k over the tokens)": (
+        "        chosen = self.gate(tokens).topk(tokens.shape[0] // 2, dim=0).indices[:, 0]\n"
+        "        return torch.zeros_like(tokens).index_add(0, chosen, tokens[chosen] @ self.up[0]).view(b, s, h)",
+        "aten.index.Tensor in blocks.0.moe would read a sequence shard, and it does not compute token by token: it "
+        "picks tokens by a choice made across them (a top-k or count over the tokens: expert-choice routing)"),
 }
 
 
@@ -212,6 +218,44 @@ PINNED = {"qwen3_moe tp=2,sp=on": ("qwen3_moe", "tp=2,sp=on", 2),
           "mixtral dp=2,ep=2,tp=2,sp=on": ("mixtral", "dp=2,ep=2,tp=2,sp=on", 4)}
 
 
+ROWS = '''
+"""On a generated program's ranks: the tokens (rows) each MoE block's experts module receives in one forward and
+backward of the plan's first batch, and its type (plain tensor or DTensor); rank 0 writes them as JSON."""
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import autoplan
+
+
+def main(argv):
+    folder, out = Path(argv[0]), Path(argv[1])
+    spec = importlib.util.spec_from_file_location("autoplan_moe_sp_train", folder / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    source = train.runtime.load_source(f"{train.MODEL_FILE}:{train.FACTORY}")
+    config, device = train.parallel_config(False), torch.device("cpu")
+    parallel = train.build_parallel_model(source, config, autoplan.init_mesh(config, device), device)
+    seen = []
+    for part in parallel.parts.values():
+        for name, module in part.named_modules():
+            if name.endswith("mlp.experts"):
+                module.register_forward_pre_hook(lambda m, args: seen.append([type(args[0]).__name__,
+                                                                              args[0].shape[0]]))
+    data = train.runtime.TrainingData(source, train.GLOBAL_BATCH, train.SEED, parallel.rank.dp_rank, train.DP)
+    inputs, targets = data.batch(0)
+    parallel.forward_backward(inputs, targets)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, seen)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps({"rows": gathered, "microbatch": train.MICROBATCH}))
+'''
+"""Run as an extra job on each plan's ranks."""
+
+
 @pytest.fixture(scope="module")
 def verified(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_sp_verify")
@@ -221,8 +265,13 @@ def verified(tmp_path_factory):
         source.write_text(HF[model])
         folders[key] = root / key.replace(" ", "_").replace("=", "").replace(",", "_")
         plan_model(str(source), gpus, "cpu", global_batch=8, pin=pin, out=folders[key])
-    results = verify_many(list(folders.values()), steps=2, timeout_s=1200, nproc=4).results
-    return dict(zip(folders, results)), folders
+    rows = root / "rows.py"
+    rows.write_text(ROWS)
+    jobs = [BatchJob(folder, (str(folder), str(folder / "rows.json")), PINNED[key][2], program=rows)
+            for key, folder in folders.items()]
+    batch = verify_many(list(folders.values()), steps=2, timeout_s=1200, nproc=4, extra_jobs=jobs)
+    assert not any(batch.extra_errors), batch.extra_errors
+    return dict(zip(folders, batch.results)), folders
 
 
 @pytest.mark.slow  # one 4-process torchrun launch
@@ -234,3 +283,9 @@ def test_the_searchs_sp_plans_through_moe_blocks_train_like_one_device(verified,
     assert {"model.layers.0.mlp", "model.layers.1.mlp"} <= {
         m for m, style in plan["tensor_parallel_plan"].items() if style == "sequence_local"}
     check_parity(results[key])
+    # each tp rank's experts route its own sequence shard: half of its micro-batch's tokens, as plain tensors
+    seen = json.loads((folders[key] / "rows.json").read_text())
+    tokens = seen["microbatch"] * 8  # tiny models' sequence length
+    for rank in seen["rows"]:
+        assert rank and all(kind == "Tensor" for kind, _ in rank), rank
+        assert {rows for _, rows in rank} == {tokens // 2}, (rank, tokens)

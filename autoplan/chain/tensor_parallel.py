@@ -31,13 +31,25 @@ sequence with sequence parallelism, else all-reduced). runtime/tensor_parallel.p
 
 Sequence parallelism (Korthikanti et al. 2022): the outputs of rowwise Linears (and of the vocabulary-
 parallel embedding) are reduce-scattered onto the sequence dimension, and the ops that read them up to the
-next colwise Linear or head (which all-gather) run on sequence shards: role "sequence". Those ops must work
-token by token (SEQUENCE_LOCAL_OPS: elementwise, norms, casts, dropout, a Linear outside the pairs); any
-other op reading a sequence shard (attention left whole, a reshape of the sequence) makes sequence
-parallelism unavailable for the model: TensorParallelFacts.sequence_parallel_problem says which op.
+next colwise Linear or head (which all-gather) run on sequence shards. Those ops must compute each token from
+that token alone, which _token_rule decides from what each op computes, not from a list of models: the
+dimensions its dim arguments name (OpProfile.dims) and its shapes say whether it works inside a token (a norm,
+a Linear over the features, a softmax or top-k over the experts) or across tokens; a reshape keeps the elements'
+order, so the (batch, sequence) dimensions merged into one token dimension (or the (tokens, k) routing slots
+flattened into rows) stay tokens, while a dimension that then holds parts of several tokens (the sequence moved
+into the features) mixes them when an op computes along it; gathers and scatters move whole token rows by
+indices computed from these tokens' routing; a value computed from many tokens (a sort of every row's expert,
+counts per expert) may only say where rows go, never enter a token's values. Ops DTensor runs on [b, s, ...]
+shards as they are (SEQUENCE_LOCAL_OPS: elementwise, norms, casts, dropout, a Linear outside the pairs) get role
+"sequence"; the others (a mixture of experts' routing: the (b s, h) view, router, gathers, grouped matmul,
+combine) get role "sequence_local", and the innermost module around them whose inputs and outputs are [b, s,
+...] shards (the MoE block: HF Mixtral's, Qwen3-MoE's, OLMoE's model.layers.N.mlp) joins the plan with style
+"sequence_local": runtime/tensor_parallel.py runs it on each rank's tokens as plain tensors. Any op that mixes
+tokens (attention left whole, expert-choice routing, the sequence reshaped into features) makes sequence
+parallelism unavailable for the model: TensorParallelFacts.sequence_parallel_problem says which op and why.
 
 Roles per op (TensorParallelFacts.role): "colwise", "rowwise", "interior" (inside a region),
-"head", "embedding", "sequence", or absent (replicated on every tensor-parallel rank).
+"head", "embedding", "sequence", "sequence_local", or absent (replicated on every tensor-parallel rank).
 """
 
 from __future__ import annotations
@@ -127,8 +139,9 @@ class TensorParallelFacts:
     """Everything the cost model and the search need to know about tensor parallelism of a profile."""
 
     plan: dict[str, str]
-    """Module FQN -> "colwise" | "rowwise" | "replicate" (Plan.tensor_parallel_plan; "replicate": a module whose
-    parameters split ops read, a per-head norm's weight)."""
+    """Module FQN -> "colwise" | "rowwise" | "replicate" | "sequence_local" (Plan.tensor_parallel_plan; "replicate":
+    a module whose parameters split ops read, a per-head norm's weight; "sequence_local": a module run on each rank's
+    sequence shard as plain tensors under sequence parallelism, a mixture of experts' block)."""
     role: dict[str, str]
     """Op node -> "colwise", "rowwise", "interior", "head" or "embedding"; absent = replicated."""
     sharded_parameters: frozenset[str]
@@ -359,6 +372,10 @@ class Tokens:
     """Tokens ("tokens")."""
     dims: int = 0
     """Dimensions of the tensor ("tokens": 3 or more for a [b, s, ...] shard DTensor runs ops on)."""
+    picks: bool = False
+    """("routes") Computed by choosing among tokens (a top-k, maximum or count over them, as expert-choice routing
+    picks each expert's tokens), not only by ordering them (a sort of the rows by expert): a gather by it would pick
+    some tokens by the others' values."""
     origin: str = ""
     """("dtensor") The op whose result left the token order."""
     why: str = ""
@@ -415,7 +432,7 @@ def _token_rule(op: OpProfile, tokens: dict[str, Tokens]) -> Tokens | str:
             t is None or t.kind == "routes" for t in inputs) and "grouped" not in traits:
         return "it combines a token's values with one computed from many tokens (a sum, sort or count over them)"
     if all(t is None or t.kind == "routes" for t in inputs):
-        return Tokens("routes")
+        return Tokens("routes", picks=any(t is not None and t.picks for t in inputs))
     data = inputs[0] if inputs and inputs[0] is not None else first
     data_shape = tuple(shapes[0]) if shapes else ()
     if "grouped" in traits:
@@ -428,16 +445,18 @@ def _token_rule(op: OpProfile, tokens: dict[str, Tokens]) -> Tokens | str:
             return "it multiplies two tensors computed from the tokens (it may mix them)"
         if inputs[0] is None or len(data_shape) < 2:
             return "it multiplies the tokens from the left (it may mix them)"
-        return _along(data, data_shape, (len(data_shape) - 1,), keep=True) or _rows_kept(data, data_shape, shape)
+        return _along(data, data_shape, (len(data_shape) - 1,)) or \
+            "it computes along a dimension that holds several tokens"
     if "along" in traits:
         if op.dims is None:
             return "the capture does not say which dimension it computes along"
-        found = _along(data, data_shape, tuple(op.dims or ()), keep=True)
-        return found if isinstance(found, Tokens) else Tokens("routes")
+        found = _along(data, data_shape, tuple(op.dims or ()))
+        ordered = bool(op.dims) and tuple(op.output_shapes[0]) == data_shape  # a sort, a cumsum: no token dropped
+        return found if isinstance(found, Tokens) else Tokens("routes", picks=not ordered)
     if "reduction" in traits or name in NORM_OPS:
         size = _reduced_size(op)
-        return _along(data, data_shape, (len(data_shape) - 1,), keep=True) if size else \
-            "it reduces over dimensions the capture does not show"
+        return (_along(data, data_shape, (len(data_shape) - 1,)) or "it reduces over a dimension that holds tokens") \
+            if size else "it reduces over dimensions the capture does not show"
     if "pointwise" in traits or name in NORM_OPS:
         return _pointwise_rule(op, inputs, data, shape)
     if "reshape" in traits or "view" in traits:
@@ -445,7 +464,7 @@ def _token_rule(op: OpProfile, tokens: dict[str, Tokens]) -> Tokens | str:
     return "no rule says it computes each token from that token alone"
 
 
-def _along(data: Tokens, shape: tuple[int, ...], dims: tuple[int, ...], keep: bool) -> Tokens | str:
+def _along(data: Tokens, shape: tuple[int, ...], dims: tuple[int, ...]) -> Tokens | str:
     """An op computing along `dims` of a tensor holding `data`: its tokens kept when every such dimension lies inside
     a token (a row's features); "" when one does not (the caller decides: routes, or a mixing op)."""
     if not dims:
@@ -455,10 +474,6 @@ def _along(data: Tokens, shape: tuple[int, ...], dims: tuple[int, ...], keep: bo
     if data.kind == "tokens" and all(_dim_kind(shape, data.count, d) == "feature" for d in dims):
         return data
     return ""
-
-
-def _rows_kept(data: Tokens, shape: tuple[int, ...], out: tuple[int, ...]) -> Tokens | str:
-    return "it computes along a dimension that holds several tokens"
 
 
 def _pointwise_rule(op: OpProfile, inputs: list[Tokens | None], data: Tokens, out: tuple[int, ...]) -> Tokens | str:
@@ -509,7 +524,7 @@ def _reshape_rule(op: OpProfile, data: Tokens, in_shape: tuple[int, ...], out: t
             moved = dims
         if not moved:
             return data if data.kind != "tokens" else Tokens("tokens", data.count)
-        found = _along(data, in_shape, tuple(moved), keep=True)
+        found = _along(data, in_shape, tuple(moved))
         return found or "it cuts or moves a dimension that holds tokens"
     if data.kind == "tokens":
         return Tokens("tokens", data.count)
@@ -536,8 +551,10 @@ def _gather_rule(op: OpProfile, inputs: list[Tokens | None], tokens: dict[str, T
         return "it gathers from a tensor not computed from the tokens by indices computed from them"
     if index is None:
         return "it gathers tokens by an index not computed from their routing"
+    if index.kind == "routes" and index.picks:
+        return "it picks tokens by a choice made across them (a top-k or count over the tokens: expert-choice routing)"
     if source.kind == "routes":
-        return Tokens("routes")
+        return Tokens("routes", picks=source.picks)
     if dims != (0,) or not op.input_shapes:
         return "it gathers along a dimension other than the tokens'"
     shape = tuple(op.input_shapes[0])
@@ -555,7 +572,9 @@ def _scatter_rule(op: OpProfile, inputs: list[Tokens | None], tokens: dict[str, 
     if dims != (0,):
         return "it scatters along a dimension other than the tokens'"
     if all(t.kind == "routes" for t in rest) and (target is None or target.kind == "routes"):
-        return Tokens("routes")
+        return Tokens("routes", picks=any(t.picks for t in rest) or (target is not None and target.picks))
+    if any(t.kind == "routes" and t.picks for t in rest):
+        return "it writes tokens at places chosen across them (a top-k or count over the tokens)"
     counts = {t.count for t in tokens.values() if t.kind == "tokens"}
     if target is not None and target.kind == "tokens":
         return target
