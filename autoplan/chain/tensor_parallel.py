@@ -316,8 +316,11 @@ def _sequence_parallel(ops, consumers, role: dict[str, str]) -> tuple[str, list[
                 found = replace(found, why=_dtensor_reason(op, tokens))
         tokens[node] = found
     for node in reached:  # what leaves the shards (to a colwise Linear's all-gather, as an output) is [b, s, ...]
-        if any(role.get(c, "") in ("colwise", "head") for c in consumers[node]) and tokens[node].kind == "routes":
-            return _mixes_tokens(ops[node], "a colwise Linear would gather a value computed from many tokens"), []
+        found = tokens[node]
+        if any(role.get(c, "") in ("colwise", "head") for c in consumers[node]) and not (
+                found.kind == "dtensor" or found.kind == "tokens" and found.dims >= 3):
+            return _mixes_tokens(ops[node], "a colwise Linear would all-gather a tensor that is no [batch, sequence, "
+                                            "...] shard"), []
     for n in reached - set(starts):
         role[n] = "sequence" if _dtensor_sequence_op(ops[n], tokens, tokens[n]) else "sequence_local"
     return _local_modules(ops, consumers, role, tokens)
