@@ -28,10 +28,12 @@ OFFLOAD = ("none", "cpu")
 on the host and steps the optimizer there."""
 COMPILE = ("off", "on")
 """compile.enable: torch.compile per chain module (torchtitan compiles each TransformerBlock)."""
-TENSOR_PARALLEL_STYLES = ("colwise", "rowwise", "replicate")
+TENSOR_PARALLEL_STYLES = ("colwise", "rowwise", "replicate", "sequence_local")
 """tensor_parallel_plan styles: a Linear split by output rows or by input columns, or a module run inside a split
 region whose parameters stay whole (a per-head QK-norm: replicated on the tensor-parallel mesh, gradients summed;
-what torchtitan's Qwen3 plan does for q_norm and k_norm)."""
+what torchtitan's Qwen3 plan does for q_norm and k_norm), or ("sequence_local", with sequence parallelism only) a
+module that computes token by token as a whole and runs on each rank's sequence shard as plain tensors (a mixture
+of experts' routing; its parameters replicated, gradients summed)."""
 ZERO_STAGES = (0, 1, 2, 3)
 
 ALL_FEATURES = frozenset({
@@ -210,6 +212,9 @@ class Scope:
     """A plan's stages, each its modules."""
     tensor_parallel_modules: int | None = None
     """Modules a plan's tensor_parallel_plan shards."""
+    sequence_local_modules: tuple[str, ...] | None = None
+    """Modules that run on each rank's sequence shard as a whole under sequence parallelism (tensor_parallel_plan
+    style "sequence_local": a mixture of experts' routing)."""
     batch_norm_modules: tuple[str, ...] | None = None
     """Modules that normalize over the batch they see (BatchNorm in training mode; chain/batch_statistics.py)."""
     loss_parallel_problem: str | None = None
@@ -451,9 +456,18 @@ def _offload(layout: Layout, scope: Scope) -> list[str]:
 
 
 def _sequence_parallel(layout: Layout, scope: Scope) -> list[str]:
-    """sp=on needs every op between the model's tensor-parallel pairs to compute token by token."""
-    if _positive(layout.tp) and layout.tp > 1 and layout.sp == "on" and scope.sequence_parallel_problem:
+    """sp=on needs every op between the model's tensor-parallel pairs to compute token by token; a module that does
+    so only as a whole (a mixture of experts' routing: runtime/tensor_parallel.py run_on_local_tokens) must be a
+    module the program can wrap, which a pipeline stage's exported graph inlines."""
+    if not (_positive(layout.tp) and layout.tp > 1 and layout.sp == "on"):
+        return []
+    if scope.sequence_parallel_problem:
         return [f"sp=on with tp={layout.tp}: {scope.sequence_parallel_problem} (use sp=off)"]
+    if scope.sequence_local_modules and _positive(layout.pp) and layout.pp > 1:
+        more = f" (and {len(scope.sequence_local_modules) - 1} more)" if len(scope.sequence_local_modules) > 1 else ""
+        return [f"sp=on with tp={layout.tp} and pp={layout.pp}: '{scope.sequence_local_modules[0]}'{more} runs on each "
+                f"rank's sequence shard as a whole module (it routes tokens to experts), and a pipeline stage's "
+                f"exported graph inlines it (use pp=1 or sp=off)"]
     return []
 
 

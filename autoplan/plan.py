@@ -305,6 +305,8 @@ class Plan:
                       global_batch=self.training.global_batch_size, features=features,
                       stage_modules=tuple(s.modules for s in self.stages),
                       tensor_parallel_modules=len(self.tensor_parallel_plan),
+                      sequence_local_modules=tuple(m for m, style in self.tensor_parallel_plan.items()
+                                                   if style == "sequence_local"),
                       batch_norm_modules=self.batch_norm_modules)
         layout = replace(self.parallelism.layout(), compile="on" if self.compile.enable else "off")
         found = problems(layout, scope)

@@ -50,8 +50,9 @@ def _dropout_gpt() -> MatrixModel:
     return MatrixModel("dropout and a tied head (a GPT written from scratch)",
                        (TESTS / "models" / "dropout_gpt.py").read_text(), chain,
                        (chain[:3], chain[3:4], chain[4:5], chain[5:]), plan,
-                       dict(sequence_length=16, sequence_parallel_problem="aten.split.Tensor in blocks.1 would read a "
-                            "sequence shard, and it does not compute token by token"))
+                       dict(sequence_length=16, sequence_parallel_problem="aten.transpose.int in blocks.0 would read a "
+                            "sequence shard, and it does not compute token by token: it cuts or moves a dimension "
+                            "that holds tokens"))
 
 
 def _llama() -> MatrixModel:
@@ -62,10 +63,11 @@ def _llama() -> MatrixModel:
 
 def _mixtral() -> MatrixModel:
     chain = MIXTRAL_CHAIN
+    local = tuple(f"model.layers.{i}.mlp" for i in range(2))  # routed on each tp rank's sequence shard (sp=on)
     return MatrixModel("mixture of experts (examples/mixtral.py)", MOE_SOURCES["mixtral"], chain,
-                       (chain[:1], chain[1:2], chain[2:3], chain[3:]), ATTENTION_TP_PLAN,
-                       dict(sequence_length=8, num_experts=(4, 4), sequence_parallel_problem="aten.view.default in "
-                            "model.layers.1.mlp would read a sequence shard, and it does not compute token by token"))
+                       (chain[:1], chain[1:2], chain[2:3], chain[3:]),
+                       ATTENTION_TP_PLAN | dict.fromkeys(local, "sequence_local"),
+                       dict(sequence_length=8, num_experts=(4, 4), sequence_local_modules=local))
 
 
 RESNET = f'''
@@ -170,7 +172,8 @@ def scope(model_name: str, gpus: int, facts: dict[str, Any] | None = None) -> Sc
     model = models()[model_name]
     return Scope(**{"num_gpus": gpus, "gpus_per_node": MAX_RANKS, "global_batch": GLOBAL_BATCH,
                     "features": SUPPORTED, "num_modules": len(model.chain), "host_link": True, "num_experts": (),
-                    "tensor_parallel_modules": len(model.tensor_parallel_plan),
+                    "tensor_parallel_modules": sum(style in ("colwise", "rowwise")
+                                                   for style in model.tensor_parallel_plan.values()),
                     **(model.facts if facts is None else facts)})
 
 
@@ -281,4 +284,4 @@ def captured_facts(folder: Path, model_name: str) -> dict[str, Any]:
     found = scope_of(Context(profile, cluster, Training(global_batch_size=GLOBAL_BATCH), SUPPORTED))
     return {f: getattr(found, f) for f in ("sequence_parallel_problem", "loss_parallel_problem", "batch_norm_modules",
                                             "sequence_length", "context_parallel_problem", "num_experts",
-                                            "tensor_parallel_problems")}
+                                            "tensor_parallel_problems", "sequence_local_modules")}

@@ -91,8 +91,9 @@ EP_TP_LAYOUTS = {
     ("qwen2_moe", "dp=2,zero=3,ep=2,tp=2"): (SHARED_EXPERT_TP_PLAN, dict(
         data_parallel_shard_degree=2, fsdp_reshard_after_forward="always", expert_parallel_degree=2,
         tensor_parallel_degree=2, enable_sequence_parallel=False, **mb(1, 4))),
-    # sp=on: the search refuses it for these models (their MoE block flattens the sequence-sharded tokens), but
-    # the program runs it: each tp rank routes its share of the tokens (TensorParallelTokens), already distinct
+    # sp=on with a hand-written plan that leaves out the "sequence_local" MoE blocks the search now adds
+    # (tests/test_moe_sequence_parallel.py): the router runs on DTensors and each tp rank routes its share of the
+    # tokens (TensorParallelTokens)
     ("mixtral", "dp=2,zero=1,ep=2,tp=2,sp=on"): (ATTENTION_TP_PLAN, dict(
         data_parallel_shard_degree=2, expert_parallel_degree=2, tensor_parallel_degree=2,
         enable_sequence_parallel=True, **mb(2, 2))),

@@ -113,6 +113,6 @@ def test_the_stated_model_facts_are_the_captured_models(tmp_path, model):
     captured = pm.captured_facts(tmp_path, model)
     stated = pm.scope(model, 2)
     for name in ("sequence_parallel_problem", "loss_parallel_problem", "batch_norm_modules", "sequence_length",
-                 "context_parallel_problem", "num_experts"):
+                 "context_parallel_problem", "num_experts", "sequence_local_modules"):
         assert (getattr(stated, name) or None) == (captured[name] or None), name  # "", () and None: none
     assert (stated.tensor_parallel_problems or (lambda tp: []))(2) == captured["tensor_parallel_problems"](2)

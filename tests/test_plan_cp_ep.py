@@ -175,10 +175,8 @@ def test_sharded_table_divides_by_cp_and_waits_for_the_busiest_expert_rank():
     # none: forward + backward + collectives + ring + all-to-alls; full adds the forward's part of each again
     assert table.time_s("none")[0] == pytest.approx(0.25 + 0.5 + 0.05 + 0.1 + 0.01 + 0.03)
     assert table.time_s("full")[1] == pytest.approx(2.5 / 4 + 5.0 / 4 + 0.08 + 2.5 / 4 + 0.04)
-    # ep with tp and sequence parallelism: each tp rank (2) routes its shard, the busiest rank's experts run on half
-    split = sharded_table(base, replace(sharded, expert_split=2))
-    assert split.forward_s == pytest.approx((1.0 / 4, (2.0 + (1.5 / 2 - 1) * 1.0) / 4))
-    assert split.backward_s == pytest.approx((2.0 / 4, (4.0 + (1.5 / 2 - 1) * 2.0) / 4))
+    # with tp and sequence parallelism each tp rank routes its shard: the MoE ops' roles ("sequence_local") price
+    # forward_1 and expert_forward_1 on its tokens already (tests/test_moe_sequence_parallel.py), nothing more here
 
 
 @pytest.mark.parametrize("shard, tp, ep, replicate, expert_shard, expert_replicate", [
@@ -475,10 +473,10 @@ def test_compiled_experts_with_tensor_parallelism_are_refused_with_the_reason():
 
 
 def test_with_cp_and_tp_the_experts_token_split_is_only_expert_parallel_routing(tmp_path):
-    """ShardedModules.expert_split (tp ranks routing their own share of the tokens) is tp only with ep > 1, sequence
-    parallelism or not (one route per token, runtime/expert_parallel.py TensorParallelTokens); the ring's per-call
-    head split under tp (HF Llama's attention runs inside its tensor-parallel region) must not leak into it, or an
-    ep=1 layout's expert compute would be divided by tp."""
+    """ShardedModules.expert_split (tp ranks routing their own share of the tokens, beyond what the experts' ops'
+    own roles price) is tp only with ep > 1 (one route per token, runtime/expert_parallel.py TensorParallelTokens);
+    the ring's per-call head split under tp (HF Llama's attention runs inside its tensor-parallel region) must not
+    leak into it, or an ep=1 layout's expert compute would be divided by tp."""
     from autoplan.hardware.profiles import load_hardware
     from autoplan.profile import profile_model
     from autoplan.source import load_source
@@ -494,3 +492,4 @@ def test_with_cp_and_tp_the_experts_token_split_is_only_expert_parallel_routing(
     assert ctx._sharded_modules(2, 1, True, 1, 2).expert_split == 2
     assert ctx._sharded_modules(2, 1, False, 2, 2).expert_split == 2
     assert ctx._sharded_modules(2, 1, False, 2, 1).expert_split == 1
+    assert not ctx._experts_on_shards  # no expert op runs on sequence shards (a dense model)

@@ -19,6 +19,13 @@ An op is named by its packet: "aten.linear.default" -> "linear". Its traits:
     mask         saves a one-byte bool mask for backward, whatever the training dtype (dropout)
     linear       nn.Linear's own op (tensor-parallel codegen shards Linear modules by name)
     embedding    nn.Embedding's own op
+    along        computes along the dimensions its dim arguments name (OpProfile.dims), each output element
+                 from the input elements that differ only there: softmax, top-k, sort, cumsum, reductions
+    gathers      selects rows of its first input along its dimension (dim 0 for index) by an index tensor
+    scatters     writes (adds) rows of a source into its first input along its dimension, at an index tensor
+    grouped      a grouped matmul: each row of its first input times the weight of the group its row falls in
+                 (the groups' row offsets: its third input)
+    creates      makes a new tensor from sizes alone (no input's values): arange, zeros, empty
 """
 
 from __future__ import annotations
@@ -52,7 +59,22 @@ masked_fill hardtanh leaky_relu elu mish      | pointwise
 softplus gelu_ silu_ relu_ mul_ add_          | pointwise
 bernoulli rand_like zeros_like ones_like      | pointwise
 dropout native_dropout                        | pointwise mask
-mean sum amax amin var var_mean std logsumexp | reduction
+mean sum amax amin var var_mean std logsumexp | reduction along
+prod max min argmax argmin any all            | along
+softmax _softmax _safe_softmax log_softmax    | along
+topk sort argsort cumsum cumprod histc        | along
+bincount                                      | along
+floor_divide remainder fmod eq ne lt le gt ge | pointwise
+logical_and logical_or logical_not bitwise_and | pointwise
+div_ sub_ floor_divide_ sigmoid_ exp_         | pointwise
+index index_select gather                     | gathers
+index_add index_add_ index_put index_put_     | scatters
+index_copy index_copy_ scatter scatter_       | scatters
+scatter_add scatter_add_ scatter_reduce       | scatters
+_grouped_mm grouped_mm_fallback grouped_mm    | grouped
+arange zeros empty full ones empty_like       | creates
+new_zeros new_empty new_full new_ones         | creates
+zeros_like ones_like full_like                | creates
 linalg_vector_norm norm                       | reduction
 rms_norm _fused_rms_norm layer_norm           | norm
 native_layer_norm                             | norm
@@ -63,7 +85,7 @@ nll_loss_forward nll_loss2d_forward           | loss_parallel loss
 """Each line: op packets | the traits they all have."""
 
 TRAITS = ("view", "reshape", "pointwise", "per_head", "attention", "gemm", "splits", "mask", "reduction", "norm",
-          "loss_parallel", "loss", "linear", "embedding")
+          "loss_parallel", "loss", "linear", "embedding", "along", "gathers", "scatters", "grouped", "creates")
 
 
 def _parse(table: str) -> dict[str, frozenset[str]]:

@@ -31,13 +31,25 @@ sequence with sequence parallelism, else all-reduced). runtime/tensor_parallel.p
 
 Sequence parallelism (Korthikanti et al. 2022): the outputs of rowwise Linears (and of the vocabulary-
 parallel embedding) are reduce-scattered onto the sequence dimension, and the ops that read them up to the
-next colwise Linear or head (which all-gather) run on sequence shards: role "sequence". Those ops must work
-token by token (SEQUENCE_LOCAL_OPS: elementwise, norms, casts, dropout, a Linear outside the pairs); any
-other op reading a sequence shard (attention left whole, a reshape of the sequence) makes sequence
-parallelism unavailable for the model: TensorParallelFacts.sequence_parallel_problem says which op.
+next colwise Linear or head (which all-gather) run on sequence shards. Those ops must compute each token from
+that token alone, which _token_rule decides from what each op computes, not from a list of models: the
+dimensions its dim arguments name (OpProfile.dims) and its shapes say whether it works inside a token (a norm,
+a Linear over the features, a softmax or top-k over the experts) or across tokens; a reshape keeps the elements'
+order, so the (batch, sequence) dimensions merged into one token dimension (or the (tokens, k) routing slots
+flattened into rows) stay tokens, while a dimension that then holds parts of several tokens (the sequence moved
+into the features) mixes them when an op computes along it; gathers and scatters move whole token rows by
+indices computed from these tokens' routing; a value computed from many tokens (a sort of every row's expert,
+counts per expert) may only say where rows go, never enter a token's values. Ops DTensor runs on [b, s, ...]
+shards as they are (SEQUENCE_LOCAL_OPS: elementwise, norms, casts, dropout, a Linear outside the pairs) get role
+"sequence"; the others (a mixture of experts' routing: the (b s, h) view, router, gathers, grouped matmul,
+combine) get role "sequence_local", and the innermost module around them whose inputs and outputs are [b, s,
+...] shards (the MoE block: HF Mixtral's, Qwen3-MoE's, OLMoE's model.layers.N.mlp) joins the plan with style
+"sequence_local": runtime/tensor_parallel.py runs it on each rank's tokens as plain tensors. Any op that mixes
+tokens (attention left whole, expert-choice routing, the sequence reshaped into features) makes sequence
+parallelism unavailable for the model: TensorParallelFacts.sequence_parallel_problem says which op and why.
 
 Roles per op (TensorParallelFacts.role): "colwise", "rowwise", "interior" (inside a region),
-"head", "embedding", "sequence", or absent (replicated on every tensor-parallel rank).
+"head", "embedding", "sequence", "sequence_local", or absent (replicated on every tensor-parallel rank).
 """
 
 from __future__ import annotations
@@ -45,7 +57,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
-from autoplan.chain.ops import ops_with, packet
+from autoplan.chain.ops import OP_TRAITS, ops_with, packet
 from autoplan.plan import LeftWhole
 from autoplan.profile.types import ModelProfile, OpProfile
 
@@ -127,8 +139,9 @@ class TensorParallelFacts:
     """Everything the cost model and the search need to know about tensor parallelism of a profile."""
 
     plan: dict[str, str]
-    """Module FQN -> "colwise" | "rowwise" | "replicate" (Plan.tensor_parallel_plan; "replicate": a module whose
-    parameters split ops read, a per-head norm's weight)."""
+    """Module FQN -> "colwise" | "rowwise" | "replicate" | "sequence_local" (Plan.tensor_parallel_plan; "replicate":
+    a module whose parameters split ops read, a per-head norm's weight; "sequence_local": a module run on each rank's
+    sequence shard as plain tensors under sequence parallelism, a mixture of experts' block)."""
     role: dict[str, str]
     """Op node -> "colwise", "rowwise", "interior", "head" or "embedding"; absent = replicated."""
     sharded_parameters: frozenset[str]
@@ -182,8 +195,9 @@ def tensor_parallel_facts(profile: ModelProfile, vocab_parallel: bool = True,
         _explain_heads(profile, ops, consumers, whole, "the vocabulary-parallel head is off for this search")
     _explain_functional_linears(profile, role, whole)
     left_whole = _left_whole_blocks(whole, role, ops)
-    problem = _sequence_parallel(ops, consumers, role) if role else ""
+    problem, local = _sequence_parallel(ops, consumers, role) if role else ("", [])
     plan, sharded = _module_plan(role, ops)
+    plan.update(dict.fromkeys(local, "sequence_local"))
     unique = {(f.size, f.what): f for f in facts}
     return TensorParallelFacts(plan, role, frozenset(sharded), tuple(sorted(unique.values(), key=lambda f: f.what)),
                                problem, left_whole)
@@ -260,29 +274,358 @@ def _module_plan(role: dict[str, str], ops) -> tuple[dict[str, str], set[str]]:
     return plan, sharded
 
 
-def _sequence_parallel(ops, consumers, role: dict[str, str]) -> str:
-    """Mark the ops that run on sequence shards ("sequence"); returns why they cannot ("" when they can)."""
+def _sequence_parallel(ops, consumers, role: dict[str, str]) -> tuple[str, list[str]]:
+    """Mark the ops that run on sequence shards: "sequence" (on DTensors sharded on the sequence, op by op) or
+    "sequence_local" (inside a module that runs on this rank's tokens as plain tensors: a mixture of experts'
+    routing, runtime/tensor_parallel.py); returns why they cannot ("" when they can) and the modules that run on
+    this rank's tokens as plain tensors."""
     def sequence_output(op: OpProfile) -> bool:  # a [b, s, h] output: the input (rowwise) or indices (embedding)
         shapes = op.input_shapes
         return (len(shapes) > 0 and len(shapes[0]) >= 3) if role[op.node] == "rowwise" and not _is_conv1d(op) else \
             (len(shapes) > 1 and len(shapes[1]) >= 2)
 
-    work = [n for n, r in role.items() if r in ("rowwise", "embedding") and sequence_output(ops[n])]
-    seen = set(work)
-    while work:
-        node = work.pop()
-        for c in consumers[node]:
-            r = role.get(c, "")
-            if r in ("colwise", "head") or c in seen:
-                continue  # a colwise Linear all-gathers the sequence
-            op = ops[c]
-            if r in ("", "sequence") and packet(op) in SEQUENCE_LOCAL_OPS:
-                role[c] = "sequence"
-                seen.add(c)
-                work.append(c)
-                continue
-            where = f" in {op.module}" if op.module else ""
-            return f"{op.op}{where} would read a sequence shard, and it does not compute token by token"
+    starts = [n for n, r in role.items() if r in ("rowwise", "embedding") and sequence_output(ops[n])]
+    reached, frontier = set(starts), list(starts)
+    while frontier:  # every op reading a sequence shard, up to the colwise Linears (which all-gather)
+        for c in consumers[frontier.pop()]:
+            if c not in reached and role.get(c, "") not in ("colwise", "head"):
+                reached.add(c)
+                frontier.append(c)
+    tokens: dict[str, Tokens] = {}
+    for n in starts:  # a rowwise Linear's [b, s, ..., in] input, an embedding's [b, s, ...] indices
+        op = ops[n]
+        shape = tuple(op.input_shapes[0]) if role[n] == "rowwise" and not _is_conv1d(op) else \
+            tuple(op.input_shapes[1]) + (1,)
+        tokens[n] = Tokens("tokens", shape[0] * shape[1], len(shape))
+    for node, op in ops.items():  # topological order: every operand's tokens known before its consumers
+        if node not in reached or node in tokens:
+            continue
+        r = role.get(node, "")
+        if r not in ("", "sequence"):
+            return _mixes_tokens(op, "it is split over the tensor-parallel ranks as well"), []
+        found = _sequence_rule(op, tokens)
+        if isinstance(found, str):
+            before = next((tokens[src] for src in op.inputs if src in tokens and tokens[src].why), None)
+            if before is not None:  # the op that left the token order (DTensor would have run it) says why
+                return _mixes_tokens(ops[before.origin], before.why), []
+            return _mixes_tokens(op, found), []
+        if found.kind == "dtensor" and not found.why:
+            found = replace(found, origin=node, why=next(
+                (tokens[src].why for src in op.inputs if src in tokens and tokens[src].why), ""))
+            if not found.why:
+                found = replace(found, why=_dtensor_reason(op, tokens))
+        tokens[node] = found
+    for node in reached:  # what leaves the shards (to a colwise Linear's all-gather, as an output) is [b, s, ...]
+        found = tokens[node]
+        if any(role.get(c, "") in ("colwise", "head") for c in consumers[node]) and not (
+                found.kind == "dtensor" or found.kind == "tokens" and found.dims >= 3):
+            return _mixes_tokens(ops[node], "a colwise Linear would all-gather a tensor that is no [batch, sequence, "
+                                            "...] shard"), []
+    for n in reached - set(starts):
+        role[n] = "sequence" if _dtensor_sequence_op(ops[n], tokens, tokens[n]) else "sequence_local"
+    return _local_modules(ops, consumers, role, tokens)
+
+
+def _sequence_rule(op: OpProfile, tokens: dict[str, "Tokens"]) -> "Tokens | str":
+    """_token_rule, and the ops DTensor runs on sequence shards as they are (SEQUENCE_LOCAL_OPS on [b, s, ...]
+    shards: a norm, a residual add, a Linear outside the pairs, a mean over the sequence DTensor reduces)."""
+    inputs = [tokens[src] for src in op.inputs if src in tokens]
+    dtensor = packet(op) in SEQUENCE_LOCAL_OPS and all(
+        t.kind == "dtensor" or t.kind == "tokens" and t.dims >= 3 for t in inputs)
+    if any(t.kind == "dtensor" for t in inputs) and not dtensor:
+        return "no rule says it computes each token from that token alone"
+    if not op.output_shapes and not dtensor:
+        return "the capture does not record its output shapes (profile the model again)"
+    found = _token_rule(op, tokens) if not any(t.kind == "dtensor" for t in inputs) else "a DTensor op"
+    if isinstance(found, Tokens) and found.kind == "tokens":
+        found = replace(found, dims=len(_shape(op)))
+    if dtensor and isinstance(found, str) and "pointwise" in OP_TRAITS.get(packet(op), ()) and len(_shape(op)) >= 3:
+        first = next((t for t in inputs if t.kind == "tokens"), None)  # DTensor shards a replicated table alike
+        return Tokens("tokens", first.count, len(_shape(op))) if first else Tokens("dtensor")
+    if dtensor and (isinstance(found, str) or found.kind != "tokens" or found.dims < 3):
+        return Tokens("dtensor")
+    return found
+
+
+def _dtensor_reason(op: OpProfile, tokens: dict[str, "Tokens"]) -> str:
+    """Why `op`, run by DTensor on a shard, leaves the token order (_token_rule's reason)."""
+    found = _token_rule(op, tokens)
+    return found if isinstance(found, str) else "its result is not in token order"
+
+
+def _mixes_tokens(op: OpProfile, why: str) -> str:
+    where = f" in {op.module}" if op.module else ""
+    return f"{op.op}{where} would read a sequence shard, and it does not compute token by token: {why}"
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """What a tensor computed from a sequence shard holds of its tokens (_token_rule):
+    - "tokens": its elements in token order, numel / count of them per token (a [b, s, h] shard, its (b s, h)
+      view, a router's (b s, k) top-k);
+    - "rows": each row (dimension 0) a copy of one token's (or one token-slot's) row, in any order (tokens gathered
+      for their experts);
+    - "routes": computed from many tokens at once (a sort of every row's expert, counts per expert): usable only to
+      say where rows go (a gather's or scatter's index, a grouped matmul's offsets), never as a value of a token;
+    - "dtensor": a DTensor op's result on a shard that is not in token order (a mean over the sequence, which DTensor
+      reduces over the ranks): only ops DTensor runs as they are (SEQUENCE_LOCAL_OPS) may read it."""
+
+    kind: str
+    count: int = 0
+    """Tokens ("tokens")."""
+    dims: int = 0
+    """Dimensions of the tensor ("tokens": 3 or more for a [b, s, ...] shard DTensor runs ops on)."""
+    picks: bool = False
+    """("routes") Computed by choosing among tokens (a top-k, maximum or count over them, as expert-choice routing
+    picks each expert's tokens), not only by ordering them (a sort of the rows by expert): a gather by it would pick
+    some tokens by the others' values."""
+    origin: str = ""
+    """("dtensor") The op whose result left the token order."""
+    why: str = ""
+    """("dtensor") How it did (_token_rule's reason)."""
+
+
+def _shape(op: OpProfile) -> tuple[int, ...]:
+    """The op's (first) output shape; its first input's in a profile without output shapes (what an op DTensor runs
+    as it is keeps)."""
+    if op.output_shapes:
+        return tuple(op.output_shapes[0])
+    return tuple(op.input_shapes[0]) if op.input_shapes else ()
+
+
+def _dim_kind(shape: tuple[int, ...], count: int, d: int) -> str:
+    """Dimension `d` of a tensor holding `count` tokens in token order: "feature" (it lies inside one token),
+    "token" (each index along it one or more whole tokens, or one token's slot: it cuts no token's elements
+    across indices), or "mixed" (one index holds parts of several tokens)."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    per_token = numel // count if count and numel % count == 0 else 0
+    inner = 1
+    for size in shape[d + 1:]:
+        inner *= size
+    if per_token and per_token % (inner * shape[d]) == 0:
+        return "feature"
+    if per_token and (inner % per_token == 0 or per_token % inner == 0):
+        return "token"
+    return "mixed"
+
+
+def _token_rule(op: OpProfile, tokens: dict[str, Tokens]) -> Tokens | str:
+    """What `op`'s output holds of the tokens when it reads tensors computed from a sequence shard (`tokens`
+    holds its inputs'), from what the op computes (chain/ops.py traits, OpProfile.dims, the shapes); or why it
+    mixes tokens. Each token's output depends on that token alone when every op keeps tokens apart: elementwise
+    ops and Linears over the features; reshapes that keep token order (the (b, s) dimensions merged into one
+    token dimension, (tokens, k) routing slots flattened into rows); reductions, softmax, top-k along features
+    (the experts' scores); gathers and scatters that move whole rows by an index computed from these tokens'
+    routing; a grouped matmul over rows; the top-k slots summed back per token."""
+    name = packet(op)
+    shape = _shape(op)
+    traits = OP_TRAITS.get(name, frozenset())
+    inputs = [tokens.get(src) for src in op.inputs]
+    shapes = list(op.input_shapes)
+    first = next((t for t in inputs if t is not None), None)
+    if first is None:
+        return "it reads no tensor computed from the shard"
+    if "gathers" in traits:
+        return _gather_rule(op, inputs, tokens)
+    if "scatters" in traits:
+        return _scatter_rule(op, inputs, tokens, shape)
+    if any(t is not None and t.kind == "routes" for t in inputs) and not all(
+            t is None or t.kind == "routes" for t in inputs) and "grouped" not in traits:
+        return "it combines a token's values with one computed from many tokens (a sum, sort or count over them)"
+    if all(t is None or t.kind == "routes" for t in inputs):
+        return Tokens("routes", picks=any(t is not None and t.picks for t in inputs))
+    data = inputs[0] if inputs and inputs[0] is not None else first
+    data_shape = tuple(shapes[0]) if shapes else ()
+    if "grouped" in traits:
+        if inputs[0] is None or inputs[0].kind == "routes" or any(t is not None and t.kind != "routes"
+                                                                  for t in inputs[1:]):
+            return "its rows, weights and group offsets are not (token rows, weights, routing offsets)"
+        return Tokens("rows")
+    if name in LINEAR_OPS or "gemm" in traits:
+        if sum(t is not None for t in inputs) > 1:
+            return "it multiplies two tensors computed from the tokens (it may mix them)"
+        if inputs[0] is None or len(data_shape) < 2:
+            return "it multiplies the tokens from the left (it may mix them)"
+        return _along(data, data_shape, (len(data_shape) - 1,)) or \
+            "it computes along a dimension that holds several tokens"
+    if "along" in traits:
+        if op.dims is None:
+            return "the capture does not say which dimension it computes along"
+        found = _along(data, data_shape, tuple(op.dims or ()))
+        ordered = bool(op.dims) and tuple(op.output_shapes[0]) == data_shape  # a sort, a cumsum: no token dropped
+        return found if isinstance(found, Tokens) else Tokens("routes", picks=not ordered)
+    if "reduction" in traits or name in NORM_OPS:
+        size = _reduced_size(op)
+        return (_along(data, data_shape, (len(data_shape) - 1,)) or "it reduces over a dimension that holds tokens") \
+            if size else "it reduces over dimensions the capture does not show"
+    if "pointwise" in traits or name in NORM_OPS:
+        return _pointwise_rule(op, inputs, data, shape)
+    if "reshape" in traits or "view" in traits:
+        return _reshape_rule(op, data, data_shape, shape, tokens)
+    return "no rule says it computes each token from that token alone"
+
+
+def _along(data: Tokens, shape: tuple[int, ...], dims: tuple[int, ...]) -> Tokens | str:
+    """An op computing along `dims` of a tensor holding `data`: its tokens kept when every such dimension lies inside
+    a token (a row's features); "" when one does not (the caller decides: routes, or a mixing op)."""
+    if not dims:
+        return ""
+    if data.kind == "rows":
+        return data if all(d > 0 for d in dims) else ""
+    if data.kind == "tokens" and all(_dim_kind(shape, data.count, d) == "feature" for d in dims):
+        return data
+    return ""
+
+
+def _pointwise_rule(op: OpProfile, inputs: list[Tokens | None], data: Tokens, out: tuple[int, ...]) -> Tokens | str:
+    """Elementwise: operands computed from the tokens hold the same tokens alike, and the others (a weight, a
+    constant) broadcast over the token dimensions (size 1 there): no more operands have a size above 1 at a token
+    dimension than there are operands computed from the tokens."""
+    kinds = {t.kind for t in inputs if t is not None}
+    if len(kinds) > 1:
+        return "it combines a tensor in token order with rows gathered in another order"
+    per_token = 0
+    for shape in op.input_shapes:
+        aligned = (1,) * (len(out) - len(shape)) + tuple(shape)
+        per_token += any(size > 1 and _token_dimension(data, out, d) for d, size in enumerate(aligned))
+    if per_token > sum(t is not None for t in inputs):
+        return "it combines the tokens with a tensor that has a value per token not computed from them"
+    if data.kind == "rows":
+        return data
+    return Tokens("tokens", data.count)
+
+
+def _token_dimension(data: Tokens, shape: tuple[int, ...], d: int) -> bool:
+    return d == 0 if data.kind == "rows" else _dim_kind(shape, data.count, d) != "feature"
+
+
+def _reshape_rule(op: OpProfile, data: Tokens, in_shape: tuple[int, ...], out: tuple[int, ...],
+                  tokens: dict[str, Tokens]) -> Tokens | str:
+    """Shape ops. Those keeping the elements' order (view, reshape, flatten, a copy or cast) keep the tokens in
+    order; a split, slice or select keeps them when it cuts along features; a transpose or permute when it moves
+    feature dimensions only. Rows gathered for the experts, viewed as (tokens, k, ...), are the k routing slots of
+    each token in token order (the top-k combine)."""
+    name = packet(op)
+    dims = op.dims
+    if name in ("split", "split_with_sizes", "chunk", "unbind", "narrow", "slice", "select", "transpose", "permute",
+                "expand", "squeeze", "unsqueeze", "as_strided", "t"):
+        if name in ("squeeze", "unsqueeze") and op.output_shapes:
+            moved = ()  # sizes-1 dimensions come and go: the elements keep their order
+        elif name == "t":
+            moved = (0, 1)
+        elif name == "expand":
+            moved = tuple(d for d, (a, b) in enumerate(zip(in_shape[::-1], out[::-1])) if a != b)
+            moved = tuple(len(out) - 1 - d for d in moved)
+            in_shape = out
+        elif dims is None:
+            return "the capture does not say which dimension it cuts or moves"
+        elif name == "permute":
+            moved = tuple(d for d, p in enumerate(dims) if d != p)
+        else:
+            moved = dims
+        if not moved:
+            return data if data.kind != "tokens" else Tokens("tokens", data.count)
+        found = _along(data, in_shape, tuple(moved))
+        return found or "it cuts or moves a dimension that holds tokens"
+    if data.kind == "tokens":
+        return Tokens("tokens", data.count)
+    if data.kind == "rows":
+        if out and in_shape and out[0] == in_shape[0]:
+            return data
+        return _regrouped_slots(out, tokens)
+    return data
+
+
+def _regrouped_slots(out: tuple[int, ...], tokens: dict[str, Tokens]) -> Tokens | str:
+    """Rows viewed as (tokens, k, ...): each token's k routed rows (the combine after the experts), in token order."""
+    counts = {t.count for t in tokens.values() if t.kind == "tokens"}
+    if len(out) >= 2 and out[0] in counts:
+        return Tokens("tokens", out[0])
+    return "it regroups gathered rows other than as (tokens, slots, ...)"
+
+
+def _gather_rule(op: OpProfile, inputs: list[Tokens | None], tokens: dict[str, Tokens]) -> Tokens | str:
+    """A gather moves whole rows of its source by an index computed from the tokens' routing: rows of tokens."""
+    source, index = (inputs + [None, None])[:2]
+    dims = op.dims if op.dims is not None else (0,)
+    if source is None:
+        return "it gathers from a tensor not computed from the tokens by indices computed from them"
+    if index is None:
+        return "it gathers tokens by an index not computed from their routing"
+    if index.kind == "routes" and index.picks:
+        return "it picks tokens by a choice made across them (a top-k or count over the tokens: expert-choice routing)"
+    if source.kind == "routes":
+        return Tokens("routes", picks=source.picks)
+    if dims != (0,) or not op.input_shapes:
+        return "it gathers along a dimension other than the tokens'"
+    shape = tuple(op.input_shapes[0])
+    if source.kind == "tokens" and _dim_kind(shape, source.count, 0) != "token":
+        return "it gathers along a dimension that mixes tokens and features"
+    return Tokens("rows")
+
+
+def _scatter_rule(op: OpProfile, inputs: list[Tokens | None], tokens: dict[str, Tokens],
+                  out: tuple[int, ...]) -> Tokens | str:
+    """A scatter writes (adds) whole rows at indices computed from the tokens' routing: into a tensor made from
+    sizes alone (zeros) or one holding the same tokens."""
+    dims = op.dims if op.dims is not None else (0,)
+    target, rest = (inputs + [None])[0], [t for t in inputs[1:] if t is not None]
+    if dims != (0,):
+        return "it scatters along a dimension other than the tokens'"
+    if all(t.kind == "routes" for t in rest) and (target is None or target.kind == "routes"):
+        return Tokens("routes", picks=any(t.picks for t in rest) or (target is not None and target.picks))
+    if any(t.kind == "routes" and t.picks for t in rest):
+        return "it writes tokens at places chosen across them (a top-k or count over the tokens)"
+    counts = {t.count for t in tokens.values() if t.kind == "tokens"}
+    if target is not None and target.kind == "tokens":
+        return target
+    if target is None and out and out[0] in counts:
+        return Tokens("tokens", out[0])
+    return Tokens("rows")
+
+
+def _dtensor_sequence_op(op: OpProfile, tokens: dict[str, Tokens], found: Tokens) -> bool:
+    """An op DTensor runs on sequence shards as it is: SEQUENCE_LOCAL_OPS reading [b, s, ...] shards (or DTensor
+    results) only."""
+    inputs = [tokens[src] for src in op.inputs if src in tokens]
+    return packet(op) in SEQUENCE_LOCAL_OPS and found.kind in ("tokens", "dtensor") and (
+        found.kind == "dtensor" or found.dims >= 3) and all(t.kind == "dtensor" or t.dims >= 3 for t in inputs)
+
+
+def _local_modules(ops, consumers, role: dict[str, str], tokens: dict[str, Tokens]) -> tuple[str, list[str]]:
+    """Every "sequence_local" op must lie in a module whose inputs and outputs computed from the shard are [b, s, ...]
+    tensors in token order and that holds no split Linear (runtime/tensor_parallel.py runs that module on this rank's
+    tokens as plain tensors); returns why not ("" when they do) and those modules (outermost first)."""
+    members: dict[str, list[str]] = {}
+    for node, op in ops.items():
+        for module in op.module_stack:
+            members.setdefault(module, []).append(node)
+    found: dict[str, str] = {}
+    for node, r in role.items():
+        if r == "sequence_local" and node not in found:
+            module = _local_module(node, ops, consumers, role, tokens, members)
+            if not module:
+                return _mixes_tokens(ops[node], "no module around it takes and returns whole [batch, sequence, ...] "
+                                                "tensors, holding no split Linear, to run on this rank's tokens"), []
+            found.update(dict.fromkeys(members[module], module))
+    return "", sorted(set(found.values()))
+
+
+def _local_module(node: str, ops, consumers, role: dict[str, str], tokens: dict[str, Tokens],
+                  members: dict[str, list[str]]) -> str:
+    """The innermost module around op `node` whose every input and output computed from the sequence shard is a
+    [b, s, ...] tensor in token order and that holds no split Linear ("" when none)."""
+    for module in reversed(ops[node].module_stack):
+        inside = members[module]
+        own = set(inside)
+        boundary = {src for n in inside for src in ops[n].inputs if src not in own} | \
+            {n for n in inside if any(c not in own for c in consumers[n])}
+        if any(role.get(n, "") in ("colwise", "rowwise", "interior", "head", "embedding") for n in inside):
+            return ""
+        if all(src not in tokens or (tokens[src].kind == "tokens" and tokens[src].dims >= 3) for src in boundary):
+            return module
     return ""
 
 

@@ -163,7 +163,7 @@ def _layout(plan: Plan) -> str:
                      f"dp_shard {p.data_parallel_shard_degree}, reshard {p.fsdp_reshard_after_forward}")
     if p.tensor_parallel_degree > 1:
         sequence = ", sequence parallel" if p.enable_sequence_parallel else ""
-        split = sum(style != "replicate" for style in plan.tensor_parallel_plan.values())
+        split = sum(style in ("colwise", "rowwise") for style in plan.tensor_parallel_plan.values())
         parts.append(f"{p.tensor_parallel_degree}-way tensor parallel ({split} Linears{sequence})")
     if p.context_parallel_degree > 1:
         parts.append(f"{p.context_parallel_degree}-way context parallel (ring attention over SDPA, FSDP2 over "

@@ -133,7 +133,9 @@ class ShardedModules:
     collective latencies whole): a rank holds seq/cp tokens of every sequence and the load-balanced ring gives it
     1/cp of the attention too; the experts' compute waits
     for the busiest expert-parallel rank (cost/expert_parallel.py router_imbalance), on its share of the tokens
-    (1/expert_split of them: with ep > 1 each tensor-parallel rank routes its own 1/tp of the tokens)."""
+    (1/tp of them with ep > 1, where each tensor-parallel rank routes its own share: under sequence parallelism
+    through "sequence_local" MoE blocks the experts' ops have a sequence role, so forward_1 and expert_forward_1
+    already price that share and expert_split is 1; else expert_split is tp)."""
 
     cp: int
     expert_forward_s: tuple[float, ...]
@@ -161,8 +163,9 @@ class ShardedModules:
     route_backward_s: tuple[float, ...] = ()
     """The same in the backward (permutation passes), seconds."""
     expert_split: int = 1
-    """Tensor-parallel ranks sharing the expert layers' tokens: tp when ep > 1 (each routes its own 1/tp of them,
-    sequence parallelism or not: runtime/expert_parallel.py TensorParallelTokens), else 1 (each runs them all)."""
+    """Tensor-parallel ranks sharing the expert layers' tokens beyond the base table's share: tp when ep > 1 (each
+    routes its own 1/tp of them: runtime/expert_parallel.py TensorParallelTokens) unless the experts' ops already run
+    on sequence shards ("sequence_local" MoE blocks, priced on 1/tp in the base table), else 1."""
     expert_cheap_forward_s: tuple[float, ...] = ()
     """Per module, the forward of its experts' ops that selective recompute repeats (all experts, whole rows),
     seconds; () without experts."""

@@ -25,7 +25,7 @@ from autoplan.cost.context_parallel import StepCosts, ring_attention_cost
 from autoplan.cost.expert_parallel import expert_parallel_cost, measured_imbalance
 from autoplan.cost.dtypes import activation_scale, bytes_per_element, training_dtype
 from autoplan.cost.memory import LayoutMemory, MemoryInputs, layout_memory
-from autoplan.cost.module_costs import SPLIT_ROLES, ChainCosts, chain_costs
+from autoplan.cost.module_costs import SEQUENCE_ROLES, SPLIT_ROLES, ChainCosts, chain_costs
 from autoplan.hardware.types import Cluster
 from autoplan.layout import expert_folded_ranks, fsdp_wraps
 from autoplan.plan import Parallelism, Training
@@ -55,6 +55,18 @@ class Groups:
     """The ranks holding the same experts' shard, which all-reduce their gradients (dp_replicate, or dp / ep when
     the experts are not sharded), with the tp ranks beside them under sequence parallelism (whose expert gradients
     are each their tokens' share)."""
+
+
+def _sequence_local_numel(profile: ModelProfile, plan: dict[str, str], module_of: dict[str, int],
+                          n: int) -> tuple[float, ...]:
+    """Per chain module, the elements of the parameters of the modules that run on each tp rank's sequence shard
+    (tensor-parallel style "sequence_local"), where the ops reading them run (each counted once)."""
+    local = tuple(fqn + "." for fqn, style in plan.items() if style == "sequence_local")
+    found: list[set[str]] = [set() for _ in range(n)]
+    for op in profile.ops:
+        if op.node in module_of:
+            found[module_of[op.node]].update(p for p in op.params if p in profile.parameters and p.startswith(local))
+    return tuple(float(sum(profile.parameters[p] for p in params)) for params in found)
 
 
 def expert_shard_degree(fsdp: int, ep: int, tp: int = 1) -> int:
@@ -114,6 +126,11 @@ class Context:
         self._expert_nodes = frozenset(n for n, m in owner.items()
                                        if any(m == layer.module or m.startswith(layer.module + ".")
                                               for layer in self.experts))
+        self._experts_on_shards = any(self.facts.role.get(n, "") in SEQUENCE_ROLES for n in self._expert_nodes)
+        """Under sequence parallelism the experts run on each tp rank's sequence shard (their ops' roles)."""
+        self.sequence_local_numel = _sequence_local_numel(profile, self.facts.plan, module_of, len(self.chain))
+        """Per module, the replicated parameter elements that modules run on each tp rank's tokens read (a router's,
+        the experts' at ep = 1): under sequence parallelism their gradients are summed over the tp ranks."""
         self._tables: dict[tuple, ModuleTable] = {}
         self._inputs: dict[tuple[int, int, bool], MemoryInputs] = {}
         self._layouts: dict[tuple, LayoutMemory] = {}
@@ -216,9 +233,13 @@ class Context:
         experts = self._ops_table(self._expert_nodes, tp, microbatch, sp)
         imbalance, all_to_all, route_forward, route_backward = [1.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
         ep_group = self.group(ep, 1)  # folded over the tp ranks first (runtime/expert_parallel.py)
-        split = tp if ep > 1 else 1  # each tp rank routes its own 1/tp of the tokens (TensorParallelTokens)
+        # with ep > 1 each tp rank routes its own 1/tp of the tokens (TensorParallelTokens); with sequence parallelism
+        # through "sequence_local" MoE blocks (chain/tensor_parallel.py) the table already prices the experts' ops on
+        # that share, so only the rows sent are split here
+        rows_split = tp if ep > 1 else 1
+        split = 1 if sp and self._experts_on_shards else rows_split
         for layer, u in zip(self.experts, self._expert_module):
-            tokens = layer.tokens / self.profile.batch_size * microbatch / cp / split
+            tokens = layer.tokens / self.profile.batch_size * microbatch / cp / rows_split
             loads = self.profile.router_loads.get(layer.module)
             measured = measured_imbalance(loads, ep_group.size) if loads else None  # profile --measure
             cost = expert_parallel_cost(layer, tokens, element, ep_group, measured_imbalance=measured,

@@ -158,6 +158,11 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
                                send))
         rank = s % pp
         per_step[rank] += dpc.per_step_s
+        if tp > 1 and par.enable_sequence_parallel:
+            per_step[rank] += sequence_local_gradient_sum_s(
+                [ctx.sequence_local_numel[u] - (ctx.expert_numel[u] if ep > 1 else 0.0) for u in modules], element,
+                par.fsdp_shard_degree,
+                groups.tp)
         updated = (sum(numels) - sum(expert_numels)) / par.fsdp_shard_degree + sum(expert_numels) / expert_shard
         # FSDP2 parameters are DTensors (also over tensor-parallel replicas: runtime/parallel.py); without
         # it, only the tensor-parallel Linears' weights and biases are
@@ -291,6 +296,15 @@ def _recompute(table: ModuleTable, u: int, mode: str) -> float:
 def _sum(a: comm.DataParallelComm, b: comm.DataParallelComm) -> comm.DataParallelComm:
     return comm.DataParallelComm(a.per_microbatch_s + b.per_microbatch_s, a.per_step_s + b.per_step_s,
                                  a.total_s + b.total_s, a.forward_s + b.forward_s)
+
+
+def sequence_local_gradient_sum_s(numels: list[float], element: int, shard: int, tp: comm.Group) -> float:
+    """After backward, the gradients of the replicated parameters that modules run on each tp rank's sequence shard
+    read (a mixture of experts' router, and its experts at ep = 1) hold this rank's tokens' share: they are
+    all-reduced over the tp ranks (runtime/tensor_parallel.py reduce_partial_gradients), each rank its FSDP shard
+    (1/`shard` of them), nothing hiding it. Seconds per step."""
+    nbytes = sum(numels) * element / shard
+    return comm.all_reduce_s(nbytes, tp.size, tp.link, tp.nodes) if nbytes > 0 else 0.0
 
 
 def _data_parallel(ctx: Context, par: Parallelism, groups: Groups, *, module_bytes: list[float],

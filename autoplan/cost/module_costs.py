@@ -33,9 +33,10 @@ from autoplan.profile.types import ModelProfile, OpProfile
 
 SPLIT_ROLES = frozenset({"colwise", "rowwise", "interior", "head"})
 """Tensor-parallel roles whose FLOPs and bytes divide by tp."""
-SEQUENCE_ROLES = frozenset({"sequence"})
+SEQUENCE_ROLES = frozenset({"sequence", "sequence_local"})
 """Roles whose FLOPs, bytes and saved activations divide by tp with sequence parallelism (the ops between the
-pairs run on sequence shards)."""
+pairs run on sequence shards: on DTensors, or inside a module run on the rank's tokens as plain tensors, as a
+mixture of experts' router, experts and all-to-all are)."""
 
 
 def split_roles(sp: bool) -> frozenset[str]:
@@ -244,7 +245,7 @@ def saved_by_mode(module: ModuleCosts, tp: int, scale: float, sp: bool = False,
         return nbytes / tp if split else nbytes
 
     gathered = {"head"} if compiled else {"colwise", "head"}
-    saved_split = {"rowwise", "interior"} | ({"sequence"} | gathered if sp else set())
+    saved_split = {"rowwise", "interior"} | (SEQUENCE_ROLES | gathered if sp else set())
 
     def op_scale(op: OpCost) -> float:
         return 1.0 if not op.saved_scales or (autocast and op.autocast_fp32) else scale

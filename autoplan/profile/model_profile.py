@@ -91,6 +91,30 @@ def _op_timer(graph: OpGraph, model: str, train_dtype: str = "fp32") -> OpTimer:
                    float_dtype)
 
 
+DIM_ARGUMENTS = ("dim", "dims", "dim0", "dim1")
+"""Schema argument names that say which dimensions of its input an op computes along."""
+
+
+def dim_arguments(node: OpNode, graph: OpGraph) -> tuple[int, ...] | None:
+    """The op's dimension arguments (DIM_ARGUMENTS, read from its schema with their defaults), each counted from 0
+    in its first tensor input; None when its schema has none."""
+    schema = getattr(node.target, "_schema", None)
+    refs = node.input_refs()
+    if schema is None or not refs:
+        return None
+    rank = len(graph.meta(refs[0]).shape)
+    found: list[int] | None = None
+    for position, argument in enumerate(schema.arguments):
+        if argument.name not in DIM_ARGUMENTS:
+            continue
+        value = node.kwargs[argument.name] if argument.name in node.kwargs else \
+            node.args[position] if position < len(node.args) and not argument.kwarg_only else argument.default_value
+        found = found or []
+        values = value if isinstance(value, (list, tuple)) else () if value is None else (value,)
+        found += [int(v) % rank if rank else 0 for v in values if isinstance(v, int)]
+    return None if found is None else tuple(found)
+
+
 def profile_graph(graph: OpGraph, model: str, batch_size: int, hardware: HardwareProfile, measure: bool,
                   dtype: str = "fp32") -> ModelProfile:
     """Profile every op of `graph`. `dtype`, the training dtype, names the hardware peak the roofline uses
@@ -141,6 +165,7 @@ def profile_graph(graph: OpGraph, model: str, batch_size: int, hardware: Hardwar
             time_bwd_s=time_bwd,
             source=source,
             output_shapes=tuple(tuple(meta.shape) for meta in node.outputs),
+            dims=dim_arguments(node, graph),
         ))
     op_failures = [f"{op}: not replayed on fake tensors, counted as 0 FLOPs and nothing saved ({error})"
                    for op, error in sorted(replay_errors.items())]

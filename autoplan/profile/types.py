@@ -51,6 +51,12 @@ class OpProfile:
     output_shapes: tuple[tuple[int, ...], ...] = ()
     """Shapes of the tensor outputs, in order (empty in profiles saved before they were recorded): which
     dimensions an op keeps, e.g. a norm's reduction over the head dimension only."""
+    dims: tuple[int, ...] | None = None
+    """The dimensions the op computes along, from its schema's int arguments named dim, dims, dim0 or dim1 (a
+    softmax's, topk's, sort's, an index_add's dimension, the dimensions a sum reduces, a transpose's two),
+    counted from 0 in its first input; () when it takes such an argument left unset (a sum over everything);
+    None when it takes none or the profile predates them. Which dimensions an op mixes, where shapes alone
+    cannot tell (chain/tensor_parallel.py: what runs on sequence shards)."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,7 @@ class ModelProfile:
                 "params": tuple(op["params"]),
                 "input_shapes": tuple(tuple(s) for s in op["input_shapes"]),
                 "output_shapes": tuple(tuple(s) for s in op.get("output_shapes", ())),
+                "dims": tuple(op["dims"]) if op.get("dims") is not None else None,
             })
             for op in raw.pop("ops")
         )

@@ -273,18 +273,25 @@ def parallelize_experts(module: nn.Module, device_type: str, dp: int, ep: int,
 class TensorParallelTokens:
     """One route per token under tensor parallelism (the experts are left out of the tensor-parallel plan: each
     expert stays whole on its rank, ETP 1, and the ep group may span tp ranks). The experts module's inputs are the
-    tokens the tp ranks hold: DTensors on the tp mesh with sequence parallelism (the router ran on them), each rank
-    routing its share (Shard(0) of the (tokens, hidden) rows; the output is that share again); plain tensors without
-    it, the same on every tp rank, of which each rank routes its 1/tp slice of the rows, the outputs all-gathered
-    after (torchtitan's ReordererSequenceParallel). In backward the gather's gradient is each rank's slice (the
-    ranks' gradients of replicated activations are the same) and the slice's gradient is all-gathered."""
+    tokens the tp ranks hold: this rank's own tokens as plain tensors when its MoE block runs on the rank's sequence
+    shard (runtime/tensor_parallel.py run_on_local_tokens, the plan's "sequence_local" modules, which set
+    `local_tokens`), routed as they are; DTensors on the tp mesh with sequence parallelism in a plan without them
+    (the router ran on DTensors), each rank routing its share (Shard(0) of the (tokens, hidden) rows; the output is
+    that share again); plain tensors without sequence parallelism, the same on every tp rank, of which each rank
+    routes its 1/tp slice of the rows, the outputs all-gathered after (torchtitan's ReordererSequenceParallel). In
+    backward the gather's gradient is each rank's slice (the ranks' gradients of replicated activations are the
+    same) and the slice's gradient is all-gathered. Either way a rank's expert gradients are its tokens' share,
+    summed over the ranks holding the same experts (ExpertParallel)."""
 
     def __init__(self, tp_mesh: DeviceMesh) -> None:
         self.mesh = tp_mesh
         """The plan's tensor-parallel mesh."""
+        self.local_tokens = False
+        """Whether the module's plain-tensor inputs are this rank's own tokens (set by run_on_local_tokens)."""
 
     def wrap(self, module: nn.Module) -> None:
         inner = module.forward
+        module.tensor_parallel_tokens = self
 
         def forward(hidden_states, top_k_index, top_k_weights):
             return self(inner, hidden_states, top_k_index, top_k_weights)
@@ -295,6 +302,8 @@ class TensorParallelTokens:
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
         dtensor = isinstance(hidden_states, DTensor)
+        if self.local_tokens and not dtensor:  # this rank's own tokens: its MoE block runs on its sequence shard
+            return inner(hidden_states, top_k_index, top_k_weights)
         mesh = hidden_states.device_mesh if dtensor else self.mesh
         if mesh.ndim != 1:
             raise NotImplementedError(f"expert parallelism with tensor parallelism takes the tokens on a 1-D "

@@ -12,7 +12,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-RUNTIME_API = 5
+RUNTIME_API = 6
 """Bump it (and RUNTIME_API in codegen/templates/train.py) with any change to what a train.py calls that a
 train.py generated before would call wrongly, or that one generated now would not find in an autoplan before:
 a name added, removed or renamed, a signature, a meaning. A train.py reaches autoplan through autoplan.runtime
@@ -20,7 +20,10 @@ a name added, removed or renamed, a signature, a meaning. A train.py reaches aut
 name (tests/test_codegen.py). 5: runtime.exit_skipping_teardown and runtime.load_source (train.py imported
 autoplan.procs and autoplan.source directly, so on an autoplan without procs it died of an ImportError before
 its check); autoplan.init_mesh(timeout_s=) for the process group's timeout; the tensor-parallel plan's
-'replicate' style (a norm's weight inside a split region, a replicated DTensor whose gradient is summed)."""
+'replicate' style (a norm's weight inside a split region, a replicated DTensor whose gradient is summed).
+6: the tensor-parallel plan's 'sequence_local' style (a MoE block run on each rank's sequence shard); the expert
+mesh folded over dp_shard x cp x tp (a plan's expert_parallel_degree may span tensor-parallel ranks, which an
+autoplan before would split over data-parallel ranks only)."""
 
 MISMATCH_EXIT_CODE = 2
 """What a program exits with on a mismatch: 2, the exit code of autoplan's own user errors (the user fixes

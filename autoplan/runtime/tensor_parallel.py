@@ -42,7 +42,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from autoplan.errors import UserError
 from autoplan.runtime.sequence_gather import SequenceGather
 
-STYLES = ("colwise", "rowwise", "replicate")
+STYLES = ("colwise", "rowwise", "replicate", "sequence_local")
 
 
 def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, str],
@@ -60,10 +60,11 @@ def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, s
     styles = {}
     gather = SequenceGather()
     replicated = [fqn for fqn, style in plan.items() if style == "replicate"]
+    local = [fqn for fqn, style in plan.items() if style == "sequence_local"]
     for fqn, style in plan.items():
         if style not in STYLES:
             raise UserError(f"tensor-parallel style of {fqn!r} must be one of {STYLES}, got {style!r}")
-        if style == "replicate":
+        if style in ("replicate", "sequence_local"):
             continue
         try:
             layer = module.get_submodule(fqn)
@@ -108,9 +109,70 @@ def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, s
     if sequence_parallel:
         gather.attach_release(module)
         replicate_parameters(module, tp_mesh)
+        for fqn in local:
+            run_on_local_tokens(_submodule(module, fqn, "sequence_local"), tp_mesh)
         module.register_forward_pre_hook(_float_inputs_replicated(tp_mesh), with_kwargs=True)
     module.register_forward_hook(outputs_to_plain)
     return module
+
+
+def _submodule(module: nn.Module, fqn: str, style: str) -> nn.Module:
+    try:
+        return module.get_submodule(fqn)
+    except AttributeError:
+        raise UserError(f"the tensor-parallel plan names {fqn!r} ({style}), which the model does not have (a "
+                        "pipeline stage's graph inlines it)") from None
+
+
+def run_on_local_tokens(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Sequence parallelism through a module that computes token by token but not op by op on DTensors (a mixture
+    of experts: its router flattens (batch, sequence) into tokens, gathers them per expert and scatters them back;
+    chain/tensor_parallel.py's "sequence_local"): it runs on this rank's sequence shard as plain tensors. Its
+    [b, s, ...] DTensor inputs sharded on the sequence enter as their local shards and its outputs leave as such
+    DTensors again; its tensor-parallel parameters (replicated DTensors) enter as their local tensors whose gradient
+    is Partial (this rank's tokens' share), which reduce_partial_gradients sums over the ranks after backward, as
+    for a norm's weight. Parameters on another mesh (experts sharded over expert parallelism) are left as they are:
+    their experts module routes this rank's tokens as they are (runtime/expert_parallel.py TensorParallelTokens,
+    told so here), and ExpertParallel sums their gradients over the ranks holding the same experts."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    inner = module.forward
+    for sub in module.modules():
+        tokens = getattr(sub, "tensor_parallel_tokens", None)
+        if tokens is not None:
+            tokens.local_tokens = True
+
+    def local(t):
+        if isinstance(t, DTensor) and t.device_mesh == tp_mesh and tuple(t.placements) == (Shard(1),):
+            return t.to_local(grad_placements=[Shard(1)])
+        if isinstance(t, DTensor):
+            raise UserError(f"sequence parallel: {type(module).__name__} takes a {tuple(t.placements)} DTensor, "
+                            "expected one sharded on the sequence (dimension 1)")
+        return t
+
+    def forward(*args, **kwargs):
+        from torch.utils import _pytree as pytree
+
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, DTensor)]
+        if not inputs:  # inside a module that runs on local tokens already
+            return inner(*args, **kwargs)
+        args, kwargs = pytree.tree_map(local, (args, kwargs))
+        saved = {}
+        for owner in module.modules():
+            for name, param in owner._parameters.items():
+                if isinstance(param, DTensor) and param.device_mesh == tp_mesh:
+                    saved[(owner, name)] = param
+        try:
+            for (owner, name), param in saved.items():
+                owner._parameters[name] = param.to_local(grad_placements=[Partial()])
+            output = inner(*args, **kwargs)
+        finally:
+            for (owner, name), param in saved.items():
+                owner._parameters[name] = param
+        return pytree.tree_map(lambda t: DTensor.from_local(t, tp_mesh, [Shard(1)], run_check=False)
+                               if isinstance(t, torch.Tensor) and t.dim() >= 2 else t, output)
+
+    module.forward = forward
 
 
 def _tied_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
