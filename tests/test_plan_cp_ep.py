@@ -493,3 +493,24 @@ def test_with_cp_and_tp_the_experts_token_split_is_only_expert_parallel_routing(
     assert ctx._sharded_modules(2, 1, False, 2, 2).expert_split == 2
     assert ctx._sharded_modules(2, 1, False, 2, 1).expert_split == 1
     assert not ctx._experts_on_shards  # no expert op runs on sequence shards (a dense model)
+
+
+@pytest.mark.parametrize("ep", [1, 4])
+def test_expert_compute_is_its_own_part_of_the_step_and_the_parts_still_sum_to_it(olmoe_context, ep):
+    """time_breakdown["expert_compute"]: the experts' ops out of "compute" (the busiest expert-parallel rank's at
+    ep > 1), m micro-batches of Context.expert_compute_s on one stage; the parts still sum to the step time, and
+    the model's expert compute plus the rest equals the compute priced before the split."""
+    from autoplan.cost.evaluate import build_problem, evaluate
+    from autoplan.cost.problem import Split
+
+    ctx = olmoe_context
+    par = Parallelism(data_parallel_shard_degree=8, fsdp_reshard_after_forward="always", expert_parallel_degree=ep,
+                      pipeline_parallel_microbatch_size=1, pipeline_parallel_num_microbatches=1)
+    problem = build_problem(ctx, par, ("none",))
+    predicted = evaluate(ctx, par, problem, problem.uniform(Split((0, len(ctx.chain)))), True).predicted
+    parts = predicted.time_breakdown
+    assert sum(parts.values()) == pytest.approx(predicted.step_time_s)
+    expert = sum(ctx.expert_compute_s(1, 1, False, 1, ep))
+    assert parts["expert_compute"] == pytest.approx(expert) and expert > 0
+    table = ctx.table(1, 1, False, True, 1, ep)
+    assert parts["compute"] + parts["expert_compute"] == pytest.approx(sum(table.forward_s) + sum(table.backward_s))

@@ -45,7 +45,7 @@ MAX_FACTOR = 10.0
 """Largest change of a time one refit makes (either way)."""
 MIN_EFFICIENCY = 0.01
 """Efficiencies stay in [MIN_EFFICIENCY, 1] (the loader requires (0, 1])."""
-MEASURED_ON_CPU = ("compute", "recompute", "bubble")
+MEASURED_ON_CPU = ("compute", "expert_compute", "recompute", "bubble")
 """Breakdown parts that a plan for "cpu" takes from measured op times, not from profile factors."""
 
 

@@ -132,6 +132,7 @@ class Context:
         """Per module, the replicated parameter elements that modules run on each tp rank's tokens read (a router's,
         the experts' at ep = 1): under sequence parallelism their gradients are summed over the tp ranks."""
         self._tables: dict[tuple, ModuleTable] = {}
+        self._expert_compute: dict[tuple, tuple[float, ...]] = {}
         self._inputs: dict[tuple[int, int, bool], MemoryInputs] = {}
         self._layouts: dict[tuple, LayoutMemory] = {}
 
@@ -204,6 +205,27 @@ class Context:
                     if cp > 1 else None  # a rank's tokens: its kernels launch and its weights stream whole
                 self._tables[key] = sharded_table(base, self._sharded_modules(tp, microbatch, key[2], cp, ep), rank)
         return self._tables[key]
+
+    def expert_compute_s(self, tp: int, microbatch: int, sp: bool = False, cp: int = 1,
+                         ep: int = 1) -> tuple[float, ...]:
+        """Per module, the share of table(...).forward_s + backward_s that is its experts' ops, per micro-batch:
+        (expert_forward_1 + expert_backward_1) x imbalance / expert_split / cp, as sharded_table prices them (the
+        busiest expert-parallel rank on its share of the tokens; at cp > 1 the experts' kernels on the whole
+        sequence / cp). 0 for modules without experts."""
+        key = (tp, microbatch, sp and tp > 1, self.compiled, cp, ep)
+        if key not in self._expert_compute:
+            n = len(self.chain)
+            if not self._expert_nodes:
+                self._expert_compute[key] = (0.0,) * n
+            elif cp == 1 and ep == 1:
+                experts = self._ops_table(self._expert_nodes, tp, microbatch, key[2])
+                self._expert_compute[key] = tuple(f + b for f, b in zip(experts.forward_s, experts.backward_s))
+            else:
+                s = self._sharded_modules(tp, microbatch, key[2], cp, ep)
+                self._expert_compute[key] = tuple(
+                    (f + b) * i / s.expert_split / cp
+                    for f, b, i in zip(s.expert_forward_s, s.expert_backward_s, s.imbalance))
+        return self._expert_compute[key]
 
     def _part_table(self, costs: ChainCosts, tp: int, microbatch: float, sp: bool,
                     loss_parallel: bool = True, autocast: bool = False) -> ModuleTable:

@@ -15,7 +15,7 @@ Step time (seconds), p pipeline ranks with v stages each, m micro-batches, q the
 
 Context parallelism (cp) and expert parallelism (ep) change the module table (cost/compute.py sharded_table):
 every module's compute, collectives and activations on seq/cp tokens, the experts' compute times the router
-imbalance, plus each module's exposed ring traffic (breakdown "context_parallel_comm") and expert all-to-alls
+imbalance (its own breakdown part "expert_compute", out of "compute": Context.expert_compute_s), plus each module's exposed ring traffic (breakdown "context_parallel_comm") and expert all-to-alls
 ("expert_parallel_comm"), in its slot like the tensor-parallel collectives; a pipeline's boundary sends carry
 the rank's seq/cp share from the first module calling attention on, the whole sequence before it
 (Context.rank_cut_bytes, as the program exports its stages). Gradients are reduced over the
@@ -107,6 +107,7 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     groups = ctx.groups(par)
     element = bytes_per_element(ctx.dtype)
     own, tied = ctx.module_numel(tp, ep), ctx.group_numel(tp)
+    expert_compute = ctx.expert_compute_s(tp, mbs, par.enable_sequence_parallel, cp, ep) if ctx.experts else None
     # with ep = 1 the experts are parameters like the others (in their module's FSDP2 unit or DDP bucket)
     experts = ctx.module_expert_numel(ep) if ep > 1 else [0.0] * len(own)
     expert_shard = expert_shard_degree(par.fsdp_shard_degree, ep, par.tensor_parallel_degree)
@@ -143,9 +144,12 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
         if any(expert_numels) and not par.sharded:  # beside DDP: the experts' gradients, over their replicas
             dpc = _sum(dpc, comm.ddp_comm(sum(expert_bytes) * calibration.GRADIENT_REDUCE_BYTES / ctx.dtype_bytes,
                                           groups.expert_replicate, window["backward_s"] * ctx.cluster.gpu.comm_overlap))
-        part = {"compute": forward + backward, "recompute": recompute,
+        expert = min(forward + backward, sum(expert_compute[u] for u in modules)) if expert_compute else 0.0
+        part = {"compute": forward + backward - expert, "recompute": recompute,
                 "tensor_parallel_comm": tp_forward + tp_backward, "data_parallel_comm": dpc.per_microbatch_s,
                 "pipeline_comm": host + slowdown * (forward + backward + recompute)}
+        if expert_compute is not None:
+            part["expert_compute"] = expert
         if cp > 1:
             part["context_parallel_comm"] = sum(table.cp_forward_s[u] + table.cp_backward_s[u] for u in modules)
         if ep > 1:
