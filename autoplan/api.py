@@ -189,7 +189,7 @@ def plan_model(
     if warning:
         log.warning("%s", warning)
     alternatives = tuple(Alternative.of(c) for c in _next_best(result.candidates, best, 5))
-    alternatives += tuple(Alternative.of(c) for c in _fastest_without_experts_split(result.candidates, best)
+    alternatives += tuple(Alternative.of(c) for c in _fastest_of_the_other_expert_split(result.candidates, best)
                           if Alternative.of(c) not in alternatives)
     plan = Plan(
         model=ModelRef(path=str(source.path), factory=source.factory_name, param_count=profile.param_count),
@@ -372,13 +372,13 @@ def _pins_for_capture(pins, profile: ModelProfile, warn: bool = True):
     return replace(pins, pp=1)
 
 
-def _fastest_without_experts_split(candidates, best) -> list:
-    """With ep > 1 chosen, the fastest priced layout with ep=1 (what expert parallelism is measured against in
-    the report and the summary); else nothing."""
-    if best.parallelism.expert_parallel_degree == 1:
-        return []
-    others = [c for c in candidates if c.parallelism.expert_parallel_degree == 1 and c.predicted is not None]
-    return sorted(others, key=lambda c: (not c.fits, c.predicted.step_time_s))[:1]
+def _fastest_of_the_other_expert_split(candidates, best) -> list:
+    """On a model with expert layers, the fastest priced layout of the other kind than the plan's: with ep=1 when
+    the plan splits the experts (ep > 1), with ep > 1 when it does not (what the report and the summary measure
+    expert parallelism by); else nothing."""
+    from autoplan.report.rollup import fastest_by_expert_split
+
+    return fastest_by_expert_split(candidates, exclude_ep=best.parallelism.expert_parallel_degree)
 
 
 def _next_best(candidates, best, count: int):

@@ -310,7 +310,7 @@ def summary(plan, out: str | None) -> Group:
         with_sp = pred.memory_breakdown.get("activations", 0.0)
         head.add_row("activations", f"{with_sp / gib:.2f} GiB with sequence parallel, "
                      f"{pred.activations_without_sequence_parallel_bytes / gib:.2f} GiB without (sp=off)")
-    if p.expert_parallel_degree > 1:
+    if _has_experts(plan):
         head.add_row("experts", _expert_parallel_line(plan))
     if p.enable_cpu_offload:
         head.add_row("host", f"{pred.host_memory_per_node_bytes / gib:,.0f} GiB of host memory per node (CPU offload: "
@@ -344,20 +344,34 @@ def _tensor_parallel_text(plan) -> str:
     return "\n".join(lines + (whole or ["every Linear is split"]))
 
 
+def _has_experts(plan) -> bool:
+    """The plan's model has expert layers: it splits them, prices their compute, or an alternative splits them."""
+    return (plan.parallelism.expert_parallel_degree > 1 or "expert_compute" in plan.predicted.time_breakdown
+            or any(a.parallelism.expert_parallel_degree > 1 for a in plan.alternatives))
+
+
 def _expert_parallel_line(plan) -> str:
-    """Why the plan splits the experts: its memory beside the same layout's with ep=1, and the fastest layout with
-    ep=1 (from plan.alternatives) beside its step time."""
+    """Why the plan splits the experts or not: its expert compute, all-to-all and memory (with ep > 1, beside the
+    same layout's with ep=1), and the fastest layout of the other kind (plan.alternatives: ep=1 when the plan has
+    ep > 1, ep > 1 when it has ep=1) beside its step time."""
     from autoplan.solve.layouts import describe
 
     p, pred, gib = plan.parallelism, plan.predicted, 2**30
-    line = f"ep={p.expert_parallel_degree}: {pred.peak_memory_bytes / gib:.2f} GiB peak"
-    if pred.peak_memory_without_expert_parallel_bytes is not None:
+    split = p.expert_parallel_degree > 1
+    parts = pred.time_breakdown
+    spent = [f"{_seconds(parts['expert_compute'])} expert compute"] if "expert_compute" in parts else []
+    if split:
+        spent.append(f"{_seconds(parts.get('expert_parallel_comm', 0.0))} all-to-all")
+    line = f"ep={p.expert_parallel_degree}: " + "".join(f"{s}, " for s in spent) + \
+        f"{pred.peak_memory_bytes / gib:.2f} GiB peak"
+    if split and pred.peak_memory_without_expert_parallel_bytes is not None:
         line += f", the same layout with ep=1 {pred.peak_memory_without_expert_parallel_bytes / gib:.2f} GiB"
-    single = [a for a in plan.alternatives if a.parallelism.expert_parallel_degree == 1 and a.step_time_s]
-    if single:
-        fastest = single[0]
+    other = [a for a in plan.alternatives if (a.parallelism.expert_parallel_degree > 1) != split and a.step_time_s]
+    if other:
+        fastest = other[0]
         fits = "" if fastest.fits else ", does not fit"
-        line += (f"; the fastest layout with ep=1 ({describe(fastest.parallelism)}) takes "
+        kind = "ep=1" if split else "ep > 1"
+        line += (f"; the fastest layout with {kind} ({describe(fastest.parallelism)}) takes "
                  f"{_seconds(fastest.step_time_s)}/step ({fastest.step_time_s / pred.step_time_s:.2f}x), "
                  f"{fastest.peak_memory_bytes / gib:.2f} GiB{fits}")
     return line

@@ -411,8 +411,8 @@ def test_the_experts_fsdp_collectives_add_to_their_modules_and_hide_behind_the_s
 
 
 def test_the_summary_says_why_the_experts_are_split():
-    """The CLI summary's experts row: the plan's peak beside the same layout's with ep=1, and the fastest ep=1
-    layout (plan.json alternatives) with its step time as a multiple of the plan's."""
+    """The CLI summary's experts row: the plan's expert compute, all-to-all and peak beside the same layout's with
+    ep=1, and the fastest ep=1 layout (plan.json alternatives) with its step time as a multiple of the plan's."""
     from dataclasses import replace
 
     from report_fixtures import make_plan
@@ -423,12 +423,36 @@ def test_the_summary_says_why_the_experts_are_split():
     plan = make_plan(pp=1, dp=8, microbatches=2)
     single = Alternative(parallelism=plan.parallelism, step_time_s=plan.predicted.step_time_s * 1.25,
                          peak_memory_bytes=70 * 2**30, fits=True, reason="25% slower than the best")
+    parts = {**plan.predicted.time_breakdown, "expert_compute": 0.02, "expert_parallel_comm": 0.005}
     plan = replace(plan, parallelism=replace(plan.parallelism, expert_parallel_degree=8), alternatives=(single,),
-                   predicted=replace(plan.predicted, peak_memory_bytes=60 * 2**30,
+                   predicted=replace(plan.predicted, peak_memory_bytes=60 * 2**30, time_breakdown=parts,
                                      peak_memory_without_expert_parallel_bytes=90 * 2**30))
     line = _expert_parallel_line(plan)
-    assert line.startswith("ep=8: 60.00 GiB peak, the same layout with ep=1 90.00 GiB; the fastest layout with ep=1 (")
+    assert line.startswith("ep=8: 20.0 ms expert compute, 5.0 ms all-to-all, 60.00 GiB peak, the same layout with "
+                           "ep=1 90.00 GiB; the fastest layout with ep=1 ("), line
     assert line.endswith("(1.25x), 70.00 GiB"), line
+
+
+def test_the_summary_names_the_fastest_expert_split_when_the_plan_keeps_the_experts_whole():
+    """With ep=1 chosen on a model with experts, the row names the fastest ep > 1 layout of plan.alternatives."""
+    from dataclasses import replace
+
+    from report_fixtures import make_plan
+
+    from autoplan.cli import _expert_parallel_line, _has_experts
+    from autoplan.plan import Alternative
+
+    plan = make_plan(pp=1, dp=8, microbatches=2)
+    split = Alternative(parallelism=replace(plan.parallelism, expert_parallel_degree=4),
+                        step_time_s=plan.predicted.step_time_s * 1.5, peak_memory_bytes=50 * 2**30, fits=True,
+                        reason="50% slower than the best")
+    parts = {**plan.predicted.time_breakdown, "expert_compute": 0.02}
+    plan = replace(plan, alternatives=(split,), predicted=replace(plan.predicted, peak_memory_bytes=60 * 2**30,
+                                                                   time_breakdown=parts))
+    assert _has_experts(plan) and not _has_experts(make_plan(pp=1, dp=8, microbatches=2))
+    line = _expert_parallel_line(plan)
+    assert line.startswith("ep=1: 20.0 ms expert compute, 60.00 GiB peak; the fastest layout with ep > 1 ("), line
+    assert line.endswith("(1.50x), 50.00 GiB"), line
 
 
 def test_pipeline_sends_carry_the_rank_share_from_the_first_attention_module_on():
@@ -514,3 +538,30 @@ def test_expert_compute_is_its_own_part_of_the_step_and_the_parts_still_sum_to_i
     assert parts["expert_compute"] == pytest.approx(expert) and expert > 0
     table = ctx.table(1, 1, False, True, 1, ep)
     assert parts["compute"] + parts["expert_compute"] == pytest.approx(sum(table.forward_s) + sum(table.backward_s))
+
+
+def test_the_search_prices_the_fastest_layout_without_expert_parallelism_beside_the_plan(olmoe_context):
+    """On 8 GPUs the tiny OLMoE's plan splits its experts and the branch and bound stops before pricing any ep=1
+    layout; the search then prices the fastest ep=1 layout on its own, the plan's alternatives carry it (api.py) and
+    the report's experts section shows both with the candidates' expert compute, all-to-all and memory."""
+    from autoplan.api import _fastest_of_the_other_expert_split
+    from autoplan.report.html import experts_section
+    from autoplan.report.svg import fmt_bytes, fmt_seconds
+
+    result = search(olmoe_context.profile, cluster(8), Training(8, "bf16"), parse_pins(""), features=CP_EP)
+    best = result.best
+    assert best.parallelism.expert_parallel_degree > 1
+    other = _fastest_of_the_other_expert_split(result.candidates, best)
+    assert len(other) == 1 and other[0].parallelism.expert_parallel_degree == 1 and other[0].fits
+    assert other[0] in result.candidates
+    section = experts_section(None, result.candidates, best)
+    rows = section.split("<tr")[2:]
+    assert len(rows) == 2
+    for row, c in zip(rows, (best, other[0])):
+        parts = c.predicted.time_breakdown
+        assert parts["expert_compute"] > 0
+        assert f">{fmt_seconds(c.predicted.step_time_s)}<" in row
+        assert f">{fmt_seconds(parts['expert_compute'])}<" in row
+        assert f">{fmt_seconds(parts.get('expert_parallel_comm', 0.0))}<" in row
+        assert f">{fmt_bytes(c.predicted.peak_memory_bytes)}<" in row
+    assert best.predicted.time_breakdown["expert_parallel_comm"] > 0

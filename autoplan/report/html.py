@@ -13,8 +13,8 @@ from typing import Any
 
 from autoplan.plan import Alternative
 from autoplan.report import charts, verify_view
-from autoplan.report.rollup import (SCHEDULE_NAMES, chosen_candidate, describe_layout, ideal_scaling, plural,
-                                    memory_segments, module_times, ranked_candidates)
+from autoplan.report.rollup import (SCHEDULE_NAMES, chosen_candidate, describe_layout, fastest_by_expert_split,
+                                    ideal_scaling, plural, memory_segments, module_times, ranked_candidates)
 from autoplan.report.schedule import makespan_s, step_schedule
 from autoplan.report.svg import ACCENT, esc, fmt_bytes, fmt_number, fmt_seconds
 
@@ -98,6 +98,7 @@ def render_report(result, verify: dict | None = None, scaling: list[tuple] | Non
     sections = [
         ("summary", "Summary", summary_section(plan)),
         ("memory", "Memory", memory_section(plan)),
+        ("experts", "Experts", experts_section(plan, candidates, best)),
         ("tensor-parallel", "Tensor parallel", tensor_parallel_section(plan)),
         ("modules", "Time per module", modules_section(result)),
         ("schedule", "Schedule", schedule_section(plan)),
@@ -235,6 +236,71 @@ def schedule_section(plan) -> str:
             f"micro-batches. Simulated step: {fmt_seconds(makespan_s(events))} (predicted "
             f"{fmt_seconds(plan.predicted.step_time_s)}). The same events are in trace.json "
             "(open it in Perfetto or chrome://tracing).</p>" + chart)
+
+
+MODEL_STATES = ("parameters", "gradients", "optimizer")
+"""Memory breakdown parts that are model states (the rest of the peak: activations, buffers, working memory)."""
+
+
+def experts_section(plan, candidates: tuple[Any, ...], best: Any) -> str:
+    """On a model with expert layers (a candidate priced with expert compute or ep > 1): the chosen layout and the
+    fastest of the other kind (with ep > 1 / with ep = 1), each with its step time, its experts' compute and
+    all-to-all per step (time_breakdown "expert_compute", "expert_parallel_comm") and its peak memory split into
+    model states and activations."""
+    priced = [c for c in candidates if c.predicted is not None]
+    if not any("expert_compute" in c.predicted.time_breakdown or c.parallelism.expert_parallel_degree > 1
+               for c in priced):
+        return ""
+    chosen = best if best is not None and best.predicted is not None else None
+    rows = ([chosen] if chosen else []) + fastest_by_expert_split(
+        priced, exclude_ep=chosen.parallelism.expert_parallel_degree if chosen else None)
+    rows.sort(key=lambda c: c.parallelism.expert_parallel_degree == 1)  # with ep > 1 first
+    head = ('<tr><th>experts</th><th>layout</th><th class="n">step time</th><th class="n">expert compute</th>'
+            '<th class="n">expert all-to-all</th><th class="n">peak memory/GPU</th><th class="n">model states</th>'
+            '<th class="n">activations</th><th>fits</th></tr>')
+    body = "".join(_expert_row(c, c is chosen) for c in rows)
+    lead = ('<p class="lead">The fastest layout with expert parallelism (ep &gt; 1: each rank holds some of the '
+            "experts and all-to-alls carry the tokens to them and back) and the fastest without (ep = 1: every rank "
+            "holds every expert), from the candidates priced; times per optimizer step, the experts' compute on the "
+            "busiest rank, memory on the most loaded rank.</p>")
+    return f"<h2>Expert parallelism: why this layout</h2>{lead}{_expert_verdict(rows)}<table>{head}{body}</table>"
+
+
+def _expert_row(c: Any, chosen: bool) -> str:
+    pred, ep = c.predicted, c.parallelism.expert_parallel_degree
+    parts, memory = pred.time_breakdown, pred.memory_breakdown
+    states = sum(memory.get(k, 0.0) for k in MODEL_STATES)
+    fits = '<span class="badge ok">yes</span>' if c.fits else '<span class="badge bad">no</span>'
+    cells = [f"<td>{'ep = ' + str(ep) if ep > 1 else 'ep = 1'}{' (chosen)' if chosen else ''}</td>",
+             f"<td>{esc(describe_layout(c.parallelism))}</td>",
+             f'<td class="n">{fmt_seconds(pred.step_time_s)}</td>',
+             f'<td class="n">{fmt_seconds(parts["expert_compute"]) if "expert_compute" in parts else "–"}</td>',
+             f'<td class="n">{fmt_seconds(parts.get("expert_parallel_comm", 0.0))}</td>',
+             f'<td class="n">{fmt_bytes(pred.peak_memory_bytes)}</td>',
+             f'<td class="n">{fmt_bytes(states)}</td>',
+             f'<td class="n">{fmt_bytes(memory.get("activations", 0.0))}</td>', f"<td>{fits}</td>"]
+    return f'<tr class="{"chosen" if chosen else ""}">{"".join(cells)}</tr>'
+
+
+def _expert_verdict(rows: list[Any]) -> str:
+    """One line: whether expert parallelism pays (both kinds priced), by step time among the layouts that fit."""
+    split = [c for c in rows if c.parallelism.expert_parallel_degree > 1]
+    whole = [c for c in rows if c.parallelism.expert_parallel_degree == 1]
+    if not split or not whole:
+        kind = "with" if split else "without"
+        return f'<p class="lead">Only layouts {kind} expert parallelism were priced.</p>'
+    a, b = split[0], whole[0]
+    if a.fits != b.fits:
+        winner, loser = (a, b) if a.fits else (b, a)
+        text = (f"only the layout {'with' if winner is a else 'without'} expert parallelism fits: the other needs "
+                f"{fmt_bytes(loser.predicted.peak_memory_bytes)} per GPU")
+    else:
+        ratio = b.predicted.step_time_s / a.predicted.step_time_s
+        text = (f"expert parallelism {'pays' if ratio > 1 else 'does not pay'}: the layout without it takes "
+                f"{ratio:.2f}× the step time of the layout with it")
+        if not a.fits:
+            text += " (neither fits)"
+    return f'<p class="lead">{esc(text[0].upper() + text[1:])}.</p>'
 
 
 def candidates_section(plan, candidates: tuple[Any, ...], best: Any) -> str:

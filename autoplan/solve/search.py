@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from autoplan.chain.modules import ModuleChain
@@ -84,14 +85,18 @@ def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: La
     best, info = refine_with_ilp(ctx, chosen, pins.recompute is not None, solver, time_limit_s)
     best = with_memory_without_cp_ep(ctx, best, layouts.modes_for(best.parallelism.activation_checkpoint,
                                                                   pins.recompute is not None))
-    others = [dataclasses.replace(c, reason=_losing_reason(c, best)) for c in fitting if c is not chosen]
+    other_split = [dataclasses.replace(c, reason=_losing_reason(c, best))
+                   for c in _other_expert_split(ctx, pins, best, tried)]
+    others = [dataclasses.replace(c, reason=_losing_reason(c, best)) for c in fitting if c is not chosen] + other_split
     twin = compile_twin(ctx, best, pins, pins.recompute is not None)
     ranked = [best] + sorted(others + ([twin] if twin else []), key=_by_time)
     rest = sorted((c for c in tried + pruned if not c.fits), key=lambda c: c.memory_needed_bytes)
     fully_pinned = pins.dp is not None and pins.pp is not None
     info = dataclasses.replace(info, name="pinned" if fully_pinned else info.name,
                                time_s=time.perf_counter() - started, candidates_evaluated=considered)
-    return SearchResult(best=best, candidates=tuple((ranked + rest)[:MAX_LISTED]), solver=info, chain=ctx.chain,
+    listed = (ranked + rest)[:MAX_LISTED]
+    listed += [c for c in other_split if not any(c is x for x in listed)]  # kept for the report's experts section
+    return SearchResult(best=best, candidates=tuple(listed), solver=info, chain=ctx.chain,
                         context=ctx, parameter_server=parameter_server_layout(ctx, best))
 
 
@@ -119,14 +124,32 @@ class Explored:
     stopped_by_deadline: bool
 
 
-def explore(ctx: Context, pins: Layout, deadline: float | None = None, explain: bool = True) -> Explored:
-    """The branch and bound (module docstring, steps 1-3) over every layout the pins allow, stopped at
-    `deadline` (time.perf_counter() seconds) when one is given. Without `explain`, a layout that does not
-    fit is not priced at its leanest split (what the "why not" and infeasibility messages show)."""
+def _other_expert_split(ctx: Context, pins: Layout, best: Candidate, tried: list[Candidate]) -> list[Candidate]:
+    """On a model with expert layers and ep not pinned: the fastest fitting layout of the other kind than `best`'s
+    (ep = 1 when it splits the experts, ep > 1 when it does not), by its own branch and bound when the search's
+    cut it off before pricing one (what the report and the summary measure expert parallelism by); else []."""
+    split = best.parallelism.expert_parallel_degree > 1
+    if not ctx.experts or pins.ep is not None:
+        return []
+    if any(c.fits and (c.parallelism.expert_parallel_degree > 1) != split for c in tried):
+        return []
+    found = explore(ctx, pins, keep=lambda fam: (fam.ep > 1) != split).tried
+    fitting = sorted((c for c in found if c.fits), key=_by_time)
+    return fitting[:1]
+
+
+def explore(ctx: Context, pins: Layout, deadline: float | None = None, explain: bool = True,
+            keep: Callable[[layouts.Family], bool] | None = None) -> Explored:
+    """The branch and bound (module docstring, steps 1-3) over every layout the pins allow (the families `keep`
+    accepts, when given), stopped at `deadline` (time.perf_counter() seconds) when one is given. Without
+    `explain`, a layout that does not fit is not priced at its leanest split (what the "why not" and infeasibility
+    messages show)."""
     cluster, batch = ctx.cluster, ctx.training.global_batch_size
     scope = layouts.scope_of(ctx)
     work, pruned, considered = [], [], 0
     for fam in layouts.families(pins, scope):
+        if keep is not None and not keep(fam):
+            continue
         found = layouts.variants(fam, pins, scope)
         considered += len(found)
         bound = family_memory_bound(ctx, fam)
@@ -138,7 +161,7 @@ def explore(ctx: Context, pins: Layout, deadline: float | None = None, explain: 
                                     predicted=None, fits=False, reason=reason, memory_needed_bytes=bound))
             continue
         work += [Work(time_lower_bound(ctx, fam, var, pins.recompute is not None), fam, var) for var in found]
-    if not work and not pruned:
+    if not work and not pruned and keep is None:
         raise UserError(_nothing_allowed(pins, scope, cluster.num_gpus, batch))
     work.sort(key=lambda w: w.time_bound_s)
     tried, best_time, priced, stopped = [], math.inf, 0, False
