@@ -107,6 +107,26 @@ def make_result(**plan_options) -> SimpleNamespace:
                            candidates=make_candidates(plan))
 
 
+def moe_result():
+    """make_result's plan priced as for a model with experts (expert compute in every breakdown): the chosen layout
+    with ep=4 and two ep=1 layouts, the faster of which does not fit."""
+    result = make_result(pp=1, dp=8, microbatches=2)
+    plan = result.plan
+    parts = {**plan.predicted.time_breakdown, "expert_compute": 0.011, "expert_parallel_comm": 0.004}
+    memory = {"parameters": 2 * GIB, "gradients": 2 * GIB, "optimizer": 4 * GIB, "activations": 9 * GIB}
+    chosen = replace(result.candidates[0], parallelism=replace(plan.parallelism, expert_parallel_degree=4),
+                     predicted=replace(plan.predicted, time_breakdown=parts, memory_breakdown=memory))
+    whole = []
+    for slower, peak, fits in ((1.1, 90 * GIB, False), (1.3, 30 * GIB, True)):
+        pred = replace(plan.predicted, step_time_s=plan.predicted.step_time_s * slower, peak_memory_bytes=peak,
+                       time_breakdown={"compute": 0.05, "expert_compute": 0.017 * slower},
+                       memory_breakdown={"parameters": peak / 4, "activations": peak / 2})
+        whole.append(FakeCandidate(replace(plan.parallelism, data_parallel_replicate_degree=8), (), pred, fits, "x"))
+    plan = replace(plan, parallelism=chosen.parallelism, predicted=chosen.predicted)
+    candidates = (chosen, *whole, replace(whole[1], predicted=None))  # and one that could not be priced
+    return SimpleNamespace(**{**vars(result), "plan": plan, "candidates": candidates}), chosen, whole[1]
+
+
 VERIFY = {"nproc": 4, "steps": 6, "reference_losses": [4.61, 4.2, 3.81, 3.52, 3.3, 3.12],
           "losses": [4.61, 4.2000001, 3.8099999, 3.52, 3.3000002, 3.12], "parity_max_abs_diff": 2.1e-7,
           "predicted_step_time_s": 0.31, "measured_step_time_s": 0.36}

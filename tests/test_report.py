@@ -10,7 +10,7 @@ from html.parser import HTMLParser
 from types import SimpleNamespace
 
 import pytest
-from report_fixtures import EVIL, GIB, SCALING, VERIFY, FakeCandidate, make_op, make_plan, make_profile, make_result
+from report_fixtures import EVIL, SCALING, VERIFY, make_op, make_plan, make_profile, make_result, moe_result
 
 from autoplan.plan import Stage
 from autoplan.report.charts import Point, pareto_front
@@ -282,26 +282,6 @@ def test_memory_section_shows_the_activations_the_layout_keeps_without_sequence_
                         activations_without_sequence_parallel_bytes=5 * 2**30)
     text = memory_section(replace(plan, predicted=predicted))
     assert "keeps 3 GiB of activations" in text and "(sp=off) would keep 5 GiB" in text
-
-
-def moe_result():
-    """make_result's plan priced as for a model with experts (expert compute in every breakdown): the chosen layout
-    with ep=4 and two ep=1 layouts, the faster of which does not fit."""
-    result = make_result(pp=1, dp=8, microbatches=2)
-    plan = result.plan
-    parts = {**plan.predicted.time_breakdown, "expert_compute": 0.011, "expert_parallel_comm": 0.004}
-    memory = {"parameters": 2 * GIB, "gradients": 2 * GIB, "optimizer": 4 * GIB, "activations": 9 * GIB}
-    chosen = replace(result.candidates[0], parallelism=replace(plan.parallelism, expert_parallel_degree=4),
-                     predicted=replace(plan.predicted, time_breakdown=parts, memory_breakdown=memory))
-    whole = []
-    for slower, peak, fits in ((1.1, 90 * GIB, False), (1.3, 30 * GIB, True)):
-        pred = replace(plan.predicted, step_time_s=plan.predicted.step_time_s * slower, peak_memory_bytes=peak,
-                       time_breakdown={"compute": 0.05, "expert_compute": 0.017 * slower},
-                       memory_breakdown={"parameters": peak / 4, "activations": peak / 2})
-        whole.append(FakeCandidate(replace(plan.parallelism, data_parallel_replicate_degree=8), (), pred, fits, "x"))
-    plan = replace(plan, parallelism=chosen.parallelism, predicted=chosen.predicted)
-    candidates = (chosen, *whole, replace(whole[1], predicted=None))  # and one that could not be priced
-    return SimpleNamespace(**{**vars(result), "plan": plan, "candidates": candidates}), chosen, whole[1]
 
 
 def test_experts_section_shows_the_best_layout_with_and_without_expert_parallelism(tmp_path):

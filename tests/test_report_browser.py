@@ -11,7 +11,7 @@ import zlib
 
 import numpy as np
 import pytest
-from report_fixtures import SCALING, VERIFY, make_result
+from report_fixtures import SCALING, VERIFY, make_result, moe_result
 
 from autoplan.report.html import write_report
 
@@ -125,6 +125,17 @@ def test_report_renders_in_headless_chromium(tmp_path):
     dom = run_chromium(tmp_path, page, "--dump-dom").stdout
     assert dom.count("<svg") >= 6 and dom.count("</svg>") == dom.count("<svg")
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in dom and "<script>alert(1)" not in dom
+
+
+@pytest.mark.slow
+def test_the_experts_section_renders_for_a_model_with_experts(tmp_path):
+    result, _, _ = moe_result()
+    write_report(result, tmp_path)
+    done = run_chromium(tmp_path, tmp_path / "report.html", "--dump-dom")
+    assert console_messages(done.stderr) == [] and page_requests(tmp_path) == []
+    start = done.stdout.index('<section id="experts">')
+    section = done.stdout[start:done.stdout.index("</section>", start)]
+    assert "Expert parallelism: why this layout" in section and section.count("<tr") == 3  # header, ep=4, ep=1
 
 
 @pytest.mark.slow
