@@ -308,3 +308,15 @@ def test_experts_section_is_left_out_for_a_dense_model():
     result = make_result()
     assert "Expert parallelism: why this layout" not in render_report(result)
     assert experts_section(result.plan, result.candidates, result.candidates[0]) == ""
+
+
+def test_experts_section_says_when_expert_parallelism_does_not_pay():
+    from autoplan.report.html import experts_section
+
+    result, chosen, whole = moe_result()
+    faster = replace(whole, predicted=replace(whole.predicted, step_time_s=chosen.predicted.step_time_s / 2))
+    section = experts_section(result.plan, (chosen, faster), chosen)
+    assert "Expert parallelism does not pay: the layout with it takes 2.00× the step time of the layout without" \
+        in section
+    alone = experts_section(result.plan, (chosen,), chosen)
+    assert "Only layouts with expert parallelism were priced" in alone and alone.count("<tr") == 2

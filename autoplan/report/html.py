@@ -296,8 +296,9 @@ def _expert_verdict(rows: list[Any]) -> str:
                 f"{fmt_bytes(loser.predicted.peak_memory_bytes)} per GPU")
     else:
         ratio = b.predicted.step_time_s / a.predicted.step_time_s
-        text = (f"expert parallelism {'pays' if ratio > 1 else 'does not pay'}: the layout without it takes "
-                f"{ratio:.2f}× the step time of the layout with it")
+        text = (f"expert parallelism pays: the layout without it takes {ratio:.2f}× the step time of the layout "
+                f"with it" if ratio > 1 else f"expert parallelism does not pay: the layout with it takes "
+                f"{1 / ratio:.2f}× the step time of the layout without it")
         if not a.fits:
             text += " (neither fits)"
     return f'<p class="lead">{esc(text[0].upper() + text[1:])}.</p>'
