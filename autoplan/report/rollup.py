@@ -98,7 +98,7 @@ def describe_layout(par: Parallelism | dict[str, Any]) -> str:
         parts.append(f"PP {par.pipeline_parallel_degree} ({schedule}, {plural(m, 'micro-batch')} of {b})")
     name = " × ".join(parts) or "1 GPU"
     if par.expert_parallel_degree > 1:
-        name += f" · EP {par.expert_parallel_degree} (experts split over {par.expert_parallel_degree} of the DP×CP ranks)"
+        name += f" · EP {par.expert_parallel_degree} (experts split over {par.expert_parallel_degree} of the DP×CP×TP ranks)"
     if par.pipeline_parallel_degree == 1 and m > 1:
         name += f" · {plural(m, 'accumulation step')} of {b}"
     if par.activation_checkpoint != "none":
