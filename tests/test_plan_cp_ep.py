@@ -565,3 +565,30 @@ def test_the_search_prices_the_fastest_layout_without_expert_parallelism_beside_
         assert f">{fmt_seconds(parts.get('expert_parallel_comm', 0.0))}<" in row
         assert f">{fmt_bytes(c.predicted.peak_memory_bytes)}<" in row
     assert best.predicted.time_breakdown["expert_parallel_comm"] > 0
+
+
+def test_a_default_compile_the_rules_refuse_for_the_winner_is_turned_off(tmp_path):
+    """compile is on by default for GPUs; the rule against compile=on with recompute over tensor-parallel shards in
+    the ring could only be checked once the MILP had chosen the recompute modes, so tp=2 x cp=2 with full
+    recompute planned compiled and train.py's generation refused it ("cannot generate train.py"). The winner is now
+    the same layout uncompiled, a program that runs, and the compiled one is listed with the rule it breaks."""
+    from autoplan.hardware.profiles import load_hardware
+    from autoplan.profile import profile_model
+    from autoplan.solve import layouts
+    from autoplan.source import load_source
+
+    from test_layouts import TINY_LLAMA
+
+    model = tmp_path / "llama.py"
+    model.write_text(TINY_LLAMA)
+    profile = profile_model(load_source(str(model)), 2, load_hardware("h100-sxm5-80gb"), measure=False, dtype="bf16")
+    result = search(profile, cluster(4), Training(8, "bf16"), parse_pins("tp=2,cp=2,recompute=full"), features=CP_EP)
+    best, scope = result.best, layouts.scope_of(result.context)
+    assert not best.compile and best.fits
+    assert problems(replace(best.parallelism.layout(), compile="off"), scope) == []
+    compiled = [c for c in result.candidates if c.compile and c.parallelism == best.parallelism]
+    assert len(compiled) == 1 and compiled[0].reason.startswith("compile=on: compile=on with recompute=full at tp=2")
+    # pinned on, the pins cannot hold (the rule, before any search)
+    with pytest.raises(UserError, match="compile=on with recompute=full at tp=2"):
+        search(profile, cluster(4), Training(8, "bf16"), parse_pins("tp=2,cp=2,recompute=full,compile=on"),
+               features=CP_EP)

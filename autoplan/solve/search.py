@@ -20,7 +20,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autoplan.chain.modules import ModuleChain
 from autoplan.cost.context import Context, expert_shard_degree, gib
@@ -29,7 +29,7 @@ from autoplan.cost.evaluate import (Candidate, build_problem, evaluate, host_oom
 from autoplan.cost.memory import model_state_bytes, zero_of
 from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster
-from autoplan.layout import RECOMPUTE, SUPPORTED, Layout
+from autoplan.layout import RECOMPUTE, SUPPORTED, Layout, problems
 from autoplan.plan import Parallelism, SolverInfo, Training
 from autoplan.profile.types import ModelProfile
 from autoplan.solve import layouts
@@ -85,10 +85,10 @@ def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: La
     best, info = refine_with_ilp(ctx, chosen, pins.recompute is not None, solver, time_limit_s)
     best = with_memory_without_cp_ep(ctx, best, layouts.modes_for(best.parallelism.activation_checkpoint,
                                                                   pins.recompute is not None))
+    best, twin = _runnable_compile(ctx, best, pins)
     other_split = [dataclasses.replace(c, reason=_losing_reason(c, best))
                    for c in _other_expert_split(ctx, pins, best, tried)]
     others = [dataclasses.replace(c, reason=_losing_reason(c, best)) for c in fitting if c is not chosen] + other_split
-    twin = compile_twin(ctx, best, pins, pins.recompute is not None)
     ranked = [best] + sorted(others + ([twin] if twin else []), key=_by_time)
     rest = sorted((c for c in tried + pruned if not c.fits), key=lambda c: c.memory_needed_bytes)
     fully_pinned = pins.dp is not None and pins.pp is not None
@@ -210,6 +210,21 @@ def choose(fitting: list[Candidate]) -> Candidate:
     close = [c for c in fitting if not c.parallelism.sharded
              and c.predicted.step_time_s <= chosen.predicted.step_time_s * (1 + SHARDING_MARGIN)]
     return min(close, key=_simplicity) if close else chosen
+
+
+def _runnable_compile(ctx: Context, best: Candidate, pins: Layout) -> tuple[Candidate, Candidate | None]:
+    """The winner and its compile twin (compile_twin), the winner uncompiled when compile was not pinned and a layout
+    rule refuses compile=on for its layout as the MILP left it (its recompute modes are only known now: compile=on
+    with recompute over tensor-parallel shards in the ring, say), so that the plan is a program that runs; the
+    compiled one is then listed with the rules it breaks."""
+    pinned_recompute = pins.recompute is not None
+    twin = compile_twin(ctx, best, pins, pinned_recompute)
+    if pins.compile is not None or not best.compile or twin is None or not twin.fits:
+        return best, twin
+    refused = problems(replace(best.parallelism.layout(), compile="on"), layouts.scope_of(ctx))
+    if not refused or problems(replace(best.parallelism.layout(), compile="off"), layouts.scope_of(ctx)):
+        return best, twin
+    return dataclasses.replace(twin, reason=""), dataclasses.replace(best, reason="compile=on: " + "; ".join(refused))
 
 
 def compile_twin(ctx: Context, best: Candidate, pins: Layout, pinned_recompute: bool) -> Candidate | None:
