@@ -66,8 +66,7 @@ def test_attention_split_by_heads_trains_like_the_single_device_model(results, c
         assert any(b["modules"] == ["transformer.h.0.attn.c_attn"] and "fused" in b["reason"]
                    for b in plan["tensor_parallel_left_whole"])
         assert "Left whole" in (folder / "report.html").read_text()
-    assert plan["parallelism"]["enable_sequence_parallel"] == ("sp=off" not in case and "moe" not in case
-                                                               and "nanogpt" not in case)
+    assert plan["parallelism"]["enable_sequence_parallel"] == ("sp=off" not in case and "nanogpt" not in case)
     assert not result.error, result.error[-3000:]
     assert result.parity_max_abs_diff <= PARITY_TOLERANCE, (result.reference_losses, result.losses)
     assert result.passed and result.gradients.passed, result.gradients

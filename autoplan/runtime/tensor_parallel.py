@@ -55,6 +55,8 @@ def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, s
     if not plan or tp_mesh.size() == 1:
         return module
     _register_cpu_attention_sharding()
+    if not sequence_parallel:  # "sequence_local": a module run on each rank's sequence shard, nothing without sp
+        plan = {fqn: style for fqn, style in plan.items() if style != "sequence_local"}
     if isinstance(module, fx.GraphModule):
         plan = _stage_plan(module, plan, chain_modules)
     styles = {}
