@@ -11,6 +11,13 @@ checkpoint into a higher-order op: torch then accepts only TorchDispatchModes fr
 (_compiled_context), and traces the checkpointed function with the torch-function modes active outside it
 popped, so runtime.NoDropout's mode does not reach it: the function enters that mode itself
 (_run_without_dropout), as the eager recomputation does (recompute_context).
+
+Selective checkpointing replays each op by its invocation count, so an op that runs a different number of times in
+the recomputation than in the forward breaks it ("invocation index N ... not found in storage"). FSDP2's hooks
+open profiler annotations (`record_function`) that do: an experts module that is its own FSDP2 unit inside a
+checkpointed block (folded expert parallelism) annotates its post-forward once more in the recomputation.
+Annotations compute nothing, so they run outside the checkpoint's bookkeeping (_PassAnnotations), as PyTorch's own
+fix does in later releases (SAC ignores profiler record-function ops).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Sequence
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from autoplan.errors import UserError
 from autoplan.runtime.dropout import recompute_context
@@ -76,6 +84,22 @@ def _both(first, second):
         yield
 
 
+ANNOTATION_NAMESPACES = ("profiler",)
+"""The op namespaces that only annotate (record_function's enter and exit): never computed, never replayed."""
+
+
+class _PassAnnotations(TorchDispatchMode):
+    """Entered inside a selective checkpoint's modes: runs annotation ops with every dispatch mode off, so the
+    checkpoint neither stores nor counts them; every other op goes on to the checkpoint's mode."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace in ANNOTATION_NAMESPACES:
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
 def _contexts(selective: bool):
     """torch.utils.checkpoint's context_fn: the forward and recomputation contexts ("selective": what to
     save). Eager (and a region dynamo leaves to eager at a graph break), the recomputation runs with dropout off
@@ -83,8 +107,10 @@ def _contexts(selective: bool):
     _compiled_context."""
     if torch.compiler.is_compiling():
         return _compiled_context(selective)
-    forward, recompute = selective_context() if selective else (nullcontext(), nullcontext())
-    return forward, _both(recompute, recompute_context())
+    if not selective:
+        return nullcontext(), recompute_context()
+    forward, recompute = selective_context()
+    return _both(forward, _PassAnnotations()), _both(_both(recompute, _PassAnnotations()), recompute_context())
 
 
 def _run_without_dropout(module: nn.Module, *args, **kwargs):
