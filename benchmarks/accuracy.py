@@ -360,6 +360,13 @@ def leading_float(text: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def float8_linears(row: dict) -> bool:
+    """Whether the row trained with float8 linears (runs_frontier.csv precision "bf16+float8 linears", "fp8 (TE)"):
+    autoplan.estimate then prices them so (float8_linears=True: cost/float8.py, priced only); "bf16" rows stay bf16."""
+    precision = row["precision"].lower()
+    return "float8" in precision or "fp8" in precision
+
+
 def frontier_pins(row: dict) -> tuple[str, int]:
     """The row's layout as --pin, and its global batch (sequences)."""
     dp, tp, pp, cp, ep = (leading_int(row[k]) or 1 for k in ("fsdp_or_dp", "tp", "pp", "cp", "ep"))
@@ -403,6 +410,9 @@ def frontier_row(row: dict, compile_off: bool = False) -> dict:
     gpu, memory_bytes, note = FRONTIER_GPUS.get(row["gpu"], (row["gpu"], None, ""))
     cap = None if memory_bytes is None else memory_bytes - load_hardware(gpu).gpu.memory_reserved_bytes
     pins, batch = frontier_pins(row)
+    float8 = float8_linears(row)
+    if float8:
+        note = "; ".join(x for x in (note, "float8 linears priced (priced only)") if x)
     if compile_off:
         pins = pins.replace("compile=on", "compile=off")
     with tempfile.TemporaryDirectory() as tmp:
@@ -413,12 +423,12 @@ def frontier_row(row: dict, compile_off: bool = False) -> dict:
         try:
             try:
                 plan = autoplan.estimate(str(model_file), int(row["gpus"]), pins, gpu, global_batch=batch,
-                                         memory_per_gpu=cap)
+                                         memory_per_gpu=cap, float8_linears=float8)
             except UserError as e:  # priced all the same, beyond the GPU's memory, to show by how much
                 if "fit" not in str(e):
                     raise
                 plan = autoplan.estimate(str(model_file), int(row["gpus"]), pins, gpu, global_batch=batch,
-                                         memory_per_gpu="1TiB")
+                                         memory_per_gpu="1TiB", float8_linears=float8)
                 note = "; ".join(x for x in (note, "does not fit the GPU: priced with memory uncapped") if x)
         except UserError as e:
             if "compile=on" in pins and "compile" in str(e):
@@ -478,18 +488,26 @@ def frontier(path: str | Path = DEFAULT_FRONTIER) -> list[dict]:
             ladder = [out if out.get("compile_fallback") or "skip" in out
                       else {**out, **frontier_row(out["row"], compile_off=True)} for out in ladder]
         print(f"{model}:")
-        ladder_ratios(ladder, ladder[0])
-        attention_bound = [out for out in ladder if attention_share(out["row"]) >= FP8_FREE_ATTENTION_SHARE]
-        if "8" in ladder[0]["row"]["precision"] and attention_bound and attention_bound[0] is not ladder[0]:
-            print(f"{model}, from its first row whose attention is >= {FP8_FREE_ATTENTION_SHARE:.0%} of the model FLOPs "
-                  f"(float8 linears, which autoplan prices in bf16, no longer set the pace):")
-            ladder_ratios(attention_bound, attention_bound[0])
+        errors = ladder_ratios(ladder, ladder[0])
+        worst = max(errors, key=abs, default=None)
+        if worst is not None:
+            print(f"  target: each ratio within {RATIO_TARGET:.0%} of the published: "
+                  f"{'met' if abs(worst) <= RATIO_TARGET else 'MISSED'} (worst {worst:+.1%})")
+    for out in results:  # rows alone (no ladder): step time and memory against the published
+        if len(ladders[out["row"]["model"]]) == 1 and "skip" not in out and out["published_tokens"]:
+            time_error = out["published_tokens"] / out["tokens"] - 1  # step time: predicted over published
+            memory_error = out["memory"] / out["published_memory"] - 1 if out["published_memory"] else None
+            met = abs(time_error) <= ROW_TARGET and memory_error is not None and abs(memory_error) <= ROW_TARGET
+            print(f"{out['row']['id']}: step time {time_error:+.1%}, tokens/s {out['tokens'] / out['published_tokens'] - 1:+.1%}, "
+                  f"memory {fmt(memory_error and 100 * memory_error)}%; target: time and memory within "
+                  f"{ROW_TARGET:.0%}: {'met' if met else 'MISSED'}")
     return results
 
 
-FP8_FREE_ATTENTION_SHARE = 0.9
-"""A row's attention share of its model FLOPs (llama_flops_per_token) from which a float8 run's pace is its (bf16)
-attention's: the ratios of such rows compare what autoplan prices (bf16) with what the run ran."""
+RATIO_TARGET = 0.2
+"""Issue 28: a context-parallel ladder's throughput ratios (each row over its first) within 20% of the published."""
+ROW_TARGET = 0.2
+"""Issue 28: the DeepSeek-V3-16B row's step time and memory within 20% of the published."""
 
 
 def attention_share(row: dict) -> float:
@@ -499,8 +517,10 @@ def attention_share(row: dict) -> float:
     return 12 * int(row["layers"]) * int(row["hidden"]) * int(row["seq_len"]) / llama_flops_per_token(row)
 
 
-def ladder_ratios(ladder: list[dict], first: dict) -> None:
-    """Each row's throughput (tokens/s per GPU x FLOPs per token) over `first`'s, published and predicted."""
+def ladder_ratios(ladder: list[dict], first: dict) -> list[float]:
+    """Each row's throughput (tokens/s per GPU x FLOPs per token) over `first`'s, published and predicted, printed;
+    returns the errors of the rows after the first (predicted over published, less 1)."""
+    errors = []
     for out in ladder:
         row = out["row"]
         if "skip" in out or "skip" in first:
@@ -511,6 +531,9 @@ def ladder_ratios(ladder: list[dict], first: dict) -> None:
         predicted = out["tokens"] / first["tokens"] * scale
         print(f"  {row['id']:>26}: published {published:5.2f}  predicted {predicted:5.2f}  "
               f"({err(predicted, published)})  attention {attention_share(row):4.0%} of the FLOPs")
+        if out is not first:
+            errors.append(predicted / published - 1)
+    return errors
 
 
 def main() -> None:
