@@ -136,12 +136,12 @@ def plan_model(
     example_batch: Any = None,
     out: str | os.PathLike | None = None,
     measure: bool | None = None,
-    float8_linears: bool = False,
+    float8_linears: str | None = None,
 ) -> PlanResult:
     """Plan a model for `gpus` accelerators; with `out`, also write the output folder. `measure`: price with op
     times measured on this machine (default: for --gpu cpu only); for a GPU profile it needs a CUDA GPU here,
     which stands for the planned one (ops timed in the plan's dtype). `float8_linears`: price the Linears as
-    float8 training (torchao / Transformer Engine) runs them over bf16 (cost/float8.py). Priced only: the
+    float8 training runs them over bf16, by recipe ("torchao" or "transformer_engine", cost/float8.py). Priced only: the
     generated program cannot run float8, so no output folder is written with it (for pricing published runs)."""
     from autoplan.layout import Layout
     from autoplan.profile import profile_model
@@ -172,7 +172,7 @@ def plan_model(
     if cluster is not None and pins is not None:
         errors += _pin_arithmetic(pins, cluster)
     if float8_linears:
-        errors += _float8_problems(cluster, dtype, out, measure)
+        errors += _float8_problems(float8_linears, cluster, dtype, out, measure)
     if errors:
         raise UserError("; ".join(errors))
     source = _source(model, example_batch)
@@ -326,13 +326,16 @@ def _scaling_point(ctx, pins, budget_s: float) -> ScalingPoint:
     return ScalingPoint(count, best.predicted.samples_per_s, layouts.describe(best.parallelism), note)
 
 
-def _float8_problems(cluster: Cluster | None, dtype: str | None, out: Any, measure: bool | None) -> list[str]:
+def _float8_problems(recipe: str, cluster: Cluster | None, dtype: str | None, out: Any,
+                     measure: bool | None) -> list[str]:
     """Why float8 linears cannot be priced for this request ([] if they can): they are priced only (no program
     runs them, so no output folder), over bf16 training, on an accelerator whose profile has a float8 peak, from
     estimated (not measured) op times."""
-    from autoplan.cost.float8 import FLOAT8_PEAK_KEY
+    from autoplan.cost.float8 import FLOAT8_PEAK_KEY, FLOAT8_RECIPES
 
     problems = []
+    if recipe not in FLOAT8_RECIPES:
+        problems.append(f"float8_linears must be one of {', '.join(FLOAT8_RECIPES)}, got {recipe!r}")
     if out is not None:
         problems.append("float8 linears are priced only (the generated program cannot run float8): "
                         "no output folder is written with them")

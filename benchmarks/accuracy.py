@@ -360,11 +360,14 @@ def leading_float(text: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def float8_linears(row: dict) -> bool:
-    """Whether the row trained with float8 linears (runs_frontier.csv precision "bf16+float8 linears", "fp8 (TE)"):
-    autoplan.estimate then prices them so (float8_linears=True: cost/float8.py, priced only); "bf16" rows stay bf16."""
+def float8_linears(row: dict) -> str | None:
+    """The float8 recipe the row trained its linears with (runs_frontier.csv precision): "fp8 (TE)" Transformer
+    Engine's (NeMo), "bf16+float8 linears" torchao's (torchtitan's float8 converter); autoplan.estimate prices them so
+    (float8_linears=recipe: cost/float8.py, priced only). None for "bf16" rows."""
     precision = row["precision"].lower()
-    return "float8" in precision or "fp8" in precision
+    if "fp8 (te)" in precision:
+        return "transformer_engine"
+    return "torchao" if "float8" in precision or "fp8" in precision else None
 
 
 def frontier_pins(row: dict) -> tuple[str, int]:
@@ -412,7 +415,7 @@ def frontier_row(row: dict, compile_off: bool = False) -> dict:
     pins, batch = frontier_pins(row)
     float8 = float8_linears(row)
     if float8:
-        note = "; ".join(x for x in (note, "float8 linears priced (priced only)") if x)
+        note = "; ".join(x for x in (note, f"float8 linears priced ({float8}, priced only)") if x)
     if compile_off:
         pins = pins.replace("compile=on", "compile=off")
     with tempfile.TemporaryDirectory() as tmp:

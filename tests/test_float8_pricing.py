@@ -29,7 +29,7 @@ def _linear(role: str = "", kind: str = "gemm", parameters: bool = True) -> OpCo
                   profile_batch=1)
 
 
-def _times(op: OpCost, float8: bool, compiled: bool = True, tp: int = 1) -> tuple[float, float]:
+def _times(op: OpCost, float8: str | None, compiled: bool = True, tp: int = 1) -> tuple[float, float]:
     module = ModuleCosts(ops=(op,), input_bytes=0.0, output_buffer_bytes=0.0, replicated_numel=0, split_numel=0)
     costs = ChainCosts(modules=(module,), signature=(0,), tied_split=(), measured=False)
     table = module_table(costs, TableSetting(gpu=H100, capture_dtype="bf16", train_dtype="bf16", tp=tp, microbatch=1,
@@ -53,18 +53,32 @@ def test_a_float8_linear_is_its_gemms_at_the_float8_peak_plus_its_casts():
     gemm = 1979e12 * 0.65
     # compiled: the input's and the output gradient's amax fused with their producers (4 bytes per element:
     # read bf16, write float8 twice), the weight's amax its own pass (6); launches: 2 + 3 forward, 2 backward
-    forward, backward = _times(_linear(), float8=True)
+    forward, backward = _times(_linear(), float8="torchao")
     assert forward == pytest.approx(flops / gemm + (4 * x + 6 * w) / BANDWIDTH + LAUNCH + 5 * LAUNCH)
     assert backward == pytest.approx(2 * flops / gemm + 4 * y / BANDWIDTH + 2 * LAUNCH + 2 * LAUNCH)
     # eager: every amax its own pass
-    forward, backward = _times(_linear(), float8=True, compiled=False)
+    forward, backward = _times(_linear(), float8="torchao", compiled=False)
     assert forward == pytest.approx(flops / gemm + (6 * x + 6 * w) / BANDWIDTH + LAUNCH + 6 * LAUNCH)
     assert backward == pytest.approx(2 * flops / gemm + 6 * y / BANDWIDTH + 2 * LAUNCH + 3 * LAUNCH)
 
 
+def test_transformer_engine_casts_without_amax_passes_and_caches_the_weights():
+    """Delayed scaling: no amax pass (the scale comes from the recorded history); the weight's float8 copy made
+    once per step (is_first_microbatch): per micro-batch only the input's and the output gradient's casts, 4 bytes per
+    element and one launch each, compiled or not."""
+    flops = 2 * TOKENS * HIDDEN * FFN
+    x, y = TOKENS * HIDDEN, TOKENS * FFN
+    gemm = 1979e12 * 0.65
+    for compiled in (True, False):
+        forward, backward = _times(_linear(), float8="transformer_engine", compiled=compiled)
+        assert forward == pytest.approx(flops / gemm + 4 * x / BANDWIDTH + LAUNCH + LAUNCH)
+        assert backward == pytest.approx(2 * flops / gemm + 4 * y / BANDWIDTH + 2 * LAUNCH + LAUNCH)
+    assert sum(_times(_linear(), "transformer_engine")) < sum(_times(_linear(), "torchao"))
+
+
 def test_float8_is_faster_than_bf16_on_a_large_linear_but_not_twice():
-    bf16 = sum(_times(_linear(), float8=False))
-    fp8 = sum(_times(_linear(), float8=True))
+    bf16 = sum(_times(_linear(), float8=None))
+    fp8 = sum(_times(_linear(), float8="torchao"))
     assert bf16 / 2 < fp8 < bf16
 
 
@@ -72,10 +86,10 @@ def test_tensor_parallel_ranks_cast_their_shards():
     flops = 2 * TOKENS * HIDDEN * FFN
     x, w, y = TOKENS * HIDDEN, HIDDEN * FFN, TOKENS * FFN
     gemm = 1979e12 * 0.65
-    forward, backward = _times(_linear("colwise"), float8=True, tp=4)  # input whole, weight and output / 4
+    forward, backward = _times(_linear("colwise"), float8="torchao", tp=4)  # input whole, weight and output / 4
     assert forward == pytest.approx(flops / 4 / gemm + (4 * x + 6 * w / 4) / BANDWIDTH + 6 * LAUNCH)
     assert backward == pytest.approx(2 * flops / 4 / gemm + 4 * y / 4 / BANDWIDTH + 4 * LAUNCH)
-    forward, backward = _times(_linear("rowwise"), float8=True, tp=4)  # input and weight / 4, output whole
+    forward, backward = _times(_linear("rowwise"), float8="torchao", tp=4)  # input and weight / 4, output whole
     assert forward == pytest.approx(flops / 4 / gemm + (4 * x / 4 + 6 * w / 4) / BANDWIDTH + 6 * LAUNCH)
     assert backward == pytest.approx(2 * flops / 4 / gemm + 4 * y / BANDWIDTH + 4 * LAUNCH)
 
@@ -83,7 +97,7 @@ def test_tensor_parallel_ranks_cast_their_shards():
 @pytest.mark.parametrize("op", [_linear("head"), _linear(kind="attention", parameters=False),
                                 _linear(parameters=False)], ids=["output layer", "attention", "activation matmul"])
 def test_what_float8_training_leaves_in_bf16(op):
-    assert _times(op, float8=True) == _times(op, float8=False)
+    assert _times(op, float8="torchao") == _times(op, float8=None)
 
 
 MODEL = Path(__file__).resolve().parents[1] / "examples" / "gpt.py"
@@ -93,11 +107,13 @@ def test_float8_linears_are_priced_only():
     import autoplan
 
     with pytest.raises(UserError, match="priced only"):
-        autoplan.plan(str(MODEL), 2, "h100-sxm5-80gb", pin="dp=2", float8_linears=True, out="unused")
+        autoplan.plan(str(MODEL), 2, "h100-sxm5-80gb", pin="dp=2", float8_linears="torchao", out="unused")
     with pytest.raises(UserError, match="no float8 peak"):
-        autoplan.estimate(str(MODEL), 2, "dp=2", "a100-sxm4-80gb", float8_linears=True)
+        autoplan.estimate(str(MODEL), 2, "dp=2", "a100-sxm4-80gb", float8_linears="torchao")
     with pytest.raises(UserError, match="bf16 training"):
-        autoplan.estimate(str(MODEL), 2, "dp=2", "h100-sxm5-80gb", dtype="fp32", float8_linears=True)
+        autoplan.estimate(str(MODEL), 2, "dp=2", "h100-sxm5-80gb", dtype="fp32", float8_linears="torchao")
+    with pytest.raises(UserError, match="float8_linears must be one of torchao, transformer_engine"):
+        autoplan.estimate(str(MODEL), 2, "dp=2", "h100-sxm5-80gb", float8_linears="fp8")
     assert not Path("unused").exists()
 
 
@@ -108,6 +124,6 @@ def test_estimate_prices_float8_linears_on_the_same_layout():
 
     bf16 = autoplan.estimate(str(MODEL), 2, "dp=2,microbatch=8", "h100-sxm5-80gb", global_batch=16)
     fp8 = autoplan.estimate(str(MODEL), 2, "dp=2,microbatch=8", "h100-sxm5-80gb", global_batch=16,
-                            float8_linears=True)
+                            float8_linears="torchao")
     assert fp8.predicted.step_time_s > bf16.predicted.step_time_s
     assert fp8.parallelism == bf16.parallelism

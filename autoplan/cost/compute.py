@@ -277,9 +277,10 @@ class TableSetting:
     autocast: bool = False
     """bf16 runs as torch.autocast over fp32 weights (no FSDP2, layout.fsdp_wraps): activations as autocast saves
     them (module_costs.saved_by_mode) and its bf16 weight copies (autocast_weight_copy_bytes)."""
-    float8_linears: bool = False
-    """Price the Linears as float8 training runs them (cost/float8.py: GEMMs at the float8 peak, plus the casts):
-    priced only, for published runs that trained so; the generated program runs the training dtype."""
+    float8_linears: str | None = None
+    """The float8 recipe (cost/float8.py FLOAT8_RECIPES) the Linears are priced with (GEMMs at the float8 peak, plus
+    the recipe's casts), None for the training dtype: priced only, for published runs that trained so; the generated
+    program runs the training dtype."""
 
 
 @dataclass(frozen=True)
@@ -392,8 +393,9 @@ def _float8_linear(op: OpCost, setting: TableSetting, tp: int, b: float,
     forward, backward = _roofline(op, gpu, float8.FLOAT8_PEAK_KEY, activation_scale(setting.capture_dtype,
                                   setting.train_dtype), tp, b, split)
     elements = float8.cast_elements(op, bytes_per_element(setting.capture_dtype), b, tp, split)
-    cast_forward, cast_backward = float8.cast_bytes(elements, setting.compiled)
-    kernels_forward, kernels_backward = float8.cast_kernels(setting.compiled)
+    how = float8.recipe(setting.float8_linears)
+    cast_forward, cast_backward = float8.cast_bytes(elements, setting.compiled, how)
+    kernels_forward, kernels_backward = float8.cast_kernels(setting.compiled, how)
     bytes_per_s = gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency
     return (forward + cast_forward / bytes_per_s + kernels_forward * gpu.kernel_overhead_s,
             backward + cast_backward / bytes_per_s + kernels_backward * gpu.kernel_overhead_s)

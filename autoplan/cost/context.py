@@ -89,12 +89,13 @@ class Context:
     """A profile prepared for pricing layouts on a cluster; module tables cached per (tp, micro-batch)."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, training: Training, features: frozenset[str],
-                 compiled: bool = False, float8_linears: bool = False) -> None:
+                 compiled: bool = False, float8_linears: str | None = None) -> None:
         self.profile, self.cluster, self.training, self.features = profile, cluster, training, features
         self.compiled = compiled
         """Modules run under torch.compile (plan.json compile.enable): priced per op class (compute.py)."""
         self.float8_linears = float8_linears
-        """Price the Linears as float8 training runs them (cost/float8.py): priced only, never a plan's program."""
+        """The float8 recipe the Linears are priced with (cost/float8.py FLOAT8_RECIPES), None for the training dtype:
+        priced only, never a plan's program."""
         self.chain = build_chain(profile)
         self.facts = tensor_parallel_facts(profile, vocab_parallel="tp_vocab_parallel" in features,
                                            fused_split="tp_fused_split" in features)

@@ -72,22 +72,62 @@ def cast_elements(op: OpCost, capture_bytes: int, microbatch: float, tp: int, sp
     return CastElements(x, w, y)
 
 
-def cast_bytes(elements: CastElements, compiled: bool) -> tuple[float, float]:
-    """Memory traffic of the casts (forward, backward), bytes: per cast CAST_BYTES_PER_ELEMENT, plus
-    AMAX_BYTES_PER_ELEMENT where the amax is its own pass (always the weight's; the input's and the output
-    gradient's unless compiled)."""
-    fused = 0.0 if compiled else AMAX_BYTES_PER_ELEMENT
-    forward = (elements.input * (CAST_BYTES_PER_ELEMENT + fused)
-               + elements.weight * (CAST_BYTES_PER_ELEMENT + AMAX_BYTES_PER_ELEMENT))
-    backward = elements.output_gradient * (CAST_BYTES_PER_ELEMENT + fused)
+@dataclass(frozen=True)
+class Float8Recipe:
+    """How a float8 training library casts a Linear's operands."""
+
+    name: str
+    amax_pass: bool
+    """Dynamic scaling: each cast first reduces its tensor's amax (torchao's tensorwise recipe). Delayed scaling
+    (Transformer Engine's default DelayedScaling) takes the scale from the amax history the casts record as they
+    write: no amax pass, no second reduction stage."""
+    fuses_producer: bool | None
+    """Whether the amax of the input and of the output gradient rides with the kernel that produced them: under
+    torch.compile for torchao (None: as the modules are compiled), always for Transformer Engine (its LayerNormLinear
+    and fused activations write the float8 operand)."""
+    caches_weights: bool
+    """Whether the weight's float8 copy is made once per optimizer step and reused by every micro-batch (Transformer
+    Engine's is_first_microbatch, which Megatron-Core passes), or cast again at every forward (torchao: FSDP2
+    reshards the weight and the cast runs in the Linear's forward)."""
+
+
+FLOAT8_RECIPES = {
+    "torchao": Float8Recipe("torchao", amax_pass=True, fuses_producer=None, caches_weights=False),
+    "transformer_engine": Float8Recipe("transformer_engine", amax_pass=False, fuses_producer=True,
+                                       caches_weights=True),
+}
+"""The float8 recipes priced: torchao's tensorwise dynamic scaling (torchtitan's float8 converter; torchao
+roofline_utils.py) and Transformer Engine's delayed scaling (NeMo / Megatron-Core "fp8"; TE docs: DelayedScaling,
+Linear.forward is_first_microbatch "caching FP8 weights" across the micro-batches of a step). Transformer Engine's
+weight casts, once per step, are not priced: amortized over the step's micro-batches (a 7B layer's weights cast
+in ~0.1 ms per step against seconds of compute per micro-batch at long sequence)."""
+
+
+def recipe(name: str) -> Float8Recipe:
+    """The recipe by name; ValueError naming the known ones."""
+    if name not in FLOAT8_RECIPES:
+        raise ValueError(f"unknown float8 recipe {name!r} (known: {', '.join(FLOAT8_RECIPES)})")
+    return FLOAT8_RECIPES[name]
+
+
+def cast_bytes(elements: CastElements, compiled: bool, how: Float8Recipe = FLOAT8_RECIPES["torchao"]) -> tuple[float, float]:
+    """Memory traffic of the casts (forward, backward), bytes: per cast CAST_BYTES_PER_ELEMENT, plus, with an amax
+    pass, AMAX_BYTES_PER_ELEMENT where the amax is its own pass (always the weight's; the input's and the output
+    gradient's unless fused with their producer). Weights cached across micro-batches cost nothing here."""
+    fused = how.fuses_producer if how.fuses_producer is not None else compiled
+    producer_amax = AMAX_BYTES_PER_ELEMENT if how.amax_pass and not fused else 0.0
+    weight_amax = AMAX_BYTES_PER_ELEMENT if how.amax_pass else 0.0
+    weight = 0.0 if how.caches_weights else elements.weight * (CAST_BYTES_PER_ELEMENT + weight_amax)
+    forward = elements.input * (CAST_BYTES_PER_ELEMENT + producer_amax) + weight
+    backward = elements.output_gradient * (CAST_BYTES_PER_ELEMENT + producer_amax)
     return forward, backward
 
 
-def cast_kernels(compiled: bool) -> tuple[int, int]:
-    """Kernels the casts launch (forward, backward): per cast the scaled cast and the amax's second stage, and
-    the amax's first pass where it is not fused (the weight's always)."""
-    per_fused_cast = 2
-    per_cast = 3
-    forward = (per_fused_cast if compiled else per_cast) + per_cast
-    backward = per_fused_cast if compiled else per_cast
-    return forward, backward
+def cast_kernels(compiled: bool, how: Float8Recipe = FLOAT8_RECIPES["torchao"]) -> tuple[int, int]:
+    """Kernels the casts launch (forward, backward): per cast the scaled cast, with an amax pass also its second
+    (one-element) stage and its first pass where not fused with the producer (the weight's always); none for
+    cached weights."""
+    fused = how.fuses_producer if how.fuses_producer is not None else compiled
+    per_cast = 1 + (1 + (0 if fused else 1) if how.amax_pass else 0)
+    per_weight = 0 if how.caches_weights else 1 + (2 if how.amax_pass else 0)
+    return per_cast + per_weight, per_cast

@@ -70,8 +70,8 @@ class SearchResult:
 
 def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: Layout = Layout(),
            solver: str = "highs", time_limit_s: float | None = None,
-           features: frozenset[str] | None = None, float8_linears: bool = False) -> SearchResult:
-    """`float8_linears`: price the Linears as float8 training runs them (cost/float8.py), priced only."""
+           features: frozenset[str] | None = None, float8_linears: str | None = None) -> SearchResult:
+    """`float8_linears`: a float8 recipe (cost/float8.py FLOAT8_RECIPES) to price the Linears with, priced only."""
     started = time.perf_counter()
     resolve_solver(solver)
     features = SUPPORTED if features is None else frozenset(features)
