@@ -20,6 +20,8 @@ the output gradient in the backward (fused), the fp8 input and weight kept for t
 amax also runs a second, one-element reduction stage: one more kernel launch per cast. In eager mode (no compile)
 no amax is fused with its producer: each is its own pass. The output layer stays bf16 (torchtitan's converter
 skips "output"; Transformer Engine's FP8 covers the transformer layers), and so do grouped expert matmuls.
+Transformer Engine's delayed scaling casts the same operands without amax passes and its weights once per step
+(FLOAT8_RECIPES). Memory is priced as for bf16 (what the float8 copies change in the saved activations is not).
 """
 
 from __future__ import annotations
@@ -110,7 +112,8 @@ def recipe(name: str) -> Float8Recipe:
     return FLOAT8_RECIPES[name]
 
 
-def cast_bytes(elements: CastElements, compiled: bool, how: Float8Recipe = FLOAT8_RECIPES["torchao"]) -> tuple[float, float]:
+def cast_bytes(elements: CastElements, compiled: bool,
+               how: Float8Recipe = FLOAT8_RECIPES["torchao"]) -> tuple[float, float]:
     """Memory traffic of the casts (forward, backward), bytes: per cast CAST_BYTES_PER_ELEMENT, plus, with an amax
     pass, AMAX_BYTES_PER_ELEMENT where the amax is its own pass (always the weight's; the input's and the output
     gradient's unless fused with their producer). Weights cached across micro-batches cost nothing here."""
