@@ -385,8 +385,10 @@ def frontier_pins(row: dict) -> tuple[str, int]:
     if recompute:
         pins.append(f"recompute={recompute}")
     pins.append("compile=" + ("on" if row["compile"] == "yes" else "off"))
-    if pp > 1 and row["id"].startswith("tt-"):
-        pins.append("schedule=interleaved")  # torchtitan's 405B runs: interleaved 1F1B
+    if pp > 1 and row["id"].startswith("tt-T6-"):
+        # torchtitan's benchmarks/llama3_h100_202412_torchtitan.md Table 6: "FSDP + TP + PP + CP + torch.compile +
+        # Float8 + AsyncTP + 1F1B" (its Table 5 compares 1F1B with interleaved 1F1B; Table 6 ran 1F1B)
+        pins.append("schedule=1f1b")
     batch = leading_int(row["global_batch_seqs"]) or dp * microbatch
     return ",".join(pins), batch
 
