@@ -136,10 +136,13 @@ def plan_model(
     example_batch: Any = None,
     out: str | os.PathLike | None = None,
     measure: bool | None = None,
+    float8_linears: str | None = None,
 ) -> PlanResult:
     """Plan a model for `gpus` accelerators; with `out`, also write the output folder. `measure`: price with op
     times measured on this machine (default: for --gpu cpu only); for a GPU profile it needs a CUDA GPU here,
-    which stands for the planned one (ops timed in the plan's dtype)."""
+    which stands for the planned one (ops timed in the plan's dtype). `float8_linears`: price the Linears as
+    float8 training runs them over bf16, by recipe ("torchao" or "transformer_engine", cost/float8.py). Priced only: the
+    generated program cannot run float8, so no output folder is written with it (for pricing published runs)."""
     from autoplan.layout import Layout
     from autoplan.profile import profile_model
     from autoplan.profile.unsupported import pipeline_refusal
@@ -168,6 +171,8 @@ def plan_model(
         errors.append(f"--time-limit must be positive seconds, got {time_limit!r}")
     if cluster is not None and pins is not None:
         errors += _pin_arithmetic(pins, cluster)
+    if float8_linears:
+        errors += _float8_problems(float8_linears, cluster, dtype, out, measure)
     if errors:
         raise UserError("; ".join(errors))
     source = _source(model, example_batch)
@@ -182,7 +187,8 @@ def plan_model(
     pins = _pins_for_capture(pins, profile)
     training = Training(global_batch_size=batch, dtype=dtype, tokens_per_sample=profile.tokens_per_sample)
     log.info("search %d GPUs, %d ops, %d parameters", cluster.num_gpus, len(profile.ops), profile.param_count)
-    result = search(profile, cluster, training, pins, solver=solver, time_limit_s=time_limit)
+    result = search(profile, cluster, training, pins, solver=solver, time_limit_s=time_limit,
+                    float8_linears=float8_linears)
 
     best = result.best
     warning = solver_warning(result.solver, time_limit)
@@ -318,6 +324,28 @@ def _scaling_point(ctx, pins, budget_s: float) -> ScalingPoint:
     note = (f"bounded: best of the {explored.priced} layouts priced in {budget}; unpriced ones could be faster"
             if explored.stopped_by_deadline else "")
     return ScalingPoint(count, best.predicted.samples_per_s, layouts.describe(best.parallelism), note)
+
+
+def _float8_problems(recipe: str, cluster: Cluster | None, dtype: str | None, out: Any,
+                     measure: bool | None) -> list[str]:
+    """Why float8 linears cannot be priced for this request ([] if they can): they are priced only (no program
+    runs them, so no output folder), over bf16 training, on an accelerator whose profile has a float8 peak, from
+    estimated (not measured) op times."""
+    from autoplan.cost.float8 import FLOAT8_PEAK_KEY, FLOAT8_RECIPES
+
+    problems = []
+    if recipe not in FLOAT8_RECIPES:
+        problems.append(f"float8_linears must be one of {', '.join(FLOAT8_RECIPES)}, got {recipe!r}")
+    if out is not None:
+        problems.append("float8 linears are priced only (the generated program cannot run float8): "
+                        "no output folder is written with them")
+    if dtype not in (None, "bf16"):
+        problems.append(f"float8 linears are priced over bf16 training, not --dtype {dtype}")
+    if measure:
+        problems.append("float8 linears are priced from the roofline, not from op times measured here")
+    if cluster is not None and FLOAT8_PEAK_KEY not in cluster.gpu.peak_flops:
+        problems.append(f"hardware profile {cluster.gpu.name!r} has no float8 peak (gpu.peak_tflops.{FLOAT8_PEAK_KEY})")
+    return problems
 
 
 def _pin_arithmetic(pins, cluster: Cluster) -> list[str]:

@@ -36,6 +36,7 @@ from functools import cached_property
 
 from autoplan.chain.modules import ModuleChain
 from autoplan.cost import calibration, comm
+from autoplan.cost import float8
 from autoplan.cost.dtypes import activation_scale, bytes_per_element, peak_flops
 from autoplan.cost.module_costs import (MODES, ChainCosts, ModuleCosts, OpCost, autocast_weight_copy_bytes,
                                        saved_by_mode, split_roles)
@@ -276,6 +277,10 @@ class TableSetting:
     autocast: bool = False
     """bf16 runs as torch.autocast over fp32 weights (no FSDP2, layout.fsdp_wraps): activations as autocast saves
     them (module_costs.saved_by_mode) and its bf16 weight copies (autocast_weight_copy_bytes)."""
+    float8_linears: str | None = None
+    """The float8 recipe (cost/float8.py FLOAT8_RECIPES) the Linears are priced with (GEMMs at the float8 peak, plus
+    the recipe's casts), None for the training dtype: priced only, for published runs that trained so; the generated
+    program runs the training dtype."""
 
 
 @dataclass(frozen=True)
@@ -318,6 +323,8 @@ def _module_row(module: ModuleCosts, setting: TableSetting, timing: MeasuredScal
     for op in module.ops:
         f, g = (_measured(op, gpu, tp, b, timing, split) if setting.use_measured and op.measured
                 else _roofline(op, gpu, setting.train_dtype, scale, tp, b, split))
+        if setting.float8_linears and not (setting.use_measured and op.measured) and float8.is_float8_linear(op):
+            f, g = _float8_linear(op, setting, tp, b, split)
         if setting.compiled:  # fused pointwise chains: their traffic and launches go (calibration.py)
             factor = calibration.COMPILE_TIME_FACTOR[op.compile_class]
             f, g = f * factor, g * factor
@@ -376,6 +383,22 @@ def _roofline(op: OpCost, gpu: Gpu, dtype: str, scale: float, tp: int, b: int,
     backward = max(op.flops_bwd * b / split / flops_per_s,
                    calibration.BACKWARD_TRAFFIC_FACTOR * traffic / bytes_per_s) + kernels * gpu.kernel_overhead_s
     return forward, backward
+
+
+def _float8_linear(op: OpCost, setting: TableSetting, tp: int, b: float,
+                   split: frozenset[str]) -> tuple[float, float]:
+    """A float8 linear (cost/float8.py), forward and backward: the roofline of its GEMMs at the float8 peak, plus its
+    operands' casts (memory-bound, at the streaming bandwidth) and their kernels' launches."""
+    gpu = setting.gpu
+    forward, backward = _roofline(op, gpu, float8.FLOAT8_PEAK_KEY, activation_scale(setting.capture_dtype,
+                                  setting.train_dtype), tp, b, split)
+    elements = float8.cast_elements(op, bytes_per_element(setting.capture_dtype), b, tp, split)
+    how = float8.recipe(setting.float8_linears)
+    cast_forward, cast_backward = float8.cast_bytes(elements, setting.compiled, how)
+    kernels_forward, kernels_backward = float8.cast_kernels(setting.compiled, how)
+    bytes_per_s = gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency
+    return (forward + cast_forward / bytes_per_s + kernels_forward * gpu.kernel_overhead_s,
+            backward + cast_backward / bytes_per_s + kernels_backward * gpu.kernel_overhead_s)
 
 
 def _measured_parts(op: OpCost, gpu: Gpu) -> tuple[tuple[float, float], tuple[float, float]]:

@@ -89,10 +89,13 @@ class Context:
     """A profile prepared for pricing layouts on a cluster; module tables cached per (tp, micro-batch)."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, training: Training, features: frozenset[str],
-                 compiled: bool = False) -> None:
+                 compiled: bool = False, float8_linears: str | None = None) -> None:
         self.profile, self.cluster, self.training, self.features = profile, cluster, training, features
         self.compiled = compiled
         """Modules run under torch.compile (plan.json compile.enable): priced per op class (compute.py)."""
+        self.float8_linears = float8_linears
+        """The float8 recipe the Linears are priced with (cost/float8.py FLOAT8_RECIPES), None for the training dtype:
+        priced only, never a plan's program."""
         self.chain = build_chain(profile)
         self.facts = tensor_parallel_facts(profile, vocab_parallel="tp_vocab_parallel" in features,
                                            fused_split="tp_fused_split" in features)
@@ -232,7 +235,7 @@ class Context:
         return module_table(costs, TableSetting(
             gpu=self.cluster.gpu, capture_dtype=self.chain.capture_dtype, train_dtype=self.dtype, tp=tp,
             microbatch=microbatch, tp_link=self.group(tp, 1).link, use_measured=self.use_measured, sp=sp,
-            compiled=self.compiled, loss_parallel=loss_parallel, autocast=autocast))
+            compiled=self.compiled, loss_parallel=loss_parallel, autocast=autocast, float8_linears=self.float8_linears))
 
     def autocast_layout(self, par: Parallelism) -> bool:
         """bf16 trains as torch.autocast over fp32 weights in this layout: FSDP2 does not wrap it

@@ -13,10 +13,12 @@ _CANONICAL = {
     "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
     "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
     "fp64": "fp64", "float64": "fp64", "double": "fp64", "torch.float64": "fp64",
+    "fp8": "fp8", "float8": "fp8",
 }
 
-BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
-"""Bytes per element of each canonical floating-point dtype (IEEE 754 / bfloat16 formats)."""
+BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8, "fp8": 1}
+"""Bytes per element of each canonical floating-point dtype (IEEE 754 / bfloat16 / OCP FP8 formats). fp8 is never a
+training dtype: only float8 linears' GEMMs are priced in it (cost/float8.py, priced only)."""
 
 
 def canonical(dtype: str) -> str:

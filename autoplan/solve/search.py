@@ -70,11 +70,13 @@ class SearchResult:
 
 def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: Layout = Layout(),
            solver: str = "highs", time_limit_s: float | None = None,
-           features: frozenset[str] | None = None) -> SearchResult:
+           features: frozenset[str] | None = None, float8_linears: str | None = None) -> SearchResult:
+    """`float8_linears`: a float8 recipe (cost/float8.py FLOAT8_RECIPES) to price the Linears with, priced only."""
     started = time.perf_counter()
     resolve_solver(solver)
     features = SUPPORTED if features is None else frozenset(features)
-    ctx = Context(profile, cluster, training, features, compiled=layouts.compiled(pins, cluster, features))
+    ctx = Context(profile, cluster, training, features, compiled=layouts.compiled(pins, cluster, features),
+                  float8_linears=float8_linears)
     layouts.check_pins(pins, layouts.scope_of(ctx))
     explored = explore(ctx, pins)
     tried, pruned, considered = explored.tried, explored.pruned, explored.considered
