@@ -265,7 +265,7 @@ def _timed_cli(command: list[str]) -> tuple[int, float, float, float, str]:
     for line in lines:
         if "Maximum resident set size" in line:
             rss = int(line.rsplit(":", 1)[1]) * 1024.0
-    errors = [line for line in lines if not line.startswith(("\t", "autoplan: ", "Command "))]
+    errors = [line for line in lines if not line.startswith(("\t", "Command "))]
     return proc.returncode, wall, cpu, rss, errors[-1] if errors else ""
 
 

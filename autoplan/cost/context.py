@@ -132,6 +132,7 @@ class Context:
         """Per module, the replicated parameter elements that modules run on each tp rank's tokens read (a router's,
         the experts' at ep = 1): under sequence parallelism their gradients are summed over the tp ranks."""
         self._tables: dict[tuple, ModuleTable] = {}
+        self._module_numel: dict[tuple[int, int], tuple[float, ...]] = {}
         self._expert_compute: dict[tuple, tuple[float, ...]] = {}
         self._inputs: dict[tuple[int, int, bool], MemoryInputs] = {}
         self._layouts: dict[tuple, LayoutMemory] = {}
@@ -339,8 +340,10 @@ class Context:
 
     def module_numel(self, tp: int, ep: int = 1) -> list[float]:
         """Parameter elements each module holds on a rank (its expert layers' E/ep experts)."""
-        return [u.replicated_numel + u.split_numel / tp - e * (1 - 1 / ep)
-                for u, e in zip(self.costs.modules, self.expert_numel)]
+        if (tp, ep) not in self._module_numel:  # priced for every family of a search
+            self._module_numel[tp, ep] = tuple(u.replicated_numel + u.split_numel / tp - e * (1 - 1 / ep)
+                                               for u, e in zip(self.costs.modules, self.expert_numel))
+        return list(self._module_numel[tp, ep])
 
     def module_expert_numel(self, ep: int) -> list[float]:
         """Of module_numel, the expert parameter elements (E/ep experts)."""

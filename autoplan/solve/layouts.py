@@ -239,7 +239,8 @@ class Variant:
 
 def variants(family: Family, pins: Layout, scope: Scope, rejected: list[str] | None = None) -> list[Variant]:
     """Every (schedule, virtual stages, micro-batch size, recompute mode) of `family` the pins allow that
-    layout.problems() accepts; the rules the others break are added to `rejected` when it is given."""
+    layout.problems() accepts; the rules the others break are added to `rejected` when it is given. They depend
+    on the family's dp, tp and pp alone (the search prices each such shape's variants once)."""
     features = scope.features or frozenset()
     per_rank = scope.global_batch // family.dp
     pp = family.pp

@@ -198,7 +198,7 @@ def _pack(tables: _Tables, stage_time: float, cap: float, mode: str | None) -> l
         room = cap - used[rank] - later * share
         last = n - (stages - 1 - s)
         best = None
-        end = start + 1
+        end = start + 1 if s < stages - 1 else last  # the last stage must end at n: shorter ends cannot pack
         while end <= last:
             run_end = min(tables.runs[tables.run_of[end - 1]][1], last)
             fits = _fits(tables, s, start, run_end, mode, room, stage_time, largest[rank])
