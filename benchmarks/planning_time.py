@@ -43,6 +43,14 @@ GPU_COUNTS = (8, 64, 512, 4096)
 CP_EP_BOUND_S = 10.0
 """One search with context or expert parallelism among the features, 8..512 GPUs, seconds (issue 19)."""
 CP_EP_GPU_COUNTS = (8, 64, 512)
+BIG_BOUND_S = 60.0
+"""Planning one of the big models through the CLI, seconds (issue 28)."""
+BIG_BOUND_RSS_BYTES = 2 * 2**30
+"""Peak resident memory of that run (issue 28)."""
+BIG_MODELS = (("DeepSeek-V3-671B", "deepseek_v3_671b", 4096, 1024, 4096),
+              ("Qwen3-235B-A22B", "qwen3_235b_a22b", 4096, 256, 1024),
+              ("Llama-3.1-405B", "llama31_405b", 131_072, 512, 16))
+"""(name, benchmarks/models file, tokens per sequence, H100s, global batch in sequences)."""
 CLI_BOUND_S = 10.0
 """The whole `autoplan` run for the 1T GPT on 3072 A100s, seconds, on a 2-core machine."""
 
@@ -229,13 +237,86 @@ def context_and_expert() -> None:
                   f"{result.best.predicted.step_time_s:.2f} s/step")
 
 
+SEQUENCE_FILE = '''import sys
+sys.path.insert(0, {folder!r})
+import {stem} as model_file
+if hasattr(model_file, "llama"):
+    model_file.llama.SEQ_LEN = {seq}
+else:
+    model_file.SEQ_LEN = {seq}
+build_model, example_batch, loss_fn = model_file.build_model, model_file.example_batch, model_file.loss_fn
+'''
+
+
+def _timed_cli(command: list[str]) -> tuple[int, float, float, float, str]:
+    """(exit code, wall s, CPU s of the run, peak RSS bytes, stderr's last line) of one CLI run in a fresh process,
+    under /usr/bin/time -v when it exists (its "Maximum resident set size"), else getrusage's ru_maxrss of the
+    children."""
+    verbose = Path("/usr/bin/time").is_file()
+    wrapped = ["/usr/bin/time", "-v", *command] if verbose else command
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    proc = subprocess.run(wrapped, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    rss = after.ru_maxrss * 1024.0
+    lines = proc.stderr.splitlines()
+    for line in lines:
+        if "Maximum resident set size" in line:
+            rss = int(line.rsplit(":", 1)[1]) * 1024.0
+    errors = [line for line in lines if not line.startswith(("\t", "Command "))]
+    return proc.returncode, wall, cpu, rss, errors[-1] if errors else ""
+
+
+def _chosen_and_experts(out: Path) -> tuple[str, int, int]:
+    """(the chosen layout as candidates.csv's first row has it, ep > 1 rows that fit, ep > 1 rows)."""
+    import csv
+
+    with open(out / "candidates.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    first = rows[0]
+    keys = ("dp_replicate", "dp_shard", "tp", "cp", "ep", "pp", "schedule", "microbatch", "recompute")
+    chosen = " ".join(f"{k}={first[k]}" for k in keys) + \
+        f": {float(first['step_time_s']):.2f} s/step, {float(first['peak_memory_gib']):.1f} GiB"
+    expert = [r for r in rows if int(r["ep"]) > 1]
+    return chosen, sum(r["fits"] == "True" for r in expert), len(expert)
+
+
+def big_models() -> None:
+    """Each big model planned from its config by `python -m autoplan` as a user runs it (issue 28)."""
+    folder = ROOT / "benchmarks" / "models"
+    print(f"\n## Big models through the CLI on H100s (bounds {BIG_BOUND_S:g} s, "
+          f"{BIG_BOUND_RSS_BYTES / 2**30:g} GiB; load average {os.getloadavg()[0]:.1f})")
+    for name, stem, seq, gpus, batch in BIG_MODELS:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / f"{stem}_{seq}.py"
+            path.write_text(SEQUENCE_FILE.format(folder=str(folder), stem=stem, seq=seq))
+            out = Path(tmp) / "out"
+            code, wall, cpu, rss, error = _timed_cli(
+                [sys.executable, "-m", "autoplan", str(path), "--gpus", str(gpus), "--gpu", "h100-sxm5-80gb",
+                 "--global-batch", str(batch), "--out", str(out), "--quiet"])
+            verdict = "within" if wall <= BIG_BOUND_S and rss <= BIG_BOUND_RSS_BYTES else "OVER"
+            print(f"{name} ({seq} tokens, {gpus} GPUs, {batch} sequences): {wall:.1f} s wall, {cpu:.1f} s CPU, "
+                  f"{rss / 2**30:.2f} GiB peak RSS ({verdict} the bounds), exit {code}")
+            if code != 0:
+                print(f"  {error}")
+                continue
+            chosen, fitting, expert = _chosen_and_experts(out)
+            print(f"  chose {chosen}\n  candidates.csv: {fitting} of {expert} ep > 1 layouts fit")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="12/48/128 layers and 8/512 GPUs only")
     parser.add_argument("--skip-capture", action="store_true", help="skip the real capture paths")
     parser.add_argument("--cli-only", action="store_true", help="only the whole CLI run for the 1T GPT")
     parser.add_argument("--cp-ep", action="store_true", help="only the context- and expert-parallel searches")
+    parser.add_argument("--big", action="store_true", help="only the big models through the CLI (issue 28)")
     args = parser.parse_args()
+    if args.big:
+        big_models()
+        return
     if args.cli_only:
         whole_cli()
         return
@@ -251,6 +332,7 @@ def main() -> None:
         capture_path()
         context_and_expert()
         whole_cli()
+        big_models()
 
 
 if __name__ == "__main__":

@@ -128,6 +128,34 @@ def test_the_default_search_tries_cp_inside_pipelines_and_with_tensor_parallelis
     assert {(f.tp, f.cp) for f in families(Layout(), scope) if f.pp == 1} >= {(2, 2), (2, 4), (4, 2)}  # cp x tp
 
 
+def test_the_search_tries_a_ring_across_nodes_and_prices_it_on_the_inter_node_link():
+    """Two GPUs per node and tp = 2 fill a node: context parallelism can only ring across nodes (torchtitan's tp 8 x
+    cp 4 on 8-GPU nodes). Two 32K sequences on 8 GPUs leave dp x cp x pp = 4: the search tries cp beside tp, and
+    prices each ring on the inter-node link its cp ranks (stride tp in the mesh) share, dearer than the same
+    ring inside one node."""
+    long = gpt_profile(n_layer=4, n_embd=2048, n_head=16, seq=32768, batch=1)
+    training = Training(global_batch_size=2, dtype="bf16")
+    across = cluster(8, gpus_per_node=2)
+    result = search(long, across, training, parse_pins("tp=2"))
+    rings = [c for c in result.candidates if c.predicted is not None and c.parallelism.context_parallel_degree > 1]
+    assert rings and all(c.parallelism.context_parallel_degree in (2, 4) for c in rings)
+    assert result.best.parallelism.context_parallel_degree > 1
+    for candidate in rings:
+        par = candidate.parallelism
+        ring = result.context.groups(par).cp
+        assert (ring.nodes, ring.link.bus_bandwidth_bytes_per_s) == (par.context_parallel_degree, 20e9)
+        inside = search(long, cluster(8, gpus_per_node=8), training, parse_pins(
+            f"tp=2,cp={par.context_parallel_degree},pp={par.pipeline_parallel_degree},dp={par.data_parallel_degree}"
+            f",microbatch={par.pipeline_parallel_microbatch_size},recompute={par.activation_checkpoint}")).best
+        priced = candidate.predicted.time_breakdown["context_parallel_comm"]
+        assert priced > inside.predicted.time_breakdown["context_parallel_comm"] * 1.5
+    scope = Scope(num_gpus=16, gpus_per_node=4, global_batch=16, features=SUPPORTED, sequence_length=32768,
+                  context_parallel_problem="")
+    tried = {(f.tp, f.cp) for f in families(Layout(), scope)}
+    assert {(4, 2), (4, 4), (2, 8), (1, 16)} <= tried  # over whole nodes
+    assert (2, 1) in tried and not {(1, 3), (2, 3)} & tried  # cp x tp fills a node evenly or whole nodes
+
+
 def test_a_small_model_at_8k_tokens_is_not_worth_a_ring():
     """A 4 x 128 GPT at 8K tokens on 8 GPUs, one sequence per GPU: every ring step is a few microseconds of attention
     against its merges, launches and exchange, so data parallelism wins (the ring priced as a free 1/cp of each

@@ -45,15 +45,20 @@ class ExpertLayer:
 def expert_layers(profile: ModelProfile) -> tuple[ExpertLayer, ...]:
     """Every expert layer of the graph, in graph order."""
     consumers: dict[str, list[OpProfile]] = {}
+    near: dict[str, list[OpProfile]] = {}  # by module: the ops of its children and grandchildren
     for op in profile.ops:
         for name in op.inputs:
             consumers.setdefault(name, []).append(op)
+        parent = _parent(op.module)
+        near.setdefault(parent, []).append(op)
+        if _parent(parent) != parent:
+            near.setdefault(_parent(parent), []).append(op)
     layers = []
     for op in profile.ops:
         if packet(op) != "topk" or not op.input_shapes or len(op.input_shapes[0]) != 2:
             continue
         tokens, experts = op.input_shapes[0]
-        found = _experts_module(profile, _parent(op.module), experts)
+        found = _experts_module(near.get(_parent(op.module), []), _parent(op.module), experts)
         if found is None:
             continue
         module, stacked, hidden = found
@@ -68,14 +73,12 @@ def _parent(fqn: str) -> str:
     return fqn.rsplit(".", 1)[0] if "." in fqn else ""
 
 
-def _experts_module(profile: ModelProfile, parent: str, experts: int) -> tuple[str, tuple[str, ...], int] | None:
+def _experts_module(ops: list[OpProfile], parent: str, experts: int) -> tuple[str, tuple[str, ...], int] | None:
     """(module, its stacked parameters, the features of a row it takes) of the child of `parent` whose
-    parameters are `experts` stacked matrices, or None."""
+    parameters are `experts` stacked matrices, or None; `ops`: those of parent's children and grandchildren."""
     stacked: dict[str, set[str]] = {}
     rows: dict[str, int] = {}
-    for op in profile.ops:
-        if _parent(op.module) != parent and _parent(_parent(op.module)) != parent:
-            continue
+    for op in ops:
         for name, shape in _parameter_shapes(op):
             if len(shape) == 3 and shape[0] == experts:
                 stacked.setdefault(_parent(name), set()).add(name)

@@ -123,6 +123,7 @@ class Context:
                                       if v == u) for u in range(len(self.chain)))
         """Expert parameter elements of each module (all E experts)."""
         self._attention_module = tuple(module_of[call.node] for call in self.attention.calls)
+        self._attention_nodes = frozenset(call.node for call in self.attention.calls)
         self.mask_cut_bytes = _mask_cut_bytes(profile, self.attention.calls, module_of, len(self.chain))
         """Per module boundary, the bytes per sample of the attention masks crossing it (capture dtype), which the
         ring does without."""
@@ -135,6 +136,8 @@ class Context:
         """Per module, the replicated parameter elements that modules run on each tp rank's tokens read (a router's,
         the experts' at ep = 1): under sequence parallelism their gradients are summed over the tp ranks."""
         self._tables: dict[tuple, ModuleTable] = {}
+        self._module_numel: dict[tuple[int, int], tuple[float, ...]] = {}
+        self._op_tables: dict[tuple, ModuleTable] = {}
         self._expert_compute: dict[tuple, tuple[float, ...]] = {}
         self._inputs: dict[tuple[int, int, bool], MemoryInputs] = {}
         self._layouts: dict[tuple, LayoutMemory] = {}
@@ -245,7 +248,14 @@ class Context:
                                                         par.tensor_parallel_degree)
 
     def _ops_table(self, nodes: frozenset[str], tp: int, microbatch: int, sp: bool) -> ModuleTable:
-        """The module table of only the ops in `nodes` (each module's share: its experts, its attention)."""
+        """The module table of only the ops in `nodes` (each module's share: its experts, its attention), priced once
+        per setting (every cp and ep of a search asks for the same one)."""
+        key = (nodes, tp, microbatch, sp, self.compiled)
+        if key not in self._op_tables:
+            self._op_tables[key] = self._priced_ops_table(nodes, tp, microbatch, sp)
+        return self._op_tables[key]
+
+    def _priced_ops_table(self, nodes: frozenset[str], tp: int, microbatch: int, sp: bool) -> ModuleTable:
         modules = tuple(replace(costs, ops=tuple(op for op, node in zip(costs.ops, module.ops) if node in nodes))
                         for costs, module in zip(self.costs.modules, self.chain.modules))
         return self._part_table(replace(self.costs, modules=modules), tp, microbatch, sp)
@@ -275,7 +285,7 @@ class Context:
             route_backward[u] += cost.route_backward_s
         ring_forward, ring_backward, change, ring_working = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
         if cp > 1:
-            attention = self._ops_table(frozenset(c.node for c in self.attention.calls), tp, microbatch, sp)
+            attention = self._ops_table(self._attention_nodes, tp, microbatch, sp)
             calls = [self._attention_module.count(u) for u in range(n)]
             cp_group, role = self.group(cp, tp), self.facts.role
             gpu = self.cluster.gpu
@@ -342,8 +352,10 @@ class Context:
 
     def module_numel(self, tp: int, ep: int = 1) -> list[float]:
         """Parameter elements each module holds on a rank (its expert layers' E/ep experts)."""
-        return [u.replicated_numel + u.split_numel / tp - e * (1 - 1 / ep)
-                for u, e in zip(self.costs.modules, self.expert_numel)]
+        if (tp, ep) not in self._module_numel:  # priced for every family of a search
+            self._module_numel[tp, ep] = tuple(u.replicated_numel + u.split_numel / tp - e * (1 - 1 / ep)
+                                               for u, e in zip(self.costs.modules, self.expert_numel))
+        return list(self._module_numel[tp, ep])
 
     def module_expert_numel(self, ep: int) -> list[float]:
         """Of module_numel, the expert parameter elements (E/ep experts)."""

@@ -7,11 +7,12 @@ Mesh dims in rank order ("pp", "dp_replicate", "dp_shard", "cp", "tp"): tp inner
 The search's own scope (not validity): reshard=never shards over every data-parallel rank; HSDP
 (dp_replicate > 1 and dp_shard > 1) only with reshard=always, its shard group within a node or over a
 power of two of nodes. Context parallelism (when the features allow it and the model's attention can ring):
-cp x tp within a node, and only while each rank keeps at least MIN_CONTEXT_PARALLEL_TOKENS of a sequence
-(shorter shards make every ring step latency-bound, and short sequences need no cp). Expert parallelism (for
-models with expert layers): every ep dividing each layer's expert count and the ranks it is folded over,
-dp_shard x cp x tp (layout.expert_folded_ranks, as torchtitan and Megatron-Core fold it; a pin may ask for an
-ep dividing dp x cp x tp, which the layout rules refuse unless the features price it).
+cp x tp within a node or over whole nodes (a ring across nodes is priced on the inter-node link), and only
+while each rank keeps at least MIN_CONTEXT_PARALLEL_TOKENS of a sequence (shorter shards make every ring step
+latency-bound, and short sequences need no cp). Expert parallelism (for models with expert layers): every ep
+dividing each layer's expert count and the ranks it is folded over, dp_shard x cp x tp (layout.expert_folded_ranks,
+as torchtitan and Megatron-Core fold it; a pin may ask for an ep dividing dp x cp x tp, which the layout rules
+refuse unless the features price it).
 """
 
 from __future__ import annotations
@@ -148,15 +149,24 @@ def _sharded_families(pins: Layout, scope: Scope, tp: int, cp: int, ep: int, pp:
 
 def context_parallel_options(pins: Layout, scope: Scope, tp: int) -> list[int]:
     """cp degrees to try with `tp`: the pin; else 1, and when the features allow context parallelism and the
-    model's attention can ring, the divisors of the GPUs a node has beside tp that leave each rank at least
-    MIN_CONTEXT_PARALLEL_TOKENS tokens of a sequence split into 2 x cp equal chunks."""
+    model's attention can ring, every cp dividing the GPUs beside tp that leaves each rank at least
+    MIN_CONTEXT_PARALLEL_TOKENS tokens of a sequence split into 2 x cp equal chunks, its cp x tp ranks within a node
+    or over whole nodes (the ring crosses nodes as torchtitan's tp 8 x cp 4 does: the mesh puts cp just outside tp,
+    so Context.groups prices its exchange on the link those ranks share)."""
     if pins.cp:
         return [pins.cp]
     seq, per_node = scope.sequence_length, scope.gpus_per_node or scope.num_gpus
+    gpus = scope.num_gpus or per_node
     if "cp" not in (scope.features or frozenset()) or scope.context_parallel_problem or not seq or per_node % tp:
         return [1]
-    return [c for c in divisors(per_node // tp)
-            if c == 1 or (seq % (2 * c) == 0 and seq // c >= MIN_CONTEXT_PARALLEL_TOKENS)]
+    return [c for c in divisors(gpus // tp)
+            if c == 1 or (seq % (2 * c) == 0 and seq // c >= MIN_CONTEXT_PARALLEL_TOKENS
+                          and _node_aligned(c * tp, per_node))]
+
+
+def _node_aligned(ranks: int, gpus_per_node: int) -> bool:
+    """`ranks` consecutive ranks fill part of one node evenly or whole nodes."""
+    return gpus_per_node % ranks == 0 if ranks <= gpus_per_node else ranks % gpus_per_node == 0
 
 
 def expert_parallel_options(pins: Layout, scope: Scope, ranks: int) -> list[int]:
@@ -229,7 +239,8 @@ class Variant:
 
 def variants(family: Family, pins: Layout, scope: Scope, rejected: list[str] | None = None) -> list[Variant]:
     """Every (schedule, virtual stages, micro-batch size, recompute mode) of `family` the pins allow that
-    layout.problems() accepts; the rules the others break are added to `rejected` when it is given."""
+    layout.problems() accepts; the rules the others break are added to `rejected` when it is given. They depend
+    on the family's dp, tp and pp alone (the search prices each such shape's variants once)."""
     features = scope.features or frozenset()
     per_rank = scope.global_batch // family.dp
     pp = family.pp

@@ -52,6 +52,7 @@ class _Tables:
         self._stage: dict[int, dict] = {}
         self._shared: dict[tuple, dict] = {}
         self._evaluated: dict[tuple, tuple | None] = {}
+        self._hulls: dict[tuple[int, int], list[tuple]] = {}
 
     def stage(self, s: int) -> dict:
         """Prefix sums of stage s: shared with every stage built from the same vectors, scaled by f."""
@@ -105,7 +106,7 @@ class _Tables:
         for sig in self.sigs:
             count = self.count[sig][b] - self.count[sig][a]
             if count:
-                increments += self._hull(t, sig, count)
+                increments += [(slope, saved, added, count, key) for slope, saved, added, key in self._hull(s, sig)]
         chosen: dict[tuple, int] = {}
         for _, saved, added, count, key in sorted(increments, key=lambda x: x[0]):
             modules = min(count, math.ceil(need / saved))
@@ -141,9 +142,12 @@ class _Tables:
             total += t["state"][self.n] + t["f"] * min(t["act"][m][self.n] for m in self.modes)
         return total / self.p.num_stages ** 2
 
-    def _hull(self, t: dict, sig: int, count: int) -> list[tuple]:
-        """Increments (time per byte, bytes saved, time added, count, (sig, mode)) along the lower
-        convex hull of one module's recompute options (bytes saved, time added) from (0, 0)."""
+    def _hull(self, s: int, sig: int) -> list[tuple]:
+        """Increments (time per byte, bytes saved, time added, (sig, mode)) along the lower convex hull of one module's
+        recompute options on stage s (bytes saved, time added) from (0, 0), worked out once per stage and module."""
+        if (s, sig) in self._hulls:
+            return self._hulls[s, sig]
+        t = self.stage(s)
         u, base = self.first_of[sig], self.modes[0]
         points = [((t["act_vec"][base][u] - t["act_vec"][m][u]) * t["f"],
                    self.p.module_time_s[m][u] - self.p.module_time_s[base][u], m) for m in self.modes[1:]]
@@ -152,9 +156,10 @@ class _Tables:
             ahead = [((dt - at_added) / (dm - at_saved), -dm, dm, dt, m)
                      for dm, dt, m in points if dm > at_saved * (1 + 1e-12) + 1e-9]
             if not ahead:
+                self._hulls[s, sig] = hull
                 return hull
             slope, _, dm, dt, m = min(ahead)
-            hull.append((slope, dm - at_saved, dt - at_added, count, (sig, m)))
+            hull.append((slope, dm - at_saved, dt - at_added, (sig, m)))
             at_saved, at_added = dm, dt
 
 
@@ -198,7 +203,7 @@ def _pack(tables: _Tables, stage_time: float, cap: float, mode: str | None) -> l
         room = cap - used[rank] - later * share
         last = n - (stages - 1 - s)
         best = None
-        end = start + 1
+        end = start + 1 if s < stages - 1 else last  # the last stage must end at n: shorter ends cannot pack
         while end <= last:
             run_end = min(tables.runs[tables.run_of[end - 1]][1], last)
             fits = _fits(tables, s, start, run_end, mode, room, stage_time, largest[rank])
