@@ -147,6 +147,9 @@ class Stage:
     predicted_send_s: float = 0.0
     """One point-to-point transfer of this stage's output activation to the next stage (and of its
     gradient back), seconds; 0 for the last stage."""
+    predicted_weight_s: float = 0.0
+    """Of the backward, the weight gradients' pass (W, which a zero-bubble schedule runs apart from the
+    input-gradient pass), seconds (0 when not recorded)."""
 
 
 @dataclass(frozen=True)

@@ -120,3 +120,25 @@ def test_rules_accept_the_runnable_ones():
                    Layout(pp=2, dp=1, schedule="dualpipev", virtual_stages=2, microbatches=4),
                    Layout(pp=2, dp=1, schedule="zb-interleaved", virtual_stages=1, microbatches=2)):
         assert problems(layout, Scope()) == []
+
+
+def test_the_predicted_timeline_draws_forward_input_and_weight_gradient_passes():
+    """trace.json and the report's chart (report/schedule.step_schedule) of a zbv plan: F, B (input gradients) and W
+    blocks on both ranks, the V's transfers between the ranks that hold neighbouring stages."""
+    from dataclasses import replace
+
+    from autoplan.report.schedule import step_schedule
+    from helpers.plans import pinned_plan
+
+    plan = pinned_plan("model.py", [("a",), ("b",), ("c",), ("d",)], pipeline_parallel_degree=2,
+                       pipeline_parallel_schedule="zbv", pipeline_parallel_virtual_stages=2,
+                       pipeline_parallel_num_microbatches=4, pipeline_parallel_microbatch_size=2)
+    plan = replace(plan, stages=tuple(replace(s, predicted_forward_s=0.01, predicted_time_s=0.03,
+                                              predicted_weight_s=0.01, predicted_send_s=0.001) for s in plan.stages))
+    events = step_schedule(plan)
+    labels = {(e.rank, e.label[0]) for e in events if e.lane == "compute" and e.label[0] in "FBW"}
+    assert labels == {(r, k) for r in (0, 1) for k in "FBW"}
+    weight = [e for e in events if e.kind == "weight_gradient"]
+    assert len(weight) == 4 * 4 and all(abs(e.duration_s - 0.01) < 1e-12 for e in weight)
+    sends = {(e.stage, e.peer) for e in events if e.kind == "send" and e.payload == "activation"}
+    assert sends == {(0, 1), (2, 0)}  # stage 1 -> 2 stays on rank 1 (no transfer); stage 2 -> 3 goes back to rank 0

@@ -211,7 +211,8 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
         memory = rank_memory[stage_rank(s, pp, problem.placement)]
         stages.append(Stage(index=s, modules=chain.fqns[a:b], predicted_time_s=sum(parts[s].values()),
                             predicted_memory_bytes=sum(memory.values()), memory_breakdown=dict(memory),
-                            predicted_forward_s=costs[s].forward_s, predicted_send_s=costs[s].send_s))
+                            predicted_forward_s=costs[s].forward_s, predicted_send_s=costs[s].send_s,
+                            predicted_weight_s=costs[s].weight_s))
     peak = max(stages, key=lambda st: st.predicted_memory_bytes)
     without_sp = None
     if tp > 1 and par.enable_sequence_parallel:  # the same layout's activations with sp=off, for the report
