@@ -102,14 +102,16 @@ class CastOutputs(nn.Module):
 
 
 def own_outputs(module: nn.Module) -> nn.Module:
-    """`module`, whose outputs become tensors of their own where they are views (a forward hook: torch's schedules
-    tell DDP and FSDP stages by the module's type, so it is not wrapped). A schedule that splits backward (torch's
-    stage_backward_input) detaches a stage's outputs in place after the input-gradient pass, which torch refuses
-    for views (a tensor-parallel stage's output is a view of its local shard)."""
+    """`module`, whose outputs become copies that no op of the stage saves or views (a forward hook: torch's
+    schedules tell DDP and FSDP stages by the module's type, so it is not wrapped). A schedule that splits backward
+    (torch's stage_backward_input) detaches a stage's outputs in place after the input-gradient pass: torch refuses
+    that for views (a tensor-parallel stage's output is a view of its local shard), and the weight-gradient pass
+    then fails on an output an op saved for backward (tried: a stage ending in a LayerNorm under tp=2, 'Trying to use
+    a saved tensor that has been detached in-place'). One copy of the boundary activation per micro-batch."""
 
     def owned(_module: nn.Module, _args: Any, output: Any) -> Any:
         flat = output if isinstance(output, tuple) else (output,)
-        copies = tuple(t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t for t in flat)
+        copies = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in flat)
         return copies if isinstance(output, tuple) else copies[0]
 
     module.register_forward_hook(owned)
