@@ -670,6 +670,10 @@ def _schedule(layout: Layout, scope: Scope) -> list[str]:
         out.append(f"schedule={schedule.name} with cp={layout.cp}: FSDP2 averages the gradients over the "
                    f"context-parallel ranks with the reduction hooks that torch's weight-gradient passes (autograd.grad) "
                    f"bypass (use cp=1 or schedule=1f1b or interleaved)")
+    if schedule.split_backward and layout.recompute == "selective":
+        out.append(f"schedule={schedule.name} with recompute=selective: the weight-gradient pass replays the "
+                   f"checkpointed modules a second time, and the selective policy's contexts cannot be entered twice "
+                   f"(tried: torch.utils.checkpoint fails in the W pass; use recompute=full or none)")
     if schedule.split_backward and layout.compile == "on":
         out.append(f"schedule={schedule.name} splits backward into input and weight gradients, which torch "
                    f"(ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV) refuses for compiled "

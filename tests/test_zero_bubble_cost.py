@@ -110,6 +110,7 @@ def test_vocabulary_has_one_name_per_schedule_and_torch_runs_each():
     (Layout(pp=2, dp=2, schedule="zbv", virtual_stages=2), "with dp=2"),
     (Layout(pp=2, cp=2, schedule="zbv", virtual_stages=2), "with cp=2"),
     (Layout(pp=2, schedule="1f1b", virtual_stages=2), "virtual stages need schedule=interleaved"),
+    (Layout(pp=2, schedule="dualpipev", virtual_stages=2, recompute="selective"), "with recompute=selective"),
 ])
 def test_rules_refuse_what_torch_cannot_run(layout, expected):
     assert any(expected in text for text in problems(layout, Scope())), problems(layout, Scope())

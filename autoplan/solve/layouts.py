@@ -264,7 +264,8 @@ def variants(family: Family, pins: Layout, scope: Scope, rejected: list[str] | N
                 if rejected is not None:
                     rejected += broken
                 continue
-            out += [Variant(schedule, virtual, mbs, shape.microbatches, mode) for mode in modes]
+            out += [Variant(schedule, virtual, mbs, shape.microbatches, mode) for mode in modes
+                    if mode == "none" or not schedule_problems(replace(shape, recompute=mode), scope)]
     return out
 
 
