@@ -16,7 +16,57 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Callable
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule the program runs with torch.distributed.pipelining: the one place for its facts."""
+
+    name: str
+    """Its name everywhere (plan.json, --pin schedule=..., CSV columns, train.py, messages)."""
+    torch_class: str
+    """The torch.distributed.pipelining class that runs it (runtime/steps.py resolves the name)."""
+    torchtitan_name: str
+    """torchtitan's parallelism.pipeline_parallel_schedule for it."""
+    placement: str
+    """Which pipeline rank runs stage s of pp x v: "loop", rank s % pp (torch's loop order); "v", rank s for
+    s < pp and rank 2 pp - 1 - s after (the V: rank r holds stages r and 2 pp - 1 - r)."""
+    virtual_stages: tuple[int, int | None]
+    """Stages per rank it runs: (least, most), most None for any number."""
+    split_backward: bool
+    """Whether it runs each backward as an input-gradient pass (B) and a later weight-gradient pass (W)."""
+    min_microbatches: str
+    """Least micro-batches per step: "1", "pp" (at least one per rank), "pp_multiple" (a multiple of pp: torch's
+    rounds of pp micro-batches), "stages" (at least pp x v)."""
+
+
+SCHEDULE_TABLE = (
+    Schedule("gpipe", "ScheduleGPipe", "GPipe", "loop", (1, 1), False, "1"),
+    Schedule("1f1b", "Schedule1F1B", "1F1B", "loop", (1, 1), False, "pp"),
+    Schedule("interleaved", "ScheduleInterleaved1F1B", "Interleaved1F1B", "loop", (1, None), False, "pp_multiple"),
+    Schedule("zb-interleaved", "ScheduleInterleavedZeroBubble", "InterleavedZeroBubble", "loop", (1, None), True,
+             "pp_multiple"),
+    Schedule("zbv", "ScheduleZBVZeroBubble", "ZBVZeroBubble", "v", (2, 2), True, "1"),
+    Schedule("dualpipev", "ScheduleDualPipeV", "DualPipeV", "v", (2, 2), True, "stages"),
+)
+"""Every pipeline schedule, as data: the plan vocabulary, the rules below, the program (runtime/steps.py) and the
+cost model (cost/pipeline.py) read it."""
+SCHEDULE_BY_NAME = {schedule.name: schedule for schedule in SCHEDULE_TABLE}
+SCHEDULES = tuple(SCHEDULE_BY_NAME)
+ZERO_BUBBLE_SCHEDULES = tuple(s.name for s in SCHEDULE_TABLE if s.split_backward)
+
+
+def stage_rank(stage: int, pp: int, placement: str) -> int:
+    """The pipeline rank that runs `stage` (see Schedule.placement)."""
+    if placement == "v":
+        local, offset = divmod(stage, pp)
+        return offset if local % 2 == 0 else pp - 1 - offset
+    return stage % pp
+
+
+def rank_stages(pp_rank: int, pp: int, virtual_stages: int, placement: str) -> list[int]:
+    """The stages pipeline rank `pp_rank` runs, in its local order."""
+    return [s for s in range(pp * virtual_stages) if stage_rank(s, pp, placement) == pp_rank]
 RECOMPUTE = ("none", "selective", "full")
 RESHARD = ("always", "never")
 SEQUENCE_PARALLEL = ("on", "off")
@@ -37,7 +87,7 @@ of experts' routing; its parameters replicated, gradients summed)."""
 ZERO_STAGES = (0, 1, 2, 3)
 
 ALL_FEATURES = frozenset({
-    "tp", "sp", "tp_vocab_parallel", "zero2", "zero3", "hsdp", "gpipe", "1f1b", "interleaved", "selective", "full",
+    "tp", "sp", "tp_vocab_parallel", "zero2", "zero3", "hsdp", *SCHEDULES, "selective", "full",
     "pp_scatter_gather",  # Megatron-LM's pipeline sends split over tensor-parallel ranks (not in torch)
     "tp_fused_split",     # Megatron-LM's fused qkv with interleaved weights, split per rank (not in torch TP)
     "offload", "compile",
@@ -70,6 +120,9 @@ SUPPORTED = frozenset({
     "gpipe",
     "1f1b",
     "interleaved",        # virtual stages (ScheduleInterleaved1F1B)
+    "zb-interleaved",     # zero-bubble schedules: backward split into input and weight gradients (SCHEDULE_TABLE)
+    "zbv",
+    "dualpipev",
     "selective",          # selective activation checkpointing per module
     "full",               # full activation checkpointing per module
     "offload",            # FSDP2 CPUOffloadPolicy (needs an accelerator: torch refuses it on CPU devices)
@@ -125,8 +178,10 @@ VOCABULARY = (
          "cut from the dp_shard x cp x tp ranks as torchtitan and Megatron-Core fold it: it does not multiply the "
          "GPU count; each tp rank routes its own 1/tp of the tokens"),
     Term("pp", "pipeline_parallel_degree", "pipeline ranks"),
-    Term("schedule", "pipeline_parallel_schedule", "gpipe, 1f1b or interleaved"),
-    Term("virtual_stages", "pipeline_parallel_virtual_stages", "stages per pipeline rank (interleaved)"),
+    Term("schedule", "pipeline_parallel_schedule", "gpipe, 1f1b, interleaved, or a zero-bubble schedule (backward "
+         "split into input and weight gradients): zb-interleaved, zbv or dualpipev"),
+    Term("virtual_stages", "pipeline_parallel_virtual_stages", "stages per pipeline rank (interleaved, "
+         "zb-interleaved; 2 for zbv and dualpipev, placed in a V)"),
     Term("microbatch", "pipeline_parallel_microbatch_size", "samples per micro-batch"),
     Term("microbatches", "pipeline_parallel_num_microbatches", "micro-batches per step per data-parallel "
          "rank (gradient accumulation when pp = 1)"),
@@ -577,22 +632,52 @@ def _microbatches(layout: Layout, scope: Scope) -> int | None:
 
 
 def _schedule(layout: Layout, scope: Scope) -> list[str]:
-    out, pp, v, schedule = [], layout.pp, layout.virtual_stages, layout.schedule
-    if _positive(v) and v > 1 and (schedule not in (None, "interleaved") or (_positive(pp) and pp == 1)):
-        out.append(f"virtual_stages={v} needs schedule=interleaved and pp > 1 (schedule={schedule}, pp={pp})")
+    out, pp, v, schedule = [], layout.pp, layout.virtual_stages, SCHEDULE_BY_NAME.get(layout.schedule)
+    if schedule is None:
+        if _positive(v) and v > 1 and layout.schedule is None and _positive(pp) and pp == 1:
+            out.append(f"virtual_stages={v} needs pp > 1 (pp={pp})")
+        return out
+    least, most = schedule.virtual_stages
+    if _positive(v) and (v < least or (most is not None and v > most)) and (not _positive(pp) or pp > 1):
+        runs = f"{least}" if least == most else f"{least} to {most}" if most else f"at least {least}"
+        out.append(f"schedule={schedule.name} runs {runs} stage{'s' if most != 1 else ''} per pipeline rank, "
+                   f"but virtual_stages={v}" + (" (virtual stages need schedule=interleaved, zb-interleaved, zbv or "
+                                               "dualpipev)" if most == 1 else ""))
+    if _positive(v) and v > 1 and _positive(pp) and pp == 1:
+        out.append(f"virtual_stages={v} needs pp > 1 (schedule={schedule.name}, pp={pp})")
     if not _positive(pp) or pp == 1:
         return out
     m = _microbatches(layout, scope)
-    if schedule in ("1f1b", "interleaved") and m is not None and \
-            (m < pp or (schedule == "interleaved" and m % pp)):
-        need = "a multiple of" if schedule == "interleaved" else "at least"
-        out.append(f"schedule={schedule} needs {need} pp={pp} micro-batches, but {_microbatches_text(layout, scope)}"
-                   f" = {m}")
-    if schedule == "interleaved" and scope.num_modules is not None:
-        stages = pp * max(v or 2, 2)
-        if stages > scope.num_modules:
-            out.append(f"schedule=interleaved needs at least {max(v or 2, 2)} x pp={pp} = {stages} modules, the "
+    stages = pp * (v if _positive(v) else max(least, 1))
+    need = {"pp": (pp, "at least", m is not None and m < pp),
+            "pp_multiple": (pp, "a multiple of", m is not None and (m < pp or m % pp)),
+            "stages": (stages, "at least pp x virtual_stages =", m is not None and m < stages)}.get(
+        schedule.min_microbatches)
+    if need is not None and need[2]:
+        out.append(f"schedule={schedule.name} needs {need[1]} {'pp=' if need[0] == pp else ''}{need[0]} micro-batches, "
+                   f"but {_microbatches_text(layout, scope)} = {m}")
+    if (v is None or v > 1 or least > 1) and most != 1 and scope.num_modules is not None:
+        per_rank = max(v or 2, least, 2)
+        if pp * per_rank > scope.num_modules:
+            out.append(f"schedule={schedule.name} needs at least {per_rank} x pp={pp} = {pp * per_rank} modules, the "
                        f"model splits into {scope.num_modules}")
+    dp = layout.data_parallel
+    if schedule.split_backward and _positive(dp) and dp > 1:
+        out.append(f"schedule={schedule.name} with dp={dp}: torch computes the weight-gradient passes with "
+                   f"autograd.grad, whose gradients DDP's and FSDP2's reduction hooks do not see, so the data-parallel "
+                   f"replicas would not average them (use dp=1 or schedule=1f1b or interleaved)")
+    if schedule.split_backward and _positive(layout.cp) and layout.cp > 1:
+        out.append(f"schedule={schedule.name} with cp={layout.cp}: FSDP2 averages the gradients over the "
+                   f"context-parallel ranks with the reduction hooks that torch's weight-gradient passes (autograd.grad) "
+                   f"bypass (use cp=1 or schedule=1f1b or interleaved)")
+    if schedule.split_backward and layout.recompute == "selective":
+        out.append(f"schedule={schedule.name} with recompute=selective: the weight-gradient pass replays the "
+                   f"checkpointed modules a second time, and the selective policy's contexts cannot be entered twice "
+                   f"(tried: torch.utils.checkpoint fails in the W pass; use recompute=full or none)")
+    if schedule.split_backward and layout.compile == "on":
+        out.append(f"schedule={schedule.name} splits backward into input and weight gradients, which torch "
+                   f"(ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV) refuses for compiled "
+                   f"stages (use compile=off or schedule=1f1b or interleaved)")
     return out
 
 

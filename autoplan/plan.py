@@ -49,7 +49,7 @@ class Parallelism:
     pipeline_parallel_degree: int = 1
     """Pipeline stages, one per rank along the pipeline dimension."""
     pipeline_parallel_schedule: str = "1f1b"
-    """"gpipe", "1f1b" or "interleaved"."""
+    """One of layout.SCHEDULES: "gpipe", "1f1b", "interleaved", "zb-interleaved", "zbv" or "dualpipev"."""
     pipeline_parallel_microbatch_size: int = 1
     """Samples per micro-batch."""
     pipeline_parallel_num_microbatches: int = 1
@@ -57,8 +57,9 @@ class Parallelism:
     activation_checkpoint: str = "none"
     """"none", "selective" or "full" (Plan.activation_checkpoint_modules lists the modules)."""
     pipeline_parallel_virtual_stages: int = 1
-    """Stages per pipeline rank (> 1 only for the interleaved schedule). Plan.stages then holds
-    pp * v stages and stage s runs on pipeline rank s % pp (torch.distributed.pipelining's loop order)."""
+    """Stages per pipeline rank (> 1 for the interleaved and zero-bubble schedules). Plan.stages then holds
+    pp * v stages and stage s runs on pipeline rank layout.stage_rank(s, pp, placement): s % pp
+    (torch.distributed.pipelining's loop order) or, for zbv and dualpipev, the V (rank r: stages r, 2 pp - 1 - r)."""
     enable_sequence_parallel: bool = False
     """With tensor_parallel_degree > 1: the ops between the tensor-parallel pairs (norms, dropout, residual
     adds) run on sequence shards, the pairs all-gather and reduce-scatter (Korthikanti et al. 2022). The
@@ -146,6 +147,9 @@ class Stage:
     predicted_send_s: float = 0.0
     """One point-to-point transfer of this stage's output activation to the next stage (and of its
     gradient back), seconds; 0 for the last stage."""
+    predicted_weight_s: float = 0.0
+    """Of the backward, the weight gradients' pass (W, which a zero-bubble schedule runs apart from the
+    input-gradient pass), seconds (0 when not recorded)."""
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from autoplan.codegen import write_program
-from autoplan.layout import (COMPILE, OFFLOAD, RECOMPUTE, RESHARD, SCHEDULES, SEQUENCE_PARALLEL, SUPPORTED,
+from autoplan.layout import (COMPILE, OFFLOAD, RECOMPUTE, RESHARD, SCHEDULE_BY_NAME, SCHEDULES, SEQUENCE_PARALLEL, SUPPORTED,
                              ZERO_STAGES, Layout, Scope, problems)
 from autoplan.plan import OPTIMIZER_IMPLEMENTATIONS, Compile, Plan
 from helpers.all_pairs import Case, Covering, Factor, covering_array
@@ -101,15 +101,19 @@ DATA = {"dp=1": (1, 1), "ddp": (2, 1), "fsdp": (1, 2), "hsdp": (2, 2)}
 """data: (dp_replicate, dp_shard) of each data-parallel shape: none, DDP, FSDP2, HSDP."""
 ZERO = {0: ("ddp", None), 1: ("fsdp", "never"), 2: ("fsdp", "never"), 3: ("fsdp", "always")}
 """Each zero stage (the pin shorthand) as the matrix's data and reshard values."""
-PIPELINES = {"pp=1": (1, None, 1), **{s: (2, s, 2 if s == "interleaved" else 1) for s in SCHEDULES}}
-"""pipeline: (pp, schedule, virtual_stages): no pipeline, or 2 ranks with each schedule."""
+PIPELINES = {"pp=1": (1, None, 1), **{s: (2, s, 2 if s == "interleaved" else SCHEDULE_BY_NAME[s].virtual_stages[0])
+                                      for s in SCHEDULES}}
+"""pipeline: (pp, schedule, virtual_stages): no pipeline, or 2 ranks with each schedule (interleaved on 2 stages per
+rank, the others on the fewest they run)."""
 DEGREES = (1, 2)
 """tp, cp and ep: off or 2 ranks."""
 LOSS_PARALLEL = ("on", "off")
 FEATURE_VALUES = {
     "tp": ("tp", 2), "sp": ("sp", "on"), "tp_vocab_parallel": ("loss_parallel", "on"), "zero2": ("reshard", "never"),
     "zero3": ("reshard", "always"), "hsdp": ("data", "hsdp"), "gpipe": ("pipeline", "gpipe"),
-    "1f1b": ("pipeline", "1f1b"), "interleaved": ("pipeline", "interleaved"), "selective": ("recompute", "selective"),
+    "1f1b": ("pipeline", "1f1b"), "interleaved": ("pipeline", "interleaved"), "zb-interleaved": ("pipeline",
+    "zb-interleaved"), "zbv": ("pipeline", "zbv"), "dualpipev": ("pipeline", "dualpipev"),
+    "selective": ("recompute", "selective"),
     "full": ("recompute", "full"), "offload": ("offload", "cpu"), "compile": ("compile", "on"), "cp": ("cp", 2),
     "ep": ("ep", 2), "cp_pp": None, "cp_tp": None, "ep_tp": None, "ep_pp": None, "ep_cp": None,
 }
@@ -142,11 +146,15 @@ def factors() -> tuple[Factor, ...]:
 
 
 def microbatches(case: Case) -> int:
-    """Micro-batches per data-parallel rank: 2 with a pipeline (1F1B and interleaved need pp of them), else 1; 1 for
-    a model with BatchNorm (the rules refuse to split its batch: a GPipe pipeline of one micro-batch)."""
+    """Micro-batches per data-parallel rank: 2 with a pipeline (1F1B and interleaved need pp of them; DualPipeV pp x
+    its 2 stages per rank, 4), else 1; 1 for a model with BatchNorm (the rules refuse to split its batch: a GPipe
+    pipeline of one micro-batch)."""
     if models()[case["model"]].facts.get("batch_norm_modules"):
         return 1
-    return 2 if PIPELINES[case["pipeline"]][0] > 1 else 1
+    pp, schedule, virtual = PIPELINES[case["pipeline"]]
+    if pp == 1:
+        return 1
+    return pp * virtual if SCHEDULE_BY_NAME[schedule].min_microbatches == "stages" else 2
 
 
 def layout(case: Case) -> Layout:

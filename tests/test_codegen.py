@@ -156,7 +156,8 @@ def test_strange_module_and_file_names_cannot_change_the_program(tmp_path):
 @pytest.mark.parametrize("change, message", [
     (dict(tensor_parallel_degree=2), r"tp=2, but the plan's tensor_parallel_plan names no module to shard"),
     (dict(pipeline_parallel_virtual_stages=2),
-     r"virtual_stages=2 needs schedule=interleaved and pp > 1 \(schedule=1f1b, pp=2\)"),
+     r"schedule=1f1b runs 1 stage per pipeline rank, but virtual_stages=2 \(virtual stages need "
+     r"schedule=interleaved"),
     (dict(pipeline_parallel_schedule="interleaved", pipeline_parallel_num_microbatches=3, global_batch=12),
      r"schedule=interleaved needs a multiple of pp=2 micro-batches, but microbatches = 3"),
     (dict(pipeline_parallel_virtual_stages=2, pipeline_parallel_schedule="interleaved"),

@@ -29,7 +29,7 @@ def test_pins_csv_and_plan_fields_use_the_vocabulary():
     assert set(PIN_KEYS) <= short
     assert {f.name for f in fields(Layout)} <= short
     layout_columns = set(CANDIDATE_COLUMNS) - {"rank", "fits", "step_time_s", "peak_memory_gib", "host_memory_gib",
-                                               "reason"}
+                                               "reason", "bubble_s", "schedule_tradeoff"}
     assert layout_columns <= short
     plan_fields = {t.plan_field for t in VOCABULARY}
     assert {f.name for f in fields(Parallelism)} <= plan_fields

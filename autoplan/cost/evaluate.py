@@ -36,6 +36,7 @@ from autoplan.cost.dtypes import bytes_per_element
 from autoplan.cost.memory import host_state_bytes
 from autoplan.cost.pipeline import StageCost, microbatches_in_flight, simulated_step_s
 from autoplan.cost.problem import Assignment, ChainProblem
+from autoplan.layout import SCHEDULE_BY_NAME, stage_rank
 from autoplan.plan import Parallelism, Prediction, Stage
 
 
@@ -93,6 +94,7 @@ def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> Cha
         modes=modes,
         stage_overhead_s=overhead,
         signature=ctx.costs.signature,
+        placement=SCHEDULE_BY_NAME[par.pipeline_parallel_schedule].placement,
     )
 
 
@@ -156,11 +158,12 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
             part["expert_parallel_comm"] = sum(table.ep_forward_s[u] + table.ep_backward_s[u] for u in modules)
         parts.append(part)
         send = ctx.send_s(cut[b - 1], par, groups.pipeline.link) if b < n and pp > 1 else 0.0
+        weight = sum(table.backward_s[u] * ctx.costs.modules[u].weight_gradient_share for u in modules)
         costs.append(StageCost((1 + slowdown) * forward + tp_forward + parallel_forward + dpc.forward_s + host / 2,
                                (1 + slowdown) * (backward + recompute) + tp_backward + parallel_backward
                                + dpc.per_microbatch_s - dpc.forward_s + host / 2,
-                               send))
-        rank = s % pp
+                               send, weight_s=(1 + slowdown) * weight))
+        rank = stage_rank(s, pp, problem.placement)
         per_step[rank] += dpc.per_step_s
         if tp > 1 and par.enable_sequence_parallel:
             per_step[rank] += sequence_local_gradient_sum_s(
@@ -195,7 +198,8 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     else:
         breakdown["bubble"] = 0.0
     breakdown["data_parallel_comm"] += max(per_step)
-    breakdown["pipeline_comm"] += _tied_gradient_sync(chain, assignment, pp, tied, element, groups.pipeline)
+    breakdown["pipeline_comm"] += _tied_gradient_sync(chain, assignment, pp, tied, element, groups.pipeline,
+                                                    problem.placement)
     breakdown["optimizer"] = max(optimizer)
     breakdown["loss_all_reduce"] = _loss_all_reduce(ctx, par)
     if ctx.batch_statistics and par.data_parallel_degree > 1:
@@ -204,15 +208,16 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     stages = []
     rank_memory = [problem.rank_breakdown(r, assignment) for r in range(pp)]
     for s, (a, b) in enumerate(ranges):
-        memory = rank_memory[s % pp]
+        memory = rank_memory[stage_rank(s, pp, problem.placement)]
         stages.append(Stage(index=s, modules=chain.fqns[a:b], predicted_time_s=sum(parts[s].values()),
                             predicted_memory_bytes=sum(memory.values()), memory_breakdown=dict(memory),
-                            predicted_forward_s=costs[s].forward_s, predicted_send_s=costs[s].send_s))
+                            predicted_forward_s=costs[s].forward_s, predicted_send_s=costs[s].send_s,
+                            predicted_weight_s=costs[s].weight_s))
     peak = max(stages, key=lambda st: st.predicted_memory_bytes)
     without_sp = None
     if tp > 1 and par.enable_sequence_parallel:  # the same layout's activations with sp=off, for the report
         plain = build_problem(ctx, replace(par, enable_sequence_parallel=False), problem.modes)
-        without_sp = plain.rank_breakdown(peak.index % pp, assignment).get("activations")
+        without_sp = plain.rank_breakdown(stage_rank(peak.index, pp, problem.placement), assignment).get("activations")
     flops = model_flops_per_step(chain, ctx.training.global_batch_size)
     tokens = ctx.training.tokens_per_sample or chain.tokens_per_sample
     batch = ctx.training.global_batch_size
@@ -343,9 +348,10 @@ def _data_parallel(ctx: Context, par: Parallelism, groups: Groups, *, module_byt
 
 
 def _tied_gradient_sync(chain, assignment: Assignment, pp: int, tied: list[float], element: int,
-                        group: comm.Group) -> float:
+                        group: comm.Group, placement: str = "loop") -> float:
     """Ranks holding copies of one tied parameter all-reduce its gradient once per step."""
-    stage_of = {u: s % pp for s, (a, b) in enumerate(assignment.split.ranges()) for u in range(a, b)}
+    stage_of = {u: stage_rank(s, pp, placement) for s, (a, b) in enumerate(assignment.split.ranges())
+                for u in range(a, b)}
     total = 0.0
     for g, numel in zip(chain.tied_groups, tied):
         holders = len({stage_of[u] for u in g.modules})

@@ -118,6 +118,15 @@ class ModuleCosts:
     """With sequence parallelism its input arrives sequence-sharded (it runs ops between the pairs): what full
     and selective recompute keep of it divides by tp."""
 
+    @property
+    def weight_gradient_share(self) -> float:
+        """Of the module's backward FLOPs, the weight gradients' matmuls' (the W pass a zero-bubble schedule runs
+        apart): a matmul reading a parameter computes that weight's gradient with its forward's FLOPs
+        (dW = X^T dY); the rest (input gradients, elementwise ops) is the input-gradient pass."""
+        backward = sum(op.flops_bwd for op in self.ops)
+        weight = sum(op.flops_fwd for op in self.ops if op.kind == "gemm" and op.parameter_bytes > 0)
+        return min(1.0, weight / backward) if backward > 0 else 0.0
+
 
 @dataclass(frozen=True)
 class ChainCosts:

@@ -24,8 +24,10 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from autoplan.cost.pipeline_recv import receive_posted_after
+from autoplan.layout import SCHEDULE_BY_NAME, rank_stages, stage_rank
 
-SCHEDULES_SUPPORTED = ("gpipe", "1f1b", "interleaved")
+SCHEDULES_SUPPORTED = tuple(SCHEDULE_BY_NAME)
+"""Every schedule of the plan vocabulary (autoplan.layout.SCHEDULE_TABLE) is priced."""
 
 
 def interleaved_warmup(rank: int, num_ranks: int, virtual: int, num_microbatches: int) -> int:
@@ -52,7 +54,25 @@ def microbatches_in_flight(schedule: str, num_ranks: int, num_microbatches: int,
         issued = interleaved_warmup(rank, num_ranks, virtual, num_microbatches) + 1
         cycles, rest = divmod(issued, per_round * virtual)  # forwards go in rounds of per_round per local stage
         return min(num_microbatches, cycles * per_round + min(per_round, max(0, rest - local * per_round)))
+    if schedule in SCHEDULE_BY_NAME and SCHEDULE_BY_NAME[schedule].split_backward:
+        placement = SCHEDULE_BY_NAME[schedule].placement
+        rank = stage_rank(stage_index, num_ranks, placement)
+        chunk = rank_stages(rank, num_ranks, virtual, placement).index(stage_index)
+        return split_backward_in_flight(schedule, num_ranks, num_microbatches, rank, virtual)[chunk]
     raise ValueError(f"schedule {schedule!r} is not priced (supported: {SCHEDULES_SUPPORTED})")
+
+
+def split_backward_in_flight(schedule: str, num_ranks: int, num_microbatches: int, rank: int,
+                             chunks: int) -> tuple[int, ...]:
+    """Micro-batches each of the rank's stages (chunk order) holds activations for when the rank holds the most
+    (summed over its stages): from a micro-batch's forward to its weight-gradient pass (or whole backward), which
+    a zero-bubble schedule runs later than 1F1B would, keeping the activations the matmuls' weight gradients read."""
+    alive, peak, best = [0] * chunks, [0] * chunks, -1
+    for kind, chunk, _ in split_backward_order(schedule, num_ranks, num_microbatches, rank, chunks):
+        alive[chunk] += 1 if kind == "F" else -1 if kind in ("B", "W") else 0
+        if sum(alive) > best:
+            best, peak = sum(alive), list(alive)
+    return tuple(peak)
 
 
 @dataclass(frozen=True)
@@ -81,6 +101,8 @@ def rank_order(schedule: str, num_ranks: int, num_microbatches: int, rank: int,
     chunk is the rank's local model chunk (0 unless interleaved): global stage = chunk * num_ranks + rank.
     """
     m, p = num_microbatches, num_ranks
+    if schedule in SCHEDULE_BY_NAME and SCHEDULE_BY_NAME[schedule].split_backward:
+        return split_backward_order(schedule, p, m, rank, chunks)
     if schedule == "gpipe":
         forwards = [("F", c, i) for c in range(chunks) for i in range(m)]
         backwards = [("B", c, i) for c in reversed(range(chunks)) for i in range(m)]
@@ -127,6 +149,9 @@ class StageCost:
     send_s: float = 0.0
     """One transfer across the boundary after this stage: its activation forward, and the gradient of
     that activation back (the same bytes). 0 for the last stage."""
+    weight_s: float = 0.0
+    """Of backward_s, the weight gradients' matmuls: the pass (W) a zero-bubble schedule runs apart from the
+    input-gradient pass (I, backward_s - weight_s)."""
 
 
 @dataclass(frozen=True)
@@ -134,7 +159,8 @@ class SimulatedOp:
     """One forward or backward of one micro-batch on one stage, and the transfer of its output."""
 
     kind: str
-    """"F" or "B"."""
+    """"F", "B" (a whole backward), or with a zero-bubble schedule "I" (input gradients) and "W" (weight
+    gradients, sent nowhere)."""
     rank: int
     stage: int
     microbatch: int
@@ -148,8 +174,9 @@ class SimulatedOp:
 
     @property
     def neighbour(self) -> int:
-        """The stage its output feeds: the next one after a forward, the previous after a backward."""
-        return self.stage + 1 if self.kind == "F" else self.stage - 1
+        """The stage its output feeds: the next one after a forward, the previous after a backward (the
+        stage itself after a weight-gradient pass: it sends nothing)."""
+        return self.stage + 1 if self.kind == "F" else self.stage if self.kind == "W" else self.stage - 1
 
     @property
     def boundary(self) -> int:
@@ -176,15 +203,18 @@ def _orders_and_receives(schedule: str, p: int, m: int, chunks: int):
     """Every rank's operation order and where it posts its receives (a search simulates the same
     schedule shapes over and over with different stage costs)."""
     orders = tuple(tuple(rank_order(schedule, p, m, r, chunks)) for r in range(p))
+    if schedule in SCHEDULE_BY_NAME and SCHEDULE_BY_NAME[schedule].split_backward:
+        return orders, {}  # receives taken as posted from the start (cost/pipeline_recv.py models the others)
     return orders, receive_posted_after(orders, m, chunks)
 
 
 def simulate(schedule: str, num_ranks: int, num_microbatches: int, stages: Sequence[StageCost]) -> SimulatedPipeline:
-    """Run the schedule's operation order on every rank (stage s on rank s % num_ranks).
+    """Run the schedule's operation order on every rank (stage s on rank layout.stage_rank(s, p, placement):
+    s % p, or the V of zbv and dualpipev).
 
     An operation starts when its rank is free and its input is there: a forward needs the previous
     stage's forward of that micro-batch, a backward the next stage's backward (the last stage's, its
-    own forward). A transfer between ranks takes the boundary's `send_s` and holds the sender's send
+    own forward), a weight-gradient pass its input-gradient pass. A transfer between ranks takes the boundary's `send_s` and holds the sender's send
     stream and the receiver's receive stream (links are full duplex: a rank sends and receives at
     once), beside their compute; it starts no earlier than the receiver posts its receive, after the
     operation torch's schedule posts it behind (cost/pipeline_recv.py: transfers are rendezvous).
@@ -196,6 +226,8 @@ def simulate(schedule: str, num_ranks: int, num_microbatches: int, stages: Seque
         raise ValueError(f"{len(stages)} stages do not split evenly over {p} pipeline ranks")
     chunks, m, last = len(stages) // p, num_microbatches, len(stages) - 1
     orders, posted = _orders_and_receives(schedule, p, m, chunks)
+    placement = SCHEDULE_BY_NAME[schedule].placement if schedule in SCHEDULE_BY_NAME else "loop"
+    local = [rank_stages(r, p, chunks, placement) for r in range(p)]
     unposted: dict[tuple[int, int], list[tuple[SimulatedOp, int]]] = {}  # (rank, op index) -> transfers after it
     arrived: dict[tuple[str, int, int], float] = {}
     waiting: dict[tuple[str, int, int], int] = {}  # an output not produced yet -> the rank that needs it
@@ -212,11 +244,13 @@ def simulate(schedule: str, num_ranks: int, num_microbatches: int, stages: Seque
         if position[r] == len(orders[r]):
             return
         kind, chunk, mb = orders[r][position[r]]
-        stage = chunk * p + r
+        stage = local[r][chunk]
         if kind == "F":
             needed = None if stage == 0 else ("F", stage - 1, mb)
+        elif kind == "W":
+            needed = ("I", stage, mb)
         else:
-            needed = ("F", stage, mb) if stage == last else ("B", stage + 1, mb)
+            needed = ("F", stage, mb) if stage == last else ("B", stage + 1, mb)  # an I delivers as a B
         ready = 0.0 if needed is None else arrived.get(needed)
         if ready is None:
             waiting[needed] = r
@@ -234,7 +268,7 @@ def simulate(schedule: str, num_ranks: int, num_microbatches: int, stages: Seque
         now, _, r, transfer = heapq.heappop(runnable)
         if transfer is not None:  # an output ready at `now` claims the sender's and receiver's streams
             op, index = transfer
-            peer = op.neighbour % p
+            peer = stage_rank(op.neighbour, p, placement)
             after = posted.get((op.kind, op.stage, op.microbatch), -1)
             if after >= len(ops[peer]):  # the receiver has not reached its receive yet
                 unposted.setdefault((peer, after), []).append(transfer)
@@ -245,22 +279,26 @@ def simulate(schedule: str, num_ranks: int, num_microbatches: int, stages: Seque
             sent = max(now, send_free[r], receive_free[peer])
             arrives = send_free[r] = receive_free[peer] = sent + stages[op.boundary].send_s
             ops[r][index] = replace(op, sent_s=sent, arrives_s=arrives)
-            deliver((op.kind, op.stage, op.microbatch), arrives)
+            deliver(("B" if op.kind == "I" else op.kind, op.stage, op.microbatch), arrives)
             continue
         kind, chunk, mb = orders[r][position[r]]
-        stage = chunk * p + r
+        stage = local[r][chunk]
         cost = stages[stage]
-        end = compute_free[r] = now + (cost.forward_s if kind == "F" else cost.backward_s)
+        duration = {"F": cost.forward_s, "B": cost.backward_s, "I": cost.backward_s - cost.weight_s,
+                    "W": cost.weight_s}[kind]
+        end = compute_free[r] = now + duration
         op = SimulatedOp(kind, r, stage, mb, now, end, None, end)
         ops[r].append(op)
         for waiting_transfer in unposted.pop((r, len(ops[r]) - 1), []):  # receives posted once this op ends
             push(end, waiting_transfer[0].rank, waiting_transfer)
         position[r] += 1
         offer(r)
-        if 0 <= op.neighbour <= last and op.neighbour % p != r and stages[op.boundary].send_s > 0:
+        if kind == "I":
+            deliver(("I", stage, mb), end)  # its weight-gradient pass, on this rank
+        if 0 <= op.neighbour <= last and stage_rank(op.neighbour, p, placement) != r and stages[op.boundary].send_s > 0:
             push(end, r, (op, len(ops[r]) - 1))
         else:
-            deliver((kind, stage, mb), end)
+            deliver(("B" if kind == "I" else kind, stage, mb), end)
     if any(position[r] < len(orders[r]) for r in range(p)):
         raise ValueError(f"{schedule} schedule deadlocked at positions {position}")
     streams = tuple(max(a, b) for a, b in zip(send_free, receive_free))
@@ -294,3 +332,169 @@ def simulated_step_s(schedule: str, num_ranks: int, num_microbatches: int, stage
         return t2 + (m - m2) / p * (t2 - t1)
     slot = max(sum(c.forward_s + c.backward_s for c in stages[r::p]) for r in range(p))
     return pipeline_time(slot, p, m, len(stages) // p).total_s + 2 * sum(c.send_s for c in stages[:-1])
+
+
+def split_backward_order(schedule: str, num_ranks: int, num_microbatches: int, rank: int,
+                         chunks: int) -> list[tuple[str, int, int]]:
+    """The ("F" | "B" | "I" | "W", chunk, microbatch) operations of one rank of a zero-bubble schedule, in
+    torch's order (the _calculate_single_rank_operations of its class, ported without torch: the core never
+    imports it; tests/test_zero_bubble_cost.py checks them against torch's). "B" is a whole backward, "I" its
+    input-gradient pass, "W" its weight-gradient pass. chunk indexes the rank's stages in increasing order
+    (autoplan.layout.rank_stages); DualPipeV's overlapped forward + backward pairs run one after the other."""
+    if schedule == "zb-interleaved":
+        return _zero_bubble_interleaved_order(num_ranks, num_microbatches, rank, chunks)
+    if schedule == "zbv":
+        return _zbv_order(num_ranks, num_microbatches, rank)
+    if schedule == "dualpipev":
+        return _dualpipev_order(num_ranks, num_microbatches, rank)
+    raise ValueError(f"schedule {schedule!r} does not split its backward")
+
+
+def _zero_bubble_interleaved_order(p: int, m: int, rank: int, chunks: int) -> list[tuple[str, int, int]]:
+    """ScheduleInterleavedZeroBubble (ZB-1P): torch's _get_1f1b_rank_ops with enable_zero_bubble, warm-up of
+    _get_warmup_ops with multiply_factor 1; the W of the k-th backward follows the backward `rank` places later."""
+    rounds = max(1, m // p)
+    per_round = m // rounds
+    warmup = min((chunks - 1) * per_round + (p - 1 - rank), m * chunks)
+    steady = m * chunks - warmup
+    forward_mb, backward_mb, weight_mb = [0] * chunks, [0] * chunks, [0] * chunks
+    backward_steps: list[int] = []
+    order: list[tuple[str, int, int]] = []
+
+    def forward_chunk(step: int) -> int:
+        return (step // per_round) % chunks
+
+    def backward_chunk(step: int) -> int:
+        return chunks - 1 - ((step - warmup) // per_round) % chunks
+
+    def take(counts: list[int], chunk: int) -> int:
+        counts[chunk] += 1
+        return counts[chunk] - 1
+
+    def weight() -> None:
+        chunk = backward_chunk(backward_steps[len(order_w)])
+        order_w.append(chunk)
+        order.append(("W", chunk, take(weight_mb, chunk)))
+
+    order_w: list[int] = []
+    for step in range(warmup + steady + warmup):
+        if step < warmup:
+            chunk = forward_chunk(step)
+            order.append(("F", chunk, take(forward_mb, chunk)))
+            continue
+        if step < warmup + steady:
+            chunk = forward_chunk(step)
+            order.append(("F", chunk, take(forward_mb, chunk)))
+        chunk = backward_chunk(step)
+        order.append(("I", chunk, take(backward_mb, chunk)))
+        backward_steps.append(step)
+        if step - warmup >= rank:
+            weight()
+    while len(order_w) < len(backward_steps):
+        weight()
+    return order
+
+
+def _zbv_order(p: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+    """ScheduleZBVZeroBubble (ZB-V, Qi et al. section 6): chunk 0 is stage rank, chunk 1 stage 2p - 1 - rank;
+    torch plans max(2p - 1, m) micro-batches and drops those past m."""
+    n = max(2 * p - 1, m)
+    counts = {(kind, chunk): 0 for kind in "FIW" for chunk in (0, 1)}
+    order: list[tuple[str, int, int]] = []
+
+    def add(kind: str, chunk: int, index: int | None = None) -> None:
+        key = (kind, chunk)
+        mb = counts[key] if index is None else index
+        order.append((kind, chunk, mb))
+        if index is None:
+            counts[key] += 1
+
+    for _ in range(2 * (p - rank) - 1):
+        add("F", 0)
+    for _ in range(rank):
+        add("F", 1)
+        add("F", 0)
+    for _ in range(p - rank):
+        add("F", 1)
+        add("I", 1)
+        add("W", 1)
+    while counts["F", 1] < counts["F", 0] or counts["F", 0] < n:
+        if counts["F", 0] < n:
+            add("F", 0)
+        add("I", 0)
+        add("W", 0)
+        add("F", 1)
+        add("I", 1)
+        add("W", 1)
+    for _ in range(rank):
+        add("I", 0)
+        add("I", 1)
+    for _ in range(p - rank):
+        add("I", 0)
+        add("W", 0)
+    while counts["W", 1] < counts["I", 1]:
+        add("W", 1)
+    while counts["W", 0] < counts["I", 0]:
+        add("W", 0)
+    return [op for op in order if op[2] < m]
+
+
+def _dualpipev_order(p: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+    """ScheduleDualPipeV (DeepSeek's DualPipe cut in a V): chunk 0 is stage rank, chunk 1 stage 2p - 1 - rank; a
+    whole backward ("B") takes the input- and weight-gradient counters both, an input-gradient pass ("I") queues
+    its weight-gradient pass, run at the schedule's next W slot."""
+    counters: dict[tuple[str, int], int] = {}
+    queue: list[tuple[int, int]] = []
+    order: list[tuple[str, int, int]] = []
+
+    def add(chunk: int, kind: str) -> None:
+        mb = counters.get((chunk, "I" if kind == "B" else kind), 0)
+        order.append((kind, chunk, mb))
+        if kind == "B":
+            counters[chunk, "I"] = counters.get((chunk, "I"), 0) + 1
+            counters[chunk, "W"] = counters.get((chunk, "W"), 0) + 1
+            return
+        if kind == "I":
+            queue.append((chunk, mb))
+        counters[chunk, kind] = mb + 1
+
+    def weight() -> None:
+        if queue:
+            chunk, mb = queue.pop(0)
+            order.append(("W", chunk, mb))
+            counters[chunk, "W"] = counters.get((chunk, "W"), 0) + 1
+
+    def overlapped(forward_chunk: int, backward_chunk: int) -> None:
+        add(forward_chunk, "F")
+        add(backward_chunk, "B")
+
+    for _ in range((p - rank - 1) * 2):
+        add(0, "F")
+    for _ in range(rank + 1):
+        add(0, "F")
+        add(1, "F")
+    for _ in range(p - rank - 1):
+        add(1, "I")
+        weight()
+        add(1, "F")
+    for i in range(m - 2 * p + rank + 1):
+        overlapped(0, 1)  # torch's first pair on the last rank is not overlapped: the same two operations
+        overlapped(1, 0)
+    for _ in range(p - rank - 1):
+        add(1, "B")
+        overlapped(1, 0)
+    split = False
+    half = (rank + 1) // 2
+    for i in range(rank + 1):
+        if i == half and rank % 2 == 1:
+            split = True
+        add(1, "I" if split else "B")
+        if i == half and rank % 2 == 0:
+            split = True
+        add(0, "I" if split else "B")
+    for _ in range(p - rank - 1):
+        weight()
+        add(0, "I" if split else "B")
+    for _ in range(rank + 1):
+        weight()
+    return order

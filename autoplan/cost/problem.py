@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from autoplan.cost.memory import StageMemoryModel
+from autoplan.layout import rank_stages
 
 MEMORY_TOLERANCE = 1e-9
 """Relative slack on the memory cap that every solver and ChainProblem.fits allow alike (floating-point sums):
@@ -68,6 +69,9 @@ class ChainProblem:
     """Constant time per micro-batch of each stage (point-to-point sends), seconds; empty = none."""
     signature: tuple[int, ...] = ()
     """Modules with equal signatures cost the same (identical layers); empty = all distinct."""
+    placement: str = "loop"
+    """Which rank runs each stage (autoplan.layout.Schedule.placement): "loop" s % p, "v" the V of zbv and
+    dualpipev."""
 
     @cached_property
     def signatures(self) -> tuple[int, ...]:
@@ -120,8 +124,10 @@ class ChainProblem:
     def overhead(self, stage: int) -> float:
         return self.stage_overhead_s[stage] if self.stage_overhead_s else 0.0
 
-    def stages_of_rank(self, rank: int) -> range:
-        return range(rank, self.num_stages, self.ranks)
+    def stages_of_rank(self, rank: int) -> range | list[int]:
+        if self.placement == "loop":
+            return range(rank, self.num_stages, self.ranks)
+        return rank_stages(rank, self.ranks, self.virtual, self.placement)
 
     def uniform(self, split: Split, mode: str | None = None) -> Assignment:
         return Assignment(split, (mode or self.modes[0],) * self.num_modules)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoplan.report.schedule import COMMUNICATION, COMPUTE, RECEIVE, ScheduleEvent
+from autoplan.report.schedule import COMMUNICATION, COMPUTE, COMPUTE_KINDS, RECEIVE, ScheduleEvent
 from autoplan.report.svg import (ACCENT, INK, MUTED, WARN, Scale, Svg, byte_unit, color, fmt_bytes, fmt_seconds,
                                  legend_height, text_width)
 
@@ -15,7 +15,8 @@ the data would be slivers."""
 LABEL_CHARS = 30
 """Longer row labels are shortened (the full name stays in the tooltip)."""
 
-KIND_COLORS = {"forward": "#4e79a7", "backward": "#a0cbe8", "send": "#f28e2b", "recv": "#ffbe7d",
+KIND_COLORS = {"forward": "#4e79a7", "backward": "#a0cbe8", "input_gradient": "#a0cbe8", "weight_gradient": "#76b7b2",
+               "send": "#f28e2b", "recv": "#ffbe7d",
                "grad_sync": "#59a14f", "optimizer": "#b07aa1"}
 
 
@@ -132,7 +133,7 @@ def gantt(events: list[ScheduleEvent], ranks: int, label: str) -> str:
         when = f"{fmt_seconds(e.start_s)} → {fmt_seconds(e.end_s)} ({fmt_seconds(e.duration_s)})"
         tip = f"rank {e.rank}: {e.label}\n{stage}{when}"
         chart.rect(x0, y + 2, max(x1 - x0 - 0.6, 0.4), lane_h - 4, KIND_COLORS.get(e.kind, MUTED), tip, rx=2)
-        if e.kind in ("forward", "backward") and x1 - x0 > 9 * len(str(e.microbatch)) + 4:
+        if e.kind in COMPUTE_KINDS and x1 - x0 > 9 * len(str(e.microbatch)) + 4:
             chart.text((x0 + x1) / 2, y + lane_h / 2 + 4, e.microbatch, "middle",
                        "#ffffff" if e.kind == "forward" else INK)
     return chart.render()

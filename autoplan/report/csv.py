@@ -15,9 +15,13 @@ MODULE_COLUMNS = ["module", "depth", "ops", "flops_fwd", "flops_bwd", "param_cou
                   "saved_bytes", "time_fwd_s", "time_bwd_s"]
 CANDIDATE_COLUMNS = ["rank", "dp_replicate", "dp_shard", "reshard", "tp", "sp", "pp", "schedule", "virtual_stages",
                      "microbatch", "microbatches", "recompute", "recompute_modules", "offload", "compile",
-                     "gradient_sync", "fits", "step_time_s", "peak_memory_gib", "host_memory_gib", "reason", "cp", "ep"]
+                     "gradient_sync", "fits", "step_time_s", "peak_memory_gib", "host_memory_gib", "reason", "cp", "ep",
+                     "bubble_s", "schedule_tradeoff"]
 """Layout columns by their short names (autoplan/layout.py VOCABULARY). gradient_sync is "collectives" for every
-searched layout and "parameter_server" for the one row that prices a parameter server (solve/parameter_server.py)."""
+searched layout and "parameter_server" for the one row that prices a parameter server (solve/parameter_server.py).
+bubble_s is the pipeline's predicted idle time per step; schedule_tradeoff, for a zero-bubble schedule (backward split
+into input- and weight-gradient passes), what it gains and costs against the best priced non-split schedule of the
+same degrees (bubble saved, peak memory added, step time)."""
 
 
 def ops_frame(profile: ModelProfile) -> pd.DataFrame:
@@ -63,8 +67,8 @@ def modules_frame(profile: ModelProfile, ops: pd.DataFrame | None = None) -> pd.
 def candidates_frame(candidates: tuple[Any, ...], best: Any, parameter_server: Any = None) -> pd.DataFrame:
     """Every layout tried, fastest fitting first, with why it lost; with `parameter_server`
     (solve.parameter_server.ParameterServerLayout) its row too, in its place by fit and step time."""
-    keyed = [((c is not best, not c.fits, c.predicted.step_time_s if c.predicted else float("inf")), _row(c, best))
-             for c in candidates]
+    keyed = [((c is not best, not c.fits, c.predicted.step_time_s if c.predicted else float("inf")),
+              {**_row(c, best), **_schedule_columns(c, candidates)}) for c in candidates]
     if parameter_server is not None:
         ps = parameter_server
         keyed.append(((True, not ps.fits, ps.step_time_s), _parameter_server_row(ps)))
@@ -91,6 +95,49 @@ def _row(c: Any, best: Any) -> dict[str, Any]:
         "reason": "chosen" if c is best else c.reason,
         "cp": p.context_parallel_degree, "ep": p.expert_parallel_degree,
     }
+
+
+def _bubble_s(c: Any) -> float | None:
+    return c.predicted.time_breakdown.get("bubble") if c.predicted else None
+
+
+def _schedule_columns(c: Any, candidates: tuple[Any, ...]) -> dict[str, Any]:
+    """bubble_s, and for a zero-bubble schedule its trade-off against the fastest fitting non-split schedule of the
+    same degrees (and compile)."""
+    from autoplan.layout import SCHEDULE_BY_NAME  # the vocabulary's table: which schedules split backward
+
+    out: dict[str, Any] = {"bubble_s": _bubble_s(c), "schedule_tradeoff": ""}
+    p = c.parallelism
+    facts = SCHEDULE_BY_NAME.get(p.pipeline_parallel_schedule)
+    if facts is None or not facts.split_backward or p.pipeline_parallel_degree == 1 or not c.predicted:
+        return out
+
+    def degrees(q: Any) -> tuple[int, ...]:
+        return (q.tensor_parallel_degree, q.pipeline_parallel_degree, q.data_parallel_replicate_degree,
+                q.data_parallel_shard_degree, q.context_parallel_degree, q.expert_parallel_degree)
+
+    def same_layout(o: Any) -> bool:
+        q = o.parallelism
+        return (o.predicted is not None and o.fits and degrees(q) == degrees(p)
+                and getattr(o, "compile", False) == getattr(c, "compile", False)
+                and q.pipeline_parallel_schedule in SCHEDULE_BY_NAME
+                and not SCHEDULE_BY_NAME[q.pipeline_parallel_schedule].split_backward)
+
+    rivals = sorted((o for o in candidates if same_layout(o)), key=lambda o: o.predicted.step_time_s)
+    if not rivals:
+        out["schedule_tradeoff"] = "no fitting non-split schedule of these degrees was priced"
+        return out
+    rival = rivals[0]
+    q = rival.parallelism
+    name = q.pipeline_parallel_schedule + (f" v={q.pipeline_parallel_virtual_stages}"
+                                           if q.pipeline_parallel_virtual_stages > 1 else "")
+    saved = (_bubble_s(rival) or 0.0) - (_bubble_s(c) or 0.0)
+    memory = (c.predicted.peak_memory_bytes - rival.predicted.peak_memory_bytes) / 2**30
+    step = c.predicted.step_time_s - rival.predicted.step_time_s
+    verdict = "faster" if step < 0 else "slower"
+    out["schedule_tradeoff"] = (f"vs {name}: bubble {saved * 1e3:+.3g} ms saved, peak memory {memory:+.3g} GiB, "
+                                f"step {abs(step) * 1e3:.3g} ms {verdict}" + ("" if c.fits else " (does not fit)"))
+    return out
 
 
 def _parameter_server_row(ps: Any) -> dict[str, Any]:

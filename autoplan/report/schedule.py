@@ -2,7 +2,8 @@
 
 One function, `step_schedule`, produces the events; the HTML Gantt chart and trace.json both draw
 them, so the two can never disagree. The schedule is a list-scheduling simulation: every rank runs
-its micro-batch operations in the order its schedule prescribes (GPipe, 1F1B, interleaved 1F1B),
+its micro-batch operations in the order its schedule prescribes (GPipe, 1F1B, interleaved 1F1B, and the
+zero-bubble ones, whose backward runs as an input-gradient pass B and a later weight-gradient pass W),
 each as soon as its inputs have arrived and the rank is free (autoplan.cost.pipeline.simulate, the
 simulation the cost model prices pipelines with).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoplan.cost.pipeline import StageCost, simulate
+from autoplan.layout import SCHEDULE_BY_NAME, stage_rank
 from autoplan.plan import Plan
 
 FORWARD_SHARE = 1 / 3
@@ -22,6 +24,11 @@ COMPUTE = "compute"
 COMMUNICATION = "communication"
 RECEIVE = "receive"
 LANES = (COMPUTE, COMMUNICATION, RECEIVE)
+COMPUTE_KINDS = {"forward": "F", "backward": "B", "input_gradient": "B", "weight_gradient": "W"}
+"""A micro-batch's compute blocks and their labels: the forward, the whole backward, or with a zero-bubble schedule
+its input-gradient pass and its weight-gradient pass."""
+OPERATION_KINDS = {"F": "forward", "B": "backward", "I": "input_gradient", "W": "weight_gradient"}
+"""cost.pipeline's operation letters -> event kinds."""
 """A rank's streams: its compute, what it sends (and its collectives), what it receives (full duplex)."""
 
 
@@ -55,9 +62,9 @@ class ScheduleEvent:
 
     @property
     def label(self) -> str:
-        """Short name: F3 / B3 for micro-batch 3, send F3 -> 1, grad sync, ..."""
-        if self.kind in ("forward", "backward"):
-            return f"{self.kind[0].upper()}{self.microbatch}"
+        """Short name: F3 / B3 / W3 for micro-batch 3, send F3 -> 1, grad sync, ..."""
+        if self.kind in COMPUTE_KINDS:
+            return f"{COMPUTE_KINDS[self.kind]}{self.microbatch}"
         if self.kind in ("send", "recv"):
             direction = "to" if self.kind == "send" else "from"
             return f"{self.kind} {self.payload} {self.microbatch} {direction} rank {self.peer}"
@@ -81,7 +88,8 @@ def stage_costs(plan: Plan, stages: list) -> list[StageCost]:
     costs = []
     for st in stages:
         forward = st.predicted_forward_s or st.predicted_time_s * FORWARD_SHARE
-        costs.append(StageCost(forward, st.predicted_time_s - forward, st.predicted_send_s or legacy_send))
+        costs.append(StageCost(forward, st.predicted_time_s - forward, st.predicted_send_s or legacy_send,
+                               weight_s=st.predicted_weight_s))
     return costs
 
 
@@ -98,13 +106,14 @@ def step_schedule(plan: Plan) -> list[ScheduleEvent]:
     run = simulate(par.pipeline_parallel_schedule, ranks, m, stage_costs(plan, stages))
     events: list[ScheduleEvent] = []
     for op in run.ops:
-        kind = "forward" if op.kind == "F" else "backward"
+        kind = OPERATION_KINDS[op.kind]
         events.append(ScheduleEvent(op.rank, COMPUTE, kind, op.start_s, op.end_s - op.start_s,
                                     stages[op.stage].index, op.microbatch))
         if op.sent_s is None:
             continue
         target = op.neighbour
-        peer, payload = target % ranks, "activation" if op.kind == "F" else "gradient"
+        placement = SCHEDULE_BY_NAME[par.pipeline_parallel_schedule].placement
+        peer, payload = stage_rank(target, ranks, placement), "activation" if op.kind == "F" else "gradient"
         length = op.arrives_s - op.sent_s
         events.append(ScheduleEvent(op.rank, COMMUNICATION, "send", op.sent_s, length, stages[op.stage].index,
                                     op.microbatch, peer, payload))

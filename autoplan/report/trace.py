@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from autoplan.plan import Plan
-from autoplan.report.schedule import LANES, step_schedule
+from autoplan.report.schedule import COMPUTE_KINDS, LANES, step_schedule
 
 US_PER_S = 1e6
 """Trace timestamps are microseconds (Trace Event Format spec)."""
@@ -34,7 +34,7 @@ def trace_events(plan: Plan) -> list[dict[str, Any]]:
         args: dict[str, Any] = {"stage": e.stage, "microbatch": e.microbatch}
         if e.peer is not None:
             args.update(peer_rank=e.peer, payload=e.payload)
-        if e.kind in ("forward", "backward") and e.stage in stage_names:
+        if e.kind in COMPUTE_KINDS and e.stage in stage_names:
             args["modules"] = stage_names[e.stage]
         out.append({"name": e.label, "cat": e.kind, "ph": "X", "pid": e.rank, "tid": LANES.index(e.lane),
                     "ts": _us(e.start_s), "dur": round(_us(e.end_s) - _us(e.start_s), 3),

@@ -42,9 +42,9 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline ranks (the outermost mesh dimension)."""
     virtual_stages: int = 1
-    """Stages per pipeline rank (interleaved schedule): stage s runs on pipeline rank s % pp."""
+    """Stages per pipeline rank: stage s runs on pipeline rank autoplan.layout.stage_rank(s, pp, placement)."""
     schedule: str = "1f1b"
-    """Pipeline schedule: "gpipe", "1f1b" or "interleaved"."""
+    """Pipeline schedule, one of autoplan.layout.SCHEDULES."""
     microbatch_size: int = 1
     """Samples per micro-batch."""
     num_microbatches: int = 1

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autoplan.errors import UserError
+from autoplan.layout import rank_stages
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 FSDP_DIM = "dp_shard_cp"
@@ -32,7 +33,7 @@ class RankLayout:
     rank: int
     """Global rank (rank 0 prints and writes the results)."""
     pp_rank: int
-    """Pipeline rank: it runs stages pp_rank, pp_rank + pp, ... (one per virtual stage)."""
+    """Pipeline rank: it runs local_stages(pp_rank, ...) (one per virtual stage)."""
     dp_rank: int
     """Index among the data-parallel ranks (which slice of the global batch it trains on; the ranks of a
     context-parallel group share it)."""
@@ -48,6 +49,9 @@ class RankLayout:
     """Index in the context-parallel group (which share of each sequence its blocks compute)."""
     cp_size: int = 1
     """Context-parallel ranks (they train the same samples)."""
+    placement: str = "loop"
+    """The schedule's stage placement (autoplan.layout.Schedule.placement): with "v" pipeline rank 0 runs the
+    first stage and the last."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -55,7 +59,7 @@ class RankLayout:
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
+        return self.pp_rank == (0 if self.placement == "v" else self.pp_size - 1)
 
 
 PROCESS_GROUP_TIMEOUT_S = 1800.0
@@ -103,13 +107,14 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp_replicate", shard] if mesh["dp_replicate"].size() > 1 else mesh[shard]
 
 
-def rank_layout(mesh: DeviceMesh) -> RankLayout:
-    """Where this process sits in a (pp, dp_replicate, dp_shard, cp, tp) mesh."""
+def rank_layout(mesh: DeviceMesh, placement: str = "loop") -> RankLayout:
+    """Where this process sits in a (pp, dp_replicate, dp_shard, cp, tp) mesh; `placement`, the pipeline
+    schedule's stage placement."""
     pp, dp_replicate, dp_shard, cp, tp = mesh.shape
     pp_rank, replicate_rank, shard_rank, cp_rank, tp_rank = mesh.get_coordinate()
     return RankLayout(rank=dist.get_rank(), pp_rank=pp_rank, dp_rank=replicate_rank * dp_shard + shard_rank,
                       dp_size=dp_replicate * dp_shard, pp_size=pp, tp_rank=tp_rank, tp_size=tp, cp_rank=cp_rank,
-                      cp_size=cp)
+                      cp_size=cp, placement=placement)
 
 
 def global_mean_loss(local_loss: torch.Tensor | None, layout: RankLayout, device: torch.device) -> float:
@@ -122,6 +127,7 @@ def global_mean_loss(local_loss: torch.Tensor | None, layout: RankLayout, device
     return total.item() / (layout.dp_size * layout.cp_size)
 
 
-def local_stages(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
-    """The pipeline stages a rank runs: pp_rank, pp_rank + pp, ... (torch.distributed.pipelining's loop order)."""
-    return [pp_rank + i * pp for i in range(virtual_stages)]
+def local_stages(pp_rank: int, pp: int, virtual_stages: int, placement: str = "loop") -> list[int]:
+    """The pipeline stages a rank runs: pp_rank, pp_rank + pp, ... (torch.distributed.pipelining's loop order), or
+    with placement "v" pp_rank and 2 pp - 1 - pp_rank (autoplan.layout.stage_rank)."""
+    return rank_stages(pp_rank, pp, virtual_stages, placement)

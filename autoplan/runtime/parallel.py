@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autoplan.layout import fsdp_wraps
+from autoplan.layout import fsdp_wraps, stage_rank
 from autoplan.runtime.expert_parallel import ExpertParallel
 from autoplan.runtime.mesh import RankLayout, fsdp_mesh, local_device
 from autoplan.runtime.recompute import ROOT_MODULE, submodule
@@ -140,7 +140,8 @@ def named_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 class TiedGradients:
     """Sums the gradients of a weight's copies on several pipeline stages (Megatron's embedding
-    group), so the optimizer keeps the copies identical. Stage s runs on pipeline rank s % pp.
+    group), so the optimizer keeps the copies identical. Stage s runs on pipeline rank
+    autoplan.layout.stage_rank(s, pp, placement) (s % pp but for the V placement).
     Build it on every rank, after the stages are wrapped and materialized."""
 
     def __init__(self, split: PipelineSplit | None, mesh: DeviceMesh, parts: Mapping[int, nn.Module],
@@ -152,7 +153,7 @@ class TiedGradients:
         me, pp = dist.get_rank(), layout.pp_size
         states = {s: named_state(module) for s, module in parts.items()}
         for tied in split.tied:
-            pp_ranks = sorted({s % pp for s in tied.stages})
+            pp_ranks = sorted({stage_rank(s, pp, layout.placement) for s in tied.stages})
             mine = None
             for coordinate in itertools.product(*(range(n) for n in ranks.shape[1:])):  # every rank off the pp dim
                 members = [int(ranks[(p, *coordinate)]) for p in pp_ranks]

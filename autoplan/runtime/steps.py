@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.contract import LossFn, call_model, compute_loss
 from autoplan.errors import UserError
+from autoplan.layout import SCHEDULE_BY_NAME, SCHEDULES
 from autoplan.runtime.context_parallel import ContextParallelRegion, PipelineContextParallel
 from autoplan.runtime.data import microbatches
 from autoplan.runtime.failures import stage_failures
@@ -28,8 +29,6 @@ from autoplan.runtime.parallel import gradient_sync
 from autoplan.runtime.split import PipelineSplit
 from autoplan.runtime.tensor_parallel import (ParallelLoss, loss_parallel_context, plain_tensor,
                                               reduce_partial_gradients, tensor_parallel_context)
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def _autocast(module: nn.Module, dtype: torch.dtype, device: torch.device):
@@ -102,9 +101,27 @@ class CastOutputs(nn.Module):
         return cast if isinstance(output, tuple) else cast[0]
 
 
+def own_outputs(module: nn.Module) -> nn.Module:
+    """`module`, whose outputs become copies that no op of the stage saves or views (a forward hook: torch's
+    schedules tell DDP and FSDP stages by the module's type, so it is not wrapped). A schedule that splits backward
+    (torch's stage_backward_input) detaches a stage's outputs in place after the input-gradient pass: torch refuses
+    that for views (a tensor-parallel stage's output is a view of its local shard), and the weight-gradient pass
+    then fails on an output an op saved for backward (tried: a stage ending in a LayerNorm under tp=2, 'Trying to use
+    a saved tensor that has been detached in-place'). One copy of the boundary activation per micro-batch."""
+
+    def owned(_module: nn.Module, _args: Any, output: Any) -> Any:
+        flat = output if isinstance(output, tuple) else (output,)
+        copies = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in flat)
+        return copies if isinstance(output, tuple) else copies[0]
+
+    module.register_forward_hook(owned)
+    return module
+
+
 class PipelineStep:
-    """This rank's stages of a torch.distributed.pipelining schedule (one stage for GPipe and 1F1B;
-    stages pp_rank, pp_rank + pp, ... for interleaved 1F1B). The schedule splits the rank's batch
+    """This rank's stages of a torch.distributed.pipelining schedule (autoplan.layout.SCHEDULE_TABLE names its
+    class: one stage for GPipe and 1F1B; stages pp_rank, pp_rank + pp, ... for the interleaved ones; stages pp_rank
+    and 2 pp - 1 - pp_rank for the V-shaped ones). The schedule splits the rank's batch
     into micro-batches, calls the loss on each one's output on the last stage and divides the
     gradients by the number of micro-batches (scale_grads), so they are those of the mean loss."""
 
@@ -112,14 +129,17 @@ class PipelineStep:
                  schedule: str, num_microbatches: int, loss_fn: LossFn | None, device: torch.device,
                  dtype: torch.dtype = torch.float32, tensor_parallel: bool = False,
                  loss_parallel: bool = False, context_parallel: PipelineContextParallel | None = None) -> None:
-        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                  ScheduleInterleaved1F1B)
+        from torch.distributed import pipelining
+        from torch.distributed.pipelining import PipelineStage
 
         if schedule not in SCHEDULES:
-            raise UserError(f"pipeline schedule {schedule!r} is not supported: use one of {SCHEDULES}")
-        if schedule != "interleaved" and len(parts) != 1:
-            raise UserError(f"the {schedule} schedule runs one stage per rank, this rank has {len(parts)}: "
-                            "use the interleaved schedule for virtual stages")
+            raise UserError(f"pipeline schedule {schedule!r} is not supported: use one of {', '.join(SCHEDULES)}")
+        facts = SCHEDULE_BY_NAME[schedule]
+        least, most = facts.virtual_stages
+        if len(parts) < least or (most is not None and len(parts) > most):
+            raise UserError(f"the {schedule} schedule runs {least if least == most else f'{least} or more'} "
+                            f"stage(s) per rank, this rank has {len(parts)}")
+        schedule_class = getattr(pipelining, facts.torch_class)
         self.split, self.layout, self.tensor_parallel, self.parts = split, layout, tensor_parallel, dict(parts)
         self.context_parallel = context_parallel
         """With cp > 1: the region each step runs in (the last stage's loss is the mean over the rank's share of
@@ -131,15 +151,16 @@ class PipelineStep:
             inputs, outputs = split.example_tensors(index, device)
             if dtype != torch.float32:
                 module = CastOutputs(module, tuple(t.dtype for t in outputs), dtype, device)
+            if facts.split_backward:
+                module = own_outputs(module)
             stages.append(PipelineStage(module, index, num_stages, device, input_args=inputs, output_args=outputs,
                                         group=mesh["pp"].get_group()))
         self.loss_parallel = loss_parallel
         loss = split.loss(ParallelLoss(loss_fn) if loss_parallel else loss_fn)
-        if schedule == "interleaved":
-            self.schedule = ScheduleInterleaved1F1B(stages, n_microbatches=num_microbatches, loss_fn=loss)
-        else:
-            schedule_class = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+        if most == 1:  # torch's single-stage schedules take the stage, the others a list
             self.schedule = schedule_class(stages[0], n_microbatches=num_microbatches, loss_fn=loss)
+        else:
+            self.schedule = schedule_class(stages, n_microbatches=num_microbatches, loss_fn=loss)
 
     def __call__(self, inputs: Any, targets: Any) -> torch.Tensor | None:
         args = self.split.flatten_inputs(inputs) if self.layout.is_first_stage else ()

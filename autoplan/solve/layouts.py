@@ -23,15 +23,17 @@ from dataclasses import dataclass, replace
 from autoplan.cost.context import Context
 from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster
-from autoplan.layout import RECOMPUTE, Layout, Scope, expert_folded_ranks, problems, schedule_problems
+from autoplan.layout import (RECOMPUTE, SCHEDULE_BY_NAME, Layout, Scope, expert_folded_ranks, problems,
+                             schedule_problems)
 from autoplan.plan import Parallelism
 
 MAX_VIRTUAL_STAGES = 8
 """Largest number of stages per pipeline rank tried with the interleaved schedule."""
 MIN_CONTEXT_PARALLEL_TOKENS = 1024
 """Fewest tokens of a sequence a context-parallel rank keeps for the search to try that cp (a pin may go lower)."""
-SCHEDULE_PREFERENCE = ("1f1b", "interleaved", "gpipe")
-"""Among equal step times: 1F1B holds fewer micro-batches than GPipe and needs no virtual stages."""
+SCHEDULE_PREFERENCE = ("1f1b", "interleaved", "zb-interleaved", "zbv", "dualpipev", "gpipe")
+"""Among equal step times: 1F1B holds fewer micro-batches than GPipe and needs no virtual stages; the zero-bubble
+schedules keep activations to the later weight-gradient pass."""
 
 
 def compiled(pins: Layout, cluster: Cluster, features: frozenset[str]) -> bool:
@@ -228,6 +230,14 @@ def _sharding_options(pins: Layout, dp: int, features: frozenset[str], cp: int =
     return options
 
 
+def virtual_stages_tried(schedule: str) -> range:
+    """Stages per rank the search tries with `schedule` (layout.SCHEDULE_TABLE): interleaved from 2 (1 is 1F1B),
+    the others from their least, up to MAX_VIRTUAL_STAGES."""
+    least, most = SCHEDULE_BY_NAME[schedule].virtual_stages
+    least = 2 if schedule == "interleaved" else least
+    return range(least, (most or MAX_VIRTUAL_STAGES) + 1)
+
+
 @dataclass(frozen=True)
 class Variant:
     schedule: str
@@ -248,8 +258,7 @@ def variants(family: Family, pins: Layout, scope: Scope, rejected: list[str] | N
         schedules = [(pins.schedule or "1f1b", 1)]
     else:
         names = [pins.schedule] if pins.schedule else [s for s in SCHEDULE_PREFERENCE if s in features]
-        schedules = [(name, v) for name in names
-                     for v in (range(2, MAX_VIRTUAL_STAGES + 1) if name == "interleaved" else (1,))]
+        schedules = [(name, v) for name in names for v in virtual_stages_tried(name)]
     sizes = [pins.microbatch] if pins.microbatch else divisors(per_rank)
     modes = [pins.recompute] if pins.recompute else [r for r in RECOMPUTE if r == "none" or r in features]
     modes = [r for r in modes if not problems(Layout(recompute=r), scope)]  # e.g. BatchNorm: none only
@@ -266,7 +275,8 @@ def variants(family: Family, pins: Layout, scope: Scope, rejected: list[str] | N
                 if rejected is not None:
                     rejected += broken
                 continue
-            out += [Variant(schedule, virtual, mbs, shape.microbatches, mode) for mode in modes]
+            out += [Variant(schedule, virtual, mbs, shape.microbatches, mode) for mode in modes
+                    if mode == "none" or not schedule_problems(replace(shape, recompute=mode), scope)]
     return out
 
 

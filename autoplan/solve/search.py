@@ -29,7 +29,7 @@ from autoplan.cost.evaluate import (Candidate, build_problem, evaluate, host_oom
 from autoplan.cost.memory import model_state_bytes, zero_of
 from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster
-from autoplan.layout import RECOMPUTE, SUPPORTED, Layout, problems
+from autoplan.layout import RECOMPUTE, SCHEDULE_BY_NAME, SUPPORTED, Layout, problems
 from autoplan.plan import Parallelism, SolverInfo, Training
 from autoplan.profile.types import ModelProfile
 from autoplan.solve import layouts
@@ -89,7 +89,7 @@ def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: La
                                                                   pins.recompute is not None))
     best, twin = _runnable_compile(ctx, best, pins)
     other_split = [dataclasses.replace(c, reason=_losing_reason(c, best))
-                   for c in _other_expert_split(ctx, pins, best, tried)]
+                   for c in _other_expert_split(ctx, pins, best, tried) + _schedule_rival(ctx, pins, best, tried)]
     others = [dataclasses.replace(c, reason=_losing_reason(c, best)) for c in fitting if c is not chosen] + other_split
     ranked = [best] + sorted(others + ([twin] if twin else []), key=_by_time)
     rest = sorted((c for c in tried + pruned if not c.fits), key=lambda c: c.memory_needed_bytes)
@@ -138,6 +138,36 @@ def _other_expert_split(ctx: Context, pins: Layout, best: Candidate, tried: list
     found = explore(ctx, pins, keep=lambda fam: (fam.ep > 1) != split).tried
     fitting = sorted((c for c in found if c.fits), key=_by_time)
     return fitting[:1]
+
+
+def _schedule_rival(ctx: Context, pins: Layout, best: Candidate, tried: list[Candidate]) -> list[Candidate]:
+    """When a zero-bubble schedule (backward split into input- and weight-gradient passes) wins and the schedule is
+    not pinned: the same degrees' fastest fitting layout with a schedule that does not split backward, by its own
+    branch and bound when the search's cut it off (candidates.csv's schedule_tradeoff compares the two); else []."""
+    par = best.parallelism
+    if pins.schedule is not None or not SCHEDULE_BY_NAME[par.pipeline_parallel_schedule].split_backward:
+        return []
+
+    def same_degrees(c: Candidate) -> bool:
+        q = c.parallelism
+        return (q.tensor_parallel_degree, q.pipeline_parallel_degree, q.data_parallel_replicate_degree,
+                q.data_parallel_shard_degree, q.context_parallel_degree, q.expert_parallel_degree) == (
+            par.tensor_parallel_degree, par.pipeline_parallel_degree, par.data_parallel_replicate_degree,
+            par.data_parallel_shard_degree, par.context_parallel_degree, par.expert_parallel_degree)
+
+    def unsplit(c: Candidate) -> bool:
+        return c.fits and not SCHEDULE_BY_NAME[c.parallelism.pipeline_parallel_schedule].split_backward
+
+    if any(unsplit(c) and same_degrees(c) for c in tried):
+        return []
+    found = []
+    for name in layouts.SCHEDULE_PREFERENCE:
+        if name in ctx.features and not SCHEDULE_BY_NAME[name].split_backward:
+            found += explore(ctx, replace(pins, schedule=name), keep=lambda fam: (
+                fam.tp, fam.pp, fam.dp_replicate, fam.dp_shard, fam.cp, fam.ep) == (
+                par.tensor_parallel_degree, par.pipeline_parallel_degree, par.data_parallel_replicate_degree,
+                par.data_parallel_shard_degree, par.context_parallel_degree, par.expert_parallel_degree)).tried
+    return sorted((c for c in found if unsplit(c)), key=_by_time)[:1]
 
 
 def explore(ctx: Context, pins: Layout, deadline: float | None = None, explain: bool = True,
@@ -252,6 +282,9 @@ def compile_twin(ctx: Context, best: Candidate, pins: Layout, pinned_recompute: 
                   f"gains; pin compile=on)")
     if not twin.fits:
         reason += f"; {oom_reason(twin, problem.memory_cap_bytes)}"
+    if not ctx.compiled:  # the compiled twin of a layout the rules refuse compiled (a zero-bubble schedule, say)
+        refused = problems(replace(par.layout(), compile="on"), layouts.scope_of(ctx))
+        reason += "".join(f"; and the program cannot run it: {why}" for why in refused)
     return dataclasses.replace(twin, reason=reason)
 
 
@@ -272,11 +305,13 @@ def family_memory_bound(ctx: Context, fam: layouts.Family) -> float:
 
 
 def time_lower_bound(ctx: Context, fam: layouts.Family, var: layouts.Variant, pinned: bool) -> float:
-    """(m + (p - 1) / v) x the slowest rank's slot if the fastest module times balanced perfectly."""
+    """(m + (p - 1) / v) x the slowest rank's slot if the fastest module times balanced perfectly; m slots for a
+    zero-bubble schedule (its weight-gradient passes may fill the whole bubble)."""
     table = ctx.table(fam.tp, var.microbatch, fam.sp, cp=fam.cp, ep=fam.ep)
     mode = "none" if not pinned else var.recompute
     slot = table.total_s[mode] / fam.pp
-    return (var.microbatches + (fam.pp - 1) / var.virtual_stages) * slot
+    bubble = 0.0 if SCHEDULE_BY_NAME[var.schedule].split_backward else (fam.pp - 1) / var.virtual_stages
+    return (var.microbatches + bubble) * slot
 
 
 def try_layout(ctx: Context, par: Parallelism, modes: tuple[str, ...], cutoff: float = math.inf,

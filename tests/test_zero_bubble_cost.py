@@ -1,0 +1,145 @@
+"""Zero-bubble pipeline schedules in the plan vocabulary and the cost model: the operation orders the cost model
+simulates are torch's own (each class's _calculate_single_rank_operations), the layout rules, and the closed-form
+checks of Qi et al. (shared/reference/formulas.md) on stages with equal forward, input-gradient and weight-gradient
+passes."""
+
+from types import SimpleNamespace
+
+import pytest
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from autoplan.cost.pipeline import StageCost, microbatches_in_flight, simulate, split_backward_order
+from autoplan.layout import (SCHEDULE_BY_NAME, SCHEDULES, ZERO_BUBBLE_SCHEDULES, Layout, Scope, problems, rank_stages,
+                             stage_rank)
+
+KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+
+
+def torch_order(schedule: str, p: int, m: int, rank: int, v: int) -> list[tuple[str, int, int]]:
+    """The rank's compute actions as torch's schedule class plans them (no process group: the planning method
+    reads only these attributes), as (kind, local chunk, micro-batch); DualPipeV's overlapped pairs in order."""
+    if schedule == "zb-interleaved":
+        rounds = max(1, m // p)
+        fake = SimpleNamespace(n_local_stages=v, microbatches_per_round=m // rounds, pp_group_size=p, _n_microbatches=m)
+        actions = torch_schedules.ScheduleInterleavedZeroBubble._calculate_single_rank_operations(fake, rank)
+    elif schedule == "zbv":
+        fake = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p)
+        actions = torch_schedules.ScheduleZBVZeroBubble._calculate_single_rank_operations(fake, rank)
+    else:
+        fake = SimpleNamespace(pp_group_size=p, _n_microbatches=m)
+        actions = torch_schedules.ScheduleDualPipeV._calculate_single_rank_operations(fake, rank)
+    local = rank_stages(rank, p, v, SCHEDULE_BY_NAME[schedule].placement)
+    return [(KINDS[b.computation_type.name], local.index(b.stage_index), b.microbatch_index)
+            for a in actions if a is not None for b in (a.sub_actions or (a,))]
+
+
+CASES = [("zb-interleaved", p, v, m) for p in (2, 3, 4) for v in (1, 2, 3) for m in (p, 2 * p, 3 * p)] + \
+    [(s, p, 2, m) for s in ("zbv", "dualpipev") for p in (2, 3, 4) for m in (2 * p, 2 * p + 1, 3 * p)] + \
+    [("zbv", p, 2, m) for p in (2, 4) for m in (1, p)]
+
+
+@pytest.mark.parametrize("schedule, p, v, m", CASES)
+def test_operation_order_is_torchs(schedule, p, v, m):
+    for rank in range(p):
+        assert split_backward_order(schedule, p, m, rank, v) == torch_order(schedule, p, m, rank, v)
+
+
+def test_v_placement_puts_the_first_and_last_stage_on_rank_0():
+    assert [stage_rank(s, 4, "v") for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert rank_stages(1, 4, 2, "v") == [1, 6] and rank_stages(1, 4, 2, "loop") == [1, 5]
+    # torch's own mapping for its V schedules
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+    assert generate_stage_to_rank_mapping(4, 8, style="v") == {s: stage_rank(s, 4, "v") for s in range(8)}
+
+
+def _equal_passes(schedule: str, p: int, m: int, v: int):
+    """Stages of one pass unit each of forward, input gradient and weight gradient per micro-batch, split over the
+    rank's v stages; no transfers."""
+    stages = [StageCost(forward_s=1 / v, backward_s=2 / v, weight_s=1 / v) for _ in range(p * v)]
+    return simulate(schedule, p, m, stages)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_bubble_matches_the_published_formulas_with_equal_passes(p):
+    m = 3 * p
+    busy = 3.0 * m  # every rank: m x (F + B + W)
+    # 1F1B: (p - 1)(T_F + T_B + T_W); ZB-H1 (torch's InterleavedZeroBubble on one stage per rank, ZB-1P):
+    # (p - 1)(T_F + T_B - T_W) (Qi et al. 2023, shared/reference/formulas.md)
+    assert _equal_passes("1f1b", p, m, 1).makespan_s - busy == pytest.approx((p - 1) * 3.0)
+    assert _equal_passes("zb-interleaved", p, m, 1).makespan_s - busy == pytest.approx((p - 1) * (1 + 1 - 1))
+    # the V-shaped and interleaved ones halve the stage: the fill is (p - 1) forwards of half a stage
+    for schedule in ("zb-interleaved", "zbv", "dualpipev"):
+        assert _equal_passes(schedule, p, m, 2).makespan_s - busy == pytest.approx((p - 1) * 0.5)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_peak_micro_batches_in_flight_match_the_published_counts(p):
+    m = 3 * p
+    # 1F1B keeps p micro-batches on the first stage; ZB-H1 keeps 1F1B's p on every rank (Qi et al. section 2.1);
+    # ZB-V keeps p whole-stage micro-batches: 2p of each half-size chunk (Qi et al. section 6)
+    assert microbatches_in_flight("1f1b", p, m, 0) == p
+    for stage in range(p):
+        assert microbatches_in_flight("zb-interleaved", p, m, stage, 1) == p
+    for rank in range(p):
+        held = [microbatches_in_flight("zbv", p, m, s, 2) for s in rank_stages(rank, p, 2, "v")]
+        assert sum(held) == 2 * p
+
+
+def test_weight_gradient_passes_keep_activations_longer_than_1f1b():
+    """ZB-H1 runs each W after later forwards: the last rank keeps p micro-batches where 1F1B keeps 1."""
+    p, m = 4, 12
+    assert microbatches_in_flight("1f1b", p, m, p - 1) == 1
+    assert microbatches_in_flight("zb-interleaved", p, m, p - 1, 1) == p
+
+
+def test_vocabulary_has_one_name_per_schedule_and_torch_runs_each():
+    from torch.distributed import pipelining
+    assert ZERO_BUBBLE_SCHEDULES == ("zb-interleaved", "zbv", "dualpipev")
+    assert set(SCHEDULES) >= {"gpipe", "1f1b", "interleaved", *ZERO_BUBBLE_SCHEDULES}
+    for name in SCHEDULES:
+        facts = SCHEDULE_BY_NAME[name]
+        assert getattr(pipelining, facts.torch_class).__name__ == facts.torch_class
+        assert torch_schedules.get_schedule_class(facts.torchtitan_name).__name__ == facts.torch_class
+
+
+@pytest.mark.parametrize("layout, expected", [
+    (Layout(pp=2, schedule="zbv", virtual_stages=3), "runs 2 stages per pipeline rank, but virtual_stages=3"),
+    (Layout(pp=2, schedule="dualpipev", virtual_stages=2, microbatches=3), "at least pp x virtual_stages = 4"),
+    (Layout(pp=2, schedule="zb-interleaved", virtual_stages=2, microbatches=3), "a multiple of pp=2"),
+    (Layout(pp=2, schedule="zbv", virtual_stages=2, compile="on"), "refuses for compiled stages"),
+    (Layout(pp=2, dp=2, schedule="zbv", virtual_stages=2), "with dp=2"),
+    (Layout(pp=2, cp=2, schedule="zbv", virtual_stages=2), "with cp=2"),
+    (Layout(pp=2, schedule="1f1b", virtual_stages=2), "virtual stages need schedule=interleaved"),
+    (Layout(pp=2, schedule="dualpipev", virtual_stages=2, recompute="selective"), "with recompute=selective"),
+])
+def test_rules_refuse_what_torch_cannot_run(layout, expected):
+    assert any(expected in text for text in problems(layout, Scope())), problems(layout, Scope())
+
+
+def test_rules_accept_the_runnable_ones():
+    for layout in (Layout(pp=2, dp=1, schedule="zbv", virtual_stages=2, microbatches=1),
+                   Layout(pp=2, dp=1, schedule="dualpipev", virtual_stages=2, microbatches=4),
+                   Layout(pp=2, dp=1, schedule="zb-interleaved", virtual_stages=1, microbatches=2)):
+        assert problems(layout, Scope()) == []
+
+
+def test_the_predicted_timeline_draws_forward_input_and_weight_gradient_passes():
+    """trace.json and the report's chart (report/schedule.step_schedule) of a zbv plan: F, B (input gradients) and W
+    blocks on both ranks, the V's transfers between the ranks that hold neighbouring stages."""
+    from dataclasses import replace
+
+    from autoplan.report.schedule import step_schedule
+    from helpers.plans import pinned_plan
+
+    plan = pinned_plan("model.py", [("a",), ("b",), ("c",), ("d",)], pipeline_parallel_degree=2,
+                       pipeline_parallel_schedule="zbv", pipeline_parallel_virtual_stages=2,
+                       pipeline_parallel_num_microbatches=4, pipeline_parallel_microbatch_size=2)
+    plan = replace(plan, stages=tuple(replace(s, predicted_forward_s=0.01, predicted_time_s=0.03,
+                                              predicted_weight_s=0.01, predicted_send_s=0.001) for s in plan.stages))
+    events = step_schedule(plan)
+    labels = {(e.rank, e.label[0]) for e in events if e.lane == "compute" and e.label[0] in "FBW"}
+    assert labels == {(r, k) for r in (0, 1) for k in "FBW"}
+    weight = [e for e in events if e.kind == "weight_gradient"]
+    assert len(weight) == 4 * 4 and all(abs(e.duration_s - 0.01) < 1e-12 for e in weight)
+    sends = {(e.stage, e.peer) for e in events if e.kind == "send" and e.payload == "activation"}
+    assert sends == {(0, 1), (2, 0)}  # stage 1 -> 2 stays on rank 1 (no transfer); stage 2 -> 3 goes back to rank 0

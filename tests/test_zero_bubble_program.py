@@ -1,0 +1,62 @@
+"""Loss and every first-step gradient of the zero-bubble pipeline schedules (zb-interleaved, zbv, dualpipev: the
+backward split into input- and weight-gradient passes, torch.distributed.pipelining's classes) against the
+single-device model, on a GPT with a tied lm_head (examples/gpt.py: with the V placement, rank 0 holds the word
+embedding's stage and the head's) and an HF Llama from a config, alone and with tensor parallelism (plans by hand,
+as tests/test_layouts.py writes them), and the search's own plans pinned to each schedule; ONE launch of 4 CPU
+processes. With data parallelism torch's weight-gradient passes leave the replicas' gradients unreduced (tried: DDP
+and FSDP2 gradients off by up to 140%): a layout rule refuses it (tests/test_zero_bubble_cost.py)."""
+
+from pathlib import Path
+
+import pytest
+
+from autoplan.api import plan_model
+from helpers.verify_many import verify_many
+from test_layouts import MODELS, STEPS, check_parity, mb, model_layout
+
+pytestmark = pytest.mark.slow  # one 4-process torchrun launch
+
+
+def pipeline(schedule: str, virtual: int = 2, microbatches: int = 4, size: int = 2, **more) -> dict:
+    return dict(pipeline_parallel_degree=2, pipeline_parallel_schedule=schedule,
+                pipeline_parallel_virtual_stages=virtual, **mb(microbatches, size), **more)
+
+
+LAYOUTS = {
+    "pp=2,zb-interleaved": pipeline("zb-interleaved"),
+    "pp=2,zb-interleaved,v=1": pipeline("zb-interleaved", virtual=1),
+    "pp=2,zbv": pipeline("zbv"),
+    "pp=2,dualpipev": pipeline("dualpipev"),
+    "pp=2,tp=2,zb-interleaved": pipeline("zb-interleaved", tensor_parallel_degree=2),
+    "pp=2,tp=2,zbv": pipeline("zbv", tensor_parallel_degree=2),
+    "pp=2,tp=2,dualpipev": pipeline("dualpipev", tensor_parallel_degree=2),
+}
+
+
+SEARCHED = {"pp=2,schedule=zb-interleaved": 2, "pp=2,schedule=zbv": 2, "pp=2,schedule=dualpipev,tp=2": 4}
+"""Pins -> GPUs for the search's own plans of tests/models/small_gpt.py."""
+SMALL_GPT = Path(__file__).parent / "models" / "small_gpt.py"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zero_bubble")
+    folders = {(m, name): model_layout(root, m, name, par) for m in MODELS for name, par in LAYOUTS.items()}
+    for pin, gpus in SEARCHED.items():
+        out = tmp_path_factory.mktemp("searched")
+        plan = plan_model(str(SMALL_GPT), gpus, "cpu", global_batch=8, pin=pin, out=out).plan
+        assert plan.parallelism.pipeline_parallel_schedule == dict(i.split("=") for i in pin.split(","))["schedule"]
+        folders["searched", pin] = out
+    batch = verify_many(list(folders.values()), steps=STEPS, timeout_s=900, nproc=4)
+    return dict(zip(folders, batch.results))
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_zero_bubble_schedule_trains_like_the_single_device_model(results, model, layout):
+    check_parity(results[model, layout])
+
+
+@pytest.mark.parametrize("pin", list(SEARCHED))
+def test_the_searchs_plan_pinned_to_a_zero_bubble_schedule_trains_like_the_single_device_model(results, pin):
+    check_parity(results["searched", pin])
