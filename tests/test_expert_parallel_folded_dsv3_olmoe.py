@@ -124,3 +124,12 @@ def test_deepseek_v3_sequence_parallelism_is_refused_with_its_reason(sources):
     assert whole["model.layers.1.self_attn.kv_a_proj_with_mqa"].op == "aten.copy_.default"
     # the shared experts are a tensor-parallel pair inside the MoE block
     assert facts.plan["model.layers.1.mlp.shared_experts.down_proj"] == "rowwise"
+
+
+def test_the_search_plans_a_pipeline_without_sp_where_moe_blocks_refuse_it(sources, tmp_path):
+    """OLMoE allows sp (on by default with tp > 1), but not with pp > 1 (its MoE blocks run on local tokens, which a
+    pipeline stage's graph inlines): pinned pp=2 x tp=2 x ep=2 plans with sp off (before: no layout satisfied)."""
+    plan_model(str(sources["olmoe"]), 4, "cpu", global_batch=8, pin="pp=2,tp=2,ep=2", out=tmp_path / "out")
+    parallelism = json.loads((tmp_path / "out" / "plan.json").read_text())["parallelism"]
+    assert parallelism["pipeline_parallel_degree"] == parallelism["tensor_parallel_degree"] == 2
+    assert not parallelism["enable_sequence_parallel"]
