@@ -522,11 +522,7 @@ def test_with_cp_and_tp_the_experts_token_split_is_only_expert_parallel_routing(
     ctx = Context(profile, cluster(8), Training(8, "bf16"), CP_EP)
     assert {ctx.facts.role.get(call.node) for call in ctx.attention.calls} == {"interior"}  # heads split over tp
     assert ctx._sharded_modules(2, 1, True, 2, 1).expert_split == 1
-    # with sequence parallelism the MoE blocks run on each tp rank's sequence shard: their ops' sequence roles divide
-    # the experts' compute by tp (not the folded split again), and the all-to-alls move the same half of the rows
-    on = ctx._sharded_modules(2, 1, True, 1, 2)
-    assert on.expert_split == 1 and sum(on.all_to_all_s) == pytest.approx(sum(folded.all_to_all_s))
-    assert sum(on.expert_forward_s) == pytest.approx(sum(folded.expert_forward_s), rel=0.01)
+    assert ctx._sharded_modules(2, 1, True, 1, 2).expert_split == 2
     assert ctx._sharded_modules(2, 1, False, 2, 2).expert_split == 2
     assert ctx._sharded_modules(2, 1, False, 2, 1).expert_split == 1
     assert not ctx._experts_on_shards  # no expert op runs on sequence shards (a dense model)
