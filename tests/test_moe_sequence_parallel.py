@@ -6,7 +6,7 @@ router's softmax and top-k over the experts, the sort and gathers of the routed 
 top-k combine. So sp=on is allowed with tp > 1 for HF Qwen3-MoE and Mixtral, each MoE block is a "sequence_local"
 module of the plan (it runs on each tp rank's sequence shard), while blocks that do mix tokens stay refused with
 their reason: a reshape moving the sequence into the features, expert-choice routing (a softmax over the tokens),
-and OLMoE, whose attention stays whole (its q/k norms span every head) and so reads the whole sequence.
+while OLMoE's attention (q/k norms over every head) is split with the norms' sums all-reduced over the ranks.
 
 Pricing: under sequence parallelism each tp rank's router, experts and all-to-all see 1/tp of the tokens, and the
 replicated MoE parameters' gradients are all-reduced over the tp ranks (closed form below).
@@ -151,9 +151,14 @@ def test_transformers_moe_blocks_run_on_sequence_shards(captured, model):
     assert not any(".experts" in p for p in facts.sharded_parameters)
 
 
-def test_olmoe_is_refused_for_its_whole_attention_not_for_its_moe_block(captured):
-    problem = tensor_parallel_facts(captured["olmoe"]).sequence_parallel_problem
-    assert "self_attn" in problem and "mlp" not in problem, problem
+def test_olmoe_runs_its_attention_split_and_its_moe_blocks_on_sequence_shards(captured):
+    """OLMoE's q/k norms span every head: each tp rank sums its heads' squares and one all-reduce joins them
+    (TensorParallelFacts.rank_sums), so its attention is split and sp applies (before: whole, sp refused)."""
+    facts = tensor_parallel_facts(captured["olmoe"])
+    assert facts.sequence_parallel_problem == ""
+    assert facts.plan["model.layers.0.self_attn.q_proj"] == "colwise"
+    assert {fqn for fqn, style in facts.plan.items() if style == "sequence_local"} == {"model.layers.0.mlp",
+                                                                                      "model.layers.1.mlp"}
 
 
 @pytest.mark.parametrize("what", list(BODIES))
@@ -289,3 +294,21 @@ def test_the_searchs_sp_plans_through_moe_blocks_train_like_one_device(verified,
     for rank in seen["rows"]:
         assert rank and all(kind == "Tensor" for kind, _ in rank), rank
         assert {rows for _, rows in rank} == {tokens // 2}, (rank, tokens)
+
+
+def test_a_norm_summed_over_the_ranks_is_priced_as_one_all_reduce_of_its_sum(captured):
+    """OLMoE's four q/k-norm means (one per norm, per token) are the ops marked `sums_ranks`, and each costs one
+    forward all-reduce of its output over the tp ranks, nothing else; the same op without the mark costs nothing."""
+    from autoplan.cost.compute import _tp_forward
+
+    profile = captured["olmoe"]
+    ctx = Context(profile, load_cluster(4, "h100-sxm5-80gb", 8, None, None), Training(global_batch_size=8),
+                  SUPPORTED)
+    summed = [op for module in ctx.costs.modules for op in module.ops if op.sums_ranks]
+    assert len(summed) == 4 and {op.tp_role for op in summed} == {"interior"}
+    link = ctx.group(2, 2).link
+    for op in summed:
+        assert op.output_bytes > 0
+        assert _tp_forward(op, 2, 4, 0.5, link) == pytest.approx(comm.all_reduce_s(op.output_bytes * 4 * 0.5, 2, link))
+        assert _tp_forward(replace(op, sums_ranks=False), 2, 4, 0.5, link) == 0.0
+        assert _tp_forward(op, 1, 4, 0.5, link) == 0.0

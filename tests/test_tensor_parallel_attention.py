@@ -100,20 +100,20 @@ def test_torchtitan_llama_attention_splits_through_complex_rotary_embeddings(fac
     assert facts.left_whole == () and facts.sequence_parallel_problem == ""
 
 
-def test_a_norm_over_every_head_at_once_leaves_the_attention_whole_and_says_why(tmp_path):
+def test_a_norm_over_every_head_at_once_splits_with_its_sum_all_reduced(tmp_path):
+    """OLMo-2's q/k RMS norms span every head: each rank's mean over its heads' features is its share of the whole
+    mean (SUMMED_OPS), all-reduced over the tp ranks (TensorParallelFacts.rank_sums), so the attention splits by
+    heads with the norms' weights replicated (before: the attention stayed whole)."""
     model = tmp_path / "olmo2.py"
     model.write_text(OLMO2)
     facts = _facts(str(model))
     attention = "model.layers.0.self_attn"
-    assert not _linears(attention, ("q_proj", "k_proj", "v_proj", "o_proj")) & set(facts.plan)
+    assert [facts.plan[f"{attention}.{p}"] for p in ("q_proj", "k_proj", "v_proj", "o_proj")] == \
+        ["colwise", "colwise", "colwise", "rowwise"]
+    assert facts.plan[f"{attention}.q_norm"] == facts.plan[f"{attention}.k_norm"] == "replicate"
     assert facts.plan["model.layers.0.mlp.down_proj"] == "rowwise"  # the MLP still splits
-    blocks = {m: b for b in facts.left_whole for m in b.modules}
-    qkv = blocks[f"{attention}.q_proj"]
-    assert qkv is blocks[f"{attention}.k_proj"] is blocks[f"{attention}.v_proj"]  # one block: one reason
-    assert qkv.op_module in (f"{attention}.q_norm", f"{attention}.k_norm") and "reduces over" in qkv.reason
-    assert f"{attention}.v_proj" in blocks[f"{attention}.o_proj"].reason
-    lines = left_whole_lines(facts.left_whole)
-    assert len(lines) == 2 and all("model.layers.*.self_attn" in line and "(2x)" in line for line in lines)
+    assert facts.left_whole == () and len(facts.rank_sums) == 2 * 2  # q and k norms of its 2 layers
+    assert facts.sequence_parallel_problem == ""
 
 
 def test_a_fused_qkv_is_left_whole_with_a_line_and_a_loss_inside_forward_keeps_the_vocabulary_parallel_head():

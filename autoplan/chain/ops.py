@@ -26,6 +26,8 @@ An op is named by its packet: "aten.linear.default" -> "linear". Its traits:
     grouped      a grouped matmul: each row of its first input times the weight of the group its row falls in
                  (the groups' row offsets: its third input)
     creates      makes a new tensor from sizes alone (no input's values): arange, zeros, empty
+    summed       a sum (or mean) of its input's elements: over a dimension split into even shards it is the sum
+                 (or mean) of the shards' own results, so one all-reduce of its output joins them
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ softplus gelu_ silu_ relu_ mul_ add_          | pointwise
 bernoulli rand_like zeros_like ones_like      | pointwise
 dropout native_dropout                        | pointwise mask
 mean sum amax amin var var_mean std logsumexp | reduction along
+mean sum                                      | summed
 prod max min argmax argmin any all            | along
 softmax _softmax _safe_softmax log_softmax    | along
 topk sort argsort cumsum cumprod histc        | along
@@ -85,7 +88,8 @@ nll_loss_forward nll_loss2d_forward           | loss_parallel loss
 """Each line: op packets | the traits they all have."""
 
 TRAITS = ("view", "reshape", "pointwise", "per_head", "attention", "gemm", "splits", "mask", "reduction", "norm",
-          "loss_parallel", "loss", "linear", "embedding", "along", "gathers", "scatters", "grouped", "creates")
+          "loss_parallel", "loss", "linear", "embedding", "along", "gathers", "scatters", "grouped", "creates",
+          "summed")
 
 
 def _parse(table: str) -> dict[str, frozenset[str]]:

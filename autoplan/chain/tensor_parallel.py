@@ -69,6 +69,9 @@ ELEMENTWISE_OPS = ops_with("pointwise")
 ATTENTION_OPS = ops_with("per_head")
 """Attention over heads: each head's scores and outputs depend on that head's features only."""
 REDUCTION_OPS = ops_with("reduction")
+SUMMED_OPS = ops_with("summed")
+"""Reductions whose shards' results add up: over a projection's split features (OLMoE's and OLMo-2's q/k norms span
+every head) each rank reduces its own features and the runtime's DTensor all-reduces the partial result."""
 NORM_OPS = ops_with("norm")
 LOSS_PARALLEL_OPS = ops_with("loss_parallel")
 """Ops torch's loss_parallel computes on logits sharded on the vocabulary (log-softmax, the NLL loss)."""
@@ -153,6 +156,9 @@ class TensorParallelFacts:
     """Why the ops between the pairs cannot run on sequence shards (the first op that mixes tokens), or ""."""
     left_whole: tuple[LeftWhole, ...] = ()
     """Every Linear no split shards, in blocks, with the op and the reason (the head's too)."""
+    rank_sums: frozenset[str] = frozenset()
+    """Interior reductions over a whole projection's split features (a q/k norm spanning every head): each rank
+    reduces its shard and one all-reduce of the result joins them (SUMMED_OPS; DTensor's Partial)."""
 
     @property
     def has_head(self) -> bool:
@@ -188,6 +194,7 @@ def tensor_parallel_facts(profile: ModelProfile, vocab_parallel: bool = True,
             if src in consumers:
                 consumers[src].append(op.node)
     role, facts, whole = _regions(profile, ops, consumers, fused_split)
+    sums = frozenset(n for n, r in role.items() if r == "interior" and _spans_split_features(ops[n], role, ops))
     if vocab_parallel:
         facts += _vocab_parallel(profile, ops, consumers, role, whole)
         _explain_in_model_losses(profile, ops, consumers, role, whole)
@@ -200,7 +207,7 @@ def tensor_parallel_facts(profile: ModelProfile, vocab_parallel: bool = True,
     plan.update(dict.fromkeys(local, "sequence_local"))
     unique = {(f.size, f.what): f for f in facts}
     return TensorParallelFacts(plan, role, frozenset(sharded), tuple(sorted(unique.values(), key=lambda f: f.what)),
-                               problem, left_whole)
+                               problem, left_whole, sums)
 
 
 def _regions(profile: ModelProfile, ops, consumers,
@@ -776,11 +783,21 @@ def _check_per_head_reduction(op: OpProfile, region: dict[str, str], ops) -> Non
     """_check_per_head_reductions for one op, against the colwise Linears the region holds so far."""
     if packet(op) not in REDUCTION_OPS and packet(op) not in NORM_OPS:
         return
+    if _spans_split_features(op, region, ops):
+        return  # over a whole projection's split features: each rank sums its shard, one all-reduce joins them
     features = sorted({out_in_features(ops[n])[0] for n, r in region.items() if r == "colwise"})
     size = _reduced_size(op)
     if size is None or any(f % size or f == size for f in features):
         raise _Whole(op, f"it reduces over {size} features at once, not over one head's: every feature of a "
                          f"{'/'.join(map(str, features))}-feature projection")
+
+
+def _spans_split_features(op: OpProfile, region: dict[str, str], ops) -> bool:
+    """`op` sums (or averages) over all the features of a colwise projection in `region` (OLMoE's and OLMo-2's
+    RMS q/k norms over every head): the shards' results add up (SUMMED_OPS)."""
+    size = _reduced_size(op)
+    return size is not None and packet(op) in SUMMED_OPS and \
+        size in {out_in_features(ops[n])[0] for n, r in region.items() if r == "colwise"}
 
 
 def _projection_output(node: str, region: dict[str, str], ops) -> bool:

@@ -24,6 +24,8 @@ Tensor-parallel collectives per module (alpha-beta, cost/comm.py), as runtime/te
   tensor (q, k, v), and in backward reduce-scatter its gradient and gather it again (the shard was kept:
   runtime/sequence_gather.py; not in compiled modules); the rowwise Linear's output gradient is all-gathered
   in backward; the ops between the pairs compute on sequence shards (1/tp);
+- a reduction over a projection's split features (a q/k norm spanning every head: its sum of squares) is
+  all-reduced in forward (DTensor's Partial result made whole); in backward its gradient is broadcast locally;
 - the vocabulary-parallel head's logits stay sharded for the loss (loss parallel): three all-reduces of one
   fp32 number per token (the max, the sum of exponentials, the target's logit); with loss parallel off they
   are all-gathered. The loss's copies of the logits divide by tp with them.
@@ -439,6 +441,8 @@ def _tp_forward(op: OpCost, tp: int, b: int, scale: float, link: Link, sp: bool 
     if op.tp_role in ("rowwise", "embedding"):
         reduce = comm.reduce_scatter_s if sp else comm.all_reduce_s
         return reduce(op.output_bytes * per_mb, tp, link)
+    if op.sums_ranks:  # each rank's sum over its features, joined (one number per token and head group)
+        return comm.all_reduce_s(op.output_bytes * per_mb, tp, link)
     gathers = sp and op.kind == "gemm" and not op.shares_gather
     gathered = comm.all_gather_s(op.input_activation_bytes * per_mb, tp, link) if gathers else 0.0
     if op.tp_role == "colwise":

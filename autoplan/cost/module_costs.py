@@ -87,6 +87,9 @@ class OpCost:
     tensor-parallel rank if it is split), which it saves for backward: one copy per micro-batch in flight."""
     grouped: bool = False
     """A grouped expert matmul (chain.experts.is_grouped_matmul): selective recompute runs it again."""
+    sums_ranks: bool = False
+    """A reduction over a projection's split features (TensorParallelFacts.rank_sums): its output is all-reduced
+    over the tensor-parallel ranks in forward (its backward broadcasts the gradient locally)."""
 
     @property
     def kept_by_selective(self) -> bool:
@@ -155,7 +158,7 @@ class ChainCosts:
 
 
 def op_cost(op: OpProfile, profile: ModelProfile, role: str, shares_gather: bool = False,
-            autocast_fp32: bool = False) -> OpCost:
+            autocast_fp32: bool = False, sums_ranks: bool = False) -> OpCost:
     batch = profile.batch_size
     param_bytes = sum(profile.parameters.get(p, 0) for p in op.params) * profile.parameter_bytes_per_element
     param_bytes = min(param_bytes, op.input_bytes)  # buffers read as params are not in `parameters`
@@ -183,6 +186,7 @@ def op_cost(op: OpProfile, profile: ModelProfile, role: str, shares_gather: bool
         autocast_fp32=autocast_fp32,
         autocast_weight_numel=param_bytes / profile.parameter_bytes_per_element if cast else 0.0,
         grouped=is_grouped_matmul(op),
+        sums_ranks=sums_ranks,
     )
 
 
@@ -204,7 +208,8 @@ def _op_costs(nodes, by_node: dict[str, OpProfile], profile: ModelProfile, facts
     for node in nodes:
         op, role = by_node[node], facts.role.get(node, "")
         source = op.inputs[0] if role in ("colwise", "head") and op.inputs else None
-        yield op_cost(op, profile, role, shares_gather=source in gathered, autocast_fp32=node in fp32)
+        yield op_cost(op, profile, role, shares_gather=source in gathered, autocast_fp32=node in fp32,
+                      sums_ranks=node in facts.rank_sums)
         if source is not None:
             gathered.add(source)
 

@@ -124,6 +124,9 @@ def profile_graph(graph: OpGraph, model: str, batch_size: int, hardware: Hardwar
     replayer = FakeReplayer(accelerator=hardware.gpu.name != "cpu")
     requires_grad = {ValueRef(name): graph_input.requires_grad for name, graph_input in graph.inputs.items()}
     kept_roots: set[ValueRef] = set()
+    weight_of: dict[str, tuple[str, ...]] = {}
+    """Nodes computed from parameters alone (a weight cast, transposed or viewed, e.g. a router's
+    `F.linear(x.float(), self.weight.float())`): the op reading one multiplies by those parameters."""
     ops: list[OpProfile] = []
     unsupported: set[str] = set()
     replay_errors: dict[str, str] = {}
@@ -147,6 +150,10 @@ def profile_graph(graph: OpGraph, model: str, batch_size: int, hardware: Hardwar
                                            grad_input_bytes, has_backward)
         params = [graph.inputs[ref.node].target for ref in slot_refs
                   if ref.node in graph.inputs and graph.inputs[ref.node].kind in ("parameter", "buffer")]
+        params += [p for ref in slot_refs for p in weight_of.get(ref.node, ())]
+        if slot_refs and all(ref.node in weight_of or ref.node in graph.inputs and
+                             graph.inputs[ref.node].kind == "parameter" for ref in slot_refs):
+            weight_of[node.name] = tuple(dict.fromkeys(params))  # computed from parameters alone
         ops.append(OpProfile(
             node=node.name,
             op=str(node.target),

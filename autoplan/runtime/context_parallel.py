@@ -258,7 +258,7 @@ def tensor_parallel_heads_local():
         args, kwargs = attention_without_dropout(args, kwargs)  # what NoDropout's mode does, seen by torch.compile
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)]
         if not tensors:
-            return ring(*args, **kwargs)
+            return _value_width_as_query(ring, args, kwargs)
         like = args[0] if isinstance(args[0], DTensor) else tensors[0]
         for t in tensors:
             if t.device_mesh != like.device_mesh or any(
@@ -266,7 +266,8 @@ def tensor_parallel_heads_local():
                     for p in t.placements):
                 raise NotImplementedError(f"context parallel attention takes tensor-parallel q, k, v split on the "
                                           f"batch or heads (dims 0, 1), got {t.placements} on {t.device_mesh}")
-        out = ring(*(_to_local(a) for a in args), **{k: _to_local(v) for k, v in kwargs.items()})
+        out = _value_width_as_query(ring, tuple(_to_local(a) for a in args),
+                                    {k: _to_local(v) for k, v in kwargs.items()})
         return DTensor.from_local(out, like.device_mesh, like.placements, run_check=False)
 
     F.scaled_dot_product_attention = attend
@@ -274,6 +275,19 @@ def tensor_parallel_heads_local():
         yield
     finally:
         F.scaled_dot_product_attention = ring
+
+
+def _value_width_as_query(attention, args: tuple, kwargs: dict):
+    """`attention(*args, **kwargs)`, on CPU with values as wide as the queries and keys: a value head narrower than
+    the query's (DeepSeek's multi-head latent attention: 192-wide q and k, 128-wide v) sends the CPU's SDPA to its
+    math path, which the ring (register_cpu_ring_attention: the CPU flash kernel's) does not replace. The values
+    are padded with zero features and the output cut back: each output feature is the same weighted sum of the
+    same value feature (the padding's outputs are zeros, and their gradients reach nothing)."""
+    if len(args) < 3 or args[0].device.type != "cpu" or args[2].shape[-1] >= args[0].shape[-1]:
+        return attention(*args, **kwargs)
+    query, value, width = args[0], args[2], args[2].shape[-1]
+    padded = torch.nn.functional.pad(value, (0, query.shape[-1] - width))
+    return attention(*args[:2], padded, *args[3:], **kwargs)[..., :width]
 
 
 def _to_local(value):

@@ -1,0 +1,135 @@
+"""Folded expert parallelism (issue 28) on HF OLMoE and HF DeepSeek-V3, tiny configs built from transformers'
+classes: `autoplan verify`'s loss and every-gradient parity against the single-device model on CPU/gloo, in one
+4-process launch (tests/helpers/verify_many.py), for each model:
+
+- ep over the tp ranks (dp=1 x tp=2 x ep=2; OLMoE with sequence parallelism), dp x ep x tp (dp=2 x tp=2 x ep=4,
+  FSDP2; OLMoE with sequence parallelism), pp x ep x tp (pp=2 x tp=2 x ep=2) and cp x ep (cp=2 x ep=2), the degrees
+  pinned;
+- the search's own plans on 4 ranks: with nothing pinned, and with ep=2 pinned (the search picks the rest).
+
+OLMoE's q/k norms are RMS norms over every head's features at once (OLMo-2's too): under tp each rank holds its
+heads' features, sums their squares and one all-reduce of that sum per token joins the ranks (DTensor's Partial
+mean; chain/tensor_parallel.py SUMMED_OPS), so its attention is split by heads and sequence parallelism runs through
+it and through the MoE blocks (before, the attention stayed whole on every tp rank and sp was refused).
+
+DeepSeek-V3 (tests/models/tiny_deepseek_v3.py): multi-head latent attention, a dense first layer
+(first_k_dense_replace=1), then MoE layers with a grouped sigmoid router and a shared expert (a colwise/rowwise
+Linear pair under tp). Its router multiplies by `self.weight.type(torch.float32)`: a cast of the parameter, not an
+activation, so cp is allowed (before, the capture took that matmul for activation x activation attention, which the
+ring cannot replace, and refused cp). Its values are narrower than its queries and keys (v_head_dim 4, q/k 8), which
+sends CPU SDPA to its math path; the CPU ring pads them (runtime/context_parallel.py _value_width_as_query).
+Sequence parallelism stays refused for it, with its reason (asserted below): its attention core is not split by
+heads (kv_b_proj's keys are built with new_empty + copy_ of the shared rotary key into every head, ops no rule lets
+a split tensor through, so kv_a/kv_b/o_proj stay whole), so SDPA runs every head on every tp rank and needs every
+token: under sp the queries' transpose would move a sequence shard (refused at that op). Its q latent pair (q_a_proj
+colwise, the q_a_layernorm's mean summed over the ranks, q_b_proj rowwise) and the shared experts' Linear pair are
+split.
+
+Sequence parallelism with a pipeline stays refused for MoE blocks (layout rule: a stage's exported graph inlines
+the MoE module that runs on local tokens), so pp x ep x tp runs with sp=off.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from autoplan.api import plan_model, profile_only
+from autoplan.chain.attention import attention_facts
+from autoplan.chain.tensor_parallel import tensor_parallel_facts
+
+from helpers.verify_many import verify_many
+from test_expert_parallel_program import SOURCES
+from test_layouts import check_parity
+
+ROOT = Path(__file__).resolve().parents[1]
+DEEPSEEK_V3 = ROOT / "tests" / "models" / "tiny_deepseek_v3.py"
+MODELS = {"olmoe": SOURCES["olmoe"], "deepseek_v3": DEEPSEEK_V3.read_text()}
+CASES = {f"{model} {pin or 'search'}": (model, pin, gpus) for model, pins in (
+    ("olmoe", ("dp=1,tp=2,ep=2,sp=on", "dp=2,zero=3,tp=2,ep=4,sp=on")),
+    ("deepseek_v3", ("dp=1,tp=2,ep=2", "dp=2,zero=3,tp=2,ep=4"))) for pin, gpus in zip(pins, (2, 4))}
+CASES.update({f"{model} {pin or 'search'}": (model, pin, gpus) for model in MODELS for pin, gpus in (
+    ("pp=2,tp=2,ep=2", 4), ("dp=1,cp=2,ep=2", 2), ("ep=2", 4), ("", 4))})
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("folded_models")
+    paths = {}
+    for model, source in MODELS.items():
+        paths[model] = root / f"{model}.py"
+        paths[model].write_text(source)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def batch(sources, tmp_path_factory):
+    root = tmp_path_factory.mktemp("folded_dsv3_olmoe")
+    folders = {}
+    for name, (model, pin, gpus) in CASES.items():
+        folders[name] = root / name.replace(" ", "_").replace("=", "").replace(",", "_")
+        plan_model(str(sources[model]), gpus, "cpu", global_batch=8, pin=pin or None, out=folders[name])
+    result = verify_many(list(folders.values()), steps=2, timeout_s=2400, nproc=4)
+    return dict(zip(folders, result.results)), folders
+
+
+@pytest.mark.slow  # one 4-process torchrun launch
+@pytest.mark.parametrize("name", list(CASES))
+def test_folded_expert_parallel_trains_like_the_single_device_model(batch, name):
+    results, folders = batch
+    check_parity(results[name])  # the losses and every gradient of the first steps, on every rank
+    plan = json.loads((folders[name] / "plan.json").read_text())
+    parallelism, pin = plan["parallelism"], CASES[name][1]
+    print(name, {k: v for k, v in parallelism.items() if "degree" in k or k == "enable_sequence_parallel"})
+    pins = {key: value for key, value in (item.split("=") for item in pin.split(",") if item)}
+    for key, field in (("ep", "expert_parallel_degree"), ("tp", "tensor_parallel_degree"),
+                       ("pp", "pipeline_parallel_degree"), ("cp", "context_parallel_degree")):
+        if key in pins:
+            assert parallelism[field] == int(pins[key])
+    if pins.get("sp") == "on":  # the MoE blocks run on each tp rank's sequence shard
+        assert parallelism["enable_sequence_parallel"]
+        assert {"model.layers.0.mlp", "model.layers.1.mlp"} <= {
+            m for m, style in plan["tensor_parallel_plan"].items() if style == "sequence_local"}
+
+
+def test_deepseek_v3_router_multiplies_by_its_weight_so_context_parallel_is_allowed(sources):
+    """The router's `F.linear(x.float(), self.weight.float())`: the matmul reads the parameter through a cast, which
+    the capture records as a separate node; it is a matmul by a weight (priced as a GEMM), not attention."""
+    profile = profile_only(str(sources["deepseek_v3"]), "h100-sxm5-80gb", measure=False)
+    router = [op for op in profile.ops if op.module == "model.layers.1.mlp.gate" and op.op == "aten.linear.default"]
+    assert len(router) == 1 and router[0].params == ("model.layers.1.mlp.gate.weight",)
+    assert attention_facts(profile).context_parallel_problem == ""
+
+
+def test_olmoe_attention_is_split_by_heads_with_its_norms_summed_over_the_ranks(sources):
+    facts = tensor_parallel_facts(profile_only(str(sources["olmoe"]), "h100-sxm5-80gb", measure=False))
+    for layer in (0, 1):
+        attention = f"model.layers.{layer}.self_attn"
+        assert {facts.plan[f"{attention}.{p}_proj"] for p in "qkv"} == {"colwise"}
+        assert facts.plan[f"{attention}.o_proj"] == "rowwise"
+        assert facts.plan[f"{attention}.q_norm"] == facts.plan[f"{attention}.k_norm"] == "replicate"
+        assert facts.plan[f"model.layers.{layer}.mlp"] == "sequence_local"
+    assert facts.sequence_parallel_problem == ""
+    profile_ops = {op.node: op for op in profile_only(str(sources["olmoe"]), "h100-sxm5-80gb", measure=False).ops}
+    summed = [profile_ops[n] for n in facts.rank_sums]
+    assert len(summed) == 4 and all(op.op == "aten.mean.dim" and op.module.endswith("_norm") for op in summed)
+
+
+def test_deepseek_v3_sequence_parallelism_is_refused_with_its_reason(sources):
+    facts = tensor_parallel_facts(profile_only(str(sources["deepseek_v3"]), "h100-sxm5-80gb", measure=False))
+    assert facts.sequence_parallel_problem == (
+        "aten.transpose.int in model.layers.0.self_attn would read a sequence shard, and it does not compute token "
+        "by token: it cuts or moves a dimension that holds tokens")
+    whole = {m: block for block in facts.left_whole for m in block.modules}
+    assert whole["model.layers.1.self_attn.kv_a_proj_with_mqa"].op == "aten.copy_.default"
+    # the shared experts are a tensor-parallel pair inside the MoE block
+    assert facts.plan["model.layers.1.mlp.shared_experts.down_proj"] == "rowwise"
+
+
+def test_the_search_plans_a_pipeline_without_sp_where_moe_blocks_refuse_it(sources, tmp_path):
+    """OLMoE allows sp (on by default with tp > 1), but not with pp > 1 (its MoE blocks run on local tokens, which a
+    pipeline stage's graph inlines): pinned pp=2 x tp=2 x ep=2 plans with sp off (before: no layout satisfied)."""
+    plan_model(str(sources["olmoe"]), 4, "cpu", global_batch=8, pin="pp=2,tp=2,ep=2", out=tmp_path / "out")
+    parallelism = json.loads((tmp_path / "out" / "plan.json").read_text())["parallelism"]
+    assert parallelism["pipeline_parallel_degree"] == parallelism["tensor_parallel_degree"] == 2
+    assert not parallelism["enable_sequence_parallel"]
