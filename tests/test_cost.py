@@ -48,7 +48,7 @@ def test_model_states_match_the_zero_closed_forms(dtype):
 def _states(ctx, par, start=0, end=None):
     problem = build_problem(ctx, par, ("none",))
     end = len(ctx.chain) if end is None else end
-    part = problem.memory[0].breakdown(start, end)
+    part = problem.memory[0].end_of_backward_breakdown(start, end)  # every state alive, gathered units
     return part, sum(part[c] for c in ("parameters", "gradients", "optimizer"))
 
 
@@ -60,7 +60,8 @@ def test_whole_model_states_are_16_psi_replicated_16_psi_over_n_sharded_and_zero
     assert total == pytest.approx(16 * psi / 8)
     largest = max(u.parameter_numel for u in ctx.chain.modules)
     assert fsdp["gathered_parameters"] == pytest.approx(2 * 2 * largest)  # bf16, computing + prefetched module
-    assert _states(ctx, _par(dp=8, zero=1))[1] == pytest.approx(2 * psi + 14 * psi / 8)  # FSDP2 without reshard
+    unsharded, total = _states(ctx, _par(dp=8, zero=1))  # FSDP2 without reshard: the gathered copy to backward
+    assert total == pytest.approx(16 * psi / 8) and unsharded["gathered_parameters"] == pytest.approx(2 * psi)
     assert _states(ctx, _par(dp=8, zero=3, replicate=2))[1] == pytest.approx(16 * psi / 4)  # HSDP 2 x 4
 
 
