@@ -233,7 +233,8 @@ def _holders(device: torch.device) -> dict[int, str]:
     found: dict[str, list[torch.Tensor]] = {part: [] for part in PEAK_PARTS}
     for obj in gc.get_objects():
         kind = type(obj)
-        if issubclass(kind, torch.nn.Parameter):
+        # a Parameter of a tensor subclass (FSDP2's DTensor shards) has the subclass's type: isinstance sees it
+        if issubclass(kind, torch.Tensor) and isinstance(obj, torch.nn.Parameter):
             found["parameters"].append(obj)
             if obj.grad is not None:
                 found["gradients"].append(obj.grad)
