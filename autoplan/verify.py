@@ -409,6 +409,24 @@ def _error(predicted: float, measured: float) -> float | None:
     return predicted / measured - 1 if measured > 0 else None
 
 
+MEASURED_PART_OF = {"parameters": "parameters", "gathered_parameters": "parameters", "gradients": "gradients",
+                    "optimizer": "optimizer"}
+"""The plan's memory categories (cost/memory.py) in the parts PeakLiveMemory sorts a measured peak into
+(runtime/memory.py PEAK_PARTS); every other category is "activations". FSDP2's gathered copies are nn.Parameters."""
+
+
+def predicted_parts(breakdown: dict[str, float], dtype: str) -> dict[str, float]:
+    """A plan's memory breakdown in the measured peak's parts. FSDP2's accumulated unsharded gradients are the
+    gathered parameter's .grad when the reduce dtype is the training dtype (fp32), else a tensor of its own."""
+    parts = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "buffers": 0.0, "activations": 0.0}
+    for category, value in breakdown.items():
+        part = MEASURED_PART_OF.get(category, "activations")
+        if category == "unsharded_gradients" and dtype == "fp32":
+            part = "gradients"
+        parts[part] += value
+    return parts
+
+
 def _measured(plan: Plan, metrics: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
     """Per rank and overall: measured step time and peak live tensor memory against the plan's (and on a GPU
     the MFU that step time gives, against the plan's)."""
@@ -424,6 +442,11 @@ def _measured(plan: Plan, metrics: dict[str, Any], device: str = "cpu") -> dict[
             "measured_baseline_memory_bytes": r["baseline_memory_bytes"],
             "predicted_peak_memory_bytes": max((stage_memory.get(s, 0.0) for s in r["stages"]), default=0.0),
         })
+        if r.get("peak_memory_parts"):  # CPU: what the peak held, beside the plan's parts of the rank's fullest stage
+            fullest = max(r["stages"], key=lambda s: stage_memory.get(s, 0.0), default=None)
+            breakdown = next((st.memory_breakdown for st in plan.stages if st.index == fullest), {})
+            ranks[-1]["measured_peak_memory_parts"] = r["peak_memory_parts"]
+            ranks[-1]["predicted_peak_memory_parts"] = predicted_parts(breakdown, plan.training.dtype)
     stages = []
     for s in plan.stages:
         holders = [r["measured_peak_memory_bytes"] for r in ranks if s.index in r["stages"]]

@@ -94,8 +94,9 @@ def test_a_one_gpu_bf16_plan_prices_what_autocast_keeps():
     par = _par()
     memory = build_problem(ctx, par, ("none",)).memory[0]
     numel = sum(ctx.module_numel(1, 1)) + sum(ctx.group_numel(1))
-    states = {c: sum(memory.per_module[c]) + sum(memory.per_tied_group[c]) for c in ("parameters", "gradients",
-                                                                                      "optimizer")}
+    held = {**memory.per_module, **memory.late_per_module}  # gradients: made in backward (one micro-batch)
+    tied = {**memory.per_tied_group, **memory.late_per_tied_group}
+    states = {c: sum(held[c]) + sum(tied[c]) for c in ("parameters", "gradients", "optimizer")}
     assert states == pytest.approx({"parameters": 4 * numel, "gradients": 4 * numel, "optimizer": 8 * numel})
     pure = ctx.table(1, 2)
     autocast = ctx.table(1, 2, autocast=True)

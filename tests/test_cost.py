@@ -48,7 +48,7 @@ def test_model_states_match_the_zero_closed_forms(dtype):
 def _states(ctx, par, start=0, end=None):
     problem = build_problem(ctx, par, ("none",))
     end = len(ctx.chain) if end is None else end
-    part = problem.memory[0].breakdown(start, end)
+    part = problem.memory[0].end_of_backward_breakdown(start, end)  # every state alive, gathered units
     return part, sum(part[c] for c in ("parameters", "gradients", "optimizer"))
 
 
@@ -60,7 +60,8 @@ def test_whole_model_states_are_16_psi_replicated_16_psi_over_n_sharded_and_zero
     assert total == pytest.approx(16 * psi / 8)
     largest = max(u.parameter_numel for u in ctx.chain.modules)
     assert fsdp["gathered_parameters"] == pytest.approx(2 * 2 * largest)  # bf16, computing + prefetched module
-    assert _states(ctx, _par(dp=8, zero=1))[1] == pytest.approx(2 * psi + 14 * psi / 8)  # FSDP2 without reshard
+    unsharded, total = _states(ctx, _par(dp=8, zero=1))  # FSDP2 without reshard: the gathered copy to backward
+    assert total == pytest.approx(16 * psi / 8) and unsharded["gathered_parameters"] == pytest.approx(2 * psi)
     assert _states(ctx, _par(dp=8, zero=3, replicate=2))[1] == pytest.approx(16 * psi / 4)  # HSDP 2 x 4
 
 
@@ -470,3 +471,31 @@ def test_plan_shows_the_activation_saving_of_sequence_parallelism_against_the_sa
     if on.activation_checkpoint_modules == off.activation_checkpoint_modules and same_split:
         assert saved_without == pytest.approx(off.predicted.memory_breakdown["activations"])
     assert off.predicted.activations_without_sequence_parallel_bytes is None
+
+
+def _one_module(activation: float):
+    from autoplan.cost.memory import MemoryInputs
+
+    return MemoryInputs(module_numel=(1000.0,), group_numel=(), tied_group_modules=(), module_largest_numel=(1000.0,),
+                        activations={"none": (activation,)}, working_bytes=(0.0,), cut_bytes=())
+
+
+@pytest.mark.parametrize("shard, ddp", [(8, False), (1, False), (1, True)])
+def test_gradients_count_from_when_the_program_makes_them(shard, ddp):
+    """One micro-batch: FSDP2's sharded gradients and autograd's .grad are made during backward (set to None before
+    each step), so the peak is the larger of the loss's (no gradients) and the end of backward (no activations);
+    DDP's buckets hold them throughout. Under accumulation FSDP2 keeps the unsharded gradients in fp32 meanwhile."""
+    from autoplan.cost.memory import layout_memory
+
+    n = 1000.0
+    fsdp = shard > 1
+    states = {"parameters": 4 * n / shard, "gradients": 4 * n / shard, "optimizer": 8 * n / shard}  # fp32
+    for activation in (100 * n, 0.0):  # the loss's peak dominates, then the end of backward does
+        model = layout_memory(_one_module(activation), "fp32", shard, True, 1, ddp=ddp, accumulates=False).stage(0, 1)
+        peak = model.breakdown(0, 1)
+        held = ddp or activation == 0.0
+        assert peak.get("gradients", 0.0) == pytest.approx(states["gradients"] if held else 0.0)
+        assert peak.get("activations", 0.0) == activation
+    accumulating = layout_memory(_one_module(0.0), "bf16", shard, True, 1, ddp=ddp, accumulates=True).stage(0, 1)
+    assert accumulating.per_module.get("unsharded_gradients", (0.0,))[0] == (4 * n if fsdp else 0.0)
+    assert ("gradients" in accumulating.per_module) == (not fsdp)  # FSDP2's sharded ones only after the last

@@ -203,3 +203,41 @@ def test_ddp_step_matches_mem_tracker(one_rank_mesh):
     from torch.nn.parallel import DistributedDataParallel
 
     assert_step_matches_mem_tracker(DistributedDataParallel(mlp(128)))
+
+
+def _parts_of_a_step(width: int, batch: int) -> tuple[dict[str, int], int, nn.Module]:
+    """The peak's parts and bytes of one AdamW step of a 4-layer MLP, less what the process held besides it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(4)))
+    model.register_buffer("scale", torch.ones(width))
+    inputs = torch.randn(batch, width)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step():  # as train.py: gradients set to None first, so the step's own are alive at its end
+        optimizer.zero_grad(set_to_none=True)
+        model(inputs).square().mean().backward()
+        optimizer.step()
+
+    step()  # optimizer state exists from here on
+    optimizer.zero_grad(set_to_none=True)  # as the step will: its gradients are not part of what was there before
+    gc.collect()  # other tests' garbage: collected now, not between the two
+    with PeakLiveMemory(CPU) as before:  # the model, its optimizer and whatever else the process holds
+        pass
+    with PeakLiveMemory(CPU) as tracker:
+        step()
+    parts = {k: v - before.peak_parts[k] for k, v in tracker.peak_parts.items()}
+    assert sum(tracker.peak_parts.values()) == tracker.peak_bytes
+    return parts, tracker.peak_bytes - before.peak_bytes, model
+
+
+def test_peak_parts_say_what_the_peak_held_and_add_up_to_it():
+    """Wide activations, small weights: the peak is the loss's (start of backward), before any gradient exists
+    (they were set to None): parameters, optimizer state and buffer as they are, no gradients. Wide weights, one
+    row of activations: the peak comes once the gradients exist (end of backward, optimizer step)."""
+    parts, _, model = _parts_of_a_step(width=16, batch=4096)
+    assert set(parts) == {"parameters", "gradients", "optimizer", "buffers", "activations"}
+    assert parts["optimizer"] == parts["buffers"] == parts["gradients"] == 0  # as before the step: no gradient yet
+    assert parts["activations"] > 4 * 4096 * 16 * 4  # each layer's output kept for backward
+    parts, _, model = _parts_of_a_step(width=512, batch=1)
+    assert parts["gradients"] == parameter_bytes(model)
+    assert parts["activations"] < parameter_bytes(model)

@@ -47,8 +47,9 @@ def ctx():
 
 def test_offload_moves_the_model_states_to_the_host_and_stages_a_shard_per_unit(ctx):
     on, off = priced(ctx, fsdp(True)).predicted, priced(ctx, fsdp(False)).predicted
-    for category in ("parameters", "gradients", "optimizer"):
+    for category in ("parameters", "optimizer"):
         assert off.memory_breakdown[category] > 0 and on.memory_breakdown[category] == 0
+    assert on.memory_breakdown.get("gradients", 0.0) == 0  # off: made in backward, none at the loss's peak
     assert on.memory_breakdown["gathered_parameters"] == off.memory_breakdown["gathered_parameters"]
     largest = max(ctx.memory_inputs(1, 1).module_largest_numel)  # the unit whose shards are staged
     assert on.memory_breakdown["offload_staging"] == pytest.approx(

@@ -241,7 +241,7 @@ def test_expert_states_per_rank_divide_by_every_folded_rank(olmoe_context, shard
     assert expert_shard_degree(fsdp, ep, tp) == shard * cp * tp // ep
     memory = ctx.layout_memory(ctx.memory_inputs(tp, 1, ep=ep), fsdp, True, 1,
                                expert_shard=expert_shard_degree(fsdp, ep, tp))
-    states = sum(sum(memory.per_module[c]) + sum(memory.per_tied_group[c]) for c in ("parameters", "gradients",
+    states = sum(sum(memory.states[c]) + sum(memory.tied_states[c]) for c in ("parameters", "gradients",
                                                                                      "optimizer"))
     assert states == pytest.approx(16 * ((numel - experts) / fsdp + experts / (shard * cp * tp)))
 
@@ -278,7 +278,7 @@ def test_a_planned_layout_prices_the_folded_expert_states_and_one_route_per_toke
 
     def states(ep: int) -> float:
         problem = build_problem(ctx, replace(par, expert_parallel_degree=ep), ("none",))
-        return sum(sum(problem.memory[0].per_module[c]) + sum(problem.memory[0].per_tied_group[c])
+        return sum(sum(problem.memory[0].states[c]) + sum(problem.memory[0].tied_states[c])
                    for c in ("parameters", "gradients", "optimizer"))
 
     assert states(1) - states(8) == pytest.approx(16 * experts * (1 / 4 - 1 / 8))
@@ -300,14 +300,14 @@ def test_expert_states_shard_over_the_fsdp_group_left_after_ep(shard, reshard, e
     inputs = MemoryInputs(module_numel=(n,), group_numel=(), tied_group_modules=(), module_largest_numel=(n,),
                           activations={"none": (0.0,)}, working_bytes=(0.0,), cut_bytes=(), expert_numel=(e,))
     memory = layout_memory(inputs, "bf16", shard, reshard, 1, expert_shard=expert_shard)
-    states = {c: memory.per_module[c][0] for c in ("parameters", "gradients", "optimizer")}
+    states = {c: memory.states[c][0] for c in ("parameters", "gradients", "optimizer")}
     if shard == 1:
         assert states == pytest.approx({"parameters": 2 * n, "gradients": 2 * n, "optimizer": 12 * n})
     elif reshard:
         assert sum(states.values()) == pytest.approx((n - e) * 16 / shard + e * 16 / expert_shard)
-    else:  # FSDP2 without resharding: parameters whole, gradients and optimizer sharded
-        assert states["parameters"] == pytest.approx(2 * n)
-        assert states["gradients"] + states["optimizer"] == pytest.approx((n - e) * 14 / shard + e * 14 / expert_shard)
+    else:  # FSDP2 without resharding: the states sharded as zero 3, and the gathered bf16 copy held to backward
+        assert sum(states.values()) == pytest.approx((n - e) * 16 / shard + e * 16 / expert_shard)
+        assert memory.states["gathered_parameters"][0] == pytest.approx(2 * n)
 
 
 def test_context_parallel_halves_activations_and_prices_the_exposed_ring():
@@ -408,17 +408,19 @@ def olmoe_context():
 @pytest.mark.parametrize("ep", [1, 4])
 def test_expert_states_per_rank_are_those_of_fsdp_without_ep(olmoe_context, reshard, ep):
     """N parameters on a rank, X of them experts (all E), dp_shard 8, bf16 AdamW (2 + 2 + 12 bytes): the rank holds
-    X/ep of the experts, FSDP2 shards them over the 8/ep ranks holding the same ones. zero=3: parameters
-    2 ((N - X)/8 + X/ep/(8/ep)) = 2N/8, gradients 2N/8, optimizer 12N/8, as without ep. zero=2 (no resharding):
-    the parameters are whole, 2 ((N - X) + X/ep); gradients and optimizer as zero=3."""
+    X/ep of the experts, FSDP2 shards them over the 8/ep ranks holding the same ones, in fp32 (FSDP2's sharded
+    parameter, gradient and AdamW moments: 4 + 4 + 8): parameters 4 ((N - X)/8 + X/ep/(8/ep)) = 4N/8, gradients
+    4N/8, optimizer 8N/8, as without ep. zero=2 (no resharding): the same shards, and the gathered bf16 copy
+    2 ((N - X) + X/ep) held to backward."""
     ctx = olmoe_context
     numel, experts = ctx.total_numel(1), sum(ctx.expert_numel)
     assert experts > numel / 2  # most of the model is experts
     memory = ctx.layout_memory(ctx.memory_inputs(1, 1, ep=ep), 8, reshard, 1, expert_shard=expert_shard_degree(8, ep))
-    states = {c: sum(memory.per_module[c]) + sum(memory.per_tied_group[c]) for c in ("parameters", "gradients",
+    states = {c: sum(memory.states[c]) + sum(memory.tied_states[c]) for c in ("parameters", "gradients",
                                                                                        "optimizer")}
-    parameters = 2 * numel / 8 if reshard else 2 * (numel - experts + experts / ep)
-    assert states == pytest.approx({"parameters": parameters, "gradients": 2 * numel / 8, "optimizer": 12 * numel / 8})
+    assert states == pytest.approx({"parameters": 4 * numel / 8, "gradients": 4 * numel / 8, "optimizer": 8 * numel / 8})
+    gathered = sum(memory.states.get("gathered_parameters", ()))
+    assert gathered == (0 if reshard else pytest.approx(2 * (numel - experts + experts / ep)))
 
 
 def test_the_experts_fsdp_collectives_add_to_their_modules_and_hide_behind_the_same_compute():

@@ -365,11 +365,12 @@ class Context:
         return [g.numel / (tp if split else 1) for g, split in zip(self.chain.tied_groups, self.costs.tied_split)]
 
     def layout_memory(self, inputs: MemoryInputs, shard: int, reshard_after_forward: bool, pp: int,
-                      offload: bool = False, expert_shard: int = 1, autocast: bool = False) -> LayoutMemory:
-        key = (id(inputs), shard, reshard_after_forward, pp > 1, offload, expert_shard, autocast)
+                      offload: bool = False, expert_shard: int = 1, autocast: bool = False, ddp: bool = False,
+                      accumulates: bool = True) -> LayoutMemory:
+        key = (id(inputs), shard, reshard_after_forward, pp > 1, offload, expert_shard, autocast, ddp, accumulates)
         if key not in self._layouts:
             self._layouts[key] = layout_memory(inputs, self.dtype, shard, reshard_after_forward, pp, offload,
-                                               expert_shard, autocast)
+                                               expert_shard, autocast, ddp, accumulates)
         return self._layouts[key]
 
     def memory_inputs(self, tp: int, microbatch: int, sp: bool = False, loss_parallel: bool = True, cp: int = 1,

@@ -74,8 +74,10 @@ def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> Cha
     autocast = ctx.autocast_layout(par)
     inputs = ctx.memory_inputs(tp, mbs, sp, loss_parallel, cp, ep, autocast)
     stages = pp * v
+    ddp = par.fsdp_shard_degree == 1 and par.data_parallel_replicate_degree > 1 and tp == 1  # parallel.py
     shared = ctx.layout_memory(inputs, par.fsdp_shard_degree, par.reshards_after_forward, pp,
-                               par.enable_cpu_offload, expert_shard_degree(par.fsdp_shard_degree, ep, tp), autocast)
+                               par.enable_cpu_offload, expert_shard_degree(par.fsdp_shard_degree, ep, tp), autocast,
+                               ddp, accumulates=m > 1)
     models = tuple(shared.stage(s, microbatches_in_flight(par.pipeline_parallel_schedule, pp, m, s, v))
                    for s in range(stages))
     table = ctx.table(tp, mbs, sp, loss_parallel, cp, ep)

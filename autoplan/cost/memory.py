@@ -15,6 +15,18 @@ pipeline, torch.distributed.pipelining keeps FSDP parameters unsharded and gradi
 the last micro-batch (stage.py backward_maybe_with_nosync), so the whole stage's parameters and
 gradients are held unsharded.
 DDP is priced with gradient_as_bucket_view=True (its buckets are the gradients, no second copy).
+When gradients exist (the program sets them to None before each step's forward, train.py): DDP's buckets
+are allocated once and live through the loss's peak; otherwise a gradient is made during backward (FSDP2
+reduce-scatters each unit's gradient into a new sharded one; plain autograd accumulates into .grad), so
+without accumulation (one micro-batch per step, no pipeline) no gradient is alive at the start of backward:
+the rank's peak is then the larger of the loss's peak (no gradients) and the end of backward (every
+gradient, no activations): StageMemoryModel.late_per_module. Under accumulation (micro-batches > 1, or a
+pipeline) FSDP2 keeps each unit's unsharded gradient across micro-batches, upcast to its reduce dtype (fp32:
+FSDPParam.to_accumulated_grad_if_needed), so 4 bytes per parameter of the unsharded unit are alive at the
+peak of every micro-batch after the first; plain autograd's .grad likewise.
+FSDP2 keeps the sharded parameter in fp32 under bf16 mixed precision (MixedPrecisionPolicy casts only the
+gathered copy) with fp32 gradients and AdamW's two moments: 4 + 4 + 8 bytes per parameter, divided by the
+shard degree (FSDP2_STATE_BYTES_PER_PARAM), plus the gathered bf16 copy (2 bytes) where it is held.
 CPU offload (FSDP2's CPUOffloadPolicy, reshard=always, pp = 1): the sharded parameters, gradients and optimizer
 state live in host memory (host_state_bytes), so none of them count on the GPU; it holds the gathered
 parameters of the units in flight, as without offload, and stages each unit's fp32 shard (copied in before
@@ -35,7 +47,7 @@ taken out of Cluster.usable_memory_bytes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from autoplan.cost import calibration
@@ -54,6 +66,15 @@ AUTOCAST_STATE_BYTES_PER_PARAM = {"parameters": 4, "gradients": 4, "optimizer": 
 fp32 weights, their fp32 gradients (autograd accumulates into the fp32 leaves) and AdamW's two fp32 moments, no
 separate master copy. The same 16 bytes as mixed precision's 2 + 2 + 12, in other categories; the bf16 copies
 autocast makes of the weights are activations (module_costs.autocast_weight_copy_bytes)."""
+
+FSDP2_STATE_BYTES_PER_PARAM = {"parameters": 4, "gradients": 4, "optimizer": 8}
+"""Bytes per parameter of FSDP2's sharded state (divided by the shard degree), any training dtype: the sharded
+parameter stays in its fp32 (MixedPrecisionPolicy(param_dtype=bf16) casts only the all-gathered copy, which is
+priced apart as gathered_parameters), its gradient is reduced into fp32 (reduce_dtype=float32, runtime/parallel.py),
+and AdamW's exp_avg and exp_avg_sq are fp32 (torch.distributed.fsdp._fully_shard, FSDPParam)."""
+ACCUMULATED_GRADIENT_BYTES_PER_PARAM = 4
+"""Bytes per parameter of the unsharded gradient FSDP2 keeps across micro-batches without gradient sync: upcast
+to its reduce dtype, fp32 (FSDPParam.to_accumulated_grad_if_needed; the program's reduce_dtype is float32)."""
 
 STATE_CATEGORIES = ("parameters", "gradients", "optimizer")
 
@@ -121,10 +142,26 @@ class StageMemoryModel:
     """Bytes per micro-batch the stage keeps when it ends after module i (its outputs; i < n - 1)."""
     in_flight: int = 1
     """Micro-batches whose activations and outputs this stage keeps (cost/pipeline.py)."""
+    late_per_module: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    """category -> bytes each module holds from its backward on, not at the loss's peak (gradients made during
+    backward: FSDP2's sharded gradients, plain autograd's without accumulation). With any, the stage's memory is
+    the larger of the loss's peak (the linear form) and the end of backward (states, these, no activations)."""
+    late_per_tied_group: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    """The same for each tied group."""
 
     @cached_property
     def state_bytes(self) -> tuple[float, ...]:
         return tuple(map(sum, zip(*self.per_module.values())))
+
+    @property
+    def states(self) -> dict[str, tuple[float, ...]]:
+        """category -> bytes each module holds at some point of the step (per_module and late_per_module)."""
+        return {**self.per_module, **self.late_per_module}
+
+    @property
+    def tied_states(self) -> dict[str, tuple[float, ...]]:
+        """The same for each tied group."""
+        return {**self.per_tied_group, **self.late_per_tied_group}
 
     @cached_property
     def activations(self) -> dict[str, tuple[float, ...]]:
@@ -158,7 +195,32 @@ class StageMemoryModel:
         return tuple(c * self.in_flight for c in self.cut_per_microbatch)
 
     def breakdown(self, start: int, end: int, modes: tuple[str, ...] | str = "none") -> dict[str, float]:
-        """Bytes per category for modules [start, end); `modes` is one mode or one per module of the chain."""
+        """Bytes per category for modules [start, end) at the stage's peak: the loss's (start of backward), or,
+        when larger, the end of backward (late_per_module); `modes` is one mode or one per module of the chain."""
+        at_loss = self.loss_peak_breakdown(start, end, modes)
+        if not self.late_per_module:
+            return at_loss
+        late = self.end_of_backward_breakdown(start, end)
+        return late if sum(late.values()) > sum(at_loss.values()) else at_loss
+
+    def end_of_backward_breakdown(self, start: int, end: int) -> dict[str, float]:
+        """Bytes per category once backward has run: the states, every gradient made during backward, the largest
+        gathered unit (FSDP's last reduce-scatter), no activations or working set."""
+        out: dict[str, float] = {}
+        for terms in (self.per_module, self.late_per_module):
+            for c, vec in terms.items():
+                out[c] = out.get(c, 0.0) + sum(vec[start:end])
+        for terms in (self.per_tied_group, self.late_per_tied_group):
+            for c, vec in terms.items():
+                out[c] = out.get(c, 0.0) + sum(v for v, us in zip(vec, self.tied_group_modules)
+                                               if any(start <= u < end for u in us))
+        for c, vec in self.largest_module.items():
+            if c != "working":
+                out[c] = out.get(c, 0.0) + max(vec[start:end])
+        return out
+
+    def loss_peak_breakdown(self, start: int, end: int, modes: tuple[str, ...] | str = "none") -> dict[str, float]:
+        """Bytes per category at the start of backward (the linear form the solvers use)."""
         out: dict[str, float] = {}
         for c, vec in self.per_module.items():
             out[c] = sum(vec[start:end])
@@ -209,38 +271,69 @@ class LayoutMemory:
     largest_module: dict[str, tuple[float, ...]]
     cut_per_microbatch: tuple[float, ...]
 
+    late_per_module: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    late_per_tied_group: dict[str, tuple[float, ...]] = field(default_factory=dict)
+
+    @property
+    def states(self) -> dict[str, tuple[float, ...]]:
+        """category -> bytes each module holds at some point of the step (StageMemoryModel.states)."""
+        return {**self.per_module, **self.late_per_module}
+
+    @property
+    def tied_states(self) -> dict[str, tuple[float, ...]]:
+        return {**self.per_tied_group, **self.late_per_tied_group}
+
     def stage(self, stage_index: int, in_flight: int) -> StageMemoryModel:
         return StageMemoryModel(stage_index, self.per_module, self.activations_per_microbatch, self.per_tied_group,
-                                self.tied_group_modules, self.largest_module, self.cut_per_microbatch, in_flight)
+                                self.tied_group_modules, self.largest_module, self.cut_per_microbatch, in_flight,
+                                self.late_per_module, self.late_per_tied_group)
+
+
+def gradients_at_loss_peak(ddp: bool, zero: int, accumulates: bool) -> bool:
+    """Whether the rank's gradients (the "gradients" state category) are alive at the loss's peak: DDP's buckets
+    always are; FSDP2's sharded gradients are made in the last micro-batch's backward (an accumulating FSDP2 keeps
+    unsharded ones meanwhile: ACCUMULATED_GRADIENT_BYTES_PER_PARAM); plain autograd's .grad from the first
+    micro-batch's backward on, so only under accumulation."""
+    return ddp or (zero == 0 and accumulates)
 
 
 def layout_memory(inputs: MemoryInputs, train_dtype: str, shard: int, reshard_after_forward: bool,
-                  num_ranks: int, offload: bool = False, expert_shard: int = 1, autocast: bool = False) -> LayoutMemory:
+                  num_ranks: int, offload: bool = False, expert_shard: int = 1, autocast: bool = False,
+                  ddp: bool = False, accumulates: bool = True) -> LayoutMemory:
     """The memory vectors of a layout. `shard` is the data-parallel sharding degree (dp_shard x cp; 1 for
     DDP); `num_ranks` the pipeline degree; `offload`: the model states are on the host (CPU offload);
     `expert_shard`: the ranks the expert parameters' states are sharded over (the FSDP group over ep);
     `autocast`: bf16 runs as torch.autocast over fp32 weights (AUTOCAST_STATE_BYTES_PER_PARAM; `inputs` then
-    holds autocast's activations, Context.memory_inputs)."""
+    holds autocast's activations, Context.memory_inputs); `ddp`: the gradients live in DDP's buckets;
+    `accumulates`: a step runs more than one micro-batch's backward per rank (micro-batches > 1 or a pipeline)."""
     dtype = training_dtype(train_dtype)
     zero = zero_of(shard, reshard_after_forward)
+    accumulates = accumulates or num_ranks > 1
     element = bytes_per_element(dtype)
-    per_param = AUTOCAST_STATE_BYTES_PER_PARAM if autocast else MODEL_STATE_BYTES_PER_PARAM[dtype]
-    firsts = (("optimizer", 1), ("gradients", 2), ("parameters", 3))
+    if autocast:
+        per_param = AUTOCAST_STATE_BYTES_PER_PARAM
+    elif zero >= 2:
+        per_param = FSDP2_STATE_BYTES_PER_PARAM
+    else:
+        per_param = MODEL_STATE_BYTES_PER_PARAM[dtype]
+    firsts = (("optimizer", 1), ("gradients", 2), ("parameters", 2))
     divisor = {c: shard if zero >= first else 1 for c, first in firsts}
     expert_divisor = {c: expert_shard if zero >= first else 1 for c, first in firsts}
+    held_gradients = gradients_at_loss_peak(ddp, zero, accumulates)
 
-    def states(numels, experts=()) -> dict[str, tuple[float, ...]]:
-        if offload:  # on the host (host_state_bytes)
-            return {c: tuple(0.0 for _ in numels) for c in STATE_CATEGORIES}
+    def states(numels, experts=()) -> tuple[dict[str, tuple[float, ...]], dict[str, tuple[float, ...]]]:
+        """(held at the loss's peak, made during backward) per category."""
         experts = experts or tuple(0.0 for _ in numels)
-        out = {c: tuple((n - e) * per_param[c] / divisor[c] + e * per_param[c] / expert_divisor[c]
-                        for n, e in zip(numels, experts)) for c in STATE_CATEGORIES}
-        if num_ranks > 1 and zero >= 2:
-            # pipelining accumulates unreduced gradients (and, for FSDP, unsharded parameters)
-            out["unsharded_gradients"] = tuple(n * element for n in numels)
-            if zero == 3:
-                out["gathered_parameters"] = tuple(n * element for n in numels)
-        return out
+        out = {c: tuple(0.0 if offload else (n - e) * per_param[c] / divisor[c] + e * per_param[c] / expert_divisor[c]
+                        for n, e in zip(numels, experts)) for c in STATE_CATEGORIES}  # offload: on the host
+        late = {} if held_gradients or offload else {"gradients": out.pop("gradients")}
+        if zero == 2 or (zero == 3 and num_ranks > 1):
+            # FSDP2's gathered copies kept to backward: reshard_after_forward=False, or a pipeline
+            # (stage.py backward_maybe_with_nosync keeps them unsharded until the last micro-batch)
+            out["gathered_parameters"] = tuple(n * element for n in numels)
+        if zero >= 2 and accumulates:  # unsharded gradients kept across micro-batches, in fp32
+            out["unsharded_gradients"] = tuple(n * ACCUMULATED_GRADIENT_BYTES_PER_PARAM for n in numels)
+        return out, late
 
     largest = {"working": inputs.working_bytes}
     if zero == 3 and num_ranks == 1:
@@ -249,5 +342,7 @@ def layout_memory(inputs: MemoryInputs, train_dtype: str, shard: int, reshard_af
     if offload:
         largest["offload_staging"] = tuple(calibration.FSDP_PREFETCH_UNITS * n * OFFLOAD_STAGING_BYTES_PER_PARAM / shard
                                            for n in inputs.module_largest_numel)
-    return LayoutMemory(states(inputs.module_numel, inputs.expert_numel), inputs.activations, states(inputs.group_numel),
-                        inputs.tied_group_modules, largest, inputs.cut_bytes)
+    modules, late_modules = states(inputs.module_numel, inputs.expert_numel)
+    groups, late_groups = states(inputs.group_numel)
+    return LayoutMemory(modules, inputs.activations, groups, inputs.tied_group_modules, largest, inputs.cut_bytes,
+                        late_modules, late_groups)

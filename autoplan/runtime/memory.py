@@ -29,6 +29,13 @@ What it cannot see (documented, not guessed at):
 
 Storages are keyed by identity, so two views of one storage count once and two storages count twice
 even if one was made from the other's memory with ``from_blob``.
+
+``peak_parts`` says what the peak was made of (CPU only): the storages alive at the peak's moment are kept (weakly)
+until ``__exit__``, which sorts them by what holds them then, found the same way as the baseline (every
+Python-visible object): ``parameters`` (every ``nn.Parameter``, FSDP2's gathered copies included),
+``gradients`` (their ``.grad``), ``optimizer`` (the tensors in every optimizer's state), ``buffers`` (modules'
+buffers) and ``activations`` (the rest: saved activations, temporaries, communication buffers, FSDP2's
+accumulated unsharded gradients).
 """
 
 from __future__ import annotations
@@ -58,6 +65,8 @@ class PeakLiveMemory:
         """Live bytes at ``__enter__`` (Python-visible storages only)."""
         self.peak_bytes = 0
         """Largest live bytes inside the block, baseline included."""
+        self.peak_parts: dict[str, int] = {}
+        """What was alive at the peak, by what holds it at ``__exit__`` (PEAK_PARTS; CPU only, else empty)."""
         self._live: _LiveStorages | None = None
 
     def __enter__(self) -> PeakLiveMemory:
@@ -82,6 +91,7 @@ class PeakLiveMemory:
         live, self._live = self._live, None
         if live is None:
             raise RuntimeError("PeakLiveMemory.__exit__ without a matching __enter__")
+        self.peak_parts = live.peak_parts()
         live.stop()
         self.baseline_bytes = live.baseline_bytes
         self.peak_bytes = live.peak_bytes
@@ -111,6 +121,8 @@ class _LiveStorages:
         self._lock = threading.RLock()
         self._mode: _SeeOps | None = None
         self._resize: _WatchResize | None = None
+        self._rising = False  # the live count has reached a new peak and not gone down since
+        self._at_peak: list[tuple[int, weakref.ref]] = []  # (bytes, storage) of each storage alive at the peak
 
     def start(self) -> None:
         gc.collect()  # cyclic garbage is not live memory; without this it would land in the baseline
@@ -134,6 +146,7 @@ class _LiveStorages:
         self._mode = self._resize = None
         with self._lock:
             self._tracked.clear()  # drops the weakrefs, so their callbacks never fire after the block
+            self._at_peak.clear()
 
     def _on_device(self, storage: torch.UntypedStorage) -> bool:
         device = storage.device  # fake and meta tensors have meta storages: never counted
@@ -144,6 +157,7 @@ class _LiveStorages:
 
         def uncount(_: weakref.ref) -> None:
             with self._lock:
+                self._leave_peak()
                 tracked = self._tracked.pop(key, None)
                 if tracked is not None:
                     self.live_bytes -= tracked.nbytes
@@ -161,7 +175,7 @@ class _LiveStorages:
             self._register(storage, nbytes)
             self.baseline_bytes += nbytes
             self.live_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            self._climb()
 
     def observe(self, storage: torch.UntypedStorage) -> None:
         """A storage an op read or returned: alive from now on if unseen, else maybe resized (``aten.resize_``)."""
@@ -174,10 +188,67 @@ class _LiveStorages:
                 self._register(storage, nbytes)
                 self.live_bytes += nbytes
             elif tracked.nbytes != nbytes:
+                if nbytes < tracked.nbytes:
+                    self._leave_peak()
                 self.live_bytes += nbytes - tracked.nbytes
                 tracked.nbytes = nbytes
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            self._climb()
 
+    def _climb(self) -> None:
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+            self._rising = True
+
+    def _leave_peak(self) -> None:
+        """About to go down from a new peak: keep (weakly) what is alive now. The storage being freed is still
+        tracked here; a weakref callback runs once its storage is dead, so its entry keeps the bytes only."""
+        if not self._rising:
+            return
+        self._rising = False
+        self._at_peak = [(t.nbytes, t.ref) for t in self._tracked.values()]
+
+    def peak_parts(self) -> dict[str, int]:
+        """Bytes of the storages alive at the peak by what holds them now (PeakLiveMemory.peak_parts)."""
+        with self._lock:
+            self._leave_peak()  # the peak is the present moment
+            at_peak = list(self._at_peak)
+        holders = _holders(self.device)
+        parts = dict.fromkeys(PEAK_PARTS, 0)
+        for nbytes, ref in at_peak:
+            storage = ref()
+            part = holders.get(id(storage), "activations") if storage is not None else "activations"
+            parts[part] += nbytes
+        return parts
+
+
+
+PEAK_PARTS = ("parameters", "gradients", "optimizer", "buffers", "activations")
+"""What PeakLiveMemory.peak_parts sorts the peak into; activations: whatever no parameter, gradient, optimizer
+state or buffer holds (saved activations, temporaries, communication buffers)."""
+
+
+def _holders(device: torch.device) -> dict[int, str]:
+    """id(storage) -> the part holding it, for every Python-visible parameter, gradient, optimizer state tensor and
+    module buffer (a storage held by two counts as the first of PEAK_PARTS)."""
+    found: dict[str, list[torch.Tensor]] = {part: [] for part in PEAK_PARTS}
+    for obj in gc.get_objects():
+        kind = type(obj)
+        # a Parameter of a tensor subclass (FSDP2's DTensor shards) has the subclass's type: isinstance sees it
+        if issubclass(kind, torch.Tensor) and isinstance(obj, torch.nn.Parameter):
+            found["parameters"].append(obj)
+            if obj.grad is not None:
+                found["gradients"].append(obj.grad)
+        elif issubclass(kind, torch.optim.Optimizer):
+            found["optimizer"].extend(t for state in obj.state.values() for t in _tensors(state))
+        elif issubclass(kind, torch.nn.Module):
+            found["buffers"].extend(b for b in obj._buffers.values() if b is not None)
+    holders: dict[int, str] = {}
+    for part in reversed(PEAK_PARTS[:-1]):  # the first part wins
+        for tensor in found[part]:
+            for storage in _storages(tensor):
+                if storage.device.type == device.type:
+                    holders[id(storage)] = part
+    return holders
 
 
 class _SeeOps(TorchDispatchMode):

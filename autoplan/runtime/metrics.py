@@ -62,7 +62,7 @@ def gather_rank_metrics(rank: RankLayout, stages: list[int], history: list[dict]
     mine = {"rank": rank.rank, "pp_rank": rank.pp_rank, "dp_rank": rank.dp_rank, "tp_rank": rank.tp_rank,
             "stages": stages, "step_times_s": [entry["seconds"] for entry in history],
             "memory_tracked_step": len(history) - 1, "peak_memory_bytes": memory.peak_bytes,
-            "baseline_memory_bytes": memory.baseline_bytes}
+            "baseline_memory_bytes": memory.baseline_bytes, "peak_memory_parts": memory.peak_parts}
     gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, mine)
     return gathered if rank.rank == 0 else None
