@@ -14,7 +14,7 @@ from autoplan.cost.context import Context, expert_shard_degree
 from autoplan.cost.evaluate import build_problem, with_memory_without_cp_ep
 from autoplan.cost.memory import MemoryInputs, layout_memory
 from autoplan.errors import UserError
-from autoplan.layout import ALL_FEATURES, SUPPORTED, Layout, Scope, problems
+from autoplan.layout import ALL_FEATURES, SUPPORTED, ZERO_BUBBLE_SCHEDULES, Layout, Scope, problems
 from autoplan.plan import Parallelism, _build
 from autoplan.solve.layouts import families
 from autoplan.solve.pins import parse_pins
@@ -110,6 +110,20 @@ def test_a_parallel_config_with_ep_the_program_cannot_run_is_refused_before_any_
     _check_runnable(ParallelConfig(dp_shard=2, ep=2))
     with pytest.raises(UserError, match=r"degrees must be positive integers, got ep 0"):
         ParallelConfig(ep=0)
+
+
+def test_the_search_keeps_zero_bubble_schedules_out_of_a_ring():
+    """A zero-bubble schedule's rules read cp (its weight-gradient passes bypass FSDP2's averaging over the ring):
+    the search, which lists a family's micro-batch variants once per shape, must list them per cp as well (it
+    planned schedule=zbv with cp=2, and train.py's generation refused the plan)."""
+    profile = gpt_profile(n_layer=4, seq=2048, batch=2)
+    result = search(profile, cluster(4), Training(global_batch_size=8, dtype="bf16"), parse_pins("cp=2,pp=2"))
+    rings = [c.parallelism for c in result.candidates if c.parallelism.context_parallel_degree > 1]
+    assert rings and result.best.parallelism.context_parallel_degree == 2
+    assert {p.pipeline_parallel_schedule for p in rings} & set(ZERO_BUBBLE_SCHEDULES) == set()
+    unringed = search(profile, cluster(2), Training(global_batch_size=8, dtype="bf16"), parse_pins("cp=1,pp=2"))
+    assert {c.parallelism.pipeline_parallel_schedule for c in unringed.candidates} & set(ZERO_BUBBLE_SCHEDULES), \
+        "without a ring the zero-bubble schedules are tried"
 
 
 def test_the_default_search_tries_cp_inside_pipelines_and_with_tensor_parallelism():

@@ -254,7 +254,8 @@ class Variant:
 def variants(family: Family, pins: Layout, scope: Scope, rejected: list[str] | None = None) -> list[Variant]:
     """Every (schedule, virtual stages, micro-batch size, recompute mode) of `family` the pins allow that
     layout.problems() accepts; the rules the others break are added to `rejected` when it is given. They depend
-    on the family's dp, tp and pp alone (the search prices each such shape's variants once)."""
+    on the family's dp, tp, pp and cp alone (the search prices each such shape's variants once; a zero-bubble
+    schedule's rules read dp and cp)."""
     features = scope.features or frozenset()
     per_rank = scope.global_batch // family.dp
     pp = family.pp
@@ -266,7 +267,7 @@ def variants(family: Family, pins: Layout, scope: Scope, rejected: list[str] | N
     sizes = [pins.microbatch] if pins.microbatch else divisors(per_rank)
     modes = [pins.recompute] if pins.recompute else [r for r in RECOMPUTE if r == "none" or r in features]
     modes = [r for r in modes if not problems(Layout(recompute=r), scope)]  # e.g. BatchNorm: none only
-    base = Layout(dp=family.dp, tp=family.tp, pp=pp)
+    base = Layout(dp=family.dp, tp=family.tp, pp=pp, cp=family.cp)
     out = []
     for schedule, virtual in schedules:
         for mbs in sizes:

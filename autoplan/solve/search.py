@@ -179,13 +179,14 @@ def explore(ctx: Context, pins: Layout, deadline: float | None = None, explain: 
     cluster, batch = ctx.cluster, ctx.training.global_batch_size
     scope = layouts.scope_of(ctx)
     work, pruned, considered = [], [], 0
-    shapes: dict[tuple[int, int, int], list[layouts.Variant]] = {}  # a family's variants depend on dp, tp, pp alone
+    shapes: dict[tuple[int, int, int, int], list[layouts.Variant]] = {}  # variants depend on dp, tp, pp, cp alone
     for fam in layouts.families(pins, scope):
         if keep is not None and not keep(fam):
             continue
-        if (fam.dp, fam.tp, fam.pp) not in shapes:
-            shapes[fam.dp, fam.tp, fam.pp] = layouts.variants(fam, pins, scope)
-        found = shapes[fam.dp, fam.tp, fam.pp]
+        shape = fam.dp, fam.tp, fam.pp, fam.cp
+        if shape not in shapes:
+            shapes[shape] = layouts.variants(fam, pins, scope)
+        found = shapes[shape]
         considered += len(found)
         bound = family_memory_bound(ctx, fam)
         if bound > cluster.usable_memory_bytes and found:
