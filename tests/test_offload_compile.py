@@ -15,8 +15,9 @@ from autoplan.cost.memory import HOST_STATE_BYTES_PER_PARAM, OFFLOAD_STAGING_BYT
 from autoplan.cost.problem import Split
 from autoplan.errors import Infeasible, UserError
 from autoplan.hardware.types import Host
-from autoplan.layout import SUPPORTED
+from autoplan.layout import SUPPORTED, problems
 from autoplan.plan import Compile, Parallelism, Plan, Training
+from autoplan.solve.layouts import scope_of
 from autoplan.solve.pins import parse_pins
 from autoplan.solve.search import search
 
@@ -125,8 +126,12 @@ def test_compile_is_on_for_gpus_off_for_cpu_processes_and_the_other_choice_is_li
     profile = gpt_profile(n_layer=2)
     result = search(profile, cluster(8), TRAINING)
     assert result.best.compile
-    twin = [c for c in result.candidates if not c.compile]
-    assert len(twin) == 1 and twin[0].parallelism == result.best.parallelism
+    twin = [c for c in result.candidates if not c.compile and c.parallelism == result.best.parallelism]
+    assert len(twin) == 1
+    # any other layout listed uncompiled is one the rules refuse compiled (search.runnable)
+    scope = scope_of(result.context)
+    assert all(problems(replace(c.parallelism.layout(), compile="on"), scope)
+               for c in result.candidates if not c.compile and c is not twin[0])
     assert twin[0].predicted.step_time_s > result.best.predicted.step_time_s
     assert twin[0].reason.startswith("compile=off: ") and "slower than compile=on" in twin[0].reason
     pinned = search(profile, cluster(8), TRAINING, parse_pins("compile=off"))

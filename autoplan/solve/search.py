@@ -85,9 +85,9 @@ def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: La
         raise infeasible_message(ctx, pins, tried + pruned)
     chosen = choose(fitting)
     best, info = refine_with_ilp(ctx, chosen, pins.recompute is not None, solver, time_limit_s)
-    best = with_memory_without_cp_ep(ctx, best, layouts.modes_for(best.parallelism.activation_checkpoint,
-                                                                  pins.recompute is not None))
-    best, twin = _runnable_compile(ctx, best, pins)
+    best = with_memory_without_cp_ep(priced_as(ctx, best), best, layouts.modes_for(
+        best.parallelism.activation_checkpoint, pins.recompute is not None))
+    twin = compile_twin(ctx, best, pins, pins.recompute is not None)
     other_split = [dataclasses.replace(c, reason=_losing_reason(c, best))
                    for c in _other_expert_split(ctx, pins, best, tried) + _schedule_rival(ctx, pins, best, tried)]
     others = [dataclasses.replace(c, reason=_losing_reason(c, best)) for c in fitting if c is not chosen] + other_split
@@ -212,7 +212,8 @@ def explore(ctx: Context, pins: Layout, deadline: float | None = None, explain: 
         # every rank runs m micro-batches: no step is shorter than m x its busiest rank's slot
         cutoff = best_time * (1 + TIE_TOLERANCE) / var.microbatches
         try:
-            candidate = try_layout(ctx, layouts.parallelism(fam, var, var.recompute),
+            par = layouts.parallelism(fam, var, var.recompute)
+            candidate = try_layout(runnable(ctx, par, pins), par,
                                    layouts.modes_for(var.recompute, pins.recompute is not None), cutoff, explain)
         except Slower:
             continue  # no split within the time that would tie the best so far
@@ -248,19 +249,22 @@ def choose(fitting: list[Candidate]) -> Candidate:
     return min(close, key=_simplicity) if close else chosen
 
 
-def _runnable_compile(ctx: Context, best: Candidate, pins: Layout) -> tuple[Candidate, Candidate | None]:
-    """The winner and its compile twin (compile_twin), the winner uncompiled when compile was not pinned and a layout
-    rule refuses compile=on for its layout as the MILP left it (its recompute modes are only known now: compile=on
-    with recompute over tensor-parallel shards in the ring, say), so that the plan is a program that runs; the
-    compiled one is then listed with the rules it breaks."""
-    pinned_recompute = pins.recompute is not None
-    twin = compile_twin(ctx, best, pins, pinned_recompute)
-    if pins.compile is not None or not best.compile or twin is None or not twin.fits:
-        return best, twin
-    refused = problems(replace(best.parallelism.layout(), compile="on"), layouts.scope_of(ctx))
-    if not refused or problems(replace(best.parallelism.layout(), compile="off"), layouts.scope_of(ctx)):
-        return best, twin
-    return dataclasses.replace(twin, reason=""), dataclasses.replace(best, reason="compile=on: " + "; ".join(refused))
+def runnable(ctx: Context, par: Parallelism, pins: Layout) -> Context:
+    """The context `par` is priced in: ctx, or ctx uncompiled when the search compiles by default (compile not
+    pinned) and a layout rule refuses `par` compiled but not uncompiled (compile=on with recompute over
+    tensor-parallel shards in the ring, say), so that every layout is priced as the program would run it."""
+    if not ctx.compiled or pins.compile is not None:
+        return ctx
+    scope = layouts.scope_of(ctx)
+    if problems(replace(par.layout(), compile="on"), scope) and not problems(replace(par.layout(), compile="off"),
+                                                                             scope):
+        return ctx.compiled_as(False)
+    return ctx
+
+
+def priced_as(ctx: Context, candidate: Candidate) -> Context:
+    """The search's context as `candidate` was priced in (compiled or not: runnable)."""
+    return ctx if candidate.compile == ctx.compiled else ctx.compiled_as(candidate.compile)
 
 
 def compile_twin(ctx: Context, best: Candidate, pins: Layout, pinned_recompute: bool) -> Candidate | None:
@@ -268,13 +272,16 @@ def compile_twin(ctx: Context, best: Candidate, pins: Layout, pinned_recompute: 
     compile choice shown beside the layout's (None when the features exclude compile)."""
     if "compile" not in ctx.features or best.assignment is None:
         return None
-    other = ctx.compiled_as(not ctx.compiled)
+    other = ctx.compiled_as(not best.compile)
     par = best.parallelism
+    refused = problems(replace(par.layout(), compile="on"), layouts.scope_of(ctx)) if not best.compile else []
     problem = build_problem(other, par, layouts.modes_for(par.activation_checkpoint, pinned_recompute))
     twin = evaluate(other, par, problem, best.assignment, problem.fits(best.assignment))
     change = (twin.predicted.step_time_s - best.predicted.step_time_s) / best.predicted.step_time_s * 100
-    if ctx.compiled:
+    if best.compile:
         reason = f"compile=off: {change:.1f}% slower than compile=on (pointwise ops run unfused)"
+    elif ctx.compiled and refused:  # compiled by default, but not this layout (runnable)
+        reason = f"compile=on: {-change:.1f}% faster per step, but the program cannot run it"
     elif pins.compile == "off":
         reason = f"compile=on: {-change:.1f}% faster, but pinned off"
     else:
@@ -283,8 +290,9 @@ def compile_twin(ctx: Context, best: Candidate, pins: Layout, pinned_recompute: 
                   f"gains; pin compile=on)")
     if not twin.fits:
         reason += f"; {oom_reason(twin, problem.memory_cap_bytes)}"
-    if not ctx.compiled:  # the compiled twin of a layout the rules refuse compiled (a zero-bubble schedule, say)
-        refused = problems(replace(par.layout(), compile="on"), layouts.scope_of(ctx))
+    if ctx.compiled and refused:
+        reason += "".join(f": {why}" for why in refused)
+    else:  # the compiled twin of a layout the rules refuse compiled (a zero-bubble schedule, say)
         reason += "".join(f"; and the program cannot run it: {why}" for why in refused)
     return dataclasses.replace(twin, reason=reason)
 
@@ -358,6 +366,7 @@ def refine_with_ilp(ctx: Context, candidate: Candidate, pinned: bool, solver: st
     the seed fits, and the MILP's rows are ChainProblem.fits's own), the seed kept, gap to the lower bound."""
     par = candidate.parallelism
     mode = par.activation_checkpoint
+    ctx = priced_as(ctx, candidate)
     problem = build_problem(ctx, par, layouts.modes_for(mode, pinned))
     start = candidate.assignment
     if problem.num_stages == 1 and len(problem.modes) == 1:
