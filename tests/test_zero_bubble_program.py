@@ -2,7 +2,8 @@
 backward split into input- and weight-gradient passes, torch.distributed.pipelining's classes) against the
 single-device model, on a GPT with a tied lm_head (examples/gpt.py: with the V placement, rank 0 holds the word
 embedding's stage and the head's) and an HF Llama from a config, alone and with tensor parallelism (plans by hand,
-as tests/test_layouts.py writes them), and the search's own plans pinned to each schedule; ONE launch of 4 CPU
+as tests/test_layouts.py writes them), the search's own plans pinned to each schedule, and the zoo's BART (one
+embedding tied three ways, a stage whose embedding reads only token ids) pinned to each; ONE launch of 4 CPU
 processes. With data parallelism torch's weight-gradient passes leave the replicas' gradients unreduced (tried: DDP
 and FSDP2 gradients off by up to 140%): a layout rule refuses it (tests/test_zero_bubble_cost.py)."""
 
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from autoplan.api import plan_model
+from autoplan.layout import ZERO_BUBBLE_SCHEDULES
+from autoplan.source import load_source
 from helpers.verify_many import verify_many
 from test_layouts import MODELS, STEPS, check_parity, mb, model_layout
 
@@ -36,6 +39,10 @@ LAYOUTS = {
 SEARCHED = {"pp=2,schedule=zb-interleaved": 2, "pp=2,schedule=zbv": 2, "pp=2,schedule=dualpipev,tp=2": 4}
 """Pins -> GPUs for the search's own plans of tests/models/small_gpt.py."""
 SMALL_GPT = Path(__file__).parent / "models" / "small_gpt.py"
+BART = Path(__file__).parents[1] / "benchmarks" / "zoo" / "seq2seq.py"
+"""BART ties one embedding three ways; at pp=2 the search puts the decoder's embed_tokens (reading only the token
+ids) on stage 1 beside the encoder's last layer, a path torch's split backward alone leaves without a gradient
+(runtime/split_backward.py)."""
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +54,12 @@ def results(tmp_path_factory):
         plan = plan_model(str(SMALL_GPT), gpus, "cpu", global_batch=8, pin=pin, out=out).plan
         assert plan.parallelism.pipeline_parallel_schedule == dict(i.split("=") for i in pin.split(","))["schedule"]
         folders["searched", pin] = out
+    for schedule in ZERO_BUBBLE_SCHEDULES:
+        out = tmp_path_factory.mktemp("bart")
+        plan = plan_model(load_source(f"{BART}:bart"), 2, "cpu", global_batch=4,
+                          pin=f"pp=2,microbatch=1,schedule={schedule}", out=out).plan
+        assert plan.parallelism.pipeline_parallel_schedule == schedule
+        folders["bart", schedule] = out
     batch = verify_many(list(folders.values()), steps=STEPS, timeout_s=900, nproc=4)
     return dict(zip(folders, batch.results))
 
@@ -60,3 +73,8 @@ def test_zero_bubble_schedule_trains_like_the_single_device_model(results, model
 @pytest.mark.parametrize("pin", list(SEARCHED))
 def test_the_searchs_plan_pinned_to_a_zero_bubble_schedule_trains_like_the_single_device_model(results, pin):
     check_parity(results["searched", pin])
+
+
+@pytest.mark.parametrize("schedule", ZERO_BUBBLE_SCHEDULES)
+def test_bart_with_its_three_way_tied_embedding_trains_like_the_single_device_model(results, schedule):
+    check_parity(results["bart", schedule])

@@ -151,10 +151,13 @@ class PipelineStep:
             inputs, outputs = split.example_tensors(index, device)
             if dtype != torch.float32:
                 module = CastOutputs(module, tuple(t.dtype for t in outputs), dtype, device)
+            stage_class = PipelineStage
             if facts.split_backward:
-                module = own_outputs(module)
-            stages.append(PipelineStage(module, index, num_stages, device, input_args=inputs, output_args=outputs,
-                                        group=mesh["pp"].get_group()))
+                from autoplan.runtime.split_backward import SplitBackwardStage
+
+                module, stage_class = own_outputs(module), SplitBackwardStage
+            stages.append(stage_class(module, index, num_stages, device, input_args=inputs, output_args=outputs,
+                                      group=mesh["pp"].get_group()))
         self.loss_parallel = loss_parallel
         loss = split.loss(ParallelLoss(loss_fn) if loss_parallel else loss_fn)
         if most == 1:  # torch's single-stage schedules take the stage, the others a list
