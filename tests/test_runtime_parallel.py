@@ -293,3 +293,17 @@ def test_a_loss_that_cannot_run_on_vocabulary_sharded_logits_runs_on_gathered_on
     finally:
         dist.destroy_process_group()
         _forget_device_meshes()
+
+
+def test_tied_copies_sum_their_gradients_and_an_unused_copy_counts_zero():
+    """TiedGradients on one rank: the copies' gradients summed into every copy; a copy its stage did not use this
+    step (grad None) takes part with zeros instead of failing the step."""
+    from autoplan.runtime.parallel import TiedGradients
+
+    used, other, unused = (nn.Parameter(torch.zeros(3)) for _ in range(3))
+    used.grad, other.grad = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.5, 0.5, 0.5])
+    tied = TiedGradients(None, None, {}, None)
+    tied.tied.append(([used, other, unused], None))
+    tied.sum_gradients()
+    for copy in (used, other, unused):
+        assert torch.equal(copy.grad, torch.tensor([1.5, 2.5, 3.5]))

@@ -167,6 +167,9 @@ class TiedGradients:
     @torch.no_grad()
     def sum_gradients(self) -> None:
         for copies, group in self.tied:
+            for copy in copies:
+                if copy.grad is None:  # its stage did not use the copy this step: its share of the sum is zero
+                    copy.grad = torch.zeros_like(copy)
             grads = [_local(p.grad) for p in copies]
             total = grads[0].clone() if len(grads) > 1 else grads[0]
             for grad in grads[1:]:
