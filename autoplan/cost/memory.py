@@ -3,9 +3,19 @@
 memory(stage) = model states (parameters + gradients + AdamW state, sharded by ZeRO over dp_shard)
               + unsharded copies FSDP holds (prefetched modules when pp = 1; the whole stage when pp > 1)
               + activations (kept bytes per recompute mode x micro-batches in flight)
-              + the stage's outputs kept for backward (pipeline boundary, same in-flight count)
+              + the stage's outputs kept for backward (pipeline boundary, same in-flight count; on the last
+                stage the model's outputs, the logits: torch.distributed.pipelining keeps every stage's output
+                in its fwd_cache until that micro-batch's backward, stage.py forward_one_chunk)
+              + receive buffers (pipeline): torch.distributed.pipelining allocates, at the first step and for
+                good, one buffer per micro-batch of the step for each tensor a stage receives: its inputs
+                from the previous stage (stage.py _setup_forward_recv_info) and the gradients of its outputs
+                from the next one (_create_grad_recv_info), m x the boundary bytes on each side of a cut
               + working set: the activations of the module running its backward (recomputed or not),
                 plus the loss's copies of the logits on the output module.
+Measured on CPU (verify --measure, tests/test_memory_parts.py, a 2-stage 1F1B GPT with 4 micro-batches): the last
+stage's peak is its loss's backward, holding four logits-sized tensors (the kept output, cross_entropy's log-softmax
+output, that output's gradient and the logits' gradient: the kept output plus calibration.LOSS_BUFFER_FACTOR's
+three) and on every stage 4 receive buffers per boundary tensor, allocated at the first step and alive since.
 Tensor parallelism divides the split parameters and activations by tp (cost/module_costs.py).
 What runs (the codegen contract), in the ZeRO paper's stages: dp_shard 1 = DDP (ZeRO-0); dp_shard > 1
 with reshard=never = FSDP2 with reshard_after_forward=False (all of the rank's parameters gathered at
@@ -121,9 +131,11 @@ class StageMemoryModel:
 
         memory = sum_{u in [a,b)} (per_module[c][u] + f x activations_per_microbatch[r(u)][u])
                + sum_{g touching [a,b)} per_tied_group[c][g]
-               + max_{u in [a,b)} largest_module[c][u]  +  f x cut_per_microbatch[b-1]  (when b < n)
+               + max_{u in [a,b)} largest_module[c][u]  +  (f + m) x cut_per_microbatch[b-1]  (when b < n)
+               + m x cut_per_microbatch[a-1]  (when a > 0)
 
-    summed over categories c, with f = in_flight, the micro-batches the stage keeps. The per-module
+    summed over categories c, with f = in_flight, the micro-batches the stage keeps, and m = received, those
+    it keeps a receive buffer for (cut_bytes and input_cut_bytes hold the two boundary vectors). The per-module
     vectors are shared by every stage of a layout; only f differs. The solvers (split.py, dp.py,
     ilp.py) use the flattened vectors."""
 
@@ -142,6 +154,10 @@ class StageMemoryModel:
     """Bytes per micro-batch the stage keeps when it ends after module i (its outputs; i < n - 1)."""
     in_flight: int = 1
     """Micro-batches whose activations and outputs this stage keeps (cost/pipeline.py)."""
+    received: int = 0
+    """Micro-batches this stage keeps a receive buffer for, per tensor crossing each of its cuts (its inputs, its
+    outputs' gradients): the step's micro-batches under a pipeline (torch.distributed.pipelining allocates one per
+    micro-batch at the first step and keeps them), 0 without one."""
     late_per_module: dict[str, tuple[float, ...]] = field(default_factory=dict)
     """category -> bytes each module holds from its backward on, not at the loss's peak (gradients made during
     backward: FSDP2's sharded gradients, plain autograd's without accumulation). With any, the stage's memory is
@@ -192,7 +208,22 @@ class StageMemoryModel:
 
     @cached_property
     def cut_bytes(self) -> tuple[float, ...]:
-        return tuple(c * self.in_flight for c in self.cut_per_microbatch)
+        """Bytes a stage ending after module i keeps at its end: its outputs for the micro-batches in flight and the
+        receive buffers of their gradients."""
+        return tuple(c * (self.in_flight + self.received) for c in self.cut_per_microbatch)
+
+    @cached_property
+    def input_cut_bytes(self) -> tuple[float, ...]:
+        """Bytes a stage starting after module i keeps at its start: the receive buffers of its inputs."""
+        return tuple(c * self.received for c in self.cut_per_microbatch)
+
+    def receive_buffer_bytes(self, start: int, end: int) -> float:
+        """The receive buffers of a stage holding modules [start, end): alive the whole step."""
+        cuts = self.cut_per_microbatch
+        received = cuts[start - 1] if 0 < start <= len(cuts) else 0.0
+        if end - 1 < len(cuts):
+            received += cuts[end - 1]
+        return self.received * received
 
     def breakdown(self, start: int, end: int, modes: tuple[str, ...] | str = "none") -> dict[str, float]:
         """Bytes per category for modules [start, end) at the stage's peak: the loss's (start of backward), or,
@@ -217,6 +248,8 @@ class StageMemoryModel:
         for c, vec in self.largest_module.items():
             if c != "working":
                 out[c] = out.get(c, 0.0) + max(vec[start:end])
+        if self.received:
+            out["receive_buffers"] = self.receive_buffer_bytes(start, end)
         return out
 
     def loss_peak_breakdown(self, start: int, end: int, modes: tuple[str, ...] | str = "none") -> dict[str, float]:
@@ -234,6 +267,8 @@ class StageMemoryModel:
             out[c] = out.get(c, 0.0) + max(vec[start:end])
         if end - 1 < len(self.cut_per_microbatch):
             out["activations"] += self.in_flight * self.cut_per_microbatch[end - 1]
+        if self.received:
+            out["receive_buffers"] = self.receive_buffer_bytes(start, end)
         return out
 
     def total(self, start: int, end: int, modes: tuple[str, ...] | str = "none") -> float:
@@ -258,6 +293,9 @@ class MemoryInputs:
     """Bytes per micro-batch crossing a boundary after each module (training dtype)."""
     expert_numel: tuple[float, ...] = ()
     """Of module_numel, the expert parameter elements each module holds on a rank (E/ep experts); () for none."""
+    output_bytes: float = 0.0
+    """Bytes per micro-batch of the model's outputs (the last module's: the logits) on a rank, as the boundary
+    bytes are counted (cut_bytes): a pipeline's last stage keeps them until the micro-batch's backward."""
 
 
 @dataclass(frozen=True)
@@ -283,10 +321,12 @@ class LayoutMemory:
     def tied_states(self) -> dict[str, tuple[float, ...]]:
         return {**self.per_tied_group, **self.late_per_tied_group}
 
-    def stage(self, stage_index: int, in_flight: int) -> StageMemoryModel:
+    def stage(self, stage_index: int, in_flight: int, received: int = 0) -> StageMemoryModel:
+        """Stage `stage_index`'s model, keeping `in_flight` micro-batches and receive buffers for `received` (the
+        step's micro-batches under a pipeline, else 0: StageMemoryModel.received)."""
         return StageMemoryModel(stage_index, self.per_module, self.activations_per_microbatch, self.per_tied_group,
                                 self.tied_group_modules, self.largest_module, self.cut_per_microbatch, in_flight,
-                                self.late_per_module, self.late_per_tied_group)
+                                received, self.late_per_module, self.late_per_tied_group)
 
 
 def gradients_at_loss_peak(ddp: bool, zero: int, accumulates: bool) -> bool:
@@ -344,5 +384,8 @@ def layout_memory(inputs: MemoryInputs, train_dtype: str, shard: int, reshard_af
                                            for n in inputs.module_largest_numel)
     modules, late_modules = states(inputs.module_numel, inputs.expert_numel)
     groups, late_groups = states(inputs.group_numel)
-    return LayoutMemory(modules, inputs.activations, groups, inputs.tied_group_modules, largest, inputs.cut_bytes,
+    activations = inputs.activations
+    if num_ranks > 1 and inputs.output_bytes:  # the last stage's outputs, kept in fwd_cache like every stage's
+        activations = {mode: (*vec[:-1], vec[-1] + inputs.output_bytes) for mode, vec in activations.items()}
+    return LayoutMemory(modules, activations, groups, inputs.tied_group_modules, largest, inputs.cut_bytes,
                         late_modules, late_groups)
