@@ -37,9 +37,6 @@ def _random_problem(rng: random.Random, n: int, p: int, v: int = 1, modes=("none
     whole = sum(base) + sum(acts["none"]) * p * v + sum(group_bytes) + max(largest)
     cap = rng.uniform(0.1, 0.9) * whole / p  # some instances fit, some do not
     overhead = tuple(round(rng.uniform(0, 0.3), 3) for _ in range(p * v))
-    # torch.distributed.pipelining's receive buffers (StageMemoryModel.received): a term at each stage's start too
-    received = rng.choice((0, 2)) if p * v > 1 else 0
-    models = tuple(replace(m, received=received) for m in models)
     return ChainProblem({k: module_time[k] for k in modes}, models, cap, p, modes, overhead,
                         (0,) * n if identical else ())
 
@@ -78,7 +75,6 @@ EXPECTED = [_brute_force(problem) for problem in CASES]
 
 def test_the_random_cases_include_infeasible_interleaved_and_recompute_ones():
     assert any(e is None for e in EXPECTED) and not all(e is None for e in EXPECTED)
-    assert any(p.memory[0].received and e is not None for p, e in zip(CASES, EXPECTED))
     assert any(p.virtual > 1 and e is not None for p, e in zip(CASES, EXPECTED))
     assert any(len(p.modes) > 1 and e is not None for p, e in zip(CASES, EXPECTED))
 
@@ -203,8 +199,6 @@ def _two_transients_problem(rng: random.Random, n: int, p: int, v: int, modes: t
     times = [1.0 if u < half else round(rng.uniform(0.1, 5.0), 3) for u in range(n)]
     module_time = {"none": tuple(times), "selective": tuple(t * 1.1 for t in times),
                    "full": tuple(t * 4 / 3 for t in times)}
-    received = rng.choice((0, 3)) if p * v > 1 else 0
-    models = tuple(replace(m, received=received) for m in models)
     problem = ChainProblem({k: module_time[k] for k in modes}, models, math.inf, p, modes, (), signature)
     leanest = min(max(problem.peak_memory(a)) for a in _all_assignments(problem))
     return replace(problem, memory_cap_bytes=leanest * rng.uniform(0.95, 1.4))  # some fit, some do not

@@ -6,53 +6,19 @@ memory(stage) = model states (parameters + gradients + AdamW state, sharded by Z
               + the stage's outputs kept for backward (pipeline boundary, same in-flight count; on the last
                 stage the model's outputs, the logits: torch.distributed.pipelining keeps every stage's output
                 in its fwd_cache until that micro-batch's backward, stage.py forward_one_chunk)
-              + receive buffers (pipeline): torch.distributed.pipelining allocates, at the first step and for
-                good, one buffer per micro-batch of the step for each tensor a stage receives: its inputs
-                from the previous stage (stage.py _setup_forward_recv_info) and the gradients of its outputs
-                from the next one (_create_grad_recv_info), m x the boundary bytes on each side of a cut
+              + the gradient of its outputs a stage receives for the backward it runs (pipeline, one
+                micro-batch: the program allocates a receive buffer when it posts the receive and lets it go
+                once the backward has run, runtime/steps.py on_demand_receive_stage); the inputs a stage
+                receives are its first module's input, priced among its activations
               + working set: the activations of the module running its backward (recomputed or not),
                 plus the loss's copies of the logits on the output module.
 Measured on CPU (verify --measure, tests/test_memory_parts.py, a 2-stage 1F1B GPT with 4 micro-batches): the last
 stage's peak is its loss's backward, holding four logits-sized tensors (the kept output, cross_entropy's log-softmax
 output, that output's gradient and the logits' gradient: the kept output plus calibration.LOSS_BUFFER_FACTOR's
-three) and on every stage 4 receive buffers per boundary tensor, allocated at the first step and alive since.
-Tensor parallelism divides the split parameters and activations by tp (cost/module_costs.py).
-What runs (the codegen contract), in the ZeRO paper's stages: dp_shard 1 = DDP (ZeRO-0); dp_shard > 1
-with reshard=never = FSDP2 with reshard_after_forward=False (all of the rank's parameters gathered at
-peak, gradients and optimizer state sharded: ZeRO-2's 2 + 14/N bytes per parameter; a pinned zero=1
-runs and is priced so); reshard=always = FSDP2 (ZeRO-3's 16/N, plus gathered modules). Under a
-pipeline, torch.distributed.pipelining keeps FSDP parameters unsharded and gradients unreduced until
-the last micro-batch (stage.py backward_maybe_with_nosync), so the whole stage's parameters and
-gradients are held unsharded.
-DDP is priced with gradient_as_bucket_view=True (its buckets are the gradients, no second copy).
-When gradients exist (the program sets them to None before each step's forward, train.py): DDP's buckets
-are allocated once and live through the loss's peak; otherwise a gradient is made during backward (FSDP2
-reduce-scatters each unit's gradient into a new sharded one; plain autograd accumulates into .grad), so
-without accumulation (one micro-batch per step, no pipeline) no gradient is alive at the start of backward:
-the rank's peak is then the larger of the loss's peak (no gradients) and the end of backward (every
-gradient, no activations): StageMemoryModel.late_per_module. Under accumulation (micro-batches > 1, or a
-pipeline) FSDP2 keeps each unit's unsharded gradient across micro-batches, upcast to its reduce dtype (fp32:
-FSDPParam.to_accumulated_grad_if_needed), so 4 bytes per parameter of the unsharded unit are alive at the
-peak of every micro-batch after the first; plain autograd's .grad likewise.
-FSDP2 keeps the sharded parameter in fp32 under bf16 mixed precision (MixedPrecisionPolicy casts only the
-gathered copy) with fp32 gradients and AdamW's two moments: 4 + 4 + 8 bytes per parameter, divided by the
-shard degree (FSDP2_STATE_BYTES_PER_PARAM), plus the gathered bf16 copy (2 bytes) where it is held.
-CPU offload (FSDP2's CPUOffloadPolicy, reshard=always, pp = 1): the sharded parameters, gradients and optimizer
-state live in host memory (host_state_bytes), so none of them count on the GPU; it holds the gathered
-parameters of the units in flight, as without offload, and stages each unit's fp32 shard (copied in before
-its all-gather) and its reduced gradient shard (copied out after its reduce-scatter).
-Context parallelism (cp): activations, working set and boundary outputs divide by cp (a rank holds seq/cp
-tokens, cost/compute.py sharded_table), the boundary outputs from the first module calling attention on (before
-it every rank holds the whole sequence: cost/context.py rank_cut_bytes); the model states are sharded over
-dp_shard x cp (`shard` here).
-Expert parallelism (ep): a rank holds E/ep of each expert layer's experts (MemoryInputs.expert_numel, already
-divided), their states sharded over `expert_shard` ranks (cost/context.py expert_shard_degree: FSDP2 shards them
-over the dp_shard x cp x tp / ep ranks holding the same experts, as the program runs them, so under ZeRO a rank
-keeps 1/(dp_shard x cp x tp) of the expert states) by the same ZeRO stage as the other parameters; every
-other parameter as without ep.
-Allocator fragmentation, the CUDA context and NCCL/cuBLAS workspaces are the hardware profile's
-Gpu.memory_reserved_bytes (the "stated fragmentation allowance", ~5% of HBM plus ~1.5 GiB), already
-taken out of Cluster.usable_memory_bytes.
+three). torch.distributed.pipelining's own stage keeps a receive buffer per micro-batch of the step for each tensor
+it receives, for good (pytorch/pytorch#136380): 1.0 of the last stage's 6.3 MiB there; priced so, the published
+1T-parameter layout (512 micro-batches, two stages a rank) needed ~190 GiB more per GPU. The program's stage makes
+them on demand instead (runtime/steps.py on_demand_receive_stage).
 """
 
 from __future__ import annotations
@@ -131,11 +97,10 @@ class StageMemoryModel:
 
         memory = sum_{u in [a,b)} (per_module[c][u] + f x activations_per_microbatch[r(u)][u])
                + sum_{g touching [a,b)} per_tied_group[c][g]
-               + max_{u in [a,b)} largest_module[c][u]  +  (f + m) x cut_per_microbatch[b-1]  (when b < n)
-               + m x cut_per_microbatch[a-1]  (when a > 0)
+               + max_{u in [a,b)} largest_module[c][u]  +  (f + g) x cut_per_microbatch[b-1]  (when b < n)
 
-    summed over categories c, with f = in_flight, the micro-batches the stage keeps, and m = received, those
-    it keeps a receive buffer for (cut_bytes and input_cut_bytes hold the two boundary vectors). The per-module
+    summed over categories c, with f = in_flight, the micro-batches the stage keeps, and g = received, those whose
+    outputs' gradients it holds in receive buffers at its peak. The per-module
     vectors are shared by every stage of a layout; only f differs. The solvers (split.py, dp.py,
     ilp.py) use the flattened vectors."""
 
@@ -155,9 +120,8 @@ class StageMemoryModel:
     in_flight: int = 1
     """Micro-batches whose activations and outputs this stage keeps (cost/pipeline.py)."""
     received: int = 0
-    """Micro-batches this stage keeps a receive buffer for, per tensor crossing each of its cuts (its inputs, its
-    outputs' gradients): the step's micro-batches under a pipeline (torch.distributed.pipelining allocates one per
-    micro-batch at the first step and keeps them), 0 without one."""
+    """Micro-batches whose outputs' gradients the stage holds in receive buffers at its peak: 1 under a pipeline (the
+    one whose backward runs; runtime/steps.py on_demand_receive_stage), 0 without."""
     late_per_module: dict[str, tuple[float, ...]] = field(default_factory=dict)
     """category -> bytes each module holds from its backward on, not at the loss's peak (gradients made during
     backward: FSDP2's sharded gradients, plain autograd's without accumulation). With any, the stage's memory is
@@ -209,21 +173,12 @@ class StageMemoryModel:
     @cached_property
     def cut_bytes(self) -> tuple[float, ...]:
         """Bytes a stage ending after module i keeps at its end: its outputs for the micro-batches in flight and the
-        receive buffers of their gradients."""
+        received gradients of those whose backward runs."""
         return tuple(c * (self.in_flight + self.received) for c in self.cut_per_microbatch)
 
-    @cached_property
-    def input_cut_bytes(self) -> tuple[float, ...]:
-        """Bytes a stage starting after module i keeps at its start: the receive buffers of its inputs."""
-        return tuple(c * self.received for c in self.cut_per_microbatch)
-
-    def receive_buffer_bytes(self, start: int, end: int) -> float:
-        """The receive buffers of a stage holding modules [start, end): alive the whole step."""
-        cuts = self.cut_per_microbatch
-        received = cuts[start - 1] if 0 < start <= len(cuts) else 0.0
-        if end - 1 < len(cuts):
-            received += cuts[end - 1]
-        return self.received * received
+    def receive_buffer_bytes(self, end: int) -> float:
+        """The received gradients of a stage ending before module `end` (none on the last stage)."""
+        return self.received * self.cut_per_microbatch[end - 1] if end - 1 < len(self.cut_per_microbatch) else 0.0
 
     def breakdown(self, start: int, end: int, modes: tuple[str, ...] | str = "none") -> dict[str, float]:
         """Bytes per category for modules [start, end) at the stage's peak: the loss's (start of backward), or,
@@ -248,8 +203,6 @@ class StageMemoryModel:
         for c, vec in self.largest_module.items():
             if c != "working":
                 out[c] = out.get(c, 0.0) + max(vec[start:end])
-        if self.received:
-            out["receive_buffers"] = self.receive_buffer_bytes(start, end)
         return out
 
     def loss_peak_breakdown(self, start: int, end: int, modes: tuple[str, ...] | str = "none") -> dict[str, float]:
@@ -268,7 +221,7 @@ class StageMemoryModel:
         if end - 1 < len(self.cut_per_microbatch):
             out["activations"] += self.in_flight * self.cut_per_microbatch[end - 1]
         if self.received:
-            out["receive_buffers"] = self.receive_buffer_bytes(start, end)
+            out["receive_buffers"] = self.receive_buffer_bytes(end)
         return out
 
     def total(self, start: int, end: int, modes: tuple[str, ...] | str = "none") -> float:
@@ -322,8 +275,8 @@ class LayoutMemory:
         return {**self.per_tied_group, **self.late_per_tied_group}
 
     def stage(self, stage_index: int, in_flight: int, received: int = 0) -> StageMemoryModel:
-        """Stage `stage_index`'s model, keeping `in_flight` micro-batches and receive buffers for `received` (the
-        step's micro-batches under a pipeline, else 0: StageMemoryModel.received)."""
+        """Stage `stage_index`'s model, keeping `in_flight` micro-batches and the received gradients of `received`
+        (StageMemoryModel.received)."""
         return StageMemoryModel(stage_index, self.per_module, self.activations_per_microbatch, self.per_tied_group,
                                 self.tied_group_modules, self.largest_module, self.cut_per_microbatch, in_flight,
                                 received, self.late_per_module, self.late_per_tied_group)

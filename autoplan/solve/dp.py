@@ -40,7 +40,6 @@ class _StageTables:
         self.max_vectors = [list(v) for v in model.max_vectors]
         self.group = list(model.group_bytes)
         self.cut = list(model.cut_bytes)
-        self.input_cut = list(model.input_cut_bytes)
         self.groups_of_module: list[list[int]] = [[] for _ in range(problem.num_modules)]
         for g, modules in enumerate(model.tied_group_modules):
             for u in modules:
@@ -64,8 +63,7 @@ def _walk(problem: ChainProblem, tables: _StageTables, times: list[float], end: 
         for k, vec in enumerate(tables.max_vectors):
             if vec[start] > maxima[k]:
                 maxima[k] = vec[start]
-        received = tables.input_cut[start - 1] if start > 0 else 0.0
-        yield start, time, memory_linear + sum(maxima) + boundary + received
+        yield start, time, memory_linear + sum(maxima) + boundary
 
 
 def _solve(problem: ChainProblem, modes: tuple[str, ...], objective: str) -> DpResult | None:

@@ -164,10 +164,6 @@ def memory(prob, v: IlpVariables, problem: ChainProblem) -> None:
                     used.append(boundary * v.e[r, s])
                     later = v.b[r + 1, s] if r < len(v.runs) - 1 else 0
                     prob += v.e[r, s] >= v.b[r, s] - later, f"ends_{r}_{s}"
-                # the receive buffers of the stage's inputs: stage s starts where stage s - 1 ends (its ends_ row)
-                received = max((model.input_cut_bytes[u] for u in range(a, min(z, n_modules - 1))), default=0.0)
-                if s > 0 and received > 0:
-                    used.append(received * v.e[r, s - 1])
             for g, modules in enumerate(model.tied_group_modules):
                 if model.group_bytes[g]:
                     used.append(model.group_bytes[g] * v.y[g, s])

@@ -70,7 +70,7 @@ class _Tables:
                     "groups": list(zip(model.group_bytes, model.tied_group_modules)),
                     "cut": model.cut_per_microbatch,
                 }
-            self._stage[s] = {**self._shared[key], "f": model.in_flight, "received": model.received}
+            self._stage[s] = {**self._shared[key], "f": model.in_flight}
         return self._stage[s]
 
     def evaluate(self, s: int, a: int, b: int, mode: str | None, cap: float, prior_max: tuple[float, ...] = ()):
@@ -89,7 +89,8 @@ class _Tables:
         f = t["f"]
         memory = t["state"][b] - t["state"][a] + sum(_largest(t, a, b, prior_max))
         memory += sum(g for g, modules in t["groups"] if any(a <= u < b for u in modules))
-        memory += _boundaries(t, a, b, self.n)
+        if b < self.n:
+            memory += t["cut"][b - 1] * f
         overhead = self.p.overhead(s)
         if mode is not None:
             memory += (t["act"][mode][b] - t["act"][mode][a]) * f
@@ -124,7 +125,7 @@ class _Tables:
         base, f = mode or self.modes[0], t["f"]
         linear = t["state"][b] - t["state"][a] + (t["act"][base][b] - t["act"][base][a]) * f
         linear += sum(g for g, modules in t["groups"] if any(a <= u < b for u in modules))
-        linear += _boundaries(t, a, b, self.n)
+        linear += t["cut"][b - 1] * f if b < self.n else 0.0
         if mode is None:
             for (sig, m), modules in counts.items():
                 u = self.first_of[sig]
@@ -161,14 +162,6 @@ class _Tables:
             slope, _, dm, dt, m = min(ahead)
             hull.append((slope, dm - at_saved, dt - at_added, (sig, m)))
             at_saved, at_added = dm, dt
-
-
-def _boundaries(t: dict, a: int, b: int, n: int) -> float:
-    """Bytes of a stage holding [a, b) of n modules at its cuts (StageMemoryModel.cut_bytes, input_cut_bytes): its
-    outputs in flight and their gradients' receive buffers at its end, its inputs' receive buffers at its start."""
-    cuts, received = t["cut"], t["received"]
-    end = cuts[b - 1] * (t["f"] + received) if b < n else 0.0
-    return end + (cuts[a - 1] * received if a > 0 else 0.0)
 
 
 def _largest(t: dict, a: int, b: int, prior_max: tuple[float, ...]) -> tuple[float, ...]:
