@@ -26,10 +26,10 @@ LAYOUTS = {
     "pp": "dp=1,pp=2,microbatch=1,recompute=none,schedule=1f1b",
 }
 ACTIVATIONS_TOLERANCE = 0.15
-"""Measured here (predicted vs measured): activations -8.7% (tp), -6% (fsdp, with the gathered units); pp +6.6% on
-the first stage, -0.3% on the last (split after blocks.1.ln_1), +7.8% and +2.3% with the cut one module earlier (after
-blocks.0.mlp). Without torch.distributed.pipelining's receive buffers and the last stage's kept logits priced
-(cost/memory.py), the last stage was -29% (-19% with the earlier cut)."""
+"""Measured here (predicted vs measured): activations -8.7% (tp), -6% (fsdp, with the gathered units); pp +7.5% on
+the first stage, -5.9% on the last (cut after blocks.1.ln_1), +8.3% and -0.3% with the cut one module earlier (after
+blocks.0.mlp). Before the program's receive buffers were made on demand and the last stage's kept logits priced
+(runtime/steps.py, cost/memory.py), the last stage was -29% (-19% with the earlier cut)."""
 
 
 @pytest.mark.slow
