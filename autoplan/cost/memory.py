@@ -12,6 +12,43 @@ memory(stage) = model states (parameters + gradients + AdamW state, sharded by Z
                 receives are its first module's input, priced among its activations
               + working set: the activations of the module running its backward (recomputed or not),
                 plus the loss's copies of the logits on the output module.
+Tensor parallelism divides the split parameters and activations by tp (cost/module_costs.py).
+What runs (the codegen contract), in the ZeRO paper's stages: dp_shard 1 = DDP (ZeRO-0); dp_shard > 1
+with reshard=never = FSDP2 with reshard_after_forward=False (all of the rank's parameters gathered at
+peak, gradients and optimizer state sharded: ZeRO-2's 2 + 14/N bytes per parameter; a pinned zero=1
+runs and is priced so); reshard=always = FSDP2 (ZeRO-3's 16/N, plus gathered modules). Under a
+pipeline, torch.distributed.pipelining keeps FSDP parameters unsharded and gradients unreduced until
+the last micro-batch (stage.py backward_maybe_with_nosync), so the whole stage's parameters and
+gradients are held unsharded.
+DDP is priced with gradient_as_bucket_view=True (its buckets are the gradients, no second copy).
+When gradients exist (the program sets them to None before each step's forward, train.py): DDP's buckets
+are allocated once and live through the loss's peak; otherwise a gradient is made during backward (FSDP2
+reduce-scatters each unit's gradient into a new sharded one; plain autograd accumulates into .grad), so
+without accumulation (one micro-batch per step, no pipeline) no gradient is alive at the start of backward:
+the rank's peak is then the larger of the loss's peak (no gradients) and the end of backward (every
+gradient, no activations): StageMemoryModel.late_per_module. Under accumulation (micro-batches > 1, or a
+pipeline) FSDP2 keeps each unit's unsharded gradient across micro-batches, upcast to its reduce dtype (fp32:
+FSDPParam.to_accumulated_grad_if_needed), so 4 bytes per parameter of the unsharded unit are alive at the
+peak of every micro-batch after the first; plain autograd's .grad likewise.
+FSDP2 keeps the sharded parameter in fp32 under bf16 mixed precision (MixedPrecisionPolicy casts only the
+gathered copy) with fp32 gradients and AdamW's two moments: 4 + 4 + 8 bytes per parameter, divided by the
+shard degree (FSDP2_STATE_BYTES_PER_PARAM), plus the gathered bf16 copy (2 bytes) where it is held.
+CPU offload (FSDP2's CPUOffloadPolicy, reshard=always, pp = 1): the sharded parameters, gradients and optimizer
+state live in host memory (host_state_bytes), so none of them count on the GPU; it holds the gathered
+parameters of the units in flight, as without offload, and stages each unit's fp32 shard (copied in before
+its all-gather) and its reduced gradient shard (copied out after its reduce-scatter).
+Context parallelism (cp): activations, working set and boundary outputs divide by cp (a rank holds seq/cp
+tokens, cost/compute.py sharded_table), the boundary outputs from the first module calling attention on (before
+it every rank holds the whole sequence: cost/context.py rank_cut_bytes); the model states are sharded over
+dp_shard x cp (`shard` here).
+Expert parallelism (ep): a rank holds E/ep of each expert layer's experts (MemoryInputs.expert_numel, already
+divided), their states sharded over `expert_shard` ranks (cost/context.py expert_shard_degree: FSDP2 shards them
+over the dp_shard x cp x tp / ep ranks holding the same experts, as the program runs them, so under ZeRO a rank
+keeps 1/(dp_shard x cp x tp) of the expert states) by the same ZeRO stage as the other parameters; every
+other parameter as without ep.
+Allocator fragmentation, the CUDA context and NCCL/cuBLAS workspaces are the hardware profile's
+Gpu.memory_reserved_bytes (the "stated fragmentation allowance", ~5% of HBM plus ~1.5 GiB), already
+taken out of Cluster.usable_memory_bytes.
 Measured on CPU (verify --measure, tests/test_memory_parts.py, a 2-stage 1F1B GPT with 4 micro-batches): the last
 stage's peak is its loss's backward, holding four logits-sized tensors (the kept output, cross_entropy's log-softmax
 output, that output's gradient and the logits' gradient: the kept output plus calibration.LOSS_BUFFER_FACTOR's
