@@ -26,7 +26,10 @@ LAYOUTS = {
     "pp": "dp=1,pp=2,microbatch=1,recompute=none,schedule=1f1b",
 }
 ACTIVATIONS_TOLERANCE = 0.15
-"""Measured here: activations -8.7% (tp), -8.8% (pp), -6% (fsdp, with the gathered units)."""
+"""Measured here (predicted vs measured): activations -8.7% (tp), -6% (fsdp, with the gathered units); pp +7.5% on
+the first stage, -5.9% on the last (cut after blocks.1.ln_1), +8.3% and -0.3% with the cut one module earlier (after
+blocks.0.mlp). Before the program's receive buffers were made on demand and the last stage's kept logits priced
+(runtime/steps.py, cost/memory.py), the last stage was -29% (-19% with the earlier cut)."""
 
 
 @pytest.mark.slow
@@ -38,7 +41,9 @@ def test_each_part_of_the_peak_is_priced_as_measured(tmp_path, name):
     model = tmp_path / "gpt_small.py"
     model.write_text(MODEL)
     out = tmp_path / "out"
-    plan_model(str(model), 2, "cpu", global_batch=4, pin=LAYOUTS[name], out=out)
+    # op times from the roofline: timed on this machine, they move the pipeline's cut from run to run (the CI saw the
+    # last stage start at blocks.1.attn in one run and at blocks.1.ln_1 in the next), changing what each stage holds
+    plan_model(str(model), 2, "cpu", global_batch=4, pin=LAYOUTS[name], out=out, measure=False)
     assert verify(out, steps=2, timeout_s=400, measure=True).passed
     for rank in json.loads((out / "verify.json").read_text())["ranks"]:
         measured, predicted = rank["measured_peak_memory_parts"], rank["predicted_peak_memory_parts"]

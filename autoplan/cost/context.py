@@ -394,7 +394,16 @@ class Context:
             working_bytes=table.working_bytes,
             cut_bytes=tuple(c * microbatch * cut_scale for c in self.rank_cut_bytes(cp)),
             expert_numel=tuple(self.module_expert_numel(ep)) if self.experts else (),
+            output_bytes=self._output_bytes(tp, loss_parallel, cp) * microbatch * cut_scale,
         )
+
+    def _output_bytes(self, tp: int, loss_parallel: bool, cp: int) -> float:
+        """Bytes per sample of the model's outputs on a rank (capture dtype): the logits, 1/tp of them where the
+        head's output stays vocabulary-sharded (loss parallel, as compute.py prices the loss), 1/cp of the sequence
+        past the first attention (rank_cut_bytes)."""
+        last = self.costs.modules[-1]
+        sharded = tp > 1 and loss_parallel and any(op.tp_role == "head" for op in last.ops)
+        return last.output_buffer_bytes / (tp if sharded else 1) / (cp if self._attention_module else 1)
 
 
 def _mask_cut_bytes(profile: ModelProfile, calls, module_of: dict[str, int], modules: int) -> tuple[float, ...]:

@@ -78,7 +78,8 @@ def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> Cha
     shared = ctx.layout_memory(inputs, par.fsdp_shard_degree, par.reshards_after_forward, pp,
                                par.enable_cpu_offload, expert_shard_degree(par.fsdp_shard_degree, ep, tp), autocast,
                                ddp, accumulates=m > 1)
-    models = tuple(shared.stage(s, microbatches_in_flight(par.pipeline_parallel_schedule, pp, m, s, v))
+    received = 1 if pp > 1 else 0  # the gradient received for the backward running (StageMemoryModel.received)
+    models = tuple(shared.stage(s, microbatches_in_flight(par.pipeline_parallel_schedule, pp, m, s, v), received)
                    for s in range(stages))
     table = ctx.table(tp, mbs, sp, loss_parallel, cp, ep)
     overhead = ()

@@ -3,7 +3,13 @@
 memory(stage) = model states (parameters + gradients + AdamW state, sharded by ZeRO over dp_shard)
               + unsharded copies FSDP holds (prefetched modules when pp = 1; the whole stage when pp > 1)
               + activations (kept bytes per recompute mode x micro-batches in flight)
-              + the stage's outputs kept for backward (pipeline boundary, same in-flight count)
+              + the stage's outputs kept for backward (pipeline boundary, same in-flight count; on the last
+                stage the model's outputs, the logits: torch.distributed.pipelining keeps every stage's output
+                in its fwd_cache until that micro-batch's backward, stage.py forward_one_chunk)
+              + the gradient of its outputs a stage receives for the backward it runs (pipeline, one
+                micro-batch: the program allocates a receive buffer when it posts the receive and lets it go
+                once the backward has run, runtime/steps.py on_demand_receive_stage); the inputs a stage
+                receives are its first module's input, priced among its activations
               + working set: the activations of the module running its backward (recomputed or not),
                 plus the loss's copies of the logits on the output module.
 Tensor parallelism divides the split parameters and activations by tp (cost/module_costs.py).
@@ -43,6 +49,13 @@ other parameter as without ep.
 Allocator fragmentation, the CUDA context and NCCL/cuBLAS workspaces are the hardware profile's
 Gpu.memory_reserved_bytes (the "stated fragmentation allowance", ~5% of HBM plus ~1.5 GiB), already
 taken out of Cluster.usable_memory_bytes.
+Measured on CPU (verify --measure, tests/test_memory_parts.py, a 2-stage 1F1B GPT with 4 micro-batches): the last
+stage's peak is its loss's backward, holding four logits-sized tensors (the kept output, cross_entropy's log-softmax
+output, that output's gradient and the logits' gradient: the kept output plus calibration.LOSS_BUFFER_FACTOR's
+three). torch.distributed.pipelining's own stage keeps a receive buffer per micro-batch of the step for each tensor
+it receives, for good (pytorch/pytorch#136380): 1.0 of the last stage's 6.3 MiB there; priced so, the published
+1T-parameter layout (512 micro-batches, two stages a rank) needed ~190 GiB more per GPU. The program's stage makes
+them on demand instead (runtime/steps.py on_demand_receive_stage).
 """
 
 from __future__ import annotations
@@ -121,9 +134,10 @@ class StageMemoryModel:
 
         memory = sum_{u in [a,b)} (per_module[c][u] + f x activations_per_microbatch[r(u)][u])
                + sum_{g touching [a,b)} per_tied_group[c][g]
-               + max_{u in [a,b)} largest_module[c][u]  +  f x cut_per_microbatch[b-1]  (when b < n)
+               + max_{u in [a,b)} largest_module[c][u]  +  (f + g) x cut_per_microbatch[b-1]  (when b < n)
 
-    summed over categories c, with f = in_flight, the micro-batches the stage keeps. The per-module
+    summed over categories c, with f = in_flight, the micro-batches the stage keeps, and g = received, those whose
+    outputs' gradients it holds in receive buffers at its peak. The per-module
     vectors are shared by every stage of a layout; only f differs. The solvers (split.py, dp.py,
     ilp.py) use the flattened vectors."""
 
@@ -142,6 +156,9 @@ class StageMemoryModel:
     """Bytes per micro-batch the stage keeps when it ends after module i (its outputs; i < n - 1)."""
     in_flight: int = 1
     """Micro-batches whose activations and outputs this stage keeps (cost/pipeline.py)."""
+    received: int = 0
+    """Micro-batches whose outputs' gradients the stage holds in receive buffers at its peak: 1 under a pipeline (the
+    one whose backward runs; runtime/steps.py on_demand_receive_stage), 0 without."""
     late_per_module: dict[str, tuple[float, ...]] = field(default_factory=dict)
     """category -> bytes each module holds from its backward on, not at the loss's peak (gradients made during
     backward: FSDP2's sharded gradients, plain autograd's without accumulation). With any, the stage's memory is
@@ -192,7 +209,13 @@ class StageMemoryModel:
 
     @cached_property
     def cut_bytes(self) -> tuple[float, ...]:
-        return tuple(c * self.in_flight for c in self.cut_per_microbatch)
+        """Bytes a stage ending after module i keeps at its end: its outputs for the micro-batches in flight and the
+        received gradients of those whose backward runs."""
+        return tuple(c * (self.in_flight + self.received) for c in self.cut_per_microbatch)
+
+    def receive_buffer_bytes(self, end: int) -> float:
+        """The received gradients of a stage ending before module `end` (none on the last stage)."""
+        return self.received * self.cut_per_microbatch[end - 1] if end - 1 < len(self.cut_per_microbatch) else 0.0
 
     def breakdown(self, start: int, end: int, modes: tuple[str, ...] | str = "none") -> dict[str, float]:
         """Bytes per category for modules [start, end) at the stage's peak: the loss's (start of backward), or,
@@ -234,6 +257,8 @@ class StageMemoryModel:
             out[c] = out.get(c, 0.0) + max(vec[start:end])
         if end - 1 < len(self.cut_per_microbatch):
             out["activations"] += self.in_flight * self.cut_per_microbatch[end - 1]
+        if self.received:
+            out["receive_buffers"] = self.receive_buffer_bytes(end)
         return out
 
     def total(self, start: int, end: int, modes: tuple[str, ...] | str = "none") -> float:
@@ -258,6 +283,9 @@ class MemoryInputs:
     """Bytes per micro-batch crossing a boundary after each module (training dtype)."""
     expert_numel: tuple[float, ...] = ()
     """Of module_numel, the expert parameter elements each module holds on a rank (E/ep experts); () for none."""
+    output_bytes: float = 0.0
+    """Bytes per micro-batch of the model's outputs (the last module's: the logits) on a rank, as the boundary
+    bytes are counted (cut_bytes): a pipeline's last stage keeps them until the micro-batch's backward."""
 
 
 @dataclass(frozen=True)
@@ -283,10 +311,12 @@ class LayoutMemory:
     def tied_states(self) -> dict[str, tuple[float, ...]]:
         return {**self.per_tied_group, **self.late_per_tied_group}
 
-    def stage(self, stage_index: int, in_flight: int) -> StageMemoryModel:
+    def stage(self, stage_index: int, in_flight: int, received: int = 0) -> StageMemoryModel:
+        """Stage `stage_index`'s model, keeping `in_flight` micro-batches and the received gradients of `received`
+        (StageMemoryModel.received)."""
         return StageMemoryModel(stage_index, self.per_module, self.activations_per_microbatch, self.per_tied_group,
                                 self.tied_group_modules, self.largest_module, self.cut_per_microbatch, in_flight,
-                                self.late_per_module, self.late_per_tied_group)
+                                received, self.late_per_module, self.late_per_tied_group)
 
 
 def gradients_at_loss_peak(ddp: bool, zero: int, accumulates: bool) -> bool:
@@ -344,5 +374,8 @@ def layout_memory(inputs: MemoryInputs, train_dtype: str, shard: int, reshard_af
                                            for n in inputs.module_largest_numel)
     modules, late_modules = states(inputs.module_numel, inputs.expert_numel)
     groups, late_groups = states(inputs.group_numel)
-    return LayoutMemory(modules, inputs.activations, groups, inputs.tied_group_modules, largest, inputs.cut_bytes,
+    activations = inputs.activations
+    if num_ranks > 1 and inputs.output_bytes:  # the last stage's outputs, kept in fwd_cache like every stage's
+        activations = {mode: (*vec[:-1], vec[-1] + inputs.output_bytes) for mode, vec in activations.items()}
+    return LayoutMemory(modules, activations, groups, inputs.tied_group_modules, largest, inputs.cut_bytes,
                         late_modules, late_groups)

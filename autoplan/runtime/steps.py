@@ -118,6 +118,85 @@ def own_outputs(module: nn.Module) -> nn.Module:
     return module
 
 
+def on_demand_receive_stage():
+    """torch.distributed.pipelining's PipelineStage with its receive buffers made when a receive is posted and let go
+    once the micro-batch's compute has taken the tensor. The stock stage allocates one buffer per micro-batch, for
+    each tensor it receives (its inputs, its outputs' gradients), at the first step and keeps them all for good
+    (stage.py _setup_forward_recv_info, _create_grad_recv_info; pytorch/pytorch#136380): measured here on a 2-stage
+    1F1B GPT with 4 micro-batches, 1 MiB of 6.6 MiB at the last stage's peak; at 512 micro-batches of a 1T-parameter
+    layout, ~200 GiB per GPU. Made on demand, a received input lives as long as the micro-batch's forward keeps it
+    (fwd_cache, its saved tensors) and a received gradient until its backward has run."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining._utils import _make_tensor_from_meta
+
+    class OnDemandReceiveStage(PipelineStage):
+        def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+            out = super()._prepare_forward_infra(*args, **kwargs)
+            self._let_go(self.args_recv_info.values())
+            return out
+
+        def _setup_backward_recv_info(self, num_microbatches: int) -> None:
+            super()._setup_backward_recv_info(num_microbatches)
+            self._let_go(self.grad_recv_info.values())
+
+        def _get_recv_ops(self, recv_infos):
+            self._allocate(recv_infos)
+            return super()._get_recv_ops(recv_infos)
+
+        def _retrieve_recv_activations(self, fwd_chunk_id: int):
+            activations = super()._retrieve_recv_activations(fwd_chunk_id)
+            self._let_go([self.args_recv_info[fwd_chunk_id]])
+            return activations
+
+        def _retrieve_recv_grads(self, bwd_chunk_id: int):
+            self._allocate(self.grad_recv_info[bwd_chunk_id], zeros=True)  # a same-rank stage's None gradient
+            grads = super()._retrieve_recv_grads(bwd_chunk_id)
+            self._let_go([self.grad_recv_info[bwd_chunk_id]])
+            return grads
+
+        def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True,
+                               last_backward=False):
+            super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                       last_backward=last_backward)
+            if full_backward:
+                _drop_graph(loss)
+            elif loss is not None:
+                self._losses_awaiting_weights[bwd_chunk_id] = loss
+
+        def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            _drop_graph(self._losses_awaiting_weights.pop(bwd_chunk_id, None))
+
+        @property
+        def _losses_awaiting_weights(self) -> dict:
+            if "_awaiting" not in self.__dict__:
+                self.__dict__["_awaiting"] = {}
+            return self.__dict__["_awaiting"]
+
+        def _allocate(self, recv_infos, zeros: bool = False) -> None:
+            for info in recv_infos:
+                if not info.is_root_arg and info.buffer is None and info.tensor_meta is not None:
+                    buffer = _make_tensor_from_meta(info.tensor_meta, self.device)
+                    info.buffer = buffer.zero_() if zeros else buffer
+
+        @staticmethod
+        def _let_go(recv_tuples) -> None:
+            for recv_infos in recv_tuples:
+                for info in recv_infos:
+                    if not info.is_root_arg and info.tensor_meta is not None:
+                        info.buffer = None
+
+    return OnDemandReceiveStage
+
+
+def _drop_graph(loss: torch.Tensor | None) -> None:
+    """Detach a last stage's micro-batch loss in place once its backward has run: the schedule keeps the loss until
+    the step ends, and through its graph's AccumulateGrad nodes every received input of the step (the autograd
+    leaves) would stay alive with it."""
+    if loss is not None and loss.grad_fn is not None and not loss._is_view():
+        loss.detach_()
+
+
 class PipelineStep:
     """This rank's stages of a torch.distributed.pipelining schedule (autoplan.layout.SCHEDULE_TABLE names its
     class: one stage for GPipe and 1F1B; stages pp_rank, pp_rank + pp, ... for the interleaved ones; stages pp_rank
@@ -130,7 +209,6 @@ class PipelineStep:
                  dtype: torch.dtype = torch.float32, tensor_parallel: bool = False,
                  loss_parallel: bool = False, context_parallel: PipelineContextParallel | None = None) -> None:
         from torch.distributed import pipelining
-        from torch.distributed.pipelining import PipelineStage
 
         if schedule not in SCHEDULES:
             raise UserError(f"pipeline schedule {schedule!r} is not supported: use one of {', '.join(SCHEDULES)}")
@@ -145,17 +223,19 @@ class PipelineStep:
         """With cp > 1: the region each step runs in (the last stage's loss is the mean over the rank's share of
         the tokens)."""
         num_stages = len(split.stages)
+        stage_class = on_demand_receive_stage()
+        if facts.split_backward:  # the weight pass completed (runtime/split_backward.py), receive buffers on demand
+            from autoplan.runtime.split_backward import SplitBackwardStage
+
+            stage_class = type("SplitBackwardStage", (SplitBackwardStage, stage_class), {})
         stages = []
         for index, module in sorted(parts.items()):
             # static shapes from the export: no shape-inference pass (whose extra backward upsets DDP)
             inputs, outputs = split.example_tensors(index, device)
             if dtype != torch.float32:
                 module = CastOutputs(module, tuple(t.dtype for t in outputs), dtype, device)
-            stage_class = PipelineStage
             if facts.split_backward:
-                from autoplan.runtime.split_backward import SplitBackwardStage
-
-                module, stage_class = own_outputs(module), SplitBackwardStage
+                module = own_outputs(module)
             stages.append(stage_class(module, index, num_stages, device, input_args=inputs, output_args=outputs,
                                       group=mesh["pp"].get_group()))
         self.loss_parallel = loss_parallel
