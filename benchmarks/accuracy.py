@@ -555,58 +555,77 @@ def zero_bubble_profile(gpu: str, layers: int, heads: int, hidden: int, seq: int
         return profile_only(str(path), gpu)
 
 
-def zero_bubble_estimate(row: dict, schedule: str) -> tuple[float, int]:
-    """(step time in seconds, virtual stages) of the run's layout with `schedule`: what autoplan.estimate does with
-    the layout pinned (profile, then the search over what the pins leave), with the virtual stages pinned too
-    (ZERO_BUBBLE_VIRTUAL; --pin does not take them)."""
+def zero_bubble_estimate(row: dict, schedule: str, uncapped: bool = False) -> dict:
+    """The run's layout with `schedule` priced as autoplan.estimate prices a pinned layout (profile, then the search
+    over what the pins leave), with the virtual stages pinned too (ZERO_BUBBLE_VIRTUAL; --pin does not take them):
+    {"step": seconds, "virtual": stages per rank, "memory": peak GB, "note": why it is priced with memory uncapped}.
+    A layout predicted not to fit the GPU (or any, `uncapped`) is priced with memory uncapped, to compare speeds."""
     from autoplan.api import load_cluster
+    from autoplan.errors import UserError
     from autoplan.layout import Layout
 
     profile = zero_bubble_profile(row["gpu"], int(row["layers"]), int(row["heads"]), int(row["hidden"]),
                                   int(row["seq_len"]))
-    cluster = load_cluster(int(row["gpus"]), row["gpu"], int(row["gpus_per_node"]), None, None)
     pins = Layout(tp=1, sp="off", pp=int(row["gpus"]), dp=1, zero=0, recompute="none", schedule=schedule,
                   compile="off", microbatch=int(row["microbatch_size"]),
                   virtual_stages=ZERO_BUBBLE_VIRTUAL.get(schedule, 1))
     training = Training(global_batch_size=int(row["microbatch_size"]) * int(row["microbatches"]), dtype="bf16",
                         tokens_per_sample=profile.tokens_per_sample)
-    best = search(profile, cluster, training, pins).best
-    return best.predicted.step_time_s, best.parallelism.pipeline_parallel_virtual_stages
+    note = "priced with memory uncapped" if uncapped else ""
+    try:
+        cluster = load_cluster(int(row["gpus"]), row["gpu"], int(row["gpus_per_node"]), "1TiB" if uncapped else None,
+                               None)
+        best = search(profile, cluster, training, pins).best
+    except UserError as e:
+        if "fit" not in str(e) or uncapped:
+            raise
+        cluster = load_cluster(int(row["gpus"]), row["gpu"], int(row["gpus_per_node"]), "1TiB", None)
+        best = search(profile, cluster, training, pins).best
+        note = "predicted not to fit the GPU: priced with memory uncapped"
+    return {"step": best.predicted.step_time_s, "virtual": best.parallelism.pipeline_parallel_virtual_stages,
+            "memory": best.predicted.peak_memory_bytes / GB, "note": note}
 
 
 def zero_bubble_row(row: dict, price=zero_bubble_estimate) -> dict:
-    """One run priced with 1F1B and each zero-bubble schedule (`price(row, schedule)` -> (step s, virtual stages));
-    the speed-ups over 1F1B, predicted (step-time ratio) and published (samples/s ratio), and their errors."""
+    """One run priced with 1F1B and each zero-bubble schedule (`price(row, schedule, uncapped)`: zero_bubble_estimate's
+    dict; all of the run with memory uncapped when one is predicted not to fit, so that the schedules are compared
+    on the same stage split rule); the speed-ups over 1F1B, predicted (step-time ratio) and published (samples/s
+    ratio), and their errors."""
     from autoplan.errors import UserError
 
-    steps: dict[str, tuple[float, int] | str] = {}
-    for schedule in ("1f1b",) + ZERO_BUBBLE_PRICED:
-        try:
-            steps[schedule] = price(row, schedule)
-        except UserError as e:  # the rules refuse it for this run: said, not priced
-            steps[schedule] = str(e)
+    def all_priced(uncapped: bool) -> dict[str, dict]:
+        priced: dict[str, dict] = {}
+        for schedule in ("1f1b",) + ZERO_BUBBLE_PRICED:
+            try:
+                priced[schedule] = price(row, schedule, uncapped)
+            except UserError as e:  # the rules refuse it for this run: said, not priced
+                priced[schedule] = {"step": None, "virtual": None, "memory": None, "note": f"not priced: {e}"}
+        return priced
+
+    priced = all_priced(False)
+    if any("uncapped" in x["note"] for x in priced.values()):
+        priced = all_priced(True)
     gpus, samples = int(row["gpus"]), int(row["microbatch_size"]) * int(row["microbatches"])
-    baseline = steps["1f1b"]
-    out: dict = {"row": row, "published_1f1b": float(row["1f1b"]),
-                 "published_zb_2p": float(row["zb_2p"]) / float(row["1f1b"]), "schedules": {}}
-    out["predicted_1f1b"] = samples / baseline[0] / gpus if isinstance(baseline, tuple) else None
+    baseline = priced["1f1b"]["step"]
+    out: dict = {"row": row, "published_1f1b": float(row["1f1b"]), "priced": priced,
+                 "published_zb_2p": float(row["zb_2p"]) / float(row["1f1b"]), "schedules": {},
+                 "predicted_1f1b": samples / baseline / gpus if baseline else None}
     for schedule in ZERO_BUBBLE_PRICED:
-        step = steps[schedule]
+        step = priced[schedule]["step"]
         column = ZERO_BUBBLE_PUBLISHED.get(schedule)
         published = float(row[column]) / float(row["1f1b"]) if column else None
-        if not isinstance(step, tuple) or not isinstance(baseline, tuple):
-            refused = step if isinstance(step, str) else baseline
-            out["schedules"][schedule] = {"predicted": None, "published": published, "virtual": None, "note": refused}
-            continue
-        predicted = baseline[0] / step[0]
-        out["schedules"][schedule] = {"predicted": predicted, "published": published, "virtual": step[1],
-                                      "error": None if published is None else predicted / published - 1}
+        predicted = baseline / step if baseline and step else None
+        out["schedules"][schedule] = {"predicted": predicted, "published": published,
+                                      "virtual": priced[schedule]["virtual"],
+                                      "error": None if published is None or predicted is None
+                                      else predicted / published - 1}
     return out
 
 
 def zero_bubble(path: str | Path = ZERO_BUBBLE_RUNS, price=zero_bubble_estimate) -> list[dict]:
-    """Every run of zero_bubble_runs.csv priced and printed: 1F1B's samples/s per GPU against the published, then
-    each zero-bubble schedule's speed-up over 1F1B, predicted against published. Returns the rows."""
+    """Every run of zero_bubble_runs.csv priced and printed: 1F1B's samples/s per GPU against the published, each
+    zero-bubble schedule's speed-up over 1F1B, predicted against published, and the peak memory of 1F1B and
+    zb-interleaved against the published (Table 4's GB). Returns the rows."""
     import csv
 
     with open(path, newline="") as f:
@@ -614,14 +633,15 @@ def zero_bubble(path: str | Path = ZERO_BUBBLE_RUNS, price=zero_bubble_estimate)
     print(f"\n## Zero-bubble schedules on Qi et al.'s pure-pipeline runs ({Path(path).name}), layouts pinned "
           "(pp = GPUs, dp = tp = 1, recompute none, compile off)")
     print("speed-up = samples/s over 1F1B's; published: ZB-1p for zb-interleaved (ZB-H1 in torch), ZB-2p has no "
-          "torch class, zbv and dualpipev no published row")
+          "torch class, zbv and dualpipev no published row; memory: published GB / predicted GB")
     print(f"{'model':>6} {'GPUs':>4} {'m':>4} | {'1F1B s/GPU/s':>12} {'pred':>6} {'err':>7} | "
-          f"{'zb-interleaved':>14} {'ZB-1p':>6} {'err':>7} | {'zbv':>6} | {'dualpipev':>9} | {'ZB-2p':>6}")
+          f"{'zb-interleaved':>14} {'ZB-1p':>6} {'err':>7} | {'zbv':>6} | {'dualpipev':>9} | {'ZB-2p':>6} | "
+          f"{'1F1B GB':>9} | {'ZB-1p GB':>9}")
     results = []
     for row in rows:
         out = zero_bubble_row(row, price)
         results.append(out)
-        zb = out["schedules"]
+        zb, priced = out["schedules"], out["priced"]
 
         def speedup(schedule: str) -> str:
             """The predicted speed-up, with the virtual stages where the search took other than the usual."""
@@ -629,16 +649,24 @@ def zero_bubble(path: str | Path = ZERO_BUBBLE_RUNS, price=zero_bubble_estimate)
             usual = 1 if schedule == "zb-interleaved" else 2
             return fmt(x["predicted"], 3) + (f" v{x['virtual']}" if x["virtual"] not in (None, usual) else "")
 
+        def memory(schedule: str, column: str) -> str:
+            return f"{row[column]}/{fmt(priced[schedule]['memory'], 0)}"
+
         print(f"{row['model']:>6} {row['gpus']:>4} {row['microbatches']:>4} | {out['published_1f1b']:>12.2f} "
               f"{fmt(out['predicted_1f1b'], 2):>6} {err(out['predicted_1f1b'], out['published_1f1b']):>7} | "
               f"{speedup('zb-interleaved'):>14} {zb['zb-interleaved']['published']:>6.3f} "
               f"{err(zb['zb-interleaved']['predicted'], zb['zb-interleaved']['published']):>7} | "
-              f"{speedup('zbv'):>6} | {speedup('dualpipev'):>9} | {out['published_zb_2p']:>6.3f}")
-        for schedule, x in zb.items():
-            if x.get("note"):
-                print(f"    {schedule}: not priced: {x['note']}")
+              f"{speedup('zbv'):>6} | {speedup('dualpipev'):>9} | {out['published_zb_2p']:>6.3f} | "
+              f"{memory('1f1b', '1f1b_memory_gb'):>9} | {memory('zb-interleaved', 'zb_1p_memory_gb'):>9}")
+        notes = {x["note"] for x in priced.values() if x["note"]}
+        if len(notes) == 1 and all(x["note"] for x in priced.values()):
+            print(f"    every schedule {notes.pop()} (one was predicted not to fit the GPU)")
+        else:
+            for schedule, x in priced.items():
+                if x["note"]:
+                    print(f"    {schedule}: {x['note']}")
     errors = [out["schedules"]["zb-interleaved"]["error"] for out in results
-              if out["schedules"]["zb-interleaved"].get("error") is not None]
+              if out["schedules"]["zb-interleaved"]["error"] is not None]
     if errors:
         print(f"zb-interleaved against ZB-1p: mean |error| {statistics.mean(abs(e) for e in errors):.1%}, "
               f"worst {max(errors, key=abs):+.1%} over {len(errors)} runs")

@@ -225,7 +225,7 @@ def test_the_accuracy_section_prices_one_published_run():
                           device=row["gpu"], attention="megatron")
     priced: dict[str, float] = {}
 
-    def price(row: dict, schedule: str) -> tuple[float, int]:
+    def price(row: dict, schedule: str, uncapped: bool) -> dict:
         v = 2 if schedule in ("zbv", "dualpipev") else 1
         pins = Layout(tp=1, sp="off", pp=int(row["gpus"]), dp=1, zero=0, recompute="none", schedule=schedule,
                       compile="off", microbatch=int(row["microbatch_size"]), virtual_stages=v)
@@ -233,7 +233,8 @@ def test_the_accuracy_section_prices_one_published_run():
         best = search(profile, a100_cluster(int(row["gpus"])), Training(global_batch_size=batch, dtype="bf16"),
                       pins).best
         priced[schedule] = best.predicted.step_time_s
-        return best.predicted.step_time_s, best.parallelism.pipeline_parallel_virtual_stages
+        return {"step": best.predicted.step_time_s, "virtual": best.parallelism.pipeline_parallel_virtual_stages,
+                "memory": best.predicted.peak_memory_bytes / 1e9, "note": ""}
 
     out = accuracy.zero_bubble_row(row, price)
     zb = out["schedules"]
@@ -246,3 +247,19 @@ def test_the_accuracy_section_prices_one_published_run():
     error = zb["zb-interleaved"]["error"]
     assert error == pytest.approx(zb["zb-interleaved"]["predicted"] / (12.9 / 11.8) - 1)
     assert out["predicted_1f1b"] == pytest.approx(6 * 24 / priced["1f1b"] / 8)
+
+
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_pinned_virtual_stages_are_the_ones_priced(virtual):
+    """A Layout pinning virtual_stages (benchmarks/accuracy.py pins ZB-H1's one stage per rank) gets exactly those:
+    the search does not pick another count for the schedule."""
+    from chain_fixtures import a100_cluster, gpt_profile
+
+    from autoplan.plan import Training
+    from autoplan.solve.search import search
+
+    profile = gpt_profile(n_layer=8, n_embd=256, vocab=1024, seq=128, batch=2, n_head=4, device="a100-sxm4-80gb")
+    pins = Layout(tp=1, pp=2, dp=1, schedule="zb-interleaved", compile="off", recompute="none", microbatch=2,
+                  virtual_stages=virtual)
+    best = search(profile, a100_cluster(2), Training(global_batch_size=16, dtype="bf16"), pins).best
+    assert best.parallelism.pipeline_parallel_virtual_stages == virtual
