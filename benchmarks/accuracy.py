@@ -529,11 +529,12 @@ runs pad it (assumed, like runs.csv's)."""
 ZERO_BUBBLE_PRICED = ("zb-interleaved", "zbv", "dualpipev")
 """The zero-bubble schedules torch runs (autoplan.layout.ZERO_BUBBLE_SCHEDULES), priced on every row."""
 ZERO_BUBBLE_PUBLISHED = {"zb-interleaved": "zb_1p"}
-"""Our schedule -> the column of Qi et al.'s it runs. torch's ScheduleInterleavedZeroBubble on one stage per rank is
-their handcrafted ZB-H1 (the order tests/test_zero_bubble_cost.py checks against torch's), whose bubble rate their
-Table 5 gives equal to ZB-1p's in every one of these setups (ZB-1p's search, limited to p micro-batches' activations,
-finds ZB-H1). ZB-2p (2p micro-batches' activations) has no torch class; ZB-V (zbv) came in the later version of the
-paper and DualPipeV from DeepSeek, neither in this table."""
+"""Our schedule -> the column of Qi et al.'s it runs. torch's ScheduleInterleavedZeroBubble ("implementing the ZB1P
+schedule in the paper", its docstring) on one stage per rank runs their handcrafted ZB-H1 (the order
+tests/test_zero_bubble_cost.py checks against torch's), whose bubble rate their Table 5 gives equal to ZB-1p's in
+every one of these setups (ZB-1p's search, limited to p micro-batches' activations, finds ZB-H1). ZB-2p (2p
+micro-batches' activations) has no torch class; ZB-V (zbv) came in the later version of the paper and DualPipeV from
+DeepSeek, neither in this table."""
 
 
 ZERO_BUBBLE_VIRTUAL = {"zb-interleaved": 1, "zbv": 2, "dualpipev": 2}

@@ -368,9 +368,11 @@ class _Dependencies:
 _KINDS = "FBIW"
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=16)
 def _dependencies(schedule: str, p: int, m: int, chunks: int) -> _Dependencies:
-    orders, posted = _orders_and_receives(schedule, p, m, chunks)
+    """The arrays of a schedule shape, built once (a search prices the same shapes over and over with different
+    stage costs); the operation orders they come from are not kept (10^5 operations for a deep pipeline)."""
+    orders, posted = _orders_and_receives.__wrapped__(schedule, p, m, chunks)
     placement = SCHEDULE_BY_NAME[schedule].placement if schedule in SCHEDULE_BY_NAME else "loop"
     last = p * chunks - 1
     offsets = list(itertools.accumulate((len(o) for o in orders), initial=0))
@@ -407,10 +409,10 @@ def _dependencies(schedule: str, p: int, m: int, chunks: int) -> _Dependencies:
     bounds = np.searchsorted(np.array(level)[order], np.arange(max(level) + 2)) if total else np.zeros(1, int)
 
     def sort(values: list[int]) -> np.ndarray:
-        return np.array(values)[order]
+        return np.array(values, dtype=np.int32)[order]
 
-    return _Dependencies(tuple(int(x) for x in bounds), order, sort(stage), sort(kind), sort(previous),
-                         sort(producer), sort(boundary), sort(after))
+    return _Dependencies(tuple(int(x) for x in bounds), order.astype(np.int32), sort(stage), sort(kind),
+                         sort(previous), sort(producer), sort(boundary), sort(after))
 
 
 def _levels(offsets: list[int], producer: list[int], after: list[int], schedule: str) -> list[int]:
