@@ -1,6 +1,7 @@
 """Predicted step time and memory next to the peers a user could pick instead, and next to the truth.
 
     python benchmarks/accuracy.py [--runs shared/reference/runs.csv] [--skip-capture] [--skip-cpu]
+                                  [--frontier [CSV]] [--zero-bubble [CSV]] [--frontier-only | --zero-bubble-only]
 
 1. Published training runs (runs.csv; Megatron-LM, Narayanan et al. SC21), their layouts pinned, through
    the path a user takes: autoplan.estimate on a model file (benchmarks/models/megatron_gpt.py with q, k
@@ -25,6 +26,13 @@
    within 20%; the rows alone, DeepSeek-V3-16B, within 20% on step time and memory). Rows whose `precision` says
    float8 ("bf16+float8 linears": torchao, "fp8 (TE)": Transformer Engine) are priced with float8 linears
    (estimate's float8_linears, priced only: the generated program runs bf16). Runs alone: --frontier-only.
+7. --zero-bubble: Qi et al.'s pure-pipeline runs (benchmarks/zero_bubble_runs.csv: GPT 1.5B-28.3B on 8-32 A100s,
+   their Tables 3 and 4), each layout pinned (pp = the GPUs, dp = tp = 1, their micro-batch size and count,
+   recompute none, compile off, the virtual stages too) as autoplan.estimate prices it (one capture per model
+   shape, a search per schedule): the predicted speed-up of each
+   zero-bubble schedule torch runs over 1F1B next to the published one (ZB-1p for zb-interleaved; ZB-2p has no
+   torch class, ZB-V and DualPipeV no row in their table). Nothing is fitted to these rows. Alone:
+   --zero-bubble-only.
 
 llm-analysis pins transformers < 5, so install it without dependencies:
     pip install --no-deps llm-analysis==0.2.2 "fire>=0.5,<0.6"
@@ -37,6 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import lru_cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -513,6 +522,158 @@ def frontier(path: str | Path = DEFAULT_FRONTIER) -> list[dict]:
     return results
 
 
+ZERO_BUBBLE_RUNS = ROOT / "benchmarks" / "zero_bubble_runs.csv"
+ZERO_BUBBLE_VOCAB = 51200
+"""Qi et al.'s Table 3 gives no vocabulary: Megatron-LM's GPT-2 BPE (50,257 tokens) padded to 51,200, as its GPT
+runs pad it (assumed, like runs.csv's)."""
+ZERO_BUBBLE_PRICED = ("zb-interleaved", "zbv", "dualpipev")
+"""The zero-bubble schedules torch runs (autoplan.layout.ZERO_BUBBLE_SCHEDULES), priced on every row."""
+ZERO_BUBBLE_PUBLISHED = {"zb-interleaved": "zb_1p"}
+"""Our schedule -> the column of Qi et al.'s it runs. torch's ScheduleInterleavedZeroBubble ("implementing the ZB1P
+schedule in the paper", its docstring) on one stage per rank runs their handcrafted ZB-H1 (the order
+tests/test_zero_bubble_cost.py checks against torch's), whose bubble rate their Table 5 gives equal to ZB-1p's in
+every one of these setups (ZB-1p's search, limited to p micro-batches' activations, finds ZB-H1). ZB-2p (2p
+micro-batches' activations) has no torch class; ZB-V (zbv) came in the later version of the paper and DualPipeV from
+DeepSeek, neither in this table."""
+
+
+ZERO_BUBBLE_VIRTUAL = {"zb-interleaved": 1, "zbv": 2, "dualpipev": 2}
+"""Stages per rank each schedule is pinned to: one for zb-interleaved (ZB-H1, the schedule ZB-1p runs here; the search
+would take more where they pay), two for the V-shaped ones; 1F1B one."""
+
+
+@lru_cache(maxsize=4)
+def zero_bubble_profile(gpu: str, layers: int, heads: int, hidden: int, seq: int):
+    """The capture and profile autoplan.estimate starts with (autoplan.api.profile_only: torch.export on fake
+    tensors) of benchmarks/models/megatron_gpt.py at the run's shape (q, k and v as three Linears, as in section 1),
+    once per shape: every schedule of a run, and every micro-batch count, is priced from it."""
+    from autoplan.api import profile_only
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "zero_bubble_gpt.py"
+        path.write_text(SPLIT_QKV_MODEL_FILE.format(folder=str(ROOT / "benchmarks" / "models"), vocab=ZERO_BUBBLE_VOCAB,
+                                                    seq=seq, layers=layers, heads=heads, hidden=hidden))
+        return profile_only(str(path), gpu)
+
+
+def zero_bubble_estimate(row: dict, schedule: str, uncapped: bool = False) -> dict:
+    """The run's layout with `schedule` priced as autoplan.estimate prices a pinned layout (profile, then the search
+    over what the pins leave), with the virtual stages pinned too (ZERO_BUBBLE_VIRTUAL; --pin does not take them):
+    {"step": seconds, "virtual": stages per rank, "memory": peak GB, "note": why it is priced with memory uncapped}.
+    A layout predicted not to fit the GPU (or any, `uncapped`) is priced with memory uncapped, to compare speeds."""
+    from autoplan.api import load_cluster
+    from autoplan.errors import UserError
+    from autoplan.layout import Layout
+
+    profile = zero_bubble_profile(row["gpu"], int(row["layers"]), int(row["heads"]), int(row["hidden"]),
+                                  int(row["seq_len"]))
+    pins = Layout(tp=1, sp="off", pp=int(row["gpus"]), dp=1, zero=0, recompute="none", schedule=schedule,
+                  compile="off", microbatch=int(row["microbatch_size"]),
+                  virtual_stages=ZERO_BUBBLE_VIRTUAL.get(schedule, 1))
+    training = Training(global_batch_size=int(row["microbatch_size"]) * int(row["microbatches"]), dtype="bf16",
+                        tokens_per_sample=profile.tokens_per_sample)
+    note = "priced with memory uncapped" if uncapped else ""
+    try:
+        cluster = load_cluster(int(row["gpus"]), row["gpu"], int(row["gpus_per_node"]), "1TiB" if uncapped else None,
+                               None)
+        best = search(profile, cluster, training, pins).best
+    except UserError as e:
+        if "fit" not in str(e) or uncapped:
+            raise
+        cluster = load_cluster(int(row["gpus"]), row["gpu"], int(row["gpus_per_node"]), "1TiB", None)
+        best = search(profile, cluster, training, pins).best
+        note = "predicted not to fit the GPU: priced with memory uncapped"
+    return {"step": best.predicted.step_time_s, "virtual": best.parallelism.pipeline_parallel_virtual_stages,
+            "memory": best.predicted.peak_memory_bytes / GB, "note": note}
+
+
+def zero_bubble_row(row: dict, price=zero_bubble_estimate) -> dict:
+    """One run priced with 1F1B and each zero-bubble schedule (`price(row, schedule, uncapped)`: zero_bubble_estimate's
+    dict; all of the run with memory uncapped when one is predicted not to fit, so that the schedules are compared
+    on the same stage split rule); the speed-ups over 1F1B, predicted (step-time ratio) and published (samples/s
+    ratio), and their errors."""
+    from autoplan.errors import UserError
+
+    def all_priced(uncapped: bool) -> dict[str, dict]:
+        priced: dict[str, dict] = {}
+        for schedule in ("1f1b",) + ZERO_BUBBLE_PRICED:
+            try:
+                priced[schedule] = price(row, schedule, uncapped)
+            except UserError as e:  # the rules refuse it for this run: said, not priced
+                priced[schedule] = {"step": None, "virtual": None, "memory": None, "note": f"not priced: {e}"}
+        return priced
+
+    priced = all_priced(False)
+    if any("uncapped" in x["note"] for x in priced.values()):
+        priced = all_priced(True)
+    gpus, samples = int(row["gpus"]), int(row["microbatch_size"]) * int(row["microbatches"])
+    baseline = priced["1f1b"]["step"]
+    out: dict = {"row": row, "published_1f1b": float(row["1f1b"]), "priced": priced,
+                 "published_zb_2p": float(row["zb_2p"]) / float(row["1f1b"]), "schedules": {},
+                 "predicted_1f1b": samples / baseline / gpus if baseline else None}
+    for schedule in ZERO_BUBBLE_PRICED:
+        step = priced[schedule]["step"]
+        column = ZERO_BUBBLE_PUBLISHED.get(schedule)
+        published = float(row[column]) / float(row["1f1b"]) if column else None
+        predicted = baseline / step if baseline and step else None
+        out["schedules"][schedule] = {"predicted": predicted, "published": published,
+                                      "virtual": priced[schedule]["virtual"],
+                                      "error": None if published is None or predicted is None
+                                      else predicted / published - 1}
+    return out
+
+
+def zero_bubble(path: str | Path = ZERO_BUBBLE_RUNS, price=zero_bubble_estimate) -> list[dict]:
+    """Every run of zero_bubble_runs.csv priced and printed: 1F1B's samples/s per GPU against the published, each
+    zero-bubble schedule's speed-up over 1F1B, predicted against published, and the peak memory of 1F1B and
+    zb-interleaved against the published (Table 4's GB). Returns the rows."""
+    import csv
+
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    print(f"\n## Zero-bubble schedules on Qi et al.'s pure-pipeline runs ({Path(path).name}), layouts pinned "
+          "(pp = GPUs, dp = tp = 1, recompute none, compile off)")
+    print("speed-up = samples/s over 1F1B's; published: ZB-1p for zb-interleaved (ZB-H1 in torch), ZB-2p has no "
+          "torch class, zbv and dualpipev no published row; memory: published GB / predicted GB")
+    print(f"{'model':>6} {'GPUs':>4} {'m':>4} | {'1F1B s/GPU/s':>12} {'pred':>6} {'err':>7} | "
+          f"{'zb-interleaved':>14} {'ZB-1p':>6} {'err':>7} | {'zbv':>6} | {'dualpipev':>9} | {'ZB-2p':>6} | "
+          f"{'1F1B GB':>9} | {'ZB-1p GB':>9}")
+    results = []
+    for row in rows:
+        out = zero_bubble_row(row, price)
+        results.append(out)
+        zb, priced = out["schedules"], out["priced"]
+
+        def speedup(schedule: str) -> str:
+            """The predicted speed-up, with the virtual stages where the search took other than the usual."""
+            x = zb[schedule]
+            usual = 1 if schedule == "zb-interleaved" else 2
+            return fmt(x["predicted"], 3) + (f" v{x['virtual']}" if x["virtual"] not in (None, usual) else "")
+
+        def memory(schedule: str, column: str) -> str:
+            return f"{row[column]}/{fmt(priced[schedule]['memory'], 0)}"
+
+        print(f"{row['model']:>6} {row['gpus']:>4} {row['microbatches']:>4} | {out['published_1f1b']:>12.2f} "
+              f"{fmt(out['predicted_1f1b'], 2):>6} {err(out['predicted_1f1b'], out['published_1f1b']):>7} | "
+              f"{speedup('zb-interleaved'):>14} {zb['zb-interleaved']['published']:>6.3f} "
+              f"{err(zb['zb-interleaved']['predicted'], zb['zb-interleaved']['published']):>7} | "
+              f"{speedup('zbv'):>6} | {speedup('dualpipev'):>9} | {out['published_zb_2p']:>6.3f} | "
+              f"{memory('1f1b', '1f1b_memory_gb'):>9} | {memory('zb-interleaved', 'zb_1p_memory_gb'):>9}")
+        notes = {x["note"] for x in priced.values() if x["note"]}
+        if len(notes) == 1 and all(x["note"] for x in priced.values()):
+            print(f"    every schedule {notes.pop()} (one was predicted not to fit the GPU)")
+        else:
+            for schedule, x in priced.items():
+                if x["note"]:
+                    print(f"    {schedule}: {x['note']}")
+    errors = [out["schedules"]["zb-interleaved"]["error"] for out in results
+              if out["schedules"]["zb-interleaved"]["error"] is not None]
+    if errors:
+        print(f"zb-interleaved against ZB-1p: mean |error| {statistics.mean(abs(e) for e in errors):.1%}, "
+              f"worst {max(errors, key=abs):+.1%} over {len(errors)} runs")
+    return results
+
+
 RATIO_TARGET = 0.2
 """Issue 28: a context-parallel ladder's throughput ratios (each row over its first) within 20% of the published."""
 ROW_TARGET = 0.2
@@ -553,9 +714,15 @@ def main() -> None:
     parser.add_argument("--frontier", nargs="?", const=str(DEFAULT_FRONTIER), default=None, metavar="CSV",
                         help="also price runs_frontier.csv's rows (section 6)")
     parser.add_argument("--frontier-only", action="store_true", help="run only the frontier section")
+    parser.add_argument("--zero-bubble", nargs="?", const=str(ZERO_BUBBLE_RUNS), default=None, metavar="CSV",
+                        help="also price Qi et al.'s zero-bubble runs (section 7)")
+    parser.add_argument("--zero-bubble-only", action="store_true", help="run only the zero-bubble section")
     args = parser.parse_args()
     if args.frontier_only:
         frontier(args.frontier or DEFAULT_FRONTIER)
+        return
+    if args.zero_bubble_only:
+        zero_bubble(args.zero_bubble or ZERO_BUBBLE_RUNS)
         return
     rows = read_runs(args.runs)
     published(rows)
@@ -568,6 +735,8 @@ def main() -> None:
         this_machine()
     if args.frontier:
         frontier(args.frontier)
+    if args.zero_bubble:
+        zero_bubble(args.zero_bubble)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from autoplan.cost.pipeline import StageCost, microbatches_in_flight, simulate, split_backward_order
+from autoplan.cost.pipeline import (StageCost, microbatches_in_flight, simulate, simulated_step_s, split_backward_order,
+                                   swept_makespan_s)
 from autoplan.layout import (SCHEDULE_BY_NAME, SCHEDULES, ZERO_BUBBLE_SCHEDULES, Layout, Scope, problems, rank_stages,
                              stage_rank)
 
@@ -143,3 +144,122 @@ def test_the_predicted_timeline_draws_forward_input_and_weight_gradient_passes()
     assert len(weight) == 4 * 4 and all(abs(e.duration_s - 0.01) < 1e-12 for e in weight)
     sends = {(e.stage, e.peer) for e in events if e.kind == "send" and e.payload == "activation"}
     assert sends == {(0, 1), (2, 0)}  # stage 1 -> 2 stays on rank 1 (no transfer); stage 2 -> 3 goes back to rank 0
+
+
+ALL_SHAPES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-interleaved", 1), ("zb-interleaved", 2), ("zbv", 2),
+              ("dualpipev", 2)]
+
+
+def _uneven(p: int, v: int, send_s: float, seed: int) -> list[StageCost]:
+    """Stages of uneven forward, backward and weight-gradient times (the last one heavier, as a loss head is)."""
+    import random
+
+    rng = random.Random(seed)
+    return [StageCost(rng.uniform(0.5, 1.5) + (1.0 if s == p * v - 1 else 0.0), rng.uniform(1.0, 3.0),
+                      send_s if s < p * v - 1 else 0.0, weight_s=rng.uniform(0.2, 0.9)) for s in range(p * v)]
+
+
+@pytest.mark.parametrize("schedule, v", ALL_SHAPES)
+def test_the_swept_timeline_is_the_simulated_one(schedule, v):
+    """swept_makespan_s (deep pipelines) runs the same orders as simulate: the same makespan without transfers, and
+    within 2% with transfers of a tenth of a forward (it does not queue them on the send and receive streams)."""
+    for p in (2, 3, 4):
+        for m in (2 * p, 3 * p):
+            for seed, send in enumerate((0.0, 0.1)):
+                stages = _uneven(p, v, send, seed)
+                exact = simulate(schedule, p, m, stages).makespan_s
+                assert swept_makespan_s(schedule, p, m, stages) == pytest.approx(exact, rel=1e-9 if not send else 0.02)
+
+
+@pytest.mark.parametrize("schedule, v", ALL_SHAPES)
+def test_deep_pipelines_are_extrapolated_from_six_rounds(schedule, v):
+    """Past six rounds of p micro-batches every round adds the same time: the extrapolation of a 16-deep pipeline
+    over 16 rounds is its whole swept timeline (within 1%: rendezvous receives can keep an interleaved schedule
+    from settling, 0.4% off here for one of the two stage draws)."""
+    p, m = 16, 256
+    for seed in (7, 8):
+        stages = _uneven(p, v, 0.02, seed)
+        swept = swept_makespan_s(schedule, p, m, stages)
+        assert simulated_step_s(schedule, p, m, stages) == pytest.approx(swept, rel=0.01 if schedule == "interleaved"
+                                                                         else 1e-9)
+
+
+def test_deep_pipelines_get_the_zero_bubble_credit():
+    """64 ranks (the depth the search plans for the largest models) are priced from the schedules' own orders: the
+    bubbles of the published formulas (the closed form that priced them before gave zero-bubble schedules 1F1B's)."""
+    p, m = 64, 128
+    busy = 3.0 * m
+    assert _equal_passes_step("1f1b", p, m, 1) - busy == pytest.approx((p - 1) * 3.0)
+    assert _equal_passes_step("zb-interleaved", p, m, 1) - busy == pytest.approx((p - 1) * (1 + 1 - 1))
+    for schedule in ("zbv", "dualpipev"):
+        assert _equal_passes_step(schedule, p, m, 2) - busy == pytest.approx((p - 1) * 0.5)
+
+
+def _equal_passes_step(schedule: str, p: int, m: int, v: int) -> float:
+    stages = [StageCost(forward_s=1 / v, backward_s=2 / v, weight_s=1 / v) for _ in range(p * v)]
+    return simulated_step_s(schedule, p, m, stages)
+
+
+def test_the_accuracy_section_prices_one_published_run():
+    """benchmarks/accuracy.py --zero-bubble on Qi et al.'s first run (1.5B on 8 A100s, 24 micro-batches of 6), priced
+    with the GPT profile generator instead of a capture: the published speed-ups are the table's ratios, the
+    predicted ones the step-time ratios, and the zero-bubble schedules beat 1F1B (their bubble credit)."""
+    import csv
+    import sys
+    from pathlib import Path
+
+    from chain_fixtures import a100_cluster, gpt_profile
+
+    from autoplan.plan import Training
+    from autoplan.solve.search import search
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    import accuracy
+
+    with open(root / "benchmarks" / "zero_bubble_runs.csv", newline="") as f:
+        row = next(csv.DictReader(f))
+    assert (row["model"], row["gpus"], row["microbatches"]) == ("1.5B", "8", "24")
+    profile = gpt_profile(n_layer=int(row["layers"]), n_embd=int(row["hidden"]), vocab=accuracy.ZERO_BUBBLE_VOCAB,
+                          seq=int(row["seq_len"]), batch=int(row["microbatch_size"]), n_head=int(row["heads"]),
+                          device=row["gpu"], attention="megatron")
+    priced: dict[str, float] = {}
+
+    def price(row: dict, schedule: str, uncapped: bool) -> dict:
+        v = 2 if schedule in ("zbv", "dualpipev") else 1
+        pins = Layout(tp=1, sp="off", pp=int(row["gpus"]), dp=1, zero=0, recompute="none", schedule=schedule,
+                      compile="off", microbatch=int(row["microbatch_size"]), virtual_stages=v)
+        batch = int(row["microbatch_size"]) * int(row["microbatches"])
+        best = search(profile, a100_cluster(int(row["gpus"])), Training(global_batch_size=batch, dtype="bf16"),
+                      pins).best
+        priced[schedule] = best.predicted.step_time_s
+        return {"step": best.predicted.step_time_s, "virtual": best.parallelism.pipeline_parallel_virtual_stages,
+                "memory": best.predicted.peak_memory_bytes / 1e9, "note": ""}
+
+    out = accuracy.zero_bubble_row(row, price)
+    zb = out["schedules"]
+    assert zb["zb-interleaved"]["published"] == pytest.approx(12.9 / 11.8)
+    assert out["published_zb_2p"] == pytest.approx(14.5 / 11.8)
+    assert zb["zbv"]["published"] is None and zb["dualpipev"]["published"] is None
+    for schedule in ZERO_BUBBLE_SCHEDULES:
+        assert zb[schedule]["predicted"] == pytest.approx(priced["1f1b"] / priced[schedule])
+        assert zb[schedule]["predicted"] > 1.0
+    error = zb["zb-interleaved"]["error"]
+    assert error == pytest.approx(zb["zb-interleaved"]["predicted"] / (12.9 / 11.8) - 1)
+    assert out["predicted_1f1b"] == pytest.approx(6 * 24 / priced["1f1b"] / 8)
+
+
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_pinned_virtual_stages_are_the_ones_priced(virtual):
+    """A Layout pinning virtual_stages (benchmarks/accuracy.py pins ZB-H1's one stage per rank) gets exactly those:
+    the search does not pick another count for the schedule."""
+    from chain_fixtures import a100_cluster, gpt_profile
+
+    from autoplan.plan import Training
+    from autoplan.solve.search import search
+
+    profile = gpt_profile(n_layer=8, n_embd=256, vocab=1024, seq=128, batch=2, n_head=4, device="a100-sxm4-80gb")
+    pins = Layout(tp=1, pp=2, dp=1, schedule="zb-interleaved", compile="off", recompute="none", microbatch=2,
+                  virtual_stages=virtual)
+    best = search(profile, a100_cluster(2), Training(global_batch_size=16, dtype="bf16"), pins).best
+    assert best.parallelism.pipeline_parallel_virtual_stages == virtual

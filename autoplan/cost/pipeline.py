@@ -12,7 +12,8 @@ GPipe and 1F1B, (p - 1) / v for interleaved, where a slot is one micro-batch thr
 stages. That closed form assumes balanced stages, free transfers and a backward of twice the forward;
 `simulate` drops all three: every rank runs its operations in its schedule's order, each as soon as
 its input has arrived (a transfer after the producing operation) and the rank is free. Step times
-are priced with the simulation, the search's lower bounds with the closed form (never above it).
+are priced with the simulation (`swept_makespan_s` runs the same orders vectorized for pipelines of 32-64
+stages), the search's lower bounds with the closed form (never above it).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
+
+import numpy as np
 
 from autoplan.cost.pipeline_recv import receive_posted_after
 from autoplan.layout import SCHEDULE_BY_NAME, rank_stages, stage_rank
@@ -306,32 +309,163 @@ def simulate(schedule: str, num_ranks: int, num_microbatches: int, stages: Seque
 
 
 SIMULATED_OPERATIONS_MAX = 2048
-"""Largest simulation `simulated_step_s` runs (forwards + backwards over all stages, ~15 us each): a
-search prices hundreds of layouts, so long pipelines are extrapolated or priced in closed form."""
+"""Largest pipeline `simulated_step_s` runs through `simulate` (forwards + backwards over all stages, ~15-50 us
+each): a search prices hundreds of layouts, so longer ones are extrapolated from shorter simulations or, deeper
+still, priced by `swept_makespan_s` (the same operation orders, vectorized)."""
 
 
 def simulated_step_s(schedule: str, num_ranks: int, num_microbatches: int, stages: Sequence[StageCost]) -> float:
-    """Makespan of the simulated pipeline, within SIMULATED_OPERATIONS_MAX operations.
+    """Makespan of the simulated pipeline.
 
-    Longer runs: past the warm-up every extra round of p micro-batches adds the same time (the steady
-    state repeats), so they are extrapolated linearly from runs of m1 and m1 + p micro-batches with
-    m1 = m (mod p), which keeps torch's grouping of interleaved rounds. Pipelines too deep even for
-    that get the closed form: (m + (p - 1) / v) x the slowest rank's slot, plus one transfer across
-    every boundary each way (the fill and the drain)."""
+    Within SIMULATED_OPERATIONS_MAX operations, `simulate`. Longer runs: past the warm-up every extra round of p
+    micro-batches adds the same time (the steady state repeats), so they are extrapolated linearly from runs of m1
+    and m1 + p micro-batches with m1 = m (mod p), which keeps torch's grouping of interleaved rounds: simulated, or
+    for pipelines too deep for that (32-64 stages) every operation of their schedule's order run in
+    `swept_makespan_s`, as are deep runs of at most six rounds."""
     m, p = num_microbatches, max(1, num_ranks)
     per_microbatch = 2 * len(stages)
     if m * per_microbatch <= SIMULATED_OPERATIONS_MAX:
         return simulate(schedule, p, m, stages).makespan_s
-    # six rounds (the warm-up of a deep interleaved schedule settles within four), the residue of m
+    # six rounds (the warm-up of a deep interleaved schedule settles within four, DualPipeV's within five), the
+    # residue of m
     m2 = max(6 * p, 32)
     m2 -= (m2 - m) % p
     m1 = m2 - p
-    if m2 * per_microbatch <= SIMULATED_OPERATIONS_MAX and m2 < m:
-        t1 = simulate(schedule, p, m1, stages).makespan_s
-        t2 = simulate(schedule, p, m2, stages).makespan_s
-        return t2 + (m - m2) / p * (t2 - t1)
-    slot = max(sum(c.forward_s + c.backward_s for c in stages[r::p]) for r in range(p))
-    return pipeline_time(slot, p, m, len(stages) // p).total_s + 2 * sum(c.send_s for c in stages[:-1])
+    if m2 >= m:
+        return swept_makespan_s(schedule, p, m, stages)
+    if m2 * per_microbatch <= SIMULATED_OPERATIONS_MAX:
+        t1, t2 = (simulate(schedule, p, k, stages).makespan_s for k in (m1, m2))
+    else:
+        t1, t2 = (swept_makespan_s(schedule, p, k, stages) for k in (m1, m2))
+    return t2 + (m - m2) / p * (t2 - t1)
+
+
+@dataclass(frozen=True)
+class _Dependencies:
+    """A schedule's operations (every rank's order, concatenated) as arrays, sorted by level (an operation's level
+    is one more than the highest of the operations it waits for, so each level's operations can be timed
+    together once the levels before it are): what `swept_makespan_s` needs."""
+
+    level_bounds: tuple[int, ...]
+    """[level_bounds[k], level_bounds[k + 1]) are level k's operations in the arrays below."""
+    index: "np.ndarray"
+    """The operation's position in the concatenated rank orders."""
+    stage: "np.ndarray"
+    kind: "np.ndarray"
+    """Index into (F, B, I, W)."""
+    previous: "np.ndarray"
+    """The rank's operation before it (len(index) when none)."""
+    producer: "np.ndarray"
+    """The operation on another rank whose output it needs (len(index) when none: a first-stage forward, or an
+    input produced on the same rank, which the rank's own order runs before it)."""
+    boundary: "np.ndarray"
+    """The stage whose send_s prices that transfer (-1 when none)."""
+    posted_after: "np.ndarray"
+    """The operation of its rank after which its receive of that input is posted (len(index) when from the start:
+    cost/pipeline_recv.py)."""
+
+
+_KINDS = "FBIW"
+
+
+@lru_cache(maxsize=16)
+def _dependencies(schedule: str, p: int, m: int, chunks: int) -> _Dependencies:
+    """The arrays of a schedule shape, built once (a search prices the same shapes over and over with different
+    stage costs); the operation orders they come from are not kept (10^5 operations for a deep pipeline)."""
+    orders, posted = _orders_and_receives.__wrapped__(schedule, p, m, chunks)
+    placement = SCHEDULE_BY_NAME[schedule].placement if schedule in SCHEDULE_BY_NAME else "loop"
+    last = p * chunks - 1
+    offsets = list(itertools.accumulate((len(o) for o in orders), initial=0))
+    total = offsets[-1]
+    made: dict[tuple[str, int, int], tuple[int, int]] = {}  # output -> (index, rank)
+    stage, kind = [0] * total, [0] * total
+    for r, order in enumerate(orders):
+        local = rank_stages(r, p, chunks, placement)
+        for i, (k, chunk, mb) in enumerate(order):
+            g = offsets[r] + i
+            stage[g], kind[g] = local[chunk], _KINDS.index(k)
+            if k != "W":
+                made["B" if k == "I" else k, local[chunk], mb] = (g, r)
+    previous = [g - 1 if g > offsets[r] else total for r in range(p) for g in range(offsets[r], offsets[r + 1])]
+    producer, boundary, after = [total] * total, [-1] * total, [total] * total
+    for r, order in enumerate(orders):
+        for i, (k, chunk, mb) in enumerate(order):
+            g, s = offsets[r] + i, stage[offsets[r] + i]
+            if k == "W" or (k == "F" and s == 0):
+                continue
+            needed = ("F", s - 1, mb) if k == "F" else ("F", s, mb) if s == last else ("B", s + 1, mb)
+            if needed not in made:
+                raise ValueError(f"{schedule} schedule deadlocked: no rank produces {needed} (pp={p}, "
+                                 f"microbatches={m}, stages per rank={chunks})")
+            source, source_rank = made[needed]
+            if source_rank == r:
+                continue
+            producer[g], boundary[g] = source, min(s, needed[1])
+            post = posted.get((_KINDS[kind[source]], needed[1], mb), -1)
+            if post >= 0:
+                after[g] = offsets[r] + post
+    level = _levels(offsets, producer, after, schedule)
+    order = np.argsort(np.array(level), kind="stable")
+    bounds = np.searchsorted(np.array(level)[order], np.arange(max(level) + 2)) if total else np.zeros(1, int)
+
+    def sort(values: list[int]) -> np.ndarray:
+        return np.array(values, dtype=np.int32)[order]
+
+    return _Dependencies(tuple(int(x) for x in bounds), order.astype(np.int32), sort(stage), sort(kind),
+                         sort(previous), sort(producer), sort(boundary), sort(after))
+
+
+def _levels(offsets: list[int], producer: list[int], after: list[int], schedule: str) -> list[int]:
+    """Each operation's level: 1 + the highest level of the rank's previous operation, its input's producer and
+    the operation its receive is posted after (0 for none). A rank advances while what it waits for has a level,
+    else waits for that operation; ranks left waiting when none can advance are deadlocked."""
+    total = offsets[-1]
+    level = [-1] * (total + 1)  # [total]: "none"
+    position = list(offsets[:-1])
+    waiting: dict[int, list[int]] = {}  # an operation without a level -> the ranks waiting for it
+    ready = list(range(len(position)))
+    while ready:
+        r = ready.pop()
+        g, end = position[r], offsets[r + 1]
+        while g < end:
+            blocker = next((x for x in (producer[g], after[g]) if x != total and level[x] < 0), None)
+            if blocker is not None:
+                waiting.setdefault(blocker, []).append(r)
+                break
+            level[g] = 1 + max(level[g - 1] if g > offsets[r] else -1, level[producer[g]], level[after[g]])
+            ready += waiting.pop(g, ())
+            g += 1
+        position[r] = g
+    if any(g < end for g, end in zip(position, offsets[1:])):
+        raise ValueError(f"{schedule} schedule deadlocked at positions {[g - o for g, o in zip(position, offsets)]}")
+    return level[:total]
+
+
+def swept_makespan_s(schedule: str, num_ranks: int, num_microbatches: int, stages: Sequence[StageCost]) -> float:
+    """Makespan of every rank running its schedule's operation order (the order `simulate` runs), vectorized.
+
+    Each operation ends at max(the rank's previous operation's end, its input's arrival) + its duration; the
+    operations are timed level by level (_Dependencies), all of a level at once. An input from another rank
+    arrives its boundary's send_s after the later of its production and the receive's posting, as in `simulate`,
+    but transfers do not queue for the send and receive streams (`simulate` serves them first come, first served:
+    identical without transfers, tests/test_zero_bubble_cost.py bounds the difference with them)."""
+    p = max(1, num_ranks)
+    if len(stages) % p:
+        raise ValueError(f"{len(stages)} stages do not split evenly over {p} pipeline ranks")
+    deps = _dependencies(schedule, p, num_microbatches, len(stages) // p)
+    table = np.array([[c.forward_s, c.backward_s, c.backward_s - c.weight_s, c.weight_s] for c in stages])
+    send = np.array([c.send_s for c in stages] + [0.0])  # [-1]: no transfer
+    duration = table[deps.stage, deps.kind]
+    latency = send[deps.boundary]
+    none = len(duration)
+    # a transfer of zero time is no transfer: the input is there when produced, whenever the receive is posted
+    after = np.where(latency > 0, deps.posted_after, none)
+    end = np.zeros(none + 1)  # [none]: 0
+    bounds = deps.level_bounds
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        ready = np.maximum(end[deps.producer[lo:hi]], end[after[lo:hi]]) + latency[lo:hi]
+        end[deps.index[lo:hi]] = np.maximum(end[deps.previous[lo:hi]], ready) + duration[lo:hi]
+    return float(end.max())
 
 
 def split_backward_order(schedule: str, num_ranks: int, num_microbatches: int, rank: int,

@@ -29,19 +29,24 @@ ACTIVE_STAGES = 3
 """Stages the runtime keeps unsharded at once (schedules._add_unshard_reshard's max_active_stages)."""
 
 
+def _upcoming(stages: list[int]) -> list[list[int]]:
+    """For each position, the first ACTIVE_STAGES distinct stages from it on (built from the end: linear in the
+    operations, which a deep schedule has 10^4 of)."""
+    out: list[list[int]] = [[] for _ in stages]
+    after: list[int] = []
+    for i in reversed(range(len(stages))):
+        after = ([stages[i]] + [s for s in after if s != stages[i]])[:ACTIVE_STAGES]
+        out[i] = after
+    return out
+
+
 def _with_bookkeeping(order: Sequence[Operation], p: int, rank: int, m: int) -> list[Operation | None]:
     """The rank's compute order with None where the runtime lowering puts a non-compute action
     (UNSHARD, RESHARD, REDUCE_GRAD): each takes one turn of the send/recv lowering."""
     stages = [chunk * p + rank for _, chunk, _ in order]
     active: set[int] = set()
     lowered: list[Operation | None] = []
-    for i, op in enumerate(order):
-        upcoming: list[int] = []
-        for stage in stages[i:]:
-            if stage not in upcoming:
-                upcoming.append(stage)
-                if len(upcoming) == ACTIVE_STAGES:
-                    break
+    for op, upcoming in zip(order, _upcoming(stages)):
         evict = [s for s in active if s not in upcoming]
         fetch = [s for s in upcoming if s not in active]
         active.difference_update(evict)

@@ -263,7 +263,8 @@ def variants(family: Family, pins: Layout, scope: Scope, rejected: list[str] | N
         schedules = [(pins.schedule or "1f1b", 1)]
     else:
         names = [pins.schedule] if pins.schedule else [s for s in SCHEDULE_PREFERENCE if s in features]
-        schedules = [(name, v) for name in names for v in virtual_stages_tried(name)]
+        schedules = [(name, v) for name in names
+                     for v in ([pins.virtual_stages] if pins.virtual_stages else virtual_stages_tried(name))]
     sizes = [pins.microbatch] if pins.microbatch else divisors(per_rank)
     modes = [pins.recompute] if pins.recompute else [r for r in RECOMPUTE if r == "none" or r in features]
     modes = [r for r in modes if not problems(Layout(recompute=r), scope)]  # e.g. BatchNorm: none only
