@@ -13,6 +13,17 @@ SplitBackwardStage records, in the input pass, the stage outputs that no input r
 output gradients, and in the weight pass takes the gradient of the stage's weights from them too. The two parts
 are disjoint: an op downstream of an input is never upstream of such an output (it would be reached from the
 input), so no gradient is counted twice.
+
+With data parallelism the stage reduces its gradients once, after its last weight pass (torch's REDUCE_GRAD action,
+perform_reduce_grad), and no earlier. torch's own handling does not: it lets DDP's reducer start in the last
+backward, whose autograd.grad calls never fire DDP's hooks (the replicas' gradients stay unreduced), reduces only a
+stage module that is itself the FSDP or DDP module (not one under a dtype cast), and computes the weight pass
+against `submod.parameters()`, which under ZeRO-3 (FSDP2 resharding after forward) are the sharded parameters
+rather than the gathered ones the autograd graph used (their gradients are then lost). SplitBackwardStage runs
+every input and weight pass of a DDP stage under no_sync and all-reduces the accumulated gradients in
+perform_reduce_grad (one flat all-reduce, averaged over the replicas, as DDP's); for an FSDP2 stage it gathers the
+stage's parameters before each pass (a no-op when they are gathered) and keeps gradient sync off until
+perform_reduce_grad, which runs FSDP2's post-backward (reduce-scatter, all-reduce over HSDP replicas).
 """
 
 from __future__ import annotations
@@ -20,6 +31,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
+from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, construct_reverse_graph, reverse_closure
@@ -68,17 +81,100 @@ def weight_gradients_from(unreached: Sequence[tuple[GradientEdge, torch.Tensor]]
             weight.grad += grad
 
 
+def fsdp_modules(module: nn.Module) -> list[nn.Module]:
+    """The FSDP2-managed modules in `module` (itself included), root first."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def gather_parameters(module: nn.Module) -> None:
+    """Unshard every FSDP2 module in `module` (FSDPModule.unshard is not recursive), so that `module.parameters()` are
+    the gathered parameters the autograd graph holds."""
+    for fsdp in fsdp_modules(module):
+        fsdp.unshard()
+
+
+def reduce_fsdp_gradients(module: nn.Module) -> None:
+    """FSDP2's post-backward for every FSDP module in `module`, gradient sync on: reduce-scatter (and all-reduce over
+    HSDP replicas) the gradients accumulated in the gathered parameters, then reshard (torch's perform_reduce_grad,
+    for a root that is not the stage module)."""
+    from torch.distributed.fsdp import fully_shard
+
+    roots = fsdp_modules(module)[:1]
+    for root in roots:
+        root.set_is_last_backward(True)
+        root.set_reshard_after_backward(True)
+        root.set_requires_gradient_sync(True)
+        state = fully_shard.state(root)
+        for member in state._state_ctx.all_states:
+            for group in member._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+
+
+@torch.no_grad()
+def all_reduce_mean(grads: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Average `grads` over `group` in place, in one all-reduce per dtype."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    size = dist.get_world_size(group)
+    for same in by_dtype.values():
+        flat = _flatten_dense_tensors(same)
+        dist.all_reduce(flat, group=group)
+        flat /= size
+        for grad, reduced in zip(same, _unflatten_dense_tensors(flat, same)):
+            grad.copy_(reduced)
+
+
 class SplitBackwardStage(PipelineStage):
-    """A PipelineStage whose weight-gradient pass also takes the outputs no input reaches (module docstring)."""
+    """A PipelineStage whose weight-gradient pass also takes the outputs no input reaches, and whose data-parallel
+    gradients are reduced once, after the last weight pass (module docstring). `data_parallel`: the stage's DDP or
+    FSDP2 module when `submodule` wraps it (a dtype cast); default `submodule`."""
+
+    def __init__(self, submodule: nn.Module, *args: Any, data_parallel: nn.Module | None = None, **kwargs: Any) -> None:
+        super().__init__(submodule, *args, **kwargs)
+        self.data_parallel = submodule if data_parallel is None else data_parallel
+        self.reduced = False
+        """Whether perform_reduce_grad ran since the stage's last backward pass."""
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False):
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.reduced = False
+        gather_parameters(self.data_parallel)
+        for fsdp in fsdp_modules(self.data_parallel)[:1]:
+            fsdp.set_is_last_backward(False)
+            fsdp.set_reshard_after_backward(False)
+            fsdp.set_requires_gradient_sync(False)
+        if isinstance(self.data_parallel, DistributedDataParallel):
+            with self.data_parallel.no_sync():
+                return self._backward(backward_type, bwd_kwargs)
+        return self._backward(backward_type, bwd_kwargs)
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(self.data_parallel, DistributedDataParallel):
+            grads = [p.grad for p in self.data_parallel.parameters() if p.grad is not None]
+            all_reduce_mean(grads, self.data_parallel.process_group)
+        reduce_fsdp_gradients(self.data_parallel)
+        self.reduced = True
+        if grad_scale_factor != 1:
+            self.scale_grads(grad_scale_factor)
+
+    def _backward(self, backward_type: str, bwd_kwargs: dict):
+        """torch's pass with no data-parallel reduction (last_backward False: DDP's reducer is not started)."""
         if backward_type == "input":
             outputs = bwd_kwargs["stage_output"]
             flat = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
             grads = bwd_kwargs["output_grads"]
             flat_grads = None if grads is None else list(grads) if isinstance(grads, (tuple, list)) else [grads]
             unreached = unreached_outputs(flat, flat_grads, pytree.tree_leaves(bwd_kwargs["input_values"]))
-            input_grads, param_groups = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            input_grads, param_groups = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=False)
             if unreached:
                 param_groups = [*param_groups, {UNREACHED: unreached}]
             return input_grads, param_groups
@@ -88,4 +184,4 @@ class SplitBackwardStage(PipelineStage):
                 if UNREACHED in group:
                     weight_gradients_from(group[UNREACHED], list(self.submod.parameters()))
             bwd_kwargs = {**bwd_kwargs, "param_groups": [g for g in groups if UNREACHED not in g]}
-        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=False)

@@ -149,15 +149,18 @@ class PipelineStep:
         for index, module in sorted(parts.items()):
             # static shapes from the export: no shape-inference pass (whose extra backward upsets DDP)
             inputs, outputs = split.example_tensors(index, device)
+            data_parallel = module  # the DDP or FSDP2 module, or the stage as it is
             if dtype != torch.float32:
                 module = CastOutputs(module, tuple(t.dtype for t in outputs), dtype, device)
-            stage_class = PipelineStage
+            kwargs = dict(input_args=inputs, output_args=outputs, group=mesh["pp"].get_group())
             if facts.split_backward:
                 from autoplan.runtime.split_backward import SplitBackwardStage
 
-                module, stage_class = own_outputs(module), SplitBackwardStage
-            stages.append(stage_class(module, index, num_stages, device, input_args=inputs, output_args=outputs,
-                                      group=mesh["pp"].get_group()))
+                stages.append(SplitBackwardStage(own_outputs(module), index, num_stages, device,
+                                                 data_parallel=data_parallel, **kwargs))
+            else:
+                stages.append(PipelineStage(module, index, num_stages, device, **kwargs))
+        self.stages = stages
         self.loss_parallel = loss_parallel
         loss = split.loss(ParallelLoss(loss_fn) if loss_parallel else loss_fn)
         if most == 1:  # torch's single-stage schedules take the stage, the others a list
@@ -176,6 +179,10 @@ class PipelineStep:
             else:
                 losses: list[torch.Tensor] = []
                 self.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
+        unreduced = [stage.stage_index for stage in self.stages if getattr(stage, "reduced", True) is False]
+        if unreduced:
+            raise RuntimeError(f"the {type(self.schedule).__name__} step ended without reducing the gradients of "
+                               f"stage(s) {unreduced} (no REDUCE_GRAD action after their last backward pass)")
         if self.tensor_parallel:
             for module in self.parts.values():
                 reduce_partial_gradients(module)
