@@ -343,9 +343,9 @@ def _data_parallel(ctx: Context, par: Parallelism, groups: Groups, *, module_byt
     if not sharded:
         # DDP proper only without tensor parallelism (with it, fully_shard replicates: runtime/parallel.py)
         if _split_backward(par):  # reduced after the stage's last weight pass, nothing beside it
-            if par.tensor_parallel_degree == 1:
-                return comm.flat_all_reduce_comm(sum(module_bytes) * gradient_ratio, replicate, streaming)
-            backward = 0.0
+            if par.tensor_parallel_degree == 1:  # in buckets by the stage itself, no DDP
+                return comm.bucketed_all_reduce_comm(sum(module_bytes) * gradient_ratio, replicate, streaming)
+            backward = 0.0  # FSDP2's replication beside tensor parallelism
         hooks = gpu.ddp_tensor_overhead_s if par.tensor_parallel_degree == 1 else 0.0
         return comm.ddp_comm(sum(module_bytes) * gradient_ratio, replicate, backward, tensors, hooks)
     return comm.fsdp_comm(comm.FsdpStage(

@@ -25,7 +25,7 @@ from autoplan.runtime.context_parallel import ContextParallelRegion, PipelineCon
 from autoplan.runtime.data import microbatches
 from autoplan.runtime.failures import stage_failures
 from autoplan.runtime.mesh import RankLayout
-from autoplan.runtime.parallel import gradient_sync
+from autoplan.runtime.parallel import ddp_replicas, gradient_sync
 from autoplan.runtime.split import PipelineSplit
 from autoplan.runtime.tensor_parallel import (ParallelLoss, loss_parallel_context, plain_tensor,
                                               reduce_partial_gradients, tensor_parallel_context)
@@ -153,14 +153,14 @@ class PipelineStep:
             if dtype != torch.float32:
                 module = CastOutputs(module, tuple(t.dtype for t in outputs), dtype, device)
             kwargs = dict(input_args=inputs, output_args=outputs, group=mesh["pp"].get_group())
-            if facts.split_backward:
+            if facts.split_backward:  # no DDP (apply_plan): the stage all-reduces over the replicas itself
                 from autoplan.runtime.split_backward import SplitBackwardStage
 
                 stages.append(SplitBackwardStage(own_outputs(module), index, num_stages, device,
-                                                 data_parallel=data_parallel, **kwargs))
+                                                 data_parallel=data_parallel, replicas=ddp_replicas(mesh), **kwargs))
             else:
                 stages.append(PipelineStage(module, index, num_stages, device, **kwargs))
-        self.stages = stages
+        self.stages, self.split_backward = stages, facts.split_backward
         self.loss_parallel = loss_parallel
         loss = split.loss(ParallelLoss(loss_fn) if loss_parallel else loss_fn)
         if most == 1:  # torch's single-stage schedules take the stage, the others a list
@@ -179,7 +179,7 @@ class PipelineStep:
             else:
                 losses: list[torch.Tensor] = []
                 self.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
-        unreduced = [stage.stage_index for stage in self.stages if getattr(stage, "reduced", True) is False]
+        unreduced = [stage.stage_index for stage in self.stages if self.split_backward and not stage.reduced]
         if unreduced:
             raise RuntimeError(f"the {type(self.schedule).__name__} step ended without reducing the gradients of "
                                f"stage(s) {unreduced} (no REDUCE_GRAD action after their last backward pass)")
