@@ -149,7 +149,7 @@ class PipelineStep:
         for index, module in sorted(parts.items()):
             # static shapes from the export: no shape-inference pass (whose extra backward upsets DDP)
             inputs, outputs = split.example_tensors(index, device)
-            data_parallel = module  # the DDP or FSDP2 module, or the stage as it is
+            data_parallel = module  # the FSDP2 (or, but for the zero-bubble schedules, DDP) module, or the stage
             if dtype != torch.float32:
                 module = CastOutputs(module, tuple(t.dtype for t in outputs), dtype, device)
             kwargs = dict(input_args=inputs, output_args=outputs, group=mesh["pp"].get_group())
