@@ -661,15 +661,6 @@ def _schedule(layout: Layout, scope: Scope) -> list[str]:
         if pp * per_rank > scope.num_modules:
             out.append(f"schedule={schedule.name} needs at least {per_rank} x pp={pp} = {pp * per_rank} modules, the "
                        f"model splits into {scope.num_modules}")
-    dp = layout.data_parallel
-    if schedule.split_backward and _positive(dp) and dp > 1:
-        out.append(f"schedule={schedule.name} with dp={dp}: torch computes the weight-gradient passes with "
-                   f"autograd.grad, whose gradients DDP's and FSDP2's reduction hooks do not see, so the data-parallel "
-                   f"replicas would not average them (use dp=1 or schedule=1f1b or interleaved)")
-    if schedule.split_backward and _positive(layout.cp) and layout.cp > 1:
-        out.append(f"schedule={schedule.name} with cp={layout.cp}: FSDP2 averages the gradients over the "
-                   f"context-parallel ranks with the reduction hooks that torch's weight-gradient passes (autograd.grad) "
-                   f"bypass (use cp=1 or schedule=1f1b or interleaved)")
     if schedule.split_backward and layout.recompute == "selective":
         out.append(f"schedule={schedule.name} with recompute=selective: the weight-gradient pass replays the "
                    f"checkpointed modules a second time, and the selective policy's contexts cannot be entered twice "

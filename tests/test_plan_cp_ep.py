@@ -112,15 +112,15 @@ def test_a_parallel_config_with_ep_the_program_cannot_run_is_refused_before_any_
         ParallelConfig(ep=0)
 
 
-def test_the_search_keeps_zero_bubble_schedules_out_of_a_ring():
-    """A zero-bubble schedule's rules read cp (its weight-gradient passes bypass FSDP2's averaging over the ring):
-    the search, which lists a family's micro-batch variants once per shape, must list them per cp as well (it
-    planned schedule=zbv with cp=2, and train.py's generation refused the plan)."""
+def test_the_search_tries_zero_bubble_schedules_with_a_ring_and_without():
+    """The zero-bubble schedules run with context parallelism (each stage's FSDP2 gradients over the ring are reduced
+    after its last weight-gradient pass, runtime/split_backward.py; tests/test_zero_bubble_program.py trains them at
+    parity): the search lists them beside cp=2 and beside cp=1 (before, a rule refused them with cp > 1)."""
     profile = gpt_profile(n_layer=4, seq=2048, batch=2)
     result = search(profile, cluster(4), Training(global_batch_size=8, dtype="bf16"), parse_pins("cp=2,pp=2"))
     rings = [c.parallelism for c in result.candidates if c.parallelism.context_parallel_degree > 1]
     assert rings and result.best.parallelism.context_parallel_degree == 2
-    assert {p.pipeline_parallel_schedule for p in rings} & set(ZERO_BUBBLE_SCHEDULES) == set()
+    assert {p.pipeline_parallel_schedule for p in rings} & set(ZERO_BUBBLE_SCHEDULES)
     unringed = search(profile, cluster(2), Training(global_batch_size=8, dtype="bf16"), parse_pins("cp=1,pp=2"))
     assert {c.parallelism.pipeline_parallel_schedule for c in unringed.candidates} & set(ZERO_BUBBLE_SCHEDULES), \
         "without a ring the zero-bubble schedules are tried"
@@ -135,8 +135,10 @@ def test_the_default_search_tries_cp_inside_pipelines_and_with_tensor_parallelis
     assert problems(Layout(cp=2, pp=1, tp=1), scope) == []
     # long enough that a ring step's attention outweighs its merges and launches (cost/context_parallel.py)
     long = gpt_profile(n_layer=4, n_embd=2048, n_head=16, seq=32768, batch=1)
-    staged = search(long, cluster(8), Training(global_batch_size=8, dtype="bf16"), parse_pins("pp=2")).best
-    assert staged.parallelism.context_parallel_degree > 1, "the search picks cp inside a pipeline on long sequences"
+    listed = search(long, cluster(8), Training(global_batch_size=8, dtype="bf16"), parse_pins("pp=2")).candidates
+    # the fastest (the search's choice may keep DDP within its margin: dp=4 x pp=2 with zb-interleaved, 6% slower)
+    staged = min((c for c in listed if c.fits and c.predicted), key=lambda c: c.predicted.step_time_s)
+    assert staged.parallelism.context_parallel_degree > 1, "cp inside a pipeline is the fastest on long sequences"
     scope = Scope(num_gpus=8, gpus_per_node=8, global_batch=8, features=SUPPORTED, sequence_length=32768,
                   context_parallel_problem="")
     assert {(f.tp, f.cp) for f in families(Layout(), scope) if f.pp == 1} >= {(2, 2), (2, 4), (4, 2)}  # cp x tp

@@ -73,3 +73,31 @@ def test_the_split_backward_gives_every_weight_its_full_backward_gradient():
     for name, grad in expected.items():
         assert got[name] is not None and torch.allclose(got[name], grad, atol=1e-6), name
 
+
+
+def test_gradient_buckets_keep_the_order_and_hold_one_dtype_up_to_the_size():
+    from autoplan.runtime.split_backward import buckets
+
+    grads = [torch.zeros(4), torch.zeros(4), torch.zeros(2, dtype=torch.float64), torch.zeros(10), torch.zeros(1)]
+    cut = buckets(grads, bucket_bytes=32)  # 8 fp32 values
+    assert [[g.numel() for g in bucket] for bucket in cut] == [[4, 4], [2], [10], [1]]
+    assert [g for bucket in cut for g in bucket] == grads
+
+
+def test_the_replicas_mean_leaves_a_parameter_no_member_reached_without_a_gradient(tmp_path):
+    """One member: the mean is the gradient itself; a parameter without a gradient on every member keeps none (as the
+    single-device model leaves it), one frozen is left alone."""
+    import torch.distributed as dist
+
+    from autoplan.runtime.split_backward import all_reduce_mean
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        used, unused, frozen = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+        frozen.requires_grad_(False)
+        used.grad = torch.arange(3.0)
+        all_reduce_mean([used, unused, frozen], dist.group.WORLD)
+        assert torch.equal(used.grad, torch.arange(3.0)) and unused.grad is None and frozen.grad is None
+    finally:
+        dist.destroy_process_group()

@@ -4,8 +4,10 @@ single-device model, on a GPT with a tied lm_head (examples/gpt.py: with the V p
 embedding's stage and the head's) and an HF Llama from a config, alone and with tensor parallelism (plans by hand,
 as tests/test_layouts.py writes them), the search's own plans pinned to each schedule, and the zoo's BART (one
 embedding tied three ways, a stage whose embedding reads only token ids) pinned to each; ONE launch of 4 CPU
-processes. With data parallelism torch's weight-gradient passes leave the replicas' gradients unreduced (tried: DDP
-and FSDP2 gradients off by up to 140%): a layout rule refuses it (tests/test_zero_bubble_cost.py)."""
+processes. With data parallelism (dp=2 x pp=2: replicas, and FSDP2 resharding after forward or not) and with
+context parallelism (cp=2 x pp=2, FSDP2 over the cp ranks) each stage reduces its gradients once after its last
+weight pass (runtime/split_backward.py; torch's own handling left DDP's
+gradients 136% off and lost FSDP2's under ZeRO-3)."""
 
 from pathlib import Path
 
@@ -33,10 +35,19 @@ LAYOUTS = {
     "pp=2,tp=2,zb-interleaved": pipeline("zb-interleaved", tensor_parallel_degree=2),
     "pp=2,tp=2,zbv": pipeline("zbv", tensor_parallel_degree=2),
     "pp=2,tp=2,dualpipev": pipeline("dualpipev", tensor_parallel_degree=2),
+    **{f"dp=2,pp=2,{s}": pipeline(s, size=1, data_parallel_replicate_degree=2) for s in ZERO_BUBBLE_SCHEDULES},
+    **{f"dp=2,zero=3,pp=2,{s}": pipeline(s, size=1, data_parallel_shard_degree=2, fsdp_reshard_after_forward="always")
+       for s in ZERO_BUBBLE_SCHEDULES},
+    "dp=2,zero=2,pp=2,zbv": pipeline("zbv", size=1, data_parallel_shard_degree=2, fsdp_reshard_after_forward="never"),
+    **{f"cp=2,zero=3,pp=2,{s}": pipeline(s, context_parallel_degree=2, fsdp_reshard_after_forward="always")
+       for s in ZERO_BUBBLE_SCHEDULES},
 }
+"""dp=2 runs micro-batches of one sample (the tests' global batch of 8 is 2 replicas x 4 micro-batches); cp=2 shards
+the model states over the context-parallel ranks (FSDP2), resharded after forward here."""
 
 
-SEARCHED = {"pp=2,schedule=zb-interleaved": 2, "pp=2,schedule=zbv": 2, "pp=2,schedule=dualpipev,tp=2": 4}
+SEARCHED = {"pp=2,schedule=zb-interleaved": 2, "pp=2,schedule=zbv": 2, "pp=2,schedule=dualpipev,tp=2": 4,
+            "pp=2,schedule=zbv,dp=2": 4, "pp=2,schedule=dualpipev,dp=2,zero=3": 4}
 """Pins -> GPUs for the search's own plans of tests/models/small_gpt.py."""
 SMALL_GPT = Path(__file__).parent / "models" / "small_gpt.py"
 BART = Path(__file__).parents[1] / "benchmarks" / "zoo" / "seq2seq.py"

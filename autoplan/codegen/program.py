@@ -15,7 +15,7 @@ from autoplan.codegen.kubernetes import pytorchjob_yaml, trainjob_yaml
 from autoplan.codegen.launch import Launch, dockerfile, launch_layout, sbatch_script, torchrun_script
 from autoplan.codegen.template import fill
 from autoplan.errors import UserError
-from autoplan.layout import SUPPORTED, TENSOR_PARALLEL_STYLES
+from autoplan.layout import SCHEDULE_BY_NAME, SUPPORTED, TENSOR_PARALLEL_STYLES
 from autoplan.plan import Plan
 from autoplan.source import import_root, local_files
 
@@ -155,7 +155,11 @@ def _layout(plan: Plan) -> str:
     p = plan.parallelism
     dp = p.data_parallel_degree
     parts = []
-    if dp > 1 and not p.sharded:
+    facts = SCHEDULE_BY_NAME.get(p.pipeline_parallel_schedule)
+    if dp > 1 and not p.sharded and p.pipeline_parallel_degree > 1 and facts is not None and facts.split_backward:
+        parts.append(f"{dp}-way data parallel (each stage averages its gradients over the replicas after its last "
+                     f"weight-gradient pass; no DDP)")
+    elif dp > 1 and not p.sharded:
         parts.append(f"{dp}-way data parallel (DDP)")
     elif dp > 1:
         hybrid = " (HSDP)" if p.data_parallel_replicate_degree > 1 else ""

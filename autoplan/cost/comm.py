@@ -22,7 +22,11 @@ Gpu.comm_overlap (1 on GPUs; measured on a CPU, whose gloo threads share the cor
 - FSDP2 without resharding after forward (reshard=never), pp = 1: per micro-batch one all-gather
   (forward) and one reduce-scatter (backward), exposed the same way.
 - Any FSDP under a pipeline: parameters are gathered once per step (first micro-batch) and gradients
-  reduce-scattered once after the last backward (torch.distributed.pipelining), which nothing hides.
+  reduce-scattered once after the last backward (torch.distributed.pipelining), which nothing hides. The
+  zero-bubble schedules reduce-scatter after the stage's last weight-gradient pass, the same once per step.
+- Replicas under a zero-bubble schedule (split backward, dp_shard 1): no DDP (its hooks would never fire in the
+  autograd.grad passes); after the stage's last weight-gradient pass its gradients are copied into flat buckets of
+  DDP_BUCKET_BYTES, all-reduced, averaged and copied back (runtime/split_backward.py), which nothing hides.
 - Expert parallelism under FSDP2: a module's experts (E/ep per rank) are their own FSDP2 unit, sharded over the
   ranks holding the same experts (dp_shard x cp / ep; HSDP's replicas beside), gathered and reduce-scattered
   in the same streams just before the module's other parameters: their collectives add to that module's and
@@ -137,6 +141,21 @@ def ddp_comm(grad_bytes: float, group: Group, backward_window_s: float, tensors:
     last_bucket = all_reduce_s(min(grad_bytes, DDP_BUCKET_BYTES), group.size, group.link, group.nodes)
     hooks = tensors * tensor_overhead_s
     return DataParallelComm(0.0, exposed_s(total, last_bucket, backward_window_s) + hooks, total)
+
+
+FLAT_COPY_TRAFFIC = 6
+"""Bytes read and written per gradient byte around a bucket's all-reduce: concatenating into the bucket, averaging
+it, copying back (each reads and writes every byte)."""
+
+
+def bucketed_all_reduce_comm(grad_bytes: float, group: Group, copy_bytes_per_s: float) -> DataParallelComm:
+    """The all-reduce of a stage's `grad_bytes` of gradients in buckets of DDP_BUCKET_BYTES after its last
+    weight-gradient pass (a zero-bubble schedule's replicas), plus the copies in and out of the buckets at
+    `copy_bytes_per_s`; nothing hides it."""
+    if group.size <= 1 or grad_bytes <= 0:
+        return NO_COMM
+    reduce = ddp_comm(grad_bytes, group, backward_window_s=0.0)
+    return DataParallelComm(0.0, reduce.per_step_s + FLAT_COPY_TRAFFIC * grad_bytes / copy_bytes_per_s, reduce.total_s)
 
 
 @dataclass(frozen=True)

@@ -319,6 +319,12 @@ def sequence_local_gradient_sum_s(numels: list[float], element: int, shard: int,
     return comm.all_reduce_s(nbytes, tp.size, tp.link, tp.nodes) if nbytes > 0 else 0.0
 
 
+def _split_backward(par: Parallelism) -> bool:
+    """A zero-bubble schedule: the backward split into input- and weight-gradient passes (autoplan.layout)."""
+    facts = SCHEDULE_BY_NAME.get(par.pipeline_parallel_schedule)
+    return par.pipeline_parallel_degree > 1 and facts is not None and facts.split_backward
+
+
 def _data_parallel(ctx: Context, par: Parallelism, groups: Groups, *, module_bytes: list[float],
                    expert_bytes: list[float], forward_s: float, backward_s: float,
                    tensors: int) -> comm.DataParallelComm:
@@ -334,11 +340,15 @@ def _data_parallel(ctx: Context, par: Parallelism, groups: Groups, *, module_byt
     # reduce-scatters block the compute thread (unshard(async_op=False) waits at once), so none
     overlap = 0.0 if sharded and gpu.name == "cpu" else gpu.comm_overlap
     forward, backward = forward_s * overlap, backward_s * overlap
+    streaming = gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency
     if not sharded:
         # DDP proper only without tensor parallelism (with it, fully_shard replicates: runtime/parallel.py)
+        if _split_backward(par):  # reduced after the stage's last weight pass, nothing beside it
+            if par.tensor_parallel_degree == 1:  # in buckets by the stage itself, no DDP
+                return comm.bucketed_all_reduce_comm(sum(module_bytes) * gradient_ratio, replicate, streaming)
+            backward = 0.0  # FSDP2's replication beside tensor parallelism
         hooks = gpu.ddp_tensor_overhead_s if par.tensor_parallel_degree == 1 else 0.0
         return comm.ddp_comm(sum(module_bytes) * gradient_ratio, replicate, backward, tensors, hooks)
-    streaming = gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency
     return comm.fsdp_comm(comm.FsdpStage(
         module_param_bytes=tuple(module_bytes), reshard_after_forward=par.reshards_after_forward, shard=shard,
         replicate=replicate, pipelined=par.pipeline_parallel_degree > 1,

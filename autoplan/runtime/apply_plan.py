@@ -210,8 +210,10 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
                                           batch_norm_modules=config.batch_norm_modules,  # SyncBatchNorm if DP > 1
                                           offload=config.offload, experts=experts)
     materialize_from(list(parts.values()), weights, values, device, offload=config.offload)
-    for part in parts.values():
-        part.module = replicate_data_parallel(part.module, mesh, device)  # DDP
+    facts = SCHEDULE_BY_NAME.get(config.schedule)
+    if split is None or facts is None or not facts.split_backward:  # the zero-bubble schedules' stages all-reduce
+        for part in parts.values():  # their gradients themselves (runtime/split_backward.py)
+            part.module = replicate_data_parallel(part.module, mesh, device)  # DDP
     modules = {s: part.module for s, part in parts.items()}
 
     tied = TiedGradients(split, mesh, modules, rank)  # weights used on 2+ stages

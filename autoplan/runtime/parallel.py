@@ -78,15 +78,23 @@ def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, reshard_after_forwa
     return module
 
 
-def replicate_data_parallel(module: nn.Module, mesh: DeviceMesh, device: torch.device) -> nn.Module:
-    """DDP over the data-parallel replicas (dp_shard 1, without tensor or context parallelism). Needs
-    materialized parameters."""
+def ddp_replicas(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The group DDP averages gradients over: the data-parallel replicas when dp_shard is 1 and there is no tensor or
+    context parallelism (else FSDP2, shard_data_parallel, reduces them); None without DDP."""
     if mesh["dp_shard"].size() * mesh["cp"].size() > 1 or mesh["dp_replicate"].size() == 1 or mesh["tp"].size() > 1:
+        return None
+    return mesh["dp_replicate"].get_group()
+
+
+def replicate_data_parallel(module: nn.Module, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    """DDP over the data-parallel replicas (ddp_replicas). Needs materialized parameters."""
+    replicas = ddp_replicas(mesh)
+    if replicas is None:
         return module
     from torch.nn.parallel import DistributedDataParallel
 
     # gradient_as_bucket_view: gradients live in DDP's buckets, no second copy (as the cost model prices it)
-    return DistributedDataParallel(module, process_group=mesh["dp_replicate"].get_group(),
+    return DistributedDataParallel(module, process_group=replicas,
                                    device_ids=[local_device(device).index] if device.type == "cuda" else None,
                                    gradient_as_bucket_view=True)
 

@@ -25,7 +25,7 @@ from autoplan.runtime.context_parallel import ContextParallelRegion, PipelineCon
 from autoplan.runtime.data import microbatches
 from autoplan.runtime.failures import stage_failures
 from autoplan.runtime.mesh import RankLayout
-from autoplan.runtime.parallel import gradient_sync
+from autoplan.runtime.parallel import ddp_replicas, gradient_sync
 from autoplan.runtime.split import PipelineSplit
 from autoplan.runtime.tensor_parallel import (ParallelLoss, loss_parallel_context, plain_tensor,
                                               reduce_partial_gradients, tensor_parallel_context)
@@ -232,12 +232,16 @@ class PipelineStep:
         for index, module in sorted(parts.items()):
             # static shapes from the export: no shape-inference pass (whose extra backward upsets DDP)
             inputs, outputs = split.example_tensors(index, device)
+            data_parallel = module  # the FSDP2 (or, but for the zero-bubble schedules, DDP) module, or the stage
             if dtype != torch.float32:
                 module = CastOutputs(module, tuple(t.dtype for t in outputs), dtype, device)
-            if facts.split_backward:
-                module = own_outputs(module)
-            stages.append(stage_class(module, index, num_stages, device, input_args=inputs, output_args=outputs,
-                                      group=mesh["pp"].get_group()))
+            kwargs = dict(input_args=inputs, output_args=outputs, group=mesh["pp"].get_group())
+            if facts.split_backward:  # no DDP (apply_plan): the stage all-reduces over the replicas itself
+                stages.append(stage_class(own_outputs(module), index, num_stages, device, data_parallel=data_parallel,
+                                          replicas=ddp_replicas(mesh), **kwargs))
+            else:
+                stages.append(stage_class(module, index, num_stages, device, **kwargs))
+        self.stages, self.split_backward = stages, facts.split_backward
         self.loss_parallel = loss_parallel
         loss = split.loss(ParallelLoss(loss_fn) if loss_parallel else loss_fn)
         if most == 1:  # torch's single-stage schedules take the stage, the others a list
@@ -256,6 +260,10 @@ class PipelineStep:
             else:
                 losses: list[torch.Tensor] = []
                 self.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
+        unreduced = [stage.stage_index for stage in self.stages if self.split_backward and not stage.reduced]
+        if unreduced:
+            raise RuntimeError(f"the {type(self.schedule).__name__} step ended without reducing the gradients of "
+                               f"stage(s) {unreduced} (no REDUCE_GRAD action after their last backward pass)")
         if self.tensor_parallel:
             for module in self.parts.values():
                 reduce_partial_gradients(module)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import autoplan
 from autoplan import runtime
 
-RUNTIME_API = 7  # the version of autoplan's interface to programs (autoplan.runtime) this one was generated for
+RUNTIME_API = 8  # the version of autoplan's interface to programs (autoplan.runtime) this one was generated for
 runtime.check_runtime_api(RUNTIME_API)  # before any other autoplan name: one line and exit 2 if autoplan differs
 
 # ----------------------------------------------------------------------------------------------
