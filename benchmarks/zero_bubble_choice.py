@@ -4,10 +4,12 @@
 
 Each model is searched twice with every feature the program runs (layout.SUPPORTED): once with the zero-bubble
 schedules (zb-interleaved, zbv, dualpipev) removed, once with them; it prints both chosen layouts, their predicted
-step times and pipeline bubbles, the step time the schedules gain, and the best layout pinned to each zero-bubble
-schedule (or the rule that refuses every layout with it).
+step times and pipeline bubbles and the step time the schedules gain; then the same with the pipeline depth pinned
+to a few values (the free search may choose no pipeline at all, where the schedules cannot help).
 - the 1T GPT (128 layers, hidden 25600, 160 heads, 2048 tokens; Narayanan et al. SC21's largest run) on 3072 A100
-  80GB, global batch 3072 sequences, from the GPT profile generator (the numbers capture gives, tests/chain_fixtures.py);
+  80GB, global batch 3072 sequences, from the GPT profile generator (the numbers capture gives, tests/chain_fixtures.py)
+  with SDPA attention as examples/gpt.py runs it (Megatron-LM 2021's explicit score matmuls split by heads only under
+  the priced-only tp_fused_split feature);
 - Llama-3.1-405B (benchmarks/models/llama31_405b.py, captured on fake tensors) at 8192 tokens on 1024 H100 80GB,
   global batch 2048 sequences (torchtitan's 405B runs use 2M-16M tokens per step).
 """
@@ -39,7 +41,7 @@ from autoplan.source import load_source  # noqa: E402
 
 def gpt_1t():
     profile = gpt_profile(n_layer=128, n_embd=25600, vocab=51200, seq=2048, batch=2, n_head=160,
-                          device="a100-sxm4-80gb", attention="megatron")
+                          device="a100-sxm4-80gb", attention="sdpa")
     return profile, a100_cluster(3072), Training(global_batch_size=3072, dtype="bf16")
 
 
@@ -60,23 +62,26 @@ def row(label: str, result) -> float:
     return step
 
 
-def main() -> None:
+def compare(profile, cluster, training, pins: str) -> None:
+    """The best layout the pins allow without the zero-bubble schedules and with them."""
     without = SUPPORTED - set(ZERO_BUBBLE_SCHEDULES)
-    for name, build in (("1T GPT on 3072 A100s", gpt_1t), ("Llama-3.1-405B at 8K on 1024 H100s", llama_405b)):
+    try:
+        base = row(f"{pins or 'free'}, without", search(profile, cluster, training, parse_pins(pins), features=without))
+        best = row(f"{pins or 'free'}, with", search(profile, cluster, training, parse_pins(pins), features=SUPPORTED))
+    except UserError as refusal:
+        print(f"  {pins}: {str(refusal).splitlines()[0][:300]}")
+        return
+    print(f"  {'':<24} zero-bubble schedules gain {100 * (base - best) / base:+.1f}% step time")
+
+
+def main() -> None:
+    for name, build, depths in (("1T GPT on 3072 A100s", gpt_1t, (16, 32, 64)),
+                                ("Llama-3.1-405B at 8K on 1024 H100s", llama_405b, (8, 16, 32))):
         started = time.perf_counter()
         profile, cluster, training = build()
         print(f"## {name} (profile in {time.perf_counter() - started:.1f} s)")
-        base = row("without zero-bubble", search(profile, cluster, training, features=without))
-        best = row("with zero-bubble", search(profile, cluster, training, features=SUPPORTED))
-        print(f"  gain: {100 * (base - best) / base:+.1f}% step time")
-        for schedule in ZERO_BUBBLE_SCHEDULES:
-            try:
-                pinned = search(profile, cluster, training, parse_pins(f"schedule={schedule}"), features=SUPPORTED)
-            except UserError as refusal:
-                print(f"  schedule={schedule}: {str(refusal).splitlines()[0][:300]}")
-                continue
-            step = row(f"schedule={schedule}", pinned)
-            print(f"  {'':<24} {100 * (step - base) / base:+.1f}% vs without zero-bubble")
+        for pins in ("", *(f"pp={pp}" for pp in depths)):
+            compare(profile, cluster, training, pins)
         print()
 
 
