@@ -1,13 +1,22 @@
 #!/usr/bin/env bash
 # The first GPU run of autoplan: one prepared check for a machine with one H100 or H200 and this repository.
-# It finishes in under 8 minutes (every step has its own time limit; they sum to 470 s, the install step
-# included) and prints measured / predicted ratios; everything goes to one log,
+# Every step has its own time limit (they sum to about 1000 s, the install step included; the steps run in the order
+# of what matters most, so a run cut short keeps the first ones; --only reruns some) and prints measured / predicted
+# ratios. On a fresh H200 (2026-11-27) each train.py launch spent about 35 s starting (torch, CUDA, NCCL) before its
+# first step, the kernels step took 63 s and the plans 21 s; everything goes to one log,
 # benchmarks/results/gpu_check_<device>_<UTC time>.log, beside the steps' JSON files
 # (benchmarks/results/gpu_check_<device>/).
 #
-#   bash benchmarks/gpu_check.sh [--device cuda|cpu] [--wheels DIR]
+#   bash benchmarks/gpu_check.sh [--device cuda|cpu] [--wheels DIR] [--only STEP,STEP,...]
 #
-# Steps (benchmarks/gpu_check.py has one subcommand each):
+# --only runs the named steps alone (a second try of those that failed; detect and summary always run).
+#
+# Steps (benchmarks/gpu_check.py has one subcommand each; kernels is benchmarks/gpu_kernels.py, pytest_gpu the
+# test suite's gpu-marked tests):
+#   kernels     the kernels the cost model prices by one efficiency each: bf16 GEMM, copy, SDPA attention per
+#               backend at 8K..64K tokens (causal and not), DeepSeek-V3's attention shape (SDPA, FlexAttention),
+#               torch._grouped_mm at mixture-of-experts shapes
+#   pytest_gpu  pytest -m gpu (the tests that skip without a CUDA GPU)
 #   plan        Llama-3.2-1B's shapes (benchmarks/models/llama32_1b.py) for --gpus 1 on the machine's profile
 #               (H100 or H200, detected): the search's plan, its layout without compile, and recompute=selective
 #               and recompute=full under compile
@@ -24,7 +33,7 @@
 # Packages the GPU machine may lack (PuLP, highspy, ...) come as wheels from a folder: --wheels DIR or
 # AUTOPLAN_WHEELS=DIR. Prepare it on a machine with the internet, for the GPU machine's Python and platform:
 #   pip download -d wheels/ --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-#       "pulp>=2.8" "highspy>=1.7" "networkx>=3" "pandas>=2" "pyyaml>=6" "rich>=13" "transformers>=4.45"
+#       "pulp>=2.8" "highspy>=1.7" "networkx>=3" "pandas>=2" "pyyaml>=6" "rich>=13" "transformers>=4.45" "pyflakes>=3"
 # (torch itself is the machine's CUDA build; nothing here installs it). The script installs from the folder
 # only what does not import, with pip --no-index.
 #
@@ -37,11 +46,13 @@ set -uo pipefail
 
 DEVICE=cuda
 WHEELS="${AUTOPLAN_WHEELS:-}"
+ONLY=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --device) DEVICE="$2"; shift 2 ;;
         --wheels) WHEELS="$2"; shift 2 ;;
-        *) echo "gpu_check.sh: unknown argument $1 (use --device cuda|cpu, --wheels DIR)" >&2; exit 2 ;;
+        --only) ONLY=",$2,"; shift 2 ;;
+        *) echo "gpu_check.sh: unknown argument $1 (use --device cuda|cpu, --wheels DIR, --only STEP,...)" >&2; exit 2 ;;
     esac
 done
 case "$DEVICE" in cuda|cpu) ;; *) echo "gpu_check.sh: --device must be cuda or cpu, got $DEVICE" >&2; exit 2 ;; esac
@@ -73,6 +84,9 @@ log() { echo "$@" | tee -a "$LOG"; }
 # a failure is noted and the next step runs
 step() {
     local name="$1" limit; limit="$(s "$2")"; shift 2
+    if [ -n "$ONLY" ] && [[ "$ONLY" != *",$name,"* ]] && [ "$name" != detect ] && [ "$name" != summary ]; then
+        return
+    fi
     local started=$SECONDS code
     log "=== $name (limit ${limit} s): $*"
     setsid "$@" > >(tee -a "$LOG") 2>&1 < /dev/null &
@@ -94,28 +108,41 @@ step() {
 }
 
 log "gpu_check $STAMP on $(hostname), device $DEVICE, repository $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?')"
-if ! "$PY" -c "import pulp, highspy, networkx, pandas, yaml, rich, transformers" 2>/dev/null; then
+if ! "$PY" -c "import pulp, highspy, networkx, pandas, yaml, rich, transformers, pyflakes" 2>/dev/null; then
     if [ -z "$WHEELS" ]; then
         log "gpu_check: a package autoplan needs does not import and no wheel folder was given (--wheels DIR or AUTOPLAN_WHEELS)"
         exit 2
     fi
-    step install 30 "$PY" -m pip install --no-index --find-links "$WHEELS" "pulp>=2.8" "highspy>=1.7" "networkx>=3" \
-        "pandas>=2" "pyyaml>=6" "rich>=13" "transformers>=4.45"
+        # into a folder of its own: the machine's Python may be read-only, and its other packages stay as they are
+    export PIP_TARGET_DIR="${PIP_TARGET_DIR:-/tmp/autoplan-site}"
+    export PYTHONPATH="$PYTHONPATH:$PIP_TARGET_DIR"
+    ONLY_SAVED="$ONLY"; ONLY=""
+    step install 30 "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$PIP_TARGET_DIR" \
+        --find-links "$WHEELS" "pulp>=2.8" "highspy>=1.7" "pyflakes>=3"
+    ONLY="$ONLY_SAVED"
+    if ! "$PY" -c "import pulp, highspy, networkx, pandas, yaml, rich, transformers" 2>&1 | tee -a "$LOG"; then
+        log "gpu_check: a package autoplan needs still does not import (the wheel folder has pulp and highspy; the others must be on the machine)"
+        exit 2
+    fi
 fi
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])" 2>&1 | tee -a "$LOG"
 (command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv) 2>&1 | tee -a "$LOG"
 
 G="$PY benchmarks/gpu_check.py --device $DEVICE --results $RESULTS"
 step detect     5  $G detect
+step kernels   90  "$PY" benchmarks/gpu_kernels.py --device "$DEVICE" --results "$RESULTS" --budget-s "$(s 75)"
 step plan      70  $G plan
-step train_compile   75 $G train --plan base --run compile --steps "$TRAIN_STEPS" --timeout "$(s 70)"
-step train_eager     45 $G train --plan base --run eager --no-compile --steps "$TRAIN_STEPS" --timeout "$(s 40)"
-step train_selective 45 $G train --plan selective --run selective --steps "$SHORT_STEPS" --timeout "$(s 40)"
-step train_full      45 $G train --plan full --run full --steps "$SHORT_STEPS" --timeout "$(s 40)"
-step calibrate 50  $G calibrate --timeout "$(s 45)"
-step offload   20  $G offload --steps "$OFFLOAD_STEPS"
-step checkpoint 30 $G checkpoint --timeout "$(s 9)"
+step train_compile   95 $G train --plan base --run compile --steps "$TRAIN_STEPS" --timeout "$(s 90)"
+step train_selective 95 $G train --plan selective --run selective --steps "$SHORT_STEPS" --timeout "$(s 90)"
+step train_eager     95 $G train --plan base --run eager --no-compile --steps "$TRAIN_STEPS" --timeout "$(s 90)"
+step train_full      95 $G train --plan full --run full --steps "$SHORT_STEPS" --timeout "$(s 90)"
+if [ "$DEVICE" = cuda ]; then
+    step pytest_gpu 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_verify_gpu.py tests/test_gpu_runtime.py
+fi
+step offload   40  $G offload --steps "$OFFLOAD_STEPS"
+step checkpoint 150 $G checkpoint --timeout "$(s 45)"
 step profile   50  $G profile
+step calibrate 40  $G calibrate --timeout "$(s 35)"
 step summary    5  $G summary
 log "gpu_check: $FAILED step(s) failed or timed out; log $LOG"
 [ "$FAILED" -eq 0 ]

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
-STEPS = ("detect", "plan", "train_compile", "train_eager", "train_selective", "train_full", "calibrate", "offload",
+STEPS = ("detect", "kernels", "plan", "train_compile", "train_eager", "train_selective", "train_full", "calibrate", "offload",
          "checkpoint", "profile", "summary")
 
 
@@ -33,7 +33,23 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert float(summary["calibrate gemm_flops_per_s"]) > 0
     assert float(summary["profile gemm measured / roofline"]) > 0
     assert (results / "calibrated.yaml").is_file()
+    kernels = json.loads((results / "kernels.json").read_text())
+    assert kernels["gemm"]["flops_per_s"] > 0 and kernels["grouped"]["tiny"]["forward_backward_s"] > 0
     assert "gpu_check: 0 step(s) failed or timed out" in text
+
+
+@pytest.mark.slow
+def test_gpu_check_only_runs_the_named_steps(tmp_path):
+    """--only reruns some steps (a second try on a GPU machine): detect and summary still run, nothing else."""
+    results, log = tmp_path / "results", tmp_path / "gpu_check.log"
+    env = {**os.environ, "GPU_CHECK_RESULTS": str(results), "GPU_CHECK_LOG": str(log), "GPU_CHECK_SLACK": "40",
+           "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(["bash", str(SCRIPT), "--device", "cpu", "--only", "kernels"], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    text = log.read_text()
+    assert done.returncode == 0, text[-4000:]
+    ran = [line.split()[1].rstrip(":") for line in text.splitlines() if line.startswith("=== ") and " done in " in line]
+    assert ran == ["detect", "kernels", "summary"]
 
 
 def test_gpu_check_refuses_bad_arguments():

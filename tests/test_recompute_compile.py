@@ -94,3 +94,21 @@ def test_annotations_do_not_count_in_the_selective_replay(mode):
     wrapped(x).sum().backward()
     for (name, ours), theirs in zip(wrapped.named_parameters(), plain.parameters()):
         torch.testing.assert_close(ours.grad, theirs.grad, msg=name)
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_the_checkpoint_traced_outside_dynamo_gets_dispatch_modes(mode):
+    """AOTAutograd traces a compiled checkpoint's higher-order op after dynamo is done (inductor's lowering), where
+    torch.compiler.is_compiling() can be false (torch 2.11) while torch.utils.checkpoint, seeing the proxy mode,
+    demands a pair of TorchDispatchModes. make_fx alone is that situation: the contexts must be the modes."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    torch.manual_seed(0)
+    model = checkpoint_modules(nn.Sequential(Block(), Block()), ["0", "1"], mode).eval()
+    x = torch.randn(4, 8)
+
+    def step(x):
+        return model(x).sum()
+
+    graph = make_fx(step)(x)
+    assert torch.allclose(graph(x), step(x))

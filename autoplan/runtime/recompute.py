@@ -100,12 +100,24 @@ class _PassAnnotations(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def traced() -> bool:
+    """Whether torch.utils.checkpoint takes this call for a traced one, where it accepts only a pair of
+    TorchDispatchModes as contexts: while dynamo traces, and while AOTAutograd (or make_fx) traces, which torch
+    tells by a proxy dispatch mode being active (utils/checkpoint.py, _is_compiling). The second is not the
+    first: inductor traces the checkpoint's higher-order op with AOTAutograd after dynamo has finished, where
+    torch 2.11's torch.compiler.is_compiling() is false (seen on an H200 with torch 2.11: the compiled selective
+    plan failed at step 0)."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+
+
 def _contexts(selective: bool):
     """torch.utils.checkpoint's context_fn: the forward and recomputation contexts ("selective": what to
     save). Eager (and a region dynamo leaves to eager at a graph break), the recomputation runs with dropout off
-    while runtime.NoDropout is active (runtime/dropout.py); while torch.compile traces the checkpoint,
+    while runtime.NoDropout is active (runtime/dropout.py); while torch.compile traces the checkpoint (traced()),
     _compiled_context."""
-    if torch.compiler.is_compiling():
+    if traced():
         return _compiled_context(selective)
     if not selective:
         return nullcontext(), recompute_context()

@@ -16,7 +16,7 @@ class Block(nn.Module):
 
     def forward(self, x):
         h = self.norm1(x)
-        mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), diagonal=1)
+        mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device), diagonal=1)
         x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
         return x + self.ff(self.norm2(x))
 
