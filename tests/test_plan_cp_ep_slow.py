@@ -67,12 +67,10 @@ def test_llama_3_1_8b_on_8_h100s_splits_longer_sequences_over_more_ranks_and_fit
 def test_mixtral_8x7b_on_64_h100s_prices_ep_against_its_data_parallel_savings_and_the_candidates_show_why():
     """ep as the program runs it: each rank routes its tokens to E/ep experts, which FSDP2 shards over the
     dp_shard/ep ranks holding the same ones (so a rank keeps 1/dp_shard of the expert states, as without ep) and
-    gathers per layer only those E/ep experts. Without ep every rank gathers and reduce-scatters all 8 experts'
-    weights of every layer over the 64 ranks: the fastest ep=1 layout spends more on data-parallel communication
-    than the fastest ep > 1 one, which pays the all-to-all instead and is faster. The search chooses among them by
-    step time, a tie within TIE_TOLERANCE going to the simpler layout, and each row says why it lost. (With four
-    samples per rank in one micro-batch no gradient accumulates, so since gradients are priced when the program
-    holds them, ep=1 fits too, within 1% of ep=8.)"""
+    gathers per layer only those E/ep experts. The same layout without ep gathers and reduce-scatters all 8 experts'
+    weights of every layer over its data-parallel ranks: it spends more on data-parallel communication and pays no
+    all-to-all. The fastest ep > 1 layout is faster than the fastest ep=1 one; the search chooses among them by step
+    time, a tie within TIE_TOLERANCE going to the simpler layout, and each row says why it lost."""
     cluster, training = Cluster(H100, 64, 8), Training(global_batch_size=256, dtype="bf16", tokens_per_sample=4096)
     profile = _profile("mixtral", MIXTRAL_8X7B, 4096)
     result = search(profile, cluster, training, features=SUPPORTED)
@@ -82,7 +80,14 @@ def test_mixtral_8x7b_on_64_h100s_prices_ep_against_its_data_parallel_savings_an
     whole = min((c for c in fitting if c.parallelism.expert_parallel_degree == 1), key=lambda c: c.predicted.step_time_s)
     assert split.predicted.step_time_s < whole.predicted.step_time_s
     assert split.predicted.time_breakdown["expert_parallel_comm"] > 0
-    assert split.predicted.time_breakdown["data_parallel_comm"] < whole.predicted.time_breakdown["data_parallel_comm"]
+    # the mechanism: the split layout's own degrees without ep, priced by the same search (on GPUs with room for the
+    # whole experts: time does not depend on the memory, and without ep this layout needs more than 80 GB)
+    pins = replace(split.parallelism.layout(), ep=1, compile="on" if split.compile else "off")
+    roomy = Cluster(replace(H100, gpu=replace(H100.gpu, memory_bytes=4 * H100.gpu.memory_bytes)), 64, 8)
+    twin = search(profile, roomy, training, pins=pins, features=SUPPORTED).best
+    assert twin.parallelism.expert_parallel_degree == 1
+    assert split.predicted.time_breakdown["data_parallel_comm"] < twin.predicted.time_breakdown["data_parallel_comm"]
+    assert not twin.predicted.time_breakdown.get("expert_parallel_comm")
     fastest = min(split.predicted.step_time_s, whole.predicted.step_time_s)
     assert best.fits and best.predicted.step_time_s <= fastest * (1 + TIE_TOLERANCE)
     frame = candidates_frame(result.candidates, best)

@@ -15,6 +15,15 @@ FlashAttention-2 (Dao 2023, Fig. 5-6, A100 bf16, head dim 64-128, seq 2k) reache
 forward and 40-55% backward on the causal half it computes; Megatron-LM's 2021 fused
 scale-mask-softmax kernels sit lower. Dimensionless."""
 
+GROUPED_GEMM_EFFICIENCY = 0.75
+"""Fraction of the dense matmul efficiency (Gpu.matmul_efficiency) that grouped expert matmuls sustain (torch's
+_grouped_mm over the stacked expert weights: what transformers' MoE blocks and torchtitan's experts run), forward
+and backward. Measured on an H200 with torch 2.11 (benchmarks/gpu_kernels.py, 2026-11-27; figures in
+benchmarks/results/gpu_check_h200_20261127/kernels.json): the expert MLP (gate/up and down projections, tokens spread
+evenly) at Qwen3-30B-A3B's shapes (128 experts x 1024 rows), DeepSeek-V3-16B's (64 x 1536) and Mixtral-8x7B's
+(8 x 2048) ran forward and backward at 0.64, 0.75 and 0.82 of one dense matmul of the same FLOPs: the median. Many
+small GEMMs in one launch tile less fully than one large one. Dimensionless."""
+
 BACKWARD_TRAFFIC_FACTOR = 2.0
 """Bytes a backward kernel moves per forward byte: it reads the output gradient and the saved inputs
 and writes the input gradients. Dimensionless (roofline convention of profile/roofline.py)."""

@@ -7,8 +7,9 @@ training dtype (bytes scaled by its element size over the capture's):
     backward = max(F_bwd / (peak x eff_kind), 2 x bytes / (HBM x memory_efficiency)) + launches x overhead
 
 (times calibration.COMPILE_TIME_FACTOR of the op's class under torch.compile: fused pointwise ops)
-roofline on the cluster's accelerator, eff_kind = Gpu.matmul_efficiency for weight matmuls and
-calibration.ATTENTION_EFFICIENCY for attention; memory-bound ops cost their bytes. Views cost nothing.
+roofline on the cluster's accelerator, eff_kind = Gpu.matmul_efficiency for weight matmuls (times
+calibration.GROUPED_GEMM_EFFICIENCY for grouped expert matmuls) and calibration.ATTENTION_EFFICIENCY for
+attention; memory-bound ops cost their bytes. Views cost nothing.
 When the profile was measured on this machine and the plan is for it (device "cpu"), measured times
 are used instead: a fixed launch part plus a part proportional to the batch, the split ops' share
 divided by t.
@@ -367,7 +368,11 @@ def _dtensor_ops(op: OpCost) -> tuple[int, int]:
 
 
 def _efficiency(op: OpCost, gpu: Gpu) -> float:
-    return calibration.ATTENTION_EFFICIENCY if op.kind == "attention" else gpu.matmul_efficiency
+    if op.kind == "attention":
+        return calibration.ATTENTION_EFFICIENCY
+    if op.grouped:
+        return gpu.matmul_efficiency * calibration.GROUPED_GEMM_EFFICIENCY
+    return gpu.matmul_efficiency
 
 
 def _roofline(op: OpCost, gpu: Gpu, dtype: str, scale: float, tp: int, b: int,
