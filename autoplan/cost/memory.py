@@ -1,7 +1,8 @@
 """Peak memory of one rank of a pipeline stage.
 
 memory(stage) = model states (parameters + gradients + AdamW state, sharded by ZeRO over dp_shard)
-              + unsharded copies FSDP holds (prefetched modules when pp = 1; the whole stage when pp > 1)
+              + unsharded copies FSDP holds (the prefetched modules under reshard=always; the whole stage under
+                reshard=never, and under a pipeline from a backward no forward follows on: the late moment below)
               + activations (kept bytes per recompute mode x micro-batches in flight)
               + the stage's outputs kept for backward (pipeline boundary, same in-flight count; on the last
                 stage the model's outputs, the logits: torch.distributed.pipelining keeps every stage's output
@@ -18,8 +19,14 @@ with reshard=never = FSDP2 with reshard_after_forward=False (all of the rank's p
 peak, gradients and optimizer state sharded: ZeRO-2's 2 + 14/N bytes per parameter; a pinned zero=1
 runs and is priced so); reshard=always = FSDP2 (ZeRO-3's 16/N, plus gathered modules). Under a
 pipeline, torch.distributed.pipelining keeps FSDP parameters unsharded and gradients unreduced until
-the last micro-batch (stage.py backward_maybe_with_nosync), so the whole stage's parameters and
-gradients are held unsharded.
+the last micro-batch (stage.py backward_maybe_with_nosync), so from a stage's first backward on its unsharded
+gradients are held; its parameters stay gathered after each backward, but under reshard=always the next forward
+reshards them module by module (FSDP2's post-forward hook), so the whole stage is gathered only in a run of
+backwards with no forward between (1F1B's cooldown, GPipe): the stage's peak is the larger of its backward with
+every micro-batch in flight (the prefetched units gathered) and the second of two consecutive backwards (one
+micro-batch fewer, the whole stage gathered): StageMemoryModel.end_of_backward_breakdown. Measured on CPU
+(tests/test_memory_parts.py, dp=2 x pp=2 1F1B GPT, 4 micro-batches): the first stage's peak held its shards and one
+gathered unit, not the whole stage (priced so before, +22% on that stage).
 DDP is priced with gradient_as_bucket_view=True (its buckets are the gradients, no second copy).
 When gradients exist (the program sets them to None before each step's forward, train.py): DDP's buckets
 are allocated once and live through the loss's peak; otherwise a gradient is made during backward (FSDP2
@@ -223,13 +230,23 @@ class StageMemoryModel:
         at_loss = self.loss_peak_breakdown(start, end, modes)
         if not self.late_per_module:
             return at_loss
-        late = self.end_of_backward_breakdown(start, end)
+        late = self.end_of_backward_breakdown(start, end, modes)
         return late if sum(late.values()) > sum(at_loss.values()) else at_loss
 
-    def end_of_backward_breakdown(self, start: int, end: int) -> dict[str, float]:
-        """Bytes per category once backward has run: the states, every gradient made during backward, the largest
-        gathered unit (FSDP's last reduce-scatter), no activations or working set."""
+    def end_of_backward_breakdown(self, start: int, end: int, modes: tuple[str, ...] | str = "none") -> dict[str, float]:
+        """Bytes per category once a backward has run with no forward after it: the states, every gradient made
+        during backward, the largest gathered unit (FSDP's last reduce-scatter), and the activations, kept outputs
+        and working set of the in_flight - 1 micro-batches whose backward is still to run (a pipeline's
+        consecutive backwards: its cooldown, GPipe; none at the end of the step)."""
         out: dict[str, float] = {}
+        later = self.in_flight - 1
+        if later > 0:
+            acts = self.activations_per_microbatch
+            out["activations"] = later * sum(acts[modes if isinstance(modes, str) else modes[u]][u]
+                                             for u in range(start, end))
+            if end - 1 < len(self.cut_per_microbatch):
+                out["activations"] += later * self.cut_per_microbatch[end - 1]
+            out["working"] = max(self.largest_module.get("working", (0.0,) * end)[start:end])
         for terms in (self.per_module, self.late_per_module):
             for c, vec in terms.items():
                 out[c] = out.get(c, 0.0) + sum(vec[start:end])
@@ -238,7 +255,7 @@ class StageMemoryModel:
                 out[c] = out.get(c, 0.0) + sum(v for v, us in zip(vec, self.tied_group_modules)
                                                if any(start <= u < end for u in us))
         for c, vec in self.largest_module.items():
-            if c != "working":
+            if c != "working" and c not in self.late_per_module and c not in self.per_module:  # not held whole
                 out[c] = out.get(c, 0.0) + max(vec[start:end])
         return out
 
@@ -357,16 +374,19 @@ def layout_memory(inputs: MemoryInputs, train_dtype: str, shard: int, reshard_af
         out = {c: tuple(0.0 if offload else (n - e) * per_param[c] / divisor[c] + e * per_param[c] / expert_divisor[c]
                         for n, e in zip(numels, experts)) for c in STATE_CATEGORIES}  # offload: on the host
         late = {} if held_gradients or offload else {"gradients": out.pop("gradients")}
-        if zero == 2 or (zero == 3 and num_ranks > 1):
-            # FSDP2's gathered copies kept to backward: reshard_after_forward=False, or a pipeline
-            # (stage.py backward_maybe_with_nosync keeps them unsharded until the last micro-batch)
+        if zero == 2:  # FSDP2's gathered copies kept to backward: reshard_after_forward=False
             out["gathered_parameters"] = tuple(n * element for n in numels)
+        elif zero == 3 and num_ranks > 1:
+            # a pipeline's backwards keep them gathered (stage.py backward_maybe_with_nosync: reshard_after_backward
+            # False until the step's end), but each forward reshards them again after it: held whole only from a
+            # backward that no forward follows on (the late moment), the units in flight before
+            late["gathered_parameters"] = tuple(n * element for n in numels)
         if zero >= 2 and accumulates:  # unsharded gradients kept across micro-batches, in fp32
             out["unsharded_gradients"] = tuple(n * ACCUMULATED_GRADIENT_BYTES_PER_PARAM for n in numels)
         return out, late
 
     largest = {"working": inputs.working_bytes}
-    if zero == 3 and num_ranks == 1:
+    if zero == 3:
         largest["gathered_parameters"] = tuple(calibration.FSDP_PREFETCH_UNITS * n * element
                                                for n in inputs.module_largest_numel)
     if offload:

@@ -124,9 +124,9 @@ class _LiveStorages:
         self._mode: _SeeOps | None = None
         self._resize: _WatchResize | None = None
         self._rising = False  # the live count has reached a new peak and not gone down since
-        self._at_peak: list[tuple[int, weakref.ref]] = []  # (bytes, storage) of each storage alive at the peak
+        # (bytes, storage, a parameter's .grad then) of each storage alive at the peak
+        self._at_peak: list[tuple[int, weakref.ref, bool]] = []
         self._parameters: list[weakref.ref] = []  # every nn.Parameter alive at start (FSDP2's unsharded ones too)
-        self._gradients_at_peak: set[int] = set()  # id(storage) of each parameter's .grad at the peak
 
     def start(self) -> None:
         gc.collect()  # cyclic garbage is not live memory; without this it would land in the baseline
@@ -154,7 +154,6 @@ class _LiveStorages:
             self._tracked.clear()  # drops the weakrefs, so their callbacks never fire after the block
             self._at_peak.clear()
             self._parameters.clear()
-            self._gradients_at_peak = set()
 
     def _on_device(self, storage: torch.UntypedStorage) -> bool:
         device = storage.device  # fake and meta tensors have meta storages: never counted
@@ -213,22 +212,21 @@ class _LiveStorages:
         if not self._rising:
             return
         self._rising = False
-        self._at_peak = [(t.nbytes, t.ref) for t in self._tracked.values()]
-        self._gradients_at_peak = {id(storage) for ref in self._parameters
-                                   if (p := ref()) is not None and p.grad is not None for storage in _storages(p.grad)}
+        gradients = {id(storage) for ref in self._parameters
+                     if (p := ref()) is not None and p.grad is not None for storage in _storages(p.grad)}
+        self._at_peak = [(t.nbytes, t.ref, key in gradients) for key, t in self._tracked.items()]
 
     def peak_parts(self) -> dict[str, int]:
         """Bytes of the storages alive at the peak by what holds them now (PeakLiveMemory.peak_parts)."""
         with self._lock:
             self._leave_peak()  # the peak is the present moment
             at_peak = list(self._at_peak)
-            gradients = self._gradients_at_peak
         holders = _holders(self.device)
         parts = dict.fromkeys(PEAK_PARTS, 0)
-        for nbytes, ref in at_peak:
+        for nbytes, ref, gradient in at_peak:
             storage = ref()
             part = holders.get(id(storage), "activations") if storage is not None else "activations"
-            if part == "activations" and id(storage) in gradients:  # a gradient at the peak, gone by now
+            if part == "activations" and gradient:  # a gradient at the peak, freed or let go by now
                 part = "gradients"
             parts[part] += nbytes
         return parts
