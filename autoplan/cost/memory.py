@@ -24,9 +24,15 @@ gradients are held; its parameters stay gathered after each backward, but under 
 reshards them module by module (FSDP2's post-forward hook), so the whole stage is gathered only in a run of
 backwards with no forward between (1F1B's cooldown, GPipe): the stage's peak is the larger of its backward with
 every micro-batch in flight (the prefetched units gathered) and the second of two consecutive backwards (one
-micro-batch fewer, the whole stage gathered): StageMemoryModel.end_of_backward_breakdown. Measured on CPU
-(tests/test_memory_parts.py, dp=2 x pp=2 1F1B GPT, 4 micro-batches): the first stage's peak held its shards and one
-gathered unit, not the whole stage (priced so before, +22% on that stage).
+micro-batch fewer, the whole stage gathered), or the last backward's reduce-scatters: FSDP2 copies each unit's
+gradient flat into an fp32 reduce-scatter input and keeps it until the next unit's is issued (two units' at once),
+and the sharded gradient it makes replaces the unsharded one (never both whole):
+StageMemoryModel.end_of_backward_breakdown. Measured on CPU (tests/test_memory_parts_matrix.py, dp=2 x pp=2 1F1B,
+4 micro-batches): a 2x64 GPT's first stage peaked in a steady-state backward holding its shards and one gathered
+unit, not the whole stage; an 8x256 GPT on 32 tokens (parameters outweighing activations) peaked in the last
+backward with the whole stage gathered, the unsharded gradients (no sharded ones) and 5.9 MiB beside them where
+two units' reduce-scatter inputs are 6.3 MiB (priced before with sharded and unsharded gradients both whole and no
+buffers: gradients +50%).
 DDP is priced with gradient_as_bucket_view=True (its buckets are the gradients, no second copy).
 When gradients exist (the program sets them to None before each step's forward, train.py): DDP's buckets
 are allocated once and live through the loss's peak; otherwise a gradient is made during backward (FSDP2
@@ -172,6 +178,9 @@ class StageMemoryModel:
     the larger of the loss's peak (the linear form) and the end of backward (states, these, no activations)."""
     late_per_tied_group: dict[str, tuple[float, ...]] = field(default_factory=dict)
     """The same for each tied group."""
+    late_largest: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    """category -> per-module bytes of which the end of backward adds the maximum over the stage's modules, not
+    the loss's peak: FSDP2's reduce-scatter buffers (layout_memory)."""
 
     @cached_property
     def state_bytes(self) -> tuple[float, ...]:
@@ -228,7 +237,7 @@ class StageMemoryModel:
         """Bytes per category for modules [start, end) at the stage's peak: the loss's (start of backward), or,
         when larger, the end of backward (late_per_module); `modes` is one mode or one per module of the chain."""
         at_loss = self.loss_peak_breakdown(start, end, modes)
-        if not self.late_per_module:
+        if not self.late_per_module and not self.late_largest:
             return at_loss
         late = self.end_of_backward_breakdown(start, end, modes)
         return late if sum(late.values()) > sum(at_loss.values()) else at_loss
@@ -237,16 +246,20 @@ class StageMemoryModel:
         """Bytes per category once a backward has run with no forward after it: the states, every gradient made
         during backward, the largest gathered unit (FSDP's last reduce-scatter), and the activations, kept outputs
         and working set of the in_flight - 1 micro-batches whose backward is still to run (a pipeline's
-        consecutive backwards: its cooldown, GPipe; none at the end of the step)."""
+        consecutive backwards: its cooldown, GPipe), or when larger the buffers of the last backward's
+        reduce-scatters (late_largest)."""
         out: dict[str, float] = {}
         later = self.in_flight - 1
+        cooldown: dict[str, float] = {}
         if later > 0:
             acts = self.activations_per_microbatch
-            out["activations"] = later * sum(acts[modes if isinstance(modes, str) else modes[u]][u]
-                                             for u in range(start, end))
+            cooldown["activations"] = later * sum(acts[modes if isinstance(modes, str) else modes[u]][u]
+                                                  for u in range(start, end))
             if end - 1 < len(self.cut_per_microbatch):
-                out["activations"] += later * self.cut_per_microbatch[end - 1]
-            out["working"] = max(self.largest_module.get("working", (0.0,) * end)[start:end])
+                cooldown["activations"] += later * self.cut_per_microbatch[end - 1]
+            cooldown["working"] = max(self.largest_module.get("working", (0.0,) * end)[start:end])
+        last = {c: max(vec[start:end]) for c, vec in self.late_largest.items()}  # the last backward's buffers
+        out.update(cooldown if sum(cooldown.values()) > sum(last.values()) else last)
         for terms in (self.per_module, self.late_per_module):
             for c, vec in terms.items():
                 out[c] = out.get(c, 0.0) + sum(vec[start:end])
@@ -318,6 +331,7 @@ class LayoutMemory:
 
     late_per_module: dict[str, tuple[float, ...]] = field(default_factory=dict)
     late_per_tied_group: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    late_largest: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     @property
     def states(self) -> dict[str, tuple[float, ...]]:
@@ -333,7 +347,7 @@ class LayoutMemory:
         (StageMemoryModel.received)."""
         return StageMemoryModel(stage_index, self.per_module, self.activations_per_microbatch, self.per_tied_group,
                                 self.tied_group_modules, self.largest_module, self.cut_per_microbatch, in_flight,
-                                received, self.late_per_module, self.late_per_tied_group)
+                                received, self.late_per_module, self.late_per_tied_group, self.late_largest)
 
 
 def gradients_at_loss_peak(ddp: bool, zero: int, accumulates: bool) -> bool:
@@ -374,6 +388,10 @@ def layout_memory(inputs: MemoryInputs, train_dtype: str, shard: int, reshard_af
         out = {c: tuple(0.0 if offload else (n - e) * per_param[c] / divisor[c] + e * per_param[c] / expert_divisor[c]
                         for n, e in zip(numels, experts)) for c in STATE_CATEGORIES}  # offload: on the host
         late = {} if held_gradients or offload else {"gradients": out.pop("gradients")}
+        if zero >= 2 and accumulates and not offload:
+            # each unit's sharded gradient is made from its unsharded one by the last micro-batch's reduce-scatter,
+            # which FSDP2 then lets go (4 / shard bytes per parameter for 4): never both whole
+            late.pop("gradients", None)
         if zero == 2:  # FSDP2's gathered copies kept to backward: reshard_after_forward=False
             out["gathered_parameters"] = tuple(n * element for n in numels)
         elif zero == 3 and num_ranks > 1:
@@ -392,10 +410,17 @@ def layout_memory(inputs: MemoryInputs, train_dtype: str, shard: int, reshard_af
     if offload:
         largest["offload_staging"] = tuple(calibration.FSDP_PREFETCH_UNITS * n * OFFLOAD_STAGING_BYTES_PER_PARAM / shard
                                            for n in inputs.module_largest_numel)
+    late_largest = {}
+    if zero >= 2 and not offload:
+        # FSDP2's reduce-scatter input, a unit's gradient copied flat in the reduce dtype (fp32), is kept until the
+        # next unit's reduce-scatter is issued (FSDPCommContext.reduce_scatter_state): two units' at once
+        late_largest["reduce_scatter_buffers"] = tuple(calibration.FSDP_PREFETCH_UNITS * n
+                                                       * calibration.GRADIENT_REDUCE_BYTES
+                                                       for n in inputs.module_largest_numel)
     modules, late_modules = states(inputs.module_numel, inputs.expert_numel)
     groups, late_groups = states(inputs.group_numel)
     activations = inputs.activations
     if num_ranks > 1 and inputs.output_bytes:  # the last stage's outputs, kept in fwd_cache like every stage's
         activations = {mode: (*vec[:-1], vec[-1] + inputs.output_bytes) for mode, vec in activations.items()}
     return LayoutMemory(modules, activations, groups, inputs.tied_group_modules, largest, inputs.cut_bytes,
-                        late_modules, late_groups)
+                        late_modules, late_groups, late_largest)
