@@ -27,7 +27,7 @@ every micro-batch in flight (the prefetched units gathered) and the second of tw
 micro-batch fewer, the whole stage gathered), or the last backward's reduce-scatters: FSDP2 copies each unit's
 gradient flat into an fp32 reduce-scatter input and keeps it until the next unit's is issued (two units' at once),
 and the sharded gradient it makes replaces the unsharded one (never both whole):
-StageMemoryModel.end_of_backward_breakdown. Measured on CPU (tests/test_memory_parts_matrix.py, dp=2 x pp=2 1F1B,
+StageMemoryModel.end_of_backward_breakdown. Measured on CPU (tests/test_memory_parts.py, dp=2 x pp=2 1F1B,
 4 micro-batches): a 2x64 GPT's first stage peaked in a steady-state backward holding its shards and one gathered
 unit, not the whole stage; an 8x256 GPT on 32 tokens (parameters outweighing activations) peaked in the last
 backward with the whole stage gathered, the unsharded gradients (no sharded ones) and 5.9 MiB beside them where
@@ -242,7 +242,8 @@ class StageMemoryModel:
         late = self.end_of_backward_breakdown(start, end, modes)
         return late if sum(late.values()) > sum(at_loss.values()) else at_loss
 
-    def end_of_backward_breakdown(self, start: int, end: int, modes: tuple[str, ...] | str = "none") -> dict[str, float]:
+    def end_of_backward_breakdown(self, start: int, end: int,
+                                  modes: tuple[str, ...] | str = "none") -> dict[str, float]:
         """Bytes per category once a backward has run with no forward after it: the states, every gradient made
         during backward, the largest gathered unit (FSDP's last reduce-scatter), and the activations, kept outputs
         and working set of the in_flight - 1 micro-batches whose backward is still to run (a pipeline's
