@@ -30,8 +30,8 @@ and the sharded gradient it makes replaces the unsharded one (never both whole):
 StageMemoryModel.end_of_backward_breakdown. Measured on CPU (tests/test_memory_parts.py, dp=2 x pp=2 1F1B,
 4 micro-batches): a 2x64 GPT's first stage peaked in a steady-state backward holding its shards and one gathered
 unit, not the whole stage; an 8x256 GPT on 32 tokens (parameters outweighing activations) peaked in the last
-backward with the whole stage gathered, the unsharded gradients (no sharded ones) and 5.9 MiB beside them where
-two units' reduce-scatter inputs are 6.3 MiB (priced before with sharded and unsharded gradients both whole and no
+backward with the whole stage gathered, the unsharded gradients (no sharded ones) and 5.7 MiB beside them where
+two units' reduce-scatter inputs are 6.0 MiB (priced before with sharded and unsharded gradients both whole and no
 buffers: gradients +50%).
 DDP is priced with gradient_as_bucket_view=True (its buckets are the gradients, no second copy).
 When gradients exist (the program sets them to None before each step's forward, train.py): DDP's buckets
@@ -103,6 +103,10 @@ ACCUMULATED_GRADIENT_BYTES_PER_PARAM = 4
 to its reduce dtype, fp32 (FSDPParam.to_accumulated_grad_if_needed; the program's reduce_dtype is float32)."""
 
 STATE_CATEGORIES = ("parameters", "gradients", "optimizer")
+REPLACED_BY = {"unsharded_gradients": "gradients"}
+"""category held at the loss's peak -> the late category made from it that replaces it
+(StageMemoryModel.late_per_module): FSDP2's reduce-scatter turns each unit's accumulated unsharded gradient into its
+sharded one and lets it go."""
 
 HOST_STATE_BYTES_PER_PARAM = 16
 """Host bytes per parameter of a rank's shard under CPU offload, any training dtype: FSDP2 keeps the sharded
@@ -261,13 +265,18 @@ class StageMemoryModel:
             cooldown["working"] = max(self.largest_module.get("working", (0.0,) * end)[start:end])
         last = {c: max(vec[start:end]) for c, vec in self.late_largest.items()}  # the last backward's buffers
         out.update(cooldown if sum(cooldown.values()) > sum(last.values()) else last)
+        # each unit's sharded gradient is made from its unsharded one by the last micro-batch's reduce-scatter, which
+        # FSDP2 then lets go (4 / shard bytes per parameter for 4): never both whole, the unsharded ones counted
+        replaced = {REPLACED_BY[c] for c in self.per_module if c in REPLACED_BY}
         for terms in (self.per_module, self.late_per_module):
             for c, vec in terms.items():
-                out[c] = out.get(c, 0.0) + sum(vec[start:end])
+                if terms is self.per_module or c not in replaced:
+                    out[c] = out.get(c, 0.0) + sum(vec[start:end])
         for terms in (self.per_tied_group, self.late_per_tied_group):
             for c, vec in terms.items():
-                out[c] = out.get(c, 0.0) + sum(v for v, us in zip(vec, self.tied_group_modules)
-                                               if any(start <= u < end for u in us))
+                if terms is self.per_tied_group or c not in replaced:
+                    out[c] = out.get(c, 0.0) + sum(v for v, us in zip(vec, self.tied_group_modules)
+                                                   if any(start <= u < end for u in us))
         for c, vec in self.largest_module.items():
             if c != "working" and c not in self.late_per_module and c not in self.per_module:  # not held whole
                 out[c] = out.get(c, 0.0) + max(vec[start:end])
@@ -389,10 +398,6 @@ def layout_memory(inputs: MemoryInputs, train_dtype: str, shard: int, reshard_af
         out = {c: tuple(0.0 if offload else (n - e) * per_param[c] / divisor[c] + e * per_param[c] / expert_divisor[c]
                         for n, e in zip(numels, experts)) for c in STATE_CATEGORIES}  # offload: on the host
         late = {} if held_gradients or offload else {"gradients": out.pop("gradients")}
-        if zero >= 2 and accumulates and not offload:
-            # each unit's sharded gradient is made from its unsharded one by the last micro-batch's reduce-scatter,
-            # which FSDP2 then lets go (4 / shard bytes per parameter for 4): never both whole
-            late.pop("gradients", None)
         if zero == 2:  # FSDP2's gathered copies kept to backward: reshard_after_forward=False
             out["gathered_parameters"] = tuple(n * element for n in numels)
         elif zero == 3 and num_ranks > 1:
