@@ -389,7 +389,9 @@ def frontier_pins(row: dict) -> tuple[str, int]:
     microbatch = leading_int(row["micro_batch"]) or 1
     pins = [f"dp={dp}", f"tp={tp}", f"pp={pp}", f"cp={cp}", f"ep={ep}", f"microbatch={microbatch}"]
     if row["fsdp_or_dp"].startswith("fsdp") or ep > 1:
-        pins.append("zero=3")
+        # torchtitan's reshard_after_forward_policy "default" is `not pp_enabled` (torchtitan/models/llama3/infra/
+        # parallelize.py apply_fsdp): with a pipeline the gathered parameters stay to backward (reshard=never)
+        pins.append("zero=2" if pp > 1 else "zero=3")
     recompute = {"full": "full", "selective op": "selective"}.get(row["recompute"])
     if recompute:
         pins.append(f"recompute={recompute}")

@@ -49,7 +49,7 @@ def _states(ctx, par, start=0, end=None):
     problem = build_problem(ctx, par, ("none",))
     end = len(ctx.chain) if end is None else end
     part = problem.memory[0].end_of_backward_breakdown(start, end)  # every state alive, gathered units
-    return part, sum(part[c] for c in ("parameters", "gradients", "optimizer"))
+    return part, sum(part.get(c, 0.0) for c in ("parameters", "gradients", "optimizer"))
 
 
 def test_whole_model_states_are_16_psi_replicated_16_psi_over_n_sharded_and_zero1_runs_as_zero2():

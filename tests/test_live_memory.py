@@ -241,3 +241,22 @@ def test_peak_parts_say_what_the_peak_held_and_add_up_to_it():
     parts, _, model = _parts_of_a_step(width=512, batch=1)
     assert parts["gradients"] == parameter_bytes(model)
     assert parts["activations"] < parameter_bytes(model)
+
+
+def test_a_gradient_at_the_peak_counts_as_gradients_though_it_is_gone_by_exit():
+    """FSDP2's unsharded gradients accumulated across micro-batches are the gathered parameter's .grad until the last
+    micro-batch's reduce-scatter lets them go: at __exit__ nothing holds them, yet at the peak they were gradients
+    (sorted by what held them at __exit__, they were counted as activations)."""
+    import torch
+
+    from autoplan.runtime.memory import PeakLiveMemory
+
+    linear = torch.nn.Linear(256, 256, bias=False)
+    x = torch.randn(64, 256)
+    with PeakLiveMemory(torch.device("cpu")) as tracker:
+        linear(x).sum().backward()
+        peak = torch.empty(300_000)  # the peak, with the gradient alive
+        del peak
+        linear.weight.grad = None
+    assert tracker.peak_parts["gradients"] == 256 * 256 * 4
+    assert tracker.peak_parts["parameters"] == 256 * 256 * 4

@@ -1,14 +1,27 @@
 """The plan's memory, part by part, against what `autoplan verify --measure` finds the peak held on CPU
-(PeakLiveMemory.peak_parts: parameters, gradients, optimizer state, buffers, activations), for FSDP, tensor and
-pipeline parallel layouts of a small GPT. Slow: one verify launch per layout."""
+(PeakLiveMemory.peak_parts: parameters, gradients, optimizer state, buffers, activations), for each layout of the
+matrix: FSDP, tensor and pipeline parallel on their own; context parallel (ring attention); expert parallel on a tiny
+Qwen3-MoE (over data-parallel ranks, and folded over tensor-parallel ones); FSDP x pipeline and FSDP x tensor
+parallel. One 4-process launch for all of them (tests/helpers/verify_many.py, measure=True).
+
+What each checks beyond the total: the gradients and optimizer state a rank holds at its peak (exactly: they follow
+from the layout), the parameters (exactly where nothing is gathered; FSDP2's resharding layouts: the shards plus at
+most the gathered units priced), and the activations (within ACTIVATIONS_TOLERANCE; with resharding FSDP2 together
+with the parameters, since what is gathered at the peak's moment moves between the two)."""
 
 import json
 from pathlib import Path
 
 import pytest
 
+from autoplan.api import plan_model
+
+from helpers.verify_many import verify_many
+
+pytestmark = pytest.mark.slow  # one 4-process torchrun launch
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-MODEL = f"""import sys, torch
+GPT = f"""import sys, torch
 sys.path.insert(0, {str(EXAMPLES)!r})
 from gpt import GPT, loss_fn
 def build_model():
@@ -17,42 +30,107 @@ def example_batch(batch_size):
     idx = torch.randint(0, 256, (batch_size, 513))
     return idx[:, :-1], idx[:, 1:]
 """
+WIDE_GPT = GPT.replace("GPT(256, 512, 2, 2, 64)", "GPT(256, 32, 8, 2, 256)").replace("(batch_size, 513)",
+                                                                                     "(batch_size, 33)")
+"""8 blocks of 256 features on 32 tokens: a pipeline stage's parameters (4 blocks) outweigh a micro-batch's
+activations, so the stage's peak is its last backward's (the whole stage gathered, its unsharded gradients and the
+reduce-scatter buffers), not a steady-state one's."""
+MOE = '''"""A tiny Hugging Face Qwen3-MoE (4 experts, top-2) at 128 tokens, built from its config, never downloaded."""
+import torch
+from torch.nn import functional as F
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+SEQ = 128
+
+
+def build_model():
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=SEQ, tie_word_embeddings=False, use_cache=False))
+
+
+def example_batch(batch_size):
+    ids = torch.randint(0, 256, (batch_size, SEQ + 1))
+    return {"input_ids": ids[:, :-1]}, ids[:, 1:]
+
+
+def loss_fn(output, targets):
+    logits = output.logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+'''
+MODELS = {"gpt": GPT, "wide_gpt": WIDE_GPT, "moe": MOE}
 LAYOUTS = {
     # one micro-batch per rank: FSDP2's sharded gradients are made in backward, none alive at the loss's peak
-    "fsdp": "dp=2,zero=3,microbatch=2,recompute=none",
+    "fsdp": ("gpt", "dp=2,zero=3,microbatch=2,recompute=none", 2, 4),
     # one micro-batch, no data parallelism: autograd's .grad made in backward (was priced as held at the peak)
-    "tp": "dp=1,tp=2,microbatch=4,recompute=none",
+    "tp": ("gpt", "dp=1,tp=2,microbatch=4,recompute=none", 2, 4),
     # a pipeline accumulates: the gradients exist from the first micro-batch's backward on
-    "pp": "dp=1,pp=2,microbatch=1,recompute=none,schedule=1f1b",
+    "pp": ("gpt", "dp=1,pp=2,microbatch=1,recompute=none,schedule=1f1b", 2, 4),
+    # FSDP2 over the two context-parallel ranks (reshard never), two micro-batches: the unsharded gradients are the
+    # gathered parameters' .grad from the first micro-batch's backward on, let go after the last reduce-scatter
+    "cp": ("gpt", "dp=1,cp=2,microbatch=2,recompute=none", 2, 4),
+    # 1F1B over 4 micro-batches: a pipeline's backwards keep the stage gathered, its forwards reshard it, so the
+    # first stage's peak (a steady-state backward) holds the units in flight and the unsharded gradients
+    "fsdp_pp": ("gpt", "dp=2,zero=3,pp=2,microbatch=1,recompute=none,schedule=1f1b", 4, 8),
+    # the same with parameters outweighing activations: the peak is the last backward's, the whole stage gathered,
+    # the unsharded gradients and two units' reduce-scatter buffers (the sharded gradients replace the unsharded)
+    "fsdp_pp_wide": ("wide_gpt", "dp=2,zero=3,pp=2,microbatch=1,recompute=none,schedule=1f1b", 4, 8),
+    "fsdp_tp": ("gpt", "dp=2,zero=3,tp=2,microbatch=2,recompute=none", 4, 4),
+    # experts split over the two data-parallel ranks
+    "ep": ("moe", "dp=2,zero=3,ep=2,microbatch=2,recompute=none", 2, 4),
+    # experts folded over the two tensor-parallel ranks (no data parallelism): each rank holds half of them
+    "ep_tp": ("moe", "dp=1,tp=2,ep=2,microbatch=4,recompute=none", 2, 4),
 }
-ACTIVATIONS_TOLERANCE = 0.15
-"""Measured here (predicted vs measured): activations -8.7% (tp), -6% (fsdp, with the gathered units); pp +7.5% on
-the first stage, -5.9% on the last (cut after blocks.1.ln_1), +8.3% and -0.3% with the cut one module earlier (after
-blocks.0.mlp). Before the program's receive buffers were made on demand and the last stage's kept logits priced
-(runtime/steps.py, cost/memory.py), the last stage was -29% (-19% with the earlier cut)."""
+RESHARDING = {"fsdp", "fsdp_pp", "fsdp_pp_wide", "fsdp_tp", "ep"}
+"""FSDP2 with reshard=always: what is gathered at the peak's moment is priced as the units in flight (or, at the
+last backward of a pipeline stage, the whole stage)."""
+ACTIVATIONS_TOLERANCE = {"fsdp": 0.15, "tp": 0.15, "pp": 0.15, "cp": 0.15, "fsdp_pp": 0.15, "fsdp_pp_wide": 0.15,
+                         "fsdp_tp": 0.15, "ep": 0.30, "ep_tp": 0.30}
+"""Measured here, predicted vs measured activations (with the parameters where RESHARDING): tp -8.7%, fsdp -6% (with
+the gathered units), pp +7.5% on the first stage, -5.9% on the last (cut after blocks.1.ln_1; before the program's
+receive buffers were made on demand and the last stage's kept logits priced, runtime/steps.py and cost/memory.py,
+the last stage was -29%), cp -3.7% / -2.1% (the
+two ranks), fsdp_pp +8.9% first stage / -0.6% last, fsdp_pp_wide +2.6% / +11.0%, fsdp_tp -5.9%, ep +24.0%, ep_tp
++12.0%. The MoE layouts' looser bound is a known over-price, not resolved: a module's backward working set is
+priced as its whole saved bytes again (cost/compute.py _module_row), and a MoE decoder layer's backward holds far
+less beyond its kept activations (on one process, no parallelism, the peak is the loss's backward, 1.0 MiB over
+the kept activations where 3.6 MiB is priced: +26%). The GPT layouts are priced 2-6% low with the same rule, so
+changing it needs what the distributed GPT programs hold beyond it found first."""
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_each_part_of_the_peak_is_priced_as_measured(tmp_path, name):
-    from autoplan.api import plan_model
-    from autoplan.verify import verify
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    root = tmp_path_factory.mktemp("memory_parts")
+    for name, code in MODELS.items():
+        (root / f"{name}_model.py").write_text(code)
+    folders = {}
+    for name, (model, pin, gpus, batch) in LAYOUTS.items():
+        folders[name] = root / name
+        # op times from the roofline, so the pipeline's cut does not move with this machine's timings
+        plan_model(str(root / f"{model}_model.py"), gpus, "cpu", global_batch=batch, pin=pin, out=folders[name],
+                   measure=False)
+    results = verify_many(list(folders.values()), steps=2, timeout_s=1800, nproc=4, measure=True).results
+    return {name: (result, json.loads((folders[name] / "verify.json").read_text()))
+            for name, result in zip(folders, results)}
 
-    model = tmp_path / "gpt_small.py"
-    model.write_text(MODEL)
-    out = tmp_path / "out"
-    # op times from the roofline: timed on this machine, they move the pipeline's cut from run to run (the CI saw the
-    # last stage start at blocks.1.attn in one run and at blocks.1.ln_1 in the next), changing what each stage holds
-    plan_model(str(model), 2, "cpu", global_batch=4, pin=LAYOUTS[name], out=out, measure=False)
-    assert verify(out, steps=2, timeout_s=400, measure=True).passed
-    for rank in json.loads((out / "verify.json").read_text())["ranks"]:
-        measured, predicted = rank["measured_peak_memory_parts"], rank["predicted_peak_memory_parts"]
-        assert measured["gradients"] == pytest.approx(predicted["gradients"], rel=0.01, abs=1024), (measured, predicted)
-        assert measured["optimizer"] == pytest.approx(predicted["optimizer"], rel=0.01), (measured, predicted)
-        if name == "fsdp":  # the shards, and at most the gathered units priced in flight
-            assert 0 < measured["parameters"] <= predicted["parameters"]
-            assert (measured["parameters"] + measured["activations"]
-                    == pytest.approx(predicted["parameters"] + predicted["activations"], rel=ACTIVATIONS_TOLERANCE))
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_each_part_of_the_peak_is_priced_as_measured(measured, name):
+    result, report = measured[name]
+    assert result.passed, result.error or report
+    ranks = report["ranks"]
+    assert len(ranks) == LAYOUTS[name][2]
+    for rank in ranks:
+        got, priced = rank["measured_peak_memory_parts"], rank["predicted_peak_memory_parts"]
+        where = f"rank {rank['rank']}: measured {got}, predicted {priced}"
+        assert got["gradients"] == pytest.approx(priced["gradients"], rel=0.01, abs=1024), where
+        assert got["optimizer"] == pytest.approx(priced["optimizer"], rel=0.01, abs=1024), where
+        tolerance = ACTIVATIONS_TOLERANCE[name]
+        if name in RESHARDING:  # the shards, and at most the gathered units priced in flight
+            assert 0 < got["parameters"] <= priced["parameters"], where
+            assert (got["parameters"] + got["activations"]
+                    == pytest.approx(priced["parameters"] + priced["activations"], rel=tolerance)), where
         else:
-            assert measured["parameters"] == pytest.approx(predicted["parameters"], rel=0.01)
-            assert measured["activations"] == pytest.approx(predicted["activations"], rel=ACTIVATIONS_TOLERANCE)
+            assert got["parameters"] == pytest.approx(priced["parameters"], rel=0.01), where
+            assert got["activations"] == pytest.approx(priced["activations"], rel=tolerance), where

@@ -1,7 +1,8 @@
 """Peak memory of one rank of a pipeline stage.
 
 memory(stage) = model states (parameters + gradients + AdamW state, sharded by ZeRO over dp_shard)
-              + unsharded copies FSDP holds (prefetched modules when pp = 1; the whole stage when pp > 1)
+              + unsharded copies FSDP holds (the prefetched modules under reshard=always; the whole stage under
+                reshard=never, and under a pipeline from a backward no forward follows on: the late moment below)
               + activations (kept bytes per recompute mode x micro-batches in flight)
               + the stage's outputs kept for backward (pipeline boundary, same in-flight count; on the last
                 stage the model's outputs, the logits: torch.distributed.pipelining keeps every stage's output
@@ -18,8 +19,20 @@ with reshard=never = FSDP2 with reshard_after_forward=False (all of the rank's p
 peak, gradients and optimizer state sharded: ZeRO-2's 2 + 14/N bytes per parameter; a pinned zero=1
 runs and is priced so); reshard=always = FSDP2 (ZeRO-3's 16/N, plus gathered modules). Under a
 pipeline, torch.distributed.pipelining keeps FSDP parameters unsharded and gradients unreduced until
-the last micro-batch (stage.py backward_maybe_with_nosync), so the whole stage's parameters and
-gradients are held unsharded.
+the last micro-batch (stage.py backward_maybe_with_nosync), so from a stage's first backward on its unsharded
+gradients are held; its parameters stay gathered after each backward, but under reshard=always the next forward
+reshards them module by module (FSDP2's post-forward hook), so the whole stage is gathered only in a run of
+backwards with no forward between (1F1B's cooldown, GPipe): the stage's peak is the larger of its backward with
+every micro-batch in flight (the prefetched units gathered) and the second of two consecutive backwards (one
+micro-batch fewer, the whole stage gathered), or the last backward's reduce-scatters: FSDP2 copies each unit's
+gradient flat into an fp32 reduce-scatter input and keeps it until the next unit's is issued (two units' at once),
+and the sharded gradient it makes replaces the unsharded one (never both whole):
+StageMemoryModel.end_of_backward_breakdown. Measured on CPU (tests/test_memory_parts.py, dp=2 x pp=2 1F1B,
+4 micro-batches): a 2x64 GPT's first stage peaked in a steady-state backward holding its shards and one gathered
+unit, not the whole stage; an 8x256 GPT on 32 tokens (parameters outweighing activations) peaked in the last
+backward with the whole stage gathered, the unsharded gradients (no sharded ones) and 5.7 MiB beside them where
+two units' reduce-scatter inputs are 6.0 MiB (priced before with sharded and unsharded gradients both whole and no
+buffers: gradients +50%).
 DDP is priced with gradient_as_bucket_view=True (its buckets are the gradients, no second copy).
 When gradients exist (the program sets them to None before each step's forward, train.py): DDP's buckets
 are allocated once and live through the loss's peak; otherwise a gradient is made during backward (FSDP2
@@ -90,6 +103,10 @@ ACCUMULATED_GRADIENT_BYTES_PER_PARAM = 4
 to its reduce dtype, fp32 (FSDPParam.to_accumulated_grad_if_needed; the program's reduce_dtype is float32)."""
 
 STATE_CATEGORIES = ("parameters", "gradients", "optimizer")
+REPLACED_BY = {"unsharded_gradients": "gradients"}
+"""category held at the loss's peak -> the late category made from it that replaces it
+(StageMemoryModel.late_per_module): FSDP2's reduce-scatter turns each unit's accumulated unsharded gradient into its
+sharded one and lets it go."""
 
 HOST_STATE_BYTES_PER_PARAM = 16
 """Host bytes per parameter of a rank's shard under CPU offload, any training dtype: FSDP2 keeps the sharded
@@ -165,6 +182,9 @@ class StageMemoryModel:
     the larger of the loss's peak (the linear form) and the end of backward (states, these, no activations)."""
     late_per_tied_group: dict[str, tuple[float, ...]] = field(default_factory=dict)
     """The same for each tied group."""
+    late_largest: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    """category -> per-module bytes of which the end of backward adds the maximum over the stage's modules, not
+    the loss's peak: FSDP2's reduce-scatter buffers (layout_memory)."""
 
     @cached_property
     def state_bytes(self) -> tuple[float, ...]:
@@ -221,24 +241,44 @@ class StageMemoryModel:
         """Bytes per category for modules [start, end) at the stage's peak: the loss's (start of backward), or,
         when larger, the end of backward (late_per_module); `modes` is one mode or one per module of the chain."""
         at_loss = self.loss_peak_breakdown(start, end, modes)
-        if not self.late_per_module:
+        if not self.late_per_module and not self.late_largest:
             return at_loss
-        late = self.end_of_backward_breakdown(start, end)
+        late = self.end_of_backward_breakdown(start, end, modes)
         return late if sum(late.values()) > sum(at_loss.values()) else at_loss
 
-    def end_of_backward_breakdown(self, start: int, end: int) -> dict[str, float]:
-        """Bytes per category once backward has run: the states, every gradient made during backward, the largest
-        gathered unit (FSDP's last reduce-scatter), no activations or working set."""
+    def end_of_backward_breakdown(self, start: int, end: int,
+                                  modes: tuple[str, ...] | str = "none") -> dict[str, float]:
+        """Bytes per category once a backward has run with no forward after it: the states, every gradient made
+        during backward, the largest gathered unit (FSDP's last reduce-scatter), and the activations, kept outputs
+        and working set of the in_flight - 1 micro-batches whose backward is still to run (a pipeline's
+        consecutive backwards: its cooldown, GPipe), or when larger the buffers of the last backward's
+        reduce-scatters (late_largest)."""
         out: dict[str, float] = {}
+        later = self.in_flight - 1
+        cooldown: dict[str, float] = {}
+        if later > 0:
+            acts = self.activations_per_microbatch
+            cooldown["activations"] = later * sum(acts[modes if isinstance(modes, str) else modes[u]][u]
+                                                  for u in range(start, end))
+            if end - 1 < len(self.cut_per_microbatch):
+                cooldown["activations"] += later * self.cut_per_microbatch[end - 1]
+            cooldown["working"] = max(self.largest_module.get("working", (0.0,) * end)[start:end])
+        last = {c: max(vec[start:end]) for c, vec in self.late_largest.items()}  # the last backward's buffers
+        out.update(cooldown if sum(cooldown.values()) > sum(last.values()) else last)
+        # each unit's sharded gradient is made from its unsharded one by the last micro-batch's reduce-scatter, which
+        # FSDP2 then lets go (4 / shard bytes per parameter for 4): never both whole, the unsharded ones counted
+        replaced = {REPLACED_BY[c] for c in self.per_module if c in REPLACED_BY}
         for terms in (self.per_module, self.late_per_module):
             for c, vec in terms.items():
-                out[c] = out.get(c, 0.0) + sum(vec[start:end])
+                if terms is self.per_module or c not in replaced:
+                    out[c] = out.get(c, 0.0) + sum(vec[start:end])
         for terms in (self.per_tied_group, self.late_per_tied_group):
             for c, vec in terms.items():
-                out[c] = out.get(c, 0.0) + sum(v for v, us in zip(vec, self.tied_group_modules)
-                                               if any(start <= u < end for u in us))
+                if terms is self.per_tied_group or c not in replaced:
+                    out[c] = out.get(c, 0.0) + sum(v for v, us in zip(vec, self.tied_group_modules)
+                                                   if any(start <= u < end for u in us))
         for c, vec in self.largest_module.items():
-            if c != "working":
+            if c != "working" and c not in self.late_per_module and c not in self.per_module:  # not held whole
                 out[c] = out.get(c, 0.0) + max(vec[start:end])
         return out
 
@@ -301,6 +341,7 @@ class LayoutMemory:
 
     late_per_module: dict[str, tuple[float, ...]] = field(default_factory=dict)
     late_per_tied_group: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    late_largest: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     @property
     def states(self) -> dict[str, tuple[float, ...]]:
@@ -316,7 +357,7 @@ class LayoutMemory:
         (StageMemoryModel.received)."""
         return StageMemoryModel(stage_index, self.per_module, self.activations_per_microbatch, self.per_tied_group,
                                 self.tied_group_modules, self.largest_module, self.cut_per_microbatch, in_flight,
-                                received, self.late_per_module, self.late_per_tied_group)
+                                received, self.late_per_module, self.late_per_tied_group, self.late_largest)
 
 
 def gradients_at_loss_peak(ddp: bool, zero: int, accumulates: bool) -> bool:
@@ -357,25 +398,35 @@ def layout_memory(inputs: MemoryInputs, train_dtype: str, shard: int, reshard_af
         out = {c: tuple(0.0 if offload else (n - e) * per_param[c] / divisor[c] + e * per_param[c] / expert_divisor[c]
                         for n, e in zip(numels, experts)) for c in STATE_CATEGORIES}  # offload: on the host
         late = {} if held_gradients or offload else {"gradients": out.pop("gradients")}
-        if zero == 2 or (zero == 3 and num_ranks > 1):
-            # FSDP2's gathered copies kept to backward: reshard_after_forward=False, or a pipeline
-            # (stage.py backward_maybe_with_nosync keeps them unsharded until the last micro-batch)
+        if zero == 2:  # FSDP2's gathered copies kept to backward: reshard_after_forward=False
             out["gathered_parameters"] = tuple(n * element for n in numels)
+        elif zero == 3 and num_ranks > 1:
+            # a pipeline's backwards keep them gathered (stage.py backward_maybe_with_nosync: reshard_after_backward
+            # False until the step's end), but each forward reshards them again after it: held whole only from a
+            # backward that no forward follows on (the late moment), the units in flight before
+            late["gathered_parameters"] = tuple(n * element for n in numels)
         if zero >= 2 and accumulates:  # unsharded gradients kept across micro-batches, in fp32
             out["unsharded_gradients"] = tuple(n * ACCUMULATED_GRADIENT_BYTES_PER_PARAM for n in numels)
         return out, late
 
     largest = {"working": inputs.working_bytes}
-    if zero == 3 and num_ranks == 1:
+    if zero == 3:
         largest["gathered_parameters"] = tuple(calibration.FSDP_PREFETCH_UNITS * n * element
                                                for n in inputs.module_largest_numel)
     if offload:
         largest["offload_staging"] = tuple(calibration.FSDP_PREFETCH_UNITS * n * OFFLOAD_STAGING_BYTES_PER_PARAM / shard
                                            for n in inputs.module_largest_numel)
+    late_largest = {}
+    if zero >= 2 and not offload:
+        # FSDP2's reduce-scatter input, a unit's gradient copied flat in the reduce dtype (fp32), is kept until the
+        # next unit's reduce-scatter is issued (FSDPCommContext.reduce_scatter_state): two units' at once
+        late_largest["reduce_scatter_buffers"] = tuple(calibration.FSDP_PREFETCH_UNITS * n
+                                                       * calibration.GRADIENT_REDUCE_BYTES
+                                                       for n in inputs.module_largest_numel)
     modules, late_modules = states(inputs.module_numel, inputs.expert_numel)
     groups, late_groups = states(inputs.group_numel)
     activations = inputs.activations
     if num_ranks > 1 and inputs.output_bytes:  # the last stage's outputs, kept in fwd_cache like every stage's
         activations = {mode: (*vec[:-1], vec[-1] + inputs.output_bytes) for mode, vec in activations.items()}
     return LayoutMemory(modules, activations, groups, inputs.tied_group_modules, largest, inputs.cut_bytes,
-                        late_modules, late_groups)
+                        late_modules, late_groups, late_largest)

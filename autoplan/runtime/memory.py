@@ -34,8 +34,10 @@ even if one was made from the other's memory with ``from_blob``.
 until ``__exit__``, which sorts them by what holds them then, found the same way as the baseline (every
 Python-visible object): ``parameters`` (every ``nn.Parameter``, FSDP2's gathered copies included),
 ``gradients`` (their ``.grad``), ``optimizer`` (the tensors in every optimizer's state), ``buffers`` (modules'
-buffers) and ``activations`` (the rest: saved activations, temporaries, communication buffers, FSDP2's
-accumulated unsharded gradients).
+buffers) and ``activations`` (the rest: saved activations, temporaries, communication buffers). A gradient is what
+a parameter's ``.grad`` held at the peak's moment (looked up then, over the parameters alive at ``__enter__``): FSDP2's
+unsharded gradients accumulated across micro-batches are the gathered parameter's ``.grad`` until the last
+micro-batch's reduce-scatter drops them, so by ``__exit__`` nothing holds them.
 """
 
 from __future__ import annotations
@@ -122,7 +124,9 @@ class _LiveStorages:
         self._mode: _SeeOps | None = None
         self._resize: _WatchResize | None = None
         self._rising = False  # the live count has reached a new peak and not gone down since
-        self._at_peak: list[tuple[int, weakref.ref]] = []  # (bytes, storage) of each storage alive at the peak
+        # (bytes, storage, a parameter's .grad then) of each storage alive at the peak
+        self._at_peak: list[tuple[int, weakref.ref, bool]] = []
+        self._parameters: list[weakref.ref] = []  # every nn.Parameter alive at start (FSDP2's unsharded ones too)
 
     def start(self) -> None:
         gc.collect()  # cyclic garbage is not live memory; without this it would land in the baseline
@@ -131,6 +135,8 @@ class _LiveStorages:
             if issubclass(kind, torch.Tensor):
                 for storage in _storages(obj):
                     self.discover(storage)
+                if isinstance(obj, torch.nn.Parameter):
+                    self._parameters.append(weakref.ref(obj))
             elif issubclass(kind, torch.UntypedStorage):
                 self.discover(obj)
         self._resize = _WatchResize(self)
@@ -147,6 +153,7 @@ class _LiveStorages:
         with self._lock:
             self._tracked.clear()  # drops the weakrefs, so their callbacks never fire after the block
             self._at_peak.clear()
+            self._parameters.clear()
 
     def _on_device(self, storage: torch.UntypedStorage) -> bool:
         device = storage.device  # fake and meta tensors have meta storages: never counted
@@ -205,7 +212,9 @@ class _LiveStorages:
         if not self._rising:
             return
         self._rising = False
-        self._at_peak = [(t.nbytes, t.ref) for t in self._tracked.values()]
+        gradients = {id(storage) for ref in self._parameters
+                     if (p := ref()) is not None and p.grad is not None for storage in _storages(p.grad)}
+        self._at_peak = [(t.nbytes, t.ref, key in gradients) for key, t in self._tracked.items()]
 
     def peak_parts(self) -> dict[str, int]:
         """Bytes of the storages alive at the peak by what holds them now (PeakLiveMemory.peak_parts)."""
@@ -214,9 +223,11 @@ class _LiveStorages:
             at_peak = list(self._at_peak)
         holders = _holders(self.device)
         parts = dict.fromkeys(PEAK_PARTS, 0)
-        for nbytes, ref in at_peak:
+        for nbytes, ref, gradient in at_peak:
             storage = ref()
             part = holders.get(id(storage), "activations") if storage is not None else "activations"
+            if part == "activations" and gradient:  # a gradient at the peak, freed or let go by now
+                part = "gradients"
             parts[part] += nbytes
         return parts
 

@@ -16,7 +16,8 @@ from typing import Sequence
 from autoplan.codegen.program import MODEL_COPY_DIR
 from autoplan.errors import UserError
 from autoplan.plan import Plan
-from autoplan.verify import VerifyResult, _compare, _load_plan, _Run, _run_all, compare_gradients, run_args
+from autoplan.verify import (VerifyResult, _compare, _load_plan, _measured, _Run, _run_all, compare_gradients,
+                             run_args)
 
 BATCH_SCRIPT = Path(__file__).with_name("batch.py")
 """The batch runner, launched by path (tests/ is not a package on the children's sys.path)."""
@@ -72,17 +73,19 @@ class VerifyBatch:
 
 
 def verify_many(out_dirs: list[Path | str], steps: int = 3, timeout_s: float = 600, nproc: int | None = None,
-                extra_jobs: Sequence[BatchJob] = ()) -> VerifyBatch:
+                extra_jobs: Sequence[BatchJob] = (), measure: bool = False) -> VerifyBatch:
     """autoplan.verify.verify() for several folders in one torchrun launch, within timeout_s seconds;
     each folder gets its verify.json. Folders whose reference runs would be identical (same model
     file, training settings and data-parallel degree) share one. `extra_jobs` (e.g. checkpoint and
-    resume runs) share the launch too; they run after the verification jobs."""
+    resume runs) share the launch too; they run after the verification jobs. `measure`: as verify --measure,
+    each folder's run also writes its metrics (step times, peak memory and its parts) into verify.json; the
+    step times then share the processes with other jobs (memory is counted per job, time is not comparable)."""
     if steps < 1:
         raise UserError(f"--steps must be at least 1, got {steps}")
     out_dirs = [Path(d) for d in out_dirs]
     plans = [_load_plan(d) for d in out_dirs]
     with tempfile.TemporaryDirectory(prefix="autoplan-verify-") as tmp:
-        jobs, reference_of = _verification_jobs(out_dirs, plans, steps, Path(tmp))
+        jobs, reference_of = _verification_jobs(out_dirs, plans, steps, Path(tmp), measure)
         offset = len(jobs)
         jobs += [replace(job, same_ranks_as=None if job.same_ranks_as is None else job.same_ranks_as + offset)
                  for job in extra_jobs]
@@ -99,14 +102,17 @@ def verify_many(out_dirs: list[Path | str], steps: int = 3, timeout_s: float = 6
             world = plan.parallelism.world_size
             gradients = None if error else compare_gradients(_gradients_dir(reference_of[i]),
                                                              _gradients_dir(losses_path), world)
-            results.append(_compare(out_dir, world, steps, reference, losses, {}, error, gradients=gradients))
+            metrics = Path(tmp) / f"metrics{i}.json"
+            measured = _measured(plan, json.loads(metrics.read_text())) if measure and not error else {}
+            results.append(_compare(out_dir, world, steps, reference, losses, measured, error, gradients=gradients))
         return VerifyBatch(results, errors[offset:])
 
 
-def _verification_jobs(out_dirs: list[Path], plans: list[Plan], steps: int,
-                       tmp: Path) -> tuple[list[BatchJob], list[Path]]:
-    """The distributed run of each folder (writing tmp/losses<i>.json), largest first, then the
-    reference runs they need; and per folder, the file its reference writes its losses to."""
+def _verification_jobs(out_dirs: list[Path], plans: list[Plan], steps: int, tmp: Path,
+                       measure: bool = False) -> tuple[list[BatchJob], list[Path]]:
+    """The distributed run of each folder (writing tmp/losses<i>.json, and with `measure` tmp/metrics<i>.json),
+    largest first, then the reference runs they need; and per folder, the file its reference writes its losses
+    to."""
     common = run_args(steps)  # the same runs as autoplan verify's, dropout disabled on both sides
     references: dict[tuple, Path] = {}
     reference_jobs, reference_of = [], []
@@ -118,7 +124,8 @@ def _verification_jobs(out_dirs: list[Path], plans: list[Plan], steps: int,
             reference_jobs.append(BatchJob(out_dir, ("--reference", *common, *_gradients_out(references[key]),
                                                      "--losses-out", str(references[key])), 1))
         reference_of.append(references[key])
-    runs = [BatchJob(out_dir, (*common, *_gradients_out(tmp / f"losses{i}.json"), "--losses-out",
+    metrics = (lambda i: ("--metrics-out", str(tmp / f"metrics{i}.json"))) if measure else (lambda i: ())
+    runs = [BatchJob(out_dir, (*common, *_gradients_out(tmp / f"losses{i}.json"), *metrics(i), "--losses-out",
                                str(tmp / f"losses{i}.json")), plan.parallelism.world_size)
             for i, (out_dir, plan) in enumerate(zip(out_dirs, plans))]
     # the largest jobs first: the one-rank references then fill the gaps
