@@ -59,6 +59,7 @@ abs square tanh sigmoid relu gelu silu erf    | pointwise
 sin cos clamp minimum maximum where           | pointwise
 masked_fill hardtanh leaky_relu elu mish      | pointwise
 softplus gelu_ silu_ relu_ mul_ add_          | pointwise
+copy_ copy                                    | pointwise
 bernoulli rand_like zeros_like ones_like      | pointwise
 dropout native_dropout                        | pointwise mask
 mean sum amax amin var var_mean std logsumexp | reduction along

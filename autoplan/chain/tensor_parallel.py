@@ -221,6 +221,16 @@ def _regions(profile: ModelProfile, ops, consumers,
     role: dict[str, str] = {}
     facts: list[DivisibilityFact] = []
     whole: dict[str, LeftWhole] = {}
+    for op in profile.ops:  # attention first: its pairs split the heads (DeepSeek-V3's q_b_proj -> o_proj)
+        if is_weight_linear(op) and op.node not in role:
+            region = {}
+            try:
+                _grow_region(op.node, ops, consumers, role, derived, fused_split, region)
+            except _Whole:
+                continue
+            if any(packet(ops[n]) in ATTENTION_OPS for n in region):
+                role.update(region)
+                facts += _region_facts(region, ops, consumers)
     for op in profile.ops:
         if not is_weight_linear(op) or op.node in role:
             continue
@@ -717,7 +727,7 @@ def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set
             if region.get(src) == "rowwise":
                 raise _Whole(op, f"it reads the split features together with the full output of row-parallel "
                                  f"{ops[src].module}")
-            small = not per_head and ops[src].output_bytes * BROADCAST_RATIO <= largest
+            small = not per_head and _broadcast_bytes(src, ops) * BROADCAST_RATIO <= largest
             if src in region or src not in derived or small:
                 continue  # already split, a constant (mask, positions), or a small broadcast operand
             producer = ops[src]
@@ -739,6 +749,15 @@ def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set
     _check_per_head_reductions(region, ops)
 
 
+def _broadcast_bytes(node: str, ops) -> int:
+    """The bytes a tensor holds before broadcasting: an expand's are its input's (DeepSeek-V3's shared rotary key,
+    one head expanded over every head, is a small replicated operand, not a full-width one)."""
+    op = ops[node]
+    while packet(op) == "expand" and op.inputs and op.inputs[0] in ops:
+        op = ops[op.inputs[0]]
+    return op.output_bytes
+
+
 def _describe(op: OpProfile) -> str:
     return f"{op.op} in {op.module or 'the model'}"
 
@@ -746,8 +765,8 @@ def _describe(op: OpProfile) -> str:
 def _mixes_heads(op: OpProfile) -> str:
     """"" when `op` keeps a tensor split by heads split (each output head depends on that head only); else why."""
     name = packet(op)
-    if name in SHAPE_OPS or name in ELEMENTWISE_OPS:
-        return ""
+    if name in SHAPE_OPS or name in ELEMENTWISE_OPS or "creates" in OP_TRAITS.get(name, ()):
+        return ""  # a tensor made from sizes alone (new_empty) reads no input's values
     if name in ATTENTION_OPS:
         return "" if not op.params else "it multiplies by a weight, not head by head"
     if name in REDUCTION_OPS or name in NORM_OPS:

@@ -427,14 +427,43 @@ def _stage_plan(stage: fx.GraphModule, plan: Mapping[str, str], chain_modules: S
 
 @contextlib.contextmanager
 def tensor_parallel_context(enabled: bool) -> Iterator[None]:
-    """Around forward and backward: plain tensors meeting DTensors count as replicated."""
+    """Around forward and backward: plain tensors meeting DTensors count as replicated; those that need a
+    gradient enter through DTensor.from_local (ReplicatedOperands), so their gradient comes back a plain tensor."""
     if not enabled:
         yield
         return
     from torch.distributed.tensor.experimental import implicit_replication
 
-    with implicit_replication():
+    with implicit_replication(), ReplicatedOperands():
         yield
+
+
+class ReplicatedOperands(torch.overrides.TorchFunctionMode):
+    """A plain tensor that needs a gradient meeting DTensors of one tensor-parallel mesh in an op (DeepSeek-V3's
+    shared rotary key, computed by a Linear left whole, copied into every head of the split keys) enters as a
+    replicated DTensor through DTensor.from_local: its gradient (this rank's heads' share, or whole) is made whole
+    over the ranks and comes back plain. implicit_replication alone would hand it a DTensor gradient, which the
+    plain tensors before it (a to_local's backward) cannot take. Tables without gradients (rotary cos/sin, masks)
+    stay implicit."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+        from torch.utils import _pytree as pytree
+
+        kwargs = kwargs or {}
+        leaves = pytree.tree_leaves((args, kwargs))
+        meshes = {t.device_mesh for t in leaves if isinstance(t, DTensor)}
+        if len(meshes) == 1 and any(isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.requires_grad
+                                    for t in leaves):
+            mesh = next(iter(meshes))
+
+            def replicated(t):
+                if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.requires_grad:
+                    return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+                return t
+
+            args, kwargs = pytree.tree_map(replicated, (args, kwargs))
+        return func(*args, **kwargs)
 
 
 _MODULE_OPS = {"linear": (0, 1, slice(1, 3)), "embedding": (1, 0, slice(0, 1)), "conv1d": (1, 2, slice(0, 3, 2))}
