@@ -70,6 +70,7 @@ topk sort argsort cumsum cumprod histc        | along
 bincount                                      | along
 floor_divide remainder fmod eq ne lt le gt ge | pointwise
 logical_and logical_or logical_not bitwise_and | pointwise
+bitwise_not bitwise_or bitwise_xor           | pointwise
 div_ sub_ floor_divide_ sigmoid_ exp_         | pointwise
 index index_select gather                     | gathers
 index_add index_add_ index_put index_put_     | scatters

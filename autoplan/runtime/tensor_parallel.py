@@ -143,6 +143,8 @@ def run_on_local_tokens(module: nn.Module, tp_mesh: DeviceMesh) -> None:
         tokens = getattr(sub, "tensor_parallel_tokens", None)
         if tokens is not None:
             tokens.local_tokens = True
+    islands = _split_islands(module, tp_mesh)
+    island_params = {id(p) for island in islands for p in island.parameters()}
 
     def local(t):
         if isinstance(t, DTensor) and t.device_mesh == tp_mesh and tuple(t.placements) == (Shard(1),):
@@ -162,7 +164,7 @@ def run_on_local_tokens(module: nn.Module, tp_mesh: DeviceMesh) -> None:
         saved = {}
         for owner in module.modules():
             for name, param in owner._parameters.items():
-                if isinstance(param, DTensor) and param.device_mesh == tp_mesh:
+                if isinstance(param, DTensor) and param.device_mesh == tp_mesh and id(param) not in island_params:
                     saved[(owner, name)] = param
         try:
             for (owner, name), param in saved.items():
@@ -175,6 +177,72 @@ def run_on_local_tokens(module: nn.Module, tp_mesh: DeviceMesh) -> None:
                                if isinstance(t, torch.Tensor) and t.dim() >= 2 else t, output)
 
     module.forward = forward
+
+
+def _split_islands(module: nn.Module, tp_mesh: DeviceMesh) -> list[nn.Module]:
+    """The submodules of a module run on local tokens that hold tensor-parallel Linears (chain/tensor_parallel.py
+    _split_islands: a shared expert's colwise/rowwise pair, each Linear's parent): they run on DTensors again, their
+    plain [b, s/tp, ...] inputs entering as sequence shards (the colwise Linears all-gather them) and their
+    outputs (the rowwise Linear's reduce-scatter onto the sequence) leaving as this rank's shard."""
+    from torch.distributed.tensor import DTensor
+
+    def split(linear: nn.Module) -> bool:
+        weight = getattr(linear, "weight", None)
+        return isinstance(weight, DTensor) and weight.device_mesh == tp_mesh and \
+            any(not isinstance(p, Replicate) for p in weight.placements)
+
+    islands = []
+    for name, sub in module.named_modules():
+        if name and any(split(child) for child in sub.children()) and \
+                not any(island is sub or _contains(island, sub) for island in islands):
+            islands.append(sub)
+    for island in islands:
+        converted: list[bool] = []  # per call: whether its inputs were local (so its outputs go back local)
+        island.register_forward_pre_hook(_local_inputs_sharded(tp_mesh, converted), with_kwargs=True)
+        island.register_forward_hook(_sharded_outputs_local(tp_mesh, converted))
+    return islands
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
+def _local_inputs_sharded(tp_mesh: DeviceMesh, converted: list[bool]):
+    """A forward pre-hook: plain floating-point [b, s/tp, ...] inputs become DTensors sharded on the sequence."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils import _pytree as pytree
+
+    def sharded(t):
+        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.is_floating_point() and t.dim() >= 3:
+            return DTensor.from_local(t, tp_mesh, [Shard(1)], run_check=False)
+        return t
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        leaves = pytree.tree_leaves((args, kwargs))
+        converted.append(not any(isinstance(t, DTensor) for t in leaves))
+        if not converted[-1]:
+            return None  # called on DTensors (not inside a module run on local tokens)
+        return pytree.tree_map(sharded, (args, kwargs))
+
+    return hook
+
+
+def _sharded_outputs_local(tp_mesh: DeviceMesh, converted: list[bool]):
+    """A forward hook: DTensor outputs sharded on the sequence leave as this rank's shard (plain)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils import _pytree as pytree
+
+    def local(t):
+        if isinstance(t, DTensor) and t.device_mesh == tp_mesh and tuple(t.placements) == (Shard(1),):
+            return t.to_local(grad_placements=[Shard(1)])
+        return t
+
+    def hook(module: nn.Module, args: tuple, output):
+        if not converted.pop():
+            return None  # its inputs were DTensors already: the caller runs on DTensors
+        return pytree.tree_map(local, output)
+
+    return hook
 
 
 def _tied_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
