@@ -855,7 +855,7 @@ def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set
         # an attention matmul multiplies two activations head by head: both split, however small one is
         # (v against the scores); an elementwise op may broadcast a small replicated table (rotary)
         per_head = packet(op) in ATTENTION_OPS
-        largest = max((ops[s].output_bytes for s in op.inputs if s in ops and s in derived), default=0)
+        largest = max((_broadcast_bytes(s, ops) for s in op.inputs if s in ops and s in derived), default=0)
         for src in op.inputs:
             if region.get(src) == "rowwise":
                 raise _Whole(op, f"it reads the split features together with the full output of row-parallel "
