@@ -484,13 +484,21 @@ def _stage_plan(stage: fx.GraphModule, plan: Mapping[str, str], chain_modules: S
     def in_stage(fqn: str) -> bool:
         return any(fqn == u or fqn.startswith(u + ".") or not u for u in chain_modules)
 
-    replicated = {fqn for fqn, style in plan.items() if style == "replicate" and in_stage(fqn)}
-    wanted = {fqn for fqn in plan if in_stage(fqn)} - replicated
-    missing = wanted - restore_linears(stage, wanted)
+    replicated = {fqn for fqn, style in plan.items() if style in ("replicate", "sequence_local") and in_stage(fqn)}
+    wanted = {fqn for fqn in plan if in_stage(fqn)} - replicated  # modules kept as calls: no Linear to restore
+    present = {fqn for fqn in wanted if isinstance(_maybe_submodule(stage, fqn), (nn.Linear, nn.Embedding))}
+    missing = wanted - present - restore_linears(stage, wanted - present)  # a module the stage calls holds its own
     if missing:
         raise UserError(f"tensor parallel: {', '.join(sorted(map(repr, missing)))} run no linear op in the "
                         "exported graph of their stage (not an nn.Linear, or its chain module was inlined)")
     return {fqn: plan[fqn] for fqn in wanted | replicated}
+
+
+def _maybe_submodule(module: nn.Module, fqn: str) -> nn.Module | None:
+    try:
+        return module.get_submodule(fqn)
+    except AttributeError:
+        return None
 
 
 @contextlib.contextmanager
