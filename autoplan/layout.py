@@ -513,11 +513,23 @@ def _offload(layout: Layout, scope: Scope) -> list[str]:
 def _sequence_parallel(layout: Layout, scope: Scope) -> list[str]:
     """sp=on needs every op between the model's tensor-parallel pairs to compute token by token. A module that does
     so only as a whole (a mixture of experts' routing: runtime/tensor_parallel.py run_on_local_tokens) is wrapped
-    as a module, also inside a pipeline stage, whose graph keeps it as a call (runtime/stage_graph.py)."""
+    as a module, also inside a pipeline stage, which calls the model's own module there (runtime/expert_calls.py
+    modules_as_calls). Not under a schedule that splits backward into input- and weight-gradient passes: torch's
+    weight pass (stage_backward_weight) takes each parameter's gradient from the autograd nodes the input pass
+    recorded, and the wrapped module's parameters enter it as local views of tensor-parallel DTensors (to_local),
+    whose nodes the input pass does not record (it stops with a KeyError; found by running it)."""
     if not (_positive(layout.tp) and layout.tp > 1 and layout.sp == "on"):
         return []
     if scope.sequence_parallel_problem:
         return [f"sp=on with tp={layout.tp}: {scope.sequence_parallel_problem} (use sp=off)"]
+    schedule = SCHEDULE_BY_NAME.get(layout.schedule)
+    if scope.sequence_local_modules and _positive(layout.pp) and layout.pp > 1 and schedule is not None and \
+            schedule.split_backward:
+        more = f" (and {len(scope.sequence_local_modules) - 1} more)" if len(scope.sequence_local_modules) > 1 else ""
+        return [f"sp=on with tp={layout.tp} and schedule={schedule.name}: '{scope.sequence_local_modules[0]}'{more} "
+                f"runs on each rank's sequence shard as a whole module (it routes tokens to experts), whose "
+                f"parameters enter as local views of tensor-parallel tensors, which the schedule's separate weight-"
+                f"gradient pass cannot reach (use a schedule without a split backward, or sp=off)"]
     return []
 
 
