@@ -522,15 +522,19 @@ def _sequence_parallel(layout: Layout, scope: Scope) -> list[str]:
         return []
     if scope.sequence_parallel_problem:
         return [f"sp=on with tp={layout.tp}: {scope.sequence_parallel_problem} (use sp=off)"]
-    schedule = SCHEDULE_BY_NAME.get(layout.schedule)
-    if scope.sequence_local_modules and _positive(layout.pp) and layout.pp > 1 and schedule is not None and \
-            schedule.split_backward:
-        more = f" (and {len(scope.sequence_local_modules) - 1} more)" if len(scope.sequence_local_modules) > 1 else ""
-        return [f"sp=on with tp={layout.tp} and schedule={schedule.name}: '{scope.sequence_local_modules[0]}'{more} "
-                f"runs on each rank's sequence shard as a whole module (it routes tokens to experts), whose "
-                f"parameters enter as local views of tensor-parallel tensors, which the schedule's separate weight-"
-                f"gradient pass cannot reach (use a schedule without a split backward, or sp=off)"]
     return []
+
+
+def _split_backward_local_modules(layout: Layout, scope: Scope, schedule: Schedule) -> list[str]:
+    """_sequence_parallel's rule for the schedules that split backward (see there), with the schedule chosen."""
+    if not (schedule.split_backward and scope.sequence_local_modules and layout.sp == "on" and
+            _positive(layout.tp) and layout.tp > 1):
+        return []
+    more = f" (and {len(scope.sequence_local_modules) - 1} more)" if len(scope.sequence_local_modules) > 1 else ""
+    return [f"sp=on with tp={layout.tp} and schedule={schedule.name}: '{scope.sequence_local_modules[0]}'{more} "
+            f"runs on each rank's sequence shard as a whole module (it routes tokens to experts), whose parameters "
+            f"enter as local views of tensor-parallel tensors, which the schedule's separate weight-gradient pass "
+            f"cannot reach (use a schedule without a split backward, or sp=off)"]
 
 
 def fsdp_wraps(dp_replicate: int, dp_shard: int, cp: int, tp: int) -> bool:
@@ -654,6 +658,7 @@ def _schedule(layout: Layout, scope: Scope) -> list[str]:
         out.append(f"virtual_stages={v} needs pp > 1 (schedule={schedule.name}, pp={pp})")
     if not _positive(pp) or pp == 1:
         return out
+    out += _split_backward_local_modules(layout, scope, schedule)
     m = _microbatches(layout, scope)
     stages = pp * (v if _positive(v) else max(least, 1))
     need = {"pp": (pp, "at least", m is not None and m < pp),

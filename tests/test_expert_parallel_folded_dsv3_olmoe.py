@@ -27,8 +27,9 @@ gathered where the split keys read it; the MoE blocks run on each rank's tokens 
 and scatters within each token's row), their shared experts' Linear pair on DTensors inside them. Before, the
 attention stayed whole and sequence parallelism was refused at the queries' transpose.
 
-Sequence parallelism with a pipeline stays refused for MoE blocks (layout rule: a stage's exported graph inlines
-the MoE module that runs on local tokens), so pp x ep x tp runs with sp=off.
+Sequence parallelism with a pipeline (pp x ep x tp, sp=on): the stages call the MoE blocks as the model's own
+modules (runtime/expert_calls.py modules_as_calls), which run on each rank's tokens; before, sp was refused with
+pp > 1 (a stage's exported graph inlined them).
 """
 
 import json
@@ -39,6 +40,7 @@ import pytest
 from autoplan.api import plan_model, profile_only
 from autoplan.chain.attention import attention_facts
 from autoplan.chain.tensor_parallel import tensor_parallel_facts
+from autoplan.layout import SCHEDULE_BY_NAME
 
 from helpers.verify_many import verify_many
 from test_expert_parallel_program import SOURCES
@@ -51,7 +53,7 @@ CASES = {f"{model} {pin or 'search'}": (model, pin, gpus) for model, pins in (
     ("olmoe", ("dp=1,tp=2,ep=2,sp=on", "dp=2,zero=3,tp=2,ep=4,sp=on")),
     ("deepseek_v3", ("dp=1,tp=2,ep=2,sp=on", "dp=2,zero=3,tp=2,ep=4,sp=on"))) for pin, gpus in zip(pins, (2, 4))}
 CASES.update({f"{model} {pin or 'search'}": (model, pin, gpus) for model in MODELS for pin, gpus in (
-    ("pp=2,tp=2,ep=2", 4), ("dp=1,cp=2,ep=2", 2), ("ep=2", 4), ("", 4))})
+    ("pp=2,tp=2,ep=2,sp=on", 4), ("dp=1,cp=2,ep=2", 2), ("ep=2", 4), ("", 4))})
 
 
 @pytest.fixture(scope="module")
@@ -136,10 +138,12 @@ def test_deepseek_v3_attention_is_split_by_heads_and_sequence_parallelism_runs_t
     assert len(rotary) == 3  # each layer's shared rotary key, expanded over the heads on its sequence shard
 
 
-def test_the_search_plans_a_pipeline_without_sp_where_moe_blocks_refuse_it(sources, tmp_path):
-    """OLMoE allows sp (on by default with tp > 1), but not with pp > 1 (its MoE blocks run on local tokens, which a
-    pipeline stage's graph inlines): pinned pp=2 x tp=2 x ep=2 plans with sp off (before: no layout satisfied)."""
+def test_the_search_plans_a_pipeline_with_sp_through_moe_blocks(sources, tmp_path):
+    """OLMoE allows sp (on by default with tp > 1), with pp > 1 too: the stages call its MoE blocks as modules, run
+    on each rank's tokens (before, sp was refused with a pipeline: a stage's graph inlined them); the search keeps
+    to schedules without a split backward (layout rule)."""
     plan_model(str(sources["olmoe"]), 4, "cpu", global_batch=8, pin="pp=2,tp=2,ep=2", out=tmp_path / "out")
     parallelism = json.loads((tmp_path / "out" / "plan.json").read_text())["parallelism"]
     assert parallelism["pipeline_parallel_degree"] == parallelism["tensor_parallel_degree"] == 2
-    assert not parallelism["enable_sequence_parallel"]
+    assert parallelism["enable_sequence_parallel"]
+    assert not SCHEDULE_BY_NAME[parallelism["pipeline_parallel_schedule"]].split_backward

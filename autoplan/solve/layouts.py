@@ -143,8 +143,7 @@ def _sharded_families(pins: Layout, scope: Scope, tp: int, cp: int, ep: int, pp:
                              sp="on" if sp else pins.sp, offload="cpu" if offload else "none")
             broken = problems(layout, scope)
             if broken and sp and pins.sp is None and not problems(replace(layout, sp=None), scope):
-                # sp was on by default and a rule refuses it here (MoE blocks run on local tokens in a pipeline
-                # stage): the family runs without it
+                # sp was on by default and a rule refuses it here: the family runs without it
                 family, layout, broken = replace(family, sp=False), replace(layout, sp=None), []
             if not broken:
                 out.append(family)
@@ -268,7 +267,7 @@ def variants(family: Family, pins: Layout, scope: Scope, rejected: list[str] | N
     sizes = [pins.microbatch] if pins.microbatch else divisors(per_rank)
     modes = [pins.recompute] if pins.recompute else [r for r in RECOMPUTE if r == "none" or r in features]
     modes = [r for r in modes if not problems(Layout(recompute=r), scope)]  # e.g. BatchNorm: none only
-    base = Layout(dp=family.dp, tp=family.tp, pp=pp, cp=family.cp)
+    base = Layout(dp=family.dp, tp=family.tp, pp=pp, cp=family.cp, sp="on" if family.sp else "off")
     out = []
     for schedule, virtual in schedules:
         for mbs in sizes:
