@@ -147,3 +147,32 @@ def test_the_search_plans_a_pipeline_with_sp_through_moe_blocks(sources, tmp_pat
     assert parallelism["pipeline_parallel_degree"] == parallelism["tensor_parallel_degree"] == 2
     assert parallelism["enable_sequence_parallel"]
     assert not SCHEDULE_BY_NAME[parallelism["pipeline_parallel_schedule"]].split_backward
+
+
+def test_deepseek_v3_rotary_key_gathered_into_the_split_keys_is_priced_under_sp(sources):
+    """The shared rotary key reaches the split keys' copy_ as a sequence shard: with sp its expanded bytes are
+    all-gathered in forward and reduce-scattered in backward (cost/compute.py), and nothing without sp."""
+    from autoplan.api import load_cluster
+    from autoplan.cost import comm
+    from autoplan.cost.compute import _tp_backward, _tp_forward
+    from autoplan.cost.context import Context
+    from autoplan.cost.module_costs import _op_costs
+    from autoplan.layout import SUPPORTED
+    from autoplan.plan import Training
+
+    profile = profile_only(str(sources["deepseek_v3"]), "h100-sxm5-80gb", measure=False)
+    facts = tensor_parallel_facts(profile)
+    by_node = {op.node: op for op in profile.ops}
+    copies = [(node, cost) for node, cost in zip(by_node, _op_costs(list(by_node), by_node, profile, facts))
+              if cost.gathered_shard_bytes]
+    assert [by_node[n].op for n, _ in copies] == ["aten.copy_.default"] * 3  # one per layer
+    link = Context(profile, load_cluster(4, "h100-sxm5-80gb", 8, None, None), Training(global_batch_size=8),
+                   SUPPORTED).group(2, 1).link
+    for node, cost in copies:
+        expand = next(by_node[s] for s in by_node[node].inputs if by_node[s].op == "aten.expand.default")
+        assert cost.gathered_shard_bytes == expand.output_bytes / profile.batch_size
+        assert _tp_forward(cost, 2, 4, 1.0, link, sp=True) == comm.all_gather_s(cost.gathered_shard_bytes * 4, 2, link)
+        assert _tp_backward(cost, 2, 4.0, link, sp=True) == comm.reduce_scatter_s(cost.gathered_shard_bytes * 4, 2,
+                                                                                 link)
+        assert _tp_forward(cost, 2, 4, 1.0, link, sp=False) == _tp_backward(cost, 2, 4.0, link, sp=False) == 0.0
+
