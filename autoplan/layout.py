@@ -514,27 +514,12 @@ def _sequence_parallel(layout: Layout, scope: Scope) -> list[str]:
     """sp=on needs every op between the model's tensor-parallel pairs to compute token by token. A module that does
     so only as a whole (a mixture of experts' routing: runtime/tensor_parallel.py run_on_local_tokens) is wrapped
     as a module, also inside a pipeline stage, which calls the model's own module there (runtime/expert_calls.py
-    modules_as_calls). Not under a schedule that splits backward into input- and weight-gradient passes: torch's
-    weight pass (stage_backward_weight) takes each parameter's gradient from the autograd nodes the input pass
-    recorded, and the wrapped module's parameters enter it as local views of tensor-parallel DTensors (to_local),
-    whose nodes the input pass does not record (it stops with a KeyError; found by running it)."""
+    modules_as_calls)."""
     if not (_positive(layout.tp) and layout.tp > 1 and layout.sp == "on"):
         return []
     if scope.sequence_parallel_problem:
         return [f"sp=on with tp={layout.tp}: {scope.sequence_parallel_problem} (use sp=off)"]
     return []
-
-
-def _split_backward_local_modules(layout: Layout, scope: Scope, schedule: Schedule) -> list[str]:
-    """_sequence_parallel's rule for the schedules that split backward (see there), with the schedule chosen."""
-    if not (schedule.split_backward and scope.sequence_local_modules and layout.sp == "on" and
-            _positive(layout.tp) and layout.tp > 1):
-        return []
-    more = f" (and {len(scope.sequence_local_modules) - 1} more)" if len(scope.sequence_local_modules) > 1 else ""
-    return [f"sp=on with tp={layout.tp} and schedule={schedule.name}: '{scope.sequence_local_modules[0]}'{more} "
-            f"runs on each rank's sequence shard as a whole module (it routes tokens to experts), whose parameters "
-            f"enter as local views of tensor-parallel tensors, which the schedule's separate weight-gradient pass "
-            f"cannot reach (use a schedule without a split backward, or sp=off)"]
 
 
 def fsdp_wraps(dp_replicate: int, dp_shard: int, cp: int, tp: int) -> bool:
@@ -658,7 +643,6 @@ def _schedule(layout: Layout, scope: Scope) -> list[str]:
         out.append(f"virtual_stages={v} needs pp > 1 (schedule={schedule.name}, pp={pp})")
     if not _positive(pp) or pp == 1:
         return out
-    out += _split_backward_local_modules(layout, scope, schedule)
     m = _microbatches(layout, scope)
     stages = pp * (v if _positive(v) else max(least, 1))
     need = {"pp": (pp, "at least", m is not None and m < pp),

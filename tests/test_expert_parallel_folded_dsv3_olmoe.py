@@ -40,7 +40,6 @@ import pytest
 from autoplan.api import plan_model, profile_only
 from autoplan.chain.attention import attention_facts
 from autoplan.chain.tensor_parallel import tensor_parallel_facts
-from autoplan.layout import SCHEDULE_BY_NAME
 
 from helpers.verify_many import verify_many
 from test_expert_parallel_program import SOURCES
@@ -140,13 +139,11 @@ def test_deepseek_v3_attention_is_split_by_heads_and_sequence_parallelism_runs_t
 
 def test_the_search_plans_a_pipeline_with_sp_through_moe_blocks(sources, tmp_path):
     """OLMoE allows sp (on by default with tp > 1), with pp > 1 too: the stages call its MoE blocks as modules, run
-    on each rank's tokens (before, sp was refused with a pipeline: a stage's graph inlined them); the search keeps
-    to schedules without a split backward (layout rule)."""
+    on each rank's tokens (before, sp was refused with a pipeline: a stage's graph inlined them)."""
     plan_model(str(sources["olmoe"]), 4, "cpu", global_batch=8, pin="pp=2,tp=2,ep=2", out=tmp_path / "out")
     parallelism = json.loads((tmp_path / "out" / "plan.json").read_text())["parallelism"]
     assert parallelism["pipeline_parallel_degree"] == parallelism["tensor_parallel_degree"] == 2
     assert parallelism["enable_sequence_parallel"]
-    assert not SCHEDULE_BY_NAME[parallelism["pipeline_parallel_schedule"]].split_backward
 
 
 def test_deepseek_v3_rotary_key_gathered_into_the_split_keys_is_priced_under_sp(sources):

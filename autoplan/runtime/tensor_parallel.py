@@ -514,13 +514,21 @@ def tensor_parallel_context(enabled: bool) -> Iterator[None]:
         yield
 
 
+def _plain_activation(t) -> bool:
+    """A plain tensor computed by autograd (not a parameter: a plain parameter meeting DTensors keeps the DTensor
+    gradient implicit replication gives it, which reduce_partial_gradients and the optimizer take)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.requires_grad and t.grad_fn is not None
+
+
 class ReplicatedOperands(torch.overrides.TorchFunctionMode):
     """A plain tensor that needs a gradient meeting DTensors of one tensor-parallel mesh in an op (DeepSeek-V3's
     shared rotary key, computed by a Linear left whole, copied into every head of the split keys) enters as a
     replicated DTensor through DTensor.from_local: its gradient (this rank's heads' share, or whole) is made whole
     over the ranks and comes back plain. implicit_replication alone would hand it a DTensor gradient, which the
     plain tensors before it (a to_local's backward) cannot take. Tables without gradients (rotary cos/sin, masks)
-    stay implicit."""
+    and parameters stay implicit."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         from torch.distributed.tensor import DTensor
@@ -529,12 +537,11 @@ class ReplicatedOperands(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         leaves = pytree.tree_leaves((args, kwargs))
         meshes = {t.device_mesh for t in leaves if isinstance(t, DTensor)}
-        if len(meshes) == 1 and any(isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.requires_grad
-                                    for t in leaves):
+        if len(meshes) == 1 and any(_plain_activation(t) for t in leaves):
             mesh = next(iter(meshes))
 
             def replicated(t):
-                if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.requires_grad:
+                if _plain_activation(t):
                     return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
                 return t
 

@@ -267,7 +267,7 @@ def variants(family: Family, pins: Layout, scope: Scope, rejected: list[str] | N
     sizes = [pins.microbatch] if pins.microbatch else divisors(per_rank)
     modes = [pins.recompute] if pins.recompute else [r for r in RECOMPUTE if r == "none" or r in features]
     modes = [r for r in modes if not problems(Layout(recompute=r), scope)]  # e.g. BatchNorm: none only
-    base = Layout(dp=family.dp, tp=family.tp, pp=pp, cp=family.cp, sp="on" if family.sp else "off")
+    base = Layout(dp=family.dp, tp=family.tp, pp=pp, cp=family.cp)
     out = []
     for schedule, virtual in schedules:
         for mbs in sizes:
