@@ -144,7 +144,6 @@ def run_on_local_tokens(module: nn.Module, tp_mesh: DeviceMesh) -> None:
         if tokens is not None:
             tokens.local_tokens = True
     islands = _split_islands(module, tp_mesh)
-    island_params = {id(p) for island in islands for p in island.parameters()}
 
     def local(t):
         if isinstance(t, DTensor) and t.device_mesh == tp_mesh and tuple(t.placements) == (Shard(1),):
@@ -162,6 +161,7 @@ def run_on_local_tokens(module: nn.Module, tp_mesh: DeviceMesh) -> None:
             return inner(*args, **kwargs)
         args, kwargs = pytree.tree_map(local, (args, kwargs))
         saved = {}
+        island_params = {id(p) for island in islands for p in island.parameters()}  # FSDP2 swaps them per call
         for owner in module.modules():
             for name, param in owner._parameters.items():
                 if isinstance(param, DTensor) and param.device_mesh == tp_mesh and id(param) not in island_params:
