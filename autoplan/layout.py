@@ -511,18 +511,14 @@ def _offload(layout: Layout, scope: Scope) -> list[str]:
 
 
 def _sequence_parallel(layout: Layout, scope: Scope) -> list[str]:
-    """sp=on needs every op between the model's tensor-parallel pairs to compute token by token; a module that does
-    so only as a whole (a mixture of experts' routing: runtime/tensor_parallel.py run_on_local_tokens) must be a
-    module the program can wrap, which a pipeline stage's exported graph inlines."""
+    """sp=on needs every op between the model's tensor-parallel pairs to compute token by token. A module that does
+    so only as a whole (a mixture of experts' routing: runtime/tensor_parallel.py run_on_local_tokens) is wrapped
+    as a module, also inside a pipeline stage, which calls the model's own module there (runtime/expert_calls.py
+    modules_as_calls)."""
     if not (_positive(layout.tp) and layout.tp > 1 and layout.sp == "on"):
         return []
     if scope.sequence_parallel_problem:
         return [f"sp=on with tp={layout.tp}: {scope.sequence_parallel_problem} (use sp=off)"]
-    if scope.sequence_local_modules and _positive(layout.pp) and layout.pp > 1:
-        more = f" (and {len(scope.sequence_local_modules) - 1} more)" if len(scope.sequence_local_modules) > 1 else ""
-        return [f"sp=on with tp={layout.tp} and pp={layout.pp}: '{scope.sequence_local_modules[0]}'{more} runs on each "
-                f"rank's sequence shard as a whole module (it routes tokens to experts), and a pipeline stage's "
-                f"exported graph inlines it (use pp=1 or sp=off)"]
     return []
 
 

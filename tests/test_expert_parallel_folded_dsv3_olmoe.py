@@ -18,15 +18,18 @@ Linear pair under tp). Its router multiplies by `self.weight.type(torch.float32)
 activation, so cp is allowed (before, the capture took that matmul for activation x activation attention, which the
 ring cannot replace, and refused cp). Its values are narrower than its queries and keys (v_head_dim 4, q/k 8), which
 sends CPU SDPA to its math path; the CPU ring pads them (runtime/context_parallel.py _value_width_as_query).
-Sequence parallelism stays refused for it, with its reason (asserted below): its attention core is not split by
-heads (kv_b_proj's keys are built with new_empty + copy_ of the shared rotary key into every head, ops no rule lets
-a split tensor through, so kv_a/kv_b/o_proj stay whole), so SDPA runs every head on every tp rank and needs every
-token: under sp the queries' transpose would move a sequence shard (refused at that op). Its q latent pair (q_a_proj
-colwise, the q_a_layernorm's mean summed over the ranks, q_b_proj rowwise) and the shared experts' Linear pair are
-split.
+Its attention is split by heads as torchtitan splits it (q_b_proj and kv_b_proj colwise, o_proj rowwise, the q and
+kv latents q_a_proj / kv_a_proj_with_mqa whole): the keys are built with new_empty and two copy_ into its slices,
+the shared rotary key (one head, from the whole kv_a_proj_with_mqa) expanded into every split head. With sequence
+parallelism the latents run on sequence shards; the rotary key stays a DTensor sharded on its sequence dimension
+([b, 1, s, d]: views, rotation by the position table, a cat and the expand keep that dimension whole) and is
+gathered where the split keys read it; the MoE blocks run on each rank's tokens (their group-limited router gathers
+and scatters within each token's row), their shared experts' Linear pair on DTensors inside them. Before, the
+attention stayed whole and sequence parallelism was refused at the queries' transpose.
 
-Sequence parallelism with a pipeline stays refused for MoE blocks (layout rule: a stage's exported graph inlines
-the MoE module that runs on local tokens), so pp x ep x tp runs with sp=off.
+Sequence parallelism with a pipeline (pp x ep x tp, sp=on): the stages call the MoE blocks as the model's own
+modules (runtime/expert_calls.py modules_as_calls), which run on each rank's tokens; before, sp was refused with
+pp > 1 (a stage's exported graph inlined them).
 """
 
 import json
@@ -47,9 +50,9 @@ DEEPSEEK_V3 = ROOT / "tests" / "models" / "tiny_deepseek_v3.py"
 MODELS = {"olmoe": SOURCES["olmoe"], "deepseek_v3": DEEPSEEK_V3.read_text()}
 CASES = {f"{model} {pin or 'search'}": (model, pin, gpus) for model, pins in (
     ("olmoe", ("dp=1,tp=2,ep=2,sp=on", "dp=2,zero=3,tp=2,ep=4,sp=on")),
-    ("deepseek_v3", ("dp=1,tp=2,ep=2", "dp=2,zero=3,tp=2,ep=4"))) for pin, gpus in zip(pins, (2, 4))}
+    ("deepseek_v3", ("dp=1,tp=2,ep=2,sp=on", "dp=2,zero=3,tp=2,ep=4,sp=on"))) for pin, gpus in zip(pins, (2, 4))}
 CASES.update({f"{model} {pin or 'search'}": (model, pin, gpus) for model in MODELS for pin, gpus in (
-    ("pp=2,tp=2,ep=2", 4), ("dp=1,cp=2,ep=2", 2), ("ep=2", 4), ("", 4))})
+    ("pp=2,tp=2,ep=2,sp=on", 4), ("dp=1,cp=2,ep=2", 2), ("ep=2", 4), ("", 4))})
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +91,8 @@ def test_folded_expert_parallel_trains_like_the_single_device_model(batch, name)
             assert parallelism[field] == int(pins[key])
     if pins.get("sp") == "on":  # the MoE blocks run on each tp rank's sequence shard
         assert parallelism["enable_sequence_parallel"]
-        assert {"model.layers.0.mlp", "model.layers.1.mlp"} <= {
+        moe = (1, 2) if CASES[name][0] == "deepseek_v3" else (0, 1)  # DeepSeek-V3's first layer is dense
+        assert {f"model.layers.{i}.mlp" for i in moe} <= {
             m for m, style in plan["tensor_parallel_plan"].items() if style == "sequence_local"}
 
 
@@ -115,21 +119,57 @@ def test_olmoe_attention_is_split_by_heads_with_its_norms_summed_over_the_ranks(
     assert len(summed) == 4 and all(op.op == "aten.mean.dim" and op.module.endswith("_norm") for op in summed)
 
 
-def test_deepseek_v3_sequence_parallelism_is_refused_with_its_reason(sources):
-    facts = tensor_parallel_facts(profile_only(str(sources["deepseek_v3"]), "h100-sxm5-80gb", measure=False))
-    assert facts.sequence_parallel_problem == (
-        "aten.transpose.int in model.layers.0.self_attn would read a sequence shard, and it does not compute token "
-        "by token: it cuts or moves a dimension that holds tokens")
-    whole = {m: block for block in facts.left_whole for m in block.modules}
-    assert whole["model.layers.1.self_attn.kv_a_proj_with_mqa"].op == "aten.copy_.default"
-    # the shared experts are a tensor-parallel pair inside the MoE block
-    assert facts.plan["model.layers.1.mlp.shared_experts.down_proj"] == "rowwise"
+def test_deepseek_v3_attention_is_split_by_heads_and_sequence_parallelism_runs_through_it(sources):
+    profile = profile_only(str(sources["deepseek_v3"]), "h100-sxm5-80gb", measure=False)
+    facts = tensor_parallel_facts(profile)
+    assert facts.sequence_parallel_problem == ""
+    for layer in (0, 1, 2):
+        attention = f"model.layers.{layer}.self_attn"
+        assert facts.plan[f"{attention}.q_b_proj"] == facts.plan[f"{attention}.kv_b_proj"] == "colwise"
+        assert facts.plan[f"{attention}.o_proj"] == "rowwise"
+        assert f"{attention}.q_a_proj" not in facts.plan and f"{attention}.kv_a_proj_with_mqa" not in facts.plan
+    for layer in (1, 2):  # the MoE blocks run on local tokens; their shared experts stay a tensor-parallel pair
+        assert facts.plan[f"model.layers.{layer}.mlp"] == "sequence_local"
+        assert facts.plan[f"model.layers.{layer}.mlp.shared_experts.down_proj"] == "rowwise"
+    assert facts.plan["model.layers.0.mlp.down_proj"] == "rowwise"  # the dense first layer
+    ops = {op.node: op for op in profile.ops}
+    rotary = [n for n, r in facts.role.items() if r == "sequence" and ops[n].op == "aten.expand.default"]
+    assert len(rotary) == 3  # each layer's shared rotary key, expanded over the heads on its sequence shard
 
 
-def test_the_search_plans_a_pipeline_without_sp_where_moe_blocks_refuse_it(sources, tmp_path):
-    """OLMoE allows sp (on by default with tp > 1), but not with pp > 1 (its MoE blocks run on local tokens, which a
-    pipeline stage's graph inlines): pinned pp=2 x tp=2 x ep=2 plans with sp off (before: no layout satisfied)."""
+def test_the_search_plans_a_pipeline_with_sp_through_moe_blocks(sources, tmp_path):
+    """OLMoE allows sp (on by default with tp > 1), with pp > 1 too: the stages call its MoE blocks as modules, run
+    on each rank's tokens (before, sp was refused with a pipeline: a stage's graph inlined them)."""
     plan_model(str(sources["olmoe"]), 4, "cpu", global_batch=8, pin="pp=2,tp=2,ep=2", out=tmp_path / "out")
     parallelism = json.loads((tmp_path / "out" / "plan.json").read_text())["parallelism"]
     assert parallelism["pipeline_parallel_degree"] == parallelism["tensor_parallel_degree"] == 2
-    assert not parallelism["enable_sequence_parallel"]
+    assert parallelism["enable_sequence_parallel"]
+
+
+def test_deepseek_v3_rotary_key_gathered_into_the_split_keys_is_priced_under_sp(sources):
+    """The shared rotary key reaches the split keys' copy_ as a sequence shard: with sp its expanded bytes are
+    all-gathered in forward and reduce-scattered in backward (cost/compute.py), and nothing without sp."""
+    from autoplan.api import load_cluster
+    from autoplan.cost import comm
+    from autoplan.cost.compute import _tp_backward, _tp_forward
+    from autoplan.cost.context import Context
+    from autoplan.cost.module_costs import _op_costs
+    from autoplan.layout import SUPPORTED
+    from autoplan.plan import Training
+
+    profile = profile_only(str(sources["deepseek_v3"]), "h100-sxm5-80gb", measure=False)
+    facts = tensor_parallel_facts(profile)
+    by_node = {op.node: op for op in profile.ops}
+    copies = [(node, cost) for node, cost in zip(by_node, _op_costs(list(by_node), by_node, profile, facts))
+              if cost.gathered_shard_bytes]
+    assert [by_node[n].op for n, _ in copies] == ["aten.copy_.default"] * 3  # one per layer
+    link = Context(profile, load_cluster(4, "h100-sxm5-80gb", 8, None, None), Training(global_batch_size=8),
+                   SUPPORTED).group(2, 1).link
+    for node, cost in copies:
+        expand = next(by_node[s] for s in by_node[node].inputs if by_node[s].op == "aten.expand.default")
+        assert cost.gathered_shard_bytes == expand.output_bytes / profile.batch_size
+        assert _tp_forward(cost, 2, 4, 1.0, link, sp=True) == comm.all_gather_s(cost.gathered_shard_bytes * 4, 2, link)
+        assert _tp_backward(cost, 2, 4.0, link, sp=True) == comm.reduce_scatter_s(cost.gathered_shard_bytes * 4, 2,
+                                                                                 link)
+        assert _tp_forward(cost, 2, 4, 1.0, link, sp=False) == _tp_backward(cost, 2, 4.0, link, sp=False) == 0.0
+

@@ -12,7 +12,8 @@ Pricing: under sequence parallelism each tp rank's router, experts and all-to-al
 replicated MoE parameters' gradients are all-reduced over the tp ranks (closed form below).
 
 Slow: `autoplan verify` (loss and every gradient, CPU/gloo) of the search's own plans: Qwen3-MoE and Mixtral at
-tp=2 with sp=on, and Mixtral at dp=2 x ep=2 x tp=2 with sp=on (4 ranks), in one launch."""
+tp=2 with sp=on, Mixtral at dp=2 x ep=2 x tp=2 with sp=on, and both at pp=2 x ep=2 x tp=2 with sp=on (4 ranks; the
+stages call the MoE blocks as modules), in one launch."""
 
 import json
 from dataclasses import replace
@@ -209,18 +210,23 @@ def _parallelism():
     return Parallelism()
 
 
-def test_sp_with_a_pipeline_is_refused_for_moe_blocks_run_on_local_tokens():
+def test_sp_with_a_pipeline_runs_moe_blocks_on_local_tokens():
+    """A pipeline stage calls the model's own MoE block (runtime/expert_calls.py modules_as_calls), so sp=on with
+    pp > 1 is allowed, under every schedule (it was refused: the stage's graph inlined the block)."""
     from autoplan.layout import Layout, Scope, problems
 
-    found = problems(Layout(tp=2, sp="on", pp=2), Scope(sequence_local_modules=("model.layers.0.mlp",
-                                                                                 "model.layers.1.mlp")))
-    assert any("'model.layers.0.mlp' (and 1 more) runs on each rank's sequence shard" in f for f in found), found
-    assert not problems(Layout(tp=2, sp="on", pp=1), Scope(sequence_local_modules=("model.layers.0.mlp",)))
+    scope = Scope(sequence_local_modules=("model.layers.0.mlp", "model.layers.1.mlp"))
+    assert not problems(Layout(tp=2, sp="on", pp=2), scope)
+    assert not problems(Layout(tp=2, sp="on", pp=2, schedule="1f1b"), scope)
+    assert not problems(Layout(tp=2, sp="on", pp=2, schedule="zbv", virtual_stages=2), scope)
 
 
 PINNED = {"qwen3_moe tp=2,sp=on": ("qwen3_moe", "tp=2,sp=on", 2),
           "mixtral tp=2,sp=on": ("mixtral", "tp=2,sp=on", 2),
-          "mixtral dp=2,ep=2,tp=2,sp=on": ("mixtral", "dp=2,ep=2,tp=2,sp=on", 4)}
+          "mixtral dp=2,ep=2,tp=2,sp=on": ("mixtral", "dp=2,ep=2,tp=2,sp=on", 4),
+          "qwen3_moe pp=2,ep=2,tp=2,sp=on": ("qwen3_moe", "pp=2,ep=2,tp=2,sp=on", 4),
+          "mixtral pp=2,ep=2,tp=2,sp=on": ("mixtral", "pp=2,ep=2,tp=2,sp=on", 4)}
+"""The pipelines' stages call the MoE blocks as modules (their graphs inlined them before, and sp was refused)."""
 
 
 ROWS = '''

@@ -59,6 +59,7 @@ abs square tanh sigmoid relu gelu silu erf    | pointwise
 sin cos clamp minimum maximum where           | pointwise
 masked_fill hardtanh leaky_relu elu mish      | pointwise
 softplus gelu_ silu_ relu_ mul_ add_          | pointwise
+copy_ copy                                    | pointwise
 bernoulli rand_like zeros_like ones_like      | pointwise
 dropout native_dropout                        | pointwise mask
 mean sum amax amin var var_mean std logsumexp | reduction along
@@ -69,6 +70,7 @@ topk sort argsort cumsum cumprod histc        | along
 bincount                                      | along
 floor_divide remainder fmod eq ne lt le gt ge | pointwise
 logical_and logical_or logical_not bitwise_and | pointwise
+bitwise_not bitwise_or bitwise_xor           | pointwise
 div_ sub_ floor_divide_ sigmoid_ exp_         | pointwise
 index index_select gather                     | gathers
 index_add index_add_ index_put index_put_     | scatters

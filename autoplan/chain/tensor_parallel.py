@@ -89,6 +89,9 @@ the region is dropped (its Linears stay replicated) unless the layout feature "t
 VOCAB_MULTIPLE = 8
 """The head and embedding split by vocabulary only when it is a multiple of this (every tensor-parallel
 degree inside an 8-GPU node divides it; torch TP cannot pad a vocabulary as Megatron-LM does)."""
+GATHER_ROLES = ("colwise", "head", "interior")
+"""Where a sequence shard leaves sequence parallelism: a colwise Linear or the head all-gathers its input, and an op
+of a split region (a shared rotary key broadcast into every split head) reads it gathered by DTensor."""
 SEQUENCE_LOCAL_OPS = ELEMENTWISE_OPS | LINEAR_OPS | frozenset({
     "native_layer_norm", "layer_norm", "rms_norm", "_fused_rms_norm", "mean", "var_mean", "_to_copy", "to",
     "type_as", "clone", "contiguous", "detach", "alias", "lift_fresh_copy"})
@@ -221,6 +224,16 @@ def _regions(profile: ModelProfile, ops, consumers,
     role: dict[str, str] = {}
     facts: list[DivisibilityFact] = []
     whole: dict[str, LeftWhole] = {}
+    for op in profile.ops:  # attention first: its pairs split the heads (DeepSeek-V3's q_b_proj -> o_proj)
+        if is_weight_linear(op) and op.node not in role:
+            region = {}
+            try:
+                _grow_region(op.node, ops, consumers, role, derived, fused_split, region)
+            except _Whole:
+                continue
+            if any(packet(ops[n]) in ATTENTION_OPS for n in region):
+                role.update(region)
+                facts += _region_facts(region, ops, consumers)
     for op in profile.ops:
         if not is_weight_linear(op) or op.node in role:
             continue
@@ -295,7 +308,7 @@ def _sequence_parallel(ops, consumers, role: dict[str, str]) -> tuple[str, list[
     reached, frontier = set(starts), list(starts)
     while frontier:  # every op reading a sequence shard, up to the colwise Linears (which all-gather)
         for c in consumers[frontier.pop()]:
-            if c not in reached and role.get(c, "") not in ("colwise", "head"):
+            if c not in reached and role.get(c, "") not in GATHER_ROLES:
                 reached.add(c)
                 frontier.append(c)
     tokens: dict[str, Tokens] = {}
@@ -322,14 +335,15 @@ def _sequence_parallel(ops, consumers, role: dict[str, str]) -> tuple[str, list[
             if not found.why:
                 found = replace(found, why=_dtensor_reason(op, tokens))
         tokens[node] = found
-    for node in reached:  # what leaves the shards (to a colwise Linear's all-gather, as an output) is [b, s, ...]
-        found = tokens[node]
-        if any(role.get(c, "") in ("colwise", "head") for c in consumers[node]) and not (
-                found.kind == "dtensor" or found.kind == "tokens" and found.dims >= 3):
-            return _mixes_tokens(ops[node], "a colwise Linear would all-gather a tensor that is no [batch, sequence, "
-                                            "...] shard"), []
     for n in reached - set(starts):
         role[n] = "sequence" if _dtensor_sequence_op(ops[n], tokens, tokens[n]) else "sequence_local"
+    for node in reached:  # what leaves the shards (to a colwise Linear's all-gather, into a split region's op, as an
+        found = tokens[node]  # output) is a DTensor sharded on the sequence, which DTensor gathers there
+        if any(role.get(c, "") in GATHER_ROLES for c in consumers[node]) and not (
+                found.kind in ("dtensor", "sharded") or found.kind == "tokens" and found.dims >= 3) or \
+                found.kind == "sharded" and role.get(node) == "sequence_local":
+            return _mixes_tokens(ops[node], "a colwise Linear would all-gather a tensor that is no [batch, sequence, "
+                                            "...] shard"), []
     return _local_modules(ops, consumers, role, tokens)
 
 
@@ -337,6 +351,10 @@ def _sequence_rule(op: OpProfile, tokens: dict[str, "Tokens"]) -> "Tokens | str"
     """_token_rule, and the ops DTensor runs on sequence shards as they are (SEQUENCE_LOCAL_OPS on [b, s, ...]
     shards: a norm, a residual add, a Linear outside the pairs, a mean over the sequence DTensor reduces)."""
     inputs = [tokens[src] for src in op.inputs if src in tokens]
+    if any(t.kind == "sharded" for t in inputs) or packet(op) not in SEQUENCE_LOCAL_OPS and _batch_sequence(
+            op, tokens) and _sharded_rule(op, tokens) is not None:
+        found = _sharded_rule(op, tokens)
+        return found if found is not None else "it cuts, merges or reduces the sequence dimension of a DTensor shard"
     dtensor = packet(op) in SEQUENCE_LOCAL_OPS and all(
         t.kind == "dtensor" or t.kind == "tokens" and t.dims >= 3 for t in inputs)
     if any(t.kind == "dtensor" for t in inputs) and not dtensor:
@@ -352,6 +370,83 @@ def _sequence_rule(op: OpProfile, tokens: dict[str, "Tokens"]) -> "Tokens | str"
     if dtensor and (isinstance(found, str) or found.kind != "tokens" or found.dims < 3):
         return Tokens("dtensor")
     return found
+
+
+SEQUENCE_KEEPING = frozenset({"view", "_unsafe_view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze",
+                              "contiguous", "clone", "_to_copy", "to", "type_as", "alias", "detach"})
+"""Shape ops that keep the elements' order: a dimension survives them when the output has one of the same size
+behind as many elements."""
+
+
+def _sharded_rule(op: OpProfile, tokens: dict[str, "Tokens"]) -> "Tokens | None":
+    """A DTensor op keeping the sequence dimension of its sharded inputs whole (DeepSeek-V3's shared rotary key
+    viewed as [b, 1, s, d], rotated by the position table, concatenated along its features and expanded over the
+    heads): Tokens("sharded") with the output's sequence dimension (`dim`), or None when the op cuts, merges or
+    reduces that dimension. Which dimension survives follows from what the op computes: order-keeping views, a
+    transpose's or permute's permutation, an expand's or elementwise op's broadcast (trailing dimensions aligned),
+    cuts, concatenations, reductions and Linears along other dimensions."""
+    name, traits = packet(op), OP_TRAITS.get(packet(op), frozenset())
+    sources = [(tokens[src], tuple(shape)) for src, shape in zip(op.inputs, op.input_shapes) if src in tokens]
+    if not sources or not op.output_shapes or "creates" in traits:
+        return None
+    out = tuple(op.output_shapes[0])
+    dims = tuple(d % len(sources[0][1]) for d in op.dims or ()) if sources[0][1] else ()
+    kept = set()
+    for data, shape in sources:
+        d = data.dim if data.kind == "sharded" else 1
+        if not (data.kind == "sharded" or data.kind == "tokens" and len(shape) >= 3 and
+                shape[0] * shape[1] == data.count) or d >= len(shape):
+            return None
+        kept.add(_kept_dimension(name, traits, shape, out, d, dims))
+    if len(kept) != 1 or None in kept:
+        return None
+    (d,) = kept
+    count = sources[0][0].count
+    if d == 1 and len(out) >= 3 and out[0] * out[1] == count:  # [b, s, ...] again
+        return Tokens("tokens", count, len(out))
+    return Tokens("sharded", count, len(out), dim=d)
+
+
+def _batch_sequence(op: OpProfile, tokens: dict[str, "Tokens"]) -> bool:
+    """Every input computed from the shard is a [b, s, ...] tensor in token order (its first two dimensions hold
+    the tokens)."""
+    sources = [(tokens[src], tuple(shape)) for src, shape in zip(op.inputs, op.input_shapes) if src in tokens]
+    return bool(sources) and all(t.kind == "tokens" and len(shape) >= 3 and shape[0] * shape[1] == t.count
+                                 for t, shape in sources)
+
+
+def _kept_dimension(name: str, traits: frozenset[str], shape: tuple[int, ...], out: tuple[int, ...], d: int,
+                    dims: tuple[int, ...]) -> int | None:
+    """Where dimension `d` of an input of `shape` lies in the output `out`, when the op leaves it whole (None when it
+    cuts, merges or computes along it)."""
+    size, before = shape[d], _product(shape[:d])
+    if name in SEQUENCE_KEEPING:
+        return next((e for e in range(len(out)) if out[e] == size and _product(out[:e]) == before), None)
+    if name in ("transpose", "permute", "t"):
+        order = list(range(len(shape)))
+        if name == "permute":
+            order = list(dims)
+        else:
+            a, b = dims if dims else (0, 1)
+            order[a], order[b] = order[b], order[a]
+        return order.index(d)
+    if name in ("slice", "narrow", "split", "split_with_sizes", "chunk", "cat", "select", "unbind") or \
+            "pointwise" in traits or name == "expand" or "reduction" in traits or name in NORM_OPS or \
+            name in LINEAR_OPS:
+        if d in dims or (name in LINEAR_OPS or name in NORM_OPS) and d == len(shape) - 1:
+            return None  # cut, concatenated, reduced or multiplied along the sequence
+        e = d + len(out) - len(shape)  # broadcast: trailing dimensions aligned; select drops one dimension
+        if name in ("select", "unbind") or ("reduction" in traits and len(out) < len(shape)):
+            e = d - sum(1 for k in dims if k < d)
+        return e if 0 <= e < len(out) and out[e] == size else None
+    return None
+
+
+def _product(sizes) -> int:
+    total = 1
+    for size in sizes:
+        total *= size
+    return total
 
 
 def _dtensor_reason(op: OpProfile, tokens: dict[str, "Tokens"]) -> str:
@@ -390,6 +485,10 @@ class Tokens:
     """("dtensor") The op whose result left the token order."""
     why: str = ""
     """("dtensor") How it did (_token_rule's reason)."""
+    dim: int = 1
+    """("sharded") The dimension holding the sequence: a DTensor sharded there, not in [b, s, ...] order (DeepSeek-V3's
+    rotary key viewed as [b, 1, s, d]); DTensor runs the ops that keep it whole and gathers it where a split region
+    reads it (_sharded_rule)."""
 
 
 def _shape(op: OpProfile) -> tuple[int, ...]:
@@ -565,12 +664,28 @@ def _gather_rule(op: OpProfile, inputs: list[Tokens | None], tokens: dict[str, T
         return "it picks tokens by a choice made across them (a top-k or count over the tokens: expert-choice routing)"
     if source.kind == "routes":
         return Tokens("routes", picks=source.picks)
+    if dims != (0,) and _within_rows(op, inputs):
+        return _within_rows(op, inputs)
     if dims != (0,) or not op.input_shapes:
         return "it gathers along a dimension other than the tokens'"
     shape = tuple(op.input_shapes[0])
     if source.kind == "tokens" and _dim_kind(shape, source.count, 0) != "token":
         return "it gathers along a dimension that mixes tokens and features"
     return Tokens("rows")
+
+
+def _within_rows(op: OpProfile, inputs: list[Tokens | None]) -> Tokens | None:
+    """A gather or scatter along a feature dimension of token rows (torch.gather / scatter_ along dim 1 with every
+    operand holding the same tokens as rows: DeepSeek-V3's group mask and top-k weights): each token's row reads or
+    writes within itself, so the tokens are kept (None otherwise)."""
+    shapes = [tuple(shape) for shape, t in zip(op.input_shapes, inputs) if t is not None]
+    kept = [t for t in inputs if t is not None]
+    if not op.dims or not kept or any(t.kind != "tokens" for t in kept) or len({t.count for t in kept}) != 1:
+        return None
+    count = kept[0].count
+    if any(not shape or shape[0] != count for shape in shapes) or any(d % len(shapes[0]) == 0 for d in op.dims):
+        return None
+    return Tokens("tokens", count)
 
 
 def _scatter_rule(op: OpProfile, inputs: list[Tokens | None], tokens: dict[str, Tokens],
@@ -580,7 +695,7 @@ def _scatter_rule(op: OpProfile, inputs: list[Tokens | None], tokens: dict[str, 
     dims = op.dims if op.dims is not None else (0,)
     target, rest = (inputs + [None])[0], [t for t in inputs[1:] if t is not None]
     if dims != (0,):
-        return "it scatters along a dimension other than the tokens'"
+        return _within_rows(op, inputs) or "it scatters along a dimension other than the tokens'"
     if all(t.kind == "routes" for t in rest) and (target is None or target.kind == "routes"):
         return Tokens("routes", picks=any(t.picks for t in rest) or (target is not None and target.picks))
     if any(t.kind == "routes" and t.picks for t in rest):
@@ -597,6 +712,11 @@ def _dtensor_sequence_op(op: OpProfile, tokens: dict[str, Tokens], found: Tokens
     """An op DTensor runs on sequence shards as it is: SEQUENCE_LOCAL_OPS reading [b, s, ...] shards (or DTensor
     results) only."""
     inputs = [tokens[src] for src in op.inputs if src in tokens]
+    if found.kind == "sharded" or any(t.kind == "sharded" for t in inputs):
+        return True
+    if packet(op) not in SEQUENCE_LOCAL_OPS and found.kind == "tokens" and _batch_sequence(op, tokens) \
+            and _sharded_rule(op, tokens) is not None:
+        return True  # a view keeping the [b, s, ...] shard's sequence dimension whole
     return packet(op) in SEQUENCE_LOCAL_OPS and found.kind in ("tokens", "dtensor") and (
         found.kind == "dtensor" or found.dims >= 3) and all(t.kind == "dtensor" or t.dims >= 3 for t in inputs)
 
@@ -629,11 +749,34 @@ def _local_module(node: str, ops, consumers, role: dict[str, str], tokens: dict[
         own = set(inside)
         boundary = {src for n in inside for src in ops[n].inputs if src not in own} | \
             {n for n in inside if any(c not in own for c in consumers[n])}
-        if any(role.get(n, "") in ("colwise", "rowwise", "interior", "head", "embedding") for n in inside):
+        split = [n for n in inside if role.get(n, "") in ("colwise", "rowwise", "interior", "head", "embedding")]
+        if split and not _split_islands(module, split, ops, consumers, tokens, members):
             return ""
         if all(src not in tokens or (tokens[src].kind == "tokens" and tokens[src].dims >= 3) for src in boundary):
             return module
     return ""
+
+
+def _split_islands(module: str, split: list[str], ops, consumers, tokens: dict[str, Tokens],
+                   members: dict[str, list[str]]) -> bool:
+    """The split Linears inside a module run on this rank's tokens lie in submodules of it (DeepSeek-V3's and
+    Qwen2-MoE's shared experts, a colwise/rowwise pair) that take and return [b, s, ...] tensors in token order and
+    hold nothing else: runtime/tensor_parallel.py runs such a submodule on DTensors again (its input a sequence
+    shard the colwise Linears all-gather, its rowwise output reduce-scattered back onto the sequence)."""
+    islands = {ops[n].module.rpartition(".")[0] for n in split if is_weight_linear(ops[n])}
+    if not islands or any(not island.startswith(module + ".") for island in islands):
+        return False
+    covered = set()
+    for island in islands:
+        inside = set(members.get(island, ()))
+        boundary = {src for n in inside for src in ops[n].inputs if src not in inside} | \
+            {n for n in inside if any(c not in inside for c in consumers[n])}
+        if not all(src not in tokens or tokens[src].kind == "tokens" and len(_shape(ops[src])) >= 3
+                   for src in boundary if src not in inside) or \
+                any(len(_shape(ops[n])) < 3 for n in boundary if n in inside):
+            return False
+        covered |= inside
+    return set(split) <= covered
 
 
 def _weight(op: OpProfile) -> str:
@@ -712,12 +855,12 @@ def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set
         # an attention matmul multiplies two activations head by head: both split, however small one is
         # (v against the scores); an elementwise op may broadcast a small replicated table (rotary)
         per_head = packet(op) in ATTENTION_OPS
-        largest = max((ops[s].output_bytes for s in op.inputs if s in ops and s in derived), default=0)
+        largest = max((_broadcast_bytes(s, ops) for s in op.inputs if s in ops and s in derived), default=0)
         for src in op.inputs:
             if region.get(src) == "rowwise":
                 raise _Whole(op, f"it reads the split features together with the full output of row-parallel "
                                  f"{ops[src].module}")
-            small = not per_head and ops[src].output_bytes * BROADCAST_RATIO <= largest
+            small = not per_head and _broadcast_bytes(src, ops) * BROADCAST_RATIO <= largest
             if src in region or src not in derived or small:
                 continue  # already split, a constant (mask, positions), or a small broadcast operand
             producer = ops[src]
@@ -739,6 +882,15 @@ def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set
     _check_per_head_reductions(region, ops)
 
 
+def _broadcast_bytes(node: str, ops) -> int:
+    """The bytes a tensor holds before broadcasting: an expand's are its input's (DeepSeek-V3's shared rotary key,
+    one head expanded over every head, is a small replicated operand, not a full-width one)."""
+    op = ops[node]
+    while packet(op) == "expand" and op.inputs and op.inputs[0] in ops:
+        op = ops[op.inputs[0]]
+    return op.output_bytes
+
+
 def _describe(op: OpProfile) -> str:
     return f"{op.op} in {op.module or 'the model'}"
 
@@ -746,8 +898,8 @@ def _describe(op: OpProfile) -> str:
 def _mixes_heads(op: OpProfile) -> str:
     """"" when `op` keeps a tensor split by heads split (each output head depends on that head only); else why."""
     name = packet(op)
-    if name in SHAPE_OPS or name in ELEMENTWISE_OPS:
-        return ""
+    if name in SHAPE_OPS or name in ELEMENTWISE_OPS or "creates" in OP_TRAITS.get(name, ()):
+        return ""  # a tensor made from sizes alone (new_empty) reads no input's values
     if name in ATTENTION_OPS:
         return "" if not op.params else "it multiplies by a weight, not head by head"
     if name in REDUCTION_OPS or name in NORM_OPS:

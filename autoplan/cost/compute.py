@@ -27,6 +27,9 @@ Tensor-parallel collectives per module (alpha-beta, cost/comm.py), as runtime/te
   in backward; the ops between the pairs compute on sequence shards (1/tp);
 - a reduction over a projection's split features (a q/k norm spanning every head: its sum of squares) is
   all-reduced in forward (DTensor's Partial result made whole); in backward its gradient is broadcast locally;
+- with sequence parallelism, a sequence shard an op of a split region reads (DeepSeek-V3's expanded rotary key
+  copied into the split keys: OpCost.gathered_shard_bytes) is all-gathered by DTensor in forward, its gradient
+  reduce-scattered in backward;
 - the vocabulary-parallel head's logits stay sharded for the loss (loss parallel): three all-reduces of one
   fp32 number per token (the max, the sum of exponentials, the target's logit); with loss parallel off they
   are all-gathered. The loss's copies of the logits divide by tp with them.
@@ -457,6 +460,8 @@ def _tp_forward(op: OpCost, tp: int, b: int, scale: float, link: Link, sp: bool 
             op.rows * b * LOSS_PARALLEL_BYTES_PER_TOKEN, tp, link)
     if op.tp_role == "head":
         return gathered + comm.all_gather_s(op.output_bytes * per_mb, tp, link)
+    if sp and op.gathered_shard_bytes:  # a sequence shard read by a split region's op, gathered by DTensor
+        return comm.all_gather_s(op.gathered_shard_bytes * per_mb, tp, link)
     return 0.0
 
 
@@ -469,6 +474,8 @@ def _tp_backward(op: OpCost, tp: int, per_mb: float, link: Link, sp: bool = Fals
         return 0.0
     if op.tp_role == "rowwise" and sp:  # the output gradient, sequence-sharded, gathered for the Linear
         return comm.all_gather_s(op.output_bytes * per_mb, tp, link)
+    if sp and op.gathered_shard_bytes:  # the gathered shard's gradient, scattered back onto the sequence
+        return comm.reduce_scatter_s(op.gathered_shard_bytes * per_mb, tp, link)
     if op.tp_role not in ("colwise", "head"):
         return 0.0
     if not sp:

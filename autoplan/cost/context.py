@@ -58,14 +58,16 @@ class Groups:
 
 
 def _sequence_local_numel(profile: ModelProfile, plan: dict[str, str], module_of: dict[str, int],
-                          n: int) -> tuple[float, ...]:
+                          n: int, sharded: frozenset[str] = frozenset()) -> tuple[float, ...]:
     """Per chain module, the elements of the parameters of the modules that run on each tp rank's sequence shard
-    (tensor-parallel style "sequence_local"), where the ops reading them run (each counted once)."""
+    (tensor-parallel style "sequence_local"), where the ops reading them run (each counted once); not those split
+    over the tp ranks (a shared expert's Linear pair inside such a module runs on DTensors)."""
     local = tuple(fqn + "." for fqn, style in plan.items() if style == "sequence_local")
     found: list[set[str]] = [set() for _ in range(n)]
     for op in profile.ops:
         if op.node in module_of:
-            found[module_of[op.node]].update(p for p in op.params if p in profile.parameters and p.startswith(local))
+            found[module_of[op.node]].update(p for p in op.params if p in profile.parameters and p.startswith(local)
+                                             and p not in sharded)
     return tuple(float(sum(profile.parameters[p] for p in params)) for params in found)
 
 
@@ -132,7 +134,8 @@ class Context:
                                               for layer in self.experts))
         self._experts_on_shards = any(self.facts.role.get(n, "") in SEQUENCE_ROLES for n in self._expert_nodes)
         """Under sequence parallelism the experts run on each tp rank's sequence shard (their ops' roles)."""
-        self.sequence_local_numel = _sequence_local_numel(profile, self.facts.plan, module_of, len(self.chain))
+        self.sequence_local_numel = _sequence_local_numel(profile, self.facts.plan, module_of, len(self.chain),
+                                                          self.facts.sharded_parameters)
         """Per module, the replicated parameter elements that modules run on each tp rank's tokens read (a router's,
         the experts' at ep = 1): under sequence parallelism their gradients are summed over the tp ranks."""
         self._tables: dict[tuple, ModuleTable] = {}

@@ -90,6 +90,10 @@ class OpCost:
     sums_ranks: bool = False
     """A reduction over a projection's split features (TensorParallelFacts.rank_sums): its output is all-reduced
     over the tensor-parallel ranks in forward (its backward broadcasts the gradient locally)."""
+    gathered_shard_bytes: float = 0.0
+    """Per sample, the bytes of the sequence-sharded operands an op of a split region reads (DeepSeek-V3's shared
+    rotary key, expanded over the heads, copied into the split keys): with sequence parallelism DTensor gathers
+    them in forward and scatters their gradient back in backward."""
 
     @property
     def kept_by_selective(self) -> bool:
@@ -158,7 +162,7 @@ class ChainCosts:
 
 
 def op_cost(op: OpProfile, profile: ModelProfile, role: str, shares_gather: bool = False,
-            autocast_fp32: bool = False, sums_ranks: bool = False) -> OpCost:
+            autocast_fp32: bool = False, sums_ranks: bool = False, gathered_shard_bytes: float = 0.0) -> OpCost:
     batch = profile.batch_size
     param_bytes = sum(profile.parameters.get(p, 0) for p in op.params) * profile.parameter_bytes_per_element
     param_bytes = min(param_bytes, op.input_bytes)  # buffers read as params are not in `parameters`
@@ -187,6 +191,7 @@ def op_cost(op: OpProfile, profile: ModelProfile, role: str, shares_gather: bool
         autocast_weight_numel=param_bytes / profile.parameter_bytes_per_element if cast else 0.0,
         grouped=is_grouped_matmul(op),
         sums_ranks=sums_ranks,
+        gathered_shard_bytes=gathered_shard_bytes / batch,
     )
 
 
@@ -208,8 +213,10 @@ def _op_costs(nodes, by_node: dict[str, OpProfile], profile: ModelProfile, facts
     for node in nodes:
         op, role = by_node[node], facts.role.get(node, "")
         source = op.inputs[0] if role in ("colwise", "head") and op.inputs else None
+        shards = sum(by_node[src].output_bytes for src in op.inputs
+                     if src in by_node and facts.role.get(src, "") in SEQUENCE_ROLES) if role == "interior" else 0.0
         yield op_cost(op, profile, role, shares_gather=source in gathered, autocast_fp32=node in fp32,
-                      sums_ranks=node in facts.rank_sums)
+                      sums_ranks=node in facts.rank_sums, gathered_shard_bytes=shards)
         if source is not None:
             gathered.add(source)
 

@@ -183,7 +183,7 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
             stage_cp = PipelineContextParallel(mesh["cp"], attention, device)
         with stage_cp.export(model, inputs) if stage_cp is not None else nullcontext():
             split = split_model(model, to_device(inputs, "meta"), config.stages, device,
-                                experts_as_modules=config.ep > 1)
+                                experts_as_modules=config.ep > 1, module_calls=_local_token_modules(config))
         if stage_cp is not None:
             stage_cp.prepare(split.stages)
         stage_ids = local_stages(rank.pp_rank, config.pp, config.virtual_stages, placement)
@@ -313,3 +313,11 @@ def _one_microbatch(inputs: Any, microbatch_size: int) -> Any:
                         f"{microbatch_size}")
     return pytree.tree_map(lambda t: t.narrow(0, 0, microbatch_size)
                            if isinstance(t, torch.Tensor) and t.dim() > 0 else t, inputs)
+
+
+def _local_token_modules(config) -> tuple[str, ...]:
+    """The modules a pipeline stage keeps as calls: under sequence parallelism, those run on each tensor-parallel
+    rank's tokens (tensor-parallel style "sequence_local": a mixture of experts' block), which the runtime wraps."""
+    if config.tp <= 1 or not config.sequence_parallel:
+        return ()
+    return tuple(fqn for fqn, style in config.tensor_parallel_plan.items() if style == "sequence_local")

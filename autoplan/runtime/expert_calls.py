@@ -82,8 +82,61 @@ def _opaque_forward(module: nn.Module, fqn: str):
     return forward
 
 
+@torch.library.custom_op("autoplan::module_call", mutates_args=())
+def module_call(hidden_states: torch.Tensor, fqn: str) -> torch.Tensor:
+    """Stands for the module `fqn` (one tensor in, one of the same shape out: a mixture of experts' block) in an
+    exported graph (see modules_as_calls); never run."""
+    raise RuntimeError(f"autoplan::module_call stands for the module {fqn!r} in an exported graph; the pipeline "
+                       f"stage calls the module itself")
+
+
+@module_call.register_fake
+def _module_call_shape(hidden_states: torch.Tensor, fqn: str) -> torch.Tensor:
+    return torch.empty_like(hidden_states)
+
+
+MODULE_CALL = torch.ops.autoplan.module_call.default
+
+
+@contextlib.contextmanager
+def modules_as_calls(model: nn.Module, fqns: tuple[str, ...]) -> Iterator[None]:
+    """While inside: each module named in `fqns` (a module run on each tensor-parallel rank's tokens under sequence
+    parallelism, runtime/tensor_parallel.py run_on_local_tokens) calls module_call instead of running its ops, so
+    the pipeline stage calls the model's own module there (the exported graph would fix its views to the whole
+    sequence's sizes). Its forward takes one tensor and returns one of the same shape (a transformers MoE block)."""
+    replaced = []
+    try:
+        for fqn in fqns:
+            sub = model.get_submodule(fqn)
+            replaced.append((sub, "forward" in vars(sub), vars(sub).get("forward")))
+            sub.forward = _opaque_module_forward(sub, fqn)
+        yield
+    finally:
+        for sub, had_own, own in replaced:
+            if had_own:
+                sub.forward = own
+            else:
+                del sub.forward
+
+
+def _opaque_module_forward(module: nn.Module, fqn: str):
+    signature = inspect.signature(module.forward)
+
+    def forward(*args, **kwargs) -> torch.Tensor:
+        bound = signature.bind(*args, **kwargs)
+        tensors = [v for v in bound.arguments.values() if isinstance(v, torch.Tensor)]
+        if len(tensors) != 1 or len(bound.arguments) != 1:
+            raise ValueError(f"{fqn} ({type(module).__name__}) runs on each rank's tokens under sequence parallelism "
+                             f"inside a pipeline stage, which needs a forward of one tensor; it takes "
+                             f"{', '.join(bound.arguments)}")
+        return module_call(tensors[0], fqn)
+
+    return forward
+
+
 def called_experts(node: fx.Node) -> str | None:
-    """The FQN of the experts module an exported graph's node stands for, None for any other node."""
-    if node.op == "call_function" and node.target is EXPERTS_CALL:
-        return node.args[3]
+    """The FQN of the experts module (or module run on local tokens: module_call) an exported graph's node stands
+    for, None for any other node."""
+    if node.op == "call_function" and node.target in (EXPERTS_CALL, MODULE_CALL):
+        return node.args[-1]
     return None

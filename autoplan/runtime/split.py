@@ -41,7 +41,7 @@ from autoplan.capture.experts import is_experts_module
 from autoplan.contract import (CONSTANT_TYPES, LossFn, compute_loss, disable_kv_cache, model_args,
                                outputs_without_caches)
 from autoplan.errors import UserError
-from autoplan.runtime.expert_calls import called_experts, experts_as_calls
+from autoplan.runtime.expert_calls import called_experts, experts_as_calls, modules_as_calls
 from autoplan.runtime.stage_graph import SendLayout, StagePlan, StateTensor, build_stage_module
 
 
@@ -118,11 +118,15 @@ class PipelineSplit:
 
 
 def split_model(model: nn.Module, inputs: Any, stage_chain_modules: Sequence[Sequence[str]],
-                device: torch.device | None = None, experts_as_modules: bool = False) -> PipelineSplit:
+                device: torch.device | None = None, experts_as_modules: bool = False,
+                module_calls: Sequence[str] = ()) -> PipelineSplit:
     """Export `model` on `inputs` (one micro-batch) and cut it into len(stage_units) stages.
 
     experts_as_modules: the stages call the model's experts modules (runtime/expert_calls.py) instead of
     running their ops inlined, so expert parallelism can shard them.
+    module_calls: modules the stages call as the model's own modules instead of running their ops inlined
+    (runtime/expert_calls.py modules_as_calls), so the runtime can wrap them (a mixture of experts' block run on
+    each tensor-parallel rank's tokens).
 
     A model on the meta device with a `device` to run on is exported on fake tensors of that device (no
     memory), so code that branches on the device type takes the branch the stages will run (transformers'
@@ -136,7 +140,7 @@ def split_model(model: nn.Module, inputs: Any, stage_chain_modules: Sequence[Seq
     kwargs = disable_kv_cache(model, kwargs)  # training keeps no KV cache (Hugging Face models return one by default)
     try:
         with experts_as_calls(model) if experts_as_modules else contextlib.nullcontext(), \
-                outputs_without_caches(model):
+                modules_as_calls(model, tuple(module_calls)), outputs_without_caches(model):
             exported = _export(model, args, kwargs, on_meta, device)
     except Exception as e:  # noqa: BLE001 - any tracing failure in user code is reported as one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""

@@ -301,7 +301,7 @@ def _copy_node(graph: fx.Graph, node: fx.Node, value, attrs: _AttributeNames, pl
     if fqn is None:
         return graph.node_copy(node, value)
     path = attrs.module_for(fqn, plan.experts[fqn])
-    return graph.call_module(path, tuple(value(a) for a in node.args[:3]))
+    return graph.call_module(path, tuple(value(a) for a in node.args[:-1]))
 
 
 class _AttributeNames:

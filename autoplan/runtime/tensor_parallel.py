@@ -143,6 +143,7 @@ def run_on_local_tokens(module: nn.Module, tp_mesh: DeviceMesh) -> None:
         tokens = getattr(sub, "tensor_parallel_tokens", None)
         if tokens is not None:
             tokens.local_tokens = True
+    islands = _split_islands(module, tp_mesh)
 
     def local(t):
         if isinstance(t, DTensor) and t.device_mesh == tp_mesh and tuple(t.placements) == (Shard(1),):
@@ -160,9 +161,10 @@ def run_on_local_tokens(module: nn.Module, tp_mesh: DeviceMesh) -> None:
             return inner(*args, **kwargs)
         args, kwargs = pytree.tree_map(local, (args, kwargs))
         saved = {}
+        island_params = {id(p) for island in islands for p in island.parameters()}  # FSDP2 swaps them per call
         for owner in module.modules():
             for name, param in owner._parameters.items():
-                if isinstance(param, DTensor) and param.device_mesh == tp_mesh:
+                if isinstance(param, DTensor) and param.device_mesh == tp_mesh and id(param) not in island_params:
                     saved[(owner, name)] = param
         try:
             for (owner, name), param in saved.items():
@@ -175,6 +177,72 @@ def run_on_local_tokens(module: nn.Module, tp_mesh: DeviceMesh) -> None:
                                if isinstance(t, torch.Tensor) and t.dim() >= 2 else t, output)
 
     module.forward = forward
+
+
+def _split_islands(module: nn.Module, tp_mesh: DeviceMesh) -> list[nn.Module]:
+    """The submodules of a module run on local tokens that hold tensor-parallel Linears (chain/tensor_parallel.py
+    _split_islands: a shared expert's colwise/rowwise pair, each Linear's parent): they run on DTensors again, their
+    plain [b, s/tp, ...] inputs entering as sequence shards (the colwise Linears all-gather them) and their
+    outputs (the rowwise Linear's reduce-scatter onto the sequence) leaving as this rank's shard."""
+    from torch.distributed.tensor import DTensor
+
+    def split(linear: nn.Module) -> bool:
+        weight = getattr(linear, "weight", None)
+        return isinstance(weight, DTensor) and weight.device_mesh == tp_mesh and \
+            any(not isinstance(p, Replicate) for p in weight.placements)
+
+    islands = []
+    for name, sub in module.named_modules():
+        if name and any(split(child) for child in sub.children()) and \
+                not any(island is sub or _contains(island, sub) for island in islands):
+            islands.append(sub)
+    for island in islands:
+        converted: list[bool] = []  # per call: whether its inputs were local (so its outputs go back local)
+        island.register_forward_pre_hook(_local_inputs_sharded(tp_mesh, converted), with_kwargs=True)
+        island.register_forward_hook(_sharded_outputs_local(tp_mesh, converted))
+    return islands
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
+def _local_inputs_sharded(tp_mesh: DeviceMesh, converted: list[bool]):
+    """A forward pre-hook: plain floating-point [b, s/tp, ...] inputs become DTensors sharded on the sequence."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils import _pytree as pytree
+
+    def sharded(t):
+        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.is_floating_point() and t.dim() >= 3:
+            return DTensor.from_local(t, tp_mesh, [Shard(1)], run_check=False)
+        return t
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        leaves = pytree.tree_leaves((args, kwargs))
+        converted.append(not any(isinstance(t, DTensor) for t in leaves))
+        if not converted[-1]:
+            return None  # called on DTensors (not inside a module run on local tokens)
+        return pytree.tree_map(sharded, (args, kwargs))
+
+    return hook
+
+
+def _sharded_outputs_local(tp_mesh: DeviceMesh, converted: list[bool]):
+    """A forward hook: DTensor outputs sharded on the sequence leave as this rank's shard (plain)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils import _pytree as pytree
+
+    def local(t):
+        if isinstance(t, DTensor) and t.device_mesh == tp_mesh and tuple(t.placements) == (Shard(1),):
+            return t.to_local(grad_placements=[Shard(1)])
+        return t
+
+    def hook(module: nn.Module, args: tuple, output):
+        if not converted.pop():
+            return None  # its inputs were DTensors already: the caller runs on DTensors
+        return pytree.tree_map(local, output)
+
+    return hook
 
 
 def _tied_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
@@ -416,25 +484,69 @@ def _stage_plan(stage: fx.GraphModule, plan: Mapping[str, str], chain_modules: S
     def in_stage(fqn: str) -> bool:
         return any(fqn == u or fqn.startswith(u + ".") or not u for u in chain_modules)
 
-    replicated = {fqn for fqn, style in plan.items() if style == "replicate" and in_stage(fqn)}
-    wanted = {fqn for fqn in plan if in_stage(fqn)} - replicated
-    missing = wanted - restore_linears(stage, wanted)
+    replicated = {fqn for fqn, style in plan.items() if style in ("replicate", "sequence_local") and in_stage(fqn)}
+    wanted = {fqn for fqn in plan if in_stage(fqn)} - replicated  # modules kept as calls: no Linear to restore
+    present = {fqn for fqn in wanted if isinstance(_maybe_submodule(stage, fqn), (nn.Linear, nn.Embedding))}
+    missing = wanted - present - restore_linears(stage, wanted - present)  # a module the stage calls holds its own
     if missing:
         raise UserError(f"tensor parallel: {', '.join(sorted(map(repr, missing)))} run no linear op in the "
                         "exported graph of their stage (not an nn.Linear, or its chain module was inlined)")
     return {fqn: plan[fqn] for fqn in wanted | replicated}
 
 
+def _maybe_submodule(module: nn.Module, fqn: str) -> nn.Module | None:
+    try:
+        return module.get_submodule(fqn)
+    except AttributeError:
+        return None
+
+
 @contextlib.contextmanager
 def tensor_parallel_context(enabled: bool) -> Iterator[None]:
-    """Around forward and backward: plain tensors meeting DTensors count as replicated."""
+    """Around forward and backward: plain tensors meeting DTensors count as replicated; those that need a
+    gradient enter through DTensor.from_local (ReplicatedOperands), so their gradient comes back a plain tensor."""
     if not enabled:
         yield
         return
     from torch.distributed.tensor.experimental import implicit_replication
 
-    with implicit_replication():
+    with implicit_replication(), ReplicatedOperands():
         yield
+
+
+def _plain_activation(t) -> bool:
+    """A plain tensor computed by autograd (not a parameter: a plain parameter meeting DTensors keeps the DTensor
+    gradient implicit replication gives it, which reduce_partial_gradients and the optimizer take)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.requires_grad and t.grad_fn is not None
+
+
+class ReplicatedOperands(torch.overrides.TorchFunctionMode):
+    """A plain tensor that needs a gradient meeting DTensors of one tensor-parallel mesh in an op (DeepSeek-V3's
+    shared rotary key, computed by a Linear left whole, copied into every head of the split keys) enters as a
+    replicated DTensor through DTensor.from_local: its gradient (this rank's heads' share, or whole) is made whole
+    over the ranks and comes back plain. implicit_replication alone would hand it a DTensor gradient, which the
+    plain tensors before it (a to_local's backward) cannot take. Tables without gradients (rotary cos/sin, masks)
+    and parameters stay implicit."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+        from torch.utils import _pytree as pytree
+
+        kwargs = kwargs or {}
+        leaves = pytree.tree_leaves((args, kwargs))
+        meshes = {t.device_mesh for t in leaves if isinstance(t, DTensor)}
+        if len(meshes) == 1 and any(_plain_activation(t) for t in leaves):
+            mesh = next(iter(meshes))
+
+            def replicated(t):
+                if _plain_activation(t):
+                    return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+                return t
+
+            args, kwargs = pytree.tree_map(replicated, (args, kwargs))
+        return func(*args, **kwargs)
 
 
 _MODULE_OPS = {"linear": (0, 1, slice(1, 3)), "embedding": (1, 0, slice(0, 1)), "conv1d": (1, 2, slice(0, 3, 2))}

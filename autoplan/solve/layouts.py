@@ -143,8 +143,7 @@ def _sharded_families(pins: Layout, scope: Scope, tp: int, cp: int, ep: int, pp:
                              sp="on" if sp else pins.sp, offload="cpu" if offload else "none")
             broken = problems(layout, scope)
             if broken and sp and pins.sp is None and not problems(replace(layout, sp=None), scope):
-                # sp was on by default and a rule refuses it here (MoE blocks run on local tokens in a pipeline
-                # stage): the family runs without it
+                # sp was on by default and a rule refuses it here: the family runs without it
                 family, layout, broken = replace(family, sp=False), replace(layout, sp=None), []
             if not broken:
                 out.append(family)
