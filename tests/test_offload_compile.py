@@ -203,3 +203,24 @@ def test_a_70b_model_on_8_h100s_fits_only_with_cpu_offload():
     assert host == pytest.approx(16 * sum(profile.parameters.values())) and host <= h100.host_memory_bytes
     assert all(not c.fits for c in result.candidates if not c.parallelism.enable_cpu_offload)
     assert best.predicted.time_breakdown["optimizer"] > 1.0  # 65e9 x 28 B / 8 ranks through shared host memory
+
+
+def test_why_the_other_compile_choice_lost_reads_the_default_the_pin_and_the_rules():
+    """One reason per case (search._why_compile_lost): compiled winner; compiled by default but refused by a rule
+    (search.runnable); pinned off; off by default for CPU processes; a rule refusing the compiled twin of an
+    uncompiled winner is named after any OOM clause, as the reason's ending."""
+    from autoplan.solve.search import _why_compile_lost
+
+    rule = "schedule=zbv splits backward"
+    assert _why_compile_lost(True, 3.25, True, False, []) == (
+        "compile=off: 3.2% slower than compile=on (pointwise ops run unfused)", "")
+    assert _why_compile_lost(False, -4.0, True, False, [rule]) == (
+        "compile=on: 4.0% faster per step, but the program cannot run it", f": {rule}")
+    assert _why_compile_lost(False, -4.0, False, True, []) == ("compile=on: 4.0% faster, but pinned off", "")
+    assert _why_compile_lost(False, -4.0, False, True, [rule]) == (
+        "compile=on: 4.0% faster, but pinned off", f"; and the program cannot run it: {rule}")
+    opening, ending = _why_compile_lost(False, -4.0, False, False, [])
+    assert opening.startswith("compile=on: 4.0% faster per step, but off by default for CPU processes") and not ending
+    pinned = search(gpt_profile(n_layer=2), cluster(8), TRAINING, parse_pins("compile=off"))
+    twin = [c for c in pinned.candidates if c.compile and c.parallelism == pinned.best.parallelism]
+    assert len(twin) == 1 and twin[0].reason.startswith("compile=on: ") and "faster, but pinned off" in twin[0].reason

@@ -40,7 +40,7 @@ def interleaved_warmup(rank: int, num_ranks: int, virtual: int, num_microbatches
     return min((virtual - 1) * per_round + 2 * (num_ranks - 1 - rank), num_microbatches * virtual)
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=None)  # every stage of every priced layout asks (tens of thousands of keys on the largest searches)
 def microbatches_in_flight(schedule: str, num_ranks: int, num_microbatches: int, stage_index: int,
                            virtual: int = 1) -> int:
     """Micro-batches whose activations the rank running `stage_index` keeps for that stage at its peak."""
@@ -65,6 +65,7 @@ def microbatches_in_flight(schedule: str, num_ranks: int, num_microbatches: int,
     raise ValueError(f"schedule {schedule!r} is not priced (supported: {SCHEDULES_SUPPORTED})")
 
 
+@lru_cache(maxsize=None)  # one simulated schedule per rank, read by each of its stages (microbatches_in_flight)
 def split_backward_in_flight(schedule: str, num_ranks: int, num_microbatches: int, rank: int,
                              chunks: int) -> tuple[int, ...]:
     """Micro-batches each of the rank's stages (chunk order) holds activations for when the rank holds the most

@@ -195,13 +195,14 @@ class ChainProblem:
             return self.memory[0].total(0, n, self._leanest_modes(0))
         lean = self.leanest_stages()
         groups = range(len(self.memory[0].group_bytes))
-        leanest = [min(m.module_bytes(k)[u] for m in lean for k in self.modes) for u in range(n)]
+        linear = [(m.module_bytes(k), m.largest_bytes) for m in lean for k in self.modes]
+        leanest = [min(column) for column in zip(*(module for module, _ in linear))]  # per module, over (stage, mode)
         cheapest_group = [min(m.group_bytes[g] for m in lean) for g in groups]
         average = (sum(leanest) + sum(cheapest_group)) / p
         tied = [sum(self.memory[0].group_bytes[g] for g in groups if u in self.memory[0].tied_group_modules[g])
                 for u in range(n)]
-        alone = [min(m.module_bytes(k)[u] + m.largest_bytes[u] for m in lean for k in self.modes) + tied[u]
-                 for u in range(n)]
+        alone = [min(column) + t for column, t in zip(
+            zip(*(tuple(a + b for a, b in zip(module, largest)) for module, largest in linear)), tied)]
         return max(average, max(alone))
 
     def _leanest_modes(self, stage: int) -> tuple[str, ...]:

@@ -29,7 +29,7 @@ from autoplan.cost.evaluate import (Candidate, build_problem, evaluate, host_oom
 from autoplan.cost.memory import model_state_bytes, zero_of
 from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster
-from autoplan.layout import RECOMPUTE, SCHEDULE_BY_NAME, SUPPORTED, Layout, problems
+from autoplan.layout import RECOMPUTE, SCHEDULE_BY_NAME, SUPPORTED, Layout, Scope, problems
 from autoplan.plan import Parallelism, SolverInfo, Training
 from autoplan.profile.types import ModelProfile
 from autoplan.solve import layouts
@@ -77,7 +77,8 @@ def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: La
     features = SUPPORTED if features is None else frozenset(features)
     ctx = Context(profile, cluster, training, features, compiled=layouts.compiled(pins, cluster, features),
                   float8_linears=float8_linears)
-    layouts.check_pins(pins, layouts.scope_of(ctx))
+    scope = layouts.scope_of(ctx)
+    layouts.check_pins(pins, scope)
     explored = explore(ctx, pins)
     tried, pruned, considered = explored.tried, explored.pruned, explored.considered
     fitting = sorted((c for c in tried if c.fits), key=_by_time)
@@ -87,7 +88,7 @@ def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: La
     best, info = refine_with_ilp(ctx, chosen, pins.recompute is not None, solver, time_limit_s)
     best = with_memory_without_cp_ep(priced_as(ctx, best), best, layouts.modes_for(
         best.parallelism.activation_checkpoint, pins.recompute is not None))
-    twin = compile_twin(ctx, best, pins, pins.recompute is not None)
+    twin = compile_twin(ctx, best, pins, pins.recompute is not None, scope)
     other_split = [dataclasses.replace(c, reason=_losing_reason(c, best))
                    for c in _other_expert_split(ctx, pins, best, tried) + _schedule_rival(ctx, pins, best, tried)]
     others = [dataclasses.replace(c, reason=_losing_reason(c, best)) for c in fitting if c is not chosen] + other_split
@@ -213,7 +214,7 @@ def explore(ctx: Context, pins: Layout, deadline: float | None = None, explain: 
         cutoff = best_time * (1 + TIE_TOLERANCE) / var.microbatches
         try:
             par = layouts.parallelism(fam, var, var.recompute)
-            candidate = try_layout(runnable(ctx, par, pins), par,
+            candidate = try_layout(runnable(ctx, par, pins, scope), par,
                                    layouts.modes_for(var.recompute, pins.recompute is not None), cutoff, explain)
         except Slower:
             continue  # no split within the time that would tie the best so far
@@ -249,15 +250,15 @@ def choose(fitting: list[Candidate]) -> Candidate:
     return min(close, key=_simplicity) if close else chosen
 
 
-def runnable(ctx: Context, par: Parallelism, pins: Layout) -> Context:
+def runnable(ctx: Context, par: Parallelism, pins: Layout, scope: Scope) -> Context:
     """The context `par` is priced in: ctx, or ctx uncompiled when the search compiles by default (compile not
-    pinned) and a layout rule refuses `par` compiled but not uncompiled (compile=on with recompute over
-    tensor-parallel shards in the ring, say), so that every layout is priced as the program would run it."""
+    pinned) and a layout rule refuses `par` compiled (compile=on with recompute over tensor-parallel shards in the
+    ring, say), so that every layout is priced as the program would run it. `scope` is the search's
+    (layouts.scope_of(ctx)); `par` comes from layouts.families and layouts.variants, which emit only layouts the
+    rules accept uncompiled, so the compiled rules are the only ones left to check."""
     if not ctx.compiled or pins.compile is not None:
         return ctx
-    scope = layouts.scope_of(ctx)
-    if problems(replace(par.layout(), compile="on"), scope) and not problems(replace(par.layout(), compile="off"),
-                                                                             scope):
+    if problems(replace(par.layout(), compile="on"), scope):
         return ctx.compiled_as(False)
     return ctx
 
@@ -267,34 +268,41 @@ def priced_as(ctx: Context, candidate: Candidate) -> Context:
     return ctx if candidate.compile == ctx.compiled else ctx.compiled_as(candidate.compile)
 
 
-def compile_twin(ctx: Context, best: Candidate, pins: Layout, pinned_recompute: bool) -> Candidate | None:
+def compile_twin(ctx: Context, best: Candidate, pins: Layout, pinned_recompute: bool,
+                 scope: Scope) -> Candidate | None:
     """The winner priced with torch.compile the other way (same split and recompute), with why it lost: the
-    compile choice shown beside the layout's (None when the features exclude compile)."""
+    compile choice shown beside the layout's (None when the features exclude compile). `scope`: the search's."""
     if "compile" not in ctx.features or best.assignment is None:
         return None
     other = ctx.compiled_as(not best.compile)
     par = best.parallelism
-    refused = problems(replace(par.layout(), compile="on"), layouts.scope_of(ctx)) if not best.compile else []
+    refused = problems(replace(par.layout(), compile="on"), scope) if not best.compile else []
     problem = build_problem(other, par, layouts.modes_for(par.activation_checkpoint, pinned_recompute))
     twin = evaluate(other, par, problem, best.assignment, problem.fits(best.assignment))
     change = (twin.predicted.step_time_s - best.predicted.step_time_s) / best.predicted.step_time_s * 100
-    if best.compile:
-        reason = f"compile=off: {change:.1f}% slower than compile=on (pointwise ops run unfused)"
-    elif ctx.compiled and refused:  # compiled by default, but not this layout (runnable)
-        reason = f"compile=on: {-change:.1f}% faster per step, but the program cannot run it"
-    elif pins.compile == "off":
-        reason = f"compile=on: {-change:.1f}% faster, but pinned off"
+    opening, ending = _why_compile_lost(best.compile, change, ctx.compiled, pins.compile == "off", refused)
+    oom = f"; {oom_reason(twin, problem.memory_cap_bytes)}" if not twin.fits else ""
+    return dataclasses.replace(twin, reason=opening + oom + ending)
+
+
+def _why_compile_lost(best_compiled: bool, change_percent: float, compiled_by_default: bool, pinned_off: bool,
+                      refused: list[str]) -> tuple[str, str]:
+    """Why the other compile choice than the winner's lost, as (the reason's opening, its ending after any OOM
+    clause): `change_percent` is the other choice's step time against the winner's, `refused` the rules the winner's
+    layout breaks compiled. Compiled, the uncompiled twin is slower. Uncompiled: the program cannot run it compiled
+    (the search compiles by default and a rule refuses it, search.runnable), or compile was pinned off, or it is off
+    by default for CPU processes; a rule refusing the compiled twin (a zero-bubble schedule, say) is named after."""
+    if best_compiled:
+        return f"compile=off: {change_percent:.1f}% slower than compile=on (pointwise ops run unfused)", ""
+    faster = f"compile=on: {-change_percent:.1f}% faster"
+    if compiled_by_default and refused:
+        return f"{faster} per step, but the program cannot run it", "".join(f": {why}" for why in refused)
+    if pinned_off:
+        opening = f"{faster}, but pinned off"
     else:
-        reason = (f"compile=on: {-change:.1f}% faster per step, but off by default for CPU processes (inductor "
-                  f"first compiles each distinct module with gcc, seconds to minutes here, more than a short run "
-                  f"gains; pin compile=on)")
-    if not twin.fits:
-        reason += f"; {oom_reason(twin, problem.memory_cap_bytes)}"
-    if ctx.compiled and refused:
-        reason += "".join(f": {why}" for why in refused)
-    else:  # the compiled twin of a layout the rules refuse compiled (a zero-bubble schedule, say)
-        reason += "".join(f"; and the program cannot run it: {why}" for why in refused)
-    return dataclasses.replace(twin, reason=reason)
+        opening = (f"{faster} per step, but off by default for CPU processes (inductor first compiles each distinct "
+                   f"module with gcc, seconds to minutes here, more than a short run gains; pin compile=on)")
+    return opening, "".join(f"; and the program cannot run it: {why}" for why in refused)
 
 
 def family_memory_bound(ctx: Context, fam: layouts.Family) -> float:
