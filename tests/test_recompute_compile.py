@@ -112,3 +112,22 @@ def test_the_checkpoint_traced_outside_dynamo_gets_dispatch_modes(mode):
 
     graph = make_fx(step)(x)
     assert torch.allclose(graph(x), step(x))
+
+
+def test_more_kinds_of_recomputed_modules_than_dynamos_recompile_limit_all_compile(aot_eager):
+    """Every checkpoint-wrapped chain module shares checkpoint_wrapper's forward, so each kind of module is one more
+    graph of that code object; past dynamo's recompile limit (8) the rest would run eager. Twelve kinds, all
+    compiled: twelve graphs, none left to eager."""
+    import torch._dynamo.config
+
+    kinds = [type(f"Kind{i}", (nn.Linear,), {}) for i in range(12)]
+    model = nn.Sequential(*(kind(8, 8) for kind in kinds))
+    chain = [str(i) for i in range(len(kinds))]
+    limit = torch._dynamo.config.recompile_limit
+    try:
+        torch._dynamo.config.recompile_limit = 8
+        wrapped = compile_modules(checkpoint_modules(model, chain, "full"), chain, True)
+        wrapped(torch.randn(4, 8)).sum().backward()
+    finally:
+        torch._dynamo.config.recompile_limit = limit
+    assert aot_eager["stats"]["unique_graphs"] == len(kinds)
