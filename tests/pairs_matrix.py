@@ -50,9 +50,9 @@ def _dropout_gpt() -> MatrixModel:
     return MatrixModel("dropout and a tied head (a GPT written from scratch)",
                        (TESTS / "models" / "dropout_gpt.py").read_text(), chain,
                        (chain[:3], chain[3:4], chain[4:5], chain[5:]), plan,
-                       dict(sequence_length=16, sequence_parallel_problem="aten.transpose.int in blocks.0 would read a "
-                            "sequence shard, and it does not compute token by token: it cuts or moves a dimension "
-                            "that holds tokens"))
+                       dict(sequence_length=16, sequence_parallel_problem="aten.scaled_dot_product_attention.default in "
+                            "blocks.0 would read a sequence shard, and it does not compute token by token: it cuts, "
+                            "merges or reduces the sequence dimension of a DTensor shard"))
 
 
 def _llama() -> MatrixModel:
