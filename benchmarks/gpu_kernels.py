@@ -61,6 +61,12 @@ def median_s(fn, device, target_s: float = 0.15, warmup: int = 2) -> float:
     return statistics.median(run(fn, repeat))
 
 
+def first_line(error: BaseException) -> str:
+    """An error's first line (160 characters at most), or its type's name when it says nothing."""
+    text = str(error).strip()
+    return text.splitlines()[0][:160] if text else type(error).__name__
+
+
 def attention_flops(q, k, v) -> tuple[int, int]:
     """Forward and backward FLOPs of attention as torch's FlopCounterMode counts them (utils/flop_counter.py
     sdpa_flop_count, sdpa_backward_flop_count: the scores and their product with the values, causal counted as
@@ -170,7 +176,7 @@ def section_attention(ctx) -> dict:
                     rows[f"{name}/{seq}/{'causal' if causal else 'full'}"] = _attention_row(
                         ctx, label, _sdpa(backend, causal), q, k, v)
                 except RuntimeError as error:  # a backend this build or GPU cannot run for this shape
-                    first = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+                    first = first_line(error)
                     print(f"{label}: not run here ({first})")
                     rows[f"{name}/{seq}/{'causal' if causal else 'full'}"] = {"error": first}
     return rows
@@ -189,7 +195,7 @@ def section_mla(ctx) -> dict:
         try:
             rows[name] = _attention_row(ctx, label, _sdpa(backend, True), q, k, v)
         except RuntimeError as error:
-            first = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+            first = first_line(error)
             print(f"{label}: not run here ({first})")
             rows[name] = {"error": first}
     if ctx.device.type == "cuda" and not ctx.over_budget():
@@ -208,7 +214,7 @@ def section_mla(ctx) -> dict:
             print(f"flex_attention compiled in {time.perf_counter() - started:.1f} s")
             rows["flex"] = _attention_row(ctx, label, lambda a, b, c: compiled(a, b, c, block_mask=mask), q, k, v)
         except Exception as error:  # noqa: BLE001 -- inductor's failures come as many types; recorded, not hidden
-            first = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+            first = first_line(error)
             print(f"{label}: not run here ({type(error).__name__}: {first})")
             rows["flex"] = {"error": f"{type(error).__name__}: {first}"}
     return rows
@@ -245,7 +251,7 @@ def section_grouped(ctx) -> dict:
             forward_s = median_s(forward, ctx.device)
             both_s = median_s(both, ctx.device)
         except (RuntimeError, AttributeError) as error:
-            first = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+            first = first_line(error)
             print(f"{label}: not run here ({first})")
             rows[name] = {"error": first}
             continue
@@ -316,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             found[name] = section(ctx)
         except Exception as error:  # noqa: BLE001 -- one section's failure is recorded; the others still run
-            first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+            first = first_line(error)
             print(f"{name}: FAILED ({type(error).__name__}: {first})")
             found[name] = {"error": f"{type(error).__name__}: {first}"}
         if args.device == "cuda":

@@ -51,12 +51,19 @@ def experts_as_calls(model: nn.Module) -> Iterator[dict[str, nn.Module]]:
     """While inside: every experts module of `model` calls experts_call instead of running its ops. Yields the
     modules by FQN; their forwards are put back on exit."""
     modules = {fqn: sub for fqn, sub in model.named_modules() if is_experts_module(sub)}
+    with _forwards_replaced(modules, _opaque_forward):
+        yield modules
+
+
+@contextlib.contextmanager
+def _forwards_replaced(modules: dict[str, nn.Module], opaque) -> Iterator[None]:
+    """While inside: each module's forward is opaque(module, fqn); the modules' own are put back on exit."""
     replaced = []
     try:
         for fqn, sub in modules.items():
             replaced.append((sub, "forward" in vars(sub), vars(sub).get("forward")))
-            sub.forward = _opaque_forward(sub, fqn)
-        yield modules
+            sub.forward = opaque(sub, fqn)
+        yield
     finally:
         for sub, had_own, own in replaced:
             if had_own:
@@ -104,19 +111,8 @@ def modules_as_calls(model: nn.Module, fqns: tuple[str, ...]) -> Iterator[None]:
     parallelism, runtime/tensor_parallel.py run_on_local_tokens) calls module_call instead of running its ops, so
     the pipeline stage calls the model's own module there (the exported graph would fix its views to the whole
     sequence's sizes). Its forward takes one tensor and returns one of the same shape (a transformers MoE block)."""
-    replaced = []
-    try:
-        for fqn in fqns:
-            sub = model.get_submodule(fqn)
-            replaced.append((sub, "forward" in vars(sub), vars(sub).get("forward")))
-            sub.forward = _opaque_module_forward(sub, fqn)
+    with _forwards_replaced({fqn: model.get_submodule(fqn) for fqn in fqns}, _opaque_module_forward):
         yield
-    finally:
-        for sub, had_own, own in replaced:
-            if had_own:
-                sub.forward = own
-            else:
-                del sub.forward
 
 
 def _opaque_module_forward(module: nn.Module, fqn: str):
