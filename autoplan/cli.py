@@ -448,6 +448,19 @@ def _terminate(signum, frame):
     raise Terminated()
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Logs to whatever sys.stderr is when a record is written, not the stream of the first call: main() run
+    in-process (a test capturing output, a notebook redirecting it) must not leave a handler on a closed stream."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        """logging.StreamHandler sets its stream; this one always follows sys.stderr."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
@@ -465,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser()[name].parse_args(rest)
         logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING if args.quiet else logging.INFO,
-                            format="autoplan: %(message)s", force=True)
+                            format="autoplan: %(message)s", force=True, handlers=[_StderrHandler()])
         return {"plan": cmd_plan, "profile": cmd_profile, "verify": cmd_verify,
                 "calibrate": cmd_calibrate}[name](args)
     except UserError as e:

@@ -500,7 +500,7 @@ class _Run:
     @staticmethod
     def _tail(lines: list[str]) -> str:
         shown = first_traceback(lines)[-STDERR_TAIL_LINES:]
-        if shown and not shown[0].startswith("[rank"):  # no rank's traceback: a rank died by a signal?
+        if not any("Traceback (most recent call last)" in line for line in shown):  # a rank died by a signal?
             # and what a native abort printed (a C++ exception's message, a fatal Python error)
             signal_lines = r"terminate called|what\(\):|Fatal Python error|exitcode|Signal \d+|rank\s*:"
             shown += [line.strip() for line in lines if re.search(signal_lines, line)][-8:]

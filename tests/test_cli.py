@@ -62,6 +62,21 @@ def test_verify_of_a_folder_without_a_plan(tmp_path, capsys):
     assert "plan.json" in capsys.readouterr().err
 
 
+def test_logs_go_to_the_stderr_of_the_moment_not_the_first_calls(tmp_path, monkeypatch):
+    """main() run in-process configures logging; a later log line (another test, a notebook cell) must not be
+    written to the stream that was sys.stderr then and is closed now (CI printed "--- Logging error ---")."""
+    import io
+    import logging
+
+    first, later = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    assert main(["verify", str(tmp_path)]) == 2
+    first.close()
+    monkeypatch.setattr(sys, "stderr", later)
+    logging.getLogger("autoplan.test").warning("after the first stream closed")
+    assert later.getvalue() == "autoplan: after the first stream closed\n"
+
+
 SLOW_MODEL = """
 import pathlib, time, torch
 def build_model():

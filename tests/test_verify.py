@@ -17,7 +17,8 @@ from autoplan.codegen import write_program
 from autoplan.errors import UserError
 from autoplan.plan import Plan
 from autoplan.cli import main
-from autoplan.verify import GRADIENT_FLOOR, GRADIENT_TOLERANCE, ROOT_CAUSE_CHARS, compare_gradients, root_cause, verify
+from autoplan.verify import (GRADIENT_FLOOR, GRADIENT_TOLERANCE, ROOT_CAUSE_CHARS, _Run, compare_gradients, root_cause,
+                             verify)
 from helpers.plans import pinned_plan
 from helpers.verify_many import verify_many
 from test_layouts import SKIP_NET, TINY_GPT
@@ -310,6 +311,19 @@ def test_root_cause_of_one_process_joins_a_multi_line_message_and_is_none_withou
     assert root_cause(lines) == "RuntimeError: [Stage 0] failed to run forward: args: ()"
     assert root_cause(["W1123 a warning", "Killed"]) is None
     assert len(root_cause(["Traceback (most recent call last):", "ValueError: " + "x" * 1000])) == ROOT_CAUSE_CHARS
+
+
+def test_a_rank_killed_by_a_signal_after_warnings_shows_torchruns_exit_line():
+    """CI once saw a launch fail with nothing but a rank's warning in its message: the rank printed no
+    traceback (a native abort or a kill), and torchrun's summary, which says how it ended, was cut off."""
+    lines = ["[rank1]:W1127 03:13:20.734000 12924 torch/distributed/tensor/_redistribute.py:390] While redistributing",
+             "Traceback (most recent call last):", "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
+             "Root Cause (first observed failure):", "[0]:", "  rank      : 3 (local_rank: 3)",
+             "  exitcode  : -6 (pid: 21145)", "  error_file: <N/A>",
+             "  traceback : Signal 6 (SIGABRT) received by PID 21145"]
+    tail = _Run._tail(lines)
+    assert tail.splitlines()[0].startswith("[rank1]:W1127")
+    assert "exitcode  : -6 (pid: 21145)" in tail and "Signal 6 (SIGABRT) received by PID 21145" in tail
 
 
 def test_root_cause_points_past_the_no_dropout_mode_to_the_model():
