@@ -500,7 +500,8 @@ class _Run:
     @staticmethod
     def _tail(lines: list[str]) -> str:
         shown = first_traceback(lines)[-STDERR_TAIL_LINES:]
-        if not any("Traceback (most recent call last)" in line for line in shown):  # a rank died by a signal?
+        if not any(line.startswith("[rank") and "Traceback (most recent call last)" in line for line in shown):
+            # no rank's traceback (only its warnings, or only torchrun's own): a rank died by a signal?
             # and what a native abort printed (a C++ exception's message, a fatal Python error)
             signal_lines = r"terminate called|what\(\):|Fatal Python error|exitcode|Signal \d+|rank\s*:"
             shown += [line.strip() for line in lines if re.search(signal_lines, line)][-8:]
@@ -549,6 +550,9 @@ def root_cause(lines: list[str]) -> str | None:
         by_rank.setdefault(rank, []).append(text)
     ranks = [r for r in by_rank if r is not None]
     named = _torchrun_root_rank(lines)
+    signal = _torchrun_root_signal(lines)
+    if named is not None and signal and not _first_exception(by_rank.get(named, [])):
+        return f"rank {named} ended by {signal}, without a Python traceback (a native abort, or killed)"
     order = ([named] if named in ranks else []) + [r for r in ranks if r != named] or [None]
     for rank in order:
         found = _first_exception(by_rank.get(rank, []))
@@ -569,6 +573,17 @@ def _torchrun_root_rank(lines: list[str]) -> str | None:
         match = re.match(r"\s*rank\s*:\s*(\d+)", line)
         if match:
             return match.group(1)
+    return None
+
+
+def _torchrun_root_signal(lines: list[str]) -> str | None:
+    """The signal that ended the rank torchrun's summary names as the root cause ("signal 6 (SIGABRT)"), if one
+    did."""
+    start = next((i for i, line in enumerate(lines) if line.startswith("Root Cause (first observed failure)")), None)
+    for line in lines[start + 1:] if start is not None else []:
+        match = re.match(r"\s*traceback\s*:\s*Signal (\d+) \((\w+)\)", line)
+        if match:
+            return f"signal {match.group(1)} ({match.group(2)})"
     return None
 
 

@@ -321,6 +321,8 @@ def test_a_rank_killed_by_a_signal_after_warnings_shows_torchruns_exit_line():
              "Root Cause (first observed failure):", "[0]:", "  rank      : 3 (local_rank: 3)",
              "  exitcode  : -6 (pid: 21145)", "  error_file: <N/A>",
              "  traceback : Signal 6 (SIGABRT) received by PID 21145"]
+    assert root_cause(lines) == ("rank 3 ended by signal 6 (SIGABRT), without a Python traceback (a native abort, "
+                                 "or killed)")
     tail = _Run._tail(lines)
     assert tail.splitlines()[0].startswith("[rank1]:W1127")
     assert "exitcode  : -6 (pid: 21145)" in tail and "Signal 6 (SIGABRT) received by PID 21145" in tail

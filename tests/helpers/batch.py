@@ -16,7 +16,8 @@ JOBS.json: {"store_dir": str, "timeout_s": float (collectives), "wait_s": float 
 "jobs": [{"dir", "argv", "world", "errors"}, ...]}; a job with "same_ranks_as": i runs on job i's
 ranks after it (e.g. resuming its checkpoint); a job with "program": path runs that file's main(argv)
 instead of <dir>/train.py's (a hand-written loop, e.g. examples/recipes/custom_loop.py).
-A job that raises writes the traceback to <errors>.rank<r> and the rank goes on.
+A job that raises writes the traceback to <errors>.rank<r> and the rank goes on; a rank through a job (its
+cleanup included) marks it in <errors>.done.rank<r>, so a launch that died tells which jobs it finished.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def run_job(index: int, job: dict, local_rank: int, store_dir: Path, timeout_s: 
         _forget_device_meshes()
         _forget_compiled_code()
         gc.collect()  # what the job left holding a process group goes now, not at interpreter exit
+    Path(f"{job['errors']}.done.rank{local_rank}").touch()  # this rank is through the job, its cleanup included
 
 
 def _forget_compiled_code() -> None:
