@@ -1,7 +1,9 @@
 """The public API: orchestrates capture -> profile -> search -> plan -> codegen -> reports.
 
-This is the only module that writes an output folder, and it writes it atomically: everything goes
-into a temporary sibling folder that is renamed into place when complete.
+This is the only module that writes an output folder. Everything goes into a hidden staging sibling
+first; a new folder is that sibling renamed into place when complete. Re-planning into a folder replaces only
+autoplan's own entries in it (those its OWN_FILES list names, and those it writes now) and keeps everything
+else, a job's checkpoints, logs, TensorBoard runs, metrics, and says what it kept.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ import logging
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +27,12 @@ from autoplan.plan import Alternative, ClusterRef, Compile, ModelRef, Plan, Trai
 from autoplan.profile.types import ModelProfile
 
 log = logging.getLogger("autoplan")
+
+OWN_FILES = ".autoplan-files"
+"""In every output folder: the names of the entries autoplan wrote there, one a line. Re-planning replaces
+those and keeps the rest."""
+_KEPT_SHOWN = 6
+"""Kept entries named in the line that says what re-planning kept (the rest are counted)."""
 
 DEFAULT_GPU = "h100-sxm5-80gb"
 PROFILE_BATCH_SIZE = 2
@@ -437,30 +447,111 @@ def write_outputs(result: PlanResult, out: Path, model_file: Path) -> None:
 
 @contextmanager
 def _staged_folder(out: Path):
-    """Yield a temporary sibling of `out` to write into; it replaces `out` only when the block completes.
-    On any exception (KeyboardInterrupt and SIGTERM included) it is removed: never a half-written folder."""
+    """Yield a hidden sibling of `out` to write into; it goes into `out` only when the block completes
+    (_replace_folder). On any exception (KeyboardInterrupt and SIGTERM included) it is removed: never a
+    half-written folder. What an autoplan killed outright (SIGKILL) left beside `out` is removed first."""
     out = Path(out).resolve()
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a folder")
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    _remove_leftovers(out)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-{os.getpid()}-", dir=out.parent))
     try:
         yield staging
-        _replace_folder(staging, out)
+        (staging / OWN_FILES).write_text("".join(f"{p.name}\n" for p in sorted(staging.iterdir())) + f"{OWN_FILES}\n")
+        with _signals_deferred():
+            _replace_folder(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
 
 
+_LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?:staging|old)-(?P<pid>\d+)(?:-.*)?")
+"""A staging folder (.<out>.staging-<pid>-<random>) or the replaced entries (.<out>.old-<pid>) of a run."""
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Remove the staging and replaced folders of `out` whose autoplan process is gone (killed before it could
+    clean up). They hold autoplan's own files only: a job's data never moves (_replace_folder)."""
+    for path in out.parent.iterdir():
+        match = _LEFTOVER.fullmatch(path.name)
+        if match and match["name"] == out.name and path.is_dir() and not _running(int(match["pid"])):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+@contextmanager
+def _signals_deferred():
+    """Hold SIGINT and SIGTERM back while the folder is swapped in (a few renames), then act on them: a
+    Ctrl-C there would leave the folder half old, half new. Only the main thread can set handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {signum: signal.signal(signum, lambda signum, frame: caught.append(signum))
+                for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in caught[:1]:
+            handler = previous[signum]
+            if callable(handler):
+                handler(signum, None)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(signum)
+
+
 def _replace_folder(staging: Path, out: Path) -> None:
-    if out.exists():
-        old = out.with_name(f".{out.name}.old.{os.getpid()}")
-        out.rename(old)
+    """Move the staged entries into `out`. A new `out` is the staging folder renamed. An existing one keeps every
+    entry autoplan did not write (OWN_FILES, from its previous run, and the staged names): autoplan's previous
+    entries move to a hidden .<out>.old-<pid> folder, which is then removed, and the new ones move in beside the
+    job's data, which never moves; one line says what was kept."""
+    if not out.exists():
         staging.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        staging.rename(out)
-    out.chmod(0o755)
+        out.chmod(0o755)
+        return
+    staged = sorted(p.name for p in staging.iterdir())
+    own = set(staged) | _own_files(out)
+    kept = sorted(p for p in out.iterdir() if p.name not in own)
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    old.mkdir()
+    for name in sorted(own):
+        if (out / name).exists() or (out / name).is_symlink():
+            (out / name).rename(old / name)
+    for name in (*(n for n in staged if n != OWN_FILES), OWN_FILES):  # the list last: it marks a complete swap
+        (staging / name).rename(out / name)
+    staging.rmdir()
+    shutil.rmtree(old, ignore_errors=True)
+    if kept:
+        log.warning("kept %s from the previous run in %s", _kept_names(kept), out)
+
+
+def _own_files(out: Path) -> set[str]:
+    """The entries a previous autoplan wrote into `out` (none known without its OWN_FILES list)."""
+    listed = out / OWN_FILES
+    if not listed.is_file():
+        return set()
+    return {line.strip() for line in listed.read_text().splitlines()
+            if line.strip() and "/" not in line and line.strip() not in (".", "..")}
+
+
+def _kept_names(kept: list[Path]) -> str:
+    names = [p.name + ("/" if p.is_dir() else "") for p in kept]
+    shown = ", ".join(names[:_KEPT_SHOWN])
+    return shown if len(names) <= _KEPT_SHOWN else f"{shown} and {len(names) - _KEPT_SHOWN} more"
 
 
 def _has_cuda() -> bool:

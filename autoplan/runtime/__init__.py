@@ -11,6 +11,7 @@ torch.utils.checkpoint, torch.distributed.checkpoint) wired up for a plan.
 from autoplan.contract import call_model, compute_loss, default_loss, model_args
 from autoplan.procs import exit_skipping_teardown
 from autoplan.runtime.apply_plan import Parallelized, init_plan_mesh, parallelize
+from autoplan.runtime.checkpoint import DEFAULT_KEEP as DEFAULT_KEEP_CHECKPOINTS
 from autoplan.runtime.checkpoint import Checkpointer
 from autoplan.runtime.compile import compile_modules
 from autoplan.runtime.config import ParallelConfig
@@ -22,7 +23,7 @@ from autoplan.runtime.materialize import (ModelPart, TensorEntry, build_on_meta,
                                           materialize_from, named_tensors)
 from autoplan.runtime.mesh import RankLayout, device_mesh, global_mean_loss, local_stages, rank_layout
 from autoplan.runtime.memory import PeakLiveMemory
-from autoplan.runtime.metrics import StepMetrics, gather_rank_metrics
+from autoplan.runtime.metrics import AppendedJson, StepMetrics, gather_rank_metrics, write_json
 from autoplan.runtime.optimizer import adamw
 from autoplan.runtime.parallel import (TiedGradients, compute_dtype, peak_memory_bytes, replicate_data_parallel,
                                        shard_data_parallel)
@@ -34,7 +35,7 @@ from autoplan.runtime.tensor_parallel import restore_linears, tensor_parallel, t
 from autoplan.source import load_source
 
 __all__ = [
-    "AccumulationStep", "Checkpointer", "MISMATCH_EXIT_CODE", "ModelPart", "NoDropout", "ParallelConfig",
+    "AccumulationStep", "AppendedJson", "Checkpointer", "DEFAULT_KEEP_CHECKPOINTS", "MISMATCH_EXIT_CODE", "ModelPart", "NoDropout", "ParallelConfig",
     "Parallelized", "PeakLiveMemory", "PipelineSplit", "PipelineStep", "RUNTIME_API", "RankLayout", "StepMetrics",
     "TensorBoardLog", "TensorEntry", "TiedGradients", "TiedParameter", "TrainingData", "adamw", "build_on_meta",
     "build_seeded", "call_model", "catalog", "check_runtime_api", "checkpoint_modules", "compile_modules",
@@ -45,5 +46,5 @@ __all__ = [
     "microbatches", "model_args", "named_tensors", "parallelize", "peak_memory_bytes", "rank_layout",
     "replicate_data_parallel", "restore_linears", "runtime_api_mismatch", "save_gradients",
     "save_reference_gradients", "shard", "shard_data_parallel", "split_model", "step_batch", "tensor_parallel",
-    "tensor_parallel_context", "to_device",
+    "tensor_parallel_context", "to_device", "write_json",
 ]

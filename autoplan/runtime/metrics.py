@@ -1,8 +1,12 @@
-"""Per-step throughput, model FLOPs utilization and peak memory, printed by rank 0."""
+"""Per-step throughput, model FLOPs utilization and peak memory, printed by rank 0; the files a run writes
+them to step by step (AppendedJson)."""
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -66,3 +70,43 @@ def gather_rank_metrics(rank: RankLayout, stages: list[int], history: list[dict]
     gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, mine)
     return gathered if rank.rank == 0 else None
+
+
+class AppendedJson:
+    """A JSON list on disk (with `fields`, an object of those fields and the list under `key`), extended in
+    place after every step, so a run killed at step k leaves its k steps readable: the file is valid JSON
+    after each append (the closing brackets are rewritten behind the new item), and an append costs the item,
+    not the list so far. `path` None: a no-op (ranks other than 0, no --losses-out)."""
+
+    def __init__(self, path: Path | None, fields: dict | None = None, key: str = "steps") -> None:
+        self.count = 0
+        self.file = None if path is None else open(path, "wb")
+        if self.file is None:
+            return
+        if fields is None:
+            head, self.tail = "[", b"]"
+        else:
+            head, self.tail = json.dumps({**fields, key: []})[:-2], b"]}"
+        self.file.write(head.encode() + self.tail)
+        self.file.flush()
+
+    def append(self, item) -> None:
+        if self.file is None:
+            return
+        self.file.seek(-len(self.tail), os.SEEK_END)
+        self.file.write((", " if self.count else "").encode() + json.dumps(item).encode() + self.tail)
+        self.file.flush()
+        self.count += 1
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+def write_json(path: Path, value) -> None:
+    """Replace `path` with `value` as JSON (indented) in one rename: a reader never sees it half-written."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(value, indent=2))
+    os.replace(partial, path)

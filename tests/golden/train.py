@@ -48,7 +48,7 @@ import torch.distributed as dist
 import autoplan
 from autoplan import runtime
 
-RUNTIME_API = 8  # the version of autoplan's interface to programs (autoplan.runtime) this one was generated for
+RUNTIME_API = 9  # the version of autoplan's interface to programs (autoplan.runtime) this one was generated for
 runtime.check_runtime_api(RUNTIME_API)  # before any other autoplan name: one line and exit 2 if autoplan differs
 
 # ----------------------------------------------------------------------------------------------
@@ -121,8 +121,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir", type=Path, help="save checkpoints here (torch.distributed.checkpoint)")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: at the end only)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
-    parser.add_argument("--losses-out", type=Path, help="write the per-step losses here (JSON list)")
-    parser.add_argument("--metrics-out", type=Path, help="write losses, step times and peak memory here (JSON)")
+    parser.add_argument("--keep-checkpoints", type=int, default=runtime.DEFAULT_KEEP_CHECKPOINTS, metavar="K",
+                        help="keep the newest K checkpoints, older ones to fall back on should the newest not load "
+                             "(0: all; default %(default)s)")
+    parser.add_argument("--losses-out", type=Path, help="write the per-step losses here (JSON list, after every step)")
+    parser.add_argument("--metrics-out", type=Path,
+                        help="write losses, step times and peak memory here (JSON, the steps after every step)")
     parser.add_argument("--tensorboard", type=Path, nargs="?", const=runtime.default_log_dir(__file__), metavar="DIR",
                         help="log every step's loss, step time, throughput, MFU and peak memory beside the plan's "
                              "predictions (PREDICTED) for TensorBoard, from rank 0, into DIR; without DIR into "
@@ -213,14 +217,18 @@ def main(argv=None) -> list[float]:
     rank, parts = parallel.rank, parallel.parts
     optimizer = runtime.adamw(parallel.parameters(), LEARNING_RATE, OPTIMIZER_IMPLEMENTATION)
 
-    checkpoints = runtime.Checkpointer(args.checkpoint_dir, parts, optimizer, pipelined=PP > 1)
-    first_step = checkpoints.load() if args.resume else 0
+    checkpoints = runtime.Checkpointer(args.checkpoint_dir, parts, optimizer, pipelined=PP > 1,
+                                       keep=args.keep_checkpoints)
+    first_step = checkpoints.load(args.steps) if args.resume else 0  # says what it resumed from, or that it found none
     data = runtime.TrainingData(model_source, GLOBAL_BATCH, SEED, rank.dp_rank, DP)
     metrics = runtime.StepMetrics(GLOBAL_BATCH, dist.get_world_size(), TOKENS_PER_SAMPLE, MODEL_FLOPS_PER_STEP,
                                   PEAK_FLOPS_PER_GPU)
     # --metrics-out: the last step also records the peak of live tensor memory (slower: not timed)
     memory = runtime.PeakLiveMemory(device)
     losses = []
+    # rank 0 extends --losses-out and --metrics-out after every step: a killed run keeps what it trained
+    losses_file = runtime.AppendedJson(args.losses_out if rank.rank == 0 else None)
+    steps_file = runtime.AppendedJson(args.metrics_out if rank.rank == 0 else None, {"first_step": first_step})
     for step in range(first_step, args.steps):
         tracked = args.metrics_out is not None and step == args.steps - 1
         start = time.perf_counter()
@@ -234,17 +242,19 @@ def main(argv=None) -> list[float]:
         losses.append(runtime.global_mean_loss(local_loss, rank, device))  # mean over the global batch
         entry = metrics.record(step, losses[-1], time.perf_counter() - start, device, verbose=rank.rank == 0)
         board.add_step(entry)  # --tensorboard: measured beside predicted, rank 0 only
+        losses_file.append(losses[-1])
+        steps_file.append(entry)
         if checkpoints.due(step + 1, args.steps, args.checkpoint_every):
             checkpoints.save(step + 1)
 
     board.close()
-    if rank.rank == 0 and args.losses_out:
-        args.losses_out.write_text(json.dumps(losses))
+    losses_file.close()
+    steps_file.close()
     if args.metrics_out:  # every rank's own step times and peak memory, written by rank 0
         ranks = runtime.gather_rank_metrics(rank, sorted(parts), metrics.history, memory)
         if rank.rank == 0:
-            args.metrics_out.write_text(json.dumps({"first_step": first_step, "losses": losses,
-                                                    "steps": metrics.history, "ranks": ranks}, indent=2))
+            runtime.write_json(args.metrics_out, {"first_step": first_step, "losses": losses,
+                                                  "steps": metrics.history, "ranks": ranks})
     # free the parallel wrappers now, while the interpreter is alive: their hooks hold the process groups
     # in reference cycles, and a gloo group torn down during interpreter exit can abort the process
     del parallel, checkpoints, optimizer, parts, mesh

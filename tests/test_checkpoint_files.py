@@ -1,0 +1,136 @@
+"""Checkpoints on disk (autoplan.runtime.checkpoint) in one process, without torchrun (DCP's single-process
+mode): a save is whole or absent, the newest K are kept, a resume loads the newest checkpoint that loads and
+says which (or that there is none, or that nothing is left to train); losses and metrics files grow step by
+step (runtime.AppendedJson). tests/test_resume_program.py runs the same through a generated train.py on 2 ranks.
+"""
+
+import json
+import os
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from autoplan.errors import UserError
+from autoplan.runtime.checkpoint import Checkpointer
+from autoplan.runtime.metrics import AppendedJson, write_json
+
+
+def _checkpointer(directory, keep=3, seed=0) -> Checkpointer:
+    torch.manual_seed(seed)
+    model = nn.Linear(3, 2)
+    return Checkpointer(directory, {0: model}, torch.optim.AdamW(model.parameters()), pipelined=False, keep=keep)
+
+
+def _weights(checkpointer: Checkpointer) -> torch.Tensor:
+    return checkpointer.model.weight.detach().clone()
+
+
+def _train_and_save(checkpointer: Checkpointer, steps) -> dict[int, torch.Tensor]:
+    """One optimizer step before each save; the weights each checkpoint holds."""
+    saved = {}
+    for step in steps:
+        checkpointer.optimizer.zero_grad()
+        checkpointer.model(torch.ones(1, 3)).sum().backward()
+        checkpointer.optimizer.step()
+        checkpointer.save(step)
+        saved[step] = _weights(checkpointer)
+    return saved
+
+
+def _damage(step_dir) -> None:
+    """Cut every shard of a checkpoint short, as a disk that filled up or a copy that stopped would."""
+    for shard in step_dir.glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:10])
+
+
+def test_saves_keep_the_newest_k_and_leave_no_partial_folder(tmp_path):
+    checkpointer = _checkpointer(tmp_path, keep=2)
+    _train_and_save(checkpointer, [1, 2, 3])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3"]
+    assert checkpointer.complete_steps() == [3, 2]
+    everything = _checkpointer(tmp_path / "all", keep=0)
+    _train_and_save(everything, [1, 2, 3])
+    assert everything.complete_steps() == [3, 2, 1]
+
+
+def test_a_save_killed_before_it_completed_is_ignored_and_cleared_by_the_next(tmp_path):
+    checkpointer = _checkpointer(tmp_path)
+    saved = _train_and_save(checkpointer, [2])
+    partial = tmp_path / ".step_4.partial"  # a run killed while writing step 4: shards but no .metadata yet
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"cut")
+    fresh = _checkpointer(tmp_path, seed=1)
+    assert fresh.latest_step() == 2 and fresh.load() == 2
+    assert torch.equal(_weights(fresh), saved[2])
+    _train_and_save(fresh, [4])
+    assert not partial.exists() and fresh.complete_steps() == [4, 2]
+
+
+def test_saving_a_step_again_replaces_it_whole(tmp_path):
+    first = _checkpointer(tmp_path, seed=0)
+    _train_and_save(first, [2])
+    again = _checkpointer(tmp_path, seed=5)  # a rerun without --resume saves step 2 again
+    rerun = _train_and_save(again, [2])
+    resumed = _checkpointer(tmp_path, seed=9)
+    assert resumed.load() == 2 and torch.equal(_weights(resumed), rerun[2])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2"]
+
+
+def test_resume_falls_back_to_the_newest_checkpoint_that_loads_and_says_which(tmp_path, capsys):
+    saved = _train_and_save(_checkpointer(tmp_path), [2, 4])
+    _damage(tmp_path / "step_4")
+    resumed = _checkpointer(tmp_path, seed=1)
+    assert resumed.load(6) == 2
+    assert torch.equal(_weights(resumed), saved[2])
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"resume: loaded {tmp_path / 'step_2'} (2 steps done)"), line
+    assert re.search(r"the newest that loads: step_4 did not load \(\w+Error", line), line
+    assert line.endswith("; training steps 2 to 5"), line
+    assert "\n" not in line
+
+
+def test_resume_with_no_checkpoint_says_so_and_starts_at_step_0(tmp_path, capsys):
+    assert _checkpointer(tmp_path / "typo").load(4) == 0
+    assert capsys.readouterr().out.strip() == (f"resume: no checkpoint in {tmp_path / 'typo'} (no step_<k>/ with a "
+                                               ".metadata): training from step 0")
+
+
+def test_resume_at_or_past_the_last_step_says_nothing_is_left_to_train(tmp_path, capsys):
+    _train_and_save(_checkpointer(tmp_path), [4])
+    assert _checkpointer(tmp_path).load(4) == 4
+    line = capsys.readouterr().out.strip()
+    assert line == (f"resume: loaded {tmp_path / 'step_4'} (4 steps done); --steps is 4: nothing to train "
+                    "(raise --steps to train further)")
+
+
+def test_resume_when_no_checkpoint_loads_is_one_user_error_naming_each(tmp_path):
+    _train_and_save(_checkpointer(tmp_path), [2, 4])
+    for step in (2, 4):
+        _damage(tmp_path / f"step_{step}")
+    with pytest.raises(UserError, match=r"none of the 2 checkpoints in .* loads: step_4 did not load \(.*\); "
+                                        r"step_2 did not load"):
+        _checkpointer(tmp_path).load(6)
+
+
+def test_a_negative_retention_count_is_refused(tmp_path):
+    with pytest.raises(UserError, match="--keep-checkpoints must be 0 \\(all\\) or more, got -1"):
+        _checkpointer(tmp_path, keep=-1)
+
+
+def test_losses_and_metrics_files_are_valid_json_after_every_step(tmp_path):
+    losses, metrics = tmp_path / "losses.json", tmp_path / "metrics.json"
+    losses_file, steps_file = AppendedJson(losses), AppendedJson(metrics, {"first_step": 3})
+    assert json.loads(losses.read_text()) == [] and json.loads(metrics.read_text()) == {"first_step": 3, "steps": []}
+    for step, loss in [(3, 1.25), (4, 0.5)]:
+        losses_file.append(loss)
+        steps_file.append({"step": step, "loss": loss})
+        # as a run killed now would leave them
+        assert json.loads(losses.read_text())[-1] == loss
+        assert json.loads(metrics.read_text())["steps"][-1] == {"step": step, "loss": loss}
+    losses_file.close()
+    assert losses.read_text() == json.dumps([1.25, 0.5])
+    write_json(metrics, {"done": True})
+    assert json.loads(metrics.read_text()) == {"done": True}
+    assert sorted(os.listdir(tmp_path)) == ["losses.json", "metrics.json"]  # no partial file left
