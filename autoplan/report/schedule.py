@@ -10,6 +10,7 @@ simulation the cost model prices pipelines with).
 
 from __future__ import annotations
 
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from autoplan.cost.pipeline import StageCost, simulate
@@ -143,3 +144,157 @@ def _after_backward(plan: Plan, ranks: int, rank_free: list[float], lane_free: l
 def makespan_s(events: list[ScheduleEvent]) -> float:
     """End of the last event: the simulated step time."""
     return max((e.end_s for e in events), default=0.0)
+
+
+DRAWN_EVENTS = 3000
+"""Blocks a schedule draws one by one (report.html's Gantt chart, trace.json). A step with more keeps whole
+micro-batches drawn (the first, a steady-state window in the middle and the last: SHOWN_WINDOWS) and aggregates
+the rest; issue 29: the 1T GPT's 512 micro-batches x 64 ranks were 390,000 blocks, a 63 MB report.html and a
+98 MB trace.json. At about 250 bytes a block in each file, this keeps both near a megabyte."""
+SHOWN_WINDOWS = 3
+"""Windows of micro-batches drawn block by block when a schedule is elided: first, middle, last."""
+
+
+@dataclass(frozen=True)
+class ElidedSpan:
+    """A run of consecutive blocks on one lane of one rank that belong to micro-batches not drawn, aggregated."""
+
+    rank: int
+    """Pipeline rank."""
+    lane: str
+    """LANES."""
+    start_s: float
+    """Start of the run's first block, seconds from the beginning of the step."""
+    end_s: float
+    """End of its last block."""
+    count: int
+    """Blocks in the run."""
+    busy_s: float
+    """Their summed length; the rest of the span (idle_s) the lane waited."""
+    kinds: tuple[tuple[str, int], ...]
+    """(kind, blocks) in order of first appearance."""
+    stages: tuple[tuple[int, float], ...]
+    """(Stage.index, busy seconds) in order of first appearance."""
+    microbatches: tuple[int, int]
+    """Lowest and highest micro-batch number among the blocks."""
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+    @property
+    def idle_s(self) -> float:
+        return max(0.0, self.duration_s - self.busy_s)
+
+    @property
+    def label(self) -> str:
+        """"elided: 60 blocks of micro-batches 4-63"."""
+        low, high = self.microbatches
+        which = f"micro-batch {low}" if low == high else f"micro-batches {low}-{high}"
+        return f"elided: {self.count} block{'s' if self.count != 1 else ''} of {which}"
+
+
+@dataclass(frozen=True)
+class ScheduleView:
+    """What the report and trace.json draw of one step's schedule: every block, or (past DRAWN_EVENTS) the blocks
+    of a few whole micro-batches and ElidedSpans for the rest."""
+
+    events: tuple[ScheduleEvent, ...]
+    """Blocks drawn one by one (all of them when nothing is elided)."""
+    elided: tuple[ElidedSpan, ...]
+    """Aggregated runs of the blocks not drawn (empty when nothing is elided)."""
+    microbatches: int
+    """Micro-batches in the step."""
+    drawn_microbatches: tuple[int, ...]
+    """Micro-batches whose blocks are drawn, ascending."""
+    makespan_s: float
+    """The simulated step time (the end of the last block, drawn or not)."""
+
+    @property
+    def ranks(self) -> int:
+        return 1 + max((e.rank for e in (*self.events, *self.elided)), default=-1)
+
+    def lane_busy_s(self) -> dict[tuple[int, str], float]:
+        """(rank, lane) -> seconds of work on it, drawn and elided blocks together."""
+        busy: dict[tuple[int, str], float] = defaultdict(float)
+        for e in self.events:
+            busy[e.rank, e.lane] += e.duration_s
+        for span in self.elided:
+            busy[span.rank, span.lane] += span.busy_s
+        return dict(busy)
+
+    def rank_stages(self) -> dict[int, list[int]]:
+        """Pipeline rank -> the stages whose compute it runs, ascending."""
+        stages: dict[int, set[int]] = defaultdict(set)
+        for e in self.events:
+            if e.lane == COMPUTE and e.stage is not None:
+                stages[e.rank].add(e.stage)
+        for span in self.elided:
+            if span.lane == COMPUTE:
+                stages[span.rank].update(s for s, _ in span.stages)
+        return {r: sorted(s) for r, s in stages.items()}
+
+
+def schedule_view(plan: Plan, budget: int = DRAWN_EVENTS) -> ScheduleView:
+    """step_schedule(plan), elided to about `budget` drawn blocks when it has more."""
+    events = step_schedule(plan)
+    m = max(1, plan.parallelism.pipeline_parallel_num_microbatches)
+    shown = drawn_microbatches(m, sum(1 for e in events if e.microbatch is not None) / m, budget)
+    drawn, elided = elide(events, shown)
+    return ScheduleView(tuple(drawn), tuple(elided), m, tuple(sorted(shown)), makespan_s(events))
+
+
+def drawn_microbatches(microbatches: int, blocks_per_microbatch: float, budget: int) -> frozenset[int]:
+    """Every micro-batch when their blocks fit `budget`; else SHOWN_WINDOWS windows of equal width (the first, the
+    middle and the last micro-batches), as wide as the budget allows and at least one micro-batch each."""
+    m = microbatches
+    if m * blocks_per_microbatch <= budget:
+        return frozenset(range(m))
+    width = max(1, int(budget // (SHOWN_WINDOWS * max(blocks_per_microbatch, 1.0))))
+    middle = (m - width) // 2
+    return frozenset(range(width)) | frozenset(range(middle, middle + width)) | frozenset(range(m - width, m))
+
+
+def elide(events: list[ScheduleEvent], shown: frozenset[int]) -> tuple[list[ScheduleEvent], list[ElidedSpan]]:
+    """Split events (sorted by rank, lane and start, as step_schedule returns them) into the blocks drawn (whole-batch
+    work and the micro-batches in `shown`) and one ElidedSpan per run of the others on a lane."""
+    drawn: list[ScheduleEvent] = []
+    spans: list[ElidedSpan] = []
+    run: list[ScheduleEvent] = []
+    for e in events:
+        if run and (run[-1].rank, run[-1].lane) != (e.rank, e.lane):
+            spans.append(_aggregate(run))
+            run = []
+        if e.microbatch is None or e.microbatch in shown:
+            if run:
+                spans.append(_aggregate(run))
+                run = []
+            drawn.append(e)
+        else:
+            run.append(e)
+    if run:
+        spans.append(_aggregate(run))
+    return drawn, spans
+
+
+def _aggregate(run: list[ScheduleEvent]) -> ElidedSpan:
+    kinds = Counter(e.kind for e in run)
+    stages: dict[int, float] = defaultdict(float)
+    for e in run:
+        if e.stage is not None:
+            stages[e.stage] += e.duration_s
+    numbers = [e.microbatch for e in run if e.microbatch is not None]
+    return ElidedSpan(run[0].rank, run[0].lane, run[0].start_s, max(e.end_s for e in run), len(run),
+                      sum(e.duration_s for e in run), tuple(kinds.items()), tuple(stages.items()),
+                      (min(numbers), max(numbers)))
+
+
+def number_ranges(numbers: tuple[int, ...]) -> str:
+    """(0, 1, 255, 256, 511) -> "0-1, 255-256, 511"."""
+    parts: list[list[int]] = []
+    for n in numbers:
+        if parts and n == parts[-1][1] + 1:
+            parts[-1][1] = n
+        else:
+            parts.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
