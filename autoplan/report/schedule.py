@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+from operator import itemgetter
 
 from autoplan.cost.pipeline import StageCost, simulate
 from autoplan.layout import SCHEDULE_BY_NAME, stage_rank
@@ -94,8 +95,23 @@ def stage_costs(plan: Plan, stages: list) -> list[StageCost]:
     return costs
 
 
+Block = tuple
+"""A ScheduleEvent as a plain tuple, (rank, LANES index, start_s, duration_s, kind, stage, microbatch, peer, payload):
+a deep pipeline's step has hundreds of thousands of blocks, most of them only summed (schedule_view)."""
+
+
 def step_schedule(plan: Plan) -> list[ScheduleEvent]:
     """Every compute and communication block of one optimizer step, on every pipeline rank."""
+    return [_event(b) for b in _blocks(plan)]
+
+
+def _event(block: Block) -> ScheduleEvent:
+    rank, lane, start, duration, kind, stage, microbatch, peer, payload = block
+    return ScheduleEvent(rank, LANES[lane], kind, start, duration, stage, microbatch, peer, payload)
+
+
+def _blocks(plan: Plan) -> list[Block]:
+    """step_schedule's events as Blocks, sorted by rank, lane and start."""
     par = plan.parallelism
     stages = sorted(plan.stages, key=lambda s: s.index)
     if not stages:
@@ -105,40 +121,41 @@ def step_schedule(plan: Plan) -> list[ScheduleEvent]:
         ranks = len(stages)
     m = max(1, par.pipeline_parallel_num_microbatches)
     run = simulate(par.pipeline_parallel_schedule, ranks, m, stage_costs(plan, stages))
-    events: list[ScheduleEvent] = []
+    placement = SCHEDULE_BY_NAME[par.pipeline_parallel_schedule].placement
+    compute, communication, receive = LANES.index(COMPUTE), LANES.index(COMMUNICATION), LANES.index(RECEIVE)
+    index = [st.index for st in stages]
+    blocks: list[Block] = []
     for op in run.ops:
-        kind = OPERATION_KINDS[op.kind]
-        events.append(ScheduleEvent(op.rank, COMPUTE, kind, op.start_s, op.end_s - op.start_s,
-                                    stages[op.stage].index, op.microbatch))
+        blocks.append((op.rank, compute, op.start_s, op.end_s - op.start_s, OPERATION_KINDS[op.kind], index[op.stage],
+                       op.microbatch, None, None))
         if op.sent_s is None:
             continue
         target = op.neighbour
-        placement = SCHEDULE_BY_NAME[par.pipeline_parallel_schedule].placement
         peer, payload = stage_rank(target, ranks, placement), "activation" if op.kind == "F" else "gradient"
         length = op.arrives_s - op.sent_s
-        events.append(ScheduleEvent(op.rank, COMMUNICATION, "send", op.sent_s, length, stages[op.stage].index,
-                                    op.microbatch, peer, payload))
-        events.append(ScheduleEvent(peer, RECEIVE, "recv", op.sent_s, length, stages[target].index,
-                                    op.microbatch, op.rank, payload))
-    events += _after_backward(plan, ranks, list(run.rank_compute_end_s), list(run.rank_stream_end_s))
-    return sorted(events, key=lambda e: (e.rank, LANES.index(e.lane), e.start_s))
+        blocks.append((op.rank, communication, op.sent_s, length, "send", index[op.stage], op.microbatch, peer,
+                       payload))
+        blocks.append((peer, receive, op.sent_s, length, "recv", index[target], op.microbatch, op.rank, payload))
+    blocks += _after_backward(plan, ranks, list(run.rank_compute_end_s), list(run.rank_stream_end_s))
+    return sorted(blocks, key=itemgetter(0, 1, 2))
 
 
-def _after_backward(plan: Plan, ranks: int, rank_free: list[float], lane_free: list[float]) -> list[ScheduleEvent]:
+def _after_backward(plan: Plan, ranks: int, rank_free: list[float], lane_free: list[float]) -> list[Block]:
     """Gradient synchronisation (data-parallel all-reduce / reduce-scatter) and the optimizer step."""
     breakdown = plan.predicted.time_breakdown
     sync = max(0.0, breakdown.get("data_parallel_comm", 0.0))
     optimizer = max(0.0, breakdown.get("optimizer", 0.0))
-    events = []
+    blocks: list[Block] = []
     for r in range(ranks):
         ready = rank_free[r]
         if sync > 0 and plan.parallelism.data_parallel_degree > 1:
             start = max(ready, lane_free[r])
-            events.append(ScheduleEvent(r, COMMUNICATION, "grad_sync", start, sync))
+            blocks.append((r, LANES.index(COMMUNICATION), start, sync, "grad_sync", None, None, None, None))
             ready = start + sync
         if optimizer > 0:
-            events.append(ScheduleEvent(r, COMPUTE, "optimizer", max(ready, rank_free[r]), optimizer))
-    return events
+            blocks.append((r, LANES.index(COMPUTE), max(ready, rank_free[r]), optimizer, "optimizer", None, None,
+                           None, None))
+    return blocks
 
 
 def makespan_s(events: list[ScheduleEvent]) -> float:
@@ -237,11 +254,21 @@ class ScheduleView:
 
 def schedule_view(plan: Plan, budget: int = DRAWN_EVENTS) -> ScheduleView:
     """step_schedule(plan), elided to about `budget` drawn blocks when it has more."""
-    events = step_schedule(plan)
+    if _last_view and _last_view[0] is plan and _last_view[1] == budget:
+        return _last_view[2]
+    blocks = _blocks(plan)
     m = max(1, plan.parallelism.pipeline_parallel_num_microbatches)
-    shown = drawn_microbatches(m, sum(1 for e in events if e.microbatch is not None) / m, budget)
-    drawn, elided = elide(events, shown)
-    return ScheduleView(tuple(drawn), tuple(elided), m, tuple(sorted(shown)), makespan_s(events))
+    shown = drawn_microbatches(m, sum(1 for b in blocks if b[6] is not None) / m, budget)
+    drawn, elided = _elide(blocks, shown)
+    end = max((b[2] + b[3] for b in blocks), default=0.0)
+    view = ScheduleView(tuple(drawn), tuple(elided), m, tuple(sorted(shown)), end)
+    _last_view[:] = [plan, budget, view]
+    return view
+
+
+_last_view: list = []
+"""(plan, budget, view) of the last schedule_view call: report.html and trace.json of one plan draw the same view,
+and a deep pipeline's simulation takes seconds."""
 
 
 def drawn_microbatches(microbatches: int, blocks_per_microbatch: float, budget: int) -> frozenset[int]:
@@ -255,38 +282,39 @@ def drawn_microbatches(microbatches: int, blocks_per_microbatch: float, budget: 
     return frozenset(range(width)) | frozenset(range(middle, middle + width)) | frozenset(range(m - width, m))
 
 
-def elide(events: list[ScheduleEvent], shown: frozenset[int]) -> tuple[list[ScheduleEvent], list[ElidedSpan]]:
-    """Split events (sorted by rank, lane and start, as step_schedule returns them) into the blocks drawn (whole-batch
-    work and the micro-batches in `shown`) and one ElidedSpan per run of the others on a lane."""
+def _elide(blocks: list[Block], shown: frozenset[int]) -> tuple[list[ScheduleEvent], list[ElidedSpan]]:
+    """Split blocks (sorted by rank, lane and start) into the events drawn (whole-batch work and the micro-batches in
+    `shown`) and one ElidedSpan per run of the others on a lane."""
     drawn: list[ScheduleEvent] = []
     spans: list[ElidedSpan] = []
-    run: list[ScheduleEvent] = []
-    for e in events:
-        if run and (run[-1].rank, run[-1].lane) != (e.rank, e.lane):
+    run: list[Block] = []
+    lane = None
+    for b in blocks:
+        if run and lane != (b[0], b[1]):
             spans.append(_aggregate(run))
             run = []
-        if e.microbatch is None or e.microbatch in shown:
+        lane = b[0], b[1]
+        if b[6] is None or b[6] in shown:
             if run:
                 spans.append(_aggregate(run))
                 run = []
-            drawn.append(e)
+            drawn.append(_event(b))
         else:
-            run.append(e)
+            run.append(b)
     if run:
         spans.append(_aggregate(run))
     return drawn, spans
 
 
-def _aggregate(run: list[ScheduleEvent]) -> ElidedSpan:
-    kinds = Counter(e.kind for e in run)
+def _aggregate(run: list[Block]) -> ElidedSpan:
+    kinds = Counter(b[4] for b in run)
     stages: dict[int, float] = defaultdict(float)
-    for e in run:
-        if e.stage is not None:
-            stages[e.stage] += e.duration_s
-    numbers = [e.microbatch for e in run if e.microbatch is not None]
-    return ElidedSpan(run[0].rank, run[0].lane, run[0].start_s, max(e.end_s for e in run), len(run),
-                      sum(e.duration_s for e in run), tuple(kinds.items()), tuple(stages.items()),
-                      (min(numbers), max(numbers)))
+    for b in run:
+        if b[5] is not None:
+            stages[b[5]] += b[3]
+    numbers = [b[6] for b in run]
+    return ElidedSpan(run[0][0], LANES[run[0][1]], run[0][2], max(b[2] + b[3] for b in run), len(run),
+                      sum(b[3] for b in run), tuple(kinds.items()), tuple(stages.items()), (min(numbers), max(numbers)))
 
 
 def number_ranges(numbers: tuple[int, ...]) -> str:
