@@ -71,8 +71,9 @@ def write_trace(plan: Plan, out_dir: Path, view: ScheduleView | None = None) -> 
                              "predicted_step_time_s": plan.predicted.step_time_s}
     if view.elided:
         other["elided"] = (f"{view.microbatches} micro-batches: the blocks of micro-batches "
-                           f"{number_ranges(view.drawn_microbatches)} are drawn one by one; each run of the others' blocks "
-                           f"on a lane is one '{ELIDED}' event (args: blocks, busy and idle time, busy time per stage)")
+                           f"{number_ranges(view.drawn_microbatches)} are drawn one by one; each run of the others' "
+                           f"blocks on a lane is one '{ELIDED}' event (args: blocks, busy and idle time, busy time per "
+                           "stage)")
         other["drawn_microbatches"] = list(view.drawn_microbatches)
         other["simulated_step_time_s"] = view.makespan_s
     document = {"traceEvents": trace_events(plan, view), "displayTimeUnit": "ms", "otherData": other}
