@@ -20,6 +20,9 @@ KIND_COLORS = {"forward": "#4e79a7", "backward": "#a0cbe8", "input_gradient": "#
                "grad_sync": "#59a14f", "optimizer": "#b07aa1"}
 ELIDED_COLOR = "#d9e2ec"
 """Runs of schedule blocks aggregated rather than drawn (schedule.ElidedSpan)."""
+ELIDED_DRAWN_PX = 1.5
+"""Narrowest block of an elided schedule's drawn micro-batches, pixels: over hundreds of micro-batches a block is a
+fraction of a pixel, and these are the ones a reader looks for among the grey runs."""
 
 
 def shorten(text: str, limit: int = LABEL_CHARS) -> str:
@@ -130,16 +133,6 @@ def gantt(events: list[ScheduleEvent], ranks: int, label: str, elided: tuple[Eli
         for i, lane in enumerate(lanes[1:], 1):
             chart.text(left - 10, y + i * lane_h + lane_h / 2 + 4, names[lane], "end", MUTED)
         chart.rect(left, y + 1, right - left, len(lanes) * lane_h - 2, "#f7f9fb")
-    for e in events:
-        y = top + e.rank * rank_h + lanes.index(e.lane) * lane_h
-        x0, x1 = x(e.start_s), x(e.end_s)
-        stage = "" if e.stage is None else f"stage {e.stage}, "
-        when = f"{fmt_seconds(e.start_s)} → {fmt_seconds(e.end_s)} ({fmt_seconds(e.duration_s)})"
-        tip = f"rank {e.rank}: {e.label}\n{stage}{when}"
-        chart.rect(x0, y + 2, max(x1 - x0 - 0.6, 0.4), lane_h - 4, KIND_COLORS.get(e.kind, MUTED), tip, rx=2)
-        if e.kind in COMPUTE_KINDS and x1 - x0 > 9 * len(str(e.microbatch)) + 4:
-            chart.text((x0 + x1) / 2, y + lane_h / 2 + 4, e.microbatch, "middle",
-                       "#ffffff" if e.kind == "forward" else INK)
     for span in elided:
         y = top + span.rank * rank_h + lanes.index(span.lane) * lane_h
         x0, x1 = x(span.start_s), x(span.end_s)
@@ -147,6 +140,17 @@ def gantt(events: list[ScheduleEvent], ranks: int, label: str, elided: tuple[Eli
         tip = (f"rank {span.rank}: {span.label} ({kinds_text})\n{fmt_seconds(span.start_s)} → "
                f"{fmt_seconds(span.end_s)}: busy {fmt_seconds(span.busy_s)}, idle {fmt_seconds(span.idle_s)}")
         chart.rect(x0, y + 2, max(x1 - x0 - 0.6, 0.4), lane_h - 4, ELIDED_COLOR, tip, rx=2)
+    shortest = ELIDED_DRAWN_PX if elided else 0.4
+    for e in events:
+        y = top + e.rank * rank_h + lanes.index(e.lane) * lane_h
+        x0, x1 = x(e.start_s), x(e.end_s)
+        stage = "" if e.stage is None else f"stage {e.stage}, "
+        when = f"{fmt_seconds(e.start_s)} → {fmt_seconds(e.end_s)} ({fmt_seconds(e.duration_s)})"
+        tip = f"rank {e.rank}: {e.label}\n{stage}{when}"
+        chart.rect(x0, y + 2, max(x1 - x0 - 0.6, shortest), lane_h - 4, KIND_COLORS.get(e.kind, MUTED), tip, rx=2)
+        if e.kind in COMPUTE_KINDS and x1 - x0 > 9 * len(str(e.microbatch)) + 4:
+            chart.text((x0 + x1) / 2, y + lane_h / 2 + 4, e.microbatch, "middle",
+                       "#ffffff" if e.kind == "forward" else INK)
     return chart.render()
 
 

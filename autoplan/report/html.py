@@ -247,7 +247,7 @@ def _elided_html(view: ScheduleView) -> str:
     elided = view.microbatches - len(shown)
     blocks = sum(span.count for span in view.elided)
     return (f'<p class="lead"><strong>Elided</strong>: micro-batches {esc(number_ranges(shown))} (the first, a '
-            f"steady-state window and the last) are drawn block by block; the {plural(blocks, 'block')} of the "
+            f"steady-state window and the last) are drawn block by block; the {blocks:,} blocks of the "
             f"other {plural(elided, 'micro-batch')} are aggregated: each grey block is a run of them on one lane "
             "(hover for its count and its busy and idle time), and the totals per rank below count them.</p>")
 
