@@ -139,6 +139,20 @@ def test_the_experts_section_renders_for_a_model_with_experts(tmp_path):
 
 
 @pytest.mark.slow
+def test_an_elided_schedule_renders_with_its_totals(tmp_path):
+    # 8 ranks x 2 chunks x 128 micro-batches: past schedule.DRAWN_EVENTS, so runs of blocks are aggregated
+    result = make_result(pp=8, microbatches=128, schedule="interleaved", chunks=2, layers=30)
+    write_report(result, tmp_path)
+    done = run_chromium(tmp_path, tmp_path / "report.html", "--dump-dom")
+    assert console_messages(done.stderr) == [] and page_requests(tmp_path) == []
+    start = done.stdout.index("<h2>Schedule of one step")
+    section = done.stdout[start:done.stdout.index("</section>", start)]
+    assert "<strong>Elided</strong>" in section and section.count("elided: ") > 8
+    assert section.count("</svg>") == section.count("<svg") == 1
+    assert "Totals per pipeline rank" in section and section.count("<tr><td") == 8
+
+
+@pytest.mark.slow
 def test_the_checks_catch_a_broken_page(tmp_path):
     # The same detectors flag a page with a console error and a network fetch, so passing means something.
     page = tmp_path / "broken.html"

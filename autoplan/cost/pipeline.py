@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -282,7 +282,8 @@ def simulate(schedule: str, num_ranks: int, num_microbatches: int, stages: Seque
                 continue
             sent = max(now, send_free[r], receive_free[peer])
             arrives = send_free[r] = receive_free[peer] = sent + stages[op.boundary].send_s
-            ops[r][index] = replace(op, sent_s=sent, arrives_s=arrives)
+            # built field by field: dataclasses.replace was a fifth of a 64-rank, 512-micro-batch simulation
+            ops[r][index] = SimulatedOp(op.kind, op.rank, op.stage, op.microbatch, op.start_s, op.end_s, sent, arrives)
             deliver(("B" if op.kind == "I" else op.kind, op.stage, op.microbatch), arrives)
             continue
         kind, chunk, mb = orders[r][position[r]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoplan.report.schedule import COMMUNICATION, COMPUTE, COMPUTE_KINDS, RECEIVE, ScheduleEvent
+from autoplan.report.schedule import COMMUNICATION, COMPUTE, COMPUTE_KINDS, RECEIVE, ElidedSpan, ScheduleEvent
 from autoplan.report.svg import (ACCENT, INK, MUTED, WARN, Scale, Svg, byte_unit, color, fmt_bytes, fmt_seconds,
                                  legend_height, text_width)
 
@@ -18,6 +18,11 @@ LABEL_CHARS = 30
 KIND_COLORS = {"forward": "#4e79a7", "backward": "#a0cbe8", "input_gradient": "#a0cbe8", "weight_gradient": "#76b7b2",
                "send": "#f28e2b", "recv": "#ffbe7d",
                "grad_sync": "#59a14f", "optimizer": "#b07aa1"}
+ELIDED_COLOR = "#d9e2ec"
+"""Runs of schedule blocks aggregated rather than drawn (schedule.ElidedSpan)."""
+ELIDED_DRAWN_PX = 1.5
+"""Narrowest block of an elided schedule's drawn micro-batches, pixels: over hundreds of micro-batches a block is a
+fraction of a pixel, and these are the ones a reader looks for among the grey runs."""
 
 
 def shorten(text: str, limit: int = LABEL_CHARS) -> str:
@@ -104,20 +109,22 @@ def stacked_bars(rows: list[BarRow], fmt, axis_title: str, label: str, cap: floa
     return chart.render()
 
 
-def gantt(events: list[ScheduleEvent], ranks: int, label: str) -> str:
+def gantt(events: list[ScheduleEvent], ranks: int, label: str, elided: tuple[ElidedSpan, ...] = ()) -> str:
     """The pipeline schedule: a compute lane per pipeline rank, and its send and receive lanes when the
-    schedule has any."""
+    schedule has any; `elided` runs of blocks are drawn as one grey block each."""
     left, right, lane_h, gap = 80, WIDTH - 30, 26, 12
-    lanes = [COMPUTE] + [lane for lane in (COMMUNICATION, RECEIVE) if any(e.lane == lane for e in events)]
+    lanes = [COMPUTE] + [lane for lane in (COMMUNICATION, RECEIVE) if any(e.lane == lane for e in (*events, *elided))]
     names = {COMPUTE: "", COMMUNICATION: "comm", RECEIVE: "recv"}
     kinds = list(dict.fromkeys(e.kind for e in events))
     entries = [(k.replace("_", " "), KIND_COLORS.get(k, MUTED)) for k in kinds]
+    if elided:
+        entries.append(("elided (aggregated)", ELIDED_COLOR))
     top = 26 + legend_height(entries, right - left)
     rank_h = len(lanes) * lane_h + gap
     bottom = top + ranks * rank_h - gap + 4
     chart = Svg(WIDTH, bottom + 44, label)
     chart.legend(left, 16, entries, right)
-    end = max((e.end_s for e in events), default=1e-9) or 1e-9
+    end = max((e.end_s for e in (*events, *elided)), default=1e-9) or 1e-9
     x = Scale((0.0, end), (left, right))
     chart.x_axis(x, bottom, top - 4, "time within one optimizer step", fmt_seconds, 8)
     for r in range(ranks):
@@ -126,13 +133,21 @@ def gantt(events: list[ScheduleEvent], ranks: int, label: str) -> str:
         for i, lane in enumerate(lanes[1:], 1):
             chart.text(left - 10, y + i * lane_h + lane_h / 2 + 4, names[lane], "end", MUTED)
         chart.rect(left, y + 1, right - left, len(lanes) * lane_h - 2, "#f7f9fb")
+    for span in elided:
+        y = top + span.rank * rank_h + lanes.index(span.lane) * lane_h
+        x0, x1 = x(span.start_s), x(span.end_s)
+        kinds_text = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in span.kinds)
+        tip = (f"rank {span.rank}: {span.label} ({kinds_text})\n{fmt_seconds(span.start_s)} → "
+               f"{fmt_seconds(span.end_s)}: busy {fmt_seconds(span.busy_s)}, idle {fmt_seconds(span.idle_s)}")
+        chart.rect(x0, y + 2, max(x1 - x0 - 0.6, 0.4), lane_h - 4, ELIDED_COLOR, tip, rx=2)
+    shortest = ELIDED_DRAWN_PX if elided else 0.4
     for e in events:
         y = top + e.rank * rank_h + lanes.index(e.lane) * lane_h
         x0, x1 = x(e.start_s), x(e.end_s)
         stage = "" if e.stage is None else f"stage {e.stage}, "
         when = f"{fmt_seconds(e.start_s)} → {fmt_seconds(e.end_s)} ({fmt_seconds(e.duration_s)})"
         tip = f"rank {e.rank}: {e.label}\n{stage}{when}"
-        chart.rect(x0, y + 2, max(x1 - x0 - 0.6, 0.4), lane_h - 4, KIND_COLORS.get(e.kind, MUTED), tip, rx=2)
+        chart.rect(x0, y + 2, max(x1 - x0 - 0.6, shortest), lane_h - 4, KIND_COLORS.get(e.kind, MUTED), tip, rx=2)
         if e.kind in COMPUTE_KINDS and x1 - x0 > 9 * len(str(e.microbatch)) + 4:
             chart.text((x0 + x1) / 2, y + lane_h / 2 + 4, e.microbatch, "middle",
                        "#ffffff" if e.kind == "forward" else INK)

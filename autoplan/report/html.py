@@ -15,7 +15,8 @@ from autoplan.plan import Alternative
 from autoplan.report import charts, verify_view
 from autoplan.report.rollup import (SCHEDULE_NAMES, chosen_candidate, describe_layout, fastest_by_expert_split,
                                     ideal_scaling, plural, memory_segments, module_times, ranked_candidates)
-from autoplan.report.schedule import makespan_s, step_schedule
+from autoplan.report.schedule import (COMMUNICATION, COMPUTE, RECEIVE, ScheduleView, number_ranges,
+                                       schedule_view)
 from autoplan.report.svg import ACCENT, esc, fmt_bytes, fmt_number, fmt_seconds
 
 PARITY_TOLERANCE = 1e-4
@@ -221,21 +222,55 @@ def modules_section(result) -> str:
             "module before them. A stage's predicted time also counts parallelism and communication.</p>" + chart)
 
 
-def schedule_section(plan) -> str:
-    events = step_schedule(plan)
-    if not events:
+def schedule_section(plan, view: ScheduleView | None = None) -> str:
+    view = schedule_view(plan) if view is None else view
+    if not view.events and not view.elided:
         return ""
     par = plan.parallelism
-    ranks = max(e.rank for e in events) + 1
+    ranks = view.ranks
     schedule = (SCHEDULE_NAMES.get(par.pipeline_parallel_schedule, par.pipeline_parallel_schedule)
                 if par.pipeline_parallel_degree > 1 else "Gradient accumulation")
-    chart = charts.gantt(events, ranks, "pipeline schedule")
+    chart = charts.gantt(list(view.events), ranks, "pipeline schedule", view.elided)
     microbatches = plural(par.pipeline_parallel_num_microbatches, "micro-batch")
     return (f'<h2>Schedule of one step</h2><p class="lead">{esc(schedule)}, '
             f"{microbatches} on {plural(ranks, 'pipeline rank')}; numbers are "
-            f"micro-batches. Simulated step: {fmt_seconds(makespan_s(events))} (predicted "
+            f"micro-batches. Simulated step: {fmt_seconds(view.makespan_s)} (predicted "
             f"{fmt_seconds(plan.predicted.step_time_s)}). The same events are in trace.json "
-            "(open it in Perfetto or chrome://tracing).</p>" + chart)
+            "(open it in Perfetto or chrome://tracing).</p>" + _elided_html(view) + chart + _rank_totals_html(view))
+
+
+def _elided_html(view: ScheduleView) -> str:
+    """What a schedule too long to draw block by block shows (schedule.DRAWN_EVENTS); nothing when it is drawn whole."""
+    if not view.elided:
+        return ""
+    shown = view.drawn_microbatches
+    elided = view.microbatches - len(shown)
+    blocks = sum(span.count for span in view.elided)
+    return (f'<p class="lead"><strong>Elided</strong>: micro-batches {esc(number_ranges(shown))} (the first, a '
+            f"steady-state window and the last) are drawn block by block; the {blocks:,} blocks of the "
+            f"other {plural(elided, 'micro-batch')} are aggregated: each grey block is a run of them on one lane "
+            "(hover for its count and its busy and idle time), and the totals per rank below count them.</p>")
+
+
+def _rank_totals_html(view: ScheduleView) -> str:
+    """Per pipeline rank: busy, idle and communication seconds of the whole step, drawn and elided blocks together
+    (busy + idle = the simulated step); only for an elided schedule."""
+    if not view.elided:
+        return ""
+    busy, stages, step = view.lane_busy_s(), view.rank_stages(), view.makespan_s
+    rows = []
+    for r in range(view.ranks):
+        compute = busy.get((r, COMPUTE), 0.0)
+        cells = [str(r), ", ".join(map(str, stages.get(r, []))), fmt_seconds(compute),
+                 fmt_seconds(max(0.0, step - compute)), fmt_seconds(busy.get((r, COMMUNICATION), 0.0)),
+                 fmt_seconds(busy.get((r, RECEIVE), 0.0))]
+        rows.append("<tr>" + "".join(f'<td class="n">{esc(c)}</td>' if i != 1 else f"<td>{esc(c)}</td>"
+                                     for i, c in enumerate(cells)) + "</tr>")
+    head = ('<tr><th class="n">rank</th><th>stages</th><th class="n">compute busy</th><th class="n">compute idle</th>'
+            '<th class="n">sends, collectives</th><th class="n">receives</th></tr>')
+    return (f"<details><summary>Totals per pipeline rank over the whole step ({fmt_seconds(step)}: busy + idle)"
+            f"</summary><table>{head}{''.join(rows)}</table></details>")
+
 
 
 MODEL_STATES = ("parameters", "gradients", "optimizer")
