@@ -15,7 +15,7 @@ import yaml
 
 from autoplan.codegen import write_program
 from autoplan.codegen.kubernetes import check_manifest, pytorchjob_yaml, trainjob_yaml
-from autoplan.codegen.launch import BASE_IMAGE, WORKDIR, Launch
+from autoplan.codegen.launch import BASE_IMAGE, WORKDIR, Launch, checkpoint_interval
 from autoplan.errors import UserError
 from autoplan.plan import ModelRef
 from test_codegen import MLP, load_module, make_plan
@@ -73,7 +73,8 @@ def test_launchers_name_the_node_and_process_counts(tmp_path, gpus_per_node, nod
     assert 'srun --cpus-per-task="$SLURM_CPUS_PER_TASK"' in sbatch  # Slurm >= 22.05 does not pass it on
     assert f"--nproc-per-node {per_node}" in sbatch and '--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"' in sbatch
     assert 'source "$VENV/bin/activate"' in sbatch
-    assert 'train.py --steps "$STEPS" --checkpoint-dir "$CHECKPOINT_DIR" --resume "$@"' in sbatch
+    assert ('train.py --steps "$STEPS" --checkpoint-dir "$CHECKPOINT_DIR" --checkpoint-every "$CHECKPOINT_EVERY" '
+            '--resume "$@" &') in sbatch
 
     trainjob, job = manifests(tmp_path)
     assert trainjob["metadata"]["generateName"] == job["metadata"]["generateName"] == "autoplan-train-"
@@ -81,7 +82,9 @@ def test_launchers_name_the_node_and_process_counts(tmp_path, gpus_per_node, nod
     assert (trainer["numNodes"], trainer["numProcPerNode"]) == (nodes, per_node)
     assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == str(per_node)
     assert trainer["resourcesPerNode"]["requests"] == {"cpu": str(8 * per_node), "memory": f"{16 * per_node}Gi"}
-    assert trainer["args"] == ["--steps", "1000", "--checkpoint-dir", "/checkpoints/$(JOB_NAME)", "--resume"]
+    every = trainjob["metadata"]["annotations"]["autoplan/checkpoint-every"]
+    assert trainer["args"] == ["--steps", "1000", "--checkpoint-dir", "/checkpoints/$(JOB_NAME)",
+                               "--checkpoint-every", every, "--resume"]
     assert job["spec"]["nprocPerNode"] == str(per_node)
     replicas = job["spec"]["pytorchReplicaSpecs"]
     assert replicas["Master"]["replicas"] == 1 and replicas.get("Worker", {}).get("replicas", 0) == nodes - 1
@@ -110,7 +113,8 @@ def test_shellcheck_finds_nothing_in_the_scripts(tmp_path, gpus_per_node):
 def test_manifests_load_into_the_kubeflow_sdk_models_with_no_unknown_key(tmp_path, gpus_per_node):
     models = kube_models()
     write_program(make_plan(gpus_per_node=gpus_per_node), tmp_path, MLP)
-    launch = Launch(nnodes=4 // min(gpus_per_node, 4), nproc_per_node=min(gpus_per_node, 4))
+    launch = Launch(nnodes=4 // min(gpus_per_node, 4), nproc_per_node=min(gpus_per_node, 4),
+                    checkpoint=checkpoint_interval(0.1, 0, 1))
     trainjob, job = manifests(tmp_path)
     loaded = models.load_trainjob(trainjob).spec
     assert (loaded.trainer.num_nodes, loaded.trainer.num_proc_per_node) == (launch.nnodes, launch.nproc_per_node)
@@ -147,7 +151,7 @@ def test_a_two_node_plan_gives_no_one_node_instruction(tmp_path):
     write_program(make_plan(gpus_per_node=2), tmp_path, MLP)  # 2 nodes x 2 processes
     torchrun = (tmp_path / "launch" / "torchrun.sh").read_text()
     commands = re.findall(r"^#\s+(.*bash launch/torchrun\.sh.*)$", torchrun, flags=re.M)
-    assert len(commands) == 2 and commands[0].startswith("NNODES=2 MASTER_ADDR=node1.example MASTER_PORT=29500 bash")
+    assert len(commands) == 2 and commands[0].startswith("NNODES=2 MASTER_ADDR=node1.example MASTER_PORT=29500 RDZV_ID=run1 bash")
     assert commands[1].startswith("NNODES=1 NPROC_PER_NODE=4 bash")  # all 4 on one node: the world train.py needs
     assert "One node" not in torchrun
     texts = [p.read_text() for p in (tmp_path / "launch").iterdir()] + [(tmp_path / "train.py").read_text()]
@@ -178,7 +182,7 @@ def test_dockerfile_builds_the_image_the_manifests_run(tmp_path):
     assert "-cuda" in BASE_IMAGE and lines[1] == "FROM ${BASE_IMAGE}"
     assert "COPY --from=autoplan-source . /opt/autoplan-source" in lines
     assert any(line.startswith("RUN python -m pip install --no-cache-dir /opt/autoplan-source") for line in lines)
-    assert lines[-2:] == [f"COPY . {WORKDIR}", f"WORKDIR {WORKDIR}"]
+    assert lines[-3:] == [f"COPY --chown=10001:10001 . {WORKDIR}", f"WORKDIR {WORKDIR}", "USER 10001:10001"]
     trainjob, job = manifests(tmp_path)
     assert trainjob["spec"]["trainer"]["command"] == ["torchrun", f"{WORKDIR}/train.py"]
     assert job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["workingDir"] == WORKDIR
@@ -233,7 +237,7 @@ def test_uneven_nodes_are_refused(tmp_path):
     (pytorchjob_yaml, ("spec", "pytorchReplicaSpecs", "Master", "replicas"), 2),
 ])
 def test_manifest_check_catches_wrong_counts_and_missing_fields(build, path, value):
-    launch = Launch(nnodes=2, nproc_per_node=4)
+    launch = Launch(nnodes=2, nproc_per_node=4, checkpoint=checkpoint_interval(0.1, 0, 2))
     manifest = yaml.safe_load(build(launch))
     check_manifest(manifest, launch)
     node = manifest
