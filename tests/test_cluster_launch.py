@@ -187,7 +187,9 @@ def test_torchrun_sh_restarts_a_killed_rank_and_the_restart_resumes_on_its_own(t
         os.kill(victims[-1], signal.SIGKILL)
         stdout, stderr = agent.communicate(timeout=TIMEOUT_S)
     finally:
-        if agent.poll() is None:
+        if agent.poll() is None:  # torchrun starts each worker in a session of its own: kill them one by one
+            for pid in worker_pids(agent.pid):
+                os.kill(pid, signal.SIGKILL)
             os.killpg(agent.pid, signal.SIGKILL)
     assert agent.returncode == 0, stderr[-3000:]
     first_step = json.loads(metrics.read_text())["first_step"]
