@@ -2,7 +2,8 @@
 rendezvous on 127.0.0.1), and launch/job.sbatch under bash with stand-in `srun` and `scontrol` (srun
 starts its command once per node with the SLURM_* variables sbatch and srun set), on a plan of 2
 nodes x 1 CPU process. Both train, and their losses match the single-device reference as
-`autoplan verify` requires."""
+`autoplan verify` requires. torchrun.sh restarts a rank killed after the first periodic checkpoint, and
+the restart resumes on its own with the uninterrupted run's losses."""
 
 import json
 import os
@@ -10,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ from autoplan.api import plan_model
 from autoplan.verify import PARITY_TOLERANCE, run_args
 from test_codegen import MLP
 
-pytestmark = pytest.mark.slow  # two runs of 2 torchrun agents and a reference (~30 s)
+pytestmark = pytest.mark.slow  # runs of 2 torchrun agents, a reference, a killed and restarted run (~1-4 min)
 
 STEPS = 3
 TIMEOUT_S = 300
@@ -136,3 +138,62 @@ def test_sbatch_script_with_stand_in_srun_trains_like_the_reference(two_node_pla
                tmp_path, [env])
     assert_parity(losses, reference, runs)
     assert sorted(p.name for p in (out / "checkpoints" / "4242").iterdir()) == [f"step_{STEPS}"]
+
+
+RESTART_STEPS = 600
+RESTART_EVERY = 50
+
+
+def worker_pids(agent: int) -> list[int]:
+    """The train.py processes torchrun (process `agent`) started: its children whose command line names train.py."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # it ended meanwhile
+        if parent == agent and any(part.endswith(b"train.py") for part in command):
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def test_torchrun_sh_restarts_a_killed_rank_and_the_restart_resumes_on_its_own(two_node_plan, tmp_path):
+    """kill -9 of one rank after the first periodic checkpoint: torchrun.sh's --max-restarts starts the
+    processes again, train.py resumes from the newest checkpoint without being asked (--resume is on after a
+    torchrun restart), and the steps it trains after the restart have the uninterrupted run's losses."""
+    out, _ = two_node_plan
+    flags = [*run_args(RESTART_STEPS), "--checkpoint-every", str(RESTART_EVERY)]
+    one_node = dict(NNODES="1", NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
+    whole = tmp_path / "whole.json"
+    command = ["bash", str(out / "launch" / "torchrun.sh"), *flags, "--losses-out", str(whole)]
+    (done,) = run([command], tmp_path, [child_env(tmp_path, RUN_ID="whole", **one_node)])
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    losses, metrics = tmp_path / "resumed.json", tmp_path / "metrics.json"
+    command = ["bash", str(out / "launch" / "torchrun.sh"), *flags, "--losses-out", str(losses),
+               "--metrics-out", str(metrics)]
+    env = child_env(tmp_path, RUN_ID="killed", MAX_RESTARTS="3", **one_node)
+    agent = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, stdin=subprocess.DEVNULL, start_new_session=True)
+    first_checkpoint = out / "checkpoints" / "killed" / f"step_{RESTART_EVERY}" / ".metadata"
+    try:
+        while not first_checkpoint.exists() and agent.poll() is None:
+            time.sleep(0.01)
+        victims = worker_pids(agent.pid)
+        assert len(victims) == 2, (victims, agent.poll())
+        os.kill(victims[-1], signal.SIGKILL)
+        stdout, stderr = agent.communicate(timeout=TIMEOUT_S)
+    finally:
+        if agent.poll() is None:  # torchrun starts each worker in a session of its own: kill them one by one
+            for pid in worker_pids(agent.pid):
+                os.kill(pid, signal.SIGKILL)
+            os.killpg(agent.pid, signal.SIGKILL)
+    assert agent.returncode == 0, stderr[-3000:]
+    first_step = json.loads(metrics.read_text())["first_step"]
+    assert first_step > 0 and first_step % RESTART_EVERY == 0, first_step  # it resumed, from a checkpoint
+    resumed, uninterrupted = json.loads(losses.read_text()), json.loads(whole.read_text())
+    assert len(resumed) == RESTART_STEPS - first_step
+    assert resumed == uninterrupted[first_step:]

@@ -2,8 +2,13 @@
 pytorchjob.yaml (the Kubeflow Training Operator's PyTorchJob, v1.7 or later).
 
 Written as YAML text so that what the user sets is at the top: annotations of the job carry the values
-(image, checkpoint volume claim, steps) under YAML anchors, and the spec below refers to them. Only numbers
-from the plan enter the text; every manifest is parsed back and checked (check_manifest).
+(image, checkpoint volume claim, steps, checkpoint interval) under YAML anchors, and the spec below refers to
+them. Only numbers from the plan enter the text; every manifest is parsed back and checked (check_manifest).
+
+Both pass the "restricted" Pod Security Standard: the pod runs as launch.USER_ID (the image's user) with
+seccomp RuntimeDefault, the container without privilege escalation and with every capability dropped;
+fsGroup makes the checkpoint volume writable for that user. GPUs (the device plugin's device nodes) and
+/dev/shm (an emptyDir in memory) need no privilege.
 """
 
 from __future__ import annotations
@@ -12,8 +17,8 @@ from typing import Any
 
 import yaml
 
-from autoplan.codegen.launch import (CPUS_PER_PROCESS, IMAGE, JOB_NAME, MEMORY_PER_PROCESS_GIB,
-                                     SHM_PER_PROCESS_GIB, STEPS, WORKDIR, Launch, rank0_output)
+from autoplan.codegen.launch import (CPUS_PER_PROCESS, IMAGE, JOB_NAME, MAX_RESTARTS, MEMORY_PER_PROCESS_GIB,
+                                     SHM_PER_PROCESS_GIB, STEPS, USER_ID, WORKDIR, Launch, rank0_output)
 
 CHECKPOINT_CLAIM = "autoplan-checkpoints"
 """Default PersistentVolumeClaim for checkpoints (ReadWriteMany: every node writes its shards)."""
@@ -31,18 +36,41 @@ def _header(launch: Launch, kind: str, needs: str, how: str) -> str:
             f"# 1. Build the image from the output folder (launch/Dockerfile says how) and push it.\n"
             f"# 2. Set the values under metadata.annotations: the image, a ReadWriteMany PersistentVolumeClaim\n"
             f"#    for checkpoints (each job writes to {CHECKPOINT_MOUNT}/<job name> and resumes from it when\n"
-            f"#    restarted), the steps. The spec refers to them (*image, *claim, *steps).\n"
+            f"#    restarted), the steps, the steps between checkpoints. The spec refers to them (*image, *claim,\n"
+            f"#    *steps, *every).\n"
             f"# 3. kubectl create -f launch/{how}\n"
             f"#    (create, not apply: every job gets a new name, {JOB_NAME}-<suffix>)\n"
             + rank0_output(WORKDIR)
-            + "# Logs: kubectl logs of each pod; the one holding rank 0 prints the losses.\n")
+            + "# Logs: kubectl logs of each pod; the one holding rank 0 prints the losses.\n"
+            + f"# Security: the pods pass the \"restricted\" Pod Security Standard. They run as uid/gid {USER_ID}\n"
+            + "# (launch/Dockerfile's user), fsGroup makes the checkpoint volume writable for it; for a volume that\n"
+            + f"# ignores fsGroup (NFS), make its folder writable for uid {USER_ID} on the server.\n"
+            + "#\n" + launch.checkpoint.comment())
 
 
-def _annotations() -> str:
+def _annotations(launch: Launch) -> str:
     return (f"  annotations:  # the values to set; the spec below uses them through their anchors\n"
             f"    autoplan/image: &image {IMAGE}\n"
             f"    autoplan/checkpoint-claim: &claim {CHECKPOINT_CLAIM}\n"
-            f"    autoplan/steps: &steps \"{STEPS}\"\n")
+            f"    autoplan/steps: &steps \"{STEPS}\"\n"
+            f"    autoplan/checkpoint-every: &every \"{launch.checkpoint.steps}\"  # 0: at the end only\n")
+
+
+def _pod_security(indent: str) -> str:
+    """The pod's securityContext: a non-root user, seccomp RuntimeDefault, the volumes' group."""
+    return (f"{indent}securityContext:  # the restricted Pod Security Standard\n"
+            f"{indent}  runAsNonRoot: true\n"
+            f"{indent}  runAsUser: {USER_ID}\n"
+            f"{indent}  runAsGroup: {USER_ID}\n"
+            f"{indent}  fsGroup: {USER_ID}  # the checkpoint volume is writable for the user\n"
+            f"{indent}  fsGroupChangePolicy: OnRootMismatch  # no walk over every checkpoint file at each start\n"
+            f"{indent}  seccompProfile: {{type: RuntimeDefault}}\n")
+
+
+def _container_security(indent: str) -> str:
+    return (f"{indent}securityContext:\n"
+            f"{indent}  allowPrivilegeEscalation: false\n"
+            f"{indent}  capabilities: {{drop: [ALL]}}\n")
 
 
 def _resources(launch: Launch, indent: str) -> str:
@@ -69,7 +97,7 @@ def _env(job_name_label: str, indent: str) -> str:
             f"{indent}- {{name: OMP_NUM_THREADS, value: \"{CPUS_PER_PROCESS}\"}}\n")
 
 
-ARGS = f"[--steps, *steps, --checkpoint-dir, \"{CHECKPOINT_MOUNT}/$(JOB_NAME)\", --resume]"
+ARGS = f"[--steps, *steps, --checkpoint-dir, \"{CHECKPOINT_MOUNT}/$(JOB_NAME)\", --checkpoint-every, *every, --resume]"
 """train.py's flags in both manifests; Kubernetes expands $(JOB_NAME) from the container's env."""
 
 
@@ -79,11 +107,13 @@ def trainjob_yaml(launch: Launch) -> str:
     node given here; runtimePatches add the volumes to its `node` container."""
     text = (_header(launch, "Trainer TrainJob", f"Kubeflow Trainer {TRAINER_MIN_VERSION} or later (spec.runtimePatches) "
                     "and its torch-distributed ClusterTrainingRuntime", "trainjob.yaml")
+            + "# Restarts are the runtime's (its JobSet's failurePolicy.maxRestarts; a TrainJob's runtimePatches reach\n"
+            + "# only the pod templates): a restarted job resumes from the newest checkpoint (--resume).\n"
             + "apiVersion: trainer.kubeflow.org/v1alpha1\n"
             + "kind: TrainJob\n"
             + "metadata:\n"
             + f"  generateName: {JOB_NAME}-\n"
-            + _annotations()
+            + _annotations(launch)
             + "spec:\n"
             + "  runtimeRef:\n"
             + "    name: torch-distributed\n"
@@ -106,9 +136,11 @@ def trainjob_yaml(launch: Launch) -> str:
             + "              spec:\n"
             + "                template:\n"
             + "                  spec:\n"
+            + _pod_security("                    ")
             + "                    volumes:\n" + _volumes(launch, "                    ")
             + "                    containers:\n"
             + "                    - name: node\n"
+            + _container_security("                      ")
             + "                      volumeMounts:\n" + _volume_mounts("                      "))
     check_manifest(yaml.safe_load(text), launch)
     return text
@@ -126,24 +158,31 @@ def pytorchjob_yaml(launch: Launch) -> str:
                    "      template: *pod\n")
     text = (_header(launch, "Training Operator PyTorchJob", f"the Kubeflow Training Operator {TRAINING_OPERATOR_MIN_VERSION} "
                     "or later (spec.nprocPerNode; older versions drop it)", "pytorchjob.yaml")
+            + "# Restarts: a pod whose training fails restarts (restartPolicy: OnFailure), up to backoffLimit times in\n"
+            + "# all; the other pods' processes fail their next collective (at the latest after train.py's\n"
+            + "# --process-group-timeout) and restart too; each restarted one\n"
+            + "# resumes from the newest checkpoint (--resume).\n"
             + "apiVersion: kubeflow.org/v1\n"
             + "kind: PyTorchJob\n"
             + "metadata:\n"
             + f"  generateName: {JOB_NAME}-\n"
-            + _annotations()
+            + _annotations(launch)
             + "spec:\n"
             + f"  nprocPerNode: \"{per}\"\n"
             + "  runPolicy:\n"
             + "    cleanPodPolicy: \"None\"  # keep the pods when the job ends, for kubectl logs\n"
+            + f"    backoffLimit: {MAX_RESTARTS}  # pod restarts before the job fails\n"
             + "  pytorchReplicaSpecs:\n"
             + "    Master:\n"
             + "      replicas: 1\n"
             + "      restartPolicy: OnFailure\n"
             + "      template: &pod\n"
             + "        spec:\n"
+            + _pod_security("          ")
             + "          containers:\n"
             + "          - name: pytorch\n"
             + "            image: *image\n"
+            + _container_security("            ")
             + f"            workingDir: {WORKDIR}\n"
             + f"            command: [torchrun, --nproc-per-node, \"{per}\", train.py]\n"
             + f"            args: {ARGS}\n"

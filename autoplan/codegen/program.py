@@ -93,7 +93,7 @@ def render_train_py(plan: Plan, launch: Launch, model_copy: Path | None = None) 
     and config block in place of its own (codegen/template.py). `model_copy`: the model file's path in
     MODEL_COPY_DIR (default: its name, a file outside packages)."""
     model_copy = model_copy if model_copy is not None else Path(Path(plan.model.path).name)
-    return fill(_docstring(plan, launch), _config_block(plan, model_copy))
+    return fill(_docstring(plan, launch), _config_block(plan, launch, model_copy))
 
 
 def _docstring(plan: Plan, launch: Launch) -> str:
@@ -113,8 +113,8 @@ def _docstring(plan: Plan, launch: Launch) -> str:
         lines += ["Launch:", f"    {launch.command}"]
     else:
         lines += [f"Launch on each of the {launch.nnodes} nodes, with the same MASTER_ADDR (a host name of one",
-                  "of them that all can reach: it hosts the c10d rendezvous):",
-                  f"    NNODES={launch.nnodes} MASTER_ADDR=<that host> bash launch/torchrun.sh",
+                  "of them that all can reach: it hosts the c10d rendezvous) and RDZV_ID (new for each run):",
+                  f"    NNODES={launch.nnodes} MASTER_ADDR=<that host> RDZV_ID=<run name> bash launch/torchrun.sh",
                   "which runs:", f"    {launch.command}",
                   "The rendezvous assigns the ranks: rank 0, which prints the losses and writes --losses-out and",
                   "--metrics-out, can land on any node."]
@@ -129,7 +129,9 @@ def _docstring(plan: Plan, launch: Launch) -> str:
         "",
         "Data: the model file's make_dataloader(rank, world_size[, batch_size]) if it has one (shard",
         "with a DistributedSampler), else synthetic batches from its example_batch.",
-        "Checkpoints: --checkpoint-dir DIR [--checkpoint-every N]; continue with --resume.",
+        f"Checkpoints: --checkpoint-dir DIR saves every CHECKPOINT_EVERY = {launch.checkpoint.steps} steps (about",
+        f"{launch.checkpoint.interval_s / 60:.0f} minutes of predicted steps; --checkpoint-every N, 0: at the end only) and",
+        "after the last; continue with --resume (on by default when torchrun restarts the processes).",
         "",
         "Initial weights: every rank builds the model on the meta device and allocates only its own",
         "stages and shards; rank 0 builds the model once on CPU with the seed below and broadcasts",
@@ -234,7 +236,7 @@ def _predicted(plan: Plan) -> dict[str, float]:
     return {key: float(value) for key, value in values.items() if value is not None}
 
 
-def _config_block(plan: Plan, model_copy: Path) -> str:
+def _config_block(plan: Plan, launch: Launch, model_copy: Path) -> str:
     p, t = plan.parallelism, plan.training
     rows = [
         ("MODEL_SOURCE", repr(plan.model.path), "the file it was planned from (used with --model-file planned)"),
@@ -270,6 +272,8 @@ def _config_block(plan: Plan, model_copy: Path) -> str:
         ("PEAK_FLOPS_PER_GPU", repr(_peak_flops_per_gpu(plan)), f"dense peak of the planned GPU in {t.dtype}, for MFU"),
         ("PROCESS_GROUP_TIMEOUT_S", repr(float(process_group_timeout_s(plan.model.param_count))),
          "collective timeout, seconds: rank 0 builds the model while the others wait (--process-group-timeout)"),
+        ("CHECKPOINT_EVERY", repr(launch.checkpoint.steps),
+         f"--checkpoint-every default: ~{launch.checkpoint.interval_s / 60:.0f} min of predicted steps (launch/*: how)"),
     ]
     width = 34  # aligns the comments; a longer line just pushes its comment right
     lines = [f"{f'{name} = {value}':<{width}}  # {comment}" for name, value, comment in rows]

@@ -7,8 +7,8 @@ fp32 weights, optimizer and gradient reduction). On CPU it trains in fp32: that 
 `autoplan verify` compares with the single-device run.
 
 Launch on each of the 2 nodes, with the same MASTER_ADDR (a host name of one
-of them that all can reach: it hosts the c10d rendezvous):
-    NNODES=2 MASTER_ADDR=<that host> bash launch/torchrun.sh
+of them that all can reach: it hosts the c10d rendezvous) and RDZV_ID (new for each run):
+    NNODES=2 MASTER_ADDR=<that host> RDZV_ID=<run name> bash launch/torchrun.sh
 which runs:
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:$MASTER_PORT --rdzv-id $RDZV_ID train.py
 The rendezvous assigns the ranks: rank 0, which prints the losses and writes --losses-out and
@@ -23,7 +23,9 @@ planned from instead, MODEL_SOURCE, with the edits made there since).
 
 Data: the model file's make_dataloader(rank, world_size[, batch_size]) if it has one (shard
 with a DistributedSampler), else synthetic batches from its example_batch.
-Checkpoints: --checkpoint-dir DIR [--checkpoint-every N]; continue with --resume.
+Checkpoints: --checkpoint-dir DIR saves every CHECKPOINT_EVERY = 9000 steps (about
+30 minutes of predicted steps; --checkpoint-every N, 0: at the end only) and
+after the last; continue with --resume (on by default when torchrun restarts the processes).
 
 Initial weights: every rank builds the model on the meta device and allocates only its own
 stages and shards; rank 0 builds the model once on CPU with the seed below and broadcasts
@@ -39,6 +41,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import time
 from pathlib import Path
 
@@ -81,6 +84,7 @@ TOKENS_PER_SAMPLE = None            # for tokens/s (None: not token inputs)
 MODEL_FLOPS_PER_STEP = 4000000000000.0  # for MFU
 PEAK_FLOPS_PER_GPU = 989000000000000.0  # dense peak of the planned GPU in bf16, for MFU
 PROCESS_GROUP_TIMEOUT_S = 1800.0    # collective timeout, seconds: rank 0 builds the model while the others wait (--process-group-timeout)
+CHECKPOINT_EVERY = 9000             # --checkpoint-every default: ~30 min of predicted steps (launch/*: how)
 PREDICTED = {  # plan.json predicted: --tensorboard logs them beside the measured values
     'step_time_s': 0.2,
     'samples_per_s': 160.0,
@@ -119,8 +123,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "planned from, MODEL_SOURCE, as it is now, importing its neighbours there (its edits "
                              "since then train too)")
     parser.add_argument("--checkpoint-dir", type=Path, help="save checkpoints here (torch.distributed.checkpoint)")
-    parser.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: at the end only)")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    parser.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY, metavar="N",
+                        help="with --checkpoint-dir, save every N steps and after the last (0: at the end only; "
+                             "default: CHECKPOINT_EVERY, about 30 minutes of the plan's predicted steps)")
+    parser.add_argument("--resume", action="store_true", default=None,
+                        help="continue from the newest checkpoint in --checkpoint-dir (default: when torchrun "
+                             "restarted the processes, TORCHELASTIC_RESTART_COUNT > 0, and --checkpoint-dir is set)")
     parser.add_argument("--keep-checkpoints", type=int, default=runtime.DEFAULT_KEEP_CHECKPOINTS, metavar="K",
                         help="keep the newest K checkpoints, older ones to fall back on should the newest not load "
                              "(0: all; default %(default)s)")
@@ -145,6 +153,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "the model's name to DIR/rank<R>.pt, each rank its own (autoplan verify compares them "
                              "with the reference's)")
     args = parser.parse_args(argv)
+    if args.resume is None:  # a restart by torchrun (--max-restarts) resumes on its own
+        args.resume = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and args.checkpoint_dir is not None
+    if args.checkpoint_every < 0:
+        parser.error(f"--checkpoint-every must be 0 (at the end only) or a number of steps, not {args.checkpoint_every}")
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
     return args

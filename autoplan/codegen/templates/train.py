@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import time
 from pathlib import Path
 
@@ -53,6 +54,7 @@ TOKENS_PER_SAMPLE = None
 MODEL_FLOPS_PER_STEP = 0.0
 PEAK_FLOPS_PER_GPU = None
 PROCESS_GROUP_TIMEOUT_S = 1800.0
+CHECKPOINT_EVERY = 0
 PREDICTED = {}
 TENSOR_PARALLEL_PLAN = {}
 RECOMPUTE_MODULES = []
@@ -76,8 +78,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "planned from, MODEL_SOURCE, as it is now, importing its neighbours there (its edits "
                              "since then train too)")
     parser.add_argument("--checkpoint-dir", type=Path, help="save checkpoints here (torch.distributed.checkpoint)")
-    parser.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: at the end only)")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    parser.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY, metavar="N",
+                        help="with --checkpoint-dir, save every N steps and after the last (0: at the end only; "
+                             "default: CHECKPOINT_EVERY, about 30 minutes of the plan's predicted steps)")
+    parser.add_argument("--resume", action="store_true", default=None,
+                        help="continue from the newest checkpoint in --checkpoint-dir (default: when torchrun "
+                             "restarted the processes, TORCHELASTIC_RESTART_COUNT > 0, and --checkpoint-dir is set)")
     parser.add_argument("--keep-checkpoints", type=int, default=runtime.DEFAULT_KEEP_CHECKPOINTS, metavar="K",
                         help="keep the newest K checkpoints, older ones to fall back on should the newest not load "
                              "(0: all; default %(default)s)")
@@ -102,6 +108,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "the model's name to DIR/rank<R>.pt, each rank its own (autoplan verify compares them "
                              "with the reference's)")
     args = parser.parse_args(argv)
+    if args.resume is None:  # a restart by torchrun (--max-restarts) resumes on its own
+        args.resume = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and args.checkpoint_dir is not None
+    if args.checkpoint_every < 0:
+        parser.error(f"--checkpoint-every must be 0 (at the end only) or a number of steps, not {args.checkpoint_every}")
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
     return args
