@@ -4,7 +4,7 @@
     result = autoplan.plan("examples/gpt.py", gpus=8, gpu="h100-sxm5-80gb")
     print(result.parallelism, result.predicted.step_time_s)
 
-A plan in your own training loop (under torchrun; README, "Use a plan in your own training loop"):
+A plan in your own training loop (under torchrun; docs/own-loop.md):
 
     parallel = autoplan.parallelize(model, autoplan.load_plan("autoplan_out/plan.json"))
     optimizer = torch.optim.AdamW(parallel.parameters())

@@ -87,7 +87,7 @@ def _pin_help() -> str:
     return (f"fix layout choices: {', '.join(PIN_KEYS)}; schedule is {' | '.join(SCHEDULES)}, recompute "
             f"{' | '.join(RECOMPUTE)}, zero {' | '.join(map(str, ZERO_STAGES))}, sp "
             f"{' | '.join(SEQUENCE_PARALLEL)} (default on with tp > 1); e.g. tp=8,pp=4,dp=2,zero=3 "
-            "(the README lists every name); repeatable: --pin ep=2 --pin pp=2 is --pin ep=2,pp=2")
+            "(docs/layouts.md lists every name); repeatable: --pin ep=2 --pin pp=2 is --pin ep=2,pp=2")
 
 
 def _plan_args(parser: argparse.ArgumentParser) -> None:

@@ -3,7 +3,7 @@
 Vocabulary. Every concept has one long name, the plan.json field (torchtitan's parallelism config where
 torchtitan has one), and one short name used everywhere else: --pin keys, CSV columns, the generated
 train.py's constants (upper case), mesh dimension names and messages ("tp=8 does not divide ...").
-VOCABULARY lists them; README.md shows the table.
+VOCABULARY lists them; docs/layouts.md shows the table.
 
 Rules. `problems(layout, scope)` lists every rule a layout breaks, each with its arithmetic. A layout
 may be partial (None: not chosen yet, as in --pin before the search) and a scope may lack facts (the

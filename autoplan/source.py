@@ -1,4 +1,4 @@
-"""Load a user's model file by the model contract (README.md, "The model contract").
+"""Load a user's model file by the model contract (docs/model-contract.md).
 
     def build_model() -> nn.Module                      required (or another factory: file.py:name)
     def example_batch(batch_size) -> (inputs, targets)  required
@@ -29,8 +29,10 @@ from typing import Any, Callable
 
 from autoplan.errors import UserError
 
-CONTRACT = "see the model contract in autoplan's README"
-"""Where a message sends the user for the contract (a section of the repository's README.md)."""
+CONTRACT_DOC = "docs/model-contract.md"
+"""The model contract's page in the repository (tests check it exists)."""
+CONTRACT = f"see the model contract in autoplan's {CONTRACT_DOC}"
+"""Where a message sends the user for the contract (a page of the repository's docs/)."""
 
 
 @dataclass(frozen=True)

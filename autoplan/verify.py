@@ -39,7 +39,7 @@ from autoplan.plan import Plan, load_plan
 from autoplan.procs import kill_process_tree, running_ranks
 
 PARITY_TOLERANCE = 1e-4
-"""Largest per-step |loss difference| accepted in fp32 (README.md, Quick start: loss parity)."""
+"""Largest per-step |loss difference| accepted in fp32 (docs/verify.md)."""
 GRADIENT_TOLERANCE = 1e-3
 """Largest relative difference of a parameter's first-step gradient accepted (see GRADIENT_FLOOR). fp32 on CPU
 measures up to ~3e-6 (the sums run in other orders on the ranks); a gradient off by a factor (summed over 2

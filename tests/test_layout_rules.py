@@ -16,12 +16,14 @@ from autoplan.solve.pins import PIN_KEYS
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_readme_lists_the_vocabulary():
-    readme = (ROOT / "README.md").read_text()
+def test_the_layouts_doc_lists_the_vocabulary():
+    """docs/layouts.md's table has a row per concept with its plan.json name, and the README links to it."""
+    table = (ROOT / "docs" / "layouts.md").read_text()
     for term in VOCABULARY:
-        assert f"| `{term.short}` |" in readme, f"README's table lacks {term.short}"
+        assert f"| `{term.short}` |" in table, f"docs/layouts.md's table lacks {term.short}"
         if term.plan_field:
-            assert f"`{term.plan_field}`" in readme
+            assert f"`{term.plan_field}`" in table, f"docs/layouts.md's table lacks {term.plan_field}"
+    assert "(docs/layouts.md)" in (ROOT / "README.md").read_text()
 
 
 def test_pins_csv_and_plan_fields_use_the_vocabulary():

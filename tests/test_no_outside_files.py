@@ -1,6 +1,6 @@
 """No user-facing text names a file outside the repository: the messages, help and generated files of
-autoplan/ and the README point at what a user has (the README's "The model contract", not a design note
-kept beside the repository). Docstrings and comments may cite the project's reference data; a string the
+autoplan/, the README and docs/ point at what a user has (docs/model-contract.md, not a design note kept
+beside the repository). Docstrings and comments may cite the project's reference data; a string the
 program can print may not."""
 
 import ast
@@ -50,7 +50,19 @@ def test_no_message_of_autoplan_names_a_file_outside_the_repository():
     assert not offending + others, "\n".join(offending + others)
 
 
-def test_the_readme_names_no_file_outside_the_repository():
-    readme = (ROOT / "README.md").read_text()
-    assert [line for line in readme.splitlines() if OUTSIDE.search(line)] == []
-    assert "## The model contract" in readme
+def test_the_readme_and_docs_name_no_file_outside_the_repository():
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        lines = [line for line in page.read_text().splitlines() if OUTSIDE.search(line)]
+        assert lines == [], f"{page.relative_to(ROOT)}: {lines}"
+
+
+def test_the_model_contract_a_message_cites_is_in_the_repository():
+    """A model file lacking build_model() is sent to CONTRACT_DOC: that page exists, is the contract, and the README
+    links to it."""
+    from autoplan.source import CONTRACT, CONTRACT_DOC
+
+    assert CONTRACT_DOC in CONTRACT
+    page = ROOT / CONTRACT_DOC
+    assert page.read_text().startswith("# The model contract\n")
+    assert "def build_model()" in page.read_text() and "def example_batch(" in page.read_text()
+    assert f"({CONTRACT_DOC})" in (ROOT / "README.md").read_text()

@@ -4,7 +4,7 @@ configs) in the test suite, as benchmarks/model_zoo.py runs it in full:
 - every family plans for 64 H100s (in this process: about a second each);
 - a sample of families plans dp=2 and pp=2 with several micro-batches on this machine and passes loss
   parity (one shared torchrun launch); AUTOPLAN_ZOO=all checks every family instead (as the benchmark does);
-- ResNet's pp=2 is refused at planning time in one line that names its BatchNorm module (README).
+- ResNet's pp=2 is refused at planning time in one line that names its BatchNorm module (docs/model-zoo.md).
 
 The sample covers the paths that crashed after planning before (issue 17): an in-place write into a
 received activation (DeBERTa-v2), a mixture of experts that branches on the device type (OLMoE), an

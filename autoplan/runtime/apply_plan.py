@@ -1,5 +1,5 @@
 """autoplan.parallelize: apply a plan to a model. The one place that does it: the generated train.py calls
-it, and so does a user's own training loop (README, "Use a plan in your own training loop").
+it, and so does a user's own training loop (docs/own-loop.md).
 
 The order is torchtitan's: the pipeline stages are cut first (each rank keeps only its own), then on each
 stage tensor parallelism, activation recomputation, torch.compile, FSDP2/HSDP (all on the meta device:

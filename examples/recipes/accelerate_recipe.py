@@ -9,7 +9,7 @@ The model does not go through accelerator.prepare: accelerate 1.15 wraps a prepa
 on GPUs without a plugin (a second DDP around a DDP plan's model; a DDP over the DTensor parameters of
 tensor-parallel and FSDP2 plans, which stops), and a pipeline's stages are not one model. Its FSDP2 plugin does return a model
 whose root is already fully_shard-ed unchanged, but only on GPUs, and only for a plan without tensor or
-pipeline parallelism (README, "accelerate"). So accelerate prepares the optimizer only, and the plan's
+pipeline parallelism (docs/own-loop.md, the accelerate recipe). So accelerate prepares the optimizer only, and the plan's
 forward_backward runs forward and backward (instead of accelerator.backward).
 The batches are the generated train.py's synthetic ones, so the losses compare.
 """
