@@ -31,15 +31,18 @@ class _SdpaCalls(TorchFunctionMode):
     def __init__(self, parameters: set[int]) -> None:
         super().__init__()
         self.parameters, self.seen, self.calls, self.inside = parameters, set(), [], False
+        self.storages: list[torch.UntypedStorage] = []
 
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def pack(self, tensor: torch.Tensor) -> None:
+        """Counts it and keeps its storage (so no later tensor reuses its key), not the tensor (no backward runs:
+        holding an op's own output from its node is a cycle autograd's C++ side keeps alive, the model with it)."""
         storage = tensor.untyped_storage()
         key = storage._cdata
         if key not in self.parameters and key not in self.seen:
             self.seen.add(key)
+            self.storages.append(storage)
             if self.inside:
                 self.calls[-1] += storage.nbytes()
-        return tensor
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is not torch.nn.functional.scaled_dot_product_attention:
@@ -57,7 +60,7 @@ def _real_sdpa_saved_bytes(source) -> list[int]:
     model = source.build_model()
     inputs, _ = source.example_batch(BATCH)
     mode = _SdpaCalls({p.untyped_storage()._cdata for p in model.parameters()})
-    with mode, torch.autograd.graph.saved_tensors_hooks(mode.pack, lambda t: t):
+    with mode, torch.autograd.graph.saved_tensors_hooks(mode.pack, lambda packed: packed):
         model(**inputs)
     return mode.calls
 
