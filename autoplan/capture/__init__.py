@@ -28,6 +28,7 @@ from autoplan.capture.dispatch import DataDependentError, capture_dispatch
 from autoplan.capture.export import capture_export
 from autoplan.capture.fake_model import FakeModel, build_fake_model, build_real_model
 from autoplan.capture.graph import GraphInput, OpGraph, OpNode, TensorMeta, ValueRef
+from autoplan.capture.masks import positions_in, recording_mask_skips
 from autoplan.capture.repeats import Run, expand, find_runs, truncated
 from autoplan.capture.trace import capture_trace
 from autoplan.errors import UserError
@@ -104,12 +105,16 @@ def capture_model(source: ModelSource, batch_size: int, method: str = "auto", re
     if that does not work out the model is captured whole."""
     if method not in METHODS:
         raise UserError(f"unknown capture method {method!r}: choose one of {', '.join(METHODS)}")
+    mask_skips: list[bool] = []
     with _quiet_tracing_logs():
         fake = build_fake_model(source, batch_size)
-        runs = find_runs(fake.model) if reuse_repeats else []
-        graph = _capture_repeated(fake, source, method, runs) if runs else None
-        if graph is None:
-            graph = _capture_chain(fake, source, method, allow_real=True)
+        with recording_mask_skips(mask_skips, positions_in(fake.model, fake.args, fake.kwargs)):
+            runs = find_runs(fake.model) if reuse_repeats else []
+            graph = _capture_repeated(fake, source, method, runs) if runs else None
+            if graph is None:
+                mask_skips.clear()  # the whole model's masks, not those of a cut-short capture that failed
+                graph = _capture_chain(fake, source, method, allow_real=True)
+    graph.mask_skips = tuple(mask_skips)
     if graph.failures:
         log.warning("captured %s by %s (%s)", source.path.name, graph.method, "; ".join(graph.failures))
     return graph

@@ -111,6 +111,9 @@ class OpGraph:
     """dtype of the model's floating-point parameters."""
     tokens_per_sample: int | None = None
     """Sequence length when the first input is an integer (batch, seq) tensor."""
+    mask_skips: tuple[bool, ...] = ()
+    """For each attention mask transformers built during the capture, whether it leaves it to SDPA's is_causal when
+    the model runs eagerly (capture/masks.py); empty when none was built."""
 
     node_by_name: dict[str, OpNode] = field(init=False, repr=False)
     """Index of `nodes` by name."""

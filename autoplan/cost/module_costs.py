@@ -9,7 +9,8 @@ Every op is classified once:
 
 Per module and per sample (capture dtype), with tp = 1, the activations kept for backward by
 recompute mode (parallelism.activation_checkpoint, chosen per module):
-- none:      every saved tensor (OpProfile.saved_bytes);
+- none:      every saved tensor (OpProfile.saved_bytes; an SDPA call's as the program runs it,
+             chain.attention.run_time_saved_bytes);
 - selective: the module's input plus the outputs of its gemm and attention ops (torch selective
              activation checkpointing that saves matmul and attention outputs; Korthikanti et al.
              2022 keep matmul outputs and recompute the cheap ops the same way). Recompute costs
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autoplan.chain.attention import run_time_saved_bytes
 from autoplan.chain.experts import is_grouped_matmul
 from autoplan.chain.modules import ModuleChain
 from autoplan.chain.ops import AUTOCAST_LOWER, autocast_fp32_nodes, cost_kind, has_trait, packet
@@ -162,7 +164,10 @@ class ChainCosts:
 
 
 def op_cost(op: OpProfile, profile: ModelProfile, role: str, shares_gather: bool = False,
-            autocast_fp32: bool = False, sums_ranks: bool = False, gathered_shard_bytes: float = 0.0) -> OpCost:
+            autocast_fp32: bool = False, sums_ranks: bool = False, gathered_shard_bytes: float = 0.0,
+            saved_bytes: float | None = None) -> OpCost:
+    """`saved_bytes`: what the op keeps for backward when the program runs it, for the profiled batch, where it
+    differs from the capture's (chain.attention.run_time_saved_bytes); None: the capture's."""
     batch = profile.batch_size
     param_bytes = sum(profile.parameters.get(p, 0) for p in op.params) * profile.parameter_bytes_per_element
     param_bytes = min(param_bytes, op.input_bytes)  # buffers read as params are not in `parameters`
@@ -177,7 +182,7 @@ def op_cost(op: OpProfile, profile: ModelProfile, role: str, shares_gather: bool
         parameter_bytes=float(param_bytes),
         input_activation_bytes=(op.input_bytes - param_bytes) / batch,
         output_bytes=op.output_bytes / batch,
-        saved_bytes=op.saved_bytes / batch,
+        saved_bytes=(op.saved_bytes if saved_bytes is None else saved_bytes) / batch,
         saved_scales=not has_trait(op, "mask"),
         pointwise=has_trait(op, "pointwise"),
         has_backward=op.flops_bwd > 0 or op.time_bwd_s > 0 or op.saved_bytes > 0,
@@ -215,8 +220,10 @@ def _op_costs(nodes, by_node: dict[str, OpProfile], profile: ModelProfile, facts
         source = op.inputs[0] if role in ("colwise", "head") and op.inputs else None
         shards = sum(by_node[src].output_bytes for src in op.inputs
                      if src in by_node and facts.role.get(src, "") in SEQUENCE_ROLES) if role == "interior" else 0.0
+        saved = (run_time_saved_bytes(op, by_node, profile.masks_left_to_is_causal) if cost_kind(op) == "attention"
+                 else None)
         yield op_cost(op, profile, role, shares_gather=source in gathered, autocast_fp32=node in fp32,
-                      sums_ranks=node in facts.rank_sums, gathered_shard_bytes=shards)
+                      sums_ranks=node in facts.rank_sums, gathered_shard_bytes=shards, saved_bytes=saved)
         if source is not None:
             gathered.add(source)
 

@@ -194,6 +194,7 @@ def profile_graph(graph: OpGraph, model: str, batch_size: int, hardware: Hardwar
         unsupported_ops=tuple(sorted(unsupported)),
         capture_failures=graph.failures,
         op_failures=tuple(op_failures),
+        masks_left_to_is_causal=bool(graph.mask_skips) and all(graph.mask_skips),
     )
 
 

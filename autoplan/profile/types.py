@@ -98,6 +98,9 @@ class ModelProfile:
     sequence_targets_problem: str = ""
     """Why the targets cannot be cut to a rank's share of the sequence, as context parallelism needs
     (profile/loss_probe.py); "" if they can."""
+    masks_left_to_is_causal: bool = False
+    """Every attention mask in the captured graph is one transformers leaves to SDPA's is_causal when the program
+    runs (capture/masks.py): its SDPA calls run without them (chain/attention.py run_time_saved_bytes)."""
     whole_model_times_s: dict[int, float] = field(default_factory=dict)
     """Batch size -> measured forward+backward seconds of the whole real model on this machine (one
     thread), when ops were measured and the model is small enough (profile/whole_model.py)."""

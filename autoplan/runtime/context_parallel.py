@@ -373,6 +373,8 @@ def causal_mask_as_is_causal(positions_given: bool):
     check_maskless. Nothing changes for a model whose library is not transformers (its masking module not loaded)."""
     import inspect
 
+    from autoplan.capture.masks import causal_triangle
+
     masking = sys.modules.get("transformers.masking_utils")
     originals = {name: getattr(masking, name, None) for name in ("_ignore_causal_mask_sdpa",
                                                                  "find_packed_sequence_indices")}
@@ -385,12 +387,7 @@ def causal_mask_as_is_causal(positions_given: bool):
     def ignore_causal_mask(*args, **kwargs):
         given = signature.bind(*args, **kwargs)
         given.apply_defaults()
-        a = given.arguments
-        q_offset, kv_offset, window = a.get("q_offset"), a.get("kv_offset"), a.get("local_attention_size")
-        triangle = ("padding_mask" in a and a["padding_mask"] is None and isinstance(a.get("q_length"), int)
-                    and a.get("q_length") == a.get("kv_length") and isinstance(q_offset, int)
-                    and q_offset == kv_offset and (window is None or a["kv_length"] < window))
-        return triangle or ignore_mask(*args, **kwargs)
+        return causal_triangle(given.arguments) or ignore_mask(*args, **kwargs)
 
     def packed_sequences(*args, **kwargs):
         return find_packed(*args, **kwargs) if positions_given else None
@@ -404,22 +401,11 @@ def causal_mask_as_is_causal(positions_given: bool):
 
 
 def positions_given(model: torch.nn.Module, inputs: Any) -> bool:
-    """Whether `inputs` hand `model` position ids (a transformers model's `position_ids` argument), or might (they
-    do not bind to its forward's signature)."""
-    import inspect
-
+    """Whether `inputs` hand `model` position ids (capture/masks.py positions_in)."""
+    from autoplan.capture.masks import positions_in
     from autoplan.contract import model_args
 
-    args, kwargs = model_args(inputs)
-    try:
-        signature = inspect.signature(model.forward)
-        bound = signature.bind(*args, **kwargs).arguments
-    except (TypeError, ValueError):
-        return True
-    for name, value in list(bound.items()):  # what **kwargs collected
-        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
-            bound.update(value)
-    return bound.get("position_ids") is not None
+    return positions_in(model, *model_args(inputs))
 
 
 def check_maskless(stage, index: int) -> None:
