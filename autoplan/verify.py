@@ -564,12 +564,15 @@ def root_cause(lines: list[str]) -> str | None:
     return None
 
 
+def _torchrun_root_cause(lines: list[str]) -> list[str]:
+    """The lines after torchrun's summary heading "Root Cause (first observed failure)" ([] without one)."""
+    start = next((i for i, line in enumerate(lines) if line.startswith("Root Cause (first observed failure)")), None)
+    return [] if start is None else lines[start + 1:]
+
+
 def _torchrun_root_rank(lines: list[str]) -> str | None:
     """The rank torchrun's summary names under "Root Cause (first observed failure)", if any."""
-    start = next((i for i, line in enumerate(lines) if line.startswith("Root Cause (first observed failure)")), None)
-    if start is None:
-        return None
-    for line in lines[start + 1:]:
+    for line in _torchrun_root_cause(lines):
         match = re.match(r"\s*rank\s*:\s*(\d+)", line)
         if match:
             return match.group(1)
@@ -579,8 +582,7 @@ def _torchrun_root_rank(lines: list[str]) -> str | None:
 def _torchrun_root_signal(lines: list[str]) -> str | None:
     """The signal that ended the rank torchrun's summary names as the root cause ("signal 6 (SIGABRT)"), if one
     did."""
-    start = next((i for i, line in enumerate(lines) if line.startswith("Root Cause (first observed failure)")), None)
-    for line in lines[start + 1:] if start is not None else []:
+    for line in _torchrun_root_cause(lines):
         match = re.match(r"\s*traceback\s*:\s*Signal (\d+) \((\w+)\)", line)
         if match:
             return f"signal {match.group(1)} ({match.group(2)})"

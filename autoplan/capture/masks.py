@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -48,13 +48,16 @@ def causal_triangle(arguments: Mapping[str, Any]) -> bool:
 
 
 @contextmanager
-def recording_mask_skips(record: list[bool], positions_given: bool) -> Iterator[None]:
-    """While a transformers model is captured: append to `record`, for each mask transformers asks whether SDPA's
-    is_causal could replace, causal_triangle's answer (what it does eagerly on an unpadded batch), leaving its own
-    answer (a mask, under tracing) unchanged. As eagerly, a model that numbers its positions itself (not
-    `positions_given`: transformers numbers each row 0..S-1) holds no packed sequences: under tracing transformers
-    cannot read that from the values (find_packed_sequence_indices), and would not ask. Nothing changes or is
-    recorded for a model whose library is not transformers (its masking module not loaded)."""
+def mask_questions_answered(answer: Callable[[bool, Callable[[], bool]], bool],
+                            positions_given: bool) -> Iterator[None]:
+    """While the block runs, transformers' two questions about a causal mask (transformers.masking_utils) are
+    answered from what is known without values, as transformers answers them eagerly on an unpadded batch:
+    - _ignore_causal_mask_sdpa: `answer(triangle, own)`, `triangle` causal_triangle's answer for the call and
+      `own()` transformers' own (a mask, under tracing);
+    - find_packed_sequence_indices: no packed sequences when the model numbers its positions itself (not
+      `positions_given`: transformers numbers each row 0..S-1; under tracing it cannot read that from the
+      values), else its own answer.
+    Nothing changes for a model whose library is not transformers (its masking module not loaded)."""
     masking = sys.modules.get("transformers.masking_utils")
     ignore_mask = getattr(masking, "_ignore_causal_mask_sdpa", None)
     find_packed = getattr(masking, "find_packed_sequence_indices", None)
@@ -63,17 +66,28 @@ def recording_mask_skips(record: list[bool], positions_given: bool) -> Iterator[
         return
     signature = inspect.signature(ignore_mask)
 
-    def asked(*args, **kwargs):
+    def ignore_causal_mask(*args, **kwargs):
         given = signature.bind(*args, **kwargs)
         given.apply_defaults()
-        record.append(causal_triangle(given.arguments))
-        return ignore_mask(*args, **kwargs)
+        return answer(causal_triangle(given.arguments), lambda: ignore_mask(*args, **kwargs))
 
     def packed_sequences(*args, **kwargs):
         return find_packed(*args, **kwargs) if positions_given else None
 
-    masking._ignore_causal_mask_sdpa, masking.find_packed_sequence_indices = asked, packed_sequences
+    masking._ignore_causal_mask_sdpa, masking.find_packed_sequence_indices = ignore_causal_mask, packed_sequences
     try:
         yield
     finally:
         masking._ignore_causal_mask_sdpa, masking.find_packed_sequence_indices = ignore_mask, find_packed
+
+
+def recording_mask_skips(record: list[bool], positions_given: bool):
+    """While a transformers model is captured: append to `record`, for each mask transformers asks whether SDPA's
+    is_causal could replace, causal_triangle's answer (what it does eagerly on an unpadded batch), leaving its own
+    answer (a mask, under tracing) unchanged; packed sequences as mask_questions_answered says."""
+
+    def recorded(triangle: bool, own: Callable[[], bool]) -> bool:
+        record.append(triangle)
+        return own()
+
+    return mask_questions_answered(recorded, positions_given)

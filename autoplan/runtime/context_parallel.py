@@ -46,7 +46,6 @@ refused with the stage and call (check_maskless).
 
 from __future__ import annotations
 
-import sys
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -371,33 +370,10 @@ def causal_mask_as_is_causal(positions_given: bool):
     transformers keeps the mask under export because an exported graph fixes is_causal for the example's shapes
     (pytorch#108108); a pipeline stage's graph has those static shapes anyway. A mask kept is refused by
     check_maskless. Nothing changes for a model whose library is not transformers (its masking module not loaded)."""
-    import inspect
+    from autoplan.capture.masks import mask_questions_answered
 
-    from autoplan.capture.masks import causal_triangle
-
-    masking = sys.modules.get("transformers.masking_utils")
-    originals = {name: getattr(masking, name, None) for name in ("_ignore_causal_mask_sdpa",
-                                                                 "find_packed_sequence_indices")}
-    if None in originals.values():
+    with mask_questions_answered(lambda triangle, own: triangle or own(), positions_given):
         yield
-        return
-    ignore_mask, find_packed = originals["_ignore_causal_mask_sdpa"], originals["find_packed_sequence_indices"]
-    signature = inspect.signature(ignore_mask)
-
-    def ignore_causal_mask(*args, **kwargs):
-        given = signature.bind(*args, **kwargs)
-        given.apply_defaults()
-        return causal_triangle(given.arguments) or ignore_mask(*args, **kwargs)
-
-    def packed_sequences(*args, **kwargs):
-        return find_packed(*args, **kwargs) if positions_given else None
-
-    masking._ignore_causal_mask_sdpa, masking.find_packed_sequence_indices = ignore_causal_mask, packed_sequences
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(masking, name, original)
 
 
 def positions_given(model: torch.nn.Module, inputs: Any) -> bool:
