@@ -25,13 +25,25 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODELS = {"cuda": ROOT / "benchmarks" / "models" / "llama32_1b.py",
-          "cpu": ROOT / "benchmarks" / "models" / "llama32_1b_shrunk.py"}
+MODELS_DIR = ROOT / "benchmarks" / "models"
+MODELS = {"cuda": MODELS_DIR / "llama32_1b.py", "cpu": MODELS_DIR / "llama32_1b_shrunk.py"}
 """The model each mode plans: Llama-3.2-1B's shapes on a GPU, the shrunken copy in the CPU dry run."""
-PLANS = {"base": "", "selective": "recompute=selective,compile=on", "full": "recompute=full,compile=on"}
+PLANS = {"base": "", "selective": "recompute=selective,compile=on", "full": "recompute=full,compile=on",
+         "moe": "compile=off", "long": ""}
 """Plans made for one device: the search's own choice, and selective and full recompute under compile. The
 eager run trains the base plan with --no-compile, priced by the search's candidate of the same layout with
-compile off (the predicted compile speed-up is the ratio of the two predictions)."""
+compile off (the predicted compile speed-up is the ratio of the two predictions). moe and long plan other models
+(PLAN_MODELS)."""
+PLAN_MODELS = {"moe": (MODELS_DIR / "deepseek_v3_16b_4layers.py", 4), "long": (MODELS_DIR / "llama32_1b_32k.py", 1)}
+"""On a GPU, the model and global batch of the plans that do not train Llama-3.2-1B at 2K tokens: DeepSeek-V3 16B's
+first 4 layers (MLA, 64 experts top-6; torchtitan's micro-batch 4 of runs_frontier.csv's row) eager, and
+Llama-3.2-1B at 32K tokens. The CPU dry run plans the shrunken Llama for them (it checks the script)."""
+KERNEL_KINDS = (("attention", ("flash", "fmha", "sdpa", "attention", "attn", "mha")),
+                ("gemm", ("gemm", "cutlass", "cublas", "nvjet", "xmma", "wgmma", "grouped_mm", "_mm_", "splitk")),
+                ("optimizer", ("multi_tensor_apply", "adam")),
+                ("collective", ("nccl",)))
+"""Kernel names by the cost model's kinds (chain.ops.cost_kind), first match wins; anything else (inductor's
+fused Triton kernels, elementwise, reductions, copies) is "memory"."""
 RECOMPILES = re.compile(r"Recompiling function")
 """What TORCH_LOGS=recompiles prints once per recompilation."""
 
@@ -73,9 +85,13 @@ def cmd_plan(args) -> None:
 
     gpu = profile_name(args.device)
     found = {}
-    for name, pin in PLANS.items():
+    for name in args.plans.split(","):
+        pin = PLANS[name]
+        model, batch = PLAN_MODELS.get(name, (MODELS[args.device], None)) if args.device == "cuda" else (
+            MODELS[args.device], None)
         started = time.perf_counter()
-        result = plan_model(str(MODELS[args.device]), 1, gpu, pin=pin or None, out=args.results / "plans" / name)
+        result = plan_model(str(model), 1, gpu, pin=pin or None, global_batch=batch,
+                            out=args.results / "plans" / name)
         plan, p = result.plan, result.plan.parallelism
         found[name] = {"pin": pin, "planned_in_s": time.perf_counter() - started,
                        "layout": {"microbatch": p.pipeline_parallel_microbatch_size,
@@ -83,16 +99,63 @@ def cmd_plan(args) -> None:
                                   "recompute": p.activation_checkpoint, "compile": plan.compile.enable},
                        "predicted_step_time_s": plan.predicted.step_time_s, "predicted_mfu": plan.predicted.mfu,
                        "predicted_peak_memory_bytes": plan.predicted.peak_memory_bytes,
-                       "parameters": plan.model.param_count}
+                       "predicted_time_breakdown_s": dict(plan.predicted.time_breakdown),
+                       "predicted_kinds_s": _predicted_kinds(result),
+                       "model": str(model.relative_to(ROOT)), "parameters": plan.model.param_count}
         if name == "base":
             found["eager"] = _eager_twin(result)
         print(f"plan {name:9s} {found[name]['layout']} predicted {plan.predicted.step_time_s * 1e3:.1f} ms/step, "
               f"MFU {plan.predicted.mfu * 100:.1f}%, {plan.predicted.peak_memory_bytes / 2**30:.2f} GiB "
               f"({found[name]['planned_in_s']:.0f} s to plan)")
-    speedup = found["eager"]["predicted_step_time_s"] / found["base"]["predicted_step_time_s"]
-    print(f"predicted compile speed-up (eager / compiled step time): {speedup:.3f}")
+    speedup = None
+    if "base" in found:
+        speedup = found["eager"]["predicted_step_time_s"] / found["base"]["predicted_step_time_s"]
+        print(f"predicted compile speed-up (eager / compiled step time): {speedup:.3f}")
     _write(args.results, "plan", {"gpu": gpu, "model": str(MODELS[args.device].relative_to(ROOT)), "plans": found,
                                   "predicted_compile_speedup": speedup})
+
+
+def _predicted_kinds(result) -> dict[str, float]:
+    """The profile's op times (forward + backward) summed per cost kind and scaled from the profile's batch to a
+    step (micro-batch x micro-batches, batch-linear), uncompiled: what the kernels of each kind should take."""
+    from autoplan.chain.ops import cost_kind
+
+    p = result.plan.parallelism
+    scale = p.pipeline_parallel_microbatch_size * p.pipeline_parallel_num_microbatches / result.profile.batch_size
+    kinds: dict[str, float] = {}
+    for op in result.profile.ops:
+        kind = cost_kind(op)
+        kinds[kind] = kinds.get(kind, 0.0) + (op.time_fwd_s + op.time_bwd_s) * scale
+    return kinds
+
+
+def kernel_kind(name: str) -> str:
+    """A kernel's cost kind by its name (KERNEL_KINDS)."""
+    lower = name.lower()
+    for kind, words in KERNEL_KINDS:
+        if any(word in lower for word in words):
+            return kind
+    return "memory"
+
+
+def traced_kernels(trace: Path) -> dict:
+    """A --profile trace's device time per kernel kind, per traced step (ProfilerStep spans), and its busiest
+    kernels: {"steps", "kinds_s", "busy_s", "top"}."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    steps = max(1, sum(1 for e in events if str(e.get("name", "")).startswith("ProfilerStep#")
+                       and e.get("cat") == "user_annotation"))
+    kinds: dict[str, float] = {}
+    by_name: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        seconds = float(e.get("dur", 0.0)) * 1e-6 / steps
+        kind = kernel_kind(e["name"]) if e["cat"] == "kernel" else "memory"
+        kinds[kind] = kinds.get(kind, 0.0) + seconds
+        by_name[e["name"]] = by_name.get(e["name"], 0.0) + seconds
+    top = sorted(by_name.items(), key=lambda item: -item[1])[:12]
+    return {"steps": steps, "kinds_s": kinds, "busy_s": sum(kinds.values()),
+            "top": [{"name": n[:160], "kind": kernel_kind(n), "seconds_per_step": t} for n, t in top]}
 
 
 def _eager_twin(result) -> dict:
@@ -116,7 +179,8 @@ def cmd_train(args) -> None:
 
     folder = args.results / "plans" / args.plan
     plan = load_plan(folder / "plan.json")
-    extra = ("--no-compile",) if args.no_compile else ()
+    traces = args.results / "traces" / args.run
+    extra = (("--no-compile",) if args.no_compile else ()) + (("--profile", str(traces)) if args.profile else ())
     env = {"TORCH_LOGS": "recompiles", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1)))}
     run = train_and_measure(folder, plan, args.device, 1, args.steps, args.timeout, extra, env)
     m = run.measured
@@ -127,14 +191,39 @@ def cmd_train(args) -> None:
             "first_step_s": first_s, "recompiles": recompiles,
             **{k: m.get(k) for k in ("measured_step_time_s", "predicted_step_time_s", "measured_peak_memory_bytes",
                                      "predicted_peak_memory_bytes", "measured_mfu", "predicted_mfu")},
-            "per_step_peak_memory_bytes": [s.get("peak_memory_bytes") for s in run.steps]}
-    if not compiled:  # the eager run is priced by the search's compile=off twin of the plan's layout
+            "per_step_peak_memory_bytes": [s.get("peak_memory_bytes") for s in run.steps],
+            "per_step_peak_reserved_bytes": [s.get("peak_reserved_bytes") for s in run.steps],
+            "per_step_seconds": [s.get("seconds") for s in run.steps]}
+    later = run.steps[1:]  # the first holds compilation and the allocator's growth
+    if later and later[-1].get("peak_reserved_bytes") is not None:
+        data["measured_peak_reserved_bytes"] = statistics.median(s["peak_reserved_bytes"] for s in later)
+        data["measured_peak_allocated_bytes_per_step"] = statistics.median(s["peak_memory_bytes"] for s in later)
+    if args.profile:  # the traced last steps run slower: time the steps between the first and them
+        from autoplan.runtime.profiling import PROFILED_STEPS
+
+        untraced = [s["seconds"] for s in run.steps[1:-PROFILED_STEPS]]
+        if untraced:
+            data["measured_step_time_s"] = statistics.median(untraced)
+        kernels = traced_kernels(traces / "rank0.trace.json")
+        predicted = json.loads((args.results / "plan.json").read_text())["plans"][args.plan]["predicted_kinds_s"]
+        data["kernels"] = {**kernels, "predicted_kinds_s": predicted}
+        for kind in sorted(set(kernels["kinds_s"]) | set(predicted) - {"view"}):
+            got, want = kernels["kinds_s"].get(kind, 0.0), predicted.get(kind, 0.0)
+            print(f"kernels {args.run} {kind:10s} {got * 1e3:8.2f} ms/step traced, {want * 1e3:8.2f} priced "
+                  f"(uncompiled, batch-linear): {_ratio(got, want)}")
+        print(f"kernels {args.run}: device busy {kernels['busy_s'] * 1e3:.2f} ms of a "
+              f"{data['measured_step_time_s'] * 1e3:.2f} ms step; busiest: "
+              + "; ".join(f"{k['name'][:60]} {k['seconds_per_step'] * 1e3:.2f} ms" for k in kernels["top"][:5]))
+    if not compiled and args.plan == "base":  # the eager run is priced by the compile=off twin of the layout
         eager = json.loads((args.results / "plan.json").read_text())["plans"]["eager"]
         data.update({k: eager[k] for k in ("predicted_step_time_s", "predicted_peak_memory_bytes")})
         if data.get("measured_mfu") is not None:  # the same FLOPs over the measured time: only the prediction differs
             data["predicted_mfu"] = eager["predicted_mfu"]
     _write(args.results, f"train_{args.run}", data)
     mfu = f", MFU {data['measured_mfu'] * 100:.1f}%" if data.get("measured_mfu") is not None else ""
+    if data.get("measured_peak_reserved_bytes"):
+        mfu += (f", reserved {data['measured_peak_reserved_bytes'] / 2**30:.2f} GiB (reserved / predicted "
+                f"{_ratio(data['measured_peak_reserved_bytes'], data['predicted_peak_memory_bytes'])})")
     print(f"train {args.run}: {data['measured_step_time_s'] * 1e3:.1f} ms/step (measured / predicted "
           f"{_ratio(data['measured_step_time_s'], data['predicted_step_time_s'])}){mfu}, peak "
           f"{data['measured_peak_memory_bytes'] / 2**30:.2f} GiB (measured / predicted "
@@ -296,7 +385,7 @@ def cmd_summary(args) -> None:
         return json.loads(path.read_text()) if path.is_file() else None
 
     plan = load("plan")
-    for run in ("compile", "eager", "selective", "full"):
+    for run in ("compile", "eager", "selective", "full", "moe", "long"):
         data = load(f"train_{run}")
         if data is None:
             rows.append((f"train {run}", "not run (or failed): see the log above"))
@@ -307,8 +396,14 @@ def cmd_summary(args) -> None:
         if data.get("measured_mfu") is not None:
             rows.append((f"train {run} MFU", _ratio(data["measured_mfu"], data["predicted_mfu"])))
         rows.append((f"train {run} recompiles", str(data["recompiles"])))
+        if data.get("measured_peak_reserved_bytes"):
+            rows.append((f"train {run} reserved memory", _ratio(data["measured_peak_reserved_bytes"],
+                                                                data["predicted_peak_memory_bytes"])))
+        for kind, got in sorted(data.get("kernels", {}).get("kinds_s", {}).items()):
+            rows.append((f"train {run} {kind} kernels / priced",
+                         _ratio(got, data["kernels"]["predicted_kinds_s"].get(kind))))
     compiled, eager = load("train_compile"), load("train_eager")
-    if compiled and eager and plan:
+    if compiled and eager and plan and plan.get("predicted_compile_speedup"):
         measured = eager["measured_step_time_s"] / compiled["measured_step_time_s"]
         rows.append(("compile speed-up (measured / predicted)",
                      f"{measured:.3f} / {plan['predicted_compile_speedup']:.3f} = "
@@ -341,6 +436,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run", default="compile")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="trace the last steps (train.py --profile) and sum "
+                        "their kernels per cost kind against the prediction")
+    parser.add_argument("--plans", default=",".join(PLANS), help="the plans the plan step makes (comma-separated)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds for the step's own subprocesses")
     args = parser.parse_args(argv)
     {"detect": cmd_detect, "plan": cmd_plan, "train": cmd_train, "calibrate": cmd_calibrate, "offload": cmd_offload,

@@ -19,8 +19,12 @@
 #   pytest_gpu  pytest -m gpu (the tests that skip without a CUDA GPU)
 #   plan        Llama-3.2-1B's shapes (benchmarks/models/llama32_1b.py) for --gpus 1 on the machine's profile
 #               (H100 or H200, detected): the search's plan, its layout without compile, and recompute=selective
-#               and recompute=full under compile
-#   train       20 steps compiled and 20 eager (step time, MFU, peak memory, the compile speed-up against the
+#               and recompute=full under compile; DeepSeek-V3 16B's first 4 layers (moe, eager) and Llama-3.2-1B
+#               at 32K tokens (long). GPU_CHECK_PLANS=base,moe,... makes some of them only
+#   train_moe, train_long  10 and 6 steps of those two, the last 2 traced (train.py --profile): step time, the
+#               allocated and the reserved peak memory, and the traced kernels' time per cost kind (GEMM, attention,
+#               memory, optimizer) against the priced ops of that kind
+#   train       20 steps compiled (the last 2 traced, as above) and 20 eager (step time, MFU, peak memory, the compile speed-up against the
 #               predicted one, recompiles counted from TORCH_LOGS=recompiles); 10 steps each of the selective and
 #               full plans under compile
 #   calibrate   autoplan calibrate on one rank: bf16 GEMM TFLOP/s, HBM bandwidth and launch overhead against the
@@ -71,9 +75,9 @@ FAILED=0
 if [ "$DEVICE" = cpu ]; then
     # the dry run checks the script on a CPU shared with other work: no time limit is a measurement there
     export TORCHDYNAMO_DISABLE=1
-    TRAIN_STEPS=3; SHORT_STEPS=2; OFFLOAD_STEPS=3; SLACK="${GPU_CHECK_SLACK:-5}"
+    TRAIN_STEPS=4; SHORT_STEPS=4; LONG_STEPS=4; OFFLOAD_STEPS=3; SLACK="${GPU_CHECK_SLACK:-5}"
 else
-    TRAIN_STEPS=20; SHORT_STEPS=10; OFFLOAD_STEPS=5; SLACK="${GPU_CHECK_SLACK:-1}"
+    TRAIN_STEPS=20; SHORT_STEPS=10; LONG_STEPS=6; OFFLOAD_STEPS=5; SLACK="${GPU_CHECK_SLACK:-1}"
 fi
 s() { echo $(( $1 * SLACK )); }  # a limit in seconds, scaled for the dry run
 
@@ -130,17 +134,19 @@ fi
 
 G="$PY benchmarks/gpu_check.py --device $DEVICE --results $RESULTS"
 step detect     5  $G detect
-step kernels   90  "$PY" benchmarks/gpu_kernels.py --device "$DEVICE" --results "$RESULTS" --budget-s "$(s 75)"
-step plan      70  $G plan
-step train_compile   95 $G train --plan base --run compile --steps "$TRAIN_STEPS" --timeout "$(s 90)"
-step train_selective 95 $G train --plan selective --run selective --steps "$SHORT_STEPS" --timeout "$(s 90)"
-step train_eager     95 $G train --plan base --run eager --no-compile --steps "$TRAIN_STEPS" --timeout "$(s 90)"
-step train_full      95 $G train --plan full --run full --steps "$SHORT_STEPS" --timeout "$(s 90)"
+step plan      90  $G plan --plans "${GPU_CHECK_PLANS:-base,selective,full,moe,long}"
+step train_moe     150 $G train --plan moe --run moe --steps "$SHORT_STEPS" --profile --timeout "$(s 145)"
+step train_long    150 $G train --plan long --run long --steps "$LONG_STEPS" --profile --timeout "$(s 145)"
+step train_compile   95 $G train --plan base --run compile --steps "$TRAIN_STEPS" --profile --timeout "$(s 90)"
+step checkpoint 150 $G checkpoint --timeout "$(s 45)"
 if [ "$DEVICE" = cuda ]; then
     step pytest_gpu 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_verify_gpu.py tests/test_gpu_runtime.py
 fi
+step kernels   90  "$PY" benchmarks/gpu_kernels.py --device "$DEVICE" --results "$RESULTS" --budget-s "$(s 75)"
+step train_selective 95 $G train --plan selective --run selective --steps "$SHORT_STEPS" --timeout "$(s 90)"
+step train_eager     95 $G train --plan base --run eager --no-compile --steps "$TRAIN_STEPS" --timeout "$(s 90)"
+step train_full      95 $G train --plan full --run full --steps "$SHORT_STEPS" --timeout "$(s 90)"
 step offload   40  $G offload --steps "$OFFLOAD_STEPS"
-step checkpoint 150 $G checkpoint --timeout "$(s 45)"
 step profile   50  $G profile
 step calibrate 40  $G calibrate --timeout "$(s 35)"
 step summary    5  $G summary

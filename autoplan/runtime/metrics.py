@@ -31,7 +31,8 @@ class StepMetrics:
     peak_flops_per_gpu: float | None = None
     """Dense peak FLOP/s of one GPU of the planned kind in the planned dtype (None: MFU not logged)."""
     history: list[dict] = field(default_factory=list)
-    """One record per step: step, loss, seconds, samples_per_s, tokens_per_s, mfu, peak_memory_bytes."""
+    """One record per step: step, loss, seconds, samples_per_s, tokens_per_s, mfu, peak_memory_bytes (and on CUDA
+    peak_reserved_bytes, the allocator's reserved peak)."""
 
     def record(self, step: int, loss: float, seconds: float, device: torch.device, verbose: bool) -> dict:
         """Log a step (peak memory is the largest over ranks: a collective, so every rank calls it). On CUDA
@@ -40,7 +41,8 @@ class StepMetrics:
         compilation; the first step's holds its own compilation."""
         entry = {"step": step, "loss": loss, "seconds": seconds, "samples_per_s": self.global_batch / seconds,
                  "peak_memory_bytes": int(max_over_ranks(peak_memory_bytes(device), device))}
-        if device.type == "cuda":
+        if device.type == "cuda":  # what the caching allocator holds from the device, beside what tensors use
+            entry["peak_reserved_bytes"] = int(max_over_ranks(torch.cuda.max_memory_reserved(device), device))
             torch.cuda.reset_peak_memory_stats(device)
         text = f"step {step} | loss {loss:.6f} | {seconds * 1e3:.1f} ms | {entry['samples_per_s']:.1f} samples/s"
         if self.tokens_per_sample:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import autoplan
 from autoplan import runtime
 
-RUNTIME_API = 9  # the version of autoplan's interface to programs (autoplan.runtime) this one was generated for
+RUNTIME_API = 10  # the version of autoplan's interface to programs (autoplan.runtime) this one was generated for
 runtime.check_runtime_api(RUNTIME_API)  # before any other autoplan name: one line and exit 2 if autoplan differs
 
 # ----------------------------------------------------------------------------------------------
@@ -88,6 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="keep the newest K checkpoints, older ones to fall back on should the newest not load "
                              "(0: all; default %(default)s)")
     parser.add_argument("--losses-out", type=Path, help="write the per-step losses here (JSON list, after every step)")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="trace the last steps with torch.profiler into DIR (a Chrome/Perfetto trace per rank)")
     parser.add_argument("--metrics-out", type=Path,
                         help="write losses, step times and peak memory here (JSON, the steps after every step)")
     parser.add_argument("--tensorboard", type=Path, nargs="?", const=runtime.default_log_dir(__file__), metavar="DIR",
@@ -196,6 +198,7 @@ def main(argv=None) -> list[float]:
     # rank 0 extends --losses-out and --metrics-out after every step: a killed run keeps what it trained
     losses_file = runtime.AppendedJson(args.losses_out if rank.rank == 0 else None)
     steps_file = runtime.AppendedJson(args.metrics_out if rank.rank == 0 else None, {"first_step": first_step})
+    profiler = runtime.StepProfiler(args.profile, args.steps - first_step, rank.rank, device)  # --profile
     for step in range(first_step, args.steps):
         tracked = args.metrics_out is not None and step == args.steps - 1
         start = time.perf_counter()
@@ -211,9 +214,11 @@ def main(argv=None) -> list[float]:
         board.add_step(entry)  # --tensorboard: measured beside predicted, rank 0 only
         losses_file.append(losses[-1])
         steps_file.append(entry)
+        profiler.step()
         if checkpoints.due(step + 1, args.steps, args.checkpoint_every):
             checkpoints.save(step + 1)
 
+    profiler.close()
     board.close()
     losses_file.close()
     steps_file.close()
