@@ -29,14 +29,16 @@ MODELS_DIR = ROOT / "benchmarks" / "models"
 MODELS = {"cuda": MODELS_DIR / "llama32_1b.py", "cpu": MODELS_DIR / "llama32_1b_shrunk.py"}
 """The model each mode plans: Llama-3.2-1B's shapes on a GPU, the shrunken copy in the CPU dry run."""
 PLANS = {"base": "", "selective": "recompute=selective,compile=on", "full": "recompute=full,compile=on",
-         "moe": "compile=off", "long": ""}
+         "moe": "compile=off", "moe_compiled": "compile=on", "long": ""}
 """Plans made for one device: the search's own choice, and selective and full recompute under compile. The
 eager run trains the base plan with --no-compile, priced by the search's candidate of the same layout with
 compile off (the predicted compile speed-up is the ratio of the two predictions). moe and long plan other models
 (PLAN_MODELS)."""
-PLAN_MODELS = {"moe": (MODELS_DIR / "deepseek_v3_16b_4layers.py", 4), "long": (MODELS_DIR / "llama32_1b_32k.py", 1)}
+PLAN_MODELS = {"moe": (MODELS_DIR / "deepseek_v3_16b_4layers.py", 4),
+               "moe_compiled": (MODELS_DIR / "deepseek_v3_16b_4layers.py", 4),
+               "long": (MODELS_DIR / "llama32_1b_32k.py", 1)}
 """On a GPU, the model and global batch of the plans that do not train Llama-3.2-1B at 2K tokens: DeepSeek-V3 16B's
-first 4 layers (MLA, 64 experts top-6; torchtitan's micro-batch 4 of runs_frontier.csv's row) eager, and
+first 4 layers (MLA, 64 experts top-6; torchtitan's micro-batch 4 of runs_frontier.csv's row) eager and compiled, and
 Llama-3.2-1B at 32K tokens. The CPU dry run plans the shrunken Llama for them (it checks the script)."""
 KERNEL_KINDS = (("attention", ("flash", "fmha", "sdpa", "attention", "attn", "mha")),
                 ("gemm", ("gemm", "cutlass", "cublas", "nvjet", "xmma", "wgmma", "grouped_mm", "_mm_", "splitk")),
@@ -385,7 +387,7 @@ def cmd_summary(args) -> None:
         return json.loads(path.read_text()) if path.is_file() else None
 
     plan = load("plan")
-    for run in ("compile", "eager", "selective", "full", "moe", "long"):
+    for run in ("compile", "eager", "selective", "full", "moe", "moe_compiled", "long"):
         data = load(f"train_{run}")
         if data is None:
             rows.append((f"train {run}", "not run (or failed): see the log above"))

@@ -21,7 +21,7 @@
 #               (H100 or H200, detected): the search's plan, its layout without compile, and recompute=selective
 #               and recompute=full under compile; DeepSeek-V3 16B's first 4 layers (moe, eager) and Llama-3.2-1B
 #               at 32K tokens (long). GPU_CHECK_PLANS=base,moe,... makes some of them only
-#   train_moe, train_long  10 and 6 steps of those two, the last 2 traced (train.py --profile): step time, the
+#   train_moe, train_moe_compiled, train_long  10, 10 and 6 steps of those (the MoE eager and compiled), the last 2 traced (train.py --profile): step time, the
 #               allocated and the reserved peak memory, and the traced kernels' time per cost kind (GEMM, attention,
 #               memory, optimizer) against the priced ops of that kind
 #   train       20 steps compiled (the last 2 traced, as above) and 20 eager (step time, MFU, peak memory, the compile speed-up against the
@@ -134,8 +134,9 @@ fi
 
 G="$PY benchmarks/gpu_check.py --device $DEVICE --results $RESULTS"
 step detect     5  $G detect
-step plan      90  $G plan --plans "${GPU_CHECK_PLANS:-base,selective,full,moe,long}"
+step plan      90  $G plan --plans "${GPU_CHECK_PLANS:-base,selective,full,moe,moe_compiled,long}"
 step train_moe     150 $G train --plan moe --run moe --steps "$SHORT_STEPS" --profile --timeout "$(s 145)"
+step train_moe_compiled 150 $G train --plan moe_compiled --run moe_compiled --steps "$SHORT_STEPS" --profile --timeout "$(s 145)"
 step train_long    150 $G train --plan long --run long --steps "$LONG_STEPS" --profile --timeout "$(s 145)"
 step train_compile   95 $G train --plan base --run compile --steps "$TRAIN_STEPS" --profile --timeout "$(s 90)"
 step checkpoint 150 $G checkpoint --timeout "$(s 45)"

@@ -154,3 +154,52 @@ def test_experts_modules_are_told_from_routers_and_plain_mlps():
                                 num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
     found = [name for name, module in model.named_modules() if is_experts_module(module)]
     assert found == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]  # not the routers (mlp.gate)
+
+
+def _grouped_matmul_dtypes(model, inputs):
+    """The operand dtypes of every matmul the model's forward and backward run (grouped or per expert)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import torch
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__
+            if "grouped_mm" in name or name.split(".")[0] in ("mm", "bmm", "addmm"):
+                seen.append((name, tuple(a.dtype for a in args if isinstance(a, torch.Tensor))))
+            return func(*args, **(kwargs or {}))
+
+    with Record(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(**inputs).logits.float().sum().backward()
+    return seen
+
+
+def test_experts_compute_in_the_plans_dtype_under_autocast_without_expert_parallelism():
+    """autocast casts torch.mm but not torch._grouped_mm, so transformers casts the tokens to the fp32 expert weights
+    and the experts ran in fp32 on a GPU (measured by gpu_check's moe step: fp32 GEMM kernels, 6.7x the priced
+    time). parallelize_experts at ep=1 in bf16 casts the experts' weights as autocast casts a Linear's: every
+    matmul then takes bf16 operands, and the gradients still reach the fp32 parameters."""
+    import importlib.util
+
+    import torch
+    from torch import nn
+
+    from autoplan.runtime.expert_parallel import parallelize_experts
+
+    spec = importlib.util.spec_from_file_location("autoplan_test_zoo_dtype", ROOT / "benchmarks" / "zoo" / "causal_lm.py")
+    zoo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zoo)
+    torch.manual_seed(0)
+    model = zoo.qwen2_moe()
+    inputs, _ = zoo.example_batch(2)
+    before = [d for name, d in _grouped_matmul_dtypes(model, inputs) if torch.float32 in d]
+    assert before, "the experts' matmuls ran in bf16 without the cast: the test no longer shows the fault"
+    model.zero_grad(set_to_none=True)
+    parallelize_experts(nn.ModuleList([model]), "cpu", dp=1, ep=1, dtype=torch.bfloat16)
+    after = _grouped_matmul_dtypes(model, inputs)
+    assert after and all(torch.float32 not in d for _, d in after), [x for x in after if torch.float32 in x[1]]
+    experts = [p for n, p in model.named_parameters() if ".experts." in n]
+    assert experts and all(p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32
+                           for p in experts)

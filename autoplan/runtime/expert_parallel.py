@@ -250,6 +250,10 @@ def parallelize_experts(module: nn.Module, device_type: str, dp: int, ep: int,
     from torch.distributed.tensor import DTensor, Shard
 
     if ep == 1:
+        if dtype != torch.float32:  # autocast leaves grouped matmuls (torch._grouped_mm) in the weights' fp32
+            for sub in module.modules():
+                if is_experts_module(sub):
+                    _compute_on_local_tensors(sub, dtype)
         return ExpertParallel([], None, dp * cp)
     if tp > 1 and (tp_mesh is None or tp_mesh.size() != tp):
         raise ValueError(f"expert parallelism with tp={tp} needs the plan's tensor-parallel mesh of {tp} ranks")
@@ -319,7 +323,11 @@ class TensorParallelTokens:
 
 def _compute_on_local_tensors(module: nn.Module, dtype: torch.dtype) -> None:
     """Run `module`'s forward with its DTensor parameters replaced by their local tensors (differentiable: the
-    gradients reach the DTensors), cast to `dtype`."""
+    gradients reach the DTensors), and every parameter cast to `dtype`: an experts module's matmuls are grouped
+    (torch._grouped_mm, which autocast does not cast: transformers then casts the tokens to the fp32 weights), so
+    without the cast they would run in fp32 where the plan priced the compute dtype, as torch.mm under autocast."""
+    from torch.distributed.tensor import DTensor
+
     routed = module.forward
 
     def forward(*args, **kwargs):
@@ -327,7 +335,8 @@ def _compute_on_local_tensors(module: nn.Module, dtype: torch.dtype) -> None:
         try:
             for name, param in saved.items():
                 if param is not None:
-                    module._parameters[name] = param.to_local().to(dtype)
+                    local = param.to_local() if isinstance(param, DTensor) else param
+                    module._parameters[name] = local.to(dtype)
             return routed(*args, **kwargs)
         finally:
             module._parameters.update(saved)
