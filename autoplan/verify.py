@@ -277,9 +277,15 @@ def run_train_py(out_dir: Path, device: str, nproc: int, args: tuple[str, ...], 
     return run
 
 
+VERIFY_CLIP_GRAD_NORM = 1e-3
+"""The gradient clipping norm of both runs of a parity check: below any model's gradient norm, so clipping always
+acts and the first step's gradients (compared after clipping) hold the global norm each layout computes."""
+
+
 def run_args(steps: int) -> tuple[str, ...]:
-    """train.py arguments both runs of a parity check take: CPU, `steps` steps, dropout the identity."""
-    return ("--device", "cpu", "--steps", str(steps), "--no-dropout")
+    """train.py arguments both runs of a parity check take: CPU, `steps` steps, dropout the identity, clipping that
+    always acts (VERIFY_CLIP_GRAD_NORM); the learning rate schedule is train.py's own."""
+    return ("--device", "cpu", "--steps", str(steps), "--no-dropout", "--clip-grad-norm", str(VERIFY_CLIP_GRAD_NORM))
 
 
 def dropout_handling(path: Path) -> str:

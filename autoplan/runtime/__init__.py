@@ -17,7 +17,7 @@ from autoplan.runtime.compile import compile_modules
 from autoplan.runtime.config import ParallelConfig
 from autoplan.runtime.data import TrainingData, microbatches, shard, step_batch, to_device
 from autoplan.runtime.dropout import NoDropout
-from autoplan.runtime.gradients import full_gradients, save_gradients, save_reference_gradients
+from autoplan.runtime.gradients import clip_grad_norm_, full_gradients, save_gradients, save_reference_gradients
 from autoplan.runtime.interface import MISMATCH_EXIT_CODE, RUNTIME_API, check_runtime_api, runtime_api_mismatch
 from autoplan.runtime.materialize import (ModelPart, TensorEntry, build_on_meta, build_seeded, catalog, materialize,
                                           materialize_from, named_tensors)
@@ -39,7 +39,7 @@ __all__ = [
     "AccumulationStep", "AppendedJson", "Checkpointer", "DEFAULT_KEEP_CHECKPOINTS", "MISMATCH_EXIT_CODE", "ModelPart", "NoDropout", "ParallelConfig",
     "Parallelized", "PeakLiveMemory", "PipelineSplit", "PipelineStep", "RUNTIME_API", "RankLayout", "StepMetrics", "StepProfiler",
     "TensorBoardLog", "TensorEntry", "TiedGradients", "TiedParameter", "TrainingData", "adamw", "build_on_meta",
-    "build_seeded", "call_model", "catalog", "check_runtime_api", "checkpoint_modules", "compile_modules",
+    "build_seeded", "call_model", "catalog", "check_runtime_api", "checkpoint_modules", "clip_grad_norm_", "compile_modules",
     "compute_dtype", "compute_loss", "default_log_dir", "default_loss", "device_mesh", "exit_skipping_teardown",
     "full_gradients",
     "gather_rank_metrics", "global_mean_loss", "init_plan_mesh", "load_source", "local_stages", "materialize",

@@ -38,6 +38,7 @@ from autoplan.runtime.config import ParallelConfig, as_config
 from autoplan.runtime.context_parallel import ContextParallelRegion, PipelineContextParallel
 from autoplan.runtime.data import batch_size_of, shard, to_device
 from autoplan.runtime.expert_parallel import ExpertParallel, parallelize_experts
+from autoplan.runtime.gradients import clip_grad_norm_
 from autoplan.runtime.materialize import ModelPart, catalog, materialize_from, named_tensors
 from autoplan.runtime.mesh import (MESH_DIMS, RankLayout, device_mesh, global_mean_loss, local_device, local_stages,
                                    rank_layout)
@@ -112,6 +113,13 @@ class Parallelized:
         self.tied.sum_gradients()
         self.experts.reduce_gradients()  # without FSDP2: the expert gradients summed over the ranks holding them
         return local_loss
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the gradients forward_backward left to a global norm of at most `max_norm` (0: measure only), as
+        torch.nn.utils.clip_grad_norm_ does on one device, whatever the layout; returns the norm before clipping
+        (runtime/gradients.py). A collective: call it on every rank, after forward_backward."""
+        pp_group = self.mesh["pp"].get_group() if self.rank.pp_size > 1 else None
+        return clip_grad_norm_(self.parameters(), max_norm, pp_group, self.tied.copies_counted_elsewhere)
 
     def global_loss(self, local_loss: torch.Tensor | None) -> float:
         """The mean loss over the global batch, from every rank's forward_backward result (a collective:

@@ -3,9 +3,11 @@
 The loss parity alone cannot see a gradient summed or averaged with the wrong factor: AdamW's update is
 (nearly) invariant to a parameter's gradient scale, so a layout that halves every expert gradient trains to
 the same losses. train.py --gradients-out DIR therefore writes, after the first step's forward and backward
-(before the optimizer step), the gradient of the global batch's mean loss of each parameter it holds to
+(before the optimizer step), the gradient of the global batch's mean loss of each parameter it holds (clipped) to
 DIR/rank<R>.pt (the reference: DIR/rank0.pt), and autoplan.verify compares every rank's file with the
-reference's, parameter by parameter.
+reference's, parameter by parameter. They are written after clipping (clip_grad_norm_): verify runs both sides
+with a clipping norm below any gradient norm (verify.VERIFY_CLIP_GRAD_NORM), so every gradient is scaled by the
+global norm each layout computes, and a norm computed wrongly on some layout shows as every gradient off.
 
 How a rank's gradients become the model's full tensors:
   names      a pipeline stage's names map to the model's by PipelineSplit.state_fqns; the names wrappers add
@@ -98,3 +100,45 @@ def _full_or_zeros(param: torch.Tensor) -> torch.Tensor:
     if hasattr(grad, "full_tensor"):
         grad = grad.full_tensor()
     return grad.detach().to(device="cpu", dtype=torch.float32).clone()
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Any, max_norm: float, pp_group: dist.ProcessGroup | None = None,
+                    counted_elsewhere: frozenset[int] = frozenset()) -> float:
+    """Scale the gradients of `parameters` so that the global gradient norm (the L2 norm of every gradient of the
+    whole model, as one device computes it with torch.nn.utils.clip_grad_norm_) is at most `max_norm`; returns that
+    norm before clipping. `max_norm` 0: measure only.
+
+    Each rank holds part of the model: DTensor gradients (FSDP2's shards, tensor-parallel and expert-parallel
+    weights) are normed with DTensor's own reduction over their mesh (one collective per mesh and placement: the
+    ranks of a mesh hold the same parameter lists in the same order); plain gradients are whole and the same on
+    every rank holding them (DDP's are averaged already). A pipeline rank holds its stages only: the squares are
+    summed over `pp_group`. A weight tied across pipeline stages holds the summed gradient on each of its stages:
+    the copies whose id is in `counted_elsewhere` are left out of the norm (and scaled like the rest)."""
+    from torch.distributed.tensor import DTensor
+
+    held = [p for p in parameters if p.grad is not None]
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in held:  # one norm per mesh and placement (DTensors) or per device (plain tensors)
+        if id(p) in counted_elsewhere:
+            continue
+        grad = p.grad
+        key = (id(grad.device_mesh), tuple(grad.placements)) if isinstance(grad, DTensor) else ("plain", grad.device)
+        groups.setdefault(key, []).append(grad)
+    squares = torch.zeros((), dtype=torch.float64)
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, 2.0)
+        if isinstance(norm, DTensor):  # a collective over the gradients' mesh
+            norm = norm.full_tensor()
+        squares += norm.to("cpu", torch.float64) ** 2
+    if pp_group is not None:  # each pipeline rank holds its own stages
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pp_group) == "nccl" else "cpu"
+        summed = squares.to(device, torch.float64)
+        dist.all_reduce(summed, group=pp_group)
+        squares = summed.cpu()
+    total = float(squares.sqrt())
+    coefficient = max_norm / (total + 1e-6)  # torch.nn.utils.clip_grad_norm_'s
+    if max_norm > 0 and coefficient < 1.0:
+        for p in held:
+            p.grad.mul_(coefficient)
+    return total

@@ -34,7 +34,8 @@ class StepMetrics:
     """One record per step: step, loss, seconds, samples_per_s, tokens_per_s, mfu, peak_memory_bytes (and on CUDA
     peak_reserved_bytes, the allocator's reserved peak)."""
 
-    def record(self, step: int, loss: float, seconds: float, device: torch.device, verbose: bool) -> dict:
+    def record(self, step: int, loss: float, seconds: float, device: torch.device, verbose: bool,
+               lr: float | None = None, grad_norm: float | None = None) -> dict:
         """Log a step (peak memory is the largest over ranks: a collective, so every rank calls it). On CUDA
         each step's peak is its own: the allocator's peak is reset after reading it (parallelize resets it
         after building the model), so a step's number holds neither the materialization nor an earlier step's
@@ -44,7 +45,14 @@ class StepMetrics:
         if device.type == "cuda":  # what the caching allocator holds from the device, beside what tensors use
             entry["peak_reserved_bytes"] = int(max_over_ranks(torch.cuda.max_memory_reserved(device), device))
             torch.cuda.reset_peak_memory_stats(device)
-        text = f"step {step} | loss {loss:.6f} | {seconds * 1e3:.1f} ms | {entry['samples_per_s']:.1f} samples/s"
+        text = f"step {step} | loss {loss:.6f}"
+        if lr is not None:
+            entry["lr"] = lr
+            text += f" | lr {lr:.3g}"
+        if grad_norm is not None:
+            entry["grad_norm"] = grad_norm
+            text += f" | grad norm {grad_norm:.3f}"
+        text += f" | {seconds * 1e3:.1f} ms | {entry['samples_per_s']:.1f} samples/s"
         if self.tokens_per_sample:
             entry["tokens_per_s"] = entry["samples_per_s"] * self.tokens_per_sample
             text += f" | {entry['tokens_per_s']:.0f} tokens/s"

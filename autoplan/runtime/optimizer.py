@@ -18,13 +18,14 @@ import torch
 from autoplan.plan import OPTIMIZER_IMPLEMENTATIONS
 
 
-def adamw(params: Iterable[torch.nn.Parameter], lr: float, implementation: str = "fused") -> torch.optim.AdamW:
+def adamw(params: Iterable[torch.nn.Parameter], lr: float, implementation: str = "fused", weight_decay: float = 0.01,
+          betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.AdamW:
     """AdamW over `params` in `implementation` (one of plan.OPTIMIZER_IMPLEMENTATIONS), one parameter group per tensor kind
-    (DTensor or plain), in the parameters' first-seen order."""
+    (DTensor or plain), in the parameters' first-seen order; weight decay and betas default to torch's."""
     if implementation not in OPTIMIZER_IMPLEMENTATIONS:
         raise ValueError(f"optimizer implementation {implementation!r} must be {' | '.join(OPTIMIZER_IMPLEMENTATIONS)}")
     flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[implementation]
-    return torch.optim.AdamW(param_groups(params), lr=lr, **flags)
+    return torch.optim.AdamW(param_groups(params), lr=lr, weight_decay=weight_decay, betas=tuple(betas), **flags)
 
 
 def param_groups(params: Iterable[torch.nn.Parameter]) -> list[dict[str, list[torch.nn.Parameter]]]:

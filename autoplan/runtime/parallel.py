@@ -155,8 +155,12 @@ class TiedGradients:
     def __init__(self, split: PipelineSplit | None, mesh: DeviceMesh, parts: Mapping[int, nn.Module],
                  layout: RankLayout) -> None:
         self.tied: list[tuple[list[torch.Tensor], dist.ProcessGroup | None]] = []
+        self.copies_counted_elsewhere: frozenset[int] = frozenset()
+        """The ids of this rank's copies of tied weights on any stage but the weight's first: their (summed)
+        gradient is the first stage's copy's, which a gradient norm counts once (runtime.clip_grad_norm_)."""
         if split is None:
             return
+        elsewhere: set[int] = set()
         ranks = mesh.mesh  # (pp, dp_replicate, dp_shard, cp, tp) -> global rank
         me, pp = dist.get_rank(), layout.pp_size
         states = {s: named_state(module) for s, module in parts.items()}
@@ -169,8 +173,11 @@ class TiedGradients:
                     group = dist.new_group(members)
                     mine = group if me in members else mine
             copies = [states[s][name] for s, name in zip(tied.stages, tied.names) if s in states]
+            elsewhere.update(id(states[s][name]) for s, name in zip(tied.stages, tied.names)
+                             if s in states and s != min(tied.stages))
             if copies:
                 self.tied.append((copies, mine))
+        self.copies_counted_elsewhere = frozenset(elsewhere)
 
     @torch.no_grad()
     def sum_gradients(self) -> None:

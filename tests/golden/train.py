@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import gc
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -114,6 +115,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10, help="train until this many optimizer steps are done")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    # the optimizer: AdamW, the learning rate warmed up linearly then decayed on a cosine to --min-lr at --steps
+    parser.add_argument("--lr", type=float, default=LEARNING_RATE, help="peak learning rate (default: the plan's)")
+    parser.add_argument("--min-lr", type=float, default=None, help="learning rate at the last step (default: lr / 10)")
+    parser.add_argument("--warmup-steps", type=int, default=None, metavar="N",
+                        help="steps of linear warmup (default: 5%% of --steps)")
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95), metavar=("BETA1", "BETA2"))
+    parser.add_argument("--clip-grad-norm", type=float, default=1.0, metavar="MAX",
+                        help="clip the gradients to this global norm before each update (0: no clipping)")
     parser.add_argument("--process-group-timeout", type=float, default=PROCESS_GROUP_TIMEOUT_S, metavar="SECONDS",
                         help="how long a collective waits for every rank before failing (default: sized to the "
                              "time rank 0 takes to build the model on the CPU while the others wait)")
@@ -151,7 +161,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dropout-out", type=Path,
                         help="with --no-dropout: write the dropout calls it disabled per step here (JSON)")
     parser.add_argument("--gradients-out", type=Path, metavar="DIR",
-                        help="after the first step's backward, write every parameter's gradient as a full tensor by "
+                        help="after the first step's backward and clipping, write every parameter's gradient as a "
+                             "full tensor by "
                              "the model's name to DIR/rank<R>.pt, each rank its own (autoplan verify compares them "
                              "with the reference's)")
     args = parser.parse_args(argv)
@@ -161,24 +172,41 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--checkpoint-every must be 0 (at the end only) or a number of steps, not {args.checkpoint_every}")
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
+    args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
+    args.warmup_steps = args.steps // 20 if args.warmup_steps is None else args.warmup_steps
+    if args.warmup_steps < 0 or args.clip_grad_norm < 0:
+        parser.error(f"--warmup-steps ({args.warmup_steps}) and --clip-grad-norm ({args.clip_grad_norm}) must be >= 0")
     return args
 
 
-def train_reference(model_source, device: torch.device, steps: int, gradients_out=None) -> list[float]:
-    """The single-device baseline: same initial weights, same batches, same optimizer, in fp32; with
-    gradients_out, the first step's gradients written there (runtime.save_reference_gradients)."""
+def get_lr(step: int, args) -> float:
+    """The learning rate of `step` (from 0): linear warmup over args.warmup_steps, then a cosine from args.lr down
+    to args.min_lr at the last step (nanoGPT's schedule)."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / (args.warmup_steps + 1)
+    decay_steps = max(1, args.steps - 1 - args.warmup_steps)
+    ratio = min(1.0, (step - args.warmup_steps) / decay_steps)
+    return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr)
+
+
+def train_reference(model_source, device: torch.device, args) -> list[float]:
+    """The single-device baseline: same initial weights, same batches, same optimizer, schedule and clipping, in
+    fp32; with --gradients-out, the first step's gradients written there (runtime.save_reference_gradients)."""
     torch.manual_seed(SEED)
     model = model_source.build_model().to(device)
-    optimizer = runtime.adamw(model.parameters(), LEARNING_RATE, OPTIMIZER_IMPLEMENTATION)
+    optimizer = runtime.adamw(model.parameters(), args.lr, OPTIMIZER_IMPLEMENTATION, args.weight_decay, args.betas)
     data = runtime.TrainingData(model_source, GLOBAL_BATCH, SEED, dp_rank=0, dp_size=DP)
     losses = []
-    for step in range(steps):
+    for step in range(args.steps):
         inputs, targets = runtime.to_device(data.global_batch_of(step), device)
         optimizer.zero_grad(set_to_none=True)
         loss = runtime.compute_loss(model_source.loss_fn, runtime.call_model(model, inputs), targets)
         loss.backward()
-        if gradients_out and step == 0:
-            runtime.save_reference_gradients(gradients_out, model)
+        runtime.clip_grad_norm_(list(model.parameters()), args.clip_grad_norm)
+        if args.gradients_out and step == 0:
+            runtime.save_reference_gradients(args.gradients_out, model)
+        for group in optimizer.param_groups:
+            group["lr"] = get_lr(step, args)
         optimizer.step()
         losses.append(loss.item())
         print(f"step {step} | loss {losses[-1]:.6f}")
@@ -217,7 +245,7 @@ def main(argv=None) -> list[float]:
     dropout = runtime.NoDropout(enabled=args.no_dropout)  # entered around the training steps only
     if args.reference:
         with dropout:
-            losses = train_reference(model_source, device, args.steps, args.gradients_out)
+            losses = train_reference(model_source, device, args)
         if args.losses_out:
             args.losses_out.write_text(json.dumps(losses))
         if args.dropout_out:
@@ -229,7 +257,7 @@ def main(argv=None) -> list[float]:
     mesh = autoplan.init_mesh(config, device, timeout_s=args.process_group_timeout)
     parallel = build_parallel_model(model_source, config, mesh, device)
     rank, parts = parallel.rank, parallel.parts
-    optimizer = runtime.adamw(parallel.parameters(), LEARNING_RATE, OPTIMIZER_IMPLEMENTATION)
+    optimizer = runtime.adamw(parallel.parameters(), args.lr, OPTIMIZER_IMPLEMENTATION, args.weight_decay, args.betas)
 
     checkpoints = runtime.Checkpointer(args.checkpoint_dir, parts, optimizer, pipelined=PP > 1,
                                        keep=args.keep_checkpoints)
@@ -251,11 +279,16 @@ def main(argv=None) -> list[float]:
             inputs, targets = runtime.to_device(data.batch(step), device)  # this data-parallel rank's share
             optimizer.zero_grad(set_to_none=True)
             local_loss = parallel.forward_backward(inputs, targets)  # and tied weights' gradients summed
+            grad_norm = parallel.clip_grad_norm_(args.clip_grad_norm)  # the whole model's norm, on every layout
             if args.gradients_out and step == first_step:  # full tensors by the model's names (a collective)
                 runtime.save_gradients(args.gradients_out, parallel)
+            lr = get_lr(step, args)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
             optimizer.step()
         losses.append(runtime.global_mean_loss(local_loss, rank, device))  # mean over the global batch
-        entry = metrics.record(step, losses[-1], time.perf_counter() - start, device, verbose=rank.rank == 0)
+        entry = metrics.record(step, losses[-1], time.perf_counter() - start, device, verbose=rank.rank == 0,
+                               lr=lr, grad_norm=grad_norm)
         board.add_step(entry)  # --tensorboard: measured beside predicted, rank 0 only
         losses_file.append(losses[-1])
         steps_file.append(entry)
