@@ -11,7 +11,9 @@ random numbers than the reference. The reference counts the dropout calls it dis
 
 The losses cannot show a gradient summed or averaged with a wrong factor: AdamW's update is (nearly)
 invariant to a parameter's gradient scale (every expert gradient halved trained to the same losses within
-1.4e-6). So both runs also write, after the first step's backward (--gradients-out, runtime/gradients.py),
+1.4e-6), and to gradient clipping's global scale. So both runs clip below any gradient norm
+(--clip-grad-norm VERIFY_CLIP_GRAD_NORM: the clipping always acts) and write, after the first step's backward and
+clipping (--gradients-out, runtime/gradients.py),
 every parameter's gradient as a full tensor by the model's name, each rank its own file, and every gradient
 every rank reports is compared with the reference's: max |grad - reference| / max |reference| per parameter
 (at least GRADIENT_FLOOR of the model's largest gradient entry in the denominator: some gradients are zero but

@@ -339,7 +339,7 @@ def cmd_checkpoint(args) -> None:
 
     straight = losses("straight", "--steps", "4")
     checkpoints = folder / "checkpoints"
-    losses("saved", "--steps", "2", "--checkpoint-dir", str(checkpoints))
+    losses("saved", "--steps", "2", "--decay-steps", "4", "--checkpoint-dir", str(checkpoints))
     resumed = losses("resumed", "--steps", "4", "--checkpoint-dir", str(checkpoints), "--resume")
     tolerance = 1e-2 if args.device == "cuda" else 1e-5  # bf16 kernels need not be bitwise repeatable
     diff = max(abs(a - b) for a, b in zip(resumed, straight[-len(resumed):]))

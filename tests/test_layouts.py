@@ -209,10 +209,12 @@ def model_layout(root: Path, model: str, layout: str, parallelism: dict) -> Path
 
 
 def resume_jobs(out: Path, world: int, first: int) -> list[BatchJob]:
-    """Uninterrupted 4 steps; 2 steps saving a checkpoint; resume to step 4 on the same ranks."""
+    """Uninterrupted 4 steps; 2 steps of the same 4-step schedule saving a checkpoint; resume to step 4 on the same
+    ranks."""
     common = ("--device", "cpu", "--checkpoint-dir", str(out / "checkpoints"))
     return [BatchJob(out, ("--device", "cpu", "--steps", "4", "--losses-out", str(out / "uninterrupted.json")), world),
-            BatchJob(out, (*common, "--steps", "2", "--losses-out", str(out / "first_half.json")), world),
+            BatchJob(out, (*common, "--steps", "2", "--decay-steps", "4", "--losses-out", str(out / "first_half.json")),
+                     world),
             BatchJob(out, (*common, "--steps", "4", "--resume", "--losses-out", str(out / "resumed.json")), world,
                      same_ranks_as=first + 1)]
 

@@ -57,6 +57,11 @@ PROGRAMS = {"custom_loop": RECIPES / "custom_loop.py", "lightning": RECIPES / "l
 """The recipes that train with autoplan.parallelize; the last two run only when their package is installed."""
 
 
+PLAIN_ADAMW = ("--clip-grad-norm", "0", "--warmup-steps", "0", "--weight-decay", "0.01", "--betas", "0.9", "0.999")
+"""train.py's flags for the recipes' optimizer (torch.optim.AdamW's defaults at the plan's rate, no clipping); with
+--min-lr at the plan's rate the schedule is constant."""
+
+
 def installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
@@ -81,10 +86,12 @@ def launched(planned, tmp_path_factory) -> Launched:
         for name, folder in planned.items():
             losses = out / f"{name}-{program}.json"
             common = ("--steps", str(STEPS), "--device", "cpu", "--losses-out", str(losses))
-            if program == "train.py":
-                jobs.append(BatchJob(folder, common, 2))
+            if program == "train.py":  # the recipes' optimizer: AdamW as torch sets it, a constant rate, no clipping
+                rate = str(autoplan.load_plan(folder).training.learning_rate)
+                jobs.append(BatchJob(folder, (*common, *PLAIN_ADAMW, "--min-lr", rate), 2))
             else:
-                jobs.append(BatchJob(folder, (str(folder), *common), 2, program=PROGRAMS[program]))
+                extra = ("--clip-grad-norm", "0") if program == "custom_loop" else ()
+                jobs.append(BatchJob(folder, (str(folder), *common, *extra), 2, program=PROGRAMS[program]))
             keys.append((name, program))
     errors = run_batch(jobs, nproc=2, timeout_s=1200)
     return Launched(losses={key: out / f"{key[0]}-{key[1]}.json" for key in keys}, errors=dict(zip(keys, errors)))

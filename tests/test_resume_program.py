@@ -88,7 +88,7 @@ def runs(tmp_path_factory):
         BatchJob(out, (*resume, "--losses-out", str(root / "fell_back.json"), "--metrics-out",
                        str(root / "fell_back_metrics.json")), 2),
         BatchJob(out, (*resume, "--losses-out", str(root / "nothing_left.json")), 2),
-        BatchJob(out, ("--device", "cpu", "--steps", "2", "--checkpoint-dir", str(empty), "--resume",
+        BatchJob(out, ("--device", "cpu", "--steps", "2", "--decay-steps", "4", "--checkpoint-dir", str(empty), "--resume",
                        "--losses-out", str(root / "from_scratch.json")), 2),
         BatchJob(out, (str(out / "train.py"), *common, "--losses-out", str(root / "died.json"), "--metrics-out",
                        str(root / "died_metrics.json")), 2, program=root / "dies.py"),

@@ -48,6 +48,8 @@ def main(argv=None) -> list[float]:
     parser.add_argument("--model", type=Path, help="the model file (default: the plan folder's copy, model_code/)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--clip-grad-norm", type=float, default=1.0,
+                        help="clip the gradients to this global norm (0: no clipping)")
     parser.add_argument("--losses-out", type=Path, help="write the per-step losses here (JSON list)")
     args = parser.parse_args(argv)
 
@@ -76,6 +78,8 @@ def main(argv=None) -> list[float]:
         inputs, targets = parallel.shard_batch(*model_file.example_batch(global_batch))
         optimizer.zero_grad(set_to_none=True)
         local_loss = parallel.forward_backward(to_device(inputs, device), to_device(targets, device))
+        if args.clip_grad_norm > 0:  # the global norm over every rank's share, as on one device
+            parallel.clip_grad_norm_(args.clip_grad_norm)
         optimizer.step()
         losses.append(parallel.global_loss(local_loss))  # the mean over the global batch, on every rank
         if parallel.rank.rank == 0:

@@ -119,7 +119,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=LEARNING_RATE, help="peak learning rate (default: the plan's)")
     parser.add_argument("--min-lr", type=float, default=None, help="learning rate at the last step (default: lr / 10)")
     parser.add_argument("--warmup-steps", type=int, default=None, metavar="N",
-                        help="steps of linear warmup (default: 5%% of --steps)")
+                        help="steps of linear warmup (default: 5%% of --decay-steps)")
+    parser.add_argument("--decay-steps", type=int, default=None, metavar="N",
+                        help="the step count the schedule spans: the cosine reaches --min-lr at its last step "
+                             "(default: --steps; a run stopped early and resumed keeps it)")
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95), metavar=("BETA1", "BETA2"))
     parser.add_argument("--clip-grad-norm", type=float, default=1.0, metavar="MAX",
@@ -173,7 +176,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
     args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
-    args.warmup_steps = args.steps // 20 if args.warmup_steps is None else args.warmup_steps
+    args.decay_steps = args.steps if args.decay_steps is None else args.decay_steps
+    args.warmup_steps = args.decay_steps // 20 if args.warmup_steps is None else args.warmup_steps
     if args.warmup_steps < 0 or args.clip_grad_norm < 0:
         parser.error(f"--warmup-steps ({args.warmup_steps}) and --clip-grad-norm ({args.clip_grad_norm}) must be >= 0")
     return args
@@ -181,10 +185,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def get_lr(step: int, args) -> float:
     """The learning rate of `step` (from 0): linear warmup over args.warmup_steps, then a cosine from args.lr down
-    to args.min_lr at the last step (nanoGPT's schedule)."""
+    to args.min_lr at step args.decay_steps - 1 (nanoGPT's schedule), args.min_lr after."""
     if step < args.warmup_steps:
         return args.lr * (step + 1) / (args.warmup_steps + 1)
-    decay_steps = max(1, args.steps - 1 - args.warmup_steps)
+    decay_steps = max(1, args.decay_steps - 1 - args.warmup_steps)
     ratio = min(1.0, (step - args.warmup_steps) / decay_steps)
     return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr)
 
