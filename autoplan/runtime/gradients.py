@@ -109,31 +109,42 @@ def clip_grad_norm_(parameters: Any, max_norm: float, pp_group: dist.ProcessGrou
     whole model, as one device computes it with torch.nn.utils.clip_grad_norm_) is at most `max_norm`; returns that
     norm before clipping. `max_norm` 0: measure only.
 
-    Each rank holds part of the model: DTensor gradients (FSDP2's shards, tensor-parallel and expert-parallel
-    weights) are normed with DTensor's own reduction over their mesh (one collective per mesh and placement: the
-    ranks of a mesh hold the same parameter lists in the same order); plain gradients are whole and the same on
-    every rank holding them (DDP's are averaged already). A pipeline rank holds its stages only: the squares are
-    summed over `pp_group`. A weight tied across pipeline stages holds the summed gradient on each of its stages:
-    the copies whose id is in `counted_elsewhere` are left out of the norm (and scaled like the rest)."""
-    from torch.distributed.tensor import DTensor
+    Each rank holds part of the model. A DTensor gradient (FSDP2's shards, tensor-parallel and expert-parallel
+    weights) adds its local shard's squares, summed over the mesh dims it is sharded on (one all-reduce per mesh,
+    placement and dim: the ranks of a mesh hold the same parameter lists in the same order; on the mesh's device,
+    so CPU-offloaded shards on a GPU mesh sum too); on a dim it is replicated on, every rank holds the same values.
+    Plain gradients are whole and the same on every rank holding them (DDP's are averaged already). A pipeline rank
+    holds its stages only: the squares are summed over `pp_group`. A weight tied across pipeline stages holds the
+    summed gradient on each of its stages: the copies whose id is in `counted_elsewhere` are left out of the norm
+    (and scaled like the rest)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     held = [p for p in parameters if p.grad is not None]
     groups: dict[tuple, list[torch.Tensor]] = {}
-    for p in held:  # one norm per mesh and placement (DTensors) or per device (plain tensors)
+    for p in held:  # one sum per mesh and placement (DTensors), one for the plain gradients
         if id(p) in counted_elsewhere:
             continue
         grad = p.grad
-        key = (id(grad.device_mesh), tuple(grad.placements)) if isinstance(grad, DTensor) else ("plain", grad.device)
+        key = (id(grad.device_mesh), tuple(grad.placements)) if isinstance(grad, DTensor) else ("plain",)
         groups.setdefault(key, []).append(grad)
     squares = torch.zeros((), dtype=torch.float64)
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm(group, 2.0)
-        if isinstance(norm, DTensor):  # a collective over the gradients' mesh
-            norm = norm.full_tensor()
-        squares += norm.to("cpu", torch.float64) ** 2
+    for grads in groups.values():
+        local = sum(float(torch.linalg.vector_norm(_local(g), dtype=torch.float32)) ** 2 for g in grads)
+        first = grads[0]
+        if isinstance(first, DTensor):
+            mesh = first.device_mesh
+            summed = torch.tensor(local, dtype=torch.float64, device=mesh.device_type)
+            for dim, placement in enumerate(first.placements):
+                if isinstance(placement, Shard):
+                    dist.all_reduce(summed, group=mesh.get_group(dim))
+                elif not isinstance(placement, Replicate):
+                    raise ValueError(f"a gradient still {placement} on its mesh's dim {dim}: reduce it before "
+                                     f"clipping")
+            local = float(summed)
+        squares += local
     if pp_group is not None:  # each pipeline rank holds its own stages
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pp_group) == "nccl" else "cpu"
-        summed = squares.to(device, torch.float64)
+        summed = squares.to(device)
         dist.all_reduce(summed, group=pp_group)
         squares = summed.cpu()
     total = float(squares.sqrt())
@@ -142,3 +153,8 @@ def clip_grad_norm_(parameters: Any, max_norm: float, pp_group: dist.ProcessGrou
         for p in held:
             p.grad.mul_(coefficient)
     return total
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, else the tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
