@@ -118,6 +118,7 @@ def clip_grad_norm_(parameters: Any, max_norm: float, pp_group: dist.ProcessGrou
     summed gradient on each of its stages: the copies whose id is in `counted_elsewhere` are left out of the norm
     (and scaled like the rest)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's dim under tensor parallelism
 
     held = [p for p in parameters if p.grad is not None]
     groups: dict[tuple, list[torch.Tensor]] = {}
@@ -135,7 +136,7 @@ def clip_grad_norm_(parameters: Any, max_norm: float, pp_group: dist.ProcessGrou
             mesh = first.device_mesh
             summed = torch.tensor(local, dtype=torch.float64, device=mesh.device_type)
             for dim, placement in enumerate(first.placements):
-                if isinstance(placement, Shard):
+                if isinstance(placement, (Shard, _StridedShard)):
                     dist.all_reduce(summed, group=mesh.get_group(dim))
                 elif not isinstance(placement, Replicate):
                     raise ValueError(f"a gradient still {placement} on its mesh's dim {dim}: reduce it before "
