@@ -28,7 +28,7 @@ def test_the_rules_give_their_arithmetic():
     scope = Scope(num_gpus=8, gpus_per_node=8, sequence_length=2048, context_parallel_problem="", num_experts=(8, 8),
                   features=ALL_FEATURES)
     text = "; ".join(problems(Layout(cp=3, ep=3, dp=8), scope))
-    for part in ("cp=3: 2 x cp = 6 load-balanced chunks does not divide the sequence of 2048 tokens (2048 % 6 = 2)",
+    for part in ("cp=3: the sequence of 2048 tokens does not split into 2 x cp = 6 load-balanced chunks (2048 % 6 = 2)",
                  "cp=3 does not divide 8 GPUs", "ep=3 does not divide the 8 experts of an expert layer (8 % 3 = 2)"):
         assert part in text, text
     assert problems(Layout(ep=4, dp=2), scope) == [

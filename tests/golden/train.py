@@ -51,12 +51,13 @@ import torch.distributed as dist
 import autoplan
 from autoplan import runtime
 
-RUNTIME_API = 9  # the version of autoplan's interface to programs (autoplan.runtime) this one was generated for
+RUNTIME_API = 10  # the version of autoplan's interface to programs (autoplan.runtime) this one was generated for
 runtime.check_runtime_api(RUNTIME_API)  # before any other autoplan name: one line and exit 2 if autoplan differs
 
 # ----------------------------------------------------------------------------------------------
 # The plan (numbers from plan.json)
 MODEL_SOURCE = 'examples/mlp.py'    # the file it was planned from (used with --model-file planned)
+PLAN_FINGERPRINT = 'e16373dd6664bca9'  # plan.json's fingerprint: runs beside no other plan (--plan)
 MODEL_FILE = Path(__file__).parent / 'model_code' / 'mlp.py'  # the copy made at planning: what trains by default
 FACTORY = 'build_model'             # function in the model file that builds the model
 SEED = 7                            # weights: manual_seed(SEED); step t's batch: SEED + 1000 + t
@@ -122,6 +123,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "modules beside the model file that it imports (default); planned: the file it was "
                              "planned from, MODEL_SOURCE, as it is now, importing its neighbours there (its edits "
                              "since then train too)")
+    parser.add_argument("--plan", type=Path, metavar="PLAN.json",
+                        help="refuse to run unless this is the plan this file was generated from (PLAN_FINGERPRINT; "
+                             "default: the plan.json beside this file, when there is one)")
     parser.add_argument("--checkpoint-dir", type=Path, help="save checkpoints here (torch.distributed.checkpoint)")
     parser.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY, metavar="N",
                         help="with --checkpoint-dir, save every N steps and after the last (0: at the end only; "
@@ -209,6 +213,8 @@ def build_parallel_model(model_source, config, mesh, device) -> autoplan.Paralle
 
 def main(argv=None) -> list[float]:
     args = parse_args(argv)
+    # one line and exit 2 beside another plan.json, without torchrun, with another number of processes
+    runtime.check_start(__file__, PLAN_FINGERPRINT, parallel_config(), args.plan, args.reference, args.device)
     board = runtime.TensorBoardLog(args.tensorboard, PREDICTED)  # one line and exit 2 without the package
     device = torch.device(args.device)
     model_source = runtime.load_source(f"{MODEL_SOURCE if args.model_file == 'planned' else MODEL_FILE}:{FACTORY}")

@@ -20,13 +20,14 @@ import torch.distributed as dist
 import autoplan
 from autoplan import runtime
 
-RUNTIME_API = 9  # the version of autoplan's interface to programs (autoplan.runtime) this one was generated for
+RUNTIME_API = 10  # the version of autoplan's interface to programs (autoplan.runtime) this one was generated for
 runtime.check_runtime_api(RUNTIME_API)  # before any other autoplan name: one line and exit 2 if autoplan differs
 
 # ----------------------------------------------------------------------------------------------
 # The plan (numbers from plan.json)
 # --- plan config begin ---
 MODEL_SOURCE = "model.py"  # placeholders, replaced by the plan's values (program.py, _config_block)
+PLAN_FINGERPRINT = ""
 MODEL_FILE = Path(__file__).parent / "model_code" / "model.py"
 FACTORY = "build_model"
 SEED = 0
@@ -77,6 +78,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "modules beside the model file that it imports (default); planned: the file it was "
                              "planned from, MODEL_SOURCE, as it is now, importing its neighbours there (its edits "
                              "since then train too)")
+    parser.add_argument("--plan", type=Path, metavar="PLAN.json",
+                        help="refuse to run unless this is the plan this file was generated from (PLAN_FINGERPRINT; "
+                             "default: the plan.json beside this file, when there is one)")
     parser.add_argument("--checkpoint-dir", type=Path, help="save checkpoints here (torch.distributed.checkpoint)")
     parser.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY, metavar="N",
                         help="with --checkpoint-dir, save every N steps and after the last (0: at the end only; "
@@ -164,6 +168,8 @@ def build_parallel_model(model_source, config, mesh, device) -> autoplan.Paralle
 
 def main(argv=None) -> list[float]:
     args = parse_args(argv)
+    # one line and exit 2 beside another plan.json, without torchrun, with another number of processes
+    runtime.check_start(__file__, PLAN_FINGERPRINT, parallel_config(), args.plan, args.reference, args.device)
     board = runtime.TensorBoardLog(args.tensorboard, PREDICTED)  # one line and exit 2 without the package
     device = torch.device(args.device)
     model_source = runtime.load_source(f"{MODEL_SOURCE if args.model_file == 'planned' else MODEL_FILE}:{FACTORY}")
