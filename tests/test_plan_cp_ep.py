@@ -3,6 +3,7 @@ and the pricing checked against closed forms written out here (issue 19)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -187,6 +188,19 @@ def test_attention_written_as_matmuls_refuses_cp_with_the_reason():
         search(profile, cluster(8), Training(global_batch_size=8), parse_pins("cp=2"), features=CP_EP)
     sdpa = attention_facts(gpt_profile(n_layer=2, seq=2048))
     assert sdpa.context_parallel_problem == "" and sdpa.sequence_length == 2048
+
+
+def test_a_model_without_attention_refuses_cp_in_one_sentence():
+    """The refusal read "... for a ring to split the sequence of (use cp=1)" (issue 30): the reason must end in a
+    word that ends a clause, before the way out."""
+    from autoplan.chain.ops import cost_kind
+
+    profile = gpt_profile(n_layer=2, seq=2048)
+    no_attention = replace(profile, ops=tuple(op for op in profile.ops if cost_kind(op) != "attention"))
+    why = attention_facts(no_attention).context_parallel_problem
+    (text,) = problems(Layout(cp=2), Scope(context_parallel_problem=why))
+    assert text.startswith("cp=2: the model calls no scaled_dot_product_attention") and text.endswith(" (use cp=1)")
+    assert not re.search(r"\b(of|to|for|with|by|in|on|at|from)$", text.removesuffix(" (use cp=1)")), text
 
 
 def test_plan_json_without_the_new_keys_loads_and_cp_multiplies_the_world_size():
