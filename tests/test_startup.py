@@ -5,6 +5,7 @@ NPROC_PER_NODE) as one line and exit code 2, with arithmetic that names every fa
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -172,3 +173,23 @@ def test_torchrun_with_another_number_of_processes_says_why_once(tmp_path):
     assert 'train.py", line' not in result.stderr and "autoplan" not in result.stderr  # no rank's traceback
     root_cause = result.stderr.split("Root Cause (first observed failure)")[1]
     assert "exitcode  : 2" in root_cause, result.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--stpes", "3"], "unrecognized arguments: --stpes 3"),
+    (["--steps", "0"], "--steps must be at least 1 (the optimizer steps to train until), not 0"),
+    (["--steps", "three"], "argument --steps: invalid int value: 'three'"),
+    (["--process-group-timeout", "-5"], "--process-group-timeout must be a positive number of seconds, not -5"),
+])
+def test_argument_mistakes_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch, argv, message):
+    """argparse printed its usage block first: a dozen lines of train.py's options above the error."""
+    out = program(tmp_path / "out", dp2_plan())
+    spec = importlib.util.spec_from_file_location("autoplan_startup_train", out / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(sys, "argv", [str(out / "train.py")])
+    with pytest.raises(SystemExit) as stopped:
+        module.parse_args(argv)
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"train.py: error: {message} (see train.py --help)"]

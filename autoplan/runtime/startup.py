@@ -9,10 +9,11 @@ check is a function that returns the problem's text (None: no problem), so tests
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, NoReturn
 
 from autoplan.errors import UserError
 from autoplan.runtime.config import ParallelConfig
@@ -22,6 +23,16 @@ PLAN_FILE = "plan.json"
 """The plan's file name in an output folder, beside train.py."""
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """What torchrun sets in each process it starts and torch's env:// rendezvous reads."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """train.py's parser: a mistake in its arguments (an unknown flag, a bad value) is one line and exit code 2, not
+    argparse's usage block (train.py's usage runs over a dozen lines, which hid the error under it)."""
+
+    def error(self, message: str) -> NoReturn:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr, flush=True)
+        raise SystemExit(MISMATCH_EXIT_CODE)
 
 
 def plan_mismatch(fingerprint: str, config: ParallelConfig, plan_path: Path, given: bool) -> str | None:

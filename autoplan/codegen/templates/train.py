@@ -67,7 +67,7 @@ DP = DP_REPLICATE * DP_SHARD
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = runtime.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10, help="train until this many optimizer steps are done")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--process-group-timeout", type=float, default=PROCESS_GROUP_TIMEOUT_S, metavar="SECONDS",
@@ -112,6 +112,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "the model's name to DIR/rank<R>.pt, each rank its own (autoplan verify compares them "
                              "with the reference's)")
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1 (the optimizer steps to train until), not {args.steps}")
+    if args.process_group_timeout <= 0:
+        parser.error(f"--process-group-timeout must be a positive number of seconds, not {args.process_group_timeout:g}")
     if args.resume is None:  # a restart by torchrun (--max-restarts) resumes on its own
         args.resume = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and args.checkpoint_dir is not None
     if args.checkpoint_every < 0:
@@ -168,9 +172,9 @@ def build_parallel_model(model_source, config, mesh, device) -> autoplan.Paralle
 
 def main(argv=None) -> list[float]:
     args = parse_args(argv)
+    board = runtime.TensorBoardLog(args.tensorboard, PREDICTED)  # one line and exit 2 without the package
     # one line and exit 2 beside another plan.json, without torchrun, with another number of processes
     runtime.check_start(__file__, PLAN_FINGERPRINT, parallel_config(), args.plan, args.reference, args.device)
-    board = runtime.TensorBoardLog(args.tensorboard, PREDICTED)  # one line and exit 2 without the package
     device = torch.device(args.device)
     model_source = runtime.load_source(f"{MODEL_SOURCE if args.model_file == 'planned' else MODEL_FILE}:{FACTORY}")
     dropout = runtime.NoDropout(enabled=args.no_dropout)  # entered around the training steps only
