@@ -195,6 +195,14 @@ class Run:
         return self.process.returncode
 
 
+def partials(folder: Path) -> dict[str, int]:
+    """The .partial checkpoint folders in `folder`, with their modification times (ns)."""
+    try:
+        return {entry.name: entry.stat().st_mtime_ns for entry in os.scandir(folder) if entry.name.endswith(".partial")}
+    except OSError:
+        return {}
+
+
 def partial_checkpoint(folder: Path) -> str:
     """The checkpoint being written ("" if none; runtime/checkpoint.py: DIR/.step_<k>.partial/ until rank 0 renames
     it)."""
@@ -211,6 +219,7 @@ def kill_one(run: Run, kill: Kill, steps_ahead: int, writes_passed: int, total_s
     and where the next resumed."""
     old: dict[int, int] = {}
     writes: set[str] = set()
+    stale = partials(run.checkpoints)  # left by an earlier attempt's killed write
     while run.alive() and len(old) < GPUS:
         old = workers(run.process.pid)
         time.sleep(POLL_S)
@@ -241,8 +250,11 @@ def kill_one(run: Run, kill: Kill, steps_ahead: int, writes_passed: int, total_s
         return
     while run.alive() and set(old) & set(workers(run.process.pid)):  # torchrun stops the other ranks
         time.sleep(POLL_S)
-    if kill.landed.startswith("checkpoint write") and not partial_checkpoint(run.checkpoints):
+    cut = sorted(name for name, mtime in partials(run.checkpoints).items() if stale.get(name) != mtime)
+    if kill.landed.startswith("checkpoint write") and not cut:
         kill.landed = "just after a checkpoint write (it completed first)"
+    elif cut and not kill.landed.startswith("checkpoint write"):
+        kill.landed += f", inside the checkpoint write it reached ({cut[0]})"
     last = run.look()
     if last is not None:
         kill.trained = dict(last.losses)
