@@ -393,8 +393,8 @@ class Plan:
             raise PlanError("plan.json: activation_checkpoint_modules must be a list of module names")
         whole_raw = raw.get("tensor_parallel_left_whole", [])
         if not isinstance(whole_raw, list) or not all(
-                isinstance(b, dict) and isinstance(b.get("modules"), list) and
-                all(isinstance(b.get(k), str) for k in ("op", "op_module", "reason")) for b in whole_raw):
+                isinstance(b, dict) and isinstance(b.get("modules"), list) and set(b) == {f.name for f in fields(LeftWhole)}
+                and all(isinstance(b.get(k), str) for k in ("op", "op_module", "reason")) for b in whole_raw):
             raise PlanError("plan.json: tensor_parallel_left_whole must be a list of {modules, op, op_module, reason}")
         left_whole = tuple(LeftWhole(tuple(b["modules"]), b["op"], b["op_module"], b["reason"]) for b in whole_raw)
         batch_norm = raw.get("batch_norm_modules", [])
