@@ -278,9 +278,12 @@ def run_layout(name: str, args: argparse.Namespace, rng: random.Random) -> list[
             whole.wait()
         finally:
             whole.stop()
-        if whole.process.returncode != 0:
-            raise SystemExit(f"{name} {tag}: the uninterrupted run failed (exit {whole.process.returncode}): "
-                             f"see {whole.log}")
+        if whole.process.returncode != 0:  # the program cannot train this layout: nothing to compare with
+            print(f"{name:>15} {tag:>10}: the uninterrupted run failed (exit {whole.process.returncode}): see "
+                  f"{whole.log}", flush=True)
+            rows.append({"layout": name, "dropout": dropout, "identical": False,
+                         "error": f"the uninterrupted run failed (exit {whole.process.returncode})"})
+            continue
         reference = [whole.seen[t] for t in range(args.steps)]
         chaos = Run(out, args.work / name, f"chaos-{tag}", args.steps, args.checkpoint_every, dropout, args.kills,
                     args.timeout)
