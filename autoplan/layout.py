@@ -407,8 +407,8 @@ def _context_parallel(layout: Layout, scope: Scope) -> list[str]:
     seq = scope.sequence_length
     chunks = CONTEXT_PARALLEL_CHUNKS * cp
     if seq is not None and seq % chunks:
-        out.append(f"cp={cp}: {CONTEXT_PARALLEL_CHUNKS} x cp = {chunks} load-balanced chunks does not divide the "
-                   f"sequence of {seq} tokens ({seq} % {chunks} = {seq % chunks})")
+        out.append(f"cp={cp}: the sequence of {seq} tokens does not split into {CONTEXT_PARALLEL_CHUNKS} x cp = "
+                   f"{chunks} load-balanced chunks ({seq} % {chunks} = {seq % chunks})")
     if scope.num_gpus is not None and scope.num_gpus % cp:
         out.append(f"cp={cp} does not divide {scope.num_gpus} GPUs")
     return out

@@ -12,6 +12,7 @@ alternatives[].reason.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
@@ -91,6 +92,13 @@ class Parallelism:
         """dp x cp x tp x pp (ep is folded over dp_shard x cp x tp: it does not multiply)."""
         return (self.data_parallel_degree * self.context_parallel_degree * self.tensor_parallel_degree
                 * self.pipeline_parallel_degree)
+
+    def world_size_arithmetic(self) -> str:
+        """"pp 1 x dp_replicate 2 x dp_shard 1 x cp 1 x tp 1 = 2 processes" (for messages: every factor of
+        world_size, in the device mesh's order, as runtime.ParallelConfig.arithmetic writes them)."""
+        return (f"pp {self.pipeline_parallel_degree} x dp_replicate {self.data_parallel_replicate_degree} x "
+                f"dp_shard {self.data_parallel_shard_degree} x cp {self.context_parallel_degree} x "
+                f"tp {self.tensor_parallel_degree} = {self.world_size} process{'es' if self.world_size != 1 else ''}")
 
     @property
     def fsdp_shard_degree(self) -> int:
@@ -324,6 +332,20 @@ class Plan:
                          f"(e.g. {sorted(unknown)[0]!r})")
         return found
 
+    def fingerprint(self) -> str:
+        """The hash of what decides what the generated train.py trains (PROGRAM_KEYS: the model file and factory,
+        training, parallelism, the stages' modules, the tensor-parallel plan, the recomputed and BatchNorm modules,
+        compile), 16 hex digits of SHA-256 over their canonical JSON. train.py carries it (PLAN_FINGERPRINT) and
+        refuses to run beside a plan.json whose fingerprint differs (runtime/startup.py); `autoplan verify`
+        compares the two too. Predictions, the solver's record, the alternatives and the cluster are left out: they
+        change what the program reports and how it is launched, never what it trains."""
+        raw = self.to_dict()
+        kept = {key: raw[key] for key in PROGRAM_KEYS}
+        kept["model"] = {key: raw["model"][key] for key in ("path", "factory")}
+        kept["stages"] = [{"index": s["index"], "modules": s["modules"]} for s in raw["stages"]]
+        text = json.dumps(kept, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:FINGERPRINT_DIGITS]
+
     @staticmethod
     def from_dict(raw: Any) -> "Plan":
         if not isinstance(raw, dict):
@@ -334,6 +356,10 @@ class Plan:
             raise PlanError(f"plan.json: schema_version {version!r}, but this autoplan reads version "
                             f"{SCHEMA_VERSION}" + (f" ({change})" if change else "") +
                             ": re-run autoplan on the model to write a new plan")
+        unknown = sorted(set(raw) - {f.name for f in fields(Plan)})
+        if unknown:  # a misspelt section would otherwise be dropped without a word and its defaults used
+            raise PlanError(f"plan.json: unknown top-level key(s): {', '.join(map(repr, unknown))} (schema version "
+                            f"{SCHEMA_VERSION} has {', '.join(f.name for f in fields(Plan))})")
         parallelism = _build(Parallelism, raw, "parallelism")
         if parallelism.pipeline_parallel_schedule not in SCHEDULES:
             raise PlanError(f"plan.json: parallelism.pipeline_parallel_schedule must be one of {SCHEDULES}")
@@ -367,8 +393,8 @@ class Plan:
             raise PlanError("plan.json: activation_checkpoint_modules must be a list of module names")
         whole_raw = raw.get("tensor_parallel_left_whole", [])
         if not isinstance(whole_raw, list) or not all(
-                isinstance(b, dict) and isinstance(b.get("modules"), list) and
-                all(isinstance(b.get(k), str) for k in ("op", "op_module", "reason")) for b in whole_raw):
+                isinstance(b, dict) and isinstance(b.get("modules"), list) and set(b) == {f.name for f in fields(LeftWhole)}
+                and all(isinstance(b.get(k), str) for k in ("op", "op_module", "reason")) for b in whole_raw):
             raise PlanError("plan.json: tensor_parallel_left_whole must be a list of {modules, op, op_module, reason}")
         left_whole = tuple(LeftWhole(tuple(b["modules"]), b["op"], b["op_module"], b["reason"]) for b in whole_raw)
         batch_norm = raw.get("batch_norm_modules", [])
@@ -401,6 +427,14 @@ class Plan:
         except json.JSONDecodeError as e:
             raise PlanError(f"plan.json is not valid JSON: {e}") from None
         return Plan.from_dict(raw)
+
+
+PROGRAM_KEYS = ("model", "training", "parallelism", "stages", "tensor_parallel_plan", "activation_checkpoint_modules",
+                "batch_norm_modules", "compile")
+"""The plan.json sections Plan.fingerprint hashes (of model only path and factory, of stages only index and
+modules): what train.py's program is made of."""
+FINGERPRINT_DIGITS = 16
+"""Hex digits of a plan's fingerprint: 64 bits, no collision among the plans one user makes."""
 
 
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}

@@ -131,19 +131,36 @@ def verify(out_dir: Path | str, nproc: int | None = None, steps: int = 3, timeou
     if nproc is None:
         nproc = world
     if nproc != world:
-        p = plan.parallelism
-        raise UserError(f"--nproc {nproc} does not match the plan: dp {p.data_parallel_degree} x tp "
-                        f"{p.tensor_parallel_degree} x pp {p.pipeline_parallel_degree} = {world} processes")
+        raise UserError(f"--nproc {nproc} does not match the plan: {plan.parallelism.world_size_arithmetic()}")
     if steps < 1:
         raise UserError(f"--steps must be at least 1, got {steps}")
     if not (out_dir / "train.py").is_file():
         raise UserError(f"{out_dir} has no train.py: run `autoplan MODEL.py --out {out_dir}` first")
     _check_model_file(model_file, plan, out_dir)
     try:
+        check_program_plan(out_dir, plan)
         return _verify_runs(out_dir, plan, nproc, steps, timeout_s, measure, model_file)
     except UserError as e:
         _compare(out_dir, nproc, steps, [], [], {}, error=str(e), model_file=model_file)
         raise
+
+
+_FINGERPRINT_LINE = re.compile(r"^PLAN_FINGERPRINT = ['\"]([0-9a-f]+)['\"]", re.MULTILINE)
+"""train.py's PLAN_FINGERPRINT line (codegen/program.py writes its value with repr)."""
+
+
+def check_program_plan(out_dir: Path, plan: Plan) -> None:
+    """A UserError unless out_dir/train.py was generated from `plan` (its PLAN_FINGERPRINT is plan.fingerprint()):
+    verify certifies the plan in plan.json, and a train.py of another plan would pass its own parity check."""
+    match = _FINGERPRINT_LINE.search((out_dir / "train.py").read_text())
+    if match is None:
+        raise UserError(f"{out_dir}/train.py carries no PLAN_FINGERPRINT (an older autoplan wrote it, or it was "
+                        f"edited): verify cannot tell it implements {out_dir}/plan.json; plan again to regenerate it")
+    if match.group(1) != plan.fingerprint():
+        raise UserError(f"{out_dir}/train.py was not generated from {out_dir}/plan.json (train.py's "
+                        f"PLAN_FINGERPRINT {match.group(1)}, plan.json's {plan.fingerprint()}; plan.json is for "
+                        f"{plan.parallelism.world_size_arithmetic()}): put the train.py generated with "
+                        f"that plan beside it, or plan again")
 
 
 def _check_model_file(model_file: str, plan: Plan, out_dir: Path) -> None:
@@ -203,7 +220,7 @@ def _gpus_for(plan: Plan, nproc: int | None) -> int:
 
     world = plan.parallelism.world_size
     if nproc is not None and nproc != world:
-        raise UserError(f"--nproc {nproc} does not match the plan's {world} processes")
+        raise UserError(f"--nproc {nproc} does not match the plan: {plan.parallelism.world_size_arithmetic()}")
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have < world:
         raise UserError(f"--device cuda runs the plan's {world} processes on one GPU each, but this machine has "
@@ -225,6 +242,7 @@ def measure_on_gpus(out_dir: Path, nproc: int | None = None, steps: int = 10, ti
     if steps < 1:
         raise UserError(f"--steps must be at least 1, got {steps}")
     world = _gpus_for(plan, nproc)
+    check_program_plan(out_dir, plan)
     # each rank's share of the host's cores (rank 0 builds the model on the CPU: one thread is slow for that)
     threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}
     run = train_and_measure(out_dir, plan, "cuda", world, steps, timeout_s, env=threads)

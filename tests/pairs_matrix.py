@@ -13,6 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
+from autoplan.chain.attention import NO_SDPA_PROBLEM
 from autoplan.codegen import write_program
 from autoplan.layout import (COMPILE, OFFLOAD, RECOMPUTE, RESHARD, SCHEDULE_BY_NAME, SCHEDULES, SEQUENCE_PARALLEL, SUPPORTED,
                              ZERO_STAGES, Layout, Scope, problems)
@@ -86,8 +87,7 @@ BATCH_NORM_MODULES = ("stem.1", "blocks.0.bn1", "blocks.0.bn2", "blocks.1.bn1", 
 def _resnet() -> MatrixModel:
     chain = ("stem", "blocks.0", "blocks.1", "head")
     return MatrixModel("BatchNorm (examples/resnet.py)", RESNET, chain, tuple((m,) for m in chain), {},
-                       dict(batch_norm_modules=BATCH_NORM_MODULES, context_parallel_problem="the model calls no "
-                            "scaled_dot_product_attention for a ring to split the sequence of",
+                       dict(batch_norm_modules=BATCH_NORM_MODULES, context_parallel_problem=NO_SDPA_PROBLEM,
                             tensor_parallel_problems=lambda tp: [f"tp={tp}: no Megatron-style Linear pairs were "
                                                                  f"found in the graph"]))
 

@@ -54,6 +54,10 @@ def test_plan_json_has_the_design_keys():
     (lambda r: r["predicted"].pop("step_time_s"), "predicted.step_time_s is missing"),
     (lambda r: r["solver"].update(surprise=1), "unknown field"),
     (lambda r: r.update(stages={}), "stages must be a list"),
+    (lambda r: r.update(paralelism={}), r"unknown top-level key\(s\): 'paralelism' \(schema version 2 has "
+                                        r"model, cluster, training, parallelism,"),  # accepted silently before
+    (lambda r: r.update(tensor_parallel_left_whole=[{"modules": ["a"], "op": "x", "op_module": "", "reason": "r",
+                                                     "resaon": "typo"}]), "tensor_parallel_left_whole must be"),
 ])
 def test_invalid_plans_are_rejected_with_the_field_named(mutate, message):
     raw = make_plan().to_dict()

@@ -3,6 +3,7 @@ and the pricing checked against closed forms written out here (issue 19)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -28,7 +29,7 @@ def test_the_rules_give_their_arithmetic():
     scope = Scope(num_gpus=8, gpus_per_node=8, sequence_length=2048, context_parallel_problem="", num_experts=(8, 8),
                   features=ALL_FEATURES)
     text = "; ".join(problems(Layout(cp=3, ep=3, dp=8), scope))
-    for part in ("cp=3: 2 x cp = 6 load-balanced chunks does not divide the sequence of 2048 tokens (2048 % 6 = 2)",
+    for part in ("cp=3: the sequence of 2048 tokens does not split into 2 x cp = 6 load-balanced chunks (2048 % 6 = 2)",
                  "cp=3 does not divide 8 GPUs", "ep=3 does not divide the 8 experts of an expert layer (8 % 3 = 2)"):
         assert part in text, text
     assert problems(Layout(ep=4, dp=2), scope) == [
@@ -187,6 +188,19 @@ def test_attention_written_as_matmuls_refuses_cp_with_the_reason():
         search(profile, cluster(8), Training(global_batch_size=8), parse_pins("cp=2"), features=CP_EP)
     sdpa = attention_facts(gpt_profile(n_layer=2, seq=2048))
     assert sdpa.context_parallel_problem == "" and sdpa.sequence_length == 2048
+
+
+def test_a_model_without_attention_refuses_cp_in_one_sentence():
+    """The refusal read "... for a ring to split the sequence of (use cp=1)" (issue 30): the reason must end in a
+    word that ends a clause, before the way out."""
+    from autoplan.chain.ops import cost_kind
+
+    profile = gpt_profile(n_layer=2, seq=2048)
+    no_attention = replace(profile, ops=tuple(op for op in profile.ops if cost_kind(op) != "attention"))
+    why = attention_facts(no_attention).context_parallel_problem
+    (text,) = problems(Layout(cp=2), Scope(context_parallel_problem=why))
+    assert text.startswith("cp=2: the model calls no scaled_dot_product_attention") and text.endswith(" (use cp=1)")
+    assert not re.search(r"\b(of|to|for|with|by|in|on|at|from)$", text.removesuffix(" (use cp=1)")), text
 
 
 def test_plan_json_without_the_new_keys_loads_and_cp_multiplies_the_world_size():

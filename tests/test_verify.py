@@ -77,7 +77,7 @@ def test_nproc_other_than_the_plan_is_rejected_with_the_arithmetic(tmp_path):
     out = write_out(tmp_path, TINY_GPT, (8, GPT_STAGES, dict(data_parallel_replicate_degree=2, pipeline_parallel_degree=2,
                                                              pipeline_parallel_num_microbatches=2,
                                                              pipeline_parallel_microbatch_size=2)))
-    with pytest.raises(UserError, match=r"--nproc 2 .* dp 2 x tp 1 x pp 2 = 4 processes"):
+    with pytest.raises(UserError, match=r"--nproc 2 .* pp 2 x dp_replicate 2 x dp_shard 1 x cp 1 x tp 1 = 4 processes"):
         verify(out, nproc=2)
 
 
@@ -85,9 +85,11 @@ def fake_program(tmp_path: Path, body: str) -> Path:
     """A plan folder whose train.py is a stand-in (no torch import: starts fast)."""
     out = write_out(tmp_path, SKIP_NET, (4, [("embed", "mid", "head")], dict(data_parallel_replicate_degree=2,
                                                                             pipeline_parallel_microbatch_size=2)))
+    fingerprint = next(line for line in (out / "train.py").read_text().splitlines()
+                       if line.startswith("PLAN_FINGERPRINT = "))  # verify checks it is plan.json's program
     header = "import json, os, sys, time\nreference = '--reference' in sys.argv\n" \
              "out = sys.argv[sys.argv.index('--losses-out') + 1]\nrank = int(os.environ.get('RANK', 0))\n"
-    (out / "train.py").write_text(header + textwrap.dedent(body))
+    (out / "train.py").write_text(f"{fingerprint}\n{header}{textwrap.dedent(body)}")
     return out
 
 

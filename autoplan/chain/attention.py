@@ -123,6 +123,12 @@ def _unrepeated_numel(node: str, by_node: dict[str, OpProfile], numel: float) ->
     return numel
 
 
+NO_SDPA_PROBLEM = ("the model calls no scaled_dot_product_attention, the only attention whose sequence context "
+                   "parallelism's ring splits")
+"""Why a model without attention (or without SDPA calls) cannot run context parallelism (layout.py adds the way
+out, "(use cp=1)")."""
+
+
 def attention_facts(profile: ModelProfile) -> AttentionFacts:
     calls, other = [], None
     by_node = {op.node: op for op in profile.ops}
@@ -145,7 +151,7 @@ def attention_facts(profile: ModelProfile) -> AttentionFacts:
         problem = (f"its attention is computed by {other.op} in '{other.module}' (activation x activation "
                    f"matmuls), not scaled_dot_product_attention, which context parallelism's ring replaces")
     elif not calls:
-        problem = "the model calls no scaled_dot_product_attention for a ring to split the sequence of"
+        problem = NO_SDPA_PROBLEM
     else:
         problem = profile.sequence_targets_problem
     return AttentionFacts(tuple(calls), problem)

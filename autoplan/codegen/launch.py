@@ -130,6 +130,9 @@ class Launch:
     """Processes (GPUs) per node."""
     checkpoint: CheckpointInterval
     """How often the launchers (and train.py by default) save a checkpoint."""
+    world_arithmetic: str = ""
+    """The plan's processes as their factors ("pp 1 x dp_replicate 2 x ... = 2 processes", Parallelism.world_size_arithmetic),
+    for the launchers' messages ("": the world size alone)."""
 
     @property
     def world_size(self) -> int:
@@ -155,7 +158,8 @@ def launch_layout(plan: Plan) -> Launch:
     else:
         nnodes, nproc_per_node = world // per_node, per_node
     return Launch(nnodes=nnodes, nproc_per_node=nproc_per_node,
-                  checkpoint=checkpoint_interval(plan.predicted.step_time_s, plan.model.param_count, nnodes))
+                  checkpoint=checkpoint_interval(plan.predicted.step_time_s, plan.model.param_count, nnodes),
+                  world_arithmetic=plan.parallelism.world_size_arithmetic())
 
 
 def rank0_output(folder: str) -> str:
@@ -214,6 +218,12 @@ CHECKPOINT_EVERY="${{CHECKPOINT_EVERY:-{launch.checkpoint.steps}}}"  # steps bet
 RUN_ID="{run_id}"  # {run_id_comment}
 CHECKPOINT_DIR="${{CHECKPOINT_DIR:-checkpoints/$RUN_ID}}"  # relative to the output folder
 {FRESH_STORE}
+# the plan's processes, all of them: one line and exit 2 before torchrun starts (and restarts) any other number
+if [ "$((NNODES * NPROC_PER_NODE))" -ne {launch.world_size} ]; then
+    echo "launch/torchrun.sh: error: NNODES x NPROC_PER_NODE = $NNODES x $NPROC_PER_NODE = $((NNODES * NPROC_PER_NODE)) processes, but the plan is for {launch.world_arithmetic or f'{launch.world_size} processes'}" >&2
+    exit 2
+fi
+
 # torchrun's flags: those before a `--`; train.py's: the rest (all of them without a `--`)
 TORCHRUN_FLAGS=()
 TRAIN_FLAGS=("$@")

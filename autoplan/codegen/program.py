@@ -240,6 +240,7 @@ def _config_block(plan: Plan, launch: Launch, model_copy: Path) -> str:
     p, t = plan.parallelism, plan.training
     rows = [
         ("MODEL_SOURCE", repr(plan.model.path), "the file it was planned from (used with --model-file planned)"),
+        ("PLAN_FINGERPRINT", repr(plan.fingerprint()), "plan.json's fingerprint: runs beside no other plan (--plan)"),
         ("MODEL_FILE", f"Path(__file__).parent / {MODEL_COPY_DIR!r} / {model_copy.as_posix()!r}",
          "the copy made at planning: what trains by default"),
         ("FACTORY", repr(plan.model.factory), "function in the model file that builds the model"),

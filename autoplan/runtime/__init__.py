@@ -30,16 +30,19 @@ from autoplan.runtime.parallel import (TiedGradients, compute_dtype, peak_memory
                                        shard_data_parallel)
 from autoplan.runtime.recompute import checkpoint_modules
 from autoplan.runtime.split import PipelineSplit, TiedParameter, split_model
+from autoplan.runtime.startup import ArgumentParser, check_start
 from autoplan.runtime.steps import AccumulationStep, PipelineStep
 from autoplan.runtime.tensorboard import TensorBoardLog, default_log_dir
 from autoplan.runtime.tensor_parallel import restore_linears, tensor_parallel, tensor_parallel_context
 from autoplan.source import load_source
 
 __all__ = [
-    "AccumulationStep", "AppendedJson", "Checkpointer", "DEFAULT_KEEP_CHECKPOINTS", "MISMATCH_EXIT_CODE", "ModelPart", "NoDropout", "ParallelConfig",
-    "Parallelized", "PeakLiveMemory", "PipelineSplit", "PipelineStep", "RUNTIME_API", "RankLayout", "StepMetrics", "StepProfiler",
+    "AccumulationStep", "ArgumentParser", "AppendedJson", "Checkpointer", "DEFAULT_KEEP_CHECKPOINTS", "MISMATCH_EXIT_CODE",
+    "ModelPart", "NoDropout", "ParallelConfig", "Parallelized", "PeakLiveMemory", "PipelineSplit", "PipelineStep",
+    "RUNTIME_API", "RankLayout", "StepMetrics", "StepProfiler",
     "TensorBoardLog", "TensorEntry", "TiedGradients", "TiedParameter", "TrainingData", "adamw", "build_on_meta",
-    "build_seeded", "call_model", "catalog", "check_runtime_api", "checkpoint_modules", "clip_grad_norm_", "compile_modules",
+    "build_seeded", "call_model", "catalog", "check_runtime_api", "check_start", "checkpoint_modules", "clip_grad_norm_",
+    "compile_modules",
     "compute_dtype", "compute_loss", "default_log_dir", "default_loss", "device_mesh", "exit_skipping_teardown",
     "full_gradients",
     "gather_rank_metrics", "global_mean_loss", "init_plan_mesh", "load_source", "local_stages", "materialize",

@@ -29,8 +29,11 @@ pipeline_parallel_schedule may be zb-interleaved, zbv or dualpipev, whose V plac
 weight-gradient pass, no DDP: an autoplan before would leave the replicas' gradients unreduced). 9: checkpoints
 saved whole or not at all and kept K at a time (Checkpointer(keep=), runtime.DEFAULT_KEEP_CHECKPOINTS),
 Checkpointer.load(total_steps) saying what it resumed from, losses and metrics written per step
-(runtime.AppendedJson, runtime.write_json). 10: runtime.StepProfiler (train.py --profile DIR); gradient clipping (Parallelized.clip_grad_norm_,
-runtime.clip_grad_norm_); runtime.adamw(weight_decay=, betas=); StepMetrics.record(lr=, grad_norm=)."""
+(runtime.AppendedJson, runtime.write_json). 10: runtime.check_start (the plan's fingerprint, PLAN_FINGERPRINT,
+against the plan.json beside train.py or --plan, and the launch: torchrun, the world size, the device) and
+runtime.ArgumentParser (an argument mistake in one line); runtime.StepProfiler (train.py --profile DIR); gradient
+clipping (Parallelized.clip_grad_norm_, runtime.clip_grad_norm_); runtime.adamw(weight_decay=, betas=);
+StepMetrics.record(lr=, grad_norm=)."""
 
 MISMATCH_EXIT_CODE = 2
 """What a program exits with on a mismatch: 2, the exit code of autoplan's own user errors (the user fixes

@@ -28,6 +28,7 @@ runtime.check_runtime_api(RUNTIME_API)  # before any other autoplan name: one li
 # The plan (numbers from plan.json)
 # --- plan config begin ---
 MODEL_SOURCE = "model.py"  # placeholders, replaced by the plan's values (program.py, _config_block)
+PLAN_FINGERPRINT = ""
 MODEL_FILE = Path(__file__).parent / "model_code" / "model.py"
 FACTORY = "build_model"
 SEED = 0
@@ -67,7 +68,7 @@ DP = DP_REPLICATE * DP_SHARD
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = runtime.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10, help="train until this many optimizer steps are done")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     # the optimizer: AdamW, the learning rate warmed up linearly then decayed on a cosine to --min-lr at --steps
@@ -90,6 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "modules beside the model file that it imports (default); planned: the file it was "
                              "planned from, MODEL_SOURCE, as it is now, importing its neighbours there (its edits "
                              "since then train too)")
+    parser.add_argument("--plan", type=Path, metavar="PLAN.json",
+                        help="refuse to run unless this is the plan this file was generated from (PLAN_FINGERPRINT; "
+                             "default: the plan.json beside this file, when there is one)")
     parser.add_argument("--checkpoint-dir", type=Path, help="save checkpoints here (torch.distributed.checkpoint)")
     parser.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY, metavar="N",
                         help="with --checkpoint-dir, save every N steps and after the last (0: at the end only; "
@@ -124,6 +128,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "the model's name to DIR/rank<R>.pt, each rank its own (autoplan verify compares them "
                              "with the reference's)")
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1 (the optimizer steps to train until), not {args.steps}")
+    if args.process_group_timeout <= 0:
+        parser.error(f"--process-group-timeout must be a positive number of seconds, not {args.process_group_timeout:g}")
     if args.resume is None:  # a restart by torchrun (--max-restarts) resumes on its own
         args.resume = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and args.checkpoint_dir is not None
     if args.checkpoint_every < 0:
@@ -199,6 +207,8 @@ def build_parallel_model(model_source, config, mesh, device) -> autoplan.Paralle
 def main(argv=None) -> list[float]:
     args = parse_args(argv)
     board = runtime.TensorBoardLog(args.tensorboard, PREDICTED)  # one line and exit 2 without the package
+    # one line and exit 2 beside another plan.json, without torchrun, with another number of processes
+    runtime.check_start(__file__, PLAN_FINGERPRINT, parallel_config(), args.plan, args.reference, args.device)
     device = torch.device(args.device)
     model_source = runtime.load_source(f"{MODEL_SOURCE if args.model_file == 'planned' else MODEL_FILE}:{FACTORY}")
     dropout = runtime.NoDropout(enabled=args.no_dropout)  # entered around the training steps only
