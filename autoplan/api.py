@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster, HardwareProfile
 from autoplan.plan import Alternative, ClusterRef, Compile, ModelRef, Plan, Training
-from autoplan.profile.types import ModelProfile
+from autoplan.profile_data import ModelProfile
 
 log = logging.getLogger("autoplan")
 

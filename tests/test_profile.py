@@ -13,7 +13,7 @@ from autoplan.capture import capture_model
 from autoplan.errors import UserError
 from autoplan.hardware.profiles import load_hardware
 from autoplan.profile import measure, profile_graph, profile_model
-from autoplan.profile.types import ModelProfile
+from autoplan.profile_data import ModelProfile
 from autoplan.profile.unsupported import unsupported_ops_text
 from autoplan.source import load_source
 

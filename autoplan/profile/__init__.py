@@ -1,8 +1,8 @@
 """Profile a captured model: per-op FLOPs, bytes, saved activations and time.
 
 `from autoplan.profile import profile_model` works, but importing this package does not import torch
-(cost/ and solve/ import autoplan.profile.types and must stay torch-free), so the entry points load
-lazily.
+(`import autoplan` stays light), so the entry points load lazily. The profile as plain data, torch-free,
+is autoplan.profile_data.
 """
 
 from __future__ import annotations

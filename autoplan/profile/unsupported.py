@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from autoplan.profile.types import ModelProfile
+from autoplan.profile_data import ModelProfile
 
 FILE_NAME = "unsupported_ops.txt"
 NO_PIPELINE = "no pipeline parallelism (pp=1)"

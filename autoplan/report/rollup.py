@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoplan.plan import Parallelism, Stage
-from autoplan.profile.types import ModelProfile
+from autoplan.profile_data import ModelProfile
 
 MEMORY_ORDER = ("parameters", "gradients", "optimizer", "activations", "buffers")
 """Memory categories drawn first, in this order; any others follow as the cost model names them."""
