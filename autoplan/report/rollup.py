@@ -121,20 +121,6 @@ def chosen_candidate(candidates: tuple[Any, ...], plan) -> Any | None:
     return (exact or same or [None])[0]
 
 
-def fastest_by_expert_split(candidates, exclude_ep: int | None = None) -> list[Any]:
-    """The fastest priced candidate with expert parallelism (ep > 1) and the fastest without (ep = 1), fitting ones
-    first, in that order; a kind none has is left out, and so is the kind with ep equal to `exclude_ep` (1: leave out
-    ep = 1; any other value: leave out ep > 1)."""
-    out = []
-    for split in (True, False):
-        if exclude_ep is not None and (exclude_ep > 1) == split:
-            continue
-        kind = [c for c in candidates if c.predicted is not None and (c.parallelism.expert_parallel_degree > 1) == split]
-        if kind:
-            out.append(min(kind, key=lambda c: (not c.fits, c.predicted.step_time_s)))
-    return out
-
-
 def ranked_candidates(candidates: tuple[Any, ...], best: Any) -> list[Any]:
     """Chosen first, then fitting by step time, then the rest (same order as candidates.csv)."""
     return sorted(candidates, key=lambda c: (c is not best, not c.fits,
