@@ -270,8 +270,8 @@ def _pin_arithmetic(pins, cluster: Cluster) -> list[str]:
 def write_outputs(result: PlanResult, out: Path, model_file: Path) -> None:
     """Write plan.json, CSVs, train.py and launchers into `out`, atomically."""
     from autoplan.codegen import write_program
-    from autoplan.profile.unsupported import FILE_NAME as UNSUPPORTED_FILE
-    from autoplan.profile.unsupported import unsupported_ops_text
+    from autoplan.report.unsupported import FILE_NAME as UNSUPPORTED_FILE
+    from autoplan.report.unsupported import unsupported_ops_text
     from autoplan.report.csv import write_csvs
     from autoplan.report.html import write_report
     from autoplan.report.trace import write_trace
@@ -417,8 +417,8 @@ def profile_only(model: Any, gpu: str = DEFAULT_GPU, *, hardware: str | None = N
     """Capture and profile without planning; with `out`, write ops.csv, modules.csv, profile.json."""
     from autoplan.hardware.profiles import load_hardware
     from autoplan.profile import profile_model
-    from autoplan.profile.unsupported import FILE_NAME as UNSUPPORTED_FILE
-    from autoplan.profile.unsupported import unsupported_ops_text
+    from autoplan.report.unsupported import FILE_NAME as UNSUPPORTED_FILE
+    from autoplan.report.unsupported import unsupported_ops_text
     from autoplan.report.csv import modules_frame, ops_frame
 
     hw = load_hardware(hardware if hardware else gpu)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 from autoplan.profile_data import ModelProfile
-from autoplan.solve.refusals import NO_PIPELINE, export_failure, pipeline_refusal  # noqa: F401 (re-exported)
+from autoplan.solve.refusals import pipeline_refusal
 
 FILE_NAME = "unsupported_ops.txt"
 
