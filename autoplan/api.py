@@ -120,7 +120,7 @@ def _positive_int(value: Any, flag: str, errors: list[str]) -> int:
 
 
 def _source(model: Any, example_batch: Any):
-    from autoplan.source import ModelSource, load_source
+    from autoplan.contract import ModelSource, load_source
 
     if isinstance(model, (str, os.PathLike)):
         return load_source(str(model))

@@ -16,9 +16,9 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "autoplan"
 
 ORDER = (
-    "errors", "layout", "plan", "hardware", "profile_data", "procs", "source",
+    "errors", "layout", "plan", "hardware", "profile_data", "procs",
     "chain", "cost", "solve",
-    "contract", "capture", "profile", "runtime", "codegen", "report", "verify", "calibrate",
+    "contract", "source", "capture", "profile", "runtime", "codegen", "report", "verify", "calibrate",
     "api", "autoplan", "cli", "__main__",
 )
 """Left to right: types and rules, the torch-free planning core (chain -> cost -> solve), the torch side

@@ -412,7 +412,7 @@ def olmoe_context():
 
     from autoplan.hardware.profiles import load_hardware
     from autoplan.profile import profile_model
-    from autoplan.source import load_source
+    from autoplan.contract import load_source
 
     zoo = Path(__file__).resolve().parents[1] / "benchmarks" / "zoo" / "causal_lm.py"
     hardware = load_hardware("h100-sxm5-80gb")
@@ -558,7 +558,7 @@ def test_with_cp_and_tp_the_experts_token_split_is_only_expert_parallel_routing(
     leak into it, or an ep=1 layout's expert compute would be divided by tp."""
     from autoplan.hardware.profiles import load_hardware
     from autoplan.profile import profile_model
-    from autoplan.source import load_source
+    from autoplan.contract import load_source
 
     from test_layouts import TINY_LLAMA
 
@@ -631,7 +631,7 @@ def test_a_default_compile_the_rules_refuse_for_a_layout_is_off_for_it_wherever_
     from autoplan.hardware.profiles import load_hardware
     from autoplan.profile import profile_model
     from autoplan.solve import layouts
-    from autoplan.source import load_source
+    from autoplan.contract import load_source
 
     from test_layouts import TINY_LLAMA
 

@@ -15,7 +15,7 @@ from autoplan.hardware.profiles import load_hardware
 from autoplan.profile import measure, profile_graph, profile_model
 from autoplan.profile_data import ModelProfile
 from autoplan.report.unsupported import unsupported_ops_text
-from autoplan.source import load_source
+from autoplan.contract import load_source
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 BATCH = 2

@@ -14,7 +14,7 @@ from autoplan.profile_data import ModelProfile, OpProfile
 from autoplan.profile.whole_model import time_whole_model
 from autoplan.profile.loss_probe import loss_parallel_problem, sequence_targets_problem
 from autoplan.profile.router_loads import measure_router_loads
-from autoplan.source import ModelSource
+from autoplan.contract import ModelSource
 
 
 def _dtype_name(dtype) -> str:

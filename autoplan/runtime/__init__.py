@@ -8,7 +8,7 @@ here is PyTorch's own parallelism (DDP, FSDP2, DTensor tensor parallel, torch.di
 torch.utils.checkpoint, torch.distributed.checkpoint) wired up for a plan.
 """
 
-from autoplan.contract import call_model, compute_loss, default_loss, model_args
+from autoplan.contract import call_model, compute_loss, default_loss, load_source, model_args
 from autoplan.procs import exit_skipping_teardown
 from autoplan.runtime.apply_plan import Parallelized, init_plan_mesh, parallelize
 from autoplan.runtime.checkpoint import DEFAULT_KEEP as DEFAULT_KEEP_CHECKPOINTS
@@ -32,7 +32,6 @@ from autoplan.runtime.split import PipelineSplit, TiedParameter, split_model
 from autoplan.runtime.steps import AccumulationStep, PipelineStep
 from autoplan.runtime.tensorboard import TensorBoardLog, default_log_dir
 from autoplan.runtime.tensor_parallel import restore_linears, tensor_parallel, tensor_parallel_context
-from autoplan.source import load_source
 
 __all__ = [
     "AccumulationStep", "AppendedJson", "Checkpointer", "DEFAULT_KEEP_CHECKPOINTS", "MISMATCH_EXIT_CODE", "ModelPart", "NoDropout", "ParallelConfig",
