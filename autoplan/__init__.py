@@ -14,6 +14,9 @@ A plan in your own training loop (under torchrun; docs/own-loop.md):
 
 from __future__ import annotations
 
+import types
+
+from autoplan import profile
 from autoplan.errors import Infeasible, UserError
 from autoplan.hardware.types import Cluster
 from autoplan.plan import Parallelism, Plan, load_plan
@@ -35,11 +38,19 @@ def estimate(model, gpus: int, pin: str, gpu: str = "h100-sxm5-80gb", **options)
     return plan(model, gpus, gpu, pin=pin, **options)
 
 
-def profile(model, gpu: str = "cpu", **options):
-    """Capture and profile a model; returns a ModelProfile (ops with FLOPs, bytes and times)."""
-    from autoplan.api import profile_only
+class _ProfilePackage(types.ModuleType):
+    """autoplan.profile is both the public function and the subpackage autoplan/profile/ (DESIGN.md names both): one
+    object, the package made callable, so importing autoplan.profile.* (which binds the package to the name) leaves
+    autoplan.profile(model) working."""
 
-    return profile_only(model, gpu, **options)
+    def __call__(self, model, gpu: str = "cpu", **options):
+        """Capture and profile a model; returns a ModelProfile (ops with FLOPs, bytes and times)."""
+        from autoplan.api import profile_only
+
+        return profile_only(model, gpu, **options)
+
+
+profile.__class__ = _ProfilePackage
 
 
 def init_mesh(plan, device=None, timeout_s=None):

@@ -117,3 +117,14 @@ def test_planning_core_imports_no_torch_at_run_time():
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", f"torch was imported: {out.strip()[:300]}"
+
+
+def test_autoplan_profile_is_the_function_and_the_subpackage(tmp_path):
+    """DESIGN.md's public autoplan.profile() and the subpackage autoplan/profile/ are one object: importing
+    autoplan.profile.* (which binds the subpackage to the name autoplan.profile) leaves the function callable."""
+    code = ("import autoplan, autoplan.profile.roofline\n"
+            "from autoplan.profile import profile_model\n"
+            "try:\n    autoplan.profile('no_such_model.py')\n"
+            "except autoplan.UserError as e:\n    print(e)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 0 and run.stdout.startswith("model file not found"), run.stderr[-500:]
