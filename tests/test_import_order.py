@@ -16,7 +16,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "autoplan"
 
 ORDER = (
-    "errors", "layout", "plan", "hardware", "profile_data", "procs",
+    "errors", "public", "layout", "plan", "hardware", "profile_data", "procs",
     "chain", "cost", "solve",
     "contract", "source", "capture", "profile", "runtime", "codegen", "report", "verify", "calibrate",
     "api", "autoplan", "cli", "__main__",
@@ -25,7 +25,7 @@ ORDER = (
 (the model contract, capture, profile, the generated program's runtime), the writers and tools, then
 the API, the package's __init__ (`autoplan`: the public functions) and the command line."""
 
-TORCH_FREE = ("errors", "layout", "plan", "hardware", "profile_data", "chain", "cost", "solve", "report")
+TORCH_FREE = ("errors", "public", "layout", "plan", "hardware", "profile_data", "chain", "cost", "solve", "report")
 """Parts that never import torch, directly or through another part."""
 
 
