@@ -11,14 +11,15 @@ import re
 from pathlib import Path
 from typing import Any
 
+from autoplan.layout import SCHEDULE_BY_NAME
 from autoplan.plan import Alternative
-from autoplan.solve.alternatives import fastest_by_expert_split
 from autoplan.report import charts, verify_view
-from autoplan.report.rollup import (SCHEDULE_NAMES, chosen_candidate, describe_layout, ideal_scaling, plural,
-                                    memory_segments, module_times, ranked_candidates)
+from autoplan.report.rollup import (chosen_candidate, describe_layout, ideal_scaling, plural, memory_segments,
+                                    module_times, ranked_candidates)
 from autoplan.report.schedule import (COMMUNICATION, COMPUTE, RECEIVE, ScheduleView, number_ranges,
                                        schedule_view)
 from autoplan.report.svg import ACCENT, esc, fmt_bytes, fmt_number, fmt_seconds
+from autoplan.solve.alternatives import fastest_by_expert_split
 
 PARITY_TOLERANCE = 1e-4
 """|loss difference| allowed between the distributed program and the reference, fp32 (autoplan.verify.PARITY_TOLERANCE)."""
@@ -229,7 +230,7 @@ def schedule_section(plan, view: ScheduleView | None = None) -> str:
         return ""
     par = plan.parallelism
     ranks = view.ranks
-    schedule = (SCHEDULE_NAMES.get(par.pipeline_parallel_schedule, par.pipeline_parallel_schedule)
+    schedule = (SCHEDULE_BY_NAME[par.pipeline_parallel_schedule].display_name
                 if par.pipeline_parallel_degree > 1 else "Gradient accumulation")
     chart = charts.gantt(list(view.events), ranks, "pipeline schedule", view.elided)
     microbatches = plural(par.pipeline_parallel_num_microbatches, "micro-batch")

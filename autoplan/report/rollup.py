@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from autoplan.layout import SCHEDULE_BY_NAME
 from autoplan.plan import Parallelism, Stage
 from autoplan.profile_data import ModelProfile
 
@@ -12,7 +13,6 @@ MEMORY_ORDER = ("parameters", "gradients", "optimizer", "activations", "buffers"
 """Memory categories drawn first, in this order; any others follow as the cost model names them."""
 
 OUTSIDE = "(outside the stage modules)"
-SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B"}
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def describe_layout(par: Parallelism | dict[str, Any]) -> str:
         parts.append(f"TP {par.tensor_parallel_degree}")
     m, b = par.pipeline_parallel_num_microbatches, par.pipeline_parallel_microbatch_size
     if par.pipeline_parallel_degree > 1:
-        schedule = SCHEDULE_NAMES.get(par.pipeline_parallel_schedule, par.pipeline_parallel_schedule)
+        schedule = SCHEDULE_BY_NAME[par.pipeline_parallel_schedule].display_name
         if par.pipeline_parallel_virtual_stages > 1:
             schedule += f" ×{par.pipeline_parallel_virtual_stages} chunks"
         parts.append(f"PP {par.pipeline_parallel_degree} ({schedule}, {plural(m, 'micro-batch')} of {b})")
