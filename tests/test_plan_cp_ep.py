@@ -597,15 +597,15 @@ def test_expert_compute_is_its_own_part_of_the_step_and_the_parts_still_sum_to_i
 
 def test_the_search_prices_the_fastest_layout_without_expert_parallelism_beside_the_plan(olmoe_context):
     """On 8 GPUs the search prices the fastest layout of the other kind than its plan's (ep=1 beside an ep > 1 plan,
-    or the reverse) even where the branch and bound stopped before it; the plan's alternatives carry it (api.py) and
+    or the reverse) even where the branch and bound stopped before it; the plan's alternatives carry it (solve/alternatives.py) and
     the report's experts section shows both with the candidates' expert compute, all-to-all and memory."""
-    from autoplan.api import _fastest_of_the_other_expert_split
+    from autoplan.solve.alternatives import fastest_of_the_other_expert_split
     from autoplan.report.html import experts_section
     from autoplan.report.svg import fmt_bytes, fmt_seconds
 
     result = search(olmoe_context.profile, cluster(8), Training(8, "bf16"), parse_pins(""), features=CP_EP)
     best = result.best
-    other = _fastest_of_the_other_expert_split(result.candidates, best)
+    other = fastest_of_the_other_expert_split(result.candidates, best)
     assert len(other) == 1 and other[0].fits
     assert (other[0].parallelism.expert_parallel_degree > 1) != (best.parallelism.expert_parallel_degree > 1)
     assert other[0] in result.candidates
