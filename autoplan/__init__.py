@@ -14,32 +14,39 @@ A plan in your own training loop (under torchrun; docs/own-loop.md):
 
 from __future__ import annotations
 
+from autoplan import plan, profile  # the module plan.py and the package profile/, callable as the functions below
 from autoplan.errors import Infeasible, UserError
 from autoplan.hardware.types import Cluster
 from autoplan.plan import Parallelism, Plan, load_plan
+from autoplan.public import callable_module
 
 __version__ = "0.1.0"
 
 
-def plan(model, gpus: int, gpu: str = "h100-sxm5-80gb", **options) -> Plan:
-    """Plan `model` (path to model.py, "path.py:factory", or a factory with example_batch=) for `gpus`
-    accelerators. Options mirror the CLI: gpus_per_node, global_batch, dtype, memory_per_gpu, pin,
-    hardware, solver, time_limit, out (write the output folder)."""
-    from autoplan.api import plan_model
+def _plan(model, gpus: int, gpu: str = "h100-sxm5-80gb", **options) -> Plan:
+    """autoplan.plan(model, gpus, gpu, **options): plan `model` (path to model.py, "path.py:factory", or a factory
+    with example_batch=) for `gpus` accelerators. Options mirror the CLI: gpus_per_node, global_batch, dtype,
+    memory_per_gpu, pin, hardware, solver, time_limit, out (write the output folder)."""
+    from autoplan.api import plan_model as search_and_write
 
-    return plan_model(model, gpus, gpu, **options).plan
+    return search_and_write(model, gpus, gpu, **options).plan
 
 
 def estimate(model, gpus: int, pin: str, gpu: str = "h100-sxm5-80gb", **options) -> Plan:
     """The prediction for exactly the pinned layout (e.g. pin="dp=2,pp=2")."""
-    return plan(model, gpus, gpu, pin=pin, **options)
+    return _plan(model, gpus, gpu, pin=pin, **options)
 
 
-def profile(model, gpu: str = "cpu", **options):
-    """Capture and profile a model; returns a ModelProfile (ops with FLOPs, bytes and times)."""
+def _profile(model, gpu: str = "cpu", **options):
+    """autoplan.profile(model, gpu, **options): capture and profile a model; returns a ModelProfile (ops with FLOPs,
+    bytes and times)."""
     from autoplan.api import profile_only
 
     return profile_only(model, gpu, **options)
+
+
+callable_module(plan, _plan)
+callable_module(profile, _profile)
 
 
 def init_mesh(plan, device=None, timeout_s=None):

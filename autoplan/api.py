@@ -19,12 +19,14 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster, HardwareProfile
-from autoplan.plan import Alternative, ClusterRef, Compile, ModelRef, Plan, Training
-from autoplan.profile.types import ModelProfile
+from autoplan.plan import ClusterRef, Compile, ModelRef, Plan, Training
+from autoplan.profile_data import ModelProfile
+from autoplan.solve.refusals import not_planned, pins_for_capture, pipeline_refusal
+from autoplan.solve.scaling import SCALING_BUDGET_S, SCALING_FACTORS, ScalingPoint, scaling_curve  # noqa: F401
 
 log = logging.getLogger("autoplan")
 
@@ -118,7 +120,7 @@ def _positive_int(value: Any, flag: str, errors: list[str]) -> int:
 
 
 def _source(model: Any, example_batch: Any):
-    from autoplan.source import ModelSource, load_source
+    from autoplan.contract import ModelSource, load_source
 
     if isinstance(model, (str, os.PathLike)):
         return load_source(str(model))
@@ -155,7 +157,7 @@ def plan_model(
     generated program cannot run float8, so no output folder is written with it (for pricing published runs)."""
     from autoplan.layout import Layout
     from autoplan.profile import profile_model
-    from autoplan.profile.unsupported import pipeline_refusal
+    from autoplan.solve.alternatives import alternatives
     from autoplan.solve.pins import parse_pins
     from autoplan.solve.search import search, solver_warning
 
@@ -194,7 +196,7 @@ def plan_model(
 
     log.info("capture + profile %s at batch %d on %s", source.spec, PROFILE_BATCH_SIZE, cluster.gpu.name)
     profile = profile_model(source, PROFILE_BATCH_SIZE, cluster.hardware, measure=measure, dtype=dtype)
-    pins = _pins_for_capture(pins, profile)
+    pins = pins_for_capture(pins, profile)
     training = Training(global_batch_size=batch, dtype=dtype, tokens_per_sample=profile.tokens_per_sample)
     log.info("search %d GPUs, %d ops, %d parameters", cluster.num_gpus, len(profile.ops), profile.param_count)
     result = search(profile, cluster, training, pins, solver=solver, time_limit_s=time_limit,
@@ -204,9 +206,6 @@ def plan_model(
     warning = solver_warning(result.solver, time_limit)
     if warning:
         log.warning("%s", warning)
-    alternatives = tuple(Alternative.of(c) for c in _next_best(result.candidates, best, 5))
-    alternatives += tuple(Alternative.of(c) for c in _fastest_of_the_other_expert_split(result.candidates, best)
-                          if Alternative.of(c) not in alternatives)
     plan = Plan(
         model=ModelRef(path=str(source.path), factory=source.factory_name, param_count=profile.param_count),
         cluster=ClusterRef(cluster.gpu.name, cluster.num_gpus, cluster.gpus_per_node, cluster.usable_memory_bytes),
@@ -215,19 +214,19 @@ def plan_model(
         stages=best.stages,
         predicted=best.predicted,
         solver=result.solver,
-        alternatives=alternatives,
+        alternatives=alternatives(result.candidates, best),
         tensor_parallel_plan=dict(best.tensor_parallel_plan),
         tensor_parallel_left_whole=result.context.facts.left_whole if best.tensor_parallel_plan else (),
         activation_checkpoint_modules=tuple(best.activation_checkpoint_modules),
         batch_norm_modules=result.context.batch_norm_modules,
         compile=Compile(enable=best.compile),
     )
-    unpinned = pins == _pins_for_capture(Layout(), profile, warn=False)  # the curve's N point is then the plan's
+    unpinned = pins == pins_for_capture(Layout(), profile, warn=False)  # the curve's N point is then the plan's
     scaling = (scaling_curve(profile, cluster, training, best if unpinned else None, context=result.context)
                if out is not None else ())
     planned = PlanResult(plan, profile, tuple(result.candidates), scaling, not_planned(result.context),
                          result.parameter_server)
-    said = pipeline_refusal(profile)  # warned when the pins were read (_pins_for_capture)
+    said = pipeline_refusal(profile)  # warned when the pins were read (pins_for_capture)
     for line in planned.not_planned:
         if line != said:
             log.warning("planning with %s", line)
@@ -236,104 +235,6 @@ def plan_model(
         log.info("writing %s", out)
         write_outputs(planned, Path(out), source.path)
     return planned
-
-
-SCALING_FACTORS = (1 / 8, 1 / 4, 1 / 2, 1, 2, 4)
-"""GPU counts of the report's scaling curve, as multiples of the planned count."""
-SCALING_BUDGET_S = 4.0
-"""Seconds the scaling curve may spend pricing layouts, all its GPU counts together (the planned count is not
-searched again). Each count gets an equal share of what is left, so a count that finishes early leaves more
-to the next; a count whose share runs out shows the best of the layouts priced by then, and the report says so."""
-
-
-class ScalingPoint(NamedTuple):
-    """One GPU count of the scaling curve (weak scaling: the same batch per GPU as the plan)."""
-
-    gpus: int
-    samples_per_s: float | None
-    """Predicted throughput of the best layout found; None when none fits (or none priced within the budget did)."""
-    layout: str = ""
-    """layouts.describe() of that layout."""
-    note: str = ""
-    """"" for a search that ran to the end; else how the point is bounded, or why there is none."""
-
-
-def scaling_curve(profile: ModelProfile, cluster: Cluster, training: Training, planned: Any = None,
-                  budget_s: float = SCALING_BUDGET_S, context: Any = None) -> tuple[ScalingPoint, ...]:
-    """The best predicted throughput at N/8 .. 4N GPUs, the same batch per GPU, pricing layouts for at most
-    `budget_s` seconds in all. `planned` (a Candidate) is the unpinned search's winner at N GPUs: its point
-    is taken as is instead of searching again. `context` (the search's cost.context.Context) lends its
-    priced modules to the counts with the same GPUs per node.
-
-    Each count runs the search's branch and bound (autoplan.solve.search.explore) on one shared Context per
-    node size: the chain, the tensor-parallel facts, the module tables and the memory inputs do not depend on
-    the GPU count or the batch. Unlike the full search it skips the MILP refinement of the winner's split
-    (only samples/s is drawn) and does not work out why nothing fits (the leanest split and a GPU count
-    that would fit)."""
-    from dataclasses import replace
-
-    from autoplan.cost.context import Context
-    from autoplan.layout import SUPPORTED as features
-    from autoplan.layout import Layout
-    from autoplan.solve import layouts
-
-    pins = _pins_for_capture(Layout(), profile, warn=False)
-    # by GPUs per node: the module tables' tensor-parallel links depend on it
-    contexts: dict[int, Context] = {cluster.gpus_per_node: context} if context is not None else {}
-    counts = sorted({max(1, round(cluster.num_gpus * f)) for f in SCALING_FACTORS})
-    log.info("scaling curve: best layouts at %s GPUs (%s to %s times the plan's %d)", ", ".join(map(str, counts)),
-             _fraction(min(SCALING_FACTORS)), _fraction(max(SCALING_FACTORS)), cluster.num_gpus)
-    compiled = context.compiled if context is not None else layouts.compiled(pins, cluster, features)
-    searched = [c for c in counts if c != cluster.num_gpus or planned is None]
-    deadline = time.perf_counter() + budget_s
-    points = []
-    for count in counts:
-        if count not in searched:
-            points.append(ScalingPoint(count, planned.predicted.samples_per_s, layouts.describe(planned.parallelism)))
-            continue
-        per_node = min(cluster.gpus_per_node, count)
-        if per_node not in contexts:
-            contexts[per_node] = Context(profile, replace(cluster, gpus_per_node=per_node), training, features,
-                                         compiled=compiled)
-        batch = max(1, training.global_batch_size * count // cluster.num_gpus)
-        ctx = contexts[per_node].at(replace(cluster, num_gpus=count, gpus_per_node=per_node),
-                                    replace(training, global_batch_size=batch))
-        started = time.perf_counter()
-        share = max(0.0, deadline - started) / (len(searched) - searched.index(count))
-        point = _scaling_point(ctx, pins, share)
-        log.debug("scaling curve: %d GPUs in %.2f s (share %.2f s): %s", count, time.perf_counter() - started,
-                  share, point)
-        points.append(point)
-    return tuple(points)
-
-
-def _fraction(factor: float) -> str:
-    """1/8 for 0.125, 4 for 4.0."""
-    return f"{factor:g}" if factor >= 1 else f"1/{round(1 / factor)}"
-
-
-def _scaling_point(ctx, pins, budget_s: float) -> ScalingPoint:
-    """The search's branch and bound at ctx's GPU count (autoplan.solve.search.explore), without the MILP
-    refinement and the infeasibility explanation, stopped after `budget_s` seconds."""
-    from autoplan.solve import layouts
-    from autoplan.solve.search import choose, explore
-
-    count = ctx.cluster.num_gpus
-    try:
-        explored = explore(ctx, pins, deadline=time.perf_counter() + budget_s, explain=False)
-    except UserError as e:
-        return ScalingPoint(count, None, "", str(e))
-    fitting = sorted((c for c in explored.tried if c.fits), key=lambda c: c.predicted.step_time_s)
-    # explore checks its bound before the deadline: when the deadline stopped it, the next layout could still win
-    budget = f"the {budget_s:.2g} s this count had of the curve's time budget"
-    if not fitting:
-        why = (f"none of the {explored.priced} layouts priced in {budget} fits; the search did not finish"
-               if explored.stopped_by_deadline else "no layout fits")
-        return ScalingPoint(count, None, "", why)
-    best = choose(fitting)
-    note = (f"bounded: best of the {explored.priced} layouts priced in {budget}; unpriced ones could be faster"
-            if explored.stopped_by_deadline else "")
-    return ScalingPoint(count, best.predicted.samples_per_s, layouts.describe(best.parallelism), note)
 
 
 def _float8_problems(recipe: str, cluster: Cluster | None, dtype: str | None, out: Any,
@@ -366,70 +267,11 @@ def _pin_arithmetic(pins, cluster: Cluster) -> list[str]:
     return problems(pins, Scope(num_gpus=cluster.num_gpus, gpus_per_node=cluster.gpus_per_node))
 
 
-def not_planned(context) -> tuple[str, ...]:
-    """A line for each dimension this model cannot take on this cluster whatever the layout (a pipeline
-    without torch.export's graph or with one module; tensor parallelism at every degree a node allows),
-    each naming the module and why. Written to unsupported_ops.txt; the search never tries these."""
-    from autoplan.profile.unsupported import NO_PIPELINE, pipeline_refusal
-    from autoplan.solve.layouts import divisors
-
-    lines = []
-    refusal = pipeline_refusal(context.profile)
-    if refusal:
-        lines.append(refusal)
-    elif len(context.chain) == 1 and context.cluster.num_gpus > 1:
-        lines.append(f"{NO_PIPELINE}: {context.chain.whole_reason or 'the model splits into one module'}")
-    degrees = [t for t in divisors(context.cluster.gpus_per_node) if t > 1]
-    if degrees and "tp" in context.features and all(context.facts.problems(t) for t in degrees):
-        lines.append(f"no tensor parallelism (tp=1): {'; '.join(context.facts.problems(degrees[0]))}")
-    elif degrees and "tp" in context.features and context.loss_parallel_problem:
-        lines.append(f"no loss parallel (with tp > 1 the logits are gathered for the loss): "
-                     f"{context.loss_parallel_problem}")
-    if degrees and {"tp", "sp"} <= context.features and context.facts.plan and context.facts.sequence_parallel_problem:
-        lines.append(f"no sequence parallelism (with tp > 1 the norms, residual adds and dropout between the split "
-                     f"Linears keep whole-sequence activations on every tensor-parallel rank, tp times those of "
-                     f"sp=on): {context.facts.sequence_parallel_problem}")
-    return tuple(lines)
-
-
-def _pins_for_capture(pins, profile: ModelProfile, warn: bool = True):
-    """Pipeline stages are cut from the exported graph: without one (export failed and capture fell
-    back), only layouts that keep the model whole can be generated."""
-    from dataclasses import replace
-
-    from autoplan.profile.unsupported import export_failure, pipeline_refusal
-
-    failure = export_failure(profile)
-    if failure is None:
-        return pins
-    if pins.pp not in (None, 1):
-        raise UserError(f"pp={pins.pp} needs the model's graph from torch.export (pipeline stages are cut from it), "
-                        f"but torch.export failed: {failure}; pin pp=1 or make the forward exportable")
-    if warn:
-        log.warning("planning with %s", pipeline_refusal(profile))
-    return replace(pins, pp=1)
-
-
-def _fastest_of_the_other_expert_split(candidates, best) -> list:
-    """On a model with expert layers, the fastest priced layout of the other kind than the plan's: with ep=1 when
-    the plan splits the experts (ep > 1), with ep > 1 when it does not (what the report and the summary measure
-    expert parallelism by); else nothing."""
-    from autoplan.report.rollup import fastest_by_expert_split
-
-    return fastest_by_expert_split(candidates, exclude_ep=best.parallelism.expert_parallel_degree)
-
-
-def _next_best(candidates, best, count: int):
-    others = [c for c in candidates if c is not best and c.predicted is not None]
-    others.sort(key=lambda c: (not c.fits, c.predicted.step_time_s))
-    return others[:count]
-
-
 def write_outputs(result: PlanResult, out: Path, model_file: Path) -> None:
     """Write plan.json, CSVs, train.py and launchers into `out`, atomically."""
     from autoplan.codegen import write_program
-    from autoplan.profile.unsupported import FILE_NAME as UNSUPPORTED_FILE
-    from autoplan.profile.unsupported import unsupported_ops_text
+    from autoplan.report.unsupported import FILE_NAME as UNSUPPORTED_FILE
+    from autoplan.report.unsupported import unsupported_ops_text
     from autoplan.report.csv import write_csvs
     from autoplan.report.html import write_report
     from autoplan.report.trace import write_trace
@@ -575,8 +417,8 @@ def profile_only(model: Any, gpu: str = DEFAULT_GPU, *, hardware: str | None = N
     """Capture and profile without planning; with `out`, write ops.csv, modules.csv, profile.json."""
     from autoplan.hardware.profiles import load_hardware
     from autoplan.profile import profile_model
-    from autoplan.profile.unsupported import FILE_NAME as UNSUPPORTED_FILE
-    from autoplan.profile.unsupported import unsupported_ops_text
+    from autoplan.report.unsupported import FILE_NAME as UNSUPPORTED_FILE
+    from autoplan.report.unsupported import unsupported_ops_text
     from autoplan.report.csv import modules_frame, ops_frame
 
     hw = load_hardware(hardware if hardware else gpu)

@@ -38,26 +38,45 @@ class Schedule:
     min_microbatches: str
     """Least micro-batches per step: "1", "pp" (at least one per rank), "pp_multiple" (a multiple of pp: torch's
     rounds of pp micro-batches), "stages" (at least pp x v)."""
+    in_flight: str
+    """How many micro-batches a stage keeps activations for at its rank's peak (cost/pipeline.py
+    microbatches_in_flight): "all" (every forward runs before the first backward), "pp_minus_stage" (1F1B's
+    warm-up: pp - s), "rounds" (torch's interleaved warm-up, in rounds of micro-batches per local stage),
+    "simulated" (read off the rank's simulated operation order)."""
+    searched_from: int
+    """Least stages per rank the search tries (solve/layouts.py): interleaved from 2, as with 1 it runs as 1F1B."""
+    display_name: str
+    """What the report calls it."""
 
 
 SCHEDULE_TABLE = (
-    Schedule("gpipe", "ScheduleGPipe", "GPipe", "loop", (1, 1), False, "1"),
-    Schedule("1f1b", "Schedule1F1B", "1F1B", "loop", (1, 1), False, "pp"),
-    Schedule("interleaved", "ScheduleInterleaved1F1B", "Interleaved1F1B", "loop", (1, None), False, "pp_multiple"),
+    Schedule("gpipe", "ScheduleGPipe", "GPipe", "loop", (1, 1), False, "1", "all", 1, "GPipe"),
+    Schedule("1f1b", "Schedule1F1B", "1F1B", "loop", (1, 1), False, "pp", "pp_minus_stage", 1, "1F1B"),
+    Schedule("interleaved", "ScheduleInterleaved1F1B", "Interleaved1F1B", "loop", (1, None), False, "pp_multiple",
+             "rounds", 2, "interleaved 1F1B"),
     Schedule("zb-interleaved", "ScheduleInterleavedZeroBubble", "InterleavedZeroBubble", "loop", (1, None), True,
-             "pp_multiple"),
-    Schedule("zbv", "ScheduleZBVZeroBubble", "ZBVZeroBubble", "v", (2, 2), True, "1"),
-    Schedule("dualpipev", "ScheduleDualPipeV", "DualPipeV", "v", (2, 2), True, "stages"),
+             "pp_multiple", "simulated", 1, "zb-interleaved"),
+    Schedule("zbv", "ScheduleZBVZeroBubble", "ZBVZeroBubble", "v", (2, 2), True, "1", "simulated", 2, "zbv"),
+    Schedule("dualpipev", "ScheduleDualPipeV", "DualPipeV", "v", (2, 2), True, "stages", "simulated", 2, "dualpipev"),
 )
-"""Every pipeline schedule, as data: the plan vocabulary, the rules below, the program (runtime/steps.py) and the
-cost model (cost/pipeline.py) read it."""
+"""Every pipeline schedule, as data: the plan vocabulary, the rules below, the search (solve/layouts.py), the program
+(runtime/steps.py), the cost model (cost/pipeline.py: its operation order, ORDERS, is the one other place a schedule
+is written) and the report read it."""
 SCHEDULE_BY_NAME = {schedule.name: schedule for schedule in SCHEDULE_TABLE}
 SCHEDULES = tuple(SCHEDULE_BY_NAME)
 ZERO_BUBBLE_SCHEDULES = tuple(s.name for s in SCHEDULE_TABLE if s.split_backward)
+DEFAULT_SCHEDULE = "1f1b"
+"""The schedule of a plan, a pin or a program that names none (and of every pp=1 layout)."""
+
+
+def placement_of(schedule: str) -> str:
+    """The stage placement of `schedule` (Schedule.placement); "loop" for a name outside the table (callers that
+    price or run only the table's schedules refuse those themselves)."""
+    return SCHEDULE_BY_NAME[schedule].placement if schedule in SCHEDULE_BY_NAME else "loop"
 
 
 def stage_rank(stage: int, pp: int, placement: str) -> int:
-    """The pipeline rank that runs `stage` (see Schedule.placement)."""
+    """The pipeline rank that runs `stage` (see Schedule.placement): the one place for the rule."""
     if placement == "v":
         local, offset = divmod(stage, pp)
         return offset if local % 2 == 0 else pp - 1 - offset
@@ -65,7 +84,9 @@ def stage_rank(stage: int, pp: int, placement: str) -> int:
 
 
 def rank_stages(pp_rank: int, pp: int, virtual_stages: int, placement: str) -> list[int]:
-    """The stages pipeline rank `pp_rank` runs, in its local order."""
+    """The stages pipeline rank `pp_rank` runs, in its local order (stage_rank inverted)."""
+    if placement == "loop":  # stage_rank's s % pp, without trying every stage (the solvers ask per rank and split)
+        return list(range(pp_rank, pp * virtual_stages, pp))
     return [s for s in range(pp * virtual_stages) if stage_rank(s, pp, placement) == pp_rank]
 RECOMPUTE = ("none", "selective", "full")
 RESHARD = ("always", "never")

@@ -17,7 +17,8 @@ import json
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
-from autoplan.layout import RECOMPUTE, RESHARD, SCHEDULES, SUPPORTED, TENSOR_PARALLEL_STYLES, Layout, Scope, problems
+from autoplan.layout import (DEFAULT_SCHEDULE, RECOMPUTE, RESHARD, SCHEDULES, SUPPORTED, TENSOR_PARALLEL_STYLES, Layout, Scope,
+                             problems)
 
 SCHEMA_VERSION = 2
 SCHEMA_CHANGES = {1: "version 2 replaced parallelism.zero_stage with data_parallel_shard_degree and "
@@ -49,7 +50,7 @@ class Parallelism:
     """Ranks that split each layer's matmuls (Megatron-style)."""
     pipeline_parallel_degree: int = 1
     """Pipeline stages, one per rank along the pipeline dimension."""
-    pipeline_parallel_schedule: str = "1f1b"
+    pipeline_parallel_schedule: str = DEFAULT_SCHEDULE
     """One of layout.SCHEDULES: "gpipe", "1f1b", "interleaved", "zb-interleaved", "zbv" or "dualpipev"."""
     pipeline_parallel_microbatch_size: int = 1
     """Samples per micro-batch."""

@@ -200,7 +200,7 @@ def compile_ratio() -> None:
     from autoplan.hardware.profiles import load_hardware
     from autoplan.hardware.types import Cluster
     from autoplan.profile import profile_model
-    from autoplan.source import load_source
+    from autoplan.contract import load_source
 
     print("\n## torch.compile per block: Llama-3.1-8B, sequence 8192, FSDP on 8 H100s (torchtitan's run)")
     hardware = load_hardware("h100-sxm5-80gb")

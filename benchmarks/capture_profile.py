@@ -43,7 +43,7 @@ def run_case(name: str) -> dict:
     from autoplan.api import plan_model
     from autoplan.capture import capture_model
     from autoplan.errors import UserError
-    from autoplan.source import load_source
+    from autoplan.contract import load_source
 
     source = load_source(str(EXAMPLES / "llama.py"))
     layers, hidden, intermediate, heads, kv_heads, gpus = LLAMA[name]
@@ -81,7 +81,7 @@ def run_case(name: str) -> dict:
 def count_exported() -> tuple[int, list[str]]:
     """Example models (default configs) that torch.export captures without falling back."""
     from autoplan.capture import capture_model
-    from autoplan.source import load_source
+    from autoplan.contract import load_source
 
     lines, exported = [], 0
     files = sorted(EXAMPLES.glob("*.py"))

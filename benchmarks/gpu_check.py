@@ -271,7 +271,7 @@ def cmd_offload(args) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     from autoplan.runtime.optimizer import adamw
-    from autoplan.source import load_source
+    from autoplan.contract import load_source
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")

@@ -206,7 +206,7 @@ def context_and_expert() -> None:
     from autoplan.hardware.types import Cluster
     from autoplan.layout import SUPPORTED
     from autoplan.profile import profile_graph
-    from autoplan.source import load_source
+    from autoplan.contract import load_source
 
     h100 = load_hardware("h100-sxm5-80gb")
     models = (("Llama-3.1-8B", "llama", 131_072, {"cp"}, 8,

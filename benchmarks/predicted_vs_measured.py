@@ -57,7 +57,7 @@ def autoplan(*args: str, cache: Path) -> None:
 def whole_model_seconds(model: str) -> float:
     """The real model's forward+backward at batch 8 on one thread (autoplan.profile.whole_model)."""
     from autoplan.profile.whole_model import time_whole_model
-    from autoplan.source import load_source
+    from autoplan.contract import load_source
 
     return time_whole_model(load_source(model), parameter_bytes=0.0)[8]
 

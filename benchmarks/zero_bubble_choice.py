@@ -36,7 +36,7 @@ from autoplan.profile import profile_graph  # noqa: E402
 from autoplan.solve import layouts  # noqa: E402
 from autoplan.solve.pins import parse_pins  # noqa: E402
 from autoplan.solve.search import search  # noqa: E402
-from autoplan.source import load_source  # noqa: E402
+from autoplan.contract import load_source  # noqa: E402
 
 
 def gpt_1t():

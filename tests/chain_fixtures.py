@@ -14,7 +14,7 @@ from __future__ import annotations
 from autoplan.hardware.profiles import load_hardware
 from autoplan.hardware.types import Cluster, Gpu, HardwareProfile, Link
 from autoplan.profile.roofline import backward_bytes, roofline_seconds
-from autoplan.profile.types import ModelProfile, OpProfile
+from autoplan.profile_data import ModelProfile, OpProfile
 
 GIB = 2**30
 FLOPS_PER_S = 1e12

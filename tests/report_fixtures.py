@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from autoplan.plan import Alternative, ClusterRef, ModelRef, Parallelism, Plan, Prediction, SolverInfo, Stage, Training
-from autoplan.profile.types import ModelProfile, OpProfile
+from autoplan.profile_data import ModelProfile, OpProfile
 
 EVIL = "<script>alert(1)</script>"
 """A module name that must never reach the page unescaped."""

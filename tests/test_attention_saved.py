@@ -19,7 +19,7 @@ from autoplan.chain.tensor_parallel import tensor_parallel_facts
 from autoplan.cost.module_costs import chain_costs
 from autoplan.hardware.profiles import load_hardware
 from autoplan.profile import profile_model
-from autoplan.source import load_source
+from autoplan.contract import load_source
 
 ZOO = Path(__file__).resolve().parents[1] / "benchmarks" / "zoo" / "causal_lm.py"
 BATCH = 2

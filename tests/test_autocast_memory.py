@@ -15,7 +15,7 @@ from autoplan.cost.memory import MemoryInputs, layout_memory
 from autoplan.cost.module_costs import ModuleCosts, OpCost, autocast_weight_copy_bytes, saved_by_mode
 from autoplan.layout import SUPPORTED, fsdp_wraps
 from autoplan.plan import Parallelism, Training
-from autoplan.profile.types import OpProfile
+from autoplan.profile_data import OpProfile
 
 
 def _op(node, op, inputs=(), params=(), dtype="float32") -> OpProfile:

@@ -16,7 +16,7 @@ import pytest
 
 from autoplan.chain.batch_statistics import BatchStatistics, batch_statistics, batch_statistics_modules
 from autoplan.layout import Layout, Scope, problems, schedule_problems
-from autoplan.profile.types import ModelProfile, OpProfile
+from autoplan.profile_data import ModelProfile, OpProfile
 
 ROOT = Path(__file__).resolve().parent.parent
 RESNET = ROOT / "examples" / "resnet.py"

@@ -11,7 +11,8 @@ import pytest
 import torch
 import yaml
 
-from autoplan.api import _pins_for_capture, load_cluster, plan_model
+from autoplan.api import load_cluster, plan_model
+from autoplan.solve.refusals import pins_for_capture
 from autoplan.calibrate import calibrate, refit
 from autoplan.calibrate.fit import bus_factor, fit_alpha_beta, link_points
 from autoplan.calibrate.frameworks import overhead_matching_step, pipeline_overheads
@@ -240,7 +241,7 @@ def test_refit_of_a_cpu_plan_moves_the_next_prediction_toward_the_measurement(pl
     # move the prediction by more than the refit does
     def priced_under(hardware: Path) -> float:
         cluster = load_cluster(2, "cpu", None, None, str(hardware))
-        pins = _pins_for_capture(parse_pins(""), planned.profile, warn=False)  # as plan_model searched
+        pins = pins_for_capture(parse_pins(""), planned.profile, warn=False)  # as plan_model searched
         return search(planned.profile, cluster, plan.training, pins).best.predicted.step_time_s
 
     before, after = priced_under(calibrated), priced_under(out)

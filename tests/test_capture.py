@@ -14,7 +14,7 @@ from autoplan.capture import ValueRef, capture_model
 from autoplan.errors import UserError
 from autoplan.hardware.profiles import load_hardware
 from autoplan.profile import profile_graph
-from autoplan.source import load_source
+from autoplan.contract import load_source
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 BLOCK = re.compile(r"^blocks\.(\d+)$")

@@ -12,7 +12,7 @@ from autoplan.capture import capture_model
 from autoplan.capture.repeats import find_runs
 from autoplan.hardware.profiles import load_hardware
 from autoplan.profile import profile_graph
-from autoplan.source import load_source
+from autoplan.contract import load_source
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 H100 = load_hardware("h100-sxm5-80gb")

@@ -8,7 +8,7 @@ import pytest
 from autoplan.chain.experts import expert_layers
 from autoplan.hardware.profiles import load_hardware
 from autoplan.profile import profile_model
-from autoplan.source import load_source
+from autoplan.contract import load_source
 
 ZOO = Path(__file__).resolve().parents[1] / "benchmarks" / "zoo" / "causal_lm.py"
 BATCH = 2

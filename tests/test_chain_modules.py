@@ -7,7 +7,7 @@ import pytest
 from chain_fixtures import gpt_param_formula, gpt_profile
 
 from autoplan.chain.modules import build_chain
-from autoplan.profile.types import ModelProfile, OpProfile
+from autoplan.profile_data import ModelProfile, OpProfile
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

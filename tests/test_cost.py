@@ -162,7 +162,7 @@ def test_sequence_parallel_linears_reading_one_tensor_share_its_gather():
     runtime/sequence_gather.py runs it, and one shard kept."""
     from pathlib import Path
 
-    from autoplan.profile.types import ModelProfile
+    from autoplan.profile_data import ModelProfile
 
     fixtures = Path(__file__).parent / "fixtures"
     profile = ModelProfile.from_json((fixtures / "llama_capture.json").read_text())

@@ -114,7 +114,7 @@ def test_grouped_expert_matmuls_are_priced_as_matmuls(name):
     """A capture on fake tensors records transformers' fallback op, a GPU run aten._grouped_mm; neither lists the
     stacked weights as parameters (it reads views of them), and both are matmuls priced at matmul efficiency."""
     from autoplan.chain.ops import cost_kind
-    from autoplan.profile.types import OpProfile
+    from autoplan.profile_data import OpProfile
 
     op = OpProfile(node="g", op=name, module="layers.0.mlp.experts", module_stack=("layers.0.mlp.experts",),
                    inputs=("rows", "weight", "offsets"), params=(), input_shapes=((96, 32), (4, 32, 64), (4,)),

@@ -10,7 +10,7 @@ from chain_fixtures import gpt_profile, paper_flops, read_runs, run_cluster, run
 
 from autoplan.layout import ALL_FEATURES
 from autoplan.plan import Training
-from autoplan.profile.types import ModelProfile
+from autoplan.profile_data import ModelProfile
 from autoplan.solve.pins import parse_pins
 from autoplan.solve.search import search
 

@@ -8,7 +8,7 @@ import pytest
 
 from autoplan.api import plan_model
 from autoplan.profile.loss_probe import loss_parallel_problem
-from autoplan.source import load_source
+from autoplan.contract import load_source
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOOTHED = Path(__file__).resolve().parent / "models" / "smoothed_gpt.py"

@@ -18,7 +18,7 @@ import pytest
 
 from autoplan.codegen.program import MODEL_COPY_DIR, copy_model_files, find_model_copy
 from autoplan.errors import UserError
-from autoplan.source import call_user, load_source, local_files
+from autoplan.contract import call_user, load_source, local_files
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

@@ -10,7 +10,7 @@ from autoplan.api import plan_model
 from autoplan.hardware.profiles import load_hardware
 from autoplan.profile import profile_model
 from autoplan.report.csv import ops_frame
-from autoplan.source import load_source
+from autoplan.contract import load_source
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 BATCH = 2

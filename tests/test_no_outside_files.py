@@ -59,7 +59,7 @@ def test_the_readme_and_docs_name_no_file_outside_the_repository():
 def test_the_model_contract_a_message_cites_is_in_the_repository():
     """A model file lacking build_model() is sent to CONTRACT_DOC: that page exists, is the contract, and the README
     links to it."""
-    from autoplan.source import CONTRACT, CONTRACT_DOC
+    from autoplan.contract import CONTRACT, CONTRACT_DOC
 
     assert CONTRACT_DOC in CONTRACT
     page = ROOT / CONTRACT_DOC

@@ -426,7 +426,7 @@ def olmoe_context():
 
     from autoplan.hardware.profiles import load_hardware
     from autoplan.profile import profile_model
-    from autoplan.source import load_source
+    from autoplan.contract import load_source
 
     zoo = Path(__file__).resolve().parents[1] / "benchmarks" / "zoo" / "causal_lm.py"
     hardware = load_hardware("h100-sxm5-80gb")
@@ -572,7 +572,7 @@ def test_with_cp_and_tp_the_experts_token_split_is_only_expert_parallel_routing(
     leak into it, or an ep=1 layout's expert compute would be divided by tp."""
     from autoplan.hardware.profiles import load_hardware
     from autoplan.profile import profile_model
-    from autoplan.source import load_source
+    from autoplan.contract import load_source
 
     from test_layouts import TINY_LLAMA
 
@@ -611,15 +611,15 @@ def test_expert_compute_is_its_own_part_of_the_step_and_the_parts_still_sum_to_i
 
 def test_the_search_prices_the_fastest_layout_without_expert_parallelism_beside_the_plan(olmoe_context):
     """On 8 GPUs the search prices the fastest layout of the other kind than its plan's (ep=1 beside an ep > 1 plan,
-    or the reverse) even where the branch and bound stopped before it; the plan's alternatives carry it (api.py) and
+    or the reverse) even where the branch and bound stopped before it; the plan's alternatives carry it (solve/alternatives.py) and
     the report's experts section shows both with the candidates' expert compute, all-to-all and memory."""
-    from autoplan.api import _fastest_of_the_other_expert_split
+    from autoplan.solve.alternatives import fastest_of_the_other_expert_split
     from autoplan.report.html import experts_section
     from autoplan.report.svg import fmt_bytes, fmt_seconds
 
     result = search(olmoe_context.profile, cluster(8), Training(8, "bf16"), parse_pins(""), features=CP_EP)
     best = result.best
-    other = _fastest_of_the_other_expert_split(result.candidates, best)
+    other = fastest_of_the_other_expert_split(result.candidates, best)
     assert len(other) == 1 and other[0].fits
     assert (other[0].parallelism.expert_parallel_degree > 1) != (best.parallelism.expert_parallel_degree > 1)
     assert other[0] in result.candidates
@@ -645,7 +645,7 @@ def test_a_default_compile_the_rules_refuse_for_a_layout_is_off_for_it_wherever_
     from autoplan.hardware.profiles import load_hardware
     from autoplan.profile import profile_model
     from autoplan.solve import layouts
-    from autoplan.source import load_source
+    from autoplan.contract import load_source
 
     from test_layouts import TINY_LLAMA
 

@@ -19,7 +19,7 @@ from autoplan.profile import profile_graph
 from autoplan.report.csv import candidates_frame
 from autoplan.solve.layouts import scope_of
 from autoplan.solve.search import TIE_TOLERANCE, search
-from autoplan.source import load_source
+from autoplan.contract import load_source
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 H100 = load_hardware("h100-sxm5-80gb")

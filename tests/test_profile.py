@@ -13,9 +13,9 @@ from autoplan.capture import capture_model
 from autoplan.errors import UserError
 from autoplan.hardware.profiles import load_hardware
 from autoplan.profile import measure, profile_graph, profile_model
-from autoplan.profile.types import ModelProfile
-from autoplan.profile.unsupported import unsupported_ops_text
-from autoplan.source import load_source
+from autoplan.profile_data import ModelProfile
+from autoplan.report.unsupported import unsupported_ops_text
+from autoplan.contract import load_source
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 BATCH = 2

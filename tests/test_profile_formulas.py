@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from autoplan.api import plan_model
 from autoplan.hardware.profiles import load_hardware
 from autoplan.profile import profile_model
-from autoplan.source import ModelSource, load_source
+from autoplan.contract import ModelSource, load_source
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

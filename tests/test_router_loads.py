@@ -8,8 +8,8 @@ import pytest
 
 from autoplan.api import profile_only
 from autoplan.profile.router_loads import measure_router_loads
-from autoplan.profile.types import ModelProfile
-from autoplan.source import load_source
+from autoplan.profile_data import ModelProfile
+from autoplan.contract import load_source
 
 MIXTRAL = '''
 """examples/mixtral.py at tiny sizes."""

@@ -18,7 +18,7 @@ from autoplan.runtime import (ModelPart, TrainingData, build_on_meta, catalog, c
                               materialize, restore_linears, split_model, step_batch)
 from autoplan.runtime.recompute import _save_matmuls, saved_ops
 from autoplan.runtime.steps import CastOutputs
-from autoplan.source import load_source
+from autoplan.contract import load_source
 from helpers.batch import placements
 from test_runtime import load_example, run_stages
 

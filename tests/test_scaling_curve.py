@@ -1,4 +1,4 @@
-"""The report's scaling curve (autoplan.api.scaling_curve): every point is the search's choice at that GPU
+"""The report's scaling curve (autoplan.solve.scaling.scaling_curve): every point is the search's choice at that GPU
 count, the planned count is the plan's own, and a point cut short by the time budget says so."""
 
 from dataclasses import replace
@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 from chain_fixtures import GIB, cluster, gpt_profile
 
-from autoplan.api import SCALING_FACTORS, scaling_curve
+from autoplan.solve.scaling import SCALING_FACTORS, scaling_curve
 from autoplan.errors import UserError
 from autoplan.plan import Training
 from autoplan.solve import layouts

@@ -3,7 +3,7 @@
 import pytest
 
 from autoplan.errors import UserError
-from autoplan.source import call_user, load_source, split_spec
+from autoplan.contract import call_user, load_source, split_spec
 
 GOOD = """
 import torch

@@ -11,7 +11,7 @@ from autoplan.chain.tensor_parallel import find_tensor_parallel_plan, tensor_par
 from autoplan.errors import UserError
 from autoplan.layout import SUPPORTED, Layout
 from autoplan.plan import Training
-from autoplan.profile.types import ModelProfile
+from autoplan.profile_data import ModelProfile
 from autoplan.solve.search import search
 
 FIXTURES = Path(__file__).parent / "fixtures"

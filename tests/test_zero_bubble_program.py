@@ -15,7 +15,7 @@ import pytest
 
 from autoplan.api import plan_model
 from autoplan.layout import ZERO_BUBBLE_SCHEDULES
-from autoplan.source import load_source
+from autoplan.contract import load_source
 from helpers.verify_many import verify_many
 from test_layouts import MODELS, STEPS, check_parity, mb, model_layout
 

@@ -23,7 +23,7 @@ import pytest
 
 from autoplan.api import plan_model
 from autoplan.cli import main
-from autoplan.source import load_source
+from autoplan.contract import load_source
 from helpers.verify_many import verify_many
 
 ROOT = Path(__file__).resolve().parents[1]

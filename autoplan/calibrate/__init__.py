@@ -7,7 +7,11 @@ efficiency factors from a verified run.
 
 from __future__ import annotations
 
+from autoplan.calibrate import refit  # the module, callable as its function below
 from autoplan.calibrate.launch import calibrate
-from autoplan.calibrate.refit import RefitResult, refit
+from autoplan.calibrate.refit import RefitResult
+from autoplan.public import callable_module
+
+callable_module(refit, refit.refit)
 
 __all__ = ["calibrate", "refit", "RefitResult"]

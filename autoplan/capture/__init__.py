@@ -32,7 +32,7 @@ from autoplan.capture.masks import positions_in, recording_mask_skips
 from autoplan.capture.repeats import Run, expand, find_runs, truncated
 from autoplan.capture.trace import capture_trace
 from autoplan.errors import UserError
-from autoplan.source import ModelSource
+from autoplan.contract import ModelSource
 
 METHODS = ("auto", "export", "symbolic_trace", "dispatch")
 """capture_model's `method` choices: auto tries each of the others in turn."""

@@ -24,7 +24,7 @@ from autoplan.capture.fake_model import FakeModel
 from autoplan.capture.graph import GraphInput, OpGraph, OpNode, TensorMeta, ValueRef, output_refs, storage_roots
 from autoplan.capture.graph import tokens_per_sample as _tokens_per_sample
 from autoplan.errors import UserError
-from autoplan.source import ModelSource, call_user
+from autoplan.contract import ModelSource, call_user
 
 
 class _Recorder(TorchDispatchMode):

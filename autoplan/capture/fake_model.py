@@ -16,9 +16,8 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
                                            FakeTensorMode)
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from autoplan.contract import disable_kv_cache
+from autoplan.contract import ModelSource, call_user, disable_kv_cache, raised_in_user_code, user_error, where
 from autoplan.errors import UserError
-from autoplan.source import ModelSource, call_user, raised_in_user_code, user_error, where
 
 
 @dataclass

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 
 from autoplan.chain.ops import cost_kind, packet
-from autoplan.profile.types import ModelProfile, OpProfile
+from autoplan.profile_data import ModelProfile, OpProfile
 
 SDPA_PACKETS = frozenset({
     "scaled_dot_product_attention", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",

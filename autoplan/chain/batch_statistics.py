@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoplan.chain.ops import packet
-from autoplan.profile.types import ModelProfile, OpProfile
+from autoplan.profile_data import ModelProfile, OpProfile
 
 BATCH_STATISTICS_OPS = frozenset({
     "batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoplan.chain.ops import is_grouped_matmul_name, packet
-from autoplan.profile.types import ModelProfile, OpProfile
+from autoplan.profile_data import ModelProfile, OpProfile
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from autoplan.profile.types import ModelProfile, OpProfile
+from autoplan.profile_data import ModelProfile, OpProfile
 
 ROOT = ""
 """Name of the root module in the module tree (module_stack excludes it)."""

@@ -32,7 +32,7 @@ An op is named by its packet: "aten.linear.default" -> "linear". Its traits:
 
 from __future__ import annotations
 
-from autoplan.profile.types import OpProfile
+from autoplan.profile_data import OpProfile
 
 _TABLE = """
 linear                                        | linear gemm

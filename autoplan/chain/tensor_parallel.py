@@ -59,7 +59,7 @@ from dataclasses import dataclass, field, replace
 
 from autoplan.chain.ops import OP_TRAITS, ops_with, packet
 from autoplan.plan import LeftWhole
-from autoplan.profile.types import ModelProfile, OpProfile
+from autoplan.profile_data import ModelProfile, OpProfile
 
 LINEAR_OPS = ops_with("linear")
 EMBEDDING_OPS = ops_with("embedding")

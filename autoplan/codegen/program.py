@@ -17,7 +17,7 @@ from autoplan.codegen.template import fill
 from autoplan.errors import UserError
 from autoplan.layout import SCHEDULE_BY_NAME, SUPPORTED, TENSOR_PARALLEL_STYLES
 from autoplan.plan import Plan
-from autoplan.source import import_root, local_files
+from autoplan.contract import import_root, local_files
 
 MODEL_COPY_DIR = "model_code"
 """The output folder's copy of the model file and the local modules and packages it imports, at their paths

@@ -29,7 +29,7 @@ from autoplan.cost.module_costs import SEQUENCE_ROLES, SPLIT_ROLES, ChainCosts, 
 from autoplan.hardware.types import Cluster
 from autoplan.layout import expert_folded_ranks, fsdp_wraps
 from autoplan.plan import Parallelism, Training
-from autoplan.profile.types import ModelProfile
+from autoplan.profile_data import ModelProfile
 
 GIB = 2**30
 

@@ -31,7 +31,7 @@ from autoplan.chain.experts import is_grouped_matmul
 from autoplan.chain.modules import ModuleChain
 from autoplan.chain.ops import AUTOCAST_LOWER, autocast_fp32_nodes, cost_kind, has_trait, packet
 from autoplan.chain.tensor_parallel import TensorParallelFacts
-from autoplan.profile.types import ModelProfile, OpProfile
+from autoplan.profile_data import ModelProfile, OpProfile
 
 SPLIT_ROLES = frozenset({"colwise", "rowwise", "interior", "head"})
 """Tensor-parallel roles whose FLOPs and bytes divide by tp."""

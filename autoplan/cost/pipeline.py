@@ -1,6 +1,6 @@
 """Pipeline schedules: micro-batches in flight (memory) and the bubble (time).
 
-p pipeline ranks, m micro-batches, v stages per rank (interleaved only; stage s runs on rank s % p).
+p pipeline ranks, m micro-batches, v stages per rank (stage s runs on rank autoplan.layout.stage_rank(s, p, placement)).
 - GPipe runs every forward before any backward: each stage keeps all m micro-batches.
 - 1F1B (torch Schedule1F1B) warms up with p - 1 - r forwards on rank r, so it keeps p - r.
 - Interleaved 1F1B (torch ScheduleInterleaved1F1B, schedules._get_warmup_ops) warms up with
@@ -27,7 +27,7 @@ from functools import lru_cache
 import numpy as np
 
 from autoplan.cost.pipeline_recv import receive_posted_after
-from autoplan.layout import SCHEDULE_BY_NAME, rank_stages, stage_rank
+from autoplan.layout import SCHEDULE_BY_NAME, placement_of, rank_stages, stage_rank
 
 SCHEDULES_SUPPORTED = tuple(SCHEDULE_BY_NAME)
 """Every schedule of the plan vocabulary (autoplan.layout.SCHEDULE_TABLE) is priced."""
@@ -43,26 +43,28 @@ def interleaved_warmup(rank: int, num_ranks: int, virtual: int, num_microbatches
 @lru_cache(maxsize=None)  # every stage of every priced layout asks (tens of thousands of keys on the largest searches)
 def microbatches_in_flight(schedule: str, num_ranks: int, num_microbatches: int, stage_index: int,
                            virtual: int = 1) -> int:
-    """Micro-batches whose activations the rank running `stage_index` keeps for that stage at its peak."""
+    """Micro-batches whose activations the rank running `stage_index` keeps for that stage at its peak, by the
+    schedule's in_flight rule (autoplan.layout.Schedule.in_flight)."""
     if num_ranks == 1:
         return 1  # gradient accumulation: each micro-batch's backward runs before the next forward
-    if schedule == "gpipe":
+    if schedule not in SCHEDULE_BY_NAME:
+        raise ValueError(f"schedule {schedule!r} is not priced (supported: {SCHEDULES_SUPPORTED})")
+    facts = SCHEDULE_BY_NAME[schedule]
+    if facts.in_flight == "all":
         return num_microbatches
-    if schedule == "1f1b":
+    if facts.in_flight == "pp_minus_stage":
         return min(num_microbatches, num_ranks - stage_index)
-    if schedule == "interleaved":
-        rank, local = stage_index % num_ranks, stage_index // num_ranks
+    rank = stage_rank(stage_index, num_ranks, facts.placement)
+    local = rank_stages(rank, num_ranks, virtual, facts.placement).index(stage_index)
+    if facts.in_flight == "rounds":
         rounds = max(1, num_microbatches // num_ranks)
         per_round = num_microbatches // rounds
         issued = interleaved_warmup(rank, num_ranks, virtual, num_microbatches) + 1
         cycles, rest = divmod(issued, per_round * virtual)  # forwards go in rounds of per_round per local stage
         return min(num_microbatches, cycles * per_round + min(per_round, max(0, rest - local * per_round)))
-    if schedule in SCHEDULE_BY_NAME and SCHEDULE_BY_NAME[schedule].split_backward:
-        placement = SCHEDULE_BY_NAME[schedule].placement
-        rank = stage_rank(stage_index, num_ranks, placement)
-        chunk = rank_stages(rank, num_ranks, virtual, placement).index(stage_index)
-        return split_backward_in_flight(schedule, num_ranks, num_microbatches, rank, virtual)[chunk]
-    raise ValueError(f"schedule {schedule!r} is not priced (supported: {SCHEDULES_SUPPORTED})")
+    if facts.in_flight == "simulated":
+        return split_backward_in_flight(schedule, num_ranks, num_microbatches, rank, virtual)[local]
+    raise ValueError(f"schedule {schedule!r}: in_flight rule {facts.in_flight!r} is not priced")
 
 
 @lru_cache(maxsize=None)  # one simulated schedule per rank, read by each of its stages (microbatches_in_flight)
@@ -230,7 +232,7 @@ def simulate(schedule: str, num_ranks: int, num_microbatches: int, stages: Seque
         raise ValueError(f"{len(stages)} stages do not split evenly over {p} pipeline ranks")
     chunks, m, last = len(stages) // p, num_microbatches, len(stages) - 1
     orders, posted = _orders_and_receives(schedule, p, m, chunks)
-    placement = SCHEDULE_BY_NAME[schedule].placement if schedule in SCHEDULE_BY_NAME else "loop"
+    placement = placement_of(schedule)
     local = [rank_stages(r, p, chunks, placement) for r in range(p)]
     unposted: dict[tuple[int, int], list[tuple[SimulatedOp, int]]] = {}  # (rank, op index) -> transfers after it
     arrived: dict[tuple[str, int, int], float] = {}
@@ -375,7 +377,7 @@ def _dependencies(schedule: str, p: int, m: int, chunks: int) -> _Dependencies:
     """The arrays of a schedule shape, built once (a search prices the same shapes over and over with different
     stage costs); the operation orders they come from are not kept (10^5 operations for a deep pipeline)."""
     orders, posted = _orders_and_receives.__wrapped__(schedule, p, m, chunks)
-    placement = SCHEDULE_BY_NAME[schedule].placement if schedule in SCHEDULE_BY_NAME else "loop"
+    placement = placement_of(schedule)
     last = p * chunks - 1
     offsets = list(itertools.accumulate((len(o) for o in orders), initial=0))
     total = offsets[-1]

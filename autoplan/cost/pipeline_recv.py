@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
+from autoplan.layout import rank_stages, stage_rank
+
 Operation = tuple[str, int, int]
 """("F" | "B", chunk, microbatch) as cost/pipeline.rank_order lists them."""
 ACTIVE_STAGES = 3
@@ -40,10 +42,10 @@ def _upcoming(stages: list[int]) -> list[list[int]]:
     return out
 
 
-def _with_bookkeeping(order: Sequence[Operation], p: int, rank: int, m: int) -> list[Operation | None]:
-    """The rank's compute order with None where the runtime lowering puts a non-compute action
-    (UNSHARD, RESHARD, REDUCE_GRAD): each takes one turn of the send/recv lowering."""
-    stages = [chunk * p + rank for _, chunk, _ in order]
+def _with_bookkeeping(order: Sequence[Operation], local: Sequence[int], m: int) -> list[Operation | None]:
+    """The rank's compute order (`local`: its stages, by chunk) with None where the runtime lowering puts a
+    non-compute action (UNSHARD, RESHARD, REDUCE_GRAD): each takes one turn of the send/recv lowering."""
+    stages = [local[chunk] for _, chunk, _ in order]
     active: set[int] = set()
     lowered: list[Operation | None] = []
     for op, upcoming in zip(order, _upcoming(stages)):
@@ -58,36 +60,39 @@ def _with_bookkeeping(order: Sequence[Operation], p: int, rank: int, m: int) -> 
     for op in lowered:
         with_reduce.append(op)
         if op is not None and op[0] == "B":
-            stage = op[1] * p + rank
+            stage = local[op[1]]
             backwards[stage] = backwards.get(stage, 0) + 1
             if backwards[stage] == m:
                 with_reduce.append(None)
     return with_reduce
 
 
-def receive_posted_after(orders: Sequence[Sequence[Operation]], m: int, chunks: int) -> dict[tuple[str, int, int], int]:
+def receive_posted_after(orders: Sequence[Sequence[Operation]], m: int, chunks: int,
+                         placement: str = "loop") -> dict[tuple[str, int, int], int]:
     """For each output sent between ranks, ("F" | "B", producing stage, microbatch) -> the index in the
     receiving rank's order of the operation after which the receive is posted (-1: at the start).
-    Stage s runs on rank s % p; `orders[r]` is rank r's operation order."""
+    Stage s runs on rank autoplan.layout.stage_rank(s, p, placement); `orders[r]` is rank r's operation order."""
     p = len(orders)
     last = p * chunks - 1
+    local = [rank_stages(r, p, chunks, placement) for r in range(p)]
 
     def receiver(kind: str, stage: int) -> int | None:
         neighbour = stage + 1 if kind == "F" else stage - 1
-        if not 0 <= neighbour <= last or neighbour % p == stage % p:
+        if not 0 <= neighbour <= last:
             return None
-        return neighbour % p
+        peer = stage_rank(neighbour, p, placement)
+        return None if peer == stage_rank(stage, p, placement) else peer
 
     posted: dict[tuple[str, int, int], int] = {}
     if chunks == 1:  # post right before the consuming operation
         for r, order in enumerate(orders):
             for index, (kind, chunk, mb) in enumerate(order):
-                stage = chunk * p + r
+                stage = local[r][chunk]
                 producer = ("F", stage - 1, mb) if kind == "F" else ("B", stage + 1, mb)
                 if 0 <= producer[1] <= last and receiver(*producer[:2]) == r:
                     posted[producer] = index - 1
         return posted
-    pending = [deque(_with_bookkeeping(order, p, r, m)) for r, order in enumerate(orders)]
+    pending = [deque(_with_bookkeeping(order, local[r], m)) for r, order in enumerate(orders)]
     scheduled: list[set[tuple[str, int, int]]] = [set() for _ in range(p)]  # computed here or received
     computed = [0] * p
     while any(pending):
@@ -98,7 +103,7 @@ def receive_posted_after(orders: Sequence[Sequence[Operation]], m: int, chunks: 
             op = pending[r][0]
             if op is not None:
                 kind, chunk, mb = op
-                stage = chunk * p + r
+                stage = local[r][chunk]
                 needed = ("F", stage - 1, mb) if kind == "F" else ("B", stage + 1, mb)
                 if 0 <= needed[1] <= last and needed not in scheduled[r]:
                     continue

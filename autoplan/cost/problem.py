@@ -1,8 +1,8 @@
 """The stage-split problem the solvers answer (split.py fast, dp.py exact DP, ilp.py MILP).
 
 Modules 0..n-1 of the chain go to S = p x v contiguous non-empty stages in order; stage s runs on
-pipeline rank s % p (v > 1 is interleaved 1F1B). Each module also gets a recompute mode from
-ChainProblem.modes. A rank's time per micro-batch is the sum over its stages of their modules' times
+pipeline rank layout.stage_rank(s, p, placement) (s % p, or the V of zbv and dualpipev). Each module also gets a
+recompute mode from ChainProblem.modes. A rank's time per micro-batch is the sum over its stages of their modules' times
 (plus each stage's constant point-to-point overhead); the objective is the slowest rank. A rank's
 memory is the sum over its stages of their linear, tied-group and boundary bytes, plus the largest
 transient term of any module it holds (one module runs backward at a time); it must fit the cap.
@@ -124,9 +124,7 @@ class ChainProblem:
     def overhead(self, stage: int) -> float:
         return self.stage_overhead_s[stage] if self.stage_overhead_s else 0.0
 
-    def stages_of_rank(self, rank: int) -> range | list[int]:
-        if self.placement == "loop":
-            return range(rank, self.num_stages, self.ranks)
+    def stages_of_rank(self, rank: int) -> list[int]:
         return rank_stages(rank, self.ranks, self.virtual, self.placement)
 
     def uniform(self, split: Split, mode: str | None = None) -> Assignment:

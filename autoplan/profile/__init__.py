@@ -1,8 +1,10 @@
 """Profile a captured model: per-op FLOPs, bytes, saved activations and time.
 
-`from autoplan.profile import profile_model` works, but importing this package does not import torch
-(cost/ and solve/ import autoplan.profile.types and must stay torch-free), so the entry points load
-lazily.
+This package is also the public function autoplan.profile(model, gpu="cpu", **options): `import autoplan` imports
+it and makes it callable (autoplan/__init__.py), so both spellings name one object. `from autoplan.profile import
+profile_model` works, but importing this package does not import torch (`import autoplan` stays light), so the
+entry points load lazily. The profile as plain data, torch-free,
+is autoplan.profile_data.
 """
 
 from __future__ import annotations

@@ -10,11 +10,11 @@ from autoplan.profile.measure import OpTimer, device_description, measure_device
 from autoplan.profile.replay import FakeReplayer, OpCall, ReplayResult, SavedTensor, op_call
 from autoplan.profile.roofline import backward_bytes, peak_flops, roofline_seconds
 from autoplan.profile.timing_cache import TimingCache, cache_key
-from autoplan.profile.types import ModelProfile, OpProfile
+from autoplan.profile_data import ModelProfile, OpProfile
 from autoplan.profile.whole_model import time_whole_model
 from autoplan.profile.loss_probe import loss_parallel_problem, sequence_targets_problem
 from autoplan.profile.router_loads import measure_router_loads
-from autoplan.source import ModelSource
+from autoplan.contract import ModelSource
 
 
 def _dtype_name(dtype) -> str:

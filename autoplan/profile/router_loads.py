@@ -14,14 +14,12 @@ import torch
 
 from autoplan.capture.experts import is_experts_module
 from autoplan.profile.whole_model import MAX_PARAMETER_BYTES
-from autoplan.source import ModelSource, call_user
+from autoplan.contract import ModelSource, call_model, call_user
 
 
 def measure_router_loads(source: ModelSource, batch_size: int, parameter_bytes: float) -> dict[str, tuple[int, ...]]:
     """Experts module FQN -> rows routed to each of its experts, for one forward of example_batch(batch_size);
     empty for a model without experts modules or too large to build here (whole_model.MAX_PARAMETER_BYTES)."""
-    from autoplan.contract import call_model
-
     if parameter_bytes > MAX_PARAMETER_BYTES:
         return {}
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from autoplan.source import split_spec
+from autoplan.contract import split_spec
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import time
 import torch
 
 from autoplan.profile.measure import THREADS_PER_RANK
-from autoplan.source import ModelSource, call_user
+from autoplan.contract import ModelSource, call_model, call_user, compute_loss
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,6 @@ MAX_SECONDS_PER_RUN = 2.0
 def _step(source: ModelSource, model, inputs, targets):
     """One forward, loss and backward: what a training step computes (the loss is not in the captured
     graph, so the rescaled op times carry it)."""
-    from autoplan.contract import call_model, compute_loss
-
     def step():
         compute_loss(source.loss_fn, call_model(model, inputs), targets).backward()
         model.zero_grad(set_to_none=True)

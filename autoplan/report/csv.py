@@ -7,7 +7,7 @@ from typing import Any
 
 import pandas as pd
 
-from autoplan.profile.types import ModelProfile
+from autoplan.profile_data import ModelProfile
 
 OPS_COLUMNS = ["node", "op", "module", "input_shapes", "dtype", "flops_fwd", "flops_bwd", "param_bytes",
                "saved_bytes", "output_bytes", "time_fwd_s", "time_bwd_s", "source"]

@@ -11,13 +11,15 @@ import re
 from pathlib import Path
 from typing import Any
 
+from autoplan.layout import SCHEDULE_BY_NAME
 from autoplan.plan import Alternative
 from autoplan.report import charts, verify_view
-from autoplan.report.rollup import (SCHEDULE_NAMES, chosen_candidate, describe_layout, fastest_by_expert_split,
-                                    ideal_scaling, plural, memory_segments, module_times, ranked_candidates)
+from autoplan.report.rollup import (chosen_candidate, describe_layout, ideal_scaling, plural, memory_segments,
+                                    module_times, ranked_candidates)
 from autoplan.report.schedule import (COMMUNICATION, COMPUTE, RECEIVE, ScheduleView, number_ranges,
                                        schedule_view)
 from autoplan.report.svg import ACCENT, esc, fmt_bytes, fmt_number, fmt_seconds
+from autoplan.solve.alternatives import fastest_by_expert_split
 
 PARITY_TOLERANCE = 1e-4
 """|loss difference| allowed between the distributed program and the reference, fp32 (autoplan.verify.PARITY_TOLERANCE)."""
@@ -76,7 +78,7 @@ def write_report(result, out_dir: Path, verify: dict | None = None, scaling: lis
     """Write out_dir/report.html for a PlanResult (plan, profile, candidates).
 
     verify is the parsed verify.json (adds loss parity and predicted vs measured); scaling is
-    [(num_gpus, samples_per_s), ...] or autoplan.api.ScalingPoint from searching other GPU counts (adds the
+    [(num_gpus, samples_per_s), ...] or autoplan.solve.scaling.ScalingPoint from searching other GPU counts (adds the
     scaling curve; scaling_section).
     """
     Path(out_dir, "report.html").write_text(render_report(result, verify, scaling), encoding="utf-8")
@@ -228,7 +230,7 @@ def schedule_section(plan, view: ScheduleView | None = None) -> str:
         return ""
     par = plan.parallelism
     ranks = view.ranks
-    schedule = (SCHEDULE_NAMES.get(par.pipeline_parallel_schedule, par.pipeline_parallel_schedule)
+    schedule = (SCHEDULE_BY_NAME[par.pipeline_parallel_schedule].display_name
                 if par.pipeline_parallel_degree > 1 else "Gradient accumulation")
     chart = charts.gantt(list(view.events), ranks, "pipeline schedule", view.elided)
     microbatches = plural(par.pipeline_parallel_num_microbatches, "micro-batch")
@@ -442,7 +444,7 @@ def parameter_server_html(plan, ps: Any) -> str:
 
 
 def scaling_section(points: list[tuple]) -> str:
-    """Points are (GPUs, samples/s) or autoplan.api.ScalingPoint (GPUs, samples/s or None, layout, note):
+    """Points are (GPUs, samples/s) or autoplan.solve.scaling.ScalingPoint (GPUs, samples/s or None, layout, note):
     a note says the search at that count was bounded (the best of the layouts priced within its time budget)
     or why there is no point."""
     rows = sorted((int(p[0]), None if p[1] is None else float(p[1]), str(p[2]) if len(p) > 2 else "",

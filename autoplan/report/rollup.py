@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from autoplan.layout import SCHEDULE_BY_NAME
 from autoplan.plan import Parallelism, Stage
-from autoplan.profile.types import ModelProfile
+from autoplan.profile_data import ModelProfile
 
 MEMORY_ORDER = ("parameters", "gradients", "optimizer", "activations", "buffers")
 """Memory categories drawn first, in this order; any others follow as the cost model names them."""
 
 OUTSIDE = "(outside the stage modules)"
-SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B"}
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def describe_layout(par: Parallelism | dict[str, Any]) -> str:
         parts.append(f"TP {par.tensor_parallel_degree}")
     m, b = par.pipeline_parallel_num_microbatches, par.pipeline_parallel_microbatch_size
     if par.pipeline_parallel_degree > 1:
-        schedule = SCHEDULE_NAMES.get(par.pipeline_parallel_schedule, par.pipeline_parallel_schedule)
+        schedule = SCHEDULE_BY_NAME[par.pipeline_parallel_schedule].display_name
         if par.pipeline_parallel_virtual_stages > 1:
             schedule += f" ×{par.pipeline_parallel_virtual_stages} chunks"
         parts.append(f"PP {par.pipeline_parallel_degree} ({schedule}, {plural(m, 'micro-batch')} of {b})")
@@ -119,20 +119,6 @@ def chosen_candidate(candidates: tuple[Any, ...], plan) -> Any | None:
             and getattr(c, "compile", False) == plan.compile.enable]
     exact = [c for c in same if c.fits and tuple(c.stages) == tuple(plan.stages)]
     return (exact or same or [None])[0]
-
-
-def fastest_by_expert_split(candidates, exclude_ep: int | None = None) -> list[Any]:
-    """The fastest priced candidate with expert parallelism (ep > 1) and the fastest without (ep = 1), fitting ones
-    first, in that order; a kind none has is left out, and so is the kind with ep equal to `exclude_ep` (1: leave out
-    ep = 1; any other value: leave out ep > 1)."""
-    out = []
-    for split in (True, False):
-        if exclude_ep is not None and (exclude_ep > 1) == split:
-            continue
-        kind = [c for c in candidates if c.predicted is not None and (c.parallelism.expert_parallel_degree > 1) == split]
-        if kind:
-            out.append(min(kind, key=lambda c: (not c.fits, c.predicted.step_time_s)))
-    return out
 
 
 def ranked_candidates(candidates: tuple[Any, ...], best: Any) -> list[Any]:

@@ -8,8 +8,9 @@ here is PyTorch's own parallelism (DDP, FSDP2, DTensor tensor parallel, torch.di
 torch.utils.checkpoint, torch.distributed.checkpoint) wired up for a plan.
 """
 
-from autoplan.contract import call_model, compute_loss, default_loss, model_args
+from autoplan.contract import call_model, compute_loss, default_loss, load_source, model_args
 from autoplan.procs import exit_skipping_teardown
+from autoplan.public import callable_module
 from autoplan.runtime.apply_plan import Parallelized, init_plan_mesh, parallelize
 from autoplan.runtime.checkpoint import DEFAULT_KEEP as DEFAULT_KEEP_CHECKPOINTS
 from autoplan.runtime.checkpoint import Checkpointer
@@ -19,8 +20,8 @@ from autoplan.runtime.data import TrainingData, microbatches, shard, step_batch,
 from autoplan.runtime.dropout import NoDropout
 from autoplan.runtime.gradients import clip_grad_norm_, full_gradients, save_gradients, save_reference_gradients
 from autoplan.runtime.interface import MISMATCH_EXIT_CODE, RUNTIME_API, check_runtime_api, runtime_api_mismatch
-from autoplan.runtime.materialize import (ModelPart, TensorEntry, build_on_meta, build_seeded, catalog, materialize,
-                                          materialize_from, named_tensors)
+from autoplan.runtime.materialize import (ModelPart, TensorEntry, build_on_meta, build_seeded, catalog, materialize_from,
+                                          named_tensors)
 from autoplan.runtime.mesh import RankLayout, device_mesh, global_mean_loss, local_stages, rank_layout
 from autoplan.runtime.memory import PeakLiveMemory
 from autoplan.runtime.metrics import AppendedJson, StepMetrics, gather_rank_metrics, write_json
@@ -33,8 +34,11 @@ from autoplan.runtime.split import PipelineSplit, TiedParameter, split_model
 from autoplan.runtime.startup import ArgumentParser, check_start
 from autoplan.runtime.steps import AccumulationStep, PipelineStep
 from autoplan.runtime.tensorboard import TensorBoardLog, default_log_dir
-from autoplan.runtime.tensor_parallel import restore_linears, tensor_parallel, tensor_parallel_context
-from autoplan.source import load_source
+from autoplan.runtime.tensor_parallel import restore_linears, tensor_parallel_context
+from autoplan.runtime import materialize, tensor_parallel  # the modules, callable as their functions below
+
+callable_module(materialize, materialize.materialize)
+callable_module(tensor_parallel, tensor_parallel.tensor_parallel)
 
 __all__ = [
     "AccumulationStep", "ArgumentParser", "AppendedJson", "Checkpointer", "DEFAULT_KEEP_CHECKPOINTS", "MISMATCH_EXIT_CODE",

@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 
 from autoplan.contract import LossFn
 from autoplan.errors import UserError
-from autoplan.layout import SCHEDULE_BY_NAME, SUPPORTED, Layout, Scope, problems
+from autoplan.layout import SCHEDULE_BY_NAME, SUPPORTED, Layout, Scope, placement_of, problems
 from autoplan.runtime.attention_blocks import find_attention_blocks
 from autoplan.runtime.compile import compile_modules
 from autoplan.runtime.config import ParallelConfig, as_config
@@ -173,8 +173,8 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
         mesh = init_plan_mesh(config, device)
     _check_mesh(mesh, config)
     device = _device(device if device is not None else mesh.device_type)
-    placement = SCHEDULE_BY_NAME[config.schedule].placement if config.schedule in SCHEDULE_BY_NAME else "loop"
-    rank = rank_layout(mesh, placement)
+    placement = placement_of(config.schedule)
+    rank = rank_layout(mesh, placement, config.virtual_stages)
     dtype = compute_dtype(config.dtype, device)
     values = _initial_values(model, initial_values)
     _to_meta(model)  # the structure only: every rank holds just its own share later

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from autoplan.errors import UserError
+from autoplan.layout import DEFAULT_SCHEDULE
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class ParallelConfig:
     """Pipeline ranks (the outermost mesh dimension)."""
     virtual_stages: int = 1
     """Stages per pipeline rank: stage s runs on pipeline rank autoplan.layout.stage_rank(s, pp, placement)."""
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE
     """Pipeline schedule, one of autoplan.layout.SCHEDULES."""
     microbatch_size: int = 1
     """Samples per micro-batch."""

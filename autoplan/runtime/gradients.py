@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autoplan.runtime.names import canonical_name
+
 GRADIENTS_FILE = "rank{rank}.pt"
 """The file each process writes in the --gradients-out folder."""
 
@@ -53,8 +55,6 @@ def full_gradients(parts: dict[int, nn.Module], state_fqns: list[dict[str, str]]
     """This rank's parameters' gradients as full CPU tensors by the model's FQN. `parts`: Parallelized.parts;
     `state_fqns`: Parallelized.split.state_fqns (None without a pipeline). A collective for DTensor
     gradients: call it on every rank."""
-    from autoplan.runtime.parallel import canonical_name
-
     found: dict[str, torch.Tensor] = {}
     for stage, module in sorted(parts.items()):
         if isinstance(module, nn.parallel.DistributedDataParallel):

@@ -18,7 +18,7 @@ train.py generated before would call wrongly, or that one generated now would no
 a name added, removed or renamed, a signature, a meaning. A train.py reaches autoplan through autoplan.runtime
 (and autoplan.parallelize, autoplan.init_mesh) only, and checks this first, at import, before any other autoplan
 name (tests/test_codegen.py). 5: runtime.exit_skipping_teardown and runtime.load_source (train.py imported
-autoplan.procs and autoplan.source directly, so on an autoplan without procs it died of an ImportError before
+autoplan.procs and autoplan.source (now autoplan.contract) directly, so on an autoplan without procs it died of an ImportError before
 its check); autoplan.init_mesh(timeout_s=) for the process group's timeout; the tensor-parallel plan's
 'replicate' style (a norm's weight inside a split region, a replicated DTensor whose gradient is summed).
 6: the tensor-parallel plan's 'sequence_local' style (a MoE block run on each rank's sequence shard); the expert

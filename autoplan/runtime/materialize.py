@@ -22,7 +22,7 @@ from torch import nn
 
 from autoplan.errors import UserError
 from autoplan.runtime.parallel import named_state
-from autoplan.source import ModelSource, call_user
+from autoplan.contract import ModelSource, call_user
 
 
 @dataclass(frozen=True)

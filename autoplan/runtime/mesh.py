@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autoplan.errors import UserError
-from autoplan.layout import rank_stages
+from autoplan.layout import rank_stages, stage_rank
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 FSDP_DIM = "dp_shard_cp"
@@ -52,6 +52,8 @@ class RankLayout:
     placement: str = "loop"
     """The schedule's stage placement (autoplan.layout.Schedule.placement): with "v" pipeline rank 0 runs the
     first stage and the last."""
+    virtual_stages: int = 1
+    """Stages per pipeline rank."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -59,7 +61,7 @@ class RankLayout:
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == (0 if self.placement == "v" else self.pp_size - 1)
+        return self.pp_rank == stage_rank(self.pp_size * self.virtual_stages - 1, self.pp_size, self.placement)
 
 
 PROCESS_GROUP_TIMEOUT_S = 1800.0
@@ -107,14 +109,14 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp_replicate", shard] if mesh["dp_replicate"].size() > 1 else mesh[shard]
 
 
-def rank_layout(mesh: DeviceMesh, placement: str = "loop") -> RankLayout:
+def rank_layout(mesh: DeviceMesh, placement: str = "loop", virtual_stages: int = 1) -> RankLayout:
     """Where this process sits in a (pp, dp_replicate, dp_shard, cp, tp) mesh; `placement`, the pipeline
-    schedule's stage placement."""
+    schedule's stage placement, and `virtual_stages`, its stages per pipeline rank."""
     pp, dp_replicate, dp_shard, cp, tp = mesh.shape
     pp_rank, replicate_rank, shard_rank, cp_rank, tp_rank = mesh.get_coordinate()
     return RankLayout(rank=dist.get_rank(), pp_rank=pp_rank, dp_rank=replicate_rank * dp_shard + shard_rank,
                       dp_size=dp_replicate * dp_shard, pp_size=pp, tp_rank=tp_rank, tp_size=tp, cp_rank=cp_rank,
-                      cp_size=cp, placement=placement)
+                      cp_size=cp, placement=placement, virtual_stages=virtual_stages)
 
 
 def global_mean_loss(local_loss: torch.Tensor | None, layout: RankLayout, device: torch.device) -> float:

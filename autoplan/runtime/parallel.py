@@ -26,11 +26,8 @@ from autoplan.layout import fsdp_wraps, stage_rank
 from autoplan.runtime.expert_parallel import ExpertParallel
 from autoplan.runtime.mesh import RankLayout, fsdp_mesh, local_device
 from autoplan.runtime.recompute import ROOT_MODULE, submodule
+from autoplan.runtime.names import WRAPPER_PREFIXES, canonical_name  # noqa: F401 (re-exported)
 from autoplan.runtime.split import PipelineSplit
-
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
-"""Path parts that wrappers (checkpointing, FSDP1, torch.compile) add to parameter names."""
-
 
 def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """The planned training dtype on CUDA; fp32 on CPU (what `autoplan verify` checks parity in)."""
@@ -124,14 +121,6 @@ def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
     if isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(enabled)
     yield
-
-
-def canonical_name(name: str) -> str:
-    """A parameter or buffer name without the parts wrappers add (DDP's leading "module." is
-    stripped by named_state)."""
-    for part in WRAPPER_PREFIXES:
-        name = name.replace(part, "")
-    return name
 
 
 def named_state(module: nn.Module) -> dict[str, torch.Tensor]:

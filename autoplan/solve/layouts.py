@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 from autoplan.cost.context import Context
 from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster
-from autoplan.layout import (RECOMPUTE, SCHEDULE_BY_NAME, Layout, Scope, expert_folded_ranks, problems,
-                             schedule_problems)
+from autoplan.layout import (DEFAULT_SCHEDULE, RECOMPUTE, SCHEDULE_BY_NAME, Layout, Scope, expert_folded_ranks,
+                             problems, schedule_problems)
 from autoplan.plan import Parallelism
 
 MAX_VIRTUAL_STAGES = 8
@@ -234,11 +234,10 @@ def _sharding_options(pins: Layout, dp: int, features: frozenset[str], cp: int =
 
 
 def virtual_stages_tried(schedule: str) -> range:
-    """Stages per rank the search tries with `schedule` (layout.SCHEDULE_TABLE): interleaved from 2 (1 is 1F1B),
-    the others from their least, up to MAX_VIRTUAL_STAGES."""
-    least, most = SCHEDULE_BY_NAME[schedule].virtual_stages
-    least = 2 if schedule == "interleaved" else least
-    return range(least, (most or MAX_VIRTUAL_STAGES) + 1)
+    """Stages per rank the search tries with `schedule` (layout.SCHEDULE_TABLE): from its searched_from (interleaved
+    from 2: with 1 it runs as 1F1B), up to its most or MAX_VIRTUAL_STAGES."""
+    facts = SCHEDULE_BY_NAME[schedule]
+    return range(facts.searched_from, (facts.virtual_stages[1] or MAX_VIRTUAL_STAGES) + 1)
 
 
 @dataclass(frozen=True)
@@ -259,7 +258,7 @@ def variants(family: Family, pins: Layout, scope: Scope, rejected: list[str] | N
     per_rank = scope.global_batch // family.dp
     pp = family.pp
     if pp == 1:
-        schedules = [(pins.schedule or "1f1b", 1)]
+        schedules = [(pins.schedule or DEFAULT_SCHEDULE, 1)]
     else:
         names = [pins.schedule] if pins.schedule else [s for s in SCHEDULE_PREFERENCE if s in features]
         schedules = [(name, v) for name in names
@@ -339,5 +338,5 @@ def modes_for(recompute: str, pinned: bool) -> tuple[str, ...]:
 
 
 def leanness(var: Variant) -> tuple:
-    """Order variants from the least memory: small micro-batches, most recompute, 1F1B."""
-    return (var.microbatch, -RECOMPUTE.index(var.recompute), var.schedule != "1f1b", var.virtual_stages)
+    """Order variants from the least memory: small micro-batches, most recompute, the default schedule (1F1B)."""
+    return (var.microbatch, -RECOMPUTE.index(var.recompute), var.schedule != DEFAULT_SCHEDULE, var.virtual_stages)

@@ -31,7 +31,7 @@ from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster
 from autoplan.layout import RECOMPUTE, SCHEDULE_BY_NAME, SUPPORTED, Layout, Scope, problems
 from autoplan.plan import Parallelism, SolverInfo, Training
-from autoplan.profile.types import ModelProfile
+from autoplan.profile_data import ModelProfile
 from autoplan.solve import layouts
 from autoplan.solve.dp import leanest_assignment, solve_dp
 from autoplan.solve.ilp import solve_ilp

@@ -27,7 +27,7 @@ from accelerate import Accelerator
 from accelerate.utils import send_to_device
 
 import autoplan
-from autoplan.source import load_source
+from autoplan.contract import load_source
 
 
 def load_model_file(path: Path):

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import autoplan
-from autoplan.source import load_source
+from autoplan.contract import load_source
 
 
 def load_model_file(path: Path):

@@ -27,7 +27,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 import autoplan
-from autoplan.source import load_source
+from autoplan.contract import load_source
 
 
 class PlannedModule(L.LightningModule):

@@ -11,9 +11,8 @@ import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
 import autoplan
-from autoplan.contract import call_model
+from autoplan.contract import call_model, load_source
 from autoplan.runtime.tensor_parallel import tensor_parallel_context
-from autoplan.source import load_source
 
 
 def forward_collectives(folder: str, spec: str) -> dict[str, dict[str, int]]:

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from autoplan.profile.types import ModelProfile
+from autoplan.profile_data import ModelProfile
+from autoplan.solve.refusals import pipeline_refusal
 
 FILE_NAME = "unsupported_ops.txt"
-NO_PIPELINE = "no pipeline parallelism (pp=1)"
-"""How a line about a model that cannot be cut into pipeline stages starts."""
 
 _METHODS = {
     "export": "torch.export",
@@ -22,26 +21,9 @@ _METHODS = {
 }
 
 
-def export_failure(profile: ModelProfile) -> str | None:
-    """Why torch.export could not capture the model (with the module and line where it failed, when
-    known); None when it did. Pipeline stages are cut from its graph, so without it there is no pp > 1."""
-    if profile.capture_method == "export":
-        return None
-    return next((f.removeprefix("export: ") for f in profile.capture_failures if f.startswith("export: ")),
-                "torch.export was not tried")
-
-
-def pipeline_refusal(profile: ModelProfile) -> str | None:
-    """The line that says the model is planned without pipeline parallelism and why; None when it can be."""
-    failure = export_failure(profile)
-    if failure is None:
-        return None
-    return f"{NO_PIPELINE}: pipeline stages are cut from torch.export's graph, and torch.export failed: {failure}"
-
-
 def unsupported_ops_text(profile: ModelProfile, not_planned: tuple[str, ...] | None = None) -> str:
     """The contents of unsupported_ops.txt for `profile` (a header line even when all went well), with
-    `not_planned`, a line per dimension the model cannot take (autoplan.api.not_planned; by default
+    `not_planned`, a line per dimension the model cannot take (autoplan.solve.refusals.not_planned; by default
     the pipeline's refusal when torch.export failed)."""
     counts = Counter(op.op for op in profile.ops)
     lines = [f"# {profile.model}: captured by {_METHODS.get(profile.capture_method, profile.capture_method)}, "
