@@ -25,6 +25,7 @@ from autoplan.runtime.mesh import RankLayout, device_mesh, global_mean_loss, loc
 from autoplan.runtime.memory import PeakLiveMemory
 from autoplan.runtime.metrics import AppendedJson, StepMetrics, gather_rank_metrics, write_json
 from autoplan.runtime.optimizer import adamw
+from autoplan.runtime.preemption import SaveAndStop, stopped_line
 from autoplan.runtime.parallel import (TiedGradients, compute_dtype, peak_memory_bytes, replicate_data_parallel,
                                        shard_data_parallel)
 from autoplan.runtime.recompute import checkpoint_modules
@@ -36,7 +37,7 @@ from autoplan.source import load_source
 
 __all__ = [
     "AccumulationStep", "AppendedJson", "Checkpointer", "DEFAULT_KEEP_CHECKPOINTS", "MISMATCH_EXIT_CODE", "ModelPart", "NoDropout", "ParallelConfig",
-    "Parallelized", "PeakLiveMemory", "PipelineSplit", "PipelineStep", "RUNTIME_API", "RankLayout", "StepMetrics",
+    "Parallelized", "PeakLiveMemory", "PipelineSplit", "PipelineStep", "RUNTIME_API", "RankLayout", "SaveAndStop", "StepMetrics",
     "TensorBoardLog", "TensorEntry", "TiedGradients", "TiedParameter", "TrainingData", "adamw", "build_on_meta",
     "build_seeded", "call_model", "catalog", "check_runtime_api", "checkpoint_modules", "compile_modules",
     "compute_dtype", "compute_loss", "default_log_dir", "default_loss", "device_mesh", "exit_skipping_teardown",
@@ -45,6 +46,6 @@ __all__ = [
     "materialize_from",
     "microbatches", "model_args", "named_tensors", "parallelize", "peak_memory_bytes", "rank_layout",
     "replicate_data_parallel", "restore_linears", "runtime_api_mismatch", "save_gradients",
-    "save_reference_gradients", "shard", "shard_data_parallel", "split_model", "step_batch", "tensor_parallel",
+    "save_reference_gradients", "shard", "shard_data_parallel", "split_model", "step_batch", "stopped_line", "tensor_parallel",
     "tensor_parallel_context", "to_device", "write_json",
 ]

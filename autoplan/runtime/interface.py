@@ -12,7 +12,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-RUNTIME_API = 9
+RUNTIME_API = 10
 """Bump it (and RUNTIME_API in codegen/templates/train.py) with any change to what a train.py calls that a
 train.py generated before would call wrongly, or that one generated now would not find in an autoplan before:
 a name added, removed or renamed, a signature, a meaning. A train.py reaches autoplan through autoplan.runtime
@@ -29,7 +29,10 @@ pipeline_parallel_schedule may be zb-interleaved, zbv or dualpipev, whose V plac
 weight-gradient pass, no DDP: an autoplan before would leave the replicas' gradients unreduced). 9: checkpoints
 saved whole or not at all and kept K at a time (Checkpointer(keep=), runtime.DEFAULT_KEEP_CHECKPOINTS),
 Checkpointer.load(total_steps) saying what it resumed from, losses and metrics written per step
-(runtime.AppendedJson, runtime.write_json)."""
+(runtime.AppendedJson, runtime.write_json). 10: checkpoints keyed by the model's own names whatever the split, with
+each rank's generators and data position (Checkpointer(directory, parallel, optimizer, keep=, data=) takes the
+Parallelized, Parallelized.model_names, TrainingData.position/restore), save and stop on SIGUSR1
+(runtime.SaveAndStop, runtime.stopped_line)."""
 
 MISMATCH_EXIT_CODE = 2
 """What a program exits with on a mismatch: 2, the exit code of autoplan's own user errors (the user fixes

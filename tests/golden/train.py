@@ -42,6 +42,7 @@ import contextlib
 import gc
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -51,7 +52,7 @@ import torch.distributed as dist
 import autoplan
 from autoplan import runtime
 
-RUNTIME_API = 9  # the version of autoplan's interface to programs (autoplan.runtime) this one was generated for
+RUNTIME_API = 10  # the version of autoplan's interface to programs (autoplan.runtime) this one was generated for
 runtime.check_runtime_api(RUNTIME_API)  # before any other autoplan name: one line and exit 2 if autoplan differs
 
 # ----------------------------------------------------------------------------------------------
@@ -229,10 +230,11 @@ def main(argv=None) -> list[float]:
     rank, parts = parallel.rank, parallel.parts
     optimizer = runtime.adamw(parallel.parameters(), LEARNING_RATE, OPTIMIZER_IMPLEMENTATION)
 
-    checkpoints = runtime.Checkpointer(args.checkpoint_dir, parts, optimizer, pipelined=PP > 1,
-                                       keep=args.keep_checkpoints)
-    first_step = checkpoints.load(args.steps) if args.resume else 0  # says what it resumed from, or that it found none
     data = runtime.TrainingData(model_source, GLOBAL_BATCH, SEED, rank.dp_rank, DP)
+    # keyed by the model's own names (any plan resumes any other's), with each rank's generators and data position
+    checkpoints = runtime.Checkpointer(args.checkpoint_dir, parallel, optimizer, keep=args.keep_checkpoints, data=data)
+    first_step = checkpoints.load(args.steps) if args.resume else 0  # says what it resumed from, or that it found none
+    stop = runtime.SaveAndStop(device)  # SIGUSR1 (SLURM, before the time limit): save at the next step and stop
     metrics = runtime.StepMetrics(GLOBAL_BATCH, dist.get_world_size(), TOKENS_PER_SAMPLE, MODEL_FLOPS_PER_STEP,
                                   PEAK_FLOPS_PER_GPU)
     # --metrics-out: the last step also records the peak of live tensor memory (slower: not timed)
@@ -256,9 +258,16 @@ def main(argv=None) -> list[float]:
         board.add_step(entry)  # --tensorboard: measured beside predicted, rank 0 only
         losses_file.append(losses[-1])
         steps_file.append(entry)
-        if checkpoints.due(step + 1, args.steps, args.checkpoint_every):
-            checkpoints.save(step + 1)
+        stopping = stop.requested()  # any rank signalled (a collective: every rank stops at this step)
+        saved = None
+        if checkpoints.due(step + 1, args.steps, args.checkpoint_every) or (stopping and args.checkpoint_dir):
+            saved = checkpoints.save(step + 1)
+        if stopping:
+            if rank.rank == 0:
+                print(runtime.stopped_line(step + 1, saved), flush=True)
+            break
 
+    stop.close()
     board.close()
     losses_file.close()
     steps_file.close()
@@ -276,5 +285,10 @@ def main(argv=None) -> list[float]:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except autoplan.UserError as error:  # e.g. no checkpoint loads: one line (rank 0) and exit 2, no traceback
+        if os.environ.get("RANK", "0") == "0":
+            print(f"train.py: {error}", file=sys.stderr, flush=True)
+        runtime.exit_skipping_teardown(2)
     runtime.exit_skipping_teardown(0)  # a gloo group torn down at interpreter exit can abort a finished run (SIGABRT)
