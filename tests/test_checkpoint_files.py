@@ -232,3 +232,11 @@ def test_a_checkpoint_of_another_model_is_one_user_error(tmp_path):
     model = TiedModel()
     with pytest.raises(UserError, match=r"none of the 1 checkpoints in .* loads: step_1 did not load \(.*tok\.weight"):
         Checkpointer(tmp_path, model, torch.optim.AdamW(model.parameters())).load(3)
+
+
+def test_a_damaged_train_state_passes_the_checkpoint_over(tmp_path, capsys):
+    saved = _train_and_save(_checkpointer(tmp_path), [2, 4])
+    (tmp_path / "step_4" / "train_state_rank0.pt").write_bytes(b"not a torch file")
+    resumed = _checkpointer(tmp_path, seed=1)
+    assert resumed.load(6) == 2 and torch.equal(_weights(resumed), saved[2])
+    assert "step_4 did not load (ValueError: train_state_rank0.pt: UnpicklingError" in capsys.readouterr().out

@@ -264,3 +264,33 @@ def test_sbatch_on_usr1_saves_a_checkpoint_stops_and_requeues_and_the_requeued_j
     assert requeued.returncode == 0, requeued.stderr[-3000:]
     assert json.loads(metrics.read_text())["first_step"] == trained
     assert len(json.loads((tmp_path / "requeued.json").read_text())) == 2
+
+
+def test_a_checkpoint_that_loads_nowhere_ends_train_py_in_one_line_and_exit_2(two_node_plan, tmp_path):
+    """Both ranks of train.py (started as torchrun starts them) find only checkpoints that do not load (one of
+    another model, one damaged): one line naming each and why, exit code 2, no traceback."""
+    import torch
+    from torch import nn
+
+    from autoplan.runtime.checkpoint import Checkpointer
+
+    out, _ = two_node_plan
+    other = nn.Linear(3, 2)  # not the plan's model
+    checkpointer = Checkpointer(tmp_path / "checkpoints", other, torch.optim.AdamW(other.parameters()))
+    for step in (1, 2):
+        checkpointer.save(step)
+    for shard in (tmp_path / "checkpoints" / "step_2").glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:10])
+    port = str(free_port())
+    envs = [child_env(tmp_path, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=port) for r in range(2)]
+    command = [sys.executable, "train.py", "--device", "cpu", "--steps", "4", "--checkpoint-dir",
+               str(tmp_path / "checkpoints"), "--resume"]
+    runs = run([command, command], out, envs)
+    assert [r.returncode for r in runs] == [2, 2], runs[0].stderr[-3000:]
+    assert not any("Traceback" in r.stderr for r in runs), runs[0].stderr[-3000:]
+    (line,) = [line for line in runs[0].stderr.splitlines() if line.startswith("train.py:")]
+    assert line.startswith(f"train.py: resume: none of the 2 checkpoints in {tmp_path / 'checkpoints'} loads: "
+                           "step_2 did not load ("), line
+    assert "; step_1 did not load (" in line and "Missing key" in line, line
+    assert runs[1].stderr.count("train.py:") == 0  # said once, by rank 0

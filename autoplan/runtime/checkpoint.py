@@ -27,6 +27,7 @@ damaged since, or one of another model) is passed over, and the run says which.
 
 from __future__ import annotations
 
+import pickle
 import random
 import re
 import shutil
@@ -295,8 +296,8 @@ class Checkpointer:
             return None, None
         try:
             return torch.load(path, weights_only=True), None
-        except (OSError, RuntimeError, EOFError, ValueError) as error:  # cut short, damaged, not torch.save's
-            return None, f"{path.name}: {_reason(error)}"
+        except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as error:
+            return None, f"{path.name}: {_reason(error)}"  # cut short, damaged, or not torch.save's
 
     def _load_step(self, step: int) -> dict | None:
         """Load step_<step>/ into the parts and the optimizer; this rank's train state (None without one). Raises
