@@ -240,3 +240,22 @@ def test_a_damaged_train_state_passes_the_checkpoint_over(tmp_path, capsys):
     resumed = _checkpointer(tmp_path, seed=1)
     assert resumed.load(6) == 2 and torch.equal(_weights(resumed), saved[2])
     assert "step_4 did not load (ValueError: train_state_rank0.pt: UnpicklingError" in capsys.readouterr().out
+
+
+def test_under_another_layout_the_generators_are_not_restored_and_the_run_says_so(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = TiedModel()
+    optimizer = torch.optim.AdamW(model.parameters())
+    _step(optimizer, model(torch.tensor([1, 2])).sum())
+    Checkpointer(tmp_path, model, optimizer).save(1)
+    parallel, params = _split_tied(TiedModel())
+    parallel.mesh = SimpleNamespace(mesh_dim_names=("pp", "tp"), shape=(1, 1))
+    checkpointer = Checkpointer(tmp_path, parallel, torch.optim.AdamW(params))
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    assert checkpointer.load(3) == 1
+    assert torch.equal(torch.rand(3), expected)  # the generators as they were, not the checkpoint's
+    assert capsys.readouterr().out.strip().endswith(
+        "; training steps 1 to 2; saved by another layout (1 process, this run 1 process, mesh pp 1 x tp 1): the "
+        "generators start afresh, the data at the step")
