@@ -33,6 +33,7 @@ from autoplan.contract import LossFn
 from autoplan.errors import UserError
 from autoplan.layout import SCHEDULE_BY_NAME, SUPPORTED, Layout, Scope, problems
 from autoplan.runtime.attention_blocks import find_attention_blocks
+from autoplan.runtime.checkpoint import first_names
 from autoplan.runtime.compile import compile_modules
 from autoplan.runtime.config import ParallelConfig, as_config
 from autoplan.runtime.context_parallel import ContextParallelRegion, PipelineContextParallel
@@ -174,7 +175,7 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
     values = _initial_values(model, initial_values)
     _to_meta(model)  # the structure only: every rank holds just its own share later
     weights = catalog(model)  # every tensor's names and shape, for the initial broadcast
-    model_names = {fqn: entry.fqns[0] for entry in weights for fqn in entry.fqns}
+    model_names = first_names(model)  # the names checkpoints use, whatever the split
     attention = None
     if config.cp > 1:  # from the block of the first attention call on, the ranks compute on sequence shares
         attention = find_attention_blocks(model, config.chain_modules,
