@@ -113,8 +113,9 @@ def _program(root: Path, name: str, source: str, stages, tensor_parallel_plan=No
     return folder / "out"
 
 
-def _gpt_jobs(root: Path) -> tuple[list[BatchJob], list[int]]:
-    """The uninterrupted FSDP run, then the re-planned chain (each on the ranks of the one before where it can)."""
+def _gpt_jobs(root: Path) -> list[BatchJob]:
+    """The uninterrupted FSDP run, the re-planned chain (each on the ranks of the one before where it can), FSDP
+    straight to HSDP."""
     outs = {name: _program(root, name, TINY_GPT, stages, GPT_TP_PLAN if name == "tp" else None, **fields)
             for name, (_, stages, fields) in GPT_LAYOUTS.items()}
     common = ("--device", "cpu", "--checkpoint-dir", str(root / "gpt_checkpoints"))
@@ -127,7 +128,11 @@ def _gpt_jobs(root: Path) -> tuple[list[BatchJob], list[int]]:
         follow = chain[-1] if chain and jobs[chain[-1]].world == world else None
         chain.append(len(jobs))
         jobs.append(BatchJob(outs[name], argv + (("--resume",) if i else ()), world, same_ranks_as=follow))
-    return jobs, chain
+    direct = ("--device", "cpu", "--checkpoint-dir", str(root / "fsdp_checkpoints"))  # FSDP straight to HSDP
+    jobs.append(BatchJob(outs["fsdp"], (*direct, "--steps", str(SEGMENT)), 2))
+    jobs.append(BatchJob(outs["hsdp"], (*direct, "--steps", str(2 * SEGMENT), "--resume", "--losses-out",
+                                        str(root / "gpt_fsdp_to_hsdp.json")), 4))
+    return jobs
 
 
 def _dropout_jobs(root: Path, first_index: int) -> list[BatchJob]:
@@ -152,14 +157,15 @@ def _dropout_jobs(root: Path, first_index: int) -> list[BatchJob]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(root, errors of the GPT jobs, errors of the dropout jobs); the 4-process job last, the dropout jobs
+    """(root, errors of the GPT jobs, errors of the dropout jobs); the 4-process jobs last, the dropout jobs
     on ranks 0-1 while the re-planned chain's 2-process part runs on ranks 2-3."""
     root = tmp_path_factory.mktemp("replan")
-    gpt, chain = _gpt_jobs(root)
-    last = gpt.pop(chain[-1])
-    jobs = gpt + _dropout_jobs(root, len(gpt)) + [last]
+    gpt = _gpt_jobs(root)
+    four = [job for job in gpt if job.world == 4]  # after every 2-process job: same_ranks_as indices unchanged
+    two = [job for job in gpt if job.world == 2]
+    jobs = two + _dropout_jobs(root, len(two)) + four
     errors = run_batch(jobs, nproc=4, timeout_s=900)
-    return root, errors[:len(gpt)] + errors[-1:], errors[len(gpt):-1]
+    return root, errors[:len(two)] + errors[-len(four):], errors[len(two):-len(four)]
 
 
 def _losses(root: Path, name: str) -> list[float]:
@@ -167,7 +173,8 @@ def _losses(root: Path, name: str) -> list[float]:
 
 
 def test_a_checkpoint_resumes_under_another_plan(runs):
-    """FSDP dp=2 -> pp=2 -> tp=2 -> HSDP 2x2 on 4 processes: each continues the uninterrupted losses."""
+    """FSDP dp=2 -> pp=2 -> tp=2 -> HSDP 2x2 on 4 processes, and FSDP straight to HSDP: each continues the
+    uninterrupted losses."""
     root, errors, _ = runs
     failed = [e for e in errors if e]
     assert not failed, failed[0][-3000:]
@@ -178,6 +185,9 @@ def test_a_checkpoint_resumes_under_another_plan(runs):
         want = uninterrupted[SEGMENT * i:SEGMENT * (i + 1)]
         assert len(got) == SEGMENT, (name, got)
         assert max(abs(g - w) for g, w in zip(got, want)) <= PARITY_TOLERANCE, (name, got, want)
+    direct = _losses(root, "gpt_fsdp_to_hsdp")
+    assert len(direct) == SEGMENT
+    assert max(abs(g - w) for g, w in zip(direct, uninterrupted[SEGMENT:2 * SEGMENT])) <= PARITY_TOLERANCE
     assert sorted(p.name for p in (root / "gpt_checkpoints").iterdir()) == [
         f"step_{SEGMENT * (i + 1)}" for i in range(1, len(REPLANS))]
 
