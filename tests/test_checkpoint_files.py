@@ -6,21 +6,23 @@ step (runtime.AppendedJson). tests/test_resume_program.py runs the same through 
 
 import json
 import os
+import random
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
 from autoplan.errors import UserError
-from autoplan.runtime.checkpoint import Checkpointer
+from autoplan.runtime.checkpoint import Checkpointer, first_names
 from autoplan.runtime.metrics import AppendedJson, write_json
 
 
 def _checkpointer(directory, keep=3, seed=0) -> Checkpointer:
     torch.manual_seed(seed)
     model = nn.Linear(3, 2)
-    return Checkpointer(directory, {0: model}, torch.optim.AdamW(model.parameters()), pipelined=False, keep=keep)
+    return Checkpointer(directory, model, torch.optim.AdamW(model.parameters()), keep=keep)
 
 
 def _weights(checkpointer: Checkpointer) -> torch.Tensor:
@@ -87,7 +89,7 @@ def test_resume_falls_back_to_the_newest_checkpoint_that_loads_and_says_which(tm
     line = capsys.readouterr().out.strip()
     assert line.startswith(f"resume: loaded {tmp_path / 'step_2'} (2 steps done)"), line
     assert re.search(r"the newest that loads: step_4 did not load \(\w+Error", line), line
-    assert line.endswith("; training steps 2 to 5"), line
+    assert line.endswith("; training steps 2 to 5; random generators and data position restored"), line
     assert "\n" not in line
 
 
@@ -134,3 +136,126 @@ def test_losses_and_metrics_files_are_valid_json_after_every_step(tmp_path):
     write_json(metrics, {"done": True})
     assert json.loads(metrics.read_text()) == {"done": True}
     assert sorted(os.listdir(tmp_path)) == ["losses.json", "metrics.json"]  # no partial file left
+
+
+class TiedModel(nn.Module):
+    """An embedding, a linear layer and a head tied to the embedding (two names for one tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(5, 4)
+        self.mid = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 5, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mid(self.tok(x))))
+
+
+def _split_tied(model: TiedModel):
+    """The model as two pipeline stages with names of their own, as runtime.split cuts them: stage 0 holds the
+    embedding, stage 1 the linear layer and its own copy of the tied head (named by the head's name)."""
+    stage0 = nn.ModuleDict({"embed": nn.Embedding(5, 4)})
+    stage1 = nn.ModuleDict({"lin": nn.Linear(4, 4), "out": nn.Linear(4, 5, bias=False)})
+    with torch.no_grad():
+        stage0["embed"].weight.copy_(model.tok.weight)
+        stage1["lin"].weight.copy_(model.mid.weight)
+        stage1["lin"].bias.copy_(model.mid.bias)
+        stage1["out"].weight.copy_(model.tok.weight)
+    state_fqns = [{"embed.weight": "tok.weight"},
+                  {"lin.weight": "mid.weight", "lin.bias": "mid.bias", "out.weight": "head.weight"}]
+    parallel = SimpleNamespace(parts={0: stage0, 1: stage1}, split=SimpleNamespace(state_fqns=state_fqns),
+                               model_names=first_names(model), mesh=None)
+    return parallel, [stage0["embed"].weight, stage1["lin"].weight, stage1["lin"].bias, stage1["out"].weight]
+
+
+def _step(optimizer, loss) -> None:
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+def _model_values(model: TiedModel, optimizer) -> list[torch.Tensor]:
+    """tok, mid.weight, mid.bias, head (= tok), each with its AdamW exp_avg."""
+    params = [model.tok.weight, model.mid.weight, model.mid.bias, model.head.weight]
+    return [t.detach().clone() for p in params for t in (p, optimizer.state[p]["exp_avg"])]
+
+
+def _stage_values(params, optimizer) -> list[torch.Tensor]:
+    return [t.detach().clone() for p in params for t in (p, optimizer.state[p]["exp_avg"])]
+
+
+def test_an_unsplit_checkpoint_resumes_into_pipeline_stages_and_back(tmp_path):
+    """Keys are the model's own names whatever the split: a checkpoint of the whole model loads into stages whose
+    modules name their tensors otherwise (a tied copy included), and theirs into the whole model (issue 30:
+    "Missing key in checkpoint state_dict: model.stage0.tok.weight")."""
+    torch.manual_seed(0)
+    model = TiedModel()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _step(optimizer, model(torch.tensor([1, 2, 3])).square().sum())
+    Checkpointer(tmp_path / "whole", model, optimizer).save(1)
+
+    torch.manual_seed(1)
+    parallel, params = _split_tied(TiedModel())
+    stage_optimizer = torch.optim.AdamW(params, lr=0.1)
+    _step(stage_optimizer, sum(p.square().sum() for p in params))  # other values and optimizer state
+    assert Checkpointer(tmp_path / "whole", parallel, stage_optimizer).load() == 1
+    for got, want in zip(_stage_values(params, stage_optimizer), _model_values(model, optimizer)):
+        assert torch.equal(got, want)
+
+    _step(stage_optimizer, sum(p.square().sum() for p in params))
+    Checkpointer(tmp_path / "stages", parallel, stage_optimizer).save(2)
+    torch.manual_seed(2)
+    whole = TiedModel()
+    whole_optimizer = torch.optim.AdamW(whole.parameters(), lr=0.1)
+    _step(whole_optimizer, whole(torch.tensor([0])).sum())
+    assert Checkpointer(tmp_path / "stages", whole, whole_optimizer).load() == 2
+    # the tied copies: the embedding's stored (on a pipeline TiedGradients keeps the copies equal; here they drifted)
+    tied_as_saved = [params[0], params[1], params[2], params[0]]
+    for got, want in zip(_model_values(whole, whole_optimizer), _stage_values(tied_as_saved, stage_optimizer)):
+        assert torch.equal(got, want)
+
+
+def test_a_checkpoint_keeps_the_random_generators(tmp_path):
+    """What dropout draws after a resume is what it drew after the save (the generators go with a checkpoint)."""
+    checkpointer = _checkpointer(tmp_path)
+    _train_and_save(checkpointer, [1])
+    after_save = (torch.rand(4), random.random())
+    torch.manual_seed(123)
+    random.seed(123)
+    assert _checkpointer(tmp_path, seed=7).load() == 1
+    assert torch.equal(torch.rand(4), after_save[0]) and random.random() == after_save[1]
+
+
+def test_a_checkpoint_of_another_model_is_one_user_error(tmp_path):
+    _train_and_save(_checkpointer(tmp_path), [1])
+    model = TiedModel()
+    with pytest.raises(UserError, match=r"none of the 1 checkpoints in .* loads: step_1 did not load \(.*tok\.weight"):
+        Checkpointer(tmp_path, model, torch.optim.AdamW(model.parameters())).load(3)
+
+
+def test_a_damaged_train_state_passes_the_checkpoint_over(tmp_path, capsys):
+    saved = _train_and_save(_checkpointer(tmp_path), [2, 4])
+    (tmp_path / "step_4" / "train_state_rank0.pt").write_bytes(b"not a torch file")
+    resumed = _checkpointer(tmp_path, seed=1)
+    assert resumed.load(6) == 2 and torch.equal(_weights(resumed), saved[2])
+    assert "step_4 did not load (ValueError: train_state_rank0.pt: UnpicklingError" in capsys.readouterr().out
+
+
+def test_under_another_layout_the_generators_are_not_restored_and_the_run_says_so(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = TiedModel()
+    optimizer = torch.optim.AdamW(model.parameters())
+    _step(optimizer, model(torch.tensor([1, 2])).sum())
+    Checkpointer(tmp_path, model, optimizer).save(1)
+    parallel, params = _split_tied(TiedModel())
+    parallel.mesh = SimpleNamespace(mesh_dim_names=("pp", "tp"), shape=(1, 1))
+    checkpointer = Checkpointer(tmp_path, parallel, torch.optim.AdamW(params))
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    assert checkpointer.load(3) == 1
+    assert torch.equal(torch.rand(3), expected)  # the generators as they were, not the checkpoint's
+    assert capsys.readouterr().out.strip().endswith(
+        "; training steps 1 to 2; saved by another layout (1 process, this run 1 process, mesh pp 1 x tp 1): the "
+        "generators start afresh, the data at the step")

@@ -197,3 +197,100 @@ def test_torchrun_sh_restarts_a_killed_rank_and_the_restart_resumes_on_its_own(t
     resumed, uninterrupted = json.loads(losses.read_text()), json.loads(whole.read_text())
     assert len(resumed) == RESTART_STEPS - first_step
     assert resumed == uninterrupted[first_step:]
+
+
+FORWARDING_SRUN = """#!/bin/bash
+# stand-in srun: as SRUN, and it passes USR1 on to each node's command, as srun forwards signals to its tasks
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for node in $(seq 0 $((SLURM_NNODES - 1))); do
+    SLURM_NODEID=$node SLURM_PROCID=$node SLURM_LOCALID=0 SLURM_STEP_ID=0 "$@" &
+    pids+=($!)
+done
+trap 'kill -USR1 "${pids[@]}"' USR1
+status=0
+for pid in "${pids[@]}"; do
+    code=0; wait "$pid" || code=$?
+    while kill -0 "$pid" 2>/dev/null; do code=0; wait "$pid" || code=$?; done  # a wait the trap cut short
+    [ "$code" -eq 0 ] || status=$code
+done
+exit $status
+"""
+LOGGING_SCONTROL = SCONTROL.replace('[ "$1 $2" = "show hostnames" ] || exit 1',
+                                    'echo "$@" >> "{log}"\n[ "$1" = requeue ] && exit 0\n'
+                                    '[ "$1 $2" = "show hostnames" ] || exit 1')
+USR1_STEPS = 5000
+
+
+def test_sbatch_on_usr1_saves_a_checkpoint_stops_and_requeues_and_the_requeued_job_loses_nothing(two_node_plan,
+                                                                                                  tmp_path):
+    """SLURM's warning before the time limit (USR1 to the batch script): job.sbatch passes it on to train.py
+    (through srun and each node's torchrun), whose ranks save a checkpoint at the next step and exit 0; then the
+    script requeues the job. The requeued job (the same script, job id and checkpoint folder) resumes there."""
+    out, _ = two_node_plan
+    bin_dir, venv = tmp_path / "bin", tmp_path / "venv"
+    for folder in (bin_dir, venv / "bin"):
+        folder.mkdir(parents=True)
+    log = tmp_path / "scontrol.log"
+    for name, text in (("srun", FORWARDING_SRUN), ("scontrol", LOGGING_SCONTROL.format(log=log))):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    (venv / "bin" / "activate").write_text(ACTIVATE.format(bin=bin_dir, python_bin=python_bin(tmp_path)))
+    env = {**child_env(tmp_path), "VENV": str(venv), "MASTER_PORT": str(free_port()), "CHECKPOINT_EVERY": "0",
+           "SLURM_SUBMIT_DIR": str(out), "SLURM_JOB_ID": "5151", "SLURM_JOB_NODELIST": "node[1-2]",
+           "SLURM_NNODES": "2", "SLURM_CPUS_PER_TASK": "2", "SLURM_JOB_NAME": "autoplan-train", "PATH": "/usr/bin:/bin"}
+    losses, metrics = tmp_path / "losses.json", tmp_path / "metrics.json"
+    command = ["bash", str(out / "launch" / "job.sbatch"), "--device", "cpu", "--losses-out", str(losses)]
+    job = subprocess.Popen(command, cwd=tmp_path, env={**env, "STEPS": str(USR1_STEPS)}, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        while job.poll() is None and not (losses.exists() and len(json.loads(losses.read_text() or "[]")) >= 2):
+            time.sleep(0.05)
+        job.send_signal(signal.SIGUSR1)  # what SLURM sends the batch script (--signal=B:USR1@300)
+        stdout, stderr = job.communicate(timeout=TIMEOUT_S)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 0, stderr[-3000:]
+    trained = len(json.loads(losses.read_text()))
+    assert 2 <= trained < USR1_STEPS
+    assert sorted(p.name for p in (out / "checkpoints" / "5151").iterdir()) == [f"step_{trained}"]
+    assert f"USR1: saved {out / 'checkpoints' / '5151' / f'step_{trained}'} after {trained} steps" in stdout, stdout
+    assert log.read_text().splitlines()[-1] == "requeue 5151"
+
+    requeued = subprocess.run(command[:-1] + [str(tmp_path / "requeued.json"), "--metrics-out", str(metrics)],
+                              cwd=tmp_path, env={**env, "STEPS": str(trained + 2), "MASTER_PORT": str(free_port())},
+                              capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert requeued.returncode == 0, requeued.stderr[-3000:]
+    assert json.loads(metrics.read_text())["first_step"] == trained
+    assert len(json.loads((tmp_path / "requeued.json").read_text())) == 2
+
+
+def test_a_checkpoint_that_loads_nowhere_ends_train_py_in_one_line_and_exit_2(two_node_plan, tmp_path):
+    """Both ranks of train.py (started as torchrun starts them) find only checkpoints that do not load (one of
+    another model, one damaged): one line naming each and why, exit code 2, no traceback."""
+    import torch
+    from torch import nn
+
+    from autoplan.runtime.checkpoint import Checkpointer
+
+    out, _ = two_node_plan
+    other = nn.Linear(3, 2)  # not the plan's model
+    checkpointer = Checkpointer(tmp_path / "checkpoints", other, torch.optim.AdamW(other.parameters()))
+    for step in (1, 2):
+        checkpointer.save(step)
+    for shard in (tmp_path / "checkpoints" / "step_2").glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:10])
+    port = str(free_port())
+    envs = [child_env(tmp_path, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=port) for r in range(2)]
+    command = [sys.executable, "train.py", "--device", "cpu", "--steps", "4", "--checkpoint-dir",
+               str(tmp_path / "checkpoints"), "--resume"]
+    runs = run([command, command], out, envs)
+    assert [r.returncode for r in runs] == [2, 2], runs[0].stderr[-3000:]
+    assert not any("Traceback" in r.stderr for r in runs), runs[0].stderr[-3000:]
+    (line,) = [line for line in runs[0].stderr.splitlines() if line.startswith("train.py:")]
+    assert line.startswith(f"train.py: resume: none of the 2 checkpoints in {tmp_path / 'checkpoints'} loads: "
+                           "step_2 did not load ("), line
+    assert "; step_1 did not load (" in line and "Missing key" in line, line
+    assert runs[1].stderr.count("train.py:") == 0  # said once, by rank 0

@@ -417,7 +417,7 @@ def test_sbatch_requeues_itself_before_the_time_limit(tmp_path):
         with contextlib.suppress(ProcessLookupError):  # the stand-in srun's sleep, if still there
             os.killpg(job.pid, signal.SIGKILL)
     assert log.read_text().splitlines()[-1] == "requeue 77"
-    assert "requeueing job 77, which resumes from" in stderr.read_text()
+    assert "job 77 is requeued and resumes from" in stderr.read_text()
 
 
 def test_dockerfile_runs_as_a_non_root_user_who_owns_the_output_folder(tmp_path):

@@ -46,7 +46,8 @@ MAX_RESTARTS = 3
 transient network error recovers, a bug in the program stops after MAX_RESTARTS + 1 tries."""
 REQUEUE_SIGNAL_S = 300
 """SLURM signals the batch script this many seconds before the time limit (--signal=B:USR1@...); the script
-requeues the job, which resumes from its newest checkpoint. 5 minutes: the requeue itself takes seconds."""
+passes the signal on to train.py, which saves a checkpoint at the next step and stops, and then requeues the job,
+which resumes from that checkpoint. 5 minutes: a step and a save (see CheckpointInterval) should fit in it."""
 USER_ID = 10001
 """The non-root user (and its group) the image runs as and the pods ask for (runAsUser, fsGroup): above the
 IDs distributions give their own users (Ubuntu images have uid 1000, `ubuntu`), so useradd never collides."""
@@ -270,8 +271,9 @@ def sbatch_script(launch: Launch) -> str:
 # Each job checkpoints into its own folder, CHECKPOINT_DIR, and resumes from the newest checkpoint there
 # (--resume) whenever it starts again:
 # - a failed process: torchrun restarts all of them, up to MAX_RESTARTS times, in the allocation;
-# - the time limit: {REQUEUE_SIGNAL_S} s before it SLURM signals this script (--signal=B:USR1), which requeues the
-#   job (scontrol requeue); the requeued job keeps its id, so its checkpoint folder, and continues;
+# - the time limit: {REQUEUE_SIGNAL_S} s before it SLURM signals this script (--signal=B:USR1), which passes the
+#   signal on to train.py (it saves a checkpoint at the next step and stops) and then requeues the job
+#   (scontrol requeue); the requeued job keeps its id, so its checkpoint folder, and continues from there;
 # - a failed node: SLURM requeues the job (--requeue).
 # Training done since the newest checkpoint is lost (at most CHECKPOINT_EVERY steps).
 #
@@ -320,16 +322,31 @@ mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")  # no pipe t
 export MASTER_ADDR="${{NODES[0]}}" MASTER_PORT
 export OMP_NUM_THREADS=$(( SLURM_CPUS_PER_TASK / {per} > 0 ? SLURM_CPUS_PER_TASK / {per} : 1 ))
 
-requeue() {{
-    echo "job.sbatch: the time limit is near: requeueing job $SLURM_JOB_ID, which resumes from $CHECKPOINT_DIR" >&2
+# What srun runs on each node: torchrun with USR1 ignored (torchrun does not pass USR1 on, and its default action
+# would end torchrun), and a trap that hands USR1 to torchrun's children, the training processes (in sessions of
+# their own, which a signal to the task does not reach); they save a checkpoint at the next step and exit 0.
+# A USR1 that comes while they start (before train.py's handler is set) is lost: the job then ends at its limit.
+# shellcheck disable=SC2016  # expanded by the bash that srun starts on each node
+NODE_RUN='trap "" USR1; torchrun "$@" & agent=$!; trap "pkill -USR1 -P $agent" USR1
+status=0; wait "$agent" || status=$?
+while kill -0 "$agent" 2>/dev/null; do status=0; wait "$agent" || status=$?; done
+exit "$status"'
+
+# shellcheck disable=SC2317  # run by the USR1 trap
+save_and_requeue() {{
+    echo "job.sbatch: the time limit is near: train.py saves a checkpoint and stops (USR1), then job" \\
+         "$SLURM_JOB_ID is requeued and resumes from $CHECKPOINT_DIR" >&2
+    kill -USR1 "$TRAIN_PID" 2>/dev/null || true  # srun passes it on to every node's NODE_RUN
+    wait "$TRAIN_PID" || true  # the save, then the processes' exit
     scontrol requeue "$SLURM_JOB_ID"
+    REQUEUED=1
 }}
-trap requeue USR1
+trap save_and_requeue USR1
 
 {FRESH_STORE}
 # since Slurm 22.05 srun does not inherit --cpus-per-task from sbatch: pass it on, and bind the task to them.
 # In the background: bash runs the USR1 trap only between commands, and `wait` is one it leaves for a signal.
-srun --cpus-per-task="$SLURM_CPUS_PER_TASK" --cpu-bind=cores --kill-on-bad-exit=1 torchrun \\
+srun --cpus-per-task="$SLURM_CPUS_PER_TASK" --cpu-bind=cores --kill-on-bad-exit=1 bash -c "$NODE_RUN" node-run \\
     --nnodes "$SLURM_NNODES" \\
     --nproc-per-node {per} \\
     --rdzv-backend c10d \\
@@ -337,7 +354,13 @@ srun --cpus-per-task="$SLURM_CPUS_PER_TASK" --cpu-bind=cores --kill-on-bad-exit=
     --rdzv-id "$SLURM_JOB_ID" \\
     --max-restarts "$MAX_RESTARTS" \\
     train.py --steps "$STEPS" --checkpoint-dir "$CHECKPOINT_DIR" --checkpoint-every "$CHECKPOINT_EVERY" --resume "$@" &
-wait "$!"
+TRAIN_PID=$!
+status=0
+wait "$TRAIN_PID" || status=$?
+if [ -n "${{REQUEUED:-}}" ]; then
+    exit 0  # saved, stopped and requeued (save_and_requeue)
+fi
+exit "$status"
 """
 
 

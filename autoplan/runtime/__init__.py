@@ -17,6 +17,7 @@ from autoplan.runtime.checkpoint import Checkpointer
 from autoplan.runtime.compile import compile_modules
 from autoplan.runtime.config import ParallelConfig
 from autoplan.runtime.data import TrainingData, microbatches, shard, step_batch, to_device
+from autoplan.errors import UserError
 from autoplan.runtime.dropout import NoDropout
 from autoplan.runtime.gradients import clip_grad_norm_, full_gradients, save_gradients, save_reference_gradients
 from autoplan.runtime.interface import MISMATCH_EXIT_CODE, RUNTIME_API, check_runtime_api, runtime_api_mismatch
@@ -27,6 +28,7 @@ from autoplan.runtime.memory import PeakLiveMemory
 from autoplan.runtime.metrics import AppendedJson, StepMetrics, gather_rank_metrics, write_json
 from autoplan.runtime.optimizer import adamw
 from autoplan.runtime.profiling import StepProfiler
+from autoplan.runtime.preemption import SaveAndStop, stopped_line
 from autoplan.runtime.parallel import (TiedGradients, compute_dtype, peak_memory_bytes, replicate_data_parallel,
                                        shard_data_parallel)
 from autoplan.runtime.recompute import checkpoint_modules
@@ -43,7 +45,7 @@ callable_module(tensor_parallel, tensor_parallel.tensor_parallel)
 __all__ = [
     "AccumulationStep", "ArgumentParser", "AppendedJson", "Checkpointer", "DEFAULT_KEEP_CHECKPOINTS", "MISMATCH_EXIT_CODE",
     "ModelPart", "NoDropout", "ParallelConfig", "Parallelized", "PeakLiveMemory", "PipelineSplit", "PipelineStep",
-    "RUNTIME_API", "RankLayout", "StepMetrics", "StepProfiler",
+    "RUNTIME_API", "RankLayout", "SaveAndStop", "StepMetrics", "StepProfiler", "UserError",
     "TensorBoardLog", "TensorEntry", "TiedGradients", "TiedParameter", "TrainingData", "adamw", "build_on_meta",
     "build_seeded", "call_model", "catalog", "check_runtime_api", "check_start", "checkpoint_modules", "clip_grad_norm_",
     "compile_modules",
@@ -53,6 +55,6 @@ __all__ = [
     "materialize_from",
     "microbatches", "model_args", "named_tensors", "parallelize", "peak_memory_bytes", "rank_layout",
     "replicate_data_parallel", "restore_linears", "runtime_api_mismatch", "save_gradients",
-    "save_reference_gradients", "shard", "shard_data_parallel", "split_model", "step_batch", "tensor_parallel",
+    "save_reference_gradients", "shard", "shard_data_parallel", "split_model", "step_batch", "stopped_line", "tensor_parallel",
     "tensor_parallel_context", "to_device", "write_json",
 ]

@@ -20,7 +20,7 @@ model on rank 0 with the plan's seed. Either way each rank ends up holding only 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
@@ -33,6 +33,7 @@ from autoplan.contract import LossFn
 from autoplan.errors import UserError
 from autoplan.layout import SCHEDULE_BY_NAME, SUPPORTED, Layout, Scope, placement_of, problems
 from autoplan.runtime.attention_blocks import find_attention_blocks
+from autoplan.runtime.checkpoint import first_names
 from autoplan.runtime.compile import compile_modules
 from autoplan.runtime.config import ParallelConfig, as_config
 from autoplan.runtime.context_parallel import ContextParallelRegion, PipelineContextParallel
@@ -80,6 +81,9 @@ class Parallelized:
     """Where the parts compute."""
     dtype: torch.dtype
     """The compute dtype: bfloat16 on GPUs for a bf16 plan, else float32."""
+    model_names: dict[str, str] = field(default_factory=dict)
+    """Every name of each of the model's parameters and buffers -> its first name (named_parameters order): the
+    name checkpoints store it under, whatever the split (runtime.Checkpointer)."""
 
     @property
     def model(self) -> nn.Module:
@@ -179,6 +183,7 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
     values = _initial_values(model, initial_values)
     _to_meta(model)  # the structure only: every rank holds just its own share later
     weights = catalog(model)  # every tensor's names and shape, for the initial broadcast
+    model_names = first_names(model)  # the names checkpoints use, whatever the split
     attention = None
     if config.cp > 1:  # from the block of the first attention call on, the ranks compute on sequence shares
         attention = find_attention_blocks(model, config.chain_modules,
@@ -237,7 +242,7 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
     if device.type == "cuda":  # the steps' peak, not the model's materialization (rank 0's broadcast buffers)
         torch.cuda.reset_peak_memory_stats(device)
     return Parallelized(parts=modules, step=step, tied=tied, split=split, mesh=mesh, rank=rank, experts=experts,
-                        device=device, dtype=dtype)
+                        device=device, dtype=dtype, model_names=model_names)
 
 
 def _device(device: torch.device | str | None) -> torch.device:

@@ -91,10 +91,35 @@ class TrainingData:
         parts = [self._loader_batch(rank, step) for rank in range(self.dp_size)]
         return pytree.tree_map(lambda *ts: torch.cat(ts) if isinstance(ts[0], torch.Tensor) else ts[0], *parts)
 
-    def _loader_batch(self, rank: int, step: int) -> tuple[Any, Any]:
+    def position(self) -> dict[str, Any]:
+        """Where this rank's data stands, for a checkpoint (runtime.Checkpointer): with make_dataloader, its
+        loader's own state_dict() where it has one (torchdata's StatefulDataLoader) and the epoch; without, nothing
+        beyond the steps done (a step's batch is drawn from its seed)."""
+        cursor = self._loaders.get(self.dp_rank)
+        return {"dp_rank": self.dp_rank, "dp_size": self.dp_size,
+                "loader": cursor.position() if cursor is not None else None}
+
+    def restore(self, position: dict[str, Any] | None, steps_done: int) -> None:
+        """Continue after `steps_done` steps: from a loader's saved state when `position` (this rank's, from
+        position()) holds one, else by skipping the batches of the steps done (drawing them as the uninterrupted
+        run did, so a loader that draws from torch's generator leaves it where that run did). Without
+        make_dataloader, nothing to do."""
+        if self.make_dataloader is None:
+            return
+        cursor = self._cursor(self.dp_rank)
+        saved = (position or {}).get("loader")
+        if saved is not None and saved.get("state") is not None and hasattr(cursor.loader, "load_state_dict"):
+            cursor.resume(saved, steps_done)
+        else:
+            cursor.skip(steps_done)
+
+    def _cursor(self, rank: int) -> _LoaderCursor:
         if rank not in self._loaders:
             self._loaders[rank] = _LoaderCursor(self._make_loader(rank))
-        batch = self._loaders[rank].get(step)
+        return self._loaders[rank]
+
+    def _loader_batch(self, rank: int, step: int) -> tuple[Any, Any]:
+        batch = self._cursor(rank).get(step)
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise UserError("make_dataloader's batches must be (inputs, targets)")
         got, want = batch_size_of(batch), self.global_batch // self.dp_size
@@ -119,15 +144,35 @@ class _LoaderCursor:
     def __init__(self, loader: Any) -> None:
         self.loader, self.epoch, self.next_step, self.iterator, self.in_epoch = loader, 0, 0, None, 0
 
+    def position(self) -> dict[str, Any]:
+        state = self.loader.state_dict() if hasattr(self.loader, "state_dict") else None
+        return {"state": state, "epoch": self.epoch, "in_epoch": self.in_epoch, "next_step": self.next_step}
+
+    def resume(self, saved: dict[str, Any], steps_done: int) -> None:
+        """Continue from a loader state saved after `steps_done` steps (position())."""
+        self.loader.load_state_dict(saved["state"])
+        self.epoch, self.in_epoch, self.next_step, self.iterator = saved["epoch"], saved["in_epoch"], steps_done, None
+        if self.in_epoch == 0:  # the saved state is at an epoch's start: iterating it begins the epoch
+            return
+        self.iterator = self._begin_epoch_iterator()
+
+    def skip(self, steps_done: int) -> None:
+        """Draw the batches of the first `steps_done` steps, as the uninterrupted run did."""
+        if steps_done > 0:
+            self.get(steps_done - 1)
+
+    def _begin_epoch_iterator(self) -> Any:
+        sampler = getattr(self.loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(self.epoch)
+        return iter(self.loader)
+
     def get(self, step: int) -> Any:
         if step < self.next_step:
             raise UserError(f"data loader asked for step {step} after step {self.next_step - 1}")
         while True:
             if self.iterator is None:
-                sampler = getattr(self.loader, "sampler", None)
-                if hasattr(sampler, "set_epoch"):
-                    sampler.set_epoch(self.epoch)
-                self.iterator, self.in_epoch = iter(self.loader), 0
+                self.iterator, self.in_epoch = self._begin_epoch_iterator(), 0
             try:
                 batch = next(self.iterator)
             except StopIteration:

@@ -31,8 +31,11 @@ saved whole or not at all and kept K at a time (Checkpointer(keep=), runtime.DEF
 Checkpointer.load(total_steps) saying what it resumed from, losses and metrics written per step
 (runtime.AppendedJson, runtime.write_json). 10: runtime.check_start (the plan's fingerprint, PLAN_FINGERPRINT,
 against the plan.json beside train.py or --plan, and the launch: torchrun, the world size, the device) and
-runtime.ArgumentParser (an argument mistake in one line); runtime.StepProfiler (train.py --profile DIR); gradient
-clipping (Parallelized.clip_grad_norm_, runtime.clip_grad_norm_); runtime.adamw(weight_decay=, betas=);
+runtime.ArgumentParser (an argument mistake in one line); checkpoints keyed by the model's own names whatever the
+split, with each rank's generators and data position (Checkpointer(directory, parallel, optimizer, keep=, data=)
+takes the Parallelized, Parallelized.model_names, TrainingData.position/restore), save and stop on SIGUSR1
+(runtime.SaveAndStop, runtime.stopped_line, runtime.UserError caught by train.py's __main__); runtime.StepProfiler (train.py --profile DIR); gradient clipping
+(Parallelized.clip_grad_norm_, runtime.clip_grad_norm_); runtime.adamw(weight_decay=, betas=);
 StepMetrics.record(lr=, grad_norm=)."""
 
 MISMATCH_EXIT_CODE = 2

@@ -43,6 +43,7 @@ import gc
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -273,10 +274,11 @@ def main(argv=None) -> list[float]:
     rank, parts = parallel.rank, parallel.parts
     optimizer = runtime.adamw(parallel.parameters(), args.lr, OPTIMIZER_IMPLEMENTATION, args.weight_decay, args.betas)
 
-    checkpoints = runtime.Checkpointer(args.checkpoint_dir, parts, optimizer, pipelined=PP > 1,
-                                       keep=args.keep_checkpoints)
-    first_step = checkpoints.load(args.steps) if args.resume else 0  # says what it resumed from, or that it found none
     data = runtime.TrainingData(model_source, GLOBAL_BATCH, SEED, rank.dp_rank, DP)
+    # keyed by the model's own names (any plan resumes any other's), with each rank's generators and data position
+    checkpoints = runtime.Checkpointer(args.checkpoint_dir, parallel, optimizer, keep=args.keep_checkpoints, data=data)
+    first_step = checkpoints.load(args.steps) if args.resume else 0  # says what it resumed from, or that it found none
+    stop = runtime.SaveAndStop(device)  # SIGUSR1 (SLURM, before the time limit): save at the next step and stop
     metrics = runtime.StepMetrics(GLOBAL_BATCH, dist.get_world_size(), TOKENS_PER_SAMPLE, MODEL_FLOPS_PER_STEP,
                                   PEAK_FLOPS_PER_GPU)
     # --metrics-out: the last step also records the peak of live tensor memory (slower: not timed)
@@ -307,10 +309,17 @@ def main(argv=None) -> list[float]:
         losses_file.append(losses[-1])
         steps_file.append(entry)
         profiler.step()
-        if checkpoints.due(step + 1, args.steps, args.checkpoint_every):
-            checkpoints.save(step + 1)
+        stopping = stop.requested()  # any rank signalled (a collective: every rank stops at this step)
+        saved = None
+        if checkpoints.due(step + 1, args.steps, args.checkpoint_every) or (stopping and args.checkpoint_dir):
+            saved = checkpoints.save(step + 1)
+        if stopping:
+            if rank.rank == 0:
+                print(runtime.stopped_line(step + 1, saved), flush=True)
+            break
 
     profiler.close()
+    stop.close()
     board.close()
     losses_file.close()
     steps_file.close()
@@ -328,5 +337,10 @@ def main(argv=None) -> list[float]:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except runtime.UserError as error:  # e.g. no checkpoint loads: one line (rank 0) and exit 2, no traceback
+        if os.environ.get("RANK", "0") == "0":
+            print(f"train.py: {error}", file=sys.stderr, flush=True)
+        runtime.exit_skipping_teardown(2)
     runtime.exit_skipping_teardown(0)  # a gloo group torn down at interpreter exit can abort a finished run (SIGABRT)
