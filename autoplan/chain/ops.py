@@ -153,10 +153,13 @@ def autocast_fp32_nodes(ops: tuple[OpProfile, ...] | list[OpProfile]) -> frozens
     in float32: AUTOCAST_FP32 ops; and, by type promotion, every other op but AUTOCAST_LOWER's that reads a
     float32 value: a parameter (fp32 weights under autocast), a graph input (no op input) or an fp32 op's output.
     In a Hugging Face transformer that is the embedding's output and the residual stream it feeds (adds, norms),
-    while the matmuls, attention and the MLP between them run in bf16."""
+    while the matmuls, attention and the MLP between them run in bf16. Grouped expert matmuls run in bf16 too,
+    though autocast does not cast them: the program casts the experts' weights to the training dtype each forward
+    (runtime/expert_parallel.py) and transformers casts the routed tokens to the weights' dtype; so does the expert
+    MLP after them (measured on CPU under autocast: the experts keep bf16 tokens, gate/up outputs and weights)."""
     fp32: set[str] = set()
     for op in ops:
-        if op.dtype != "float32" or packet(op) in AUTOCAST_LOWER:
+        if op.dtype != "float32" or packet(op) in AUTOCAST_LOWER or is_grouped_matmul_name(packet(op)):
             continue
         if packet(op) in AUTOCAST_FP32 or op.params or not op.inputs or any(i in fp32 for i in op.inputs):
             fp32.add(op.node)

@@ -37,6 +37,22 @@ output cross_entropy keeps, and the logits gradient. Dimensionless, per logit by
 MemTracker on a GPT-2-sized model shows 3 x the logits beyond the saved activations
 (benchmarks/accuracy.py, one-GPU section)."""
 
+LOSS_FORWARD_PASSES = 4
+"""Passes over the logits (each one read or one write of every logit, in the loss's dtype) of the model's loss_fn
+forward: torch's cross-entropy runs log_softmax, whose CUDA kernel (cunn_SoftMaxForward over rows longer than a
+block) reads each row for its maximum, again for its sum of exponentials, and once more to write the output; the
+NLL loss then reads one logit per row. The loss_fn runs outside the captured graph (and outside torch.compile, which
+train.py applies per chain module): the capture records no op for it. Measured on an H200 (torch 2.11, traced
+kernels, benchmarks/results/gpu_check_h200_20261127b): cunn_SoftMaxForward took 4.03 ms over 8192 x 128256 fp32
+logits and 15.70 ms over 32768 x 128256, 3.7 and 3.6 passes at the profile's streaming bandwidth (4.8 TB/s x 0.8;
+calibrate measured copies at 4.21 TB/s, where 4 passes take 4.0 and 16.0 ms). Dimensionless."""
+
+LOSS_BACKWARD_PASSES = 5
+"""Passes over the logits of the loss's backward: the NLL loss's gradient (a zero-filled logits-sized tensor with
+one entry per row: a write), and log_softmax's backward (cunn_SoftMaxBackward: reads the gradient for its sum, then
+the gradient and the saved output, and writes the input gradient). Measured as LOSS_FORWARD_PASSES: the softmax
+backward took 4.26 and 16.62 ms, 3.9 and 3.8 passes at the profile's bandwidth. Dimensionless."""
+
 FSDP_PREFETCH_UNITS = 2
 """Modules FSDP2 holds unsharded at once: the one computing and the next one prefetched
 (fully_shard's implicit forward/backward prefetch of one module ahead)."""

@@ -44,7 +44,8 @@ from autoplan.chain.modules import ModuleChain
 from autoplan.cost import calibration, comm
 from autoplan.cost import float8
 from autoplan.cost.dtypes import activation_scale, bytes_per_element, peak_flops
-from autoplan.cost.module_costs import (MODES, ChainCosts, ModuleCosts, OpCost, autocast_weight_copy_bytes,
+from autoplan.cost.module_costs import (AUTOCAST_SPLIT_ROLES, MODES, ChainCosts, ModuleCosts, OpCost,
+                                       autocast_weight_copy_bytes,
                                        saved_by_mode, split_roles)
 from autoplan.hardware.types import Gpu, Host, Link
 
@@ -334,6 +335,10 @@ def _module_row(module: ModuleCosts, setting: TableSetting, timing: MeasuredScal
         if setting.compiled:  # fused pointwise chains: their traffic and launches go (calibration.py)
             factor = calibration.COMPILE_TIME_FACTOR[op.compile_class]
             f, g = f * factor, g * factor
+        if setting.autocast and op.autocast_weight_numel and not (setting.use_measured and op.measured):
+            # its weights' cast, and their gradient's, each step (measured times: MeasuredScale fits them in)
+            cast = weight_cast_s(op, setting)
+            f, g = f + cast, g + cast
         if tp > 1 and op.tp_role in dtensor_roles:  # the op runs on DTensors: their host cost on top
             forward_ops, backward_ops = _dtensor_ops(op)
             f += forward_ops * gpu.dtensor_op_overhead_s
@@ -348,6 +353,9 @@ def _module_row(module: ModuleCosts, setting: TableSetting, timing: MeasuredScal
     logits = module.output_buffer_bytes / (tp if sharded_logits else 1)
     loss_scale = 1.0 if setting.autocast else scale  # autocast's cross-entropy upcasts the logits to fp32
     working = saved["none"] * b + calibration.LOSS_BUFFER_FACTOR * logits * b * loss_scale
+    if not setting.use_measured:  # measured op times are fit to a whole step, loss included (MeasuredScale)
+        loss_forward, loss_backward = loss_s(logits * b, setting)
+        fwd, bwd = fwd + loss_forward, bwd + loss_backward
     activations = {m: saved[m] * b for m in MODES}
     if setting.autocast:  # the weights' bf16 copies: saved without recompute, remade in backward with it
         copies = autocast_weight_copy_bytes(module, tp, bytes_per_element(setting.train_dtype))
@@ -355,6 +363,45 @@ def _module_row(module: ModuleCosts, setting: TableSetting, timing: MeasuredScal
         working += copies
     return _ModuleRow(forward_s=fwd, backward_s=bwd, tp_forward_s=tp_fwd, tp_backward_s=tp_bwd, cheap_forward_s=cheap,
                     activation_bytes=activations, working_bytes=working)
+
+
+LOSS_KERNELS = (2, 2)
+"""Kernels of the loss_fn's cross-entropy, forward (log_softmax, nll_loss) and backward (nll_loss's, log_softmax's),
+beyond autocast's casts of the logits (one each way)."""
+
+
+def loss_s(logits_bytes: float, setting: TableSetting) -> tuple[float, float]:
+    """Forward and backward seconds of the model's loss_fn (cross-entropy) over one micro-batch's logits
+    (`logits_bytes` in the capture's dtype; 0 for a module that outputs no logits): it runs outside the captured
+    graph, eagerly (calibration.LOSS_FORWARD_PASSES, LOSS_BACKWARD_PASSES). Under torch.autocast it computes in fp32
+    (autocast's fp32 list) on an fp32 copy of the bf16 logits: that cast (read bf16, write fp32) in forward and its
+    gradient's cast back in backward; otherwise in the training dtype."""
+    if logits_bytes <= 0.0:
+        return 0.0, 0.0
+    gpu = setting.gpu
+    bytes_per_s = gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency
+    capture, train = bytes_per_element(setting.capture_dtype), bytes_per_element(setting.train_dtype)
+    elements = logits_bytes / capture
+    loss_element = capture if setting.autocast else train
+    cast = elements * (capture + train) if setting.autocast else 0.0
+    kernels = tuple(k + (1 if setting.autocast else 0) for k in LOSS_KERNELS)
+    return ((calibration.LOSS_FORWARD_PASSES * elements * loss_element + cast) / bytes_per_s
+            + kernels[0] * gpu.kernel_overhead_s,
+            (calibration.LOSS_BACKWARD_PASSES * elements * loss_element + cast) / bytes_per_s
+            + kernels[1] * gpu.kernel_overhead_s)
+
+
+def weight_cast_s(op: OpCost, setting: TableSetting) -> float:
+    """One cast of the fp32 weights an op reads under torch.autocast to the training dtype (forward: autocast's
+    cast of a Linear's weight, the experts' cast of runtime/expert_parallel.py; module_costs.autocast_weight_copy_bytes
+    holds the copies), or of their gradient back to fp32 (backward: the cast's own backward): a streaming kernel
+    reading one dtype and writing the other, per tensor-parallel rank, plus its launch, seconds. The traced kernels
+    of the GPU run (benchmarks/results/gpu_check_h200_20261127b, bfloat16_copy and direct_copy kernels) show them;
+    the capture, in fp32, records no cast at all."""
+    gpu = setting.gpu
+    numel = op.autocast_weight_numel / (setting.tp if op.tp_role in AUTOCAST_SPLIT_ROLES else 1)
+    moved = numel * (bytes_per_element(setting.capture_dtype) + bytes_per_element(setting.train_dtype))
+    return moved / (gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency) + gpu.kernel_overhead_s
 
 
 DTENSOR_ROLES = frozenset({"colwise", "rowwise", "interior"})

@@ -212,8 +212,21 @@ class Context:
                 base = self.table(tp, microbatch, sp, loss_parallel, autocast=autocast)
                 rank = self._part_table(self.costs, tp, microbatch / cp, key[2], loss_parallel, autocast) \
                     if cp > 1 else None  # a rank's tokens: its kernels launch and its weights stream whole
-                self._tables[key] = sharded_table(base, self._sharded_modules(tp, microbatch, key[2], cp, ep), rank)
+                table = sharded_table(base, self._sharded_modules(tp, microbatch, key[2], cp, ep), rank)
+                self._tables[key] = self._local_expert_copies(table, ep) if autocast and ep > 1 else table
         return self._tables[key]
+
+    def _local_expert_copies(self, table: ModuleTable, ep: int) -> ModuleTable:
+        """`table` (priced from the modules with every expert local) with the experts' cast weight copies of an
+        expert-parallel rank: its 1/ep of the experts (module_costs.grouped_weight_numel), not all of them."""
+        element = bytes_per_element(self.dtype)
+        extra = tuple(element * sum(op.autocast_weight_numel for op in module.ops if op.grouped) * (1 - 1 / ep)
+                      for module in self.costs.modules)
+        none = tuple(max(0.0, v - e) for v, e in zip(table.activation_bytes["none"], extra))
+        activations = {m: none if m == "none" else tuple(min(v, w) for v, w in zip(kept, none))
+                       for m, kept in table.activation_bytes.items()}
+        return replace(table, activation_bytes=activations,
+                       working_bytes=tuple(max(0.0, v - e) for v, e in zip(table.working_bytes, extra)))
 
     def expert_compute_s(self, tp: int, microbatch: int, sp: bool = False, cp: int = 1,
                          ep: int = 1) -> tuple[float, ...]:

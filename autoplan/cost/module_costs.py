@@ -84,6 +84,10 @@ class OpCost:
     autocast_fp32: bool = False
     """Under torch.autocast (bf16 without FSDP2) the op computes in and saves float32 (chain.ops.autocast_fp32_nodes:
     the residual stream, norms, losses), whatever the training dtype."""
+    autocast_fp32_share: float = 1.0
+    """Of an autocast_fp32 op's saved bytes, the share that stays float32: a pointwise op reading a bf16 value and a
+    float32 one (the experts' output times the router's weights) computes in float32 by type promotion but saves
+    each input in its own dtype (autocast_fp32_share)."""
     autocast_weight_numel: float = 0.0
     """Parameter elements autocast casts to bf16 for this op (an AUTOCAST_LOWER op's weights and bias, per
     tensor-parallel rank if it is split), which it saves for backward: one copy per micro-batch in flight."""
@@ -165,14 +169,20 @@ class ChainCosts:
 
 def op_cost(op: OpProfile, profile: ModelProfile, role: str, shares_gather: bool = False,
             autocast_fp32: bool = False, sums_ranks: bool = False, gathered_shard_bytes: float = 0.0,
-            saved_bytes: float | None = None) -> OpCost:
+            saved_bytes: float | None = None, viewed_weight_numel: float = 0.0,
+            fp32_share: float = 1.0) -> OpCost:
     """`saved_bytes`: what the op keeps for backward when the program runs it, for the profiled batch, where it
-    differs from the capture's (chain.attention.run_time_saved_bytes); None: the capture's."""
+    differs from the capture's (chain.attention.run_time_saved_bytes); None: the capture's. `viewed_weight_numel`:
+    the parameter elements a grouped expert matmul reads through views of the stacked expert weights
+    (grouped_weight_numel), which the program casts to the training dtype each forward."""
     batch = profile.batch_size
     param_bytes = sum(profile.parameters.get(p, 0) for p in op.params) * profile.parameter_bytes_per_element
     param_bytes = min(param_bytes, op.input_bytes)  # buffers read as params are not in `parameters`
     measured = op.source == "measured"
     cast = packet(op) in AUTOCAST_LOWER and op.dtype == "float32"
+    grouped = is_grouped_matmul(op)
+    cast_numel = (viewed_weight_numel if grouped else param_bytes / profile.parameter_bytes_per_element if cast
+                  else 0.0) if op.dtype == "float32" else 0.0
     return OpCost(
         kind=cost_kind(op),
         tp_role=role,
@@ -193,8 +203,9 @@ def op_cost(op: OpProfile, profile: ModelProfile, role: str, shares_gather: bool
         rows=_rows(op) / batch,
         shares_gather=shares_gather,
         autocast_fp32=autocast_fp32,
-        autocast_weight_numel=param_bytes / profile.parameter_bytes_per_element if cast else 0.0,
-        grouped=is_grouped_matmul(op),
+        autocast_fp32_share=fp32_share,
+        autocast_weight_numel=cast_numel,
+        grouped=grouped,
         sums_ranks=sums_ranks,
         gathered_shard_bytes=gathered_shard_bytes / batch,
     )
@@ -223,9 +234,45 @@ def _op_costs(nodes, by_node: dict[str, OpProfile], profile: ModelProfile, facts
         saved = (run_time_saved_bytes(op, by_node, profile.masks_left_to_is_causal) if cost_kind(op) == "attention"
                  else None)
         yield op_cost(op, profile, role, shares_gather=source in gathered, autocast_fp32=node in fp32,
-                      sums_ranks=node in facts.rank_sums, gathered_shard_bytes=shards, saved_bytes=saved)
+                      sums_ranks=node in facts.rank_sums, gathered_shard_bytes=shards, saved_bytes=saved,
+                      viewed_weight_numel=grouped_weight_numel(op, by_node, profile) if is_grouped_matmul(op) else 0.0,
+                      fp32_share=autocast_fp32_share(op, by_node, fp32) if node in fp32 else 1.0)
         if source is not None:
             gathered.add(source)
+
+
+def autocast_fp32_share(op: OpProfile, by_node: dict[str, OpProfile], fp32: frozenset[str]) -> float:
+    """The share of an op's saved bytes that stays float32 under torch.autocast, for an op autocast keeps in float32
+    (chain.ops.autocast_fp32_nodes): a pointwise op that saves its activation inputs (its saved bytes are theirs)
+    keeps each in the dtype it arrives in, float32 (an fp32 op's output) or bf16 (anything else); any other op
+    saves float32 (1.0)."""
+    if not has_trait(op, "pointwise"):
+        return 1.0
+    inputs = [by_node[src] for src in dict.fromkeys(op.inputs) if src in by_node and by_node[src].dtype == "float32"]
+    total = sum(src.output_bytes for src in inputs)
+    if not inputs or total <= 0 or abs(total - op.saved_bytes) > 0.01 * total:
+        return 1.0
+    return sum(src.output_bytes for src in inputs if src.node in fp32) / total
+
+
+def grouped_weight_numel(op: OpProfile, by_node: dict[str, OpProfile], profile: ModelProfile) -> float:
+    """Parameter elements a grouped expert matmul reads as weights: the stacked expert parameters reaching its
+    inputs through views (transformers transposes gate_up_proj / down_proj before the grouped matmul). The
+    program casts an experts module's parameters to the training dtype each forward (autocast does not cast
+    torch._grouped_mm: runtime/expert_parallel.py `_compute_on_local_tensors`), and the grouped matmul saves the
+    cast copies for backward, as autocast's copies of a Linear's weight are saved."""
+    seen: set[str] = set()
+    stack = [src for src in op.inputs if src in by_node]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        source = by_node[node]
+        if cost_kind(source) == "view":
+            stack.extend(src for src in source.inputs if src in by_node)
+    params = {p for node in seen if cost_kind(by_node[node]) == "view" for p in by_node[node].params} | set(op.params)
+    return float(sum(profile.parameters.get(p, 0) for p in params))
 
 
 def chain_costs(profile: ModelProfile, chain: ModuleChain, facts: TensorParallelFacts) -> ChainCosts:
@@ -276,7 +323,11 @@ def saved_by_mode(module: ModuleCosts, tp: int, scale: float, sp: bool = False,
     saved_split = {"rowwise", "interior"} | (SEQUENCE_ROLES | gathered if sp else set())
 
     def op_scale(op: OpCost) -> float:
-        return 1.0 if not op.saved_scales or (autocast and op.autocast_fp32) else scale
+        if not op.saved_scales:
+            return 1.0
+        if autocast and op.autocast_fp32:
+            return op.autocast_fp32_share + (1.0 - op.autocast_fp32_share) * scale
+        return scale
 
     none = sum(share(op.saved_bytes * op_scale(op), op.tp_role in saved_split) for op in module.ops)
     input_scale = 1.0 if autocast else scale
