@@ -51,3 +51,27 @@ def test_targets_without_the_sequence_refuse_context_parallelism_at_planning():
     with pytest.raises(UserError, match="cp=2: the targets have no dimension of the sequence's 16 tokens"):
         plan_model(str(CLASSIFIER), 2, "h100-sxm5-80gb", pin="cp=2")
     assert plan_model(str(CLASSIFIER), 2, "h100-sxm5-80gb").plan.parallelism.context_parallel_degree == 1
+
+
+def test_the_probe_runs_each_run_of_identical_blocks_cut_short():
+    """A deep model's probe runs the first few of its identical blocks, as the capture traces them (the 1T GPT's
+    128 blocks were a sixth of its CLI run): the same logits reach the loss_fn, so the same answer."""
+    from dataclasses import replace
+
+    from autoplan.capture.repeats import KEPT_BLOCKS, find_runs
+
+    source = load_source(str(ROOT / "examples" / "gpt.py"))
+    layers, calls = 12, []
+
+    def deep():
+        model = source.module.GPT(n_layer=layers)
+        for block in model.blocks:
+            block.register_forward_pre_hook(lambda module, args: calls.append(module))
+        return model
+
+    assert len(find_runs(source.module.GPT(n_layer=layers))) == 1
+    assert loss_parallel_problem(replace(source, build_model=deep), 2) == ""
+    assert len(calls) == KEPT_BLOCKS < layers
+    smoothed = load_source(str(SMOOTHED))
+    deep_smoothed = replace(smoothed, build_model=lambda: smoothed.module.gpt.GPT(n_layer=layers))
+    assert loss_parallel_problem(deep_smoothed, 2).startswith("loss_fn applies aten.gather to the logits")

@@ -32,6 +32,8 @@ An op is named by its packet: "aten.linear.default" -> "linear". Its traits:
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from autoplan.profile_data import OpProfile
 
 _TABLE = """
@@ -122,8 +124,10 @@ def packet(op: OpProfile) -> str:
     return packet_of(op.op)
 
 
+@lru_cache(maxsize=None)
 def packet_of(op_name: str) -> str:
-    """"aten.linear.default" -> "linear" (a bare "linear" stays)."""
+    """"aten.linear.default" -> "linear" (a bare "linear" stays). Remembered: the tensor-parallel analysis asks
+    for every op's packet millions of times on a deep model, from a few hundred distinct names."""
     parts = op_name.split(".")
     return parts[1] if len(parts) > 2 else parts[-1]
 

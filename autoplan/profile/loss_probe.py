@@ -6,8 +6,8 @@ log-softmax and the NLL loss only. Any other op a loss_fn applies to the logits 
 hand, a z-loss's logsumexp, soft targets) has no such rule. The planner then gathers the logits first
 (plan.json disable_loss_parallel) and says why.
 
-The probe runs the model and its loss_fn on the meta device (no memory, no FLOPs) and follows every tensor
-computed from the logits (the floating-point output with the largest last dimension) up to the NLL loss.
+The probe runs the model (each run of identical blocks cut to its first few, as the capture traces it) and its
+loss_fn on the meta device (no memory, no FLOPs) and follows every tensor computed from the logits (the floating-point output with the largest last dimension) up to the NLL loss.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def loss_parallel_problem(source, batch_size: int) -> str:
             model = source.build_model()
         inputs, targets = on_meta(source.example_batch(batch_size))
         with torch.no_grad():
-            output = call_model(model, inputs)
+            output = _output_cut_short(model, inputs, call_model)
         logits = _logits(output)
         if logits is None:
             return ""
@@ -117,3 +117,19 @@ def loss_parallel_problem(source, batch_size: int) -> str:
         return ""
     return (f"loss_fn applies aten.{follow.problem} to the logits, which torch's loss_parallel cannot compute on "
             "logits sharded on the vocabulary")
+
+
+def _output_cut_short(model: torch.nn.Module, inputs: Any, call_model) -> Any:
+    """The model's output on the meta device with each run of identical blocks cut to its first few, as the
+    capture traces them (capture/repeats.py): identical blocks keep the hidden states' shape, so the output and
+    its logits are the same, for a fraction of a deep model's ops; the whole model when the cut one fails."""
+    from autoplan.capture.repeats import find_runs, truncated
+
+    runs = find_runs(model)
+    if runs:
+        try:
+            with truncated(model, runs):
+                return call_model(model, inputs)
+        except PROBE_FAILURES:
+            pass
+    return call_model(model, inputs)

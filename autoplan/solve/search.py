@@ -181,6 +181,7 @@ def explore(ctx: Context, pins: Layout, deadline: float | None = None, explain: 
     scope = layouts.scope_of(ctx)
     work, pruned, considered = [], [], 0
     shapes: dict[tuple[int, int, int, int], list[layouts.Variant]] = {}  # variants depend on dp, tp, pp, cp alone
+    bound_of = _time_bounds(ctx, pins.recompute is not None)
     for fam in layouts.families(pins, scope):
         if keep is not None and not keep(fam):
             continue
@@ -197,7 +198,7 @@ def explore(ctx: Context, pins: Layout, deadline: float | None = None, explain: 
             pruned.append(Candidate(parallelism=layouts.parallelism(fam, lean, lean.recompute), stages=(),
                                     predicted=None, fits=False, reason=reason, memory_needed_bytes=bound))
             continue
-        work += [Work(time_lower_bound(ctx, fam, var, pins.recompute is not None), fam, var) for var in found]
+        work += [Work(bound_of(fam, var), fam, var) for var in found]
     if not work and not pruned and keep is None:
         raise UserError(_nothing_allowed(pins, scope, cluster.num_gpus, batch))
     work.sort(key=lambda w: w.time_bound_s)
@@ -329,6 +330,21 @@ def time_lower_bound(ctx: Context, fam: layouts.Family, var: layouts.Variant, pi
     slot = table.total_s[mode] / fam.pp
     bubble = 0.0 if SCHEDULE_BY_NAME[var.schedule].split_backward else (fam.pp - 1) / var.virtual_stages
     return (var.microbatches + bubble) * slot
+
+
+def _time_bounds(ctx: Context, pinned: bool) -> Callable[[layouts.Family, layouts.Variant], float]:
+    """time_lower_bound, remembered per what it reads of the family (tp, sp, cp, ep, pp) and the variant: the
+    families that differ only in how data parallelism shards (replicate x shard, resharding, offload) share it,
+    and a big mixture of experts enumerates hundreds of thousands of variants."""
+    known: dict[tuple, float] = {}
+
+    def bound(fam: layouts.Family, var: layouts.Variant) -> float:
+        key = (fam.tp, fam.sp, fam.cp, fam.ep, fam.pp, var)
+        if key not in known:
+            known[key] = time_lower_bound(ctx, fam, var, pinned)
+        return known[key]
+
+    return bound
 
 
 def try_layout(ctx: Context, par: Parallelism, modes: tuple[str, ...], cutoff: float = math.inf,

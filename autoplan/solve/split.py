@@ -13,6 +13,7 @@ Packing is exact for the min-max split when a stage's feasibility only shrinks a
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from functools import cached_property
 from itertools import accumulate
 
@@ -264,17 +265,22 @@ def greedy_split(problem: ChainProblem, mode: str | None = None, cutoff: float |
     n, stages, v = problem.num_modules, problem.num_stages, problem.virtual
     if stages > n:
         return None
-    tables = _Tables(problem, problem.signatures)
     cap = problem.memory_limit_bytes
     low = (problem.time_lower_bound() if mode is None else _uniform_lower_bound(problem, mode)) / v
-    everything = sum(max(problem.module_time_s[m][u] for m in problem.modes) for u in range(n)) + \
-        sum(problem.overhead(s) for s in range(stages))
     limit, step, found = low, 0.01, None
     if cutoff is not None:  # a tighter limit may pack where a loose one ran its ranks out of memory
         tries = [x for x in (low * (1 + step), (low + cutoff / v) / 2, cutoff / v) if x <= cutoff / v]
+        tries = [x for x in tries if _reaches_end_in_time(problem, mode, x)]
+        if not tries:
+            raise Slower()  # no packing within the cutoff, by time alone (the memory-blind packing cannot)
+        tables = _Tables(problem, problem.signatures)
         found = next((p for p in (_pack(tables, x, cap, mode) for x in tries) if p is not None), None)
         if found is None:
             raise Slower()
+    else:
+        tables = _Tables(problem, problem.signatures)
+    everything = sum(max(problem.module_time_s[m][u] for m in problem.modes) for u in range(n)) + \
+        sum(problem.overhead(s) for s in range(stages))
     while found is None:  # grow geometrically from the lower bound: a loose limit packs memory-hungry
         found = _pack(tables, limit, cap, mode)
         if found is None:
@@ -290,6 +296,29 @@ def greedy_split(problem: ChainProblem, mode: str | None = None, cutoff: float |
         else:
             high, found = max(_stage_times(tables, trial, mode)), trial
     return _assignment(tables, found, mode)
+
+
+def _reaches_end_in_time(problem: ChainProblem, mode: str | None, stage_time: float) -> bool:
+    """Whether a packing with every stage within `stage_time` can exist, by time alone: the packing's greedy
+    (_pack) with memory left out, each stage taking the furthest end its time allows, and none where its first
+    module alone is over the limit (a later stage, with less point-to-point overhead, may take it). False means
+    _pack finds nothing at `stage_time`: stage by stage its end is never past this one's (a stage within memory
+    is within time, and a stage's time only grows with its modules, the recompute memory buys included), so it
+    cannot reach the last module either. Cheap: prefix sums and a bisection per stage, no memory tables."""
+    n, stages = problem.num_modules, problem.num_stages
+    times = _prefix(problem.module_time_s[mode or problem.modes[0]])
+    limit = stage_time * (1 + 1e-12)
+    start = 0
+    for s in range(stages):
+        last = n - (stages - 1 - s)
+        overhead = problem.overhead(s)
+        end = bisect_right(times, times[start] - overhead + limit, start, last + 1) - 1
+        while end > start and times[end] - times[start] + overhead > limit:
+            end -= 1  # the bisection's sum differs from the packing's difference of prefix sums by rounding
+        while end < last and times[end + 1] - times[start] + overhead <= limit:
+            end += 1
+        start = max(start, end)
+    return start == n
 
 
 def _stage_times(tables: _Tables, packed, mode: str | None) -> list[float]:
