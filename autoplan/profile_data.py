@@ -51,6 +51,9 @@ class OpProfile:
     output_shapes: tuple[tuple[int, ...], ...] = ()
     """Shapes of the tensor outputs, in order (empty in profiles saved before they were recorded): which
     dimensions an op keeps, e.g. a norm's reduction over the head dimension only."""
+    dropout_p: float = 0.0
+    """The op's dropout probability argument as the capture (in training mode) called it, e.g.
+    scaled_dot_product_attention's dropout_p; 0 when it has none."""
     dims: tuple[int, ...] | None = None
     """The dimensions the op computes along, from its schema's int arguments named dim, dims, dim0 or dim1 (a
     softmax's, topk's, sort's, an index_add's dimension, the dimensions a sum reduces, a transpose's two),

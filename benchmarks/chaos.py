@@ -48,7 +48,7 @@ LAYOUTS = {
     "tp_sp": ("chaos_gpt.py", "tp=2,sp=on,compile=off"),
     "pp_1f1b": ("chaos_gpt.py", "pp=2,schedule=1f1b,compile=off"),
     "pp_interleaved": ("chaos_gpt.py", "pp=2,schedule=interleaved,compile=off"),
-    "cp": ("chaos_gpt.py", "cp=2,compile=off"),
+    "cp": ("chaos_gpt_ring.py", "cp=2,compile=off"),  # no attention-weight dropout: the ring runs none
     "ep": ("chaos_moe.py", "dp=2,zero=3,ep=2,compile=off"),
 }
 """Layout name -> (model file in benchmarks/models/, autoplan --pin). compile=off: torch.compile on CPU builds C++ for

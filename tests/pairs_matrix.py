@@ -53,7 +53,9 @@ def _dropout_gpt() -> MatrixModel:
                        (chain[:3], chain[3:4], chain[4:5], chain[5:]), plan,
                        dict(sequence_length=16, sequence_parallel_problem="aten.scaled_dot_product_attention.default in "
                             "blocks.0 would read a sequence shard, and it does not compute token by token: it cuts, "
-                            "merges or reduces the sequence dimension of a DTensor shard"))
+                            "merges or reduces the sequence dimension of a DTensor shard",
+                            context_parallel_problem="its attention in 'blocks.0' applies dropout to the attention "
+                            "weights (dropout_p 0.1), which context parallelism's ring attention does not run"))
 
 
 def _llama() -> MatrixModel:

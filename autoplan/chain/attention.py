@@ -147,9 +147,13 @@ def attention_facts(profile: ModelProfile) -> AttentionFacts:
                 mask=op.inputs[3] if masked else ""))
         elif other is None:
             other = op
+    dropped = next((op for op in profile.ops if packet(op) in SDPA_PACKETS and op.dropout_p > 0), None)
     if other is not None:
         problem = (f"its attention is computed by {other.op} in '{other.module}' (activation x activation "
                    f"matmuls), not scaled_dot_product_attention, which context parallelism's ring replaces")
+    elif dropped is not None:
+        problem = (f"its attention in '{dropped.module}' applies dropout to the attention weights (dropout_p "
+                   f"{dropped.dropout_p:g}), which context parallelism's ring attention does not run")
     elif not calls:
         problem = NO_SDPA_PROBLEM
     else:

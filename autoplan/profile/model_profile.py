@@ -115,6 +115,17 @@ def dim_arguments(node: OpNode, graph: OpGraph) -> tuple[int, ...] | None:
     return None if found is None else tuple(found)
 
 
+def dropout_argument(node: OpNode) -> float:
+    """The op's dropout_p argument (read from its schema, its default when left unset), 0.0 when it has none."""
+    schema = getattr(node.target, "_schema", None)
+    for position, argument in enumerate(schema.arguments if schema is not None else ()):
+        if argument.name == "dropout_p":
+            value = node.kwargs[argument.name] if argument.name in node.kwargs else \
+                node.args[position] if position < len(node.args) and not argument.kwarg_only else argument.default_value
+            return float(value) if isinstance(value, (int, float)) else 0.0
+    return 0.0
+
+
 def profile_graph(graph: OpGraph, model: str, batch_size: int, hardware: HardwareProfile, measure: bool,
                   dtype: str = "fp32") -> ModelProfile:
     """Profile every op of `graph`. `dtype`, the training dtype, names the hardware peak the roofline uses
@@ -173,6 +184,7 @@ def profile_graph(graph: OpGraph, model: str, batch_size: int, hardware: Hardwar
             source=source,
             output_shapes=tuple(tuple(meta.shape) for meta in node.outputs),
             dims=dim_arguments(node, graph),
+            dropout_p=dropout_argument(node),
         ))
     op_failures = [f"{op}: not replayed on fake tensors, counted as 0 FLOPs and nothing saved ({error})"
                    for op, error in sorted(replay_errors.items())]

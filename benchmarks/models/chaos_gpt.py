@@ -8,6 +8,9 @@ from torch.nn import functional as F
 
 VOCAB, SEQ, DIM, HEADS, LAYERS = 64, 16, 32, 2, 4
 DROPOUT = 0.1
+ATTENTION_DROPOUT = DROPOUT
+"""The attention weights' dropout (SDPA's dropout_p); chaos_gpt_ring.py sets it to 0 for context parallelism, whose
+ring attention runs none (the planner refuses cp for a model that drops attention weights)."""
 
 
 class Attention(nn.Module):
@@ -22,7 +25,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = (f(x).view(b, t, -1, DIM // HEADS).transpose(1, 2) for f in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=DROPOUT if self.training else 0.0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=ATTENTION_DROPOUT if self.training else 0.0)
         return F.dropout(self.proj(y.transpose(1, 2).contiguous().view(b, t, -1)), DROPOUT, self.training)
 
 
