@@ -395,5 +395,5 @@ def _reference_model(out: Path, steps: int):
             built.append(source.build_model())
             return built[-1]
 
-    program.train_reference(Recording(), torch.device("cpu"), steps)
+    program.train_reference(Recording(), torch.device("cpu"), program.parse_args(["--steps", str(steps)]))
     return built[0]
