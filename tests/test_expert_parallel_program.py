@@ -264,10 +264,10 @@ def test_an_expert_parallel_checkpoint_resumes_into_the_uninterrupted_run(batch,
     out = folders[key]
     check_resumed(out)
     saved = FileSystemReader(out / "checkpoints" / "step_2").read_metadata().state_dict_metadata
-    # once, whole (a pipeline's stages are saved as stage<k>): one expert per rank with dp=4 (ep halves, FSDP2 over
-    # the 2 ranks holding each), halves with a pipeline (dp=2 per stage: ep=2, nothing left for FSDP2 to split)
-    name = "model.model" if key == RESUMED else "model.stage0.model"
-    experts = saved[f"{name}.layers.0.mlp.experts.gate_up_proj"]
+    # once, whole, under the model's own names whatever the split (a pipeline's stage names mapped back): one expert
+    # per rank with dp=4 (ep halves, FSDP2 over the 2 ranks holding each), halves with a pipeline (dp=2 per stage:
+    # ep=2, nothing left for FSDP2 to split)
+    experts = saved["model.model.layers.0.mlp.experts.gate_up_proj"]
     offsets = [0, 1, 2, 3] if key == RESUMED else [0, 2]
     assert list(experts.size) == [4, 64, 16] and sorted(c.offsets[0] for c in experts.chunks) == offsets
 
