@@ -288,6 +288,9 @@ class TableSetting:
     """The float8 recipe (cost/float8.py FLOAT8_RECIPES) the Linears are priced with (GEMMs at the float8 peak, plus
     the recipe's casts), None for the training dtype: priced only, for published runs that trained so; the generated
     program runs the training dtype."""
+    whole_modules: bool = True
+    """The rows price whole modules; False for a table of some of their ops (a module's experts or attention,
+    Context._ops_table), which holds none of the loss_fn (it belongs to the whole module's row)."""
 
 
 @dataclass(frozen=True)
@@ -353,7 +356,9 @@ def _module_row(module: ModuleCosts, setting: TableSetting, timing: MeasuredScal
     logits = module.output_buffer_bytes / (tp if sharded_logits else 1)
     loss_scale = 1.0 if setting.autocast else scale  # autocast's cross-entropy upcasts the logits to fp32
     working = saved["none"] * b + calibration.LOSS_BUFFER_FACTOR * logits * b * loss_scale
-    if not setting.use_measured:  # measured op times are fit to a whole step, loss included (MeasuredScale)
+    # measured op times are fit to a whole step, loss included (MeasuredScale); a table of some of the ops (a module's
+    # experts or attention, Context._ops_table) holds none of the loss, which belongs to the whole module's row
+    if not setting.use_measured and setting.whole_modules:
         loss_forward, loss_backward = loss_s(logits * b, setting)
         fwd, bwd = fwd + loss_forward, bwd + loss_backward
     activations = {m: saved[m] * b for m in MODES}

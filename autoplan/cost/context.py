@@ -250,11 +250,12 @@ class Context:
         return self._expert_compute[key]
 
     def _part_table(self, costs: ChainCosts, tp: int, microbatch: float, sp: bool,
-                    loss_parallel: bool = True, autocast: bool = False) -> ModuleTable:
+                    loss_parallel: bool = True, autocast: bool = False, whole_modules: bool = True) -> ModuleTable:
         return module_table(costs, TableSetting(
             gpu=self.cluster.gpu, capture_dtype=self.chain.capture_dtype, train_dtype=self.dtype, tp=tp,
             microbatch=microbatch, tp_link=self.group(tp, 1).link, use_measured=self.use_measured, sp=sp,
-            compiled=self.compiled, loss_parallel=loss_parallel, autocast=autocast, float8_linears=self.float8_linears))
+            compiled=self.compiled, loss_parallel=loss_parallel, autocast=autocast, float8_linears=self.float8_linears,
+            whole_modules=whole_modules))
 
     def autocast_layout(self, par: Parallelism) -> bool:
         """bf16 trains as torch.autocast over fp32 weights in this layout: FSDP2 does not wrap it
@@ -274,7 +275,7 @@ class Context:
     def _priced_ops_table(self, nodes: frozenset[str], tp: int, microbatch: int, sp: bool) -> ModuleTable:
         modules = tuple(replace(costs, ops=tuple(op for op, node in zip(costs.ops, module.ops) if node in nodes))
                         for costs, module in zip(self.costs.modules, self.chain.modules))
-        return self._part_table(replace(self.costs, modules=modules), tp, microbatch, sp)
+        return self._part_table(replace(self.costs, modules=modules), tp, microbatch, sp, whole_modules=False)
 
     def _sharded_modules(self, tp: int, microbatch: int, sp: bool, cp: int, ep: int) -> ShardedModules:
         """Per module: its experts' compute and the imbalance the busiest expert-parallel rank adds, its ring
