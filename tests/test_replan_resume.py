@@ -118,7 +118,8 @@ def _gpt_jobs(root: Path) -> list[BatchJob]:
     straight to HSDP."""
     outs = {name: _program(root, name, TINY_GPT, stages, GPT_TP_PLAN if name == "tp" else None, **fields)
             for name, (_, stages, fields) in GPT_LAYOUTS.items()}
-    common = ("--device", "cpu", "--checkpoint-dir", str(root / "gpt_checkpoints"))
+    schedule = ("--decay-steps", str(SEGMENT * len(REPLANS)))  # every segment on the uninterrupted run's schedule
+    common = ("--device", "cpu", "--checkpoint-dir", str(root / "gpt_checkpoints"), *schedule)
     jobs = [BatchJob(outs["fsdp"], ("--device", "cpu", "--steps", str(SEGMENT * len(REPLANS)),
                                     "--losses-out", str(root / "gpt_uninterrupted.json")), 2)]
     chain = []
@@ -128,7 +129,7 @@ def _gpt_jobs(root: Path) -> list[BatchJob]:
         follow = chain[-1] if chain and jobs[chain[-1]].world == world else None
         chain.append(len(jobs))
         jobs.append(BatchJob(outs[name], argv + (("--resume",) if i else ()), world, same_ranks_as=follow))
-    direct = ("--device", "cpu", "--checkpoint-dir", str(root / "fsdp_checkpoints"))  # FSDP straight to HSDP
+    direct = ("--device", "cpu", "--checkpoint-dir", str(root / "fsdp_checkpoints"), *schedule)  # FSDP -> HSDP
     jobs.append(BatchJob(outs["fsdp"], (*direct, "--steps", str(SEGMENT)), 2))
     jobs.append(BatchJob(outs["hsdp"], (*direct, "--steps", str(2 * SEGMENT), "--resume", "--losses-out",
                                         str(root / "gpt_fsdp_to_hsdp.json")), 4))
@@ -147,7 +148,8 @@ def _dropout_jobs(root: Path, first_index: int) -> list[BatchJob]:
         jobs += [
             BatchJob(out, ("--device", "cpu", "--steps", str(DROPOUT_STEPS), "--losses-out",
                            str(root / f"{name}_uninterrupted.json")), 2),
-            BatchJob(out, ("--device", "cpu", "--steps", str(DROPOUT_SAVED), *checkpoints), 2),
+            BatchJob(out, ("--device", "cpu", "--steps", str(DROPOUT_SAVED), "--decay-steps", str(DROPOUT_STEPS),
+                           *checkpoints), 2),
             BatchJob(out, ("--device", "cpu", "--steps", str(DROPOUT_STEPS), *checkpoints, "--resume",
                            "--losses-out", str(root / f"{name}_resumed.json")), 2,
                      same_ranks_as=first_index + saved + 1),
