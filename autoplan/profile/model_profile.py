@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from dataclasses import replace
 
 from autoplan.capture import OpGraph, OpNode, ValueRef, capture_model
@@ -107,8 +109,7 @@ def dim_arguments(node: OpNode, graph: OpGraph) -> tuple[int, ...] | None:
     for position, argument in enumerate(schema.arguments):
         if argument.name not in DIM_ARGUMENTS:
             continue
-        value = node.kwargs[argument.name] if argument.name in node.kwargs else \
-            node.args[position] if position < len(node.args) and not argument.kwarg_only else argument.default_value
+        value = _argument_value(node, position, argument)
         found = found or []
         values = value if isinstance(value, (list, tuple)) else () if value is None else (value,)
         found += [int(v) % rank if rank else 0 for v in values if isinstance(v, int)]
@@ -120,10 +121,18 @@ def dropout_argument(node: OpNode) -> float:
     schema = getattr(node.target, "_schema", None)
     for position, argument in enumerate(schema.arguments if schema is not None else ()):
         if argument.name == "dropout_p":
-            value = node.kwargs[argument.name] if argument.name in node.kwargs else \
-                node.args[position] if position < len(node.args) and not argument.kwarg_only else argument.default_value
+            value = _argument_value(node, position, argument)
             return float(value) if isinstance(value, (int, float)) else 0.0
     return 0.0
+
+
+def _argument_value(node: OpNode, position: int, argument: Any) -> Any:
+    """The value the call gave the schema's argument at `position` (by keyword or position), else its default."""
+    if argument.name in node.kwargs:
+        return node.kwargs[argument.name]
+    if position < len(node.args) and not argument.kwarg_only:
+        return node.args[position]
+    return argument.default_value
 
 
 def profile_graph(graph: OpGraph, model: str, batch_size: int, hardware: HardwareProfile, measure: bool,

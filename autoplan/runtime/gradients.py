@@ -120,6 +120,8 @@ def clip_grad_norm_(parameters: Any, max_norm: float, pp_group: dist.ProcessGrou
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's dim under tensor parallelism
 
+    from autoplan.runtime.parallel import _local
+
     held = [p for p in parameters if p.grad is not None]
     groups: dict[tuple, list[torch.Tensor]] = {}
     for p in held:  # one sum per mesh and placement (DTensors), one for the plain gradients
@@ -155,7 +157,3 @@ def clip_grad_norm_(parameters: Any, max_norm: float, pp_group: dist.ProcessGrou
             p.grad.mul_(coefficient)
     return total
 
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard, else the tensor."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
