@@ -157,3 +157,21 @@ def test_the_1t_gpt_on_3072_gpus_writes_an_output_folder_under_5_mb(tmp_path):
     assert sum(sizes.values()) < FOLDER_BOUND_BYTES, sizes
     trace = json.loads((out / "trace.json").read_text())
     assert_totals_match(trace, plan)
+
+
+def test_modules_csv_counts_each_parameter_under_every_enclosing_module():
+    """modules.csv's param_count, summed in one pass over the parameter names, equals the count by prefix for every
+    module (a module "blocks.1" does not count "blocks.10"'s parameters)."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent))
+    from chain_fixtures import gpt_profile
+
+    from autoplan.report.csv import modules_frame
+
+    profile = gpt_profile(n_layer=12)
+    frame = modules_frame(profile)
+    for module, count in zip(frame.module, frame.param_count):
+        prefix = "" if module == "(model)" else module + "."
+        assert count == sum(n for name, n in profile.parameters.items() if name.startswith(prefix)), module
+    counts = dict(zip(frame.module, frame.param_count))
+    assert 0 < counts["blocks.1"] < counts["blocks.1"] + counts["blocks.10"] < counts["(model)"]

@@ -53,15 +53,27 @@ def modules_frame(profile: ModelProfile, ops: pd.DataFrame | None = None) -> pd.
             t["ops"] += 1
             for key in ("flops_fwd", "flops_bwd", "param_bytes", "saved_bytes", "time_fwd_s", "time_bwd_s"):
                 t[key] += getattr(row, key)
+    counts = _parameters_under(profile.parameters)
     rows = []
     for module, t in totals.items():
-        prefix = module + "." if module else ""
         rows.append({
             "module": module or "(model)", "depth": module.count(".") + 1 if module else 0, **t,
-            "param_count": sum(n for name, n in profile.parameters.items() if name.startswith(prefix)),
+            "param_count": counts.get(module, 0),
         })
     frame = pd.DataFrame(rows, columns=MODULE_COLUMNS)
     return frame.sort_values(["depth", "module"], kind="stable").reset_index(drop=True)
+
+
+def _parameters_under(parameters: dict[str, int]) -> dict[str, int]:
+    """Module FQN ("" for the model) -> elements of the parameters under it, each parameter counted once per
+    enclosing module (one pass over the names, not one per module)."""
+    counts: dict[str, int] = {}
+    for name, n in parameters.items():
+        parts = name.split(".")
+        for depth in range(len(parts)):
+            module = ".".join(parts[:depth])
+            counts[module] = counts.get(module, 0) + n
+    return counts
 
 
 def candidates_frame(candidates: tuple[Any, ...], best: Any, parameter_server: Any = None) -> pd.DataFrame:
