@@ -225,11 +225,12 @@ def test_value_dependent_weight_init_falls_back_to_the_meta_device(tmp_path):
     source = _model_file(tmp_path, "trunc.py", """
         import torch
         from torch import nn
+        from torch.nn.init import trunc_normal_  # bound at import: the capture's skipping cannot reach it
 
         def build_model():
             model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
             model[2].weight = model[0].weight  # tied: must stay one parameter
-            nn.init.trunc_normal_(model[0].weight, std=0.02)  # a rejection loop on values
+            trunc_normal_(model[0].weight, std=0.02)  # reads values: fails on fake tensors
             model.register_buffer("scale", torch.ones(8))
             return model
 
@@ -240,6 +241,33 @@ def test_value_dependent_weight_init_falls_back_to_the_meta_device(tmp_path):
     assert graph.method == "export"
     assert graph.parameters == {"0.weight": 64, "0.bias": 8, "2.bias": 8}
     assert all(g.meta.shape for g in graph.inputs.values())
+
+
+def test_initializers_are_skipped_on_fake_tensors_and_restored(tmp_path):
+    """nn.init's initializers called through the module (what nn.Linear and most models do) are skipped while the
+    factory runs on fake tensors: a value-reading one no longer sends the factory to the meta device, so the user's
+    own bug after it is reported as it is, and torch.nn.init is left as it was."""
+    import torch.nn.init
+
+    before = dict(vars(torch.nn.init))
+    source = _model_file(tmp_path, "vit2.py", """
+        import torch
+        from torch import nn
+
+        def build_model():
+            model = nn.Linear(8, 8)
+            nn.init.trunc_normal_(model.weight, std=0.02)
+            config = {"n_embd": 8}
+            return nn.Linear(config["n_embd"], config["n_layer"])
+
+        def example_batch(batch_size):
+            return torch.randn(batch_size, 8), torch.randn(batch_size, 8)
+    """)
+    with pytest.raises(UserError) as raised:
+        capture_model(source, 2)
+    assert str(raised.value).startswith("build_model() in vit2.py raised (vit2.py:9): KeyError: 'n_layer'")
+    assert "meta device" not in str(raised.value)
+    assert vars(torch.nn.init) == before
 
 
 def test_export_only_reports_the_export_error(tmp_path):
@@ -353,10 +381,11 @@ def test_a_factory_failing_on_fake_and_meta_tensors_reports_its_own_error(tmp_pa
     source = _model_file(tmp_path, "vit.py", """
         import torch
         from torch import nn
+        from torch.nn.init import trunc_normal_
 
         def build_model():
             model = nn.Linear(8, 8)
-            nn.init.trunc_normal_(model.weight, std=0.02)
+            trunc_normal_(model.weight, std=0.02)
             config = {"n_embd": 8}
             return nn.Linear(config["n_embd"], config["n_layer"])
 
@@ -366,6 +395,6 @@ def test_a_factory_failing_on_fake_and_meta_tensors_reports_its_own_error(tmp_pa
     with pytest.raises(UserError) as raised:
         capture_model(source, 2)
     message = str(raised.value)
-    assert message.startswith("build_model() in vit.py raised (vit.py:9): KeyError: 'n_layer' (on the meta device; "
-                              "on fake tensors it had stopped earlier at vit.py:7: "), message
+    assert message.startswith("build_model() in vit.py raised (vit.py:10): KeyError: 'n_layer' (on the meta device; "
+                              "on fake tensors it had stopped earlier at vit.py:8: "), message
     assert "\n" not in message
