@@ -15,9 +15,8 @@ Every quantity on a ChainModule is PER SAMPLE (divided by ModelProfile.batch_siz
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import networkx as nx
+from dataclasses import dataclass, field
+from typing import Any
 
 from autoplan.profile_data import ModelProfile, OpProfile
 
@@ -162,18 +161,37 @@ def build_chain(profile: ModelProfile, max_module_share: float = 1 / 8) -> Modul
     )
 
 
-def _module_tree(ops: tuple[OpProfile, ...]) -> nx.DiGraph:
-    """Parent -> child edges between modules seen in module stacks; node attr `ops`: indices of
-    the ops in its subtree, `own`: ops whose innermost module it is."""
-    tree = nx.DiGraph()
-    tree.add_node(ROOT, ops=[], own=[])
+@dataclass
+class _Tree:
+    """Modules seen in module stacks, parent -> children; per module, `ops`: indices of the ops in its subtree,
+    `own`: ops whose innermost module it is, `first`: its first op."""
+
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    children: dict[str, dict[str, None]] = field(default_factory=dict)
+    """Parent -> its children, in the order first seen (a dict as an ordered set)."""
+
+    def add(self, fqn: str, **attributes: Any) -> None:
+        self.nodes[fqn] = attributes
+        self.children[fqn] = {}
+
+    def successors(self, fqn: str) -> list[str]:
+        return list(self.children[fqn])
+
+    def out_degree(self, fqn: str) -> int:
+        return len(self.children[fqn])
+
+
+def _module_tree(ops: tuple[OpProfile, ...]) -> _Tree:
+    """Parent -> child edges between modules seen in module stacks, with each module's ops (_Tree)."""
+    tree = _Tree()
+    tree.add(ROOT, ops=[], own=[])
     for i, op in enumerate(ops):
         tree.nodes[ROOT]["ops"].append(i)
         parent = ROOT
         for fqn in op.module_stack:
-            if fqn not in tree:
-                tree.add_node(fqn, ops=[], own=[], first=i)
-            tree.add_edge(parent, fqn)
+            if fqn not in tree.nodes:
+                tree.add(fqn, ops=[], own=[], first=i)
+            tree.children[parent][fqn] = None
             tree.nodes[fqn]["ops"].append(i)
             parent = fqn
         tree.nodes[parent]["own"].append(i)
@@ -191,11 +209,11 @@ def _op_weights(ops: tuple[OpProfile, ...]) -> list[float]:
     return [1.0] * len(ops)
 
 
-def _children(tree: nx.DiGraph, fqn: str) -> list[str]:
+def _children(tree: _Tree, fqn: str) -> list[str]:
     return sorted(tree.successors(fqn), key=lambda c: tree.nodes[c]["first"])
 
 
-def _is_numbered_container(tree: nx.DiGraph, fqn: str) -> bool:
+def _is_numbered_container(tree: _Tree, fqn: str) -> bool:
     """A ModuleList-like container: runs no op itself and its children are fqn.0, fqn.1, ..."""
     kids = list(tree.successors(fqn))
     prefix = fqn + "."
@@ -204,7 +222,7 @@ def _is_numbered_container(tree: nx.DiGraph, fqn: str) -> bool:
     )
 
 
-def _choose_modules(ops, tree: nx.DiGraph, weight: list[float], max_module_share: float,
+def _choose_modules(ops, tree: _Tree, weight: list[float], max_module_share: float,
                   tensor_parallel_linears: frozenset[str] = frozenset()) -> list[str]:
     """Expand the heaviest modules into their children. A module stays whole when its children include
     tensor-parallel Linears, so no pipeline stage boundary cuts a colwise -> rowwise pair apart (the
@@ -234,12 +252,12 @@ def _choose_modules(ops, tree: nx.DiGraph, weight: list[float], max_module_share
         modules[at:at + 1] = _children(tree, target)
 
 
-def _interleaved(tree: nx.DiGraph, fqn: str) -> bool:
+def _interleaved(tree: _Tree, fqn: str) -> bool:
     """Some child of `fqn` runs ops after a later sibling started (a module called twice around it)."""
     return _interleaving(tree, fqn) is not None
 
 
-def _interleaving(tree: nx.DiGraph, fqn: str) -> tuple[str, str] | None:
+def _interleaving(tree: _Tree, fqn: str) -> tuple[str, str] | None:
     """(child, sibling): a child of `fqn` that runs ops again after the sibling started; None if none does."""
     spans = sorted((min(tree.nodes[c]["ops"]), max(tree.nodes[c]["ops"]), c) for c in tree.successors(fqn))
     for (_, end, child), (next_start, _, sibling) in zip(spans, spans[1:]):
@@ -248,7 +266,7 @@ def _interleaving(tree: nx.DiGraph, fqn: str) -> tuple[str, str] | None:
     return None
 
 
-def _whole_reason(tree: nx.DiGraph) -> str:
+def _whole_reason(tree: _Tree) -> str:
     """Why the root could not be cut into child modules (the model runs as one pipeline stage)."""
     pair = _interleaving(tree, ROOT) if _children(tree, ROOT) else None
     if pair is None:
@@ -301,13 +319,15 @@ def _parameter_modules(profile: ModelProfile, op_module: list[int], order: list[
 
 def _cut_bytes(ops: tuple[OpProfile, ...], op_module: list[int], n_modules: int) -> list[float]:
     """Bytes crossing each boundary, from the data-flow graph (each producer counted once)."""
-    flow = nx.DiGraph()
-    flow.add_nodes_from(range(len(ops)))
     position = {op.node: i for i, op in enumerate(ops)}
-    flow.add_edges_from((position[src], i) for i, op in enumerate(ops) for src in op.inputs if src in position)
+    readers: list[list[int]] = [[] for _ in ops]  # the data-flow graph: producer -> the ops reading its output
+    for i, op in enumerate(ops):
+        for src in op.inputs:
+            if src in position:
+                readers[position[src]].append(i)
     crossing = [0.0] * n_modules  # difference array over cut indices
-    for producer in flow.nodes:
-        consumers = [op_module[c] for c in flow.successors(producer)]
+    for producer in range(len(ops)):
+        consumers = [op_module[c] for c in readers[producer]]
         last = max(consumers, default=op_module[producer])
         first_cut = op_module[producer]
         if last > first_cut:
