@@ -26,7 +26,7 @@ from autoplan.hardware.types import Cluster, HardwareProfile
 from autoplan.plan import ClusterRef, Compile, ModelRef, Plan, Training
 from autoplan.profile_data import ModelProfile
 from autoplan.solve.refusals import not_planned, pins_for_capture, pipeline_refusal
-from autoplan.solve.scaling import SCALING_BUDGET_S, SCALING_FACTORS, ScalingPoint, scaling_curve  # noqa: F401
+from autoplan.solve.scaling import SCALING_FACTORS, SCALING_LAYOUTS, ScalingPoint, scaling_curve  # noqa: F401
 
 log = logging.getLogger("autoplan")
 
@@ -159,6 +159,7 @@ def plan_model(
     from autoplan.profile import profile_model
     from autoplan.solve.alternatives import alternatives
     from autoplan.solve.pins import parse_pins
+    from autoplan.solve.scaling import ScalingInBackground
     from autoplan.solve.search import search, solver_warning
 
     started = time.perf_counter()
@@ -198,32 +199,36 @@ def plan_model(
     profile = profile_model(source, PROFILE_BATCH_SIZE, cluster.hardware, measure=measure, dtype=dtype)
     pins = pins_for_capture(pins, profile)
     training = Training(global_batch_size=batch, dtype=dtype, tokens_per_sample=profile.tokens_per_sample)
-    log.info("search %d GPUs, %d ops, %d parameters", cluster.num_gpus, len(profile.ops), profile.param_count)
-    result = search(profile, cluster, training, pins, solver=solver, time_limit_s=time_limit,
-                    float8_linears=float8_linears)
-
-    best = result.best
-    warning = solver_warning(result.solver, time_limit)
-    if warning:
-        log.warning("%s", warning)
-    plan = Plan(
-        model=ModelRef(path=str(source.path), factory=source.factory_name, param_count=profile.param_count),
-        cluster=ClusterRef(cluster.gpu.name, cluster.num_gpus, cluster.gpus_per_node, cluster.usable_memory_bytes),
-        training=training,
-        parallelism=best.parallelism,
-        stages=best.stages,
-        predicted=best.predicted,
-        solver=result.solver,
-        alternatives=alternatives(result.candidates, best),
-        tensor_parallel_plan=dict(best.tensor_parallel_plan),
-        tensor_parallel_left_whole=result.context.facts.left_whole if best.tensor_parallel_plan else (),
-        activation_checkpoint_modules=tuple(best.activation_checkpoint_modules),
-        batch_norm_modules=result.context.batch_norm_modules,
-        compile=Compile(enable=best.compile),
-    )
     unpinned = pins == pins_for_capture(Layout(), profile, warn=False)  # the curve's N point is then the plan's
-    scaling = (scaling_curve(profile, cluster, training, best if unpinned else None, context=result.context)
-               if out is not None else ())
+    # the report's scaling curve searches its other GPU counts in a second process meanwhile (a second core)
+    curve = ScalingInBackground(profile, cluster, training, not unpinned) if out is not None else None
+    log.info("search %d GPUs, %d ops, %d parameters", cluster.num_gpus, len(profile.ops), profile.param_count)
+    try:
+        result = search(profile, cluster, training, pins, solver=solver, time_limit_s=time_limit,
+                        float8_linears=float8_linears)
+        best = result.best
+        warning = solver_warning(result.solver, time_limit)
+        if warning:
+            log.warning("%s", warning)
+        plan = Plan(
+            model=ModelRef(path=str(source.path), factory=source.factory_name, param_count=profile.param_count),
+            cluster=ClusterRef(cluster.gpu.name, cluster.num_gpus, cluster.gpus_per_node, cluster.usable_memory_bytes),
+            training=training,
+            parallelism=best.parallelism,
+            stages=best.stages,
+            predicted=best.predicted,
+            solver=result.solver,
+            alternatives=alternatives(result.candidates, best),
+            tensor_parallel_plan=dict(best.tensor_parallel_plan),
+            tensor_parallel_left_whole=result.context.facts.left_whole if best.tensor_parallel_plan else (),
+            activation_checkpoint_modules=tuple(best.activation_checkpoint_modules),
+            batch_norm_modules=result.context.batch_norm_modules,
+            compile=Compile(enable=best.compile),
+        )
+        scaling = curve.points(best if unpinned else None, context=result.context) if curve is not None else ()
+    finally:
+        if curve is not None:
+            curve.cancel()  # stops the second process unless its points were collected
     planned = PlanResult(plan, profile, tuple(result.candidates), scaling, not_planned(result.context),
                          result.parameter_server)
     said = pipeline_refusal(profile)  # warned when the pins were read (pins_for_capture)

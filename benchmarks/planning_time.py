@@ -9,7 +9,7 @@ Profiles come from the GPT profile generator (the same numbers capture gives, te
 the last part times the real capture path (plan_model: torch.export on fake tensors + profile + search)
 for the 1.7B GPT of examples/gpt.py, the 1T GPT on 3072 GPUs against its published layout, and the whole
 `autoplan` command for that 1T GPT (benchmarks/models/megatron_gpt.py at the published shape: start-up,
-capture + profile, search, scaling curve, report and program writing) against CLI_BOUND_S. The context- and
+capture + profile, search, the rest of the scaling curve, report and program writing) against CLI_BOUND_S. The context- and
 expert-parallel searches (issue 19; `--cp-ep` alone) time Llama-3.1-8B at 131,072 tokens with cp among the
 features and Mixtral-8x7B at 4,096 with ep, both captured on fake tensors, on 8..512 H100s against CP_EP_BOUND_S.
 """
@@ -156,8 +156,10 @@ def build_model():
     return GPT()
 '''
 PHASES = (("capture + profile", "start-up (imports)"), ("search ", "capture + profile"),
-          ("scaling curve", "search"), ("planned in", "scaling curve"), ("writing", "-"))
-"""(log line prefix after "autoplan: ", the phase that line ends): the CLI logs each phase as it starts."""
+          ("scaling curve", "search"), ("planned in", "scaling curve (what is left of its second process)"),
+          ("writing", "-"))
+"""(log line prefix after "autoplan: ", the phase that line ends): the CLI logs each phase as it starts. The scaling
+curve's other GPU counts are searched in a second process during the search: its phase is the wait for the rest."""
 
 
 def whole_cli() -> None:

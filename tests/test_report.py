@@ -264,12 +264,12 @@ def test_a_plan_with_uneven_stages_still_schedules_every_stage():
 
 def test_scaling_points_say_when_a_search_was_bounded_or_nothing_fits(tmp_path):
     scaling = [(2, None, "", "no layout fits"), (4, 350.0, "dp=4 tp=1 pp=1", ""),
-               (8, 660.0, "dp=8 tp=1 pp=1", "bounded: best of the 3 layouts priced in the 0.5 s this count had"),
+               (8, 660.0, "dp=8 tp=1 pp=1", "bounded: best of the first 3 layouts by their time lower bound"),
                (16, 1150.0, "dp=16 tp=1 pp=1", "")]
     page, parser = render(tmp_path, scaling=scaling)
     section = page[page.index('id="scaling"'):page.index('id="verification"')]
-    assert section.count("<svg") == 1 and "no layout fits" in section and "bounded: best of the 3" in section
-    assert "At 1 count the search stopped at its time budget" in section
+    assert section.count("<svg") == 1 and "no layout fits" in section and "bounded: best of the first 3" in section
+    assert "At 1 count the search stopped at its budget of layouts" in section
     assert section.count("<tr>") == 5  # header and one row per count, the one without a point included
 
 

@@ -445,7 +445,7 @@ def parameter_server_html(plan, ps: Any) -> str:
 
 def scaling_section(points: list[tuple]) -> str:
     """Points are (GPUs, samples/s) or autoplan.solve.scaling.ScalingPoint (GPUs, samples/s or None, layout, note):
-    a note says the search at that count was bounded (the best of the layouts priced within its time budget)
+    a note says the search at that count was bounded (the best of the first layouts it priced, SCALING_LAYOUTS)
     or why there is no point."""
     rows = sorted((int(p[0]), None if p[1] is None else float(p[1]), str(p[2]) if len(p) > 2 else "",
                    str(p[3]) if len(p) > 3 else "") for p in points)
@@ -461,8 +461,8 @@ def scaling_section(points: list[tuple]) -> str:
             "same batch per GPU. Each point is a layout search at that count; away from the planned count it keeps "
             "the stage split of the fast packing (no MILP refinement, which could only make a step faster).")
     if bounded:
-        lead += (f" At {plural(bounded, 'count')} the search stopped at its time budget: the point there is the best "
-                 "of the layouts priced by then, as the table says.")
+        lead += (f" At {plural(bounded, 'count')} the search stopped at its budget of layouts: the point there is the "
+                 "best of the layouts priced by then, as the table says.")
     table = ""
     if any(layout or note for _, _, layout, note in rows):
         cells = "".join(

@@ -1,10 +1,14 @@
 """The report's scaling curve: the best predicted throughput at other GPU counts than the plan's (weak scaling,
-the same batch per GPU), each count searched by the search's branch and bound within a shared time budget."""
+the same batch per GPU), each count searched by the search's branch and bound up to SCALING_LAYOUTS priced layouts.
+The CLI runs these searches in a forked process while it searches the planned count (ScalingInBackground): on a
+machine with a second core the curve then costs no wall time of its own."""
 
 from __future__ import annotations
 
 import logging
-import time
+import multiprocessing
+import signal
+import sys
 from typing import Any, NamedTuple
 
 from autoplan.errors import UserError
@@ -17,10 +21,11 @@ log = logging.getLogger("autoplan")
 
 SCALING_FACTORS = (1 / 8, 1 / 4, 1 / 2, 1, 2, 4)
 """GPU counts of the report's scaling curve, as multiples of the planned count."""
-SCALING_BUDGET_S = 4.0
-"""Seconds the scaling curve may spend pricing layouts, all its GPU counts together (the planned count is not
-searched again). Each count gets an equal share of what is left, so a count that finishes early leaves more
-to the next; a count whose share runs out shows the best of the layouts priced by then, and the report says so."""
+SCALING_LAYOUTS = 400
+"""Layouts the curve prices at each GPU count at most: the branch and bound's first ones by their time lower bound.
+A count that would need more shows the best of those, and the report says so. A budget of work, not of seconds, so
+that the curve is the same on any machine and under any load (the 1T GPT of Narayanan et al. on 3072 A100s needs
+85 to 621 at its six counts)."""
 
 
 class ScalingPoint(NamedTuple):
@@ -28,25 +33,126 @@ class ScalingPoint(NamedTuple):
 
     gpus: int
     samples_per_s: float | None
-    """Predicted throughput of the best layout found; None when none fits (or none priced within the budget did)."""
+    """Predicted throughput of the best layout found; None when none fits (or none of those priced did)."""
     layout: str = ""
     """layouts.describe() of that layout."""
     note: str = ""
     """"" for a search that ran to the end; else how the point is bounded, or why there is none."""
 
 
+def scaling_counts(num_gpus: int) -> list[int]:
+    """The curve's GPU counts for a plan on `num_gpus` (SCALING_FACTORS), ascending."""
+    return sorted({max(1, round(num_gpus * f)) for f in SCALING_FACTORS})
+
+
 def scaling_curve(profile: ModelProfile, cluster: Cluster, training: Training, planned: Any = None,
-                  budget_s: float = SCALING_BUDGET_S, context: Any = None) -> tuple[ScalingPoint, ...]:
-    """The best predicted throughput at N/8 .. 4N GPUs, the same batch per GPU, pricing layouts for at most
-    `budget_s` seconds in all. `planned` (a Candidate) is the unpinned search's winner at N GPUs: its point
-    is taken as is instead of searching again. `context` (the search's cost.context.Context) lends its
-    priced modules to the counts with the same GPUs per node.
+                  max_priced: int = SCALING_LAYOUTS, context: Any = None) -> tuple[ScalingPoint, ...]:
+    """The best predicted throughput at N/8 .. 4N GPUs, the same batch per GPU, pricing at most `max_priced`
+    layouts at each count. `planned` (a Candidate) is the unpinned search's winner at N GPUs: its point is taken
+    as is instead of searching again. `context` (the search's cost.context.Context) lends its priced modules to
+    the counts with the same GPUs per node.
 
     Each count runs the search's branch and bound (autoplan.solve.search.explore) on one shared Context per
     node size: the chain, the tensor-parallel facts, the module tables and the memory inputs do not depend on
     the GPU count or the batch. Unlike the full search it skips the MILP refinement of the winner's split
     (only samples/s is drawn) and does not work out why nothing fits (the leanest split and a GPU count
     that would fit)."""
+    _say_counts(cluster.num_gpus)
+    searched = [c for c in scaling_counts(cluster.num_gpus) if c != cluster.num_gpus or planned is None]
+    return _curve(cluster.num_gpus, _search_counts(profile, cluster, training, searched, max_priced, context),
+                  planned)
+
+
+class ScalingInBackground:
+    """scaling_curve's searches in a forked process, started before the caller's own search; points() collects
+    them. Where a process cannot be forked (not Linux, or inside a daemonic process) or the forked one fails,
+    points() searches in this process instead, so the curve is the same either way."""
+
+    def __init__(self, profile: ModelProfile, cluster: Cluster, training: Training, search_planned_count: bool,
+                 max_priced: int = SCALING_LAYOUTS) -> None:
+        self.profile, self.cluster, self.training, self.max_priced = profile, cluster, training, max_priced
+        self.counts = [c for c in scaling_counts(cluster.num_gpus) if c != cluster.num_gpus or search_planned_count]
+        self._process: Any = None
+        self._receiver: Any = None
+        if sys.platform == "linux" and not multiprocessing.current_process().daemon:
+            fork = multiprocessing.get_context("fork")
+            self._receiver, sender = fork.Pipe(duplex=False)
+            self._process = fork.Process(target=_search_in_child, daemon=True, name="autoplan-scaling-curve",
+                                         args=(sender, profile, cluster, training, self.counts, max_priced))
+            self._process.start()
+            sender.close()
+
+    def points(self, planned: Any = None, context: Any = None) -> tuple[ScalingPoint, ...]:
+        """The curve, with `planned` (the unpinned search's winner) at the planned count when the caller gave
+        search_planned_count=False. `context` serves a search in this process, if one is needed."""
+        _say_counts(self.cluster.num_gpus)
+        found = self._collect()
+        if found is None:
+            found = _search_counts(self.profile, self.cluster, self.training, self.counts, self.max_priced, context)
+        return _curve(self.cluster.num_gpus, found, planned)
+
+    def cancel(self) -> None:
+        """Stop the forked search (the caller's own failed or was interrupted)."""
+        if self._process is not None and self._process.is_alive():
+            self._process.terminate()
+        self._join()
+
+    def _collect(self) -> dict[int, ScalingPoint] | None:
+        if self._process is None:
+            return None
+        try:
+            kind, value = self._receiver.recv()
+        except EOFError:
+            kind, value = "error", f"it ended with exit code {self._process.exitcode} and no result"
+        self._join()
+        if kind == "points":
+            return value
+        log.warning("scaling curve: the search in a second process failed (%s); searching here", value)
+        return None
+
+    def _join(self) -> None:
+        if self._process is not None:
+            self._process.join()
+            self._receiver.close()
+            self._process = None
+
+
+def _search_in_child(sender: Any, profile: ModelProfile, cluster: Cluster, training: Training, counts: list[int],
+                     max_priced: int) -> None:
+    """The forked process: the points of `counts`, sent back; an error as its one-line text. Ctrl-C is the
+    parent's to handle (it stops this process); nothing is logged here, so the parent's log stays in order."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.getLogger("autoplan").disabled = True
+    try:
+        message = ("points", _search_counts(profile, cluster, training, counts, max_priced, None))
+    except Exception as e:  # noqa: BLE001 - reported by the parent, which then searches itself
+        message = ("error", f"{type(e).__name__}: {e}")
+    sender.send(message)
+    sender.close()
+
+
+def _say_counts(num_gpus: int) -> None:
+    counts = scaling_counts(num_gpus)
+    log.info("scaling curve: best layouts at %s GPUs (%s to %s times the plan's %d)", ", ".join(map(str, counts)),
+             _fraction(min(SCALING_FACTORS)), _fraction(max(SCALING_FACTORS)), num_gpus)
+
+
+def _curve(num_gpus: int, found: dict[int, ScalingPoint], planned: Any) -> tuple[ScalingPoint, ...]:
+    """Every count's point: the searched ones from `found`, the planned count from `planned` when not searched."""
+    from autoplan.solve import layouts
+
+    points = []
+    for count in scaling_counts(num_gpus):
+        if count in found:
+            points.append(found[count])
+        elif planned is not None and count == num_gpus:
+            points.append(ScalingPoint(count, planned.predicted.samples_per_s, layouts.describe(planned.parallelism)))
+    return tuple(points)
+
+
+def _search_counts(profile: ModelProfile, cluster: Cluster, training: Training, counts: list[int], max_priced: int,
+                   context: Any) -> dict[int, ScalingPoint]:
+    """The branch and bound at each of `counts` GPUs (the same batch per GPU), one Context per node size."""
     from dataclasses import replace
 
     from autoplan.cost.context import Context
@@ -57,17 +163,9 @@ def scaling_curve(profile: ModelProfile, cluster: Cluster, training: Training, p
     pins = pins_for_capture(Layout(), profile, warn=False)
     # by GPUs per node: the module tables' tensor-parallel links depend on it
     contexts: dict[int, Context] = {cluster.gpus_per_node: context} if context is not None else {}
-    counts = sorted({max(1, round(cluster.num_gpus * f)) for f in SCALING_FACTORS})
-    log.info("scaling curve: best layouts at %s GPUs (%s to %s times the plan's %d)", ", ".join(map(str, counts)),
-             _fraction(min(SCALING_FACTORS)), _fraction(max(SCALING_FACTORS)), cluster.num_gpus)
     compiled = context.compiled if context is not None else layouts.compiled(pins, cluster, features)
-    searched = [c for c in counts if c != cluster.num_gpus or planned is None]
-    deadline = time.perf_counter() + budget_s
-    points = []
+    found = {}
     for count in counts:
-        if count not in searched:
-            points.append(ScalingPoint(count, planned.predicted.samples_per_s, layouts.describe(planned.parallelism)))
-            continue
         per_node = min(cluster.gpus_per_node, count)
         if per_node not in contexts:
             contexts[per_node] = Context(profile, replace(cluster, gpus_per_node=per_node), training, features,
@@ -75,13 +173,9 @@ def scaling_curve(profile: ModelProfile, cluster: Cluster, training: Training, p
         batch = max(1, training.global_batch_size * count // cluster.num_gpus)
         ctx = contexts[per_node].at(replace(cluster, num_gpus=count, gpus_per_node=per_node),
                                     replace(training, global_batch_size=batch))
-        started = time.perf_counter()
-        share = max(0.0, deadline - started) / (len(searched) - searched.index(count))
-        point = _scaling_point(ctx, pins, share)
-        log.debug("scaling curve: %d GPUs in %.2f s (share %.2f s): %s", count, time.perf_counter() - started,
-                  share, point)
-        points.append(point)
-    return tuple(points)
+        found[count] = _scaling_point(ctx, pins, max_priced)
+        log.debug("scaling curve: %d GPUs: %s", count, found[count])
+    return found
 
 
 def _fraction(factor: float) -> str:
@@ -89,25 +183,23 @@ def _fraction(factor: float) -> str:
     return f"{factor:g}" if factor >= 1 else f"1/{round(1 / factor)}"
 
 
-def _scaling_point(ctx, pins, budget_s: float) -> ScalingPoint:
+def _scaling_point(ctx, pins, max_priced: int) -> ScalingPoint:
     """The search's branch and bound at ctx's GPU count (autoplan.solve.search.explore), without the MILP
-    refinement and the infeasibility explanation, stopped after `budget_s` seconds."""
+    refinement and the infeasibility explanation, stopped after `max_priced` layouts."""
     from autoplan.solve import layouts
     from autoplan.solve.search import choose, explore
 
     count = ctx.cluster.num_gpus
     try:
-        explored = explore(ctx, pins, deadline=time.perf_counter() + budget_s, explain=False)
+        explored = explore(ctx, pins, max_priced=max_priced, explain=False)
     except UserError as e:
         return ScalingPoint(count, None, "", str(e))
     fitting = sorted((c for c in explored.tried if c.fits), key=lambda c: c.predicted.step_time_s)
-    # explore checks its bound before the deadline: when the deadline stopped it, the next layout could still win
-    budget = f"the {budget_s:.2g} s this count had of the curve's time budget"
+    # explore checks its bound before the budget: when the budget stopped it, the next layout could still win
+    budget = f"the first {explored.priced} layouts by their time lower bound"
     if not fitting:
-        why = (f"none of the {explored.priced} layouts priced in {budget} fits; the search did not finish"
-               if explored.stopped_by_deadline else "no layout fits")
+        why = (f"none of {budget} fits; the search did not finish" if explored.bounded else "no layout fits")
         return ScalingPoint(count, None, "", why)
     best = choose(fitting)
-    note = (f"bounded: best of the {explored.priced} layouts priced in {budget}; unpriced ones could be faster"
-            if explored.stopped_by_deadline else "")
+    note = f"bounded: best of {budget}; unpriced ones could be faster" if explored.bounded else ""
     return ScalingPoint(count, best.predicted.samples_per_s, layouts.describe(best.parallelism), note)

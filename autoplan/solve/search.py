@@ -123,8 +123,9 @@ class Explored:
     considered: int
     """Variants enumerated."""
     priced: int
-    """Variants priced before the bound (or the deadline) stopped the search."""
-    stopped_by_deadline: bool
+    """Variants priced before the bound (or max_priced) stopped the search."""
+    bounded: bool
+    """max_priced stopped it: a variant left unpriced could still have won."""
 
 
 def _other_expert_split(ctx: Context, pins: Layout, best: Candidate, tried: list[Candidate]) -> list[Candidate]:
@@ -171,10 +172,11 @@ def _schedule_rival(ctx: Context, pins: Layout, best: Candidate, tried: list[Can
     return sorted((c for c in found if unsplit(c)), key=_by_time)[:1]
 
 
-def explore(ctx: Context, pins: Layout, deadline: float | None = None, explain: bool = True,
+def explore(ctx: Context, pins: Layout, max_priced: int | None = None, explain: bool = True,
             keep: Callable[[layouts.Family], bool] | None = None) -> Explored:
     """The branch and bound (module docstring, steps 1-3) over every layout the pins allow (the families `keep`
-    accepts, when given), stopped at `deadline` (time.perf_counter() seconds) when one is given. Without
+    accepts, when given), stopped after pricing `max_priced` variants when given (the first ones by their time
+    lower bound: the same ones on any machine). Without
     `explain`, a layout that does not fit is not priced at its leanest split (what the "why not" and infeasibility
     messages show)."""
     cluster, batch = ctx.cluster, ctx.training.global_batch_size
@@ -207,7 +209,7 @@ def explore(ctx: Context, pins: Layout, deadline: float | None = None, explain: 
         fam, var = item.family, item.variant
         if item.time_bound_s > best_time * (1 + TIE_TOLERANCE):
             break  # sorted by bound: nothing after this can win
-        if deadline is not None and time.perf_counter() > deadline:
+        if max_priced is not None and priced >= max_priced:
             stopped = True
             break
         priced += 1
