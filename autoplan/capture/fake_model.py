@@ -122,7 +122,7 @@ def _build_fake(source: ModelSource, fake_mode: FakeTensorMode) -> Any:
     same layout."""
     what = f"{source.factory_name}()"
     try:
-        with fake_mode, _initializers_skipped():
+        with fake_mode, initializers_skipped():
             model = source.build_model()
     except UserError:
         raise
@@ -140,11 +140,11 @@ def _build_fake(source: ModelSource, fake_mode: FakeTensorMode) -> Any:
 
 
 @contextmanager
-def _initializers_skipped() -> Iterator[None]:
-    """torch.nn.init's in-place initializers return their tensor untouched: a fake tensor has no values to fill, so
-    skipping them changes nothing the capture sees, and a 128-layer model builds in a third of the time (each
-    initializer is dispatched through FakeTensorMode: about a millisecond per Linear). Initializers that inspect
-    values (trunc_normal_'s rejection loop) then no longer need the meta-device retry."""
+def initializers_skipped() -> Iterator[None]:
+    """torch.nn.init's in-place initializers return their tensor untouched: a fake or meta tensor has no values to
+    fill, so skipping them changes nothing the capture sees, and it saves their dispatch through FakeTensorMode
+    (about a millisecond per Linear: 0.4 s of a 128-layer GPT's capture). Initializers that inspect values
+    (trunc_normal_) then no longer send a factory to the meta-device retry."""
     skipped = {name: fn for name, fn in vars(nn.init).items()
                if callable(fn) and name.endswith("_") and not name.startswith("_")}
     try:

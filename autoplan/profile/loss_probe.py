@@ -95,13 +95,14 @@ def sequence_targets_problem(source, batch_size: int) -> str:
 def loss_parallel_problem(source, batch_size: int) -> str:
     """"" when the loss_fn runs on the logits with the ops loss_parallel handles only (or the probe cannot
     tell); else which op it applies to them, as one clause."""
+    from autoplan.capture.fake_model import initializers_skipped
     from autoplan.contract import call_model, compute_loss
 
     def on_meta(value):
         return pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, value)
 
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), initializers_skipped():
             model = source.build_model()
         inputs, targets = on_meta(source.example_batch(batch_size))
         with torch.no_grad():
