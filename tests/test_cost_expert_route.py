@@ -139,7 +139,7 @@ def test_selective_keeps_the_routes_all_to_all_outputs():
     assert expert_parallel_cost(LAYER, 4 * 4096, 2, Group(1, NVLINK)).selective_kept_bytes == 0.0
 
 
-def test_the_sharded_table_keeps_the_route_by_recompute_mode():
+def test_the_sharded_table_keeps_the_route_under_selective_only():
     from autoplan.cost.compute import ShardedModules, sharded_table
 
     base = ModuleTable(forward_s=(1.0,), backward_s=(2.0,), tp_forward_s=(0.0,), tp_backward_s=(0.0,),
@@ -147,12 +147,11 @@ def test_the_sharded_table_keeps_the_route_by_recompute_mode():
                                                                   "full": (10.0,)}, working_bytes=(900.0,))
     sharded = ShardedModules(cp=2, expert_forward_s=(1.0,), expert_backward_s=(2.0,), imbalance=(1.0,),
                              ring_forward_s=(0.0,), ring_backward_s=(0.0,), all_to_all_s=(0.08,),
-                             route_forward_s=(0.02,), route_recompute_s=(0.01,), route_kept_bytes=(300.0,),
-                             route_none_bytes=(200.0,))
+                             route_forward_s=(0.02,), route_recompute_s=(0.01,), route_kept_bytes=(300.0,))
     table = sharded_table(base, sharded)
     assert table.activation_bytes["selective"] == pytest.approx((50.0 / 2 + 300.0,))  # the route's bytes are per rank
-    assert table.activation_bytes["none"] == pytest.approx((800.0 / 2 + 200.0,))
-    assert table.activation_bytes["full"] == pytest.approx((5.0,))  # full keeps the module's input alone
+    assert table.activation_bytes["none"] == pytest.approx((400.0,))
+    assert table.activation_bytes["full"] == pytest.approx((5.0,))
     assert table.selective_recompute_s(0) == pytest.approx(0.1 / 2 + 0.01)
 
 

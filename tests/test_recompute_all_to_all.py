@@ -68,24 +68,3 @@ def test_selective_recompute_exchanges_no_rows_again(one_rank):
     assert selective_exchanges == plain_exchanges
     torch.testing.assert_close(selective, plain, rtol=0, atol=0)
     torch.testing.assert_close(full, plain, rtol=0, atol=0)
-
-
-def test_without_recompute_the_route_keeps_what_the_price_counts(one_rank):
-    """saved_tensors_hooks over the route (experts that save nothing) against cost/expert_parallel.py
-    none_kept_bytes: bf16 rows of 16 features, 64 tokens top-2 over 4 experts, router weights from an fp32 softmax.
-    The price counts the route at ep > 1; a one-rank group runs the same ops."""
-    from autoplan.cost.expert_parallel import none_kept_bytes
-
-    tokens, top_k, features = 64, 2, 16
-    hidden = torch.randn(tokens, features, dtype=torch.bfloat16, requires_grad=True)
-    scores, index = torch.softmax(torch.randn(tokens, 4, requires_grad=True), dim=-1).topk(top_k)
-    saved = []
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        saved.append(tensor.numel() * tensor.element_size())
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        _route(lambda rows, local_expert, ones: rows * 2.0, ExpertShard(num_experts=4, degree=1, rank=0), one_rank,
-               hidden, index, scores)
-    assert sum(saved) == none_kept_bytes(tokens * top_k, features, 2, degree=2)

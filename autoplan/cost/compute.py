@@ -138,7 +138,7 @@ class ShardedModules:
         forward(u)     = forward_r(u) + (imbalance(u) / expert_split - 1) x expert_forward_1(u) / cp   (and backward)
         tp collectives, selective recompute: as on the rank's tokens (_r)
         kept bytes: (bytes_1(u) + saved_change(u)) / cp, what recompute keeps of the input less its masks,
-                    and the expert route's own (route_kept(u) under selective, route_none(u) without, per rank)
+                    and under selective the route's all-to-all outputs (route_kept(u), per rank)
         cp_forward(u)  = ring_forward(u),  ep_forward(u) = all_to_all(u) / 2                (and backward alike)
 
     where _1 is the module's cost on the whole sequence (ModuleTable at cp = 1) and _r its cost on a rank's tokens
@@ -191,9 +191,6 @@ class ShardedModules:
     route_kept_bytes: tuple[float, ...] = ()
     """Per module, what selective recompute keeps of its expert layers' route on a rank (the all-to-alls' outputs:
     cost/expert_parallel.py selective_kept_bytes), per micro-batch, bytes (already per rank); () without."""
-    route_none_bytes: tuple[float, ...] = ()
-    """Per module, what its expert layers' route keeps on a rank without recompute (cost/expert_parallel.py
-    none_kept_bytes), per micro-batch, bytes (already per rank); () without."""
 
 
 def sharded_table(base: ModuleTable, sharded: ShardedModules, rank: ModuleTable | None = None) -> ModuleTable:
@@ -225,21 +222,13 @@ def sharded_table(base: ModuleTable, sharded: ShardedModules, rank: ModuleTable 
         tp_forward_s=rank_times("tp_forward_s"), tp_backward_s=rank_times("tp_backward_s"),
         cheap_forward_s=tuple(cheap + (sharded.imbalance[u] / split - 1) * _at(sharded.expert_cheap_forward_s, u) / cp
                               for u, cheap in enumerate(rank_times("cheap_forward_s"))),
-        activation_bytes={m: tuple(v / cp + _route_kept(sharded, m, u) for u, v in enumerate(values))
-                          for m, values in activations.items()},
+        activation_bytes={m: tuple(v / cp + (_at(sharded.route_kept_bytes, u) if m == "selective" else 0.0)
+                                   for u, v in enumerate(values)) for m, values in activations.items()},
         working_bytes=tuple((base.working_bytes[u] + change[u] + busiest[u]) / cp + ring[u] for u in range(n)),
         cp_forward_s=sharded.ring_forward_s, cp_backward_s=sharded.ring_backward_s,
         ep_forward_s=tuple(t / 2 + _at(sharded.route_forward_s, u) for u, t in enumerate(sharded.all_to_all_s)),
         ep_backward_s=tuple(t / 2 + _at(sharded.route_backward_s, u) for u, t in enumerate(sharded.all_to_all_s)),
         ep_recompute_s=tuple(_at(sharded.route_recompute_s, u) for u in range(n)))
-
-
-def _route_kept(sharded: ShardedModules, mode: str, u: int) -> float:
-    """What module u's expert route keeps on a rank under recompute `mode`, per micro-batch, bytes: its all-to-alls'
-    outputs under selective, its ops' saved tensors without recompute, nothing under full."""
-    if mode == "selective":
-        return _at(sharded.route_kept_bytes, u)
-    return _at(sharded.route_none_bytes, u) if mode == "none" else 0.0
 
 
 def busiest_rank_expert_bytes(sharded: ShardedModules, n: int) -> tuple[float, ...]:

@@ -33,8 +33,7 @@ runtime/expert_parallel.py runs it:
   all-to-alls (runtime/recompute.py saved_ops, torchtitan's save list): the rows and expert ids the rank
   received (the busiest rank's: the mean's times the imbalance) and its own rows back from the experts, per
   expert layer and micro-batch (ExpertParallelCost.selective_kept_bytes); its recomputation then runs the
-  route's permutation passes and host syncs again but no exchange (route_recompute_s). Without recompute the
-  route keeps what its own ops save for backward (ROUTE_SAVED: none_kept_bytes).
+  route's permutation passes and host syncs again but no exchange (route_recompute_s).
 - Expert parallelism is folded over dp_shard x cp x tp (layout.expert_folded_ranks): the ep group is the
   innermost ep of those ranks (stride 1, over the tp ranks first), the experts stay whole (ETP 1), and each tp
   rank routes its own 1/tp of the tokens, sequence parallelism or not (rows and expert compute / tp; cost/context.py
@@ -71,19 +70,6 @@ ID_BYTES = 8
 """Bytes per row of the expert ids sent with the rows (int64)."""
 
 
-ROUTE_SAVED_ROWS = 2
-"""Row-sized tensors (rows x features) the route's ops save for backward without recompute: the rows back from the
-experts (the router-weight multiply saves them for the weights' gradient) and the weighted rows (index_add saves its
-source). Counted with saved_tensors_hooks over runtime/expert_parallel.py _route (tests/test_recompute_all_to_all.py)."""
-
-ROUTE_SAVED_INDICES = 3
-"""int64 vectors of one entry per row the route saves: the token gather's index, the router weights' reordering
-index and index_add's index (same count)."""
-
-ROUTE_SAVED_WEIGHTS = 1
-"""Vectors of one element per row, in the rows' dtype, it saves: the router weights the multiply reads."""
-
-
 @dataclass(frozen=True)
 class ExpertParallelCost:
     """One expert layer on one rank, per micro-batch."""
@@ -107,8 +93,6 @@ class ExpertParallelCost:
     selective_kept_bytes: float = 0.0
     """What selective recompute keeps of the route: its all-to-alls' outputs (the rows and ids received, at the
     busiest rank's count, and the rank's own rows back), bytes per micro-batch."""
-    none_kept_bytes: float = 0.0
-    """What the route keeps without recompute (ROUTE_SAVED_*), bytes per micro-batch."""
 
 
 QUADRATURE_POINTS = 4001
@@ -188,15 +172,6 @@ def selective_kept_bytes(rows: float, features: int, bytes_per_element: float, i
         + degree * ID_BYTES
 
 
-def none_kept_bytes(rows: float, features: int, bytes_per_element: float, degree: int) -> float:
-    """Bytes the route of `rows` (token, slot) rows on one rank of `degree` saves for backward without recompute
-    (ROUTE_SAVED_*; 0 for one rank)."""
-    if degree <= 1 or rows <= 0:
-        return 0.0
-    return rows * (ROUTE_SAVED_ROWS * features * bytes_per_element + ROUTE_SAVED_INDICES * ID_BYTES
-                   + ROUTE_SAVED_WEIGHTS * bytes_per_element)
-
-
 def expert_parallel_cost(layer: ExpertLayer, tokens_per_microbatch: float, bytes_per_element: float,
                          group: Group, measured_imbalance: float | None = None,
                          gpu: Gpu | None = None) -> ExpertParallelCost:
@@ -216,5 +191,4 @@ def expert_parallel_cost(layer: ExpertLayer, tokens_per_microbatch: float, bytes
     recompute = route_recompute_s(rows, layer.hidden, bytes_per_element, group, gpu) if gpu else 0.0
     return ExpertParallelCost(rows, ALL_TO_ALLS_PER_LAYER * one, imbalance,
                               layer.parameter_numel / degree, forward, backward, recompute,
-                              selective_kept_bytes(rows, layer.hidden, bytes_per_element, imbalance, degree),
-                              none_kept_bytes(rows, layer.hidden, bytes_per_element, degree))
+                              selective_kept_bytes(rows, layer.hidden, bytes_per_element, imbalance, degree))
