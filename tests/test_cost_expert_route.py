@@ -1,8 +1,8 @@
 """Expert compute and all-to-all priced as the program runs them (cost/expert_parallel.py route_s,
 cost/module_costs.py OpCost.kept_by_selective, cost/compute.py ModuleTable.selective_recompute_s): the route's
 permutation passes, id and count exchanges and host syncs around the rows' all-to-alls; selective recompute
-running the grouped expert matmuls and the experts' forward all-to-alls again, as runtime/recompute.py's save
-list leaves them out."""
+running the grouped expert matmuls and the route's passes again, as runtime/recompute.py's save list leaves them
+out, and keeping the route's all-to-all outputs, as it keeps them."""
 
 import math
 import random
@@ -93,20 +93,66 @@ def test_the_program_does_not_save_grouped_matmuls_under_selective():
 
     assert torch.ops.aten.mm.default in saved_ops()
     assert torch.ops.aten._grouped_mm.default not in saved_ops()
+    assert torch.ops._c10d_functional.all_to_all_single.default in saved_ops()  # the route's exchanges
 
 
-def _table(cheap: float, ep_forward: float) -> ModuleTable:
+def _table(cheap: float, ep_forward: float, ep_recompute: float) -> ModuleTable:
     return ModuleTable(forward_s=(1.0,), backward_s=(2.0,), tp_forward_s=(0.0,), tp_backward_s=(0.0,),
                        cheap_forward_s=(cheap,), activation_bytes={"none": (0.0,), "selective": (0.0,), "full": (0.0,)},
-                       working_bytes=(0.0,), ep_forward_s=(ep_forward,), ep_backward_s=(0.5,))
+                       working_bytes=(0.0,), ep_forward_s=(ep_forward,), ep_backward_s=(0.5,),
+                       ep_recompute_s=(ep_recompute,))
 
 
-def test_selective_recompute_runs_the_experts_forward_all_to_alls_again():
-    table = _table(cheap=0.25, ep_forward=0.125)
-    assert table.selective_recompute_s(0) == 0.25 + 0.125
-    assert table.time_s("selective")[0] == pytest.approx(1.0 + 2.0 + 0.125 + 0.5 + 0.25 + 0.125)
+def test_selective_recompute_runs_the_route_again_but_not_its_all_to_alls():
+    """The program keeps the all-to-alls' outputs under selective (runtime/recompute.py, as torchtitan does): its
+    recomputation reruns the route's passes (ep_recompute_s), not the exchanges (ep_forward_s); full reruns both."""
+    table = _table(cheap=0.25, ep_forward=0.125, ep_recompute=0.03125)
+    assert table.selective_recompute_s(0) == 0.25 + 0.03125
+    assert table.time_s("selective")[0] == pytest.approx(1.0 + 2.0 + 0.125 + 0.5 + 0.25 + 0.03125)
     assert table.time_s("full")[0] == pytest.approx(1.0 + 2.0 + 0.125 + 0.5 + 1.0 + 0.125)
-    assert _table(cheap=0.25, ep_forward=0.0).selective_recompute_s(0) == 0.25
+    assert _table(cheap=0.25, ep_forward=0.0, ep_recompute=0.0).selective_recompute_s(0) == 0.25
+
+
+def test_the_route_recomputed_is_its_passes_and_syncs():
+    from autoplan.cost.expert_parallel import route_recompute_s
+
+    rows = 16384 * 6
+    forward, _ = route_s(rows, 2048, 2, Group(8, NVLINK), _Gpu())
+    exchanges = _all_to_all(8 * ID_BYTES, 8, NVLINK) + _all_to_all(rows * ID_BYTES, 8, NVLINK)
+    assert route_recompute_s(rows, 2048, 2, Group(8, NVLINK), _Gpu()) == pytest.approx(forward - exchanges, rel=1e-12)
+    assert route_recompute_s(rows, 2048, 2, Group(1, NVLINK), _Gpu()) == 0.0
+
+
+def test_selective_keeps_the_routes_all_to_all_outputs():
+    """torchtitan's DeepSeek-V3 16B row (runs_frontier.csv tt-1789: micro-batch 4 x 4096, top-6, hidden 2048, ep 8):
+    a rank routes 98,304 rows; selective keeps the rows and ids it receives (the busiest rank's: x the imbalance), its
+    rows back and the counts: 2 x 384 MiB per expert layer and micro-batch at an even router."""
+    from autoplan.cost.expert_parallel import selective_kept_bytes
+
+    rows = 4 * 4096 * 6
+    even = expert_parallel_cost(LAYER, 4 * 4096, 2, Group(8, NVLINK), measured_imbalance=1.0, gpu=_Gpu())
+    assert even.selective_kept_bytes == rows * (2048 * 2 + ID_BYTES) + rows * 2048 * 2 + 8 * ID_BYTES
+    assert 2 * 384 * 2**20 < even.selective_kept_bytes < 2 * 386 * 2**20
+    skewed = expert_parallel_cost(LAYER, 4 * 4096, 2, Group(8, NVLINK), measured_imbalance=1.5, gpu=_Gpu())
+    assert skewed.selective_kept_bytes - even.selective_kept_bytes == pytest.approx(0.5 * rows * (2048 * 2 + ID_BYTES))
+    assert selective_kept_bytes(rows, 2048, 2, 1.0, 1) == 0.0  # no route at ep = 1
+    assert expert_parallel_cost(LAYER, 4 * 4096, 2, Group(1, NVLINK)).selective_kept_bytes == 0.0
+
+
+def test_the_sharded_table_keeps_the_route_under_selective_only():
+    from autoplan.cost.compute import ShardedModules, sharded_table
+
+    base = ModuleTable(forward_s=(1.0,), backward_s=(2.0,), tp_forward_s=(0.0,), tp_backward_s=(0.0,),
+                       cheap_forward_s=(0.1,), activation_bytes={"none": (800.0,), "selective": (50.0,),
+                                                                  "full": (10.0,)}, working_bytes=(900.0,))
+    sharded = ShardedModules(cp=2, expert_forward_s=(1.0,), expert_backward_s=(2.0,), imbalance=(1.0,),
+                             ring_forward_s=(0.0,), ring_backward_s=(0.0,), all_to_all_s=(0.08,),
+                             route_forward_s=(0.02,), route_recompute_s=(0.01,), route_kept_bytes=(300.0,))
+    table = sharded_table(base, sharded)
+    assert table.activation_bytes["selective"] == pytest.approx((50.0 / 2 + 300.0,))  # the route's bytes are per rank
+    assert table.activation_bytes["none"] == pytest.approx((400.0,))
+    assert table.activation_bytes["full"] == pytest.approx((5.0,))
+    assert table.selective_recompute_s(0) == pytest.approx(0.1 / 2 + 0.01)
 
 
 @pytest.mark.parametrize("name", ["aten._grouped_mm.default", "transformers.grouped_mm_fallback.default"])

@@ -68,7 +68,8 @@ EP_LAYOUTS = {
                                         expert_parallel_degree=2, **mb(1, 2)),
     ("qwen2_moe", "ep=2,recompute=full"): dict(data_parallel_shard_degree=2, expert_parallel_degree=2,
                                                activation_checkpoint="full", **mb(1, 4)),
-    # selective recompute reruns the all-to-alls and the grouped expert matmuls inside the checkpointed block
+    # selective recompute keeps the all-to-alls' outputs and reruns the grouped expert matmuls inside the
+    # checkpointed block
     ("qwen2_moe", "ep=2,recompute=selective"): dict(data_parallel_shard_degree=2, expert_parallel_degree=2,
                                                     activation_checkpoint="selective", **mb(1, 4)),
     ("qwen2_moe", "hsdp dp_replicate=2 x dp_shard=2,ep=2"): dict(

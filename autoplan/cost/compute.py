@@ -86,12 +86,16 @@ class ModuleTable:
     """Expert parallelism's dispatch and combine all-to-alls of the forward and the route around them (exposed),
     seconds; () at ep = 1."""
     ep_backward_s: tuple[float, ...] = ()
+    ep_recompute_s: tuple[float, ...] = ()
+    """What selective recompute runs again of expert parallelism's route in the module's backward: its permutation
+    passes and host syncs, not its all-to-alls (the program's save list keeps their outputs: runtime/recompute.py),
+    seconds; () at ep = 1."""
 
     def selective_recompute_s(self, u: int) -> float:
         """What selective recompute runs again in module u's backward: its ops whose outputs it does not keep
-        (cheap_forward_s) and its experts' forward all-to-alls, which run inside the checkpointed module and are
-        not in the program's save list (runtime/recompute.py), seconds."""
-        return self.cheap_forward_s[u] + _at(self.ep_forward_s, u)
+        (cheap_forward_s) and its experts' route around the all-to-alls, whose outputs it keeps (ep_recompute_s),
+        seconds."""
+        return self.cheap_forward_s[u] + _at(self.ep_recompute_s, u)
 
     def parallel_forward_s(self, u: int) -> float:
         """Module u's exposed context- and expert-parallel communication of the forward, seconds."""
@@ -133,7 +137,8 @@ class ShardedModules:
 
         forward(u)     = forward_r(u) + (imbalance(u) / expert_split - 1) x expert_forward_1(u) / cp   (and backward)
         tp collectives, selective recompute: as on the rank's tokens (_r)
-        kept bytes: (bytes_1(u) + saved_change(u)) / cp, what recompute keeps of the input less its masks
+        kept bytes: (bytes_1(u) + saved_change(u)) / cp, what recompute keeps of the input less its masks,
+                    and under selective the route's all-to-all outputs (route_kept(u), per rank)
         cp_forward(u)  = ring_forward(u),  ep_forward(u) = all_to_all(u) / 2                (and backward alike)
 
     where _1 is the module's cost on the whole sequence (ModuleTable at cp = 1) and _r its cost on a rank's tokens
@@ -180,6 +185,12 @@ class ShardedModules:
     expert_saved_bytes: tuple[float, ...] = ()
     """Per module, what its experts' ops save for backward without recompute (all experts, whole rows), per
     micro-batch, bytes; () without experts."""
+    route_recompute_s: tuple[float, ...] = ()
+    """Per module, what selective recompute runs of its expert layers' route again (cost/expert_parallel.py
+    route_recompute_s), seconds; () without."""
+    route_kept_bytes: tuple[float, ...] = ()
+    """Per module, what selective recompute keeps of its expert layers' route on a rank (the all-to-alls' outputs:
+    cost/expert_parallel.py selective_kept_bytes), per micro-batch, bytes (already per rank); () without."""
 
 
 def sharded_table(base: ModuleTable, sharded: ShardedModules, rank: ModuleTable | None = None) -> ModuleTable:
@@ -211,11 +222,13 @@ def sharded_table(base: ModuleTable, sharded: ShardedModules, rank: ModuleTable 
         tp_forward_s=rank_times("tp_forward_s"), tp_backward_s=rank_times("tp_backward_s"),
         cheap_forward_s=tuple(cheap + (sharded.imbalance[u] / split - 1) * _at(sharded.expert_cheap_forward_s, u) / cp
                               for u, cheap in enumerate(rank_times("cheap_forward_s"))),
-        activation_bytes={m: per_rank(v) for m, v in activations.items()},
+        activation_bytes={m: tuple(v / cp + (_at(sharded.route_kept_bytes, u) if m == "selective" else 0.0)
+                                   for u, v in enumerate(values)) for m, values in activations.items()},
         working_bytes=tuple((base.working_bytes[u] + change[u] + busiest[u]) / cp + ring[u] for u in range(n)),
         cp_forward_s=sharded.ring_forward_s, cp_backward_s=sharded.ring_backward_s,
         ep_forward_s=tuple(t / 2 + _at(sharded.route_forward_s, u) for u, t in enumerate(sharded.all_to_all_s)),
-        ep_backward_s=tuple(t / 2 + _at(sharded.route_backward_s, u) for u, t in enumerate(sharded.all_to_all_s)))
+        ep_backward_s=tuple(t / 2 + _at(sharded.route_backward_s, u) for u, t in enumerate(sharded.all_to_all_s)),
+        ep_recompute_s=tuple(_at(sharded.route_recompute_s, u) for u in range(n)))
 
 
 def busiest_rank_expert_bytes(sharded: ShardedModules, n: int) -> tuple[float, ...]:

@@ -284,6 +284,7 @@ class Context:
         n, element = len(self.chain), self.dtype_bytes
         experts = self._ops_table(self._expert_nodes, tp, microbatch, sp)
         imbalance, all_to_all, route_forward, route_backward = [1.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+        route_recompute, route_kept = [0.0] * n, [0.0] * n
         ep_group = self.group(ep, 1)  # folded over the tp ranks first (runtime/expert_parallel.py)
         # with ep > 1 each tp rank routes its own 1/tp of the tokens (TensorParallelTokens); with sequence parallelism
         # through "sequence_local" MoE blocks (chain/tensor_parallel.py) the table already prices the experts' ops on
@@ -300,6 +301,8 @@ class Context:
             all_to_all[u] += cost.all_to_all_s
             route_forward[u] += cost.route_forward_s
             route_backward[u] += cost.route_backward_s
+            route_recompute[u] += cost.route_recompute_s
+            route_kept[u] += cost.selective_kept_bytes
         ring_forward, ring_backward, change, ring_working = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
         if cp > 1:
             attention = self._ops_table(self._attention_nodes, tp, microbatch, sp)
@@ -327,6 +330,7 @@ class Context:
                               imbalance=tuple(imbalance), ring_forward_s=tuple(ring_forward),
                               ring_backward_s=tuple(ring_backward), all_to_all_s=tuple(all_to_all),
                               route_forward_s=tuple(route_forward), route_backward_s=tuple(route_backward),
+                              route_recompute_s=tuple(route_recompute), route_kept_bytes=tuple(route_kept),
                               expert_cheap_forward_s=experts.cheap_forward_s,
                               expert_saved_bytes=experts.activation_bytes["none"],
                               saved_change_bytes=tuple(change), ring_working_bytes=tuple(ring_working),

@@ -298,7 +298,7 @@ def _batch_norm_sync(ctx: Context, par: Parallelism) -> float:
 
 
 def _recompute(table: ModuleTable, u: int, mode: str) -> float:
-    if mode == "selective":  # the ops it does not keep and the experts' forward all-to-alls again
+    if mode == "selective":  # the ops it does not keep and the experts' route (its all-to-alls' outputs kept)
         return table.selective_recompute_s(u)
     if mode == "full":  # the whole forward again: its ring sends and all-to-alls too
         return table.forward_s[u] + table.tp_forward_s[u] + table.parallel_forward_s(u)

@@ -29,7 +29,11 @@ runtime/expert_parallel.py runs it:
   bytes), and reads both counts back to the host (`.tolist()`, ROUTE_HOST_SYNCS): each sync drains the GPU's
   queue, which then waits for the next kernel's launch (Gpu.kernel_overhead_s).
 - Memory: a rank holds E/ep of the experts' weights, gradients and optimizer states; every other
-  parameter stays data-parallel.
+  parameter stays data-parallel. Under selective recompute the program keeps the outputs of the route's
+  all-to-alls (runtime/recompute.py saved_ops, torchtitan's save list): the rows and expert ids the rank
+  received (the busiest rank's: the mean's times the imbalance) and its own rows back from the experts, per
+  expert layer and micro-batch (ExpertParallelCost.selective_kept_bytes); its recomputation then runs the
+  route's permutation passes and host syncs again but no exchange (route_recompute_s).
 - Expert parallelism is folded over dp_shard x cp x tp (layout.expert_folded_ranks): the ep group is the
   innermost ep of those ranks (stride 1, over the tp ranks first), the experts stay whole (ETP 1), and each tp
   rank routes its own 1/tp of the tokens, sequence parallelism or not (rows and expert compute / tp; cost/context.py
@@ -83,6 +87,12 @@ class ExpertParallelCost:
     permutation passes (exposed: the experts wait for them), seconds."""
     route_backward_s: float = 0.0
     """The route's backward permutation passes, seconds."""
+    route_recompute_s: float = 0.0
+    """What selective recompute runs of the route again: its forward's host syncs and permutation passes, not its
+    exchanges (their outputs are kept), seconds."""
+    selective_kept_bytes: float = 0.0
+    """What selective recompute keeps of the route: its all-to-alls' outputs (the rows and ids received, at the
+    busiest rank's count, and the rank's own rows back), bytes per micro-batch."""
 
 
 QUADRATURE_POINTS = 4001
@@ -137,8 +147,29 @@ def route_s(rows: float, features: int, bytes_per_element: float, group: Group, 
     stream = gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency
     counts = all_to_all_s(group.size * ID_BYTES, group.size, group.link, group.nodes)
     ids = all_to_all_s(rows * ID_BYTES, group.size, group.link, group.nodes)
-    forward = counts + ids + ROUTE_HOST_SYNCS * gpu.kernel_overhead_s + ROUTE_FORWARD_PASSES * row_bytes / stream
+    forward = counts + ids + route_recompute_s(rows, features, bytes_per_element, group, gpu)
     return forward, ROUTE_BACKWARD_PASSES * row_bytes / stream
+
+
+def route_recompute_s(rows: float, features: int, bytes_per_element: float, group: Group, gpu: Gpu) -> float:
+    """Seconds of the route's forward without its exchanges (its host syncs and permutation passes): what
+    selective recompute runs of it again (0 for one rank)."""
+    if group.size <= 1 or rows <= 0:
+        return 0.0
+    stream = gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency
+    return ROUTE_HOST_SYNCS * gpu.kernel_overhead_s + ROUTE_FORWARD_PASSES * rows * features * bytes_per_element / stream
+
+
+def selective_kept_bytes(rows: float, features: int, bytes_per_element: float, imbalance: float,
+                         degree: int) -> float:
+    """Bytes selective recompute keeps of the route of `rows` (token, slot) rows on one rank of `degree` (the
+    module docstring): the rows and ids the busiest rank receives (rows x imbalance), its own rows back, and the
+    row counts exchanged first (0 for one rank)."""
+    if degree <= 1 or rows <= 0:
+        return 0.0
+    received = rows * imbalance
+    return received * (features * bytes_per_element + ID_BYTES) + rows * features * bytes_per_element \
+        + degree * ID_BYTES
 
 
 def expert_parallel_cost(layer: ExpertLayer, tokens_per_microbatch: float, bytes_per_element: float,
@@ -157,5 +188,7 @@ def expert_parallel_cost(layer: ExpertLayer, tokens_per_microbatch: float, bytes
         imbalance = max(1.0, measured_imbalance)
     one = all_to_all_s(rows * imbalance * layer.hidden * bytes_per_element, degree, group.link, group.nodes)
     forward, backward = route_s(rows, layer.hidden, bytes_per_element, group, gpu) if gpu else (0.0, 0.0)
+    recompute = route_recompute_s(rows, layer.hidden, bytes_per_element, group, gpu) if gpu else 0.0
     return ExpertParallelCost(rows, ALL_TO_ALLS_PER_LAYER * one, imbalance,
-                              layer.parameter_numel / degree, forward, backward)
+                              layer.parameter_numel / degree, forward, backward, recompute,
+                              selective_kept_bytes(rows, layer.hidden, bytes_per_element, imbalance, degree))

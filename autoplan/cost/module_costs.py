@@ -15,9 +15,11 @@ recompute mode (parallelism.activation_checkpoint, chosen per module):
              activation checkpointing that saves matmul and attention outputs; Korthikanti et al.
              2022 keep matmul outputs and recompute the cheap ops the same way). Recompute costs
              the forward time of the "memory" ops. Grouped expert matmuls are not kept: the program's
-             policy (runtime/recompute.py) saves the outputs of mm, addmm, bmm and attention, not of
-             aten._grouped_mm (as torchtitan's default save list leaves it out), so under selective the
-             experts' grouped GEMMs run again in backward (OpCost.kept_by_selective);
+             policy (runtime/recompute.py) saves the outputs of mm, addmm, bmm, attention and the
+             expert-parallel route's all-to-alls, not of aten._grouped_mm (as torchtitan's default save list
+             leaves it out), so under selective the experts' grouped GEMMs run again in backward
+             (OpCost.kept_by_selective); the route's kept all-to-all outputs exist only at ep > 1 and are
+             priced there (cost/expert_parallel.py selective_kept_bytes);
 - full:      the module's input only (the checkpoint boundary); recompute costs the whole forward.
 Each is capped by "none" (recomputing never keeps more).
 """

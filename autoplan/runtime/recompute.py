@@ -2,9 +2,9 @@
 keeping them.
 
   "full"       keep only each chain module's inputs; rerun the whole chain module in backward.
-  "selective"  keep the outputs of matmuls and attention (the expensive ops) and recompute the
-               rest (norms, activations, elementwise): op-level selective checkpointing as in
-               torchtitan, with torch.utils.checkpoint.create_selective_checkpoint_contexts.
+  "selective"  keep the outputs of matmuls, attention and the experts' all-to-alls (the expensive ops)
+               and recompute the rest (norms, activations, elementwise): op-level selective checkpointing
+               as in torchtitan, with torch.utils.checkpoint.create_selective_checkpoint_contexts.
 
 Under torch.compile (the plan's compile=on compiles the checkpointed chain modules) dynamo turns each
 checkpoint into a higher-order op: torch then accepts only TorchDispatchModes from context_fn
@@ -44,9 +44,20 @@ _SAVED_OP_NAMES = (
 )
 
 
+_SAVED_COLLECTIVE_NAMES = ("all_to_all_single",)
+"""Functional collectives whose outputs "selective" keeps: the expert-parallel route's all-to-alls
+(runtime/expert_parallel.py _route), as torchtitan's op-level save list keeps
+torch.ops._c10d_functional.all_to_all_single (torchtitan/models/deepseek_v3/infra/parallelize.py
+_op_sac_save_list), so the recomputation does not exchange the rows again. all_to_all_single_autograd
+dispatches this op below autograd, where the checkpoint's policy sees it."""
+
+
 def saved_ops() -> set:
-    """The aten ops whose outputs "selective" keeps (those this torch build has)."""
-    return {getattr(torch.ops.aten, name).default for name in _SAVED_OP_NAMES if hasattr(torch.ops.aten, name)}
+    """The ops whose outputs "selective" keeps (those this torch build has)."""
+    aten = {getattr(torch.ops.aten, name).default for name in _SAVED_OP_NAMES if hasattr(torch.ops.aten, name)}
+    functional = getattr(torch.ops, "_c10d_functional", None)
+    return aten | {getattr(functional, name).default for name in _SAVED_COLLECTIVE_NAMES
+                   if functional is not None and hasattr(functional, name)}
 
 
 def _save_matmuls(saved: set, ctx, op, *args, **kwargs):
