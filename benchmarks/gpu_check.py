@@ -324,6 +324,7 @@ def cmd_checkpoint(args) -> None:
     import tempfile
 
     from autoplan.api import plan_model
+    from autoplan.runtime.hooks import verify_environment
     from autoplan.verify import run_train_py
 
     gpu = profile_name(args.device)
@@ -333,8 +334,8 @@ def cmd_checkpoint(args) -> None:
     def losses(name: str, *extra: str) -> list[float]:
         out = folder / f"losses_{name}.json"
         with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-            run_train_py(folder, args.device, 1, ("--no-dropout", *extra, "--losses-out", str(out)), args.timeout,
-                         None, Path(tmp))
+            run_train_py(folder, args.device, 1, (*extra, "--losses-out", str(out)), args.timeout,
+                         verify_environment(None), Path(tmp))  # dropout off, as under autoplan verify
         return json.loads(out.read_text())
 
     straight = losses("straight", "--steps", "4")

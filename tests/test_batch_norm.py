@@ -376,7 +376,8 @@ def test_fsdp_and_pipeline_stages_keep_the_reference_running_statistics(tmp_path
 
 
 def _reference_model(out: Path, steps: int):
-    """The generated train.py's own single-device reference (train_reference), keeping the model it trains."""
+    """autoplan verify's single-device reference of the generated train.py (runtime/harness.py train_reference),
+    keeping the model it trains."""
     import importlib.util
 
     import torch
@@ -395,5 +396,7 @@ def _reference_model(out: Path, steps: int):
             built.append(source.build_model())
             return built[-1]
 
-    program.train_reference(Recording(), torch.device("cpu"), program.parse_args(["--steps", str(steps)]))
+    from autoplan.runtime.harness import train_reference
+
+    train_reference(program, Recording(), torch.device("cpu"), program.parse_args(["--steps", str(steps)]))
     return built[0]

@@ -137,10 +137,9 @@ def _docstring(plan: Plan, launch: Launch) -> str:
         "stages and shards; rank 0 builds the model once on CPU with the seed below and broadcasts",
         "the values (see autoplan/runtime/materialize.py for the trade-off).",
         "",
-        "Check it on this machine's CPU (gloo) against a single-device run first:",
+        "Check it on this machine's CPU (gloo) against a single-device run first (same weights, batches,",
+        "optimizer and schedule; loss and every first-step gradient compared):",
         "    autoplan verify .",
-        "The single-device reference it compares against (same weights, batches and optimizer):",
-        "    python train.py --reference --steps 3 --losses-out reference_losses.json",
     ]
     return "\n".join(lines) + "\n"
 

@@ -1,6 +1,6 @@
 """Helpers the generated train.py imports: parallelize (a plan applied to a model: mesh, pipeline
 split, parallel wrappers, steps, initial weights), data, checkpoints, metrics and TensorBoard logging
-(--tensorboard); RUNTIME_API, the version of that interface, which a train.py checks first
+(--tensorboard), autoplan verify's hook (verify_hook: nothing unless verify launched the run); RUNTIME_API, the version of that interface, which a train.py checks first
 (check_runtime_api).
 
 Kept out of train.py so the program reads top to bottom like a plain training script. Everything
@@ -18,8 +18,8 @@ from autoplan.runtime.compile import compile_modules
 from autoplan.runtime.config import ParallelConfig
 from autoplan.runtime.data import TrainingData, microbatches, shard, step_batch, to_device
 from autoplan.errors import UserError
-from autoplan.runtime.dropout import NoDropout
-from autoplan.runtime.gradients import clip_grad_norm_, full_gradients, save_gradients, save_reference_gradients
+from autoplan.runtime.gradients import clip_grad_norm_, full_gradients
+from autoplan.runtime.hooks import VerifyHook, verify_hook
 from autoplan.runtime.interface import MISMATCH_EXIT_CODE, RUNTIME_API, check_runtime_api, runtime_api_mismatch
 from autoplan.runtime.materialize import (ModelPart, TensorEntry, build_on_meta, build_seeded, catalog, materialize_from,
                                           named_tensors)
@@ -44,9 +44,9 @@ callable_module(tensor_parallel, tensor_parallel.tensor_parallel)
 
 __all__ = [
     "AccumulationStep", "ArgumentParser", "AppendedJson", "Checkpointer", "DEFAULT_KEEP_CHECKPOINTS", "MISMATCH_EXIT_CODE",
-    "ModelPart", "NoDropout", "ParallelConfig", "Parallelized", "PeakLiveMemory", "PipelineSplit", "PipelineStep",
+    "ModelPart", "ParallelConfig", "Parallelized", "PeakLiveMemory", "PipelineSplit", "PipelineStep",
     "RUNTIME_API", "RankLayout", "SaveAndStop", "StepMetrics", "StepProfiler", "UserError",
-    "TensorBoardLog", "TensorEntry", "TiedGradients", "TiedParameter", "TrainingData", "adamw", "build_on_meta",
+    "TensorBoardLog", "TensorEntry", "TiedGradients", "TiedParameter", "TrainingData", "VerifyHook", "adamw", "build_on_meta",
     "build_seeded", "call_model", "catalog", "check_runtime_api", "check_start", "checkpoint_modules", "clip_grad_norm_",
     "compile_modules",
     "compute_dtype", "compute_loss", "default_log_dir", "default_loss", "device_mesh", "exit_skipping_teardown",
@@ -54,7 +54,6 @@ __all__ = [
     "gather_rank_metrics", "global_mean_loss", "init_plan_mesh", "load_source", "local_stages", "materialize",
     "materialize_from",
     "microbatches", "model_args", "named_tensors", "parallelize", "peak_memory_bytes", "rank_layout",
-    "replicate_data_parallel", "restore_linears", "runtime_api_mismatch", "save_gradients",
-    "save_reference_gradients", "shard", "shard_data_parallel", "split_model", "step_batch", "stopped_line", "tensor_parallel",
-    "tensor_parallel_context", "to_device", "write_json",
+    "replicate_data_parallel", "restore_linears", "runtime_api_mismatch", "shard", "shard_data_parallel", "split_model", "step_batch", "stopped_line", "tensor_parallel",
+    "tensor_parallel_context", "to_device", "verify_hook", "write_json",
 ]

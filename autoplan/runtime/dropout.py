@@ -2,7 +2,8 @@
 
 Why: dropout draws random numbers, and the ranks of a distributed run draw other streams than the
 single-device reference, so with dropout their losses differ by far more than float rounding. `autoplan
-verify` runs both sides with train.py's --no-dropout; training itself keeps dropout.
+verify` runs both sides so (runtime/hooks.py's VerifyChecks in train.py, runtime/harness.py's reference);
+training itself keeps dropout.
 
 How: a TorchFunctionMode sees every call of a torch function made while it is active, both the
 Python-level ones of an eager model (F.dropout, which nn.Dropout calls, and the other dropout functions)

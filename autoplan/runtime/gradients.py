@@ -2,8 +2,8 @@
 
 The loss parity alone cannot see a gradient summed or averaged with the wrong factor: AdamW's update is
 (nearly) invariant to a parameter's gradient scale, so a layout that halves every expert gradient trains to
-the same losses. train.py --gradients-out DIR therefore writes, after the first step's forward and backward
-(before the optimizer step), the gradient of the global batch's mean loss of each parameter it holds (clipped) to
+the same losses. Under autoplan verify, train.py (its hook, runtime/hooks.py) therefore writes, after the first
+step's forward and backward (before the optimizer step), the gradient of the global batch's mean loss of each parameter it holds (clipped) to
 DIR/rank<R>.pt (the reference: DIR/rank0.pt), and autoplan.verify compares every rank's file with the
 reference's, parameter by parameter. They are written after clipping (clip_grad_norm_): verify runs both sides
 with a clipping norm below any gradient norm (verify.VERIFY_CLIP_GRAD_NORM), so every gradient is scaled by the
@@ -35,7 +35,7 @@ from torch import nn
 from autoplan.runtime.names import canonical_name
 
 GRADIENTS_FILE = "rank{rank}.pt"
-"""The file each process writes in the --gradients-out folder."""
+"""The file each process writes in the gradients folder."""
 
 
 def parameter_aliases(model: nn.Module) -> list[list[str]]:
