@@ -1,4 +1,4 @@
-"""Dropout in `autoplan verify`: runtime.NoDropout makes every dropout the identity (eager functions and
+"""Dropout in `autoplan verify`: runtime/dropout.py NoDropout makes every dropout the identity (eager functions and
 modules, attention's dropout_p, the aten ops of an exported pipeline stage, recomputation in backward)
 while training without it keeps dropout; verify runs both sides without it (its harness and hook) and says so in its
 output, verify.json and the report."""
