@@ -201,7 +201,7 @@ def cmd_train(args) -> None:
         data["measured_peak_reserved_bytes"] = statistics.median(s["peak_reserved_bytes"] for s in later)
         data["measured_peak_allocated_bytes_per_step"] = statistics.median(s["peak_memory_bytes"] for s in later)
     if args.profile:  # the traced last steps run slower: time the steps between the first and them
-        from autoplan.runtime.profiling import PROFILED_STEPS
+        from autoplan.runtime.components.profiling import PROFILED_STEPS
 
         untraced = [s["seconds"] for s in run.steps[1:-PROFILED_STEPS]]
         if untraced:
@@ -270,7 +270,7 @@ def cmd_offload(args) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    from autoplan.runtime.optimizer import adamw
+    from autoplan.runtime.components.optimizer import adamw
     from autoplan.contract import load_source
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -324,7 +324,7 @@ def cmd_checkpoint(args) -> None:
     import tempfile
 
     from autoplan.api import plan_model
-    from autoplan.runtime.hooks import verify_environment
+    from autoplan.runtime.harness.hooks import verify_environment
     from autoplan.verify import run_train_py
 
     gpu = profile_name(args.device)

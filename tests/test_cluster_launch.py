@@ -272,7 +272,7 @@ def test_a_checkpoint_that_loads_nowhere_ends_train_py_in_one_line_and_exit_2(tw
     import torch
     from torch import nn
 
-    from autoplan.runtime.checkpoint import Checkpointer
+    from autoplan.runtime.components.checkpoint import Checkpointer
 
     out, _ = two_node_plan
     other = nn.Linear(3, 2)  # not the plan's model

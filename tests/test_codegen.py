@@ -29,7 +29,7 @@ from autoplan.codegen import check_supported, render_train_py, write_program
 from autoplan.codegen.launch import launch_layout
 from autoplan.codegen.template import placeholder_config, template_text
 from autoplan.errors import UserError
-from autoplan.runtime.harness import run_reference
+from autoplan.runtime.harness.reference import run_reference
 from autoplan.plan import ClusterRef, ModelRef, Parallelism, Plan, Prediction, SolverInfo, Stage, Training
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -366,8 +366,8 @@ def test_a_program_on_an_older_autoplan_stops_with_the_one_line(tmp_path, monkey
 
 
 def reference_run(program_dir: Path) -> subprocess.CompletedProcess:
-    """autoplan verify's single-device reference run of `program_dir`/train.py, 1 step on CPU (runtime/harness.py)."""
-    return subprocess.run([sys.executable, "-m", "autoplan.runtime.harness", "train.py", "--", "--steps", "1",
+    """autoplan verify's single-device reference run of `program_dir`/train.py, 1 step on CPU (runtime/harness/reference.py)."""
+    return subprocess.run([sys.executable, "-m", "autoplan.runtime.harness.reference", "train.py", "--", "--steps", "1",
                            "--device", "cpu"], cwd=program_dir, capture_output=True, text=True, timeout=300)
 
 

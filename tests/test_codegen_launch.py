@@ -25,7 +25,7 @@ from autoplan.codegen.kubernetes import check_manifest, pytorchjob_yaml, trainjo
 from autoplan.codegen.launch import BASE_IMAGE, WORKDIR, Launch, checkpoint_interval
 from autoplan.errors import UserError
 from autoplan.plan import ModelRef
-from autoplan.runtime.harness import run_reference
+from autoplan.runtime.harness.reference import run_reference
 from helpers import pod_security
 from test_codegen import MLP, load_module, make_plan
 

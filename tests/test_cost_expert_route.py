@@ -1,7 +1,7 @@
 """Expert compute and all-to-all priced as the program runs them (cost/expert_parallel.py route_s,
 cost/module_costs.py OpCost.kept_by_selective, cost/compute.py ModuleTable.selective_recompute_s): the route's
 permutation passes, id and count exchanges and host syncs around the rows' all-to-alls; selective recompute
-running the grouped expert matmuls and the experts' forward all-to-alls again, as runtime/recompute.py's save
+running the grouped expert matmuls and the experts' forward all-to-alls again, as runtime/distributed/recompute.py's save
 list leaves them out."""
 
 import math
@@ -86,10 +86,10 @@ def test_selective_recompute_keeps_dense_matmul_outputs_not_grouped_expert_ones(
 
 
 def test_the_program_does_not_save_grouped_matmuls_under_selective():
-    """The rule the price follows (kept_by_selective) is the program's: runtime/recompute.py's save list."""
+    """The rule the price follows (kept_by_selective) is the program's: runtime/distributed/recompute.py's save list."""
     import torch
 
-    from autoplan.runtime.recompute import saved_ops
+    from autoplan.runtime.distributed.recompute import saved_ops
 
     assert torch.ops.aten.mm.default in saved_ops()
     assert torch.ops.aten._grouped_mm.default not in saved_ops()

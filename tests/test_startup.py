@@ -18,7 +18,7 @@ import pytest
 from autoplan.codegen import write_program
 from autoplan.errors import UserError
 from autoplan.plan import Prediction, SolverInfo
-from autoplan.runtime.config import ParallelConfig
+from autoplan.runtime.distributed.config import ParallelConfig
 from autoplan.runtime.startup import launch_problem, plan_mismatch
 from autoplan.verify import verify
 from helpers.plans import pinned_plan

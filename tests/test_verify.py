@@ -316,7 +316,7 @@ def test_root_cause_points_past_the_no_dropout_mode_to_the_model():
     """Under verify every op passes through autoplan's no-dropout mode: its frame is not the failure's."""
     lines = ["Traceback (most recent call last):",
              '  File "/work/out/model.py", line 17, in forward', "    return self.proj(x)",
-             '  File "/venv/site-packages/autoplan/runtime/dropout.py", line 111, in __torch_function__',
+             '  File "/venv/site-packages/autoplan/runtime/distributed/dropout.py", line 111, in __torch_function__',
              "    return func(*args, **kwargs)", "IndexError: index 9 is out of bounds"]
     assert root_cause(lines) == "IndexError: index 9 is out of bounds (at /work/out/model.py:17 in forward)"
 

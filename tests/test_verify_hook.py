@@ -1,6 +1,6 @@
 """train.py is the program a user runs (issue 29): no verify-only flags and no second training loop; `autoplan verify`
-reaches into its loop at one hook (runtime.verify_hook, runtime/hooks.py), which does nothing unless verify set
-AUTOPLAN_VERIFY, and trains the single-device reference in its own harness (runtime/harness.py). The gradient check
+reaches into its loop at one hook (runtime.verify_hook, runtime/harness/hooks.py), which does nothing unless verify set
+AUTOPLAN_VERIFY, and trains the single-device reference in its own harness (runtime/harness/reference.py). The gradient check
 still sees a gradient the loop scales wrongly after clipping."""
 
 import ast
@@ -11,7 +11,7 @@ import torch
 
 from autoplan.errors import UserError
 from autoplan.runtime import VerifyHook, verify_hook
-from autoplan.runtime.hooks import VERIFY_ENV, VerifyChecks, verify_environment
+from autoplan.runtime.harness.hooks import VERIFY_ENV, VerifyChecks, verify_environment
 from autoplan.verify import verify
 from test_dropout import CALLS_PER_FORWARD, model_and_input
 from test_verify import CASES, write_out

@@ -41,9 +41,11 @@ train.py has no --reference, --no-dropout, --dropout-out, --gradients-out nor tr
 same train.py with AUTOPLAN_VERIFY set, which runtime.verify_hook() reads (runtime.VerifyHook: hook.step() around
 each step, hook.gradients_clipped(parallel) after clipping; runtime.NoDropout, runtime.save_gradients and
 runtime.save_reference_gradients left the interface), and trains the single-device reference in
-autoplan/runtime/harness.py, which imports train.py and reads its SEED, GLOBAL_BATCH, DP, OPTIMIZER_IMPLEMENTATION,
+autoplan/runtime/harness/reference.py, which imports train.py and reads its SEED, GLOBAL_BATCH, DP, OPTIMIZER_IMPLEMENTATION,
 parse_args, get_lr and load_model_source(args) (new); runtime.check_start(program_file, fingerprint, config, plan,
-device) lost its `reference` argument."""
+device) lost its `reference` argument. Also in 11: runtime's modules moved into distributed/, components/ and
+harness/ (the names a train.py reads through autoplan.runtime are unchanged; runtime.materialize and
+runtime.tensor_parallel are the functions, no longer their modules made callable)."""
 
 MISMATCH_EXIT_CODE = 2
 """What a program exits with on a mismatch: 2, the exit code of autoplan's own user errors (the user fixes

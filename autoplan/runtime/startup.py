@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Mapping, NoReturn
 
 from autoplan.errors import UserError
-from autoplan.runtime.config import ParallelConfig
+from autoplan.runtime.distributed.config import ParallelConfig
 from autoplan.runtime.interface import MISMATCH_EXIT_CODE
 
 PLAN_FILE = "plan.json"

@@ -29,7 +29,7 @@ after the last; continue with --resume (on by default when torchrun restarts the
 
 Initial weights: every rank builds the model on the meta device and allocates only its own
 stages and shards; rank 0 builds the model once on CPU with the seed below and broadcasts
-the values (see autoplan/runtime/materialize.py for the trade-off).
+the values (see autoplan/runtime/distributed/materialize.py for the trade-off).
 
 Check it on this machine's CPU (gloo) against a single-device run first (same weights, batches,
 optimizer and schedule; loss and every first-step gradient compared):
@@ -226,7 +226,7 @@ def main(argv=None) -> list[float]:
     device = torch.device(args.device)
     model_source = load_model_source(args)
     # autoplan verify's checks (dropout off, the first step's gradients written) when it launched this run; as
-    # you run it, nothing (runtime/hooks.py)
+    # you run it, nothing (runtime/harness/hooks.py)
     verify = runtime.verify_hook()
 
     # processes and the device mesh ("pp", "dp_replicate", "dp_shard", "cp", "tp")

@@ -16,7 +16,7 @@ JOBS.json: {"store_dir": str, "timeout_s": float (collectives), "wait_s": float 
 "jobs": [{"dir", "argv", "world", "errors"}, ...]}; a job with "same_ranks_as": i runs on job i's
 ranks after it (e.g. resuming its checkpoint); a job with "program": path runs that file's main(argv)
 instead of <dir>/train.py's (a hand-written loop, e.g. examples/recipes/custom_loop.py); a job with
-"reference": true is autoplan verify's single-device reference run of <dir>/train.py (autoplan.runtime.harness,
+"reference": true is autoplan verify's single-device reference run of <dir>/train.py (autoplan.runtime.harness.reference,
 its "gradients_out" the harness's --gradients-out), on one rank without a process group; a job with "env": {...}
 runs with those environment variables set (e.g. autoplan verify's hook, AUTOPLAN_VERIFY).
 A job that raises writes the traceback to <errors>.rank<r> and the rank goes on; a rank through a job (its
@@ -74,7 +74,7 @@ def run_job(index: int, job: dict, local_rank: int, store_dir: Path, timeout_s: 
     os.environ.update(job.get("env") or {})
     try:
         if job.get("reference"):  # autoplan verify's single-device reference: one process, no process group
-            from autoplan.runtime.harness import run_reference
+            from autoplan.runtime.harness.reference import run_reference
 
             gradients_out = job.get("gradients_out")
             run_reference(Path(job["dir"]) / "train.py", job["argv"], Path(gradients_out) if gradients_out else None)

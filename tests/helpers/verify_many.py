@@ -17,7 +17,7 @@ from typing import Sequence
 from autoplan.codegen.program import MODEL_COPY_DIR
 from autoplan.errors import UserError
 from autoplan.plan import Plan
-from autoplan.runtime.hooks import verify_environment
+from autoplan.runtime.harness.hooks import verify_environment
 from autoplan.verify import (VerifyResult, _compare, _load_plan, _measured, _Run, _run_all, compare_gradients,
                              run_args)
 
@@ -40,7 +40,7 @@ class BatchJob:
     program: Path | None = None
     """The program whose main(argv) runs (default: out_dir's train.py)."""
     reference: bool = False
-    """autoplan verify's single-device reference run of out_dir's train.py (autoplan.runtime.harness) instead."""
+    """autoplan verify's single-device reference run of out_dir's train.py (autoplan.runtime.harness.reference) instead."""
     gradients_out: Path | None = None
     """Where the run writes its first-step gradients: a reference as the harness's --gradients-out, any other run
     through autoplan verify's hook (AUTOPLAN_VERIFY, which also turns its dropout off)."""

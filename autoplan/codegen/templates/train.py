@@ -182,7 +182,7 @@ def main(argv=None) -> list[float]:
     device = torch.device(args.device)
     model_source = load_model_source(args)
     # autoplan verify's checks (dropout off, the first step's gradients written) when it launched this run; as
-    # you run it, nothing (runtime/hooks.py)
+    # you run it, nothing (runtime/harness/hooks.py)
     verify = runtime.verify_hook()
 
     # processes and the device mesh ("pp", "dp_replicate", "dp_shard", "cp", "tp")

@@ -6,11 +6,11 @@ As a user runs train.py (VERIFY_ENV unset) the hook is VerifyHook, which does no
 
 `autoplan verify` launches the same train.py under torchrun with VERIFY_ENV set (verify_environment), and the hook
 is VerifyChecks:
-  dropout off    every step runs inside runtime/dropout.py's NoDropout: the ranks draw other random numbers than
+  dropout off    every step runs inside runtime/distributed/dropout.py's NoDropout: the ranks draw other random numbers than
                  the single-device reference, so with dropout their losses would differ by far more than rounding;
   gradients      with "gradients_out": DIR, the first step's gradients (after clipping) are written as full tensors
-                 by the model's names to DIR/rank<R>.pt (runtime/gradients.py), for verify's gradient check.
-The single-device reference verify compares with is runtime/harness.py's, not train.py's.
+                 by the model's names to DIR/rank<R>.pt (runtime/distributed/gradients.py), for verify's gradient check.
+The single-device reference verify compares with is runtime/harness/reference.py's, not train.py's.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autoplan.errors import UserError
-from autoplan.runtime.dropout import NoDropout
-from autoplan.runtime.gradients import save_gradients
+from autoplan.runtime.distributed.dropout import NoDropout
+from autoplan.runtime.distributed.gradients import save_gradients
 
 VERIFY_ENV = "AUTOPLAN_VERIFY"
 """The environment variable autoplan verify sets for the processes of the run it checks: a JSON object

@@ -1,15 +1,15 @@
 """autoplan verify's single-device reference run: the unsplit model trained on the whole global batch in one process.
 
-    python -m autoplan.runtime.harness train.py [--gradients-out DIR] [--dropout-out FILE] -- [train.py flags]
+    python -m autoplan.runtime.harness.reference train.py [--gradients-out DIR] [--dropout-out FILE] -- [train.py flags]
 
 It imports the train.py given (importing runs none of its training: its main is not called) and trains what that
 program trains, by its own definitions: the plan's constants (SEED, GLOBAL_BATCH, DP, OPTIMIZER_IMPLEMENTATION),
 its flags (parse_args: --steps, --lr and the schedule's, --clip-grad-norm, --model-file, --losses-out, --device),
-its model (load_model_source), its learning-rate schedule (get_lr); in fp32, dropout off (runtime/dropout.py
+its model (load_model_source), its learning-rate schedule (get_lr); in fp32, dropout off (runtime/distributed/dropout.py
 NoDropout, counted: --dropout-out writes the calls per step). So the reference starts from the same weights,
 reads the same batches (the DP ranks' shares of each global batch, in order) and makes the same updates as the
-distributed run of the same train.py, which autoplan verify launches under torchrun with runtime/hooks.py's
-VerifyChecks; --gradients-out writes the first step's gradients after clipping (runtime/gradients.py).
+distributed run of the same train.py, which autoplan verify launches under torchrun with runtime/harness/hooks.py's
+VerifyChecks; --gradients-out writes the first step's gradients after clipping (runtime/distributed/gradients.py).
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ import torch
 from autoplan.contract import call_model, compute_loss
 from autoplan.errors import UserError
 from autoplan.procs import exit_skipping_teardown
-from autoplan.runtime.data import TrainingData, to_device
-from autoplan.runtime.dropout import NoDropout
-from autoplan.runtime.gradients import clip_grad_norm_, save_reference_gradients
-from autoplan.runtime.optimizer import adamw
+from autoplan.runtime.components.data import TrainingData
+from autoplan.runtime.distributed.batches import to_device
+from autoplan.runtime.distributed.dropout import NoDropout
+from autoplan.runtime.distributed.gradients import clip_grad_norm_, save_reference_gradients
+from autoplan.runtime.components.optimizer import adamw
 
 PROGRAM_MODULE = "autoplan_verified_program"
 """The module name a train.py is imported under (not "__main__": its main does not run)."""
@@ -91,7 +92,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     """The harness's own arguments (before a `--`) and train.py's (after it)."""
     argv = list(argv)
     split = argv.index("--") if "--" in argv else len(argv)
-    parser = argparse.ArgumentParser(prog="python -m autoplan.runtime.harness",
+    parser = argparse.ArgumentParser(prog="python -m autoplan.runtime.harness.reference",
                                      description="autoplan verify's single-device reference run of a train.py")
     parser.add_argument("program", type=Path, help="the generated train.py")
     parser.add_argument("--gradients-out", type=Path, metavar="DIR",
