@@ -82,7 +82,7 @@ def model_copy(plan):
     return find_model_copy(folder, load_plan(plan).model.path)
 
 
-_LAZY = {"Parallelized": "autoplan.runtime.apply_plan", "ParallelConfig": "autoplan.runtime.config"}
+_LAZY = {"Parallelized": "autoplan.runtime.apply_plan", "ParallelConfig": "autoplan.runtime.distributed.config"}
 """Public names whose modules import torch: imported on first use."""
 
 

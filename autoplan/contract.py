@@ -368,7 +368,7 @@ def outputs_without_caches(model: nn.Module) -> Iterator[None]:
     cannot flatten ("Found <class 'transformers.cache_utils.DynamicCache'> in output") and training never reads,
     whatever made the model return one (use_cache=True inside its forward, a cache class a config asks for). The
     tensors around it (in tuples, lists, dicts, Hugging Face ModelOutputs) stay where they are: the loss reads those.
-    What planning exports (capture) and what the pipeline's stages are cut from (runtime/split.py) run so."""
+    What planning exports (capture) and what the pipeline's stages are cut from (runtime/distributed/split.py) run so."""
     def drop_caches(module: nn.Module, args: Any, output: Any) -> Any:
         return pytree.tree_map(lambda leaf: None if is_kv_cache(leaf) else leaf, output, is_leaf=is_kv_cache)
 

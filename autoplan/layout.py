@@ -25,7 +25,7 @@ class Schedule:
     name: str
     """Its name everywhere (plan.json, --pin schedule=..., CSV columns, train.py, messages)."""
     torch_class: str
-    """The torch.distributed.pipelining class that runs it (runtime/steps.py resolves the name)."""
+    """The torch.distributed.pipelining class that runs it (runtime/distributed/steps.py resolves the name)."""
     torchtitan_name: str
     """torchtitan's parallelism.pipeline_parallel_schedule for it."""
     placement: str
@@ -60,7 +60,7 @@ SCHEDULE_TABLE = (
     Schedule("dualpipev", "ScheduleDualPipeV", "DualPipeV", "v", (2, 2), True, "stages", "simulated", 2, "dualpipev"),
 )
 """Every pipeline schedule, as data: the plan vocabulary, the rules below, the search (solve/layouts.py), the program
-(runtime/steps.py), the cost model (cost/pipeline.py: its operation order, ORDERS, is the one other place a schedule
+(runtime/distributed/steps.py), the cost model (cost/pipeline.py: its operation order, ORDERS, is the one other place a schedule
 is written) and the report read it."""
 SCHEDULE_BY_NAME = {schedule.name: schedule for schedule in SCHEDULE_TABLE}
 SCHEDULES = tuple(SCHEDULE_BY_NAME)
@@ -153,7 +153,7 @@ SUPPORTED = frozenset({
     "cp_tp",              # context parallelism with tensor parallelism: the ring over each tp rank's heads
     "ep",                 # expert parallelism: experts split over ep of the FSDP2 ranks, all-to-all dispatch
     "ep_tp",              # ep folded over the tp ranks: experts whole (ETP 1), each tp rank routes 1/tp of the tokens
-    "ep_pp",              # ep inside pipeline stages: the stages call the experts modules (runtime/expert_calls.py)
+    "ep_pp",              # ep inside pipeline stages: the stages call the experts modules (runtime/distributed/expert_calls.py)
     "ep_cp",              # ep folded over the context-parallel ranks, which route their own sequence shares
 })
 """What codegen can run. Remove a name to stop the search from emitting (or accepting a pin of) it.
@@ -384,7 +384,7 @@ def _features(layout: Layout, scope: Scope) -> list[str]:
 
 
 def _expert_parallel_features(layout: Layout, have: frozenset[str]) -> list[str]:
-    """The combinations with expert parallelism the program does not run yet (runtime/expert_parallel.py)."""
+    """The combinations with expert parallelism the program does not run yet (runtime/distributed/expert_parallel.py)."""
     ep = layout.ep
     if not _positive(ep) or ep == 1:
         return []
@@ -439,7 +439,7 @@ def expert_folded_ranks(dp_shard: int, cp: int, tp: int) -> int:
     """The ranks expert parallelism is cut from: dp_shard x cp x tp, those of one pipeline rank and data-parallel
     replica ("MoE parallel folding", as torchtitan and Megatron-Core with expert-tensor-parallel 1). ep of them split
     the experts (tp innermost, so ep spans the tp ranks first), and the dp_shard x cp x tp / ep ranks holding the same
-    experts shard their states (FSDP2; runtime/expert_parallel.py EXPERT_MESH_DIMS). ep must divide it."""
+    experts shard their states (FSDP2; runtime/distributed/expert_parallel.py EXPERT_MESH_DIMS). ep must divide it."""
     return dp_shard * cp * tp
 
 
@@ -533,8 +533,8 @@ def _offload(layout: Layout, scope: Scope) -> list[str]:
 
 def _sequence_parallel(layout: Layout, scope: Scope) -> list[str]:
     """sp=on needs every op between the model's tensor-parallel pairs to compute token by token. A module that does
-    so only as a whole (a mixture of experts' routing: runtime/tensor_parallel.py run_on_local_tokens) is wrapped
-    as a module, also inside a pipeline stage, which calls the model's own module there (runtime/expert_calls.py
+    so only as a whole (a mixture of experts' routing: runtime/distributed/tensor_parallel.py run_on_local_tokens) is wrapped
+    as a module, also inside a pipeline stage, which calls the model's own module there (runtime/distributed/expert_calls.py
     modules_as_calls)."""
     if not (_positive(layout.tp) and layout.tp > 1 and layout.sp == "on"):
         return []
@@ -544,7 +544,7 @@ def _sequence_parallel(layout: Layout, scope: Scope) -> list[str]:
 
 
 def fsdp_wraps(dp_replicate: int, dp_shard: int, cp: int, tp: int) -> bool:
-    """FSDP2 wraps the model (runtime/parallel.py shard_data_parallel): with data parallelism whose states are
+    """FSDP2 wraps the model (runtime/distributed/parallel.py shard_data_parallel): with data parallelism whose states are
     sharded (dp_shard x cp > 1), or replicated beside tensor parallelism (DDP cannot bucket DTensors). Else DDP
     or no data parallelism, and a bf16 plan trains as torch.autocast over fp32 weights (cost/memory.py prices
     it so); under FSDP2 its MixedPrecisionPolicy computes in bf16."""

@@ -130,7 +130,7 @@ class Parallelism:
 
 @dataclass(frozen=True)
 class Compile:
-    """torchtitan's compile section: torch.compile per chain module (runtime/compile.py)."""
+    """torchtitan's compile section: torch.compile per chain module (runtime/distributed/compile.py)."""
 
     enable: bool = False
     """Compile each chain module (transformer block) with torch.compile (inductor); priced per op class

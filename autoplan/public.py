@@ -3,8 +3,9 @@
 `import autoplan.x.y` binds the module y to the name autoplan.x.y (and `import autoplan.x.y as z` reads that
 name), so a function of the same name is replaced by the module once anything imports it ("'module' object is
 not callable"), or replaces the module for whoever imports it after. autoplan.plan (plan.py), autoplan.profile
-(profile/), autoplan.runtime.materialize, autoplan.runtime.tensor_parallel and autoplan.calibrate.refit are each one
-object instead: the module, which calls the function (tests/test_import_order.py finds any other such name).
+(profile/) and autoplan.calibrate.refit are each one object instead: the module, which calls the function
+(tests/test_import_order.py finds any other such name). (autoplan.runtime's materialize and tensor_parallel are
+plain functions: their modules live in runtime/distributed/.)
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """`autoplan verify DIR`: run a generated program on CPU/gloo and check loss parity.
 
 Two runs of DIR/train.py, each in its own process group (session) with a time limit:
-  reference    python train.py --reference          the unsplit model on the whole global batch
-  distributed  python -m torch.distributed.run ...   the planned layout on K CPU processes (gloo)
-Both start from the same weights, draw the same batches and use the same optimizer, so their
-per-step losses agree to float rounding (|diff| <= PARITY_TOLERANCE) when the program is right.
-Both run with --no-dropout (every dropout the identity, runtime/dropout.py): the ranks would draw other
+  reference    python -m autoplan.runtime.harness.reference train.py -- ...   the unsplit model on the whole global batch
+  distributed  python -m torch.distributed.run ... train.py ...      the planned layout on K CPU processes (gloo)
+The distributed run is train.py as a user runs it, with AUTOPLAN_VERIFY set: runtime/harness/hooks.py's VerifyChecks at the
+loop's one hook. The reference is runtime/harness/reference.py's, which imports that train.py and trains with its constants,
+flags, model and schedule. Both start from the same weights, draw the same batches and use the same optimizer, so
+their per-step losses agree to float rounding (|diff| <= PARITY_TOLERANCE) when the program is right.
+Both run with every dropout the identity (runtime/distributed/dropout.py NoDropout): the ranks would draw other
 random numbers than the reference. The reference counts the dropout calls it disabled; verify.json's
 "dropout" says how dropout was handled.
 
@@ -13,7 +15,7 @@ The losses cannot show a gradient summed or averaged with a wrong factor: AdamW'
 invariant to a parameter's gradient scale (every expert gradient halved trained to the same losses within
 1.4e-6), and to gradient clipping's global scale. So both runs clip below any gradient norm
 (--clip-grad-norm VERIFY_CLIP_GRAD_NORM: the clipping always acts) and write, after the first step's backward and
-clipping (--gradients-out, runtime/gradients.py),
+clipping (the hook's gradients_out, the harness's --gradients-out; runtime/distributed/gradients.py),
 every parameter's gradient as a full tensor by the model's name, each rank its own file, and every gradient
 every rank reports is compared with the reference's: max |grad - reference| / max |reference| per parameter
 (at least GRADIENT_FLOOR of the model's largest gradient entry in the denominator: some gradients are zero but
@@ -181,26 +183,25 @@ def _verify_runs(out_dir: Path, plan: Plan, nproc: int, steps: int, timeout_s: f
         ref_out, dist_out, metrics_out, dropout_out, ref_grads, dist_grads = (
             Path(tmp) / n for n in ("reference.json", "losses.json", "metrics.json", "dropout.json",
                                     "reference_gradients", "gradients"))
+        from autoplan.runtime.harness.hooks import verify_environment  # not at import: torch
+
         common = list(run_args(steps)) + (["--model-file", model_file] if model_file != "copy" else [])
-        # a train.py generated before the gradient check has no --gradients-out: its losses are still compared
-        checks_gradients = "--gradients-out" in (out_dir / "train.py").read_text()
-        reference = [sys.executable, "train.py", "--reference", *common, "--losses-out", str(ref_out),
-                     "--dropout-out", str(dropout_out)] + (["--gradients-out", str(ref_grads)] if checks_gradients
-                                                           else [])
+        reference = [*REFERENCE_COMMAND, "train.py", "--gradients-out", str(ref_grads), "--dropout-out",
+                     str(dropout_out), "--", *common, "--losses-out", str(ref_out)]
         distributed = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                       "train.py", *common, "--losses-out", str(dist_out)] + (
-                           ["--gradients-out", str(dist_grads)] if checks_gradients else [])
+                       "train.py", *common, "--losses-out", str(dist_out)]
         if measure:
             distributed += ["--metrics-out", str(metrics_out)]
         runs = [_Run("reference run", reference, out_dir, Path(tmp)),
-                _Run(f"distributed run ({nproc} processes)", distributed, out_dir, Path(tmp))]
+                _Run(f"distributed run ({nproc} processes)", distributed, out_dir, Path(tmp),
+                     verify_environment(dist_grads))]
         # measuring: one run at a time so the timing is not disturbed; else both at once
         _run_all(runs, timeout_s, sequential=measure)
         reference_losses = _read_losses(ref_out, runs[0], steps)
         losses = _read_losses(dist_out, runs[1], steps)
         metrics = json.loads(metrics_out.read_text()) if measure else {}
         dropout = dropout_handling(dropout_out)
-        gradients = compare_gradients(ref_grads, dist_grads, nproc) if checks_gradients else None
+        gradients = compare_gradients(ref_grads, dist_grads, nproc)
 
     return _compare(out_dir, nproc, steps, reference_losses, losses, _measured(plan, metrics) if measure else {},
                     dropout=dropout, gradients=gradients, model_file=model_file)
@@ -302,10 +303,16 @@ VERIFY_CLIP_GRAD_NORM = 1e-3
 acts and the first step's gradients (compared after clipping) hold the global norm each layout computes."""
 
 
+REFERENCE_COMMAND = (sys.executable, "-m", "autoplan.runtime.harness.reference")
+"""The single-device reference run of a train.py (runtime/harness/reference.py), with its program, its own flags, `--` and
+train.py's."""
+
+
 def run_args(steps: int) -> tuple[str, ...]:
-    """train.py arguments both runs of a parity check take: CPU, `steps` steps, dropout the identity, clipping that
-    always acts (VERIFY_CLIP_GRAD_NORM); the learning rate schedule is train.py's own."""
-    return ("--device", "cpu", "--steps", str(steps), "--no-dropout", "--clip-grad-norm", str(VERIFY_CLIP_GRAD_NORM))
+    """train.py arguments both runs of a parity check take: CPU, `steps` steps, clipping that always acts
+    (VERIFY_CLIP_GRAD_NORM); the learning rate schedule is train.py's own. Dropout is off on both sides: the
+    harness's reference and the hook verify sets for the distributed run (AUTOPLAN_VERIFY)."""
+    return ("--device", "cpu", "--steps", str(steps), "--clip-grad-norm", str(VERIFY_CLIP_GRAD_NORM))
 
 
 def dropout_handling(path: Path) -> str:
@@ -313,7 +320,7 @@ def dropout_handling(path: Path) -> str:
     try:
         calls = float(json.loads(path.read_text())["disabled_calls_per_step"])
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
-        return "not reported by train.py (no --dropout-out file): dropout may not have been disabled"
+        return "not reported by the reference run (no --dropout-out file): dropout may not have been disabled"
     if calls <= 0:
         return "none in the model (no dropout call with p > 0 ran)"
     return f"disabled in both runs ({calls:g} dropout call{'s' if calls != 1 else ''} per step); training keeps it"
@@ -349,10 +356,10 @@ def _compare(out_dir: Path, nproc: int, steps: int, reference_losses: list[float
 
 def compare_gradients(reference_dir: Path, distributed_dir: Path, nproc: int) -> GradientCheck:
     """The gradients ranks 0..nproc-1 wrote to distributed_dir against the reference's in reference_dir
-    (train.py --gradients-out, runtime/gradients.py)."""
+    (the verify hook's and the reference's gradients_out, runtime/distributed/gradients.py)."""
     import torch  # not at import: the rest of verify runs the programs without it
 
-    from autoplan.runtime.gradients import GRADIENTS_FILE
+    from autoplan.runtime.distributed.gradients import GRADIENTS_FILE
 
     def load(directory: Path, rank: int) -> dict | None:
         path = directory / GRADIENTS_FILE.format(rank=rank)
@@ -360,7 +367,7 @@ def compare_gradients(reference_dir: Path, distributed_dir: Path, nproc: int) ->
 
     reference = load(reference_dir, 0)
     if reference is None:
-        return GradientCheck(math.inf, "", "the reference run wrote no gradients (train.py --gradients-out)")
+        return GradientCheck(math.inf, "", "the reference run wrote no gradients (runtime/harness/reference.py --gradients-out)")
     expected = reference["gradients"]
     floor = GRADIENT_FLOOR * max((float(g.abs().max()) for g in expected.values() if g.numel()), default=0.0)
     group_of = {name: tuple(names) for names in reference["aliases"] for name in names}
@@ -370,7 +377,7 @@ def compare_gradients(reference_dir: Path, distributed_dir: Path, nproc: int) ->
         found = load(distributed_dir, rank)
         if found is None:
             return GradientCheck(math.inf, "", f"rank {rank} of the distributed run wrote no gradients "
-                                               f"(train.py --gradients-out)")
+                                               f"(train.py's verify hook, runtime/harness/hooks.py)")
         for name, grad in found["gradients"].items():
             want = expected.get(name)
             if want is None:
@@ -438,7 +445,7 @@ def _error(predicted: float, measured: float) -> float | None:
 MEASURED_PART_OF = {"parameters": "parameters", "gathered_parameters": "parameters", "gradients": "gradients",
                     "optimizer": "optimizer"}
 """The plan's memory categories (cost/memory.py) in the parts PeakLiveMemory sorts a measured peak into
-(runtime/memory.py PEAK_PARTS); every other category is "activations". FSDP2's gathered copies are nn.Parameters."""
+(runtime/components/memory.py PEAK_PARTS); every other category is "activations". FSDP2's gathered copies are nn.Parameters."""
 
 
 def predicted_parts(breakdown: dict[str, float], dtype: str) -> dict[str, float]:
@@ -554,7 +561,7 @@ ROOT_CAUSE_CHARS = 400
 _RANK_PREFIX = re.compile(r"\[rank(\d+)\]: ?(.*)")
 _FRAME = re.compile(r'\s*File "([^"]+)", line (\d+), in (\S+)')
 _LIBRARY_FILE = re.compile(r"[/\\]torch[/\\]|^<|[/\\]lib[/\\]python3[.\d]*[/\\](?!site-packages)"
-                           r"|[/\\]autoplan[/\\]runtime[/\\]dropout\.py$")
+                           r"|[/\\]autoplan[/\\]runtime[/\\]distributed[/\\]dropout\.py$")
 """Frames of torch, generated code (<eval_with_key>, <frozen ...>), the Python library and autoplan's
 no-dropout mode (a torch-function mode every op passes through under verify): not where a model's
 failure is."""

@@ -5,7 +5,8 @@ uninterrupted run's per-step losses (issue 30).
                                [--checkpoint-every K] [--dropout on,off] [--seed 0] [--work DIR]
 
 For each layout (LAYOUTS: a tiny model planned with that layout pinned, on 2 CPU processes with gloo) and each dropout
-setting (on: the model's dropout as it trains; off: train.py --no-dropout), it runs the launcher the output folder
+setting (on: the model's dropout as it trains; off: every dropout the identity, as under autoplan verify:
+AUTOPLAN_VERIFY, runtime/harness/hooks.py), it runs the launcher the output folder
 ships, `bash launch/torchrun.sh --device cpu --steps S ...` (periodic checkpoints every K steps, CHECKPOINT_EVERY;
 torchrun restarts failed processes, MAX_RESTARTS = N, and a restarted train.py resumes from the newest checkpoint on
 its own), twice:
@@ -156,10 +157,13 @@ class Run:
         self.metrics.unlink(missing_ok=True)
         self.checkpoints = out / "checkpoints" / label
         shutil.rmtree(self.checkpoints, ignore_errors=True)  # an earlier benchmark's: every run starts at step 0
+        from autoplan.runtime.harness.hooks import verify_environment
+
         env = {**os.environ, "OMP_NUM_THREADS": "1", "RUN_ID": label, "MASTER_PORT": str(free_port()),
-               "CHECKPOINT_EVERY": str(every), "MAX_RESTARTS": str(restarts)}
+               "CHECKPOINT_EVERY": str(every), "MAX_RESTARTS": str(restarts),
+               **({} if dropout else verify_environment(None))}
         command = ["bash", str(out / "launch" / "torchrun.sh"), "--device", "cpu", "--steps", str(steps),
-                   "--metrics-out", str(self.metrics)] + ([] if dropout else ["--no-dropout"])
+                   "--metrics-out", str(self.metrics)]
         self.deadline = time.monotonic() + timeout_s
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen(command, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -204,7 +208,7 @@ def partials(folder: Path) -> dict[str, int]:
 
 
 def partial_checkpoint(folder: Path) -> str:
-    """The checkpoint being written ("" if none; runtime/checkpoint.py: DIR/.step_<k>.partial/ until rank 0 renames
+    """The checkpoint being written ("" if none; runtime/components/checkpoint.py: DIR/.step_<k>.partial/ until rank 0 renames
     it)."""
     try:
         return next((entry.name for entry in os.scandir(folder) if entry.name.endswith(".partial")), "")

@@ -201,7 +201,7 @@ def cmd_train(args) -> None:
         data["measured_peak_reserved_bytes"] = statistics.median(s["peak_reserved_bytes"] for s in later)
         data["measured_peak_allocated_bytes_per_step"] = statistics.median(s["peak_memory_bytes"] for s in later)
     if args.profile:  # the traced last steps run slower: time the steps between the first and them
-        from autoplan.runtime.profiling import PROFILED_STEPS
+        from autoplan.runtime.components.profiling import PROFILED_STEPS
 
         untraced = [s["seconds"] for s in run.steps[1:-PROFILED_STEPS]]
         if untraced:
@@ -270,7 +270,7 @@ def cmd_offload(args) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    from autoplan.runtime.optimizer import adamw
+    from autoplan.runtime.components.optimizer import adamw
     from autoplan.contract import load_source
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -324,6 +324,7 @@ def cmd_checkpoint(args) -> None:
     import tempfile
 
     from autoplan.api import plan_model
+    from autoplan.runtime.harness.hooks import verify_environment
     from autoplan.verify import run_train_py
 
     gpu = profile_name(args.device)
@@ -333,8 +334,8 @@ def cmd_checkpoint(args) -> None:
     def losses(name: str, *extra: str) -> list[float]:
         out = folder / f"losses_{name}.json"
         with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-            run_train_py(folder, args.device, 1, ("--no-dropout", *extra, "--losses-out", str(out)), args.timeout,
-                         None, Path(tmp))
+            run_train_py(folder, args.device, 1, (*extra, "--losses-out", str(out)), args.timeout,
+                         verify_environment(None), Path(tmp))  # dropout off, as under autoplan verify
         return json.loads(out.read_text())
 
     straight = losses("straight", "--steps", "4")

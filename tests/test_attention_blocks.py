@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoplan.errors import UserError
-from autoplan.runtime.attention_blocks import find_attention_blocks
+from autoplan.runtime.distributed.attention_blocks import find_attention_blocks
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))
 import small_gpt  # noqa: E402
@@ -103,7 +103,7 @@ def test_the_refusals_say_why():
 
 
 def test_the_region_refuses_targets_without_the_attention_sequence():
-    from autoplan.runtime.context_parallel import ContextParallelRegion
+    from autoplan.runtime.distributed.context_parallel import ContextParallelRegion
 
     model = on_meta(Encoder)
     blocks = find_attention_blocks(model, ["embed", "blocks.0", "blocks.1"], IDS)

@@ -1,5 +1,5 @@
 """A bf16 step as the program runs it (torch.autocast over fp32 weights, the experts cast to bf16 by
-runtime/expert_parallel.py), priced against what it keeps and what it runs.
+runtime/distributed/expert_parallel.py), priced against what it keeps and what it runs.
 
 - The experts module: priced (saved activations + the experts' cast weight copies) against the bytes its forward
   saves for backward, tallied with saved_tensors_hooks under CPU autocast with the runtime's expert cast. Before,
@@ -40,7 +40,7 @@ def deepseek():
 def _held_by_module(source) -> dict[str, int]:
     """Bytes each module's forward saves for backward (storages no earlier op saved, parameters excluded) in one
     bf16 autocast forward with the experts cast as the program casts them."""
-    from autoplan.runtime.expert_parallel import parallelize_experts
+    from autoplan.runtime.distributed.expert_parallel import parallelize_experts
 
     torch.manual_seed(0)
     model = source.build_model()

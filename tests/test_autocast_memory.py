@@ -1,4 +1,4 @@
-"""bf16 without FSDP2 trains as torch.autocast over fp32 weights (runtime/steps.py): the memory model prices
+"""bf16 without FSDP2 trains as torch.autocast over fp32 weights (runtime/distributed/steps.py): the memory model prices
 that, not pure bf16. Closed forms: fp32 weights and gradients (4 + 4 + 8 bytes per parameter), the bf16 copies
 autocast saves of the matmul weights, float32 activations where autocast computes in float32 (the residual
 stream, norms, the loss) and bf16 elsewhere; one rule (layout.fsdp_wraps) for the program and the price."""

@@ -103,7 +103,7 @@ def test_cpu_sync_batch_norm_trains_like_batch_norm(one_process_group, momentum)
     import torch
     from torch import nn
 
-    from autoplan.runtime.batchnorm import DataParallelBatchNorm, _data_parallel_copy
+    from autoplan.runtime.distributed.batchnorm import DataParallelBatchNorm, _data_parallel_copy
 
     torch.manual_seed(0)
     reference = nn.BatchNorm2d(6, momentum=momentum)
@@ -137,7 +137,7 @@ import sys
 import torch
 import torch.distributed as dist
 from torch import nn
-from autoplan.runtime.batchnorm import _data_parallel_copy
+from autoplan.runtime.distributed.batchnorm import _data_parallel_copy
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -190,7 +190,7 @@ def test_sync_batch_norm_names_a_module_the_model_lacks(one_process_group):
     from torch import nn
 
     from autoplan.errors import UserError
-    from autoplan.runtime.batchnorm import sync_batch_norm
+    from autoplan.runtime.distributed.batchnorm import sync_batch_norm
 
     class Mesh:  # the two data-parallel dims of a dp=2 mesh, as sync_batch_norm reads them
         device_type = "cpu"
@@ -376,7 +376,8 @@ def test_fsdp_and_pipeline_stages_keep_the_reference_running_statistics(tmp_path
 
 
 def _reference_model(out: Path, steps: int):
-    """The generated train.py's own single-device reference (train_reference), keeping the model it trains."""
+    """autoplan verify's single-device reference of the generated train.py (runtime/harness/reference.py train_reference),
+    keeping the model it trains."""
     import importlib.util
 
     import torch
@@ -395,5 +396,7 @@ def _reference_model(out: Path, steps: int):
             built.append(source.build_model())
             return built[-1]
 
-    program.train_reference(Recording(), torch.device("cpu"), program.parse_args(["--steps", str(steps)]))
+    from autoplan.runtime.harness.reference import train_reference
+
+    train_reference(program, Recording(), torch.device("cpu"), program.parse_args(["--steps", str(steps)]))
     return built[0]

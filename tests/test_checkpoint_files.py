@@ -1,4 +1,4 @@
-"""Checkpoints on disk (autoplan.runtime.checkpoint) in one process, without torchrun (DCP's single-process
+"""Checkpoints on disk (autoplan.runtime.components.checkpoint) in one process, without torchrun (DCP's single-process
 mode): a save is whole or absent, the newest K are kept, a resume loads the newest checkpoint that loads and
 says which (or that there is none, or that nothing is left to train); losses and metrics files grow step by
 step (runtime.AppendedJson). tests/test_resume_program.py runs the same through a generated train.py on 2 ranks.
@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from autoplan.errors import UserError
-from autoplan.runtime.checkpoint import Checkpointer, first_names
-from autoplan.runtime.metrics import AppendedJson, write_json
+from autoplan.runtime.components.checkpoint import Checkpointer, first_names
+from autoplan.runtime.components.metrics import AppendedJson, write_json
 
 
 def _checkpointer(directory, keep=3, seed=0) -> Checkpointer:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from autoplan.api import plan_model
-from autoplan.verify import PARITY_TOLERANCE, run_args
+from autoplan.verify import PARITY_TOLERANCE, REFERENCE_COMMAND, run_args
 from test_codegen import MLP
 
 pytestmark = pytest.mark.slow  # runs of 2 torchrun agents, a reference, a killed and restarted run (~1-4 min)
@@ -96,7 +96,7 @@ def two_node_plan(tmp_path_factory):
     plan = plan_model(str(MLP), 2, "cpu", gpus_per_node=1, pin="dp=2", out=out).plan
     assert (plan.cluster.gpus_per_node, plan.parallelism.world_size) == (1, 2)
     reference = out / "reference_losses.json"
-    done = subprocess.run([sys.executable, "train.py", "--reference", *run_args(STEPS), "--losses-out", str(reference)],
+    done = subprocess.run([*REFERENCE_COMMAND, "train.py", "--", *run_args(STEPS), "--losses-out", str(reference)],
                           cwd=out, env=child_env(tmp_path_factory.mktemp("reference")), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr
     return out, json.loads(reference.read_text())
@@ -272,7 +272,7 @@ def test_a_checkpoint_that_loads_nowhere_ends_train_py_in_one_line_and_exit_2(tw
     import torch
     from torch import nn
 
-    from autoplan.runtime.checkpoint import Checkpointer
+    from autoplan.runtime.components.checkpoint import Checkpointer
 
     out, _ = two_node_plan
     other = nn.Linear(3, 2)  # not the plan's model

@@ -29,6 +29,7 @@ from autoplan.codegen import check_supported, render_train_py, write_program
 from autoplan.codegen.launch import launch_layout
 from autoplan.codegen.template import placeholder_config, template_text
 from autoplan.errors import UserError
+from autoplan.runtime.harness.reference import run_reference
 from autoplan.plan import ClusterRef, ModelRef, Parallelism, Plan, Prediction, SolverInfo, Stage, Training
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +81,7 @@ def test_writes_train_py_model_copy_and_launcher(tmp_path):
     assert sorted(p.name for p in (tmp_path / "model_code").iterdir()) == ["mlp.py"]  # it imports no neighbour
     assert config_values(train_py)["MODEL_SOURCE"] == str(MLP)
     assert "    torchrun --standalone --nproc-per-node 4 train.py\n" in train_py
-    assert "python train.py --reference" in train_py
+    assert "    autoplan verify .\n" in train_py
     config = config_values(train_py)
     assert config["STAGES"] == [["inp", "layers.0"], ["layers.1", "out"]]
     assert (config["DP_REPLICATE"], config["PP"], config["SCHEDULE"], config["MICROBATCHES"]) == (2, 2, "1f1b", 4)
@@ -128,7 +129,7 @@ def test_train_py_main_is_importable_and_takes_argv(tmp_path):
     spec.loader.exec_module(program)  # importing runs nothing
     args = program.parse_args(["--steps", "2", "--device", "cpu", "--checkpoint-dir", "ck", "--resume"])
     assert (args.steps, args.resume, args.checkpoint_dir) == (2, True, Path("ck"))
-    losses = program.main(["--reference", "--steps", "2", "--device", "cpu"])
+    losses = run_reference(tmp_path / "train.py", ["--steps", "2", "--device", "cpu"])  # autoplan verify's
     assert len(losses) == 2 and losses[0] != losses[1]
 
 
@@ -260,7 +261,7 @@ def test_template_imports_with_its_placeholder_config_without_running_main(monke
     program = load_module(TEMPLATE, "autoplan_train_template")
     assert program.RUNTIME_API == runtime.RUNTIME_API, "bump RUNTIME_API in the template with autoplan.runtime's"
     assert (program.DP, program.PP, program.TP, program.FACTORY) == (1, 1, 1, "build_model")
-    assert program.parse_args(["--steps", "3", "--reference"]).steps == 3 and callable(program.main)
+    assert program.parse_args(["--steps", "3"]).steps == 3 and callable(program.main)
     assert "autoplan.codegen.templates.train" not in sys.modules  # nothing imports it as autoplan code
 
 
@@ -364,10 +365,10 @@ def test_a_program_on_an_older_autoplan_stops_with_the_one_line(tmp_path, monkey
     assert f"provides runtime API {new - 1}:" in runtime.runtime_api_mismatch(new)
 
 
-def run_reference(program_dir: Path) -> subprocess.CompletedProcess:
-    """python train.py --reference --steps 1, on CPU, in `program_dir`."""
-    return subprocess.run([sys.executable, "train.py", "--reference", "--steps", "1", "--device", "cpu"],
-                          cwd=program_dir, capture_output=True, text=True, timeout=300)
+def reference_run(program_dir: Path) -> subprocess.CompletedProcess:
+    """autoplan verify's single-device reference run of `program_dir`/train.py, 1 step on CPU (runtime/harness/reference.py)."""
+    return subprocess.run([sys.executable, "-m", "autoplan.runtime.harness.reference", "train.py", "--", "--steps", "1",
+                           "--device", "cpu"], cwd=program_dir, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.slow
@@ -375,14 +376,14 @@ def test_a_program_for_another_runtime_api_stops_before_building_anything(tmp_pa
     plan = make_plan(data_parallel_replicate_degree=1, pipeline_parallel_degree=1, stages=[["inp", "out"]],
                      pipeline_parallel_num_microbatches=2, pipeline_parallel_microbatch_size=8)
     write_program(plan, tmp_path, MLP)
-    matching = run_reference(tmp_path)
+    matching = reference_run(tmp_path)
     assert matching.returncode == 0 and "step 0 | loss" in matching.stdout, matching.stderr
 
     train_py = tmp_path / "train.py"
     line = f"RUNTIME_API = {runtime.RUNTIME_API}  #"
     assert train_py.read_text().count(line) == 1
     train_py.write_text(train_py.read_text().replace(line, f"RUNTIME_API = {runtime.RUNTIME_API + 1}  #"))
-    other = run_reference(tmp_path)
+    other = reference_run(tmp_path)
     assert other.returncode == 2 and other.stdout == ""
     assert other.stderr.splitlines() == [f"train.py: error: {runtime.runtime_api_mismatch(runtime.RUNTIME_API + 1)}"]
 

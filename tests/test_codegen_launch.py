@@ -25,6 +25,7 @@ from autoplan.codegen.kubernetes import check_manifest, pytorchjob_yaml, trainjo
 from autoplan.codegen.launch import BASE_IMAGE, WORKDIR, Launch, checkpoint_interval
 from autoplan.errors import UserError
 from autoplan.plan import ModelRef
+from autoplan.runtime.harness.reference import run_reference
 from helpers import pod_security
 from test_codegen import MLP, load_module, make_plan
 
@@ -206,9 +207,10 @@ def test_train_py_trains_the_shipped_copy_unless_asked_for_the_planned_file(tmp_
     planned.write_text(MLP.read_text() + "\n\ndef build_model():\n    raise RuntimeError('edited after planning')\n")
     program = load_module(tmp_path / "out" / "train.py", "generated_train_model_file")
     assert program.parse_args([]).model_file == "copy"
-    assert len(program.main(["--reference", "--steps", "1", "--device", "cpu"])) == 1
+    train_py = tmp_path / "out" / "train.py"
+    assert len(run_reference(train_py, ["--steps", "1", "--device", "cpu"])) == 1  # the program's load_model_source
     with pytest.raises(RuntimeError, match="edited after planning"):
-        program.main(["--reference", "--steps", "1", "--device", "cpu", "--model-file", "planned"])
+        run_reference(train_py, ["--steps", "1", "--device", "cpu", "--model-file", "planned"])
 
 
 def test_multi_node_torchrun_needs_the_rendezvous_host(tmp_path):

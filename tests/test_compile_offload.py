@@ -23,7 +23,7 @@ CASES = {
     "compile pp=2": (True, dict(pipeline_parallel_degree=2, **mb(2, 4))),
     "compile tp=2": (True, dict(tensor_parallel_degree=2, **mb(1, 8))),
     # HF Llama: sequence parallel + vocabulary-parallel head + loss parallel; run twice on a machine it once
-    # failed from AOTAutograd's cache (runtime/compile.py _no_autograd_cache)
+    # failed from AOTAutograd's cache (runtime/distributed/compile.py _no_autograd_cache)
     "compile tp=2 llama": (True, dict(tensor_parallel_degree=2, **mb(1, 8))),
     "offload dp=2,zero=3": (False, dict(data_parallel_shard_degree=2, fsdp_reshard_after_forward="always",
                                         enable_cpu_offload=True, **mb(2, 2))),

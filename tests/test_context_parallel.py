@@ -1,4 +1,4 @@
-"""autoplan.runtime.context_parallel on 2 and 4 gloo ranks:
+"""autoplan.runtime.distributed.context_parallel on 2 and 4 gloo ranks:
 
 - torch's context_parallel (ring attention over sequence shards) on the CPU attention kernel: outputs and
   q/k/v gradients equal one device's SDPA on the whole sequence, causal (with torch's load balancing),
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.experimental import context_parallel
 from torch.distributed.tensor.experimental._attention import _cp_options, context_parallel_unshard
-from autoplan.runtime.context_parallel import SequenceShards, register_cpu_ring_attention, shard_block_inputs
+from autoplan.runtime.distributed.context_parallel import SequenceShards, register_cpu_ring_attention, shard_block_inputs
 
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
@@ -106,7 +106,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.experimental import context_parallel
 from autoplan.runtime import split_model
-from autoplan.runtime.context_parallel import (SequenceShards, attention_through_functional,
+from autoplan.runtime.distributed.context_parallel import (SequenceShards, attention_through_functional,
                                                register_cpu_ring_attention, shard_block_inputs)
 
 dist.init_process_group("gloo")

@@ -131,7 +131,7 @@ from torch.distributed.tensor import DTensor
 
 import autoplan
 from autoplan.contract import call_model
-from autoplan.runtime.config import ParallelConfig
+from autoplan.runtime.distributed.config import ParallelConfig
 
 
 def main(argv):

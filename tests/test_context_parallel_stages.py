@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from autoplan.errors import UserError
-from autoplan.runtime.attention_blocks import find_attention_blocks
-from autoplan.runtime.context_parallel import (PipelineContextParallel, SequenceShards, causal_mask_as_is_causal,
+from autoplan.runtime.distributed.attention_blocks import find_attention_blocks
+from autoplan.runtime.distributed.context_parallel import (PipelineContextParallel, SequenceShards, causal_mask_as_is_causal,
                                                check_maskless, functional_attention, load_balanced, positions_given)
-from autoplan.runtime.data import to_device
-from autoplan.runtime.split import split_model
+from autoplan.runtime.distributed.batches import to_device
+from autoplan.runtime.distributed.split import split_model
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))
 import small_gpt  # noqa: E402

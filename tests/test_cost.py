@@ -125,7 +125,7 @@ def test_activation_memory_per_layer_follows_korthikanti():
 def test_sequence_parallel_activation_memory_per_layer_follows_korthikanti_eq4():
     """TP + SP keeps s b h (34/t + 5 a s / (h t)) per layer (Korthikanti et al. 2022, Eq. 4): norm inputs,
     dropout masks and the inputs the column-parallel Linears all-gather are all kept as sequence shards
-    (runtime/sequence_gather.py gathers again in backward). Full recompute keeps the layer's sequence-sharded
+    (runtime/distributed/sequence_gather.py gathers again in backward). Full recompute keeps the layer's sequence-sharded
     input, 2 s b h / t."""
     s, h, a = 64, 256, 8
     profile = gpt_profile(n_layer=8, n_embd=h, vocab=512, seq=s, batch=2, n_head=a, device="testgpu",
@@ -159,7 +159,7 @@ def test_sequence_parallel_layer_gathers_and_reduce_scatters_instead_of_all_redu
 
 def test_sequence_parallel_linears_reading_one_tensor_share_its_gather():
     """HF Llama's q, k and v (gate and up) read one normed tensor: one all-gather each way, as
-    runtime/sequence_gather.py runs it, and one shard kept."""
+    runtime/distributed/sequence_gather.py runs it, and one shard kept."""
     from pathlib import Path
 
     from autoplan.profile_data import ModelProfile

@@ -1,7 +1,7 @@
 """Expert compute and all-to-all priced as the program runs them (cost/expert_parallel.py route_s,
 cost/module_costs.py OpCost.kept_by_selective, cost/compute.py ModuleTable.selective_recompute_s): the route's
 permutation passes, id and count exchanges and host syncs around the rows' all-to-alls; selective recompute
-running the grouped expert matmuls and the route's passes again, as runtime/recompute.py's save list leaves them
+running the grouped expert matmuls and the route's passes again, as runtime/distributed/recompute.py's save list leaves them
 out, and keeping the route's all-to-all outputs, as it keeps them."""
 
 import math
@@ -86,10 +86,10 @@ def test_selective_recompute_keeps_dense_matmul_outputs_not_grouped_expert_ones(
 
 
 def test_the_program_does_not_save_grouped_matmuls_under_selective():
-    """The rule the price follows (kept_by_selective) is the program's: runtime/recompute.py's save list."""
+    """The rule the price follows (kept_by_selective) is the program's: runtime/distributed/recompute.py's save list."""
     import torch
 
-    from autoplan.runtime.recompute import saved_ops
+    from autoplan.runtime.distributed.recompute import saved_ops
 
     assert torch.ops.aten.mm.default in saved_ops()
     assert torch.ops.aten._grouped_mm.default not in saved_ops()
@@ -104,7 +104,7 @@ def _table(cheap: float, ep_forward: float, ep_recompute: float) -> ModuleTable:
 
 
 def test_selective_recompute_runs_the_route_again_but_not_its_all_to_alls():
-    """The program keeps the all-to-alls' outputs under selective (runtime/recompute.py, as torchtitan does): its
+    """The program keeps the all-to-alls' outputs under selective (runtime/distributed/recompute.py, as torchtitan does): its
     recomputation reruns the route's passes (ep_recompute_s), not the exchanges (ep_forward_s); full reruns both."""
     table = _table(cheap=0.25, ep_forward=0.125, ep_recompute=0.03125)
     assert table.selective_recompute_s(0) == 0.25 + 0.03125

@@ -1,6 +1,6 @@
-"""Dropout in `autoplan verify`: runtime.NoDropout makes every dropout the identity (eager functions and
+"""Dropout in `autoplan verify`: runtime/distributed/dropout.py NoDropout makes every dropout the identity (eager functions and
 modules, attention's dropout_p, the aten ops of an exported pipeline stage, recomputation in backward)
-while training without it keeps dropout; verify runs both sides with --no-dropout and says so in its
+while training without it keeps dropout; verify runs both sides without it (its harness and hook) and says so in its
 output, verify.json and the report."""
 
 import json
@@ -13,7 +13,8 @@ from torch.nn import functional as F
 
 from autoplan.cli import main
 from autoplan.report.html import verify_section
-from autoplan.runtime import NoDropout, checkpoint_modules
+from autoplan.runtime import checkpoint_modules
+from autoplan.runtime.distributed.dropout import NoDropout
 from autoplan.verify import dropout_handling
 
 MODELS = Path(__file__).parent / "models"
@@ -128,7 +129,7 @@ def test_verify_words_the_reference_runs_count(tmp_path, count, says):
 
 
 def test_verify_says_when_the_program_did_not_report_dropout(tmp_path):
-    assert dropout_handling(tmp_path / "missing.json").startswith("not reported by train.py")
+    assert dropout_handling(tmp_path / "missing.json").startswith("not reported by the reference run")
 
 
 def test_the_report_shows_how_dropout_was_handled():
@@ -161,7 +162,7 @@ def test_a_gpt_with_dropout_passes_verify(tmp_path, capsys, pin):
 
 
 def test_attention_arguments_lose_their_dropout_only_inside_a_no_dropout_block():
-    from autoplan.runtime.dropout import attention_without_dropout
+    from autoplan.runtime.distributed.dropout import attention_without_dropout
 
     q = torch.randn(1, 2, 4, 8)
     assert attention_without_dropout((q, q, q), {"dropout_p": 0.1, "is_causal": True}) == \

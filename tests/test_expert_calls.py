@@ -1,4 +1,4 @@
-"""The experts modules of a pipeline split for expert parallelism (runtime/expert_calls.py): exported as one opaque
+"""The experts modules of a pipeline split for expert parallelism (runtime/distributed/expert_calls.py): exported as one opaque
 experts_call per module, then called again as the model's own module inside the stage, at its FQN under the chain
 module, with its parameters under the model's names. Two stages chained match the whole model, forward and
 backward, on HF OLMoE and Qwen2-MoE (a shared expert beside the experts) from config and examples/mixtral.py
@@ -15,7 +15,7 @@ from torch import fx
 from autoplan.capture.experts import is_experts_module
 from autoplan.errors import UserError
 from autoplan.runtime import split_model
-from autoplan.runtime.expert_calls import EXPERTS_CALL, experts_as_calls
+from autoplan.runtime.distributed.expert_calls import EXPERTS_CALL, experts_as_calls
 
 from test_runtime import run_stages, stage_grads
 

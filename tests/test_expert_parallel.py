@@ -1,4 +1,4 @@
-"""autoplan.runtime.expert_parallel on 2 and 4 gloo ranks: transformers' MoE models (Mixtral with grouped
+"""autoplan.runtime.distributed.expert_parallel on 2 and 4 gloo ranks: transformers' MoE models (Mixtral with grouped
 matmul experts, OLMoE, Qwen2-MoE with a shared expert; built from configs) with their experts sharded over
 the ranks and tokens routed by all-to-all. Each rank trains on its own quarter or half of the batch (ep
 borrows data-parallel ranks): the loss averaged over the ranks equals one device's on the whole batch;
@@ -20,7 +20,7 @@ import importlib.util
 import sys
 import torch
 import torch.distributed as dist
-from autoplan.runtime.expert_parallel import is_experts_module, shard_experts
+from autoplan.runtime.distributed.expert_parallel import is_experts_module, shard_experts
 
 
 def load(path, name):
@@ -91,7 +91,7 @@ import importlib.util
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
-from autoplan.runtime.expert_parallel import parallelize_experts
+from autoplan.runtime.distributed.expert_parallel import parallelize_experts
 
 spec = importlib.util.spec_from_file_location("autoplan_test_mixtral", f"{ROOT}/examples/mixtral.py")
 mixtral = importlib.util.module_from_spec(spec)
@@ -145,7 +145,7 @@ def test_experts_split_over_ep_and_fsdp_sharded_over_dp_over_ep_train_as_one_dev
 def test_experts_modules_are_told_from_routers_and_plain_mlps():
     import importlib.util
 
-    from autoplan.runtime.expert_parallel import is_experts_module
+    from autoplan.runtime.distributed.expert_parallel import is_experts_module
 
     spec = importlib.util.spec_from_file_location("autoplan_test_mixtral_find", ROOT / "examples" / "mixtral.py")
     mixtral = importlib.util.module_from_spec(spec)
@@ -186,7 +186,7 @@ def test_experts_compute_in_the_plans_dtype_under_autocast_without_expert_parall
     import torch
     from torch import nn
 
-    from autoplan.runtime.expert_parallel import parallelize_experts
+    from autoplan.runtime.distributed.expert_parallel import parallelize_experts
 
     spec = importlib.util.spec_from_file_location("autoplan_test_zoo_dtype", ROOT / "benchmarks" / "zoo" / "causal_lm.py")
     zoo = importlib.util.module_from_spec(spec)

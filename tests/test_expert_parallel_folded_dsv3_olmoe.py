@@ -17,7 +17,7 @@ DeepSeek-V3 (tests/models/tiny_deepseek_v3.py): multi-head latent attention, a d
 Linear pair under tp). Its router multiplies by `self.weight.type(torch.float32)`: a cast of the parameter, not an
 activation, so cp is allowed (before, the capture took that matmul for activation x activation attention, which the
 ring cannot replace, and refused cp). Its values are narrower than its queries and keys (v_head_dim 4, q/k 8), which
-sends CPU SDPA to its math path; the CPU ring pads them (runtime/context_parallel.py _value_width_as_query).
+sends CPU SDPA to its math path; the CPU ring pads them (runtime/distributed/context_parallel.py _value_width_as_query).
 Its attention is split by heads as torchtitan splits it (q_b_proj and kv_b_proj colwise, o_proj rowwise, the q and
 kv latents q_a_proj / kv_a_proj_with_mqa whole): the keys are built with new_empty and two copy_ into its slices,
 the shared rotary key (one head, from the whole kv_a_proj_with_mqa) expanded into every split head. With sequence
@@ -28,7 +28,7 @@ and scatters within each token's row), their shared experts' Linear pair on DTen
 attention stayed whole and sequence parallelism was refused at the queries' transpose.
 
 Sequence parallelism with a pipeline (pp x ep x tp, sp=on): the stages call the MoE blocks as the model's own
-modules (runtime/expert_calls.py modules_as_calls), which run on each rank's tokens; before, sp was refused with
+modules (runtime/distributed/expert_calls.py modules_as_calls), which run on each rank's tokens; before, sp was refused with
 pp > 1 (a stage's exported graph inlined them).
 """
 

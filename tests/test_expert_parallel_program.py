@@ -115,7 +115,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import autoplan
-from autoplan.runtime.config import ParallelConfig
+from autoplan.runtime.distributed.config import ParallelConfig
 
 spec = importlib.util.spec_from_file_location("autoplan_ep_mixtral_grads", "{ROOT}/examples/mixtral.py")
 mixtral = importlib.util.module_from_spec(spec)

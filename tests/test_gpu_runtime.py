@@ -16,8 +16,8 @@ from autoplan.codegen.launch import launch_layout
 from autoplan.codegen.program import (BUILD_BYTES_PER_S, BUILD_TIME_MARGIN, MIN_PROCESS_GROUP_TIMEOUT_S,
                                       process_group_timeout_s)
 from autoplan.errors import UserError
-from autoplan.runtime import mesh as mesh_module
-from autoplan.runtime import parallel
+from autoplan.runtime.distributed import mesh as mesh_module
+from autoplan.runtime.distributed import parallel
 
 from test_codegen import config_values, make_plan
 
@@ -90,7 +90,7 @@ def test_timeout_is_sized_to_rank_0s_model_build():
 def test_each_steps_peak_is_its_own_on_cuda():
     """StepMetrics.record resets the allocator's peak after reading it: a later, smaller step does not report
     an earlier step's (or the materialization's) peak."""
-    from autoplan.runtime.metrics import StepMetrics
+    from autoplan.runtime.components.metrics import StepMetrics
 
     device = torch.device("cuda", torch.cuda.current_device())
     metrics = StepMetrics(global_batch=1, world_size=1)

@@ -1,6 +1,7 @@
 """Dependencies point one way. Each part of autoplan imports only parts to its left in ORDER, and the
 planning core never imports torch (it works from a saved profile, fast and testable without a model).
-Inside a part, no modules import each other around a loop; no public name of a package is bound to anything but
+Inside a part, no modules import each other around a loop; runtime/'s folders (applying a plan, the training loop's
+parts, verify's harness) import one way; no public name of a package is bound to anything but
 its module of that name; the train.py template reaches autoplan through the versioned runtime interface only.
 
 Read from the source with ast: every import statement counts, those inside functions too.
@@ -105,7 +106,7 @@ def test_imports_point_one_way():
 @pytest.mark.parametrize("module, source", [
     ("autoplan.cost.module_costs", "from autoplan.solve.layouts import SUPPORTED\n"),
     ("autoplan.cost.compute", "def f():\n    from autoplan.solve import search\n"),
-    ("autoplan.profile.whole_model", "from autoplan.runtime.data import call_model\n"),
+    ("autoplan.profile.whole_model", "from autoplan.runtime.components.data import call_model\n"),
     ("autoplan.chain.modules", "import torch\n"),
     ("autoplan.solve.search", "from torch import nn\n"),
 ])
@@ -194,6 +195,69 @@ def test_the_check_finds_a_loop_inside_a_part():
 
 
 # ---------------------------------------------------------------------------------------------------------
+# runtime/'s folders, by who needs them
+
+
+RUNTIME_ORDER = ("distributed", "components", "harness", "")
+"""autoplan.runtime's folders, left to right: applying a plan (distributed/), the training loop's parts
+(components/), autoplan verify's harness (harness/), then runtime's own modules ("": apply_plan, startup,
+interface and the package, the interface a train.py reads). Each imports only runtime modules of its own folder
+or of folders to its left."""
+
+
+def runtime_folder(module: str) -> str | None:
+    """"autoplan.runtime.distributed.mesh" -> "distributed"; "autoplan.runtime.startup" -> ""; None outside runtime."""
+    parts = module.split(".")
+    if parts[:2] != ["autoplan", "runtime"]:
+        return None
+    return parts[2] if len(parts) > 3 or (len(parts) == 3 and parts[2] in RUNTIME_ORDER[:-1]) else ""
+
+
+def runtime_violations(module: str, source: str, is_package: bool = False) -> list[str]:
+    """Every import of the runtime module `module` that points right in RUNTIME_ORDER."""
+    mine = runtime_folder(module)
+    if mine is None:
+        return []
+    problems = []
+    for line, target in imports_of(source, module, is_package):
+        theirs = runtime_folder(target)
+        if theirs is not None and RUNTIME_ORDER.index(theirs) > RUNTIME_ORDER.index(mine):
+            problems.append(f"{module}:{line} imports {target}: runtime/{mine or '.'} may import only "
+                            f"{', '.join(f'runtime/{f}' for f in RUNTIME_ORDER[:RUNTIME_ORDER.index(mine) + 1])}")
+    return problems
+
+
+def test_every_runtime_module_is_in_a_folder_of_the_order():
+    folders = {child.name for child in (PACKAGE / "runtime").iterdir() if (child / "__init__.py").is_file()}
+    assert folders == set(RUNTIME_ORDER) - {""}
+
+
+def test_runtime_folders_import_one_way():
+    problems = []
+    for name, path in all_modules():
+        problems += runtime_violations(name, path.read_text(), path.name == "__init__.py")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("module, source", [
+    ("autoplan.runtime.distributed.steps", "from autoplan.runtime.components.data import TrainingData\n"),
+    ("autoplan.runtime.distributed.recompute", "def f():\n    from autoplan.runtime.harness import hooks\n"),
+    ("autoplan.runtime.components.metrics", "from autoplan.runtime.harness.hooks import verify_hook\n"),
+    ("autoplan.runtime.harness.reference", "from autoplan.runtime import adamw\n"),
+    ("autoplan.runtime.components.checkpoint", "import autoplan.runtime.apply_plan\n"),
+])
+def test_the_check_finds_a_runtime_import_against_the_folders(module, source):
+    assert runtime_violations(module, source)
+
+
+def test_the_runtime_check_lets_a_folder_use_those_left_of_it():
+    assert runtime_violations("autoplan.runtime.components.metrics", "from autoplan.runtime.distributed.mesh import "
+                              "RankLayout\nfrom autoplan.runtime.components import memory\n") == []
+    assert runtime_violations("autoplan.runtime.apply_plan", "from autoplan.runtime.harness.hooks import x\n") == []
+    assert runtime_violations("autoplan.runtime", "from autoplan.runtime.harness.hooks import x\n", True) == []
+
+
+# ---------------------------------------------------------------------------------------------------------
 # public names that are also modules
 
 
@@ -233,7 +297,7 @@ def test_no_public_name_collides_with_a_module():
 
 @pytest.mark.parametrize("package, source", [
     ("autoplan", "def profile(model, gpu='cpu'):\n    pass\n"),
-    ("autoplan.runtime", "from autoplan.runtime.materialize import materialize\n"),
+    ("autoplan.runtime", "from autoplan.runtime.distributed.materialize import materialize\n"),
     ("autoplan", "plan = None\n"),
     ("autoplan", "from autoplan.api import plan_model as plan\n"),
 ])
@@ -305,7 +369,7 @@ def test_templates_reach_autoplan_through_the_runtime_interface_only():
 
 
 @pytest.mark.parametrize("source", [
-    "from autoplan.runtime.split import split_model\n",
+    "from autoplan.runtime.distributed.split import split_model\n",
     "import autoplan.runtime\n",
     "from autoplan import runtime, api\n",
     "import autoplan\nautoplan.api.plan_model('m.py', 8)\n",

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from autoplan.runtime.memory import PeakLiveMemory
+from autoplan.runtime.components.memory import PeakLiveMemory
 
 CPU = torch.device("cpu")
 MiB = 2**20
@@ -249,7 +249,7 @@ def test_a_gradient_at_the_peak_counts_as_gradients_though_it_is_gone_by_exit():
     (sorted by what held them at __exit__, they were counted as activations)."""
     import torch
 
-    from autoplan.runtime.memory import PeakLiveMemory
+    from autoplan.runtime.components.memory import PeakLiveMemory
 
     import gc
 

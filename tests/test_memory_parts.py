@@ -81,7 +81,7 @@ LAYOUTS = {
     "ep": ("moe", "dp=2,zero=3,ep=2,microbatch=2,recompute=none", 2, 4),
     # experts folded over the two tensor-parallel ranks (no data parallelism): each rank holds half of them
     "ep_tp": ("moe", "dp=1,tp=2,ep=2,microbatch=4,recompute=none", 2, 4),
-    # selective recompute keeps matmul and attention outputs and the route's all-to-all outputs (runtime/recompute.py):
+    # selective recompute keeps matmul and attention outputs and the route's all-to-all outputs (runtime/distributed/recompute.py):
     # checked by test_selective_recompute_keeps_the_routes_all_to_all_outputs_as_priced
     "ep_selective": ("moe", "dp=2,zero=3,ep=2,microbatch=2,recompute=selective", 2, 4),
 }
@@ -96,7 +96,7 @@ ACTIVATIONS_TOLERANCE = {"fsdp": 0.15, "tp": 0.15, "pp": 0.15, "cp": 0.15, "fsdp
                          "fsdp_tp": 0.15, "ep": 0.15, "ep_tp": 0.05, "ep_selective": 0.15}
 """Measured here, predicted vs measured activations (with the parameters where RESHARDING): tp -8.7%, fsdp -6% (with
 the gathered units), pp +7.5% on the first stage, -5.9% on the last (cut after blocks.1.ln_1; before the program's
-receive buffers were made on demand and the last stage's kept logits priced, runtime/steps.py and cost/memory.py,
+receive buffers were made on demand and the last stage's kept logits priced, runtime/distributed/steps.py and cost/memory.py,
 the last stage was -29%), cp -3.7% / -2.1% (the
 two ranks), fsdp_pp +8.9% first stage / -0.6% last, fsdp_pp_wide +2.6% / +11.0%, fsdp_tp -5.9%, ep +12.4% / +12.7%,
 ep_tp +1.0% / +1.2% (0.05 there: 0.15 held the over-price below too). The MoE layouts were +24.0% and +12.0%
@@ -110,7 +110,7 @@ priced as its whole saved bytes again (cost/compute.py _module_row): on one proc
 decoder layer's backward holds 0.375 MiB beyond what is alive when it starts at 2 x 128 tokens (0.24 of its 1.53 MiB
 saved), a GPT block's 1.06 MiB (0.26 of 4.02), both far under the rule, yet the distributed GPT layouts are priced
 2-9% low with it, so changing it needs what those programs hold beyond it found first. Unpriced on the other side:
-the expert-parallel route's own saved tensors (runtime/expert_parallel.py _route: the returned rows before the
+the expert-parallel route's own saved tensors (runtime/distributed/expert_parallel.py _route: the returned rows before the
 router-weight multiply and the (token, slot) index vectors, ~0.14 MiB a layer here by their shapes)."""
 
 
@@ -162,7 +162,7 @@ would miss the measurement by more than ACTIVATIONS_TOLERANCE allows."""
 def test_selective_recompute_keeps_the_routes_all_to_all_outputs_as_priced(measured):
     """Under selective recompute an expert-parallel rank keeps its route's all-to-all outputs (the rows and ids it
     received, its rows back: cost/expert_parallel.py selective_kept_bytes), as the program's save list keeps them
-    (runtime/recompute.py). Measured here: 3.689 MB of parameters and activations at the peak, priced 3.683 MB
+    (runtime/distributed/recompute.py). Measured here: 3.689 MB of parameters and activations at the peak, priced 3.683 MB
     (3.14 MB without the route's 0.54 MB: -15%)."""
     from autoplan.cost.expert_parallel import selective_kept_bytes
 

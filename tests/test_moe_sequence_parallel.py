@@ -211,7 +211,7 @@ def _parallelism():
 
 
 def test_sp_with_a_pipeline_runs_moe_blocks_on_local_tokens():
-    """A pipeline stage calls the model's own MoE block (runtime/expert_calls.py modules_as_calls), so sp=on with
+    """A pipeline stage calls the model's own MoE block (runtime/distributed/expert_calls.py modules_as_calls), so sp=on with
     pp > 1 is allowed, under every schedule (it was refused: the stage's graph inlined the block)."""
     from autoplan.layout import Layout, Scope, problems
 

@@ -21,7 +21,7 @@ import pytest
 
 import autoplan
 from autoplan.errors import UserError
-from autoplan.runtime.config import ParallelConfig, as_config
+from autoplan.runtime.distributed.config import ParallelConfig, as_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 from plans import pinned_plan  # noqa: E402

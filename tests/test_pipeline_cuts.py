@@ -15,7 +15,7 @@ from transformers.cache_utils import DynamicCache
 
 from autoplan.contract import call_model, default_loss
 from autoplan.runtime import split_model
-from autoplan.runtime.stage_graph import SendLayout
+from autoplan.runtime.distributed.stage_graph import SendLayout
 
 MODELS = Path(__file__).parent / "models"
 

@@ -99,7 +99,7 @@ def test_the_program_runs_ep_folded_over_dp_shard_cp_tp_or_in_pipeline_stages_an
 
 def test_a_parallel_config_with_ep_the_program_cannot_run_is_refused_before_any_process_group():
     from autoplan.runtime.apply_plan import _check_runnable
-    from autoplan.runtime.config import ParallelConfig
+    from autoplan.runtime.distributed.config import ParallelConfig
 
     _check_runnable(ParallelConfig(dp_shard=2, ep=2, tp=2, pp=2, stages=(("a",), ("b",))))  # all three run
     _check_runnable(ParallelConfig(dp_shard=2, ep=2, cp=2))
@@ -115,7 +115,7 @@ def test_a_parallel_config_with_ep_the_program_cannot_run_is_refused_before_any_
 
 def test_the_search_tries_zero_bubble_schedules_with_a_ring_and_without():
     """The zero-bubble schedules run with context parallelism (each stage's FSDP2 gradients over the ring are reduced
-    after its last weight-gradient pass, runtime/split_backward.py; tests/test_zero_bubble_program.py trains them at
+    after its last weight-gradient pass, runtime/distributed/split_backward.py; tests/test_zero_bubble_program.py trains them at
     parity): the search lists them beside cp=2 and beside cp=1 (before, a rule refused them with cp > 1)."""
     profile = gpt_profile(n_layer=4, seq=2048, batch=2)
     result = search(profile, cluster(4), Training(global_batch_size=8, dtype="bf16"), parse_pins("cp=2,pp=2"))
@@ -244,7 +244,7 @@ def test_sharded_table_divides_by_cp_and_waits_for_the_busiest_expert_rank():
     (2, 2, 2, 2, 2, 2),  # HSDP: FSDP2 over 2, replicas 2
 ])
 def test_the_expert_groups_are_folded_over_dp_shard_and_tp(shard, tp, ep, replicate, expert_shard, expert_replicate):
-    """The expert mesh is cut from dp_shard x cp x tp, tp innermost (runtime/expert_parallel.py): the ep group is ep
+    """The expert mesh is cut from dp_shard x cp x tp, tp innermost (runtime/distributed/expert_parallel.py): the ep group is ep
     consecutive ranks (stride 1, over the tp ranks first), the experts' FSDP group the next dp_shard x tp / ep
     (stride ep), the replicas beyond; with or without sequence parallelism (every tp rank routes its own tokens)."""
     ctx = Context(gpt_profile(n_layer=2, seq=1024), cluster(8), Training(8, "bf16"), CP_EP)
@@ -567,7 +567,7 @@ def test_compiled_experts_with_tensor_parallelism_are_refused_with_the_reason():
 
 def test_with_cp_and_tp_the_experts_token_split_is_only_expert_parallel_routing(tmp_path):
     """ShardedModules.expert_split (tp ranks routing their own share of the tokens, beyond what the experts' ops'
-    own roles price) is tp only with ep > 1 (one route per token, runtime/expert_parallel.py TensorParallelTokens);
+    own roles price) is tp only with ep > 1 (one route per token, runtime/distributed/expert_parallel.py TensorParallelTokens);
     the ring's per-call head split under tp (HF Llama's attention runs inside its tensor-parallel region) must not
     leak into it, or an ep=1 layout's expert compute would be divided by tp."""
     from autoplan.hardware.profiles import load_hardware

@@ -1,4 +1,4 @@
-"""Selective recompute keeps the expert-parallel route's all-to-all outputs (runtime/recompute.py saved_ops, as
+"""Selective recompute keeps the expert-parallel route's all-to-all outputs (runtime/distributed/recompute.py saved_ops, as
 torchtitan's op-level save list keeps torch.ops._c10d_functional.all_to_all_single): the recomputation in backward
 runs the route's permutations again but exchanges nothing, and the gradients are those of the unrecomputed route.
 One process, a gloo group of one rank (the route's code path is the same; its exchanges copy)."""
@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoplan.runtime.expert_parallel import ExpertShard, _route
-from autoplan.runtime.recompute import _contexts
+from autoplan.runtime.distributed.recompute import _contexts
 
 
 class _CountCollectives(TorchDispatchMode):

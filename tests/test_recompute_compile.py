@@ -1,6 +1,6 @@
 """Activation checkpointing of compiled chain modules (the plan's recompute=selective|full with compile=on):
 torch.compile accepts the checkpoint's contexts, the first step's gradients equal the model's without either,
-dropout is off inside the compiled checkpoint while runtime.NoDropout is active (autoplan verify) and on
+dropout is off inside the compiled checkpoint while runtime/distributed/dropout.py NoDropout is active (autoplan verify) and on
 without it, and nothing falls back to eager at a graph break. AOTAutograd (where torch.compile handles the
 checkpoint) with the aot_eager backend: inductor's C++ build of the same graphs runs in the slow parity
 matrix (tests/test_pairs_matrix.py)."""
@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from autoplan.runtime import NoDropout, checkpoint_modules, compile_modules
+from autoplan.runtime import checkpoint_modules, compile_modules
+from autoplan.runtime.distributed.dropout import NoDropout
 
 COMPILE = nn.Module.compile
 

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 from autoplan.errors import UserError
 from autoplan.runtime import AccumulationStep, default_loss, microbatches, shard, split_model, step_batch
-from autoplan.runtime.failures import NOTE_PREFIX, stage_failures
+from autoplan.runtime.distributed.failures import NOTE_PREFIX, stage_failures
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 GPT_STAGES = [("wte", "wpe", "blocks.0", "blocks.1"), ("blocks.2", "blocks.3", "ln_f", "lm_head")]

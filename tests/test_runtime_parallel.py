@@ -16,8 +16,8 @@ from torch import fx, nn
 from autoplan.errors import UserError
 from autoplan.runtime import (ModelPart, TrainingData, build_on_meta, catalog, checkpoint_modules, compute_dtype,
                               materialize, restore_linears, split_model, step_batch)
-from autoplan.runtime.recompute import _save_matmuls, saved_ops
-from autoplan.runtime.steps import CastOutputs
+from autoplan.runtime.distributed.recompute import _save_matmuls, saved_ops
+from autoplan.runtime.distributed.steps import CastOutputs
 from autoplan.contract import load_source
 from helpers.batch import placements
 from test_runtime import load_example, run_stages
@@ -265,7 +265,7 @@ def test_a_loss_that_cannot_run_on_vocabulary_sharded_logits_runs_on_gathered_on
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.nn import functional as F
 
-    from autoplan.runtime.tensor_parallel import ParallelLoss, loss_parallel_context, plain_tensor
+    from autoplan.runtime.distributed.tensor_parallel import ParallelLoss, loss_parallel_context, plain_tensor
     from helpers.batch import _forget_device_meshes
 
     def over_the_sequence(output, targets):
@@ -298,7 +298,7 @@ def test_a_loss_that_cannot_run_on_vocabulary_sharded_logits_runs_on_gathered_on
 def test_tied_copies_sum_their_gradients_and_an_unused_copy_counts_zero():
     """TiedGradients on one rank: the copies' gradients summed into every copy; a copy its stage did not use this
     step (grad None) takes part with zeros instead of failing the step."""
-    from autoplan.runtime.parallel import TiedGradients
+    from autoplan.runtime.distributed.parallel import TiedGradients
 
     used, other, unused = (nn.Parameter(torch.zeros(3)) for _ in range(3))
     used.grad, other.grad = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.5, 0.5, 0.5])

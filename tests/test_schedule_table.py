@@ -80,7 +80,7 @@ def test_the_search_tries_virtual_stages_from_the_row(row_edited):
 
 @pytest.mark.parametrize("placement, virtual, last_rank", [("loop", 1, 3), ("loop", 2, 3), ("v", 2, 0)])
 def test_the_program_finds_its_last_stage_by_the_placement(placement, virtual, last_rank):
-    from autoplan.runtime.mesh import RankLayout
+    from autoplan.runtime.distributed.mesh import RankLayout
 
     ranks = [RankLayout(rank=r, pp_rank=r, dp_rank=0, dp_size=1, pp_size=4, placement=placement,
                         virtual_stages=virtual) for r in range(4)]

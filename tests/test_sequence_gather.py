@@ -1,4 +1,4 @@
-"""Sequence parallelism's all-gather as Megatron-LM runs it (runtime/sequence_gather.py), on 2 gloo ranks:
+"""Sequence parallelism's all-gather as Megatron-LM runs it (runtime/distributed/sequence_gather.py), on 2 gloo ranks:
 the column-parallel Linears that read one tensor (q, k, v; gate and up) share one all-gather, autograd keeps
 the shard instead of the gathered tensor (Korthikanti et al. 2022, Eq. 4 counts it at 1/tp), and outputs and
 gradients still equal one device's. The bytes kept for backward are counted with runtime.memory's live-storage
@@ -21,9 +21,9 @@ SCRIPT = textwrap.dedent('''
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from autoplan.runtime import memory
+    from autoplan.runtime.components import memory
     import importlib
-    tpm = importlib.import_module("autoplan.runtime.tensor_parallel")
+    tpm = importlib.import_module("autoplan.runtime.distributed.tensor_parallel")
 
     B, S, H = 2, 16, 32
 

@@ -1,4 +1,4 @@
-"""The zero-bubble schedules' split backward (runtime/split_backward.py), on one process: a stage's input- and
+"""The zero-bubble schedules' split backward (runtime/distributed/split_backward.py), on one process: a stage's input- and
 weight-gradient passes together give every weight the gradient of a full backward, also along a path from an
 output that no input requiring gradient reaches (an embedding reading token ids beside a layer reading the received
 activation: BART's stage with the encoder's last layer and the decoder's embed_tokens)."""
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from autoplan.runtime.split_backward import UNREACHED, unreached_outputs, weight_gradients_from
+from autoplan.runtime.distributed.split_backward import UNREACHED, unreached_outputs, weight_gradients_from
 
 
 class TwoPathStage(nn.Module):
@@ -76,7 +76,7 @@ def test_the_split_backward_gives_every_weight_its_full_backward_gradient():
 
 
 def test_gradient_buckets_keep_the_order_and_hold_one_dtype_up_to_the_size():
-    from autoplan.runtime.split_backward import buckets
+    from autoplan.runtime.distributed.split_backward import buckets
 
     grads = [torch.zeros(4), torch.zeros(4), torch.zeros(2, dtype=torch.float64), torch.zeros(10), torch.zeros(1)]
     cut = buckets(grads, bucket_bytes=32)  # 8 fp32 values
@@ -89,7 +89,7 @@ def test_the_replicas_mean_leaves_a_parameter_no_member_reached_without_a_gradie
     single-device model leaves it), one frozen is left alone."""
     import torch.distributed as dist
 
-    from autoplan.runtime.split_backward import all_reduce_mean
+    from autoplan.runtime.distributed.split_backward import all_reduce_mean
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

@@ -1,6 +1,6 @@
 """train.py knows its plan and how it must be launched (issue 30): the plan's fingerprint in train.py
 (PLAN_FINGERPRINT), its start-up refusal beside another plan.json, `autoplan verify` failing a train.py that is not
-plan.json's, and launch mistakes (no torchrun, another number of processes, --reference under torchrun, a launcher's
+plan.json's, and launch mistakes (no torchrun, another number of processes, a launcher's
 NPROC_PER_NODE) as one line and exit code 2, with arithmetic that names every factor of the world size."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from autoplan.codegen import write_program
 from autoplan.errors import UserError
 from autoplan.plan import Prediction, SolverInfo
-from autoplan.runtime.config import ParallelConfig
+from autoplan.runtime.distributed.config import ParallelConfig
 from autoplan.runtime.startup import launch_problem, plan_mismatch
 from autoplan.verify import verify
 from helpers.plans import pinned_plan
@@ -86,17 +86,15 @@ def test_a_program_refuses_a_plan_it_was_not_generated_from_with_both_layouts(tm
 
 def test_launch_mistakes_name_every_factor_of_the_world_size():
     cp2 = ParallelConfig.of(cp2_plan())
-    assert launch_problem(cp2, False, {**TORCHRUN, "WORLD_SIZE": "2"}) is None
-    wrong = launch_problem(cp2, False, {**TORCHRUN, "WORLD_SIZE": "4"})
+    assert launch_problem(cp2, {**TORCHRUN, "WORLD_SIZE": "2"}) is None
+    wrong = launch_problem(cp2, {**TORCHRUN, "WORLD_SIZE": "4"})
     assert wrong.startswith("4 processes were started (WORLD_SIZE=4")
     assert "the plan is for pp 1 x dp_replicate 1 x dp_shard 1 x cp 2 x tp 1 = 2 processes" in wrong
     assert "--nproc-per-node 2" in wrong
-    bare = launch_problem(cp2, False, {})
+    bare = launch_problem(cp2, {})
     assert "under torchrun, which sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT" in bare
-    assert "python train.py --reference" in bare
-    assert launch_problem(cp2, True, {}) is None
-    assert "without torchrun" in launch_problem(cp2, True, {**TORCHRUN, "WORLD_SIZE": "2"})
-    assert launch_problem(cp2, False, {}, running_world=2) is None  # a process group already started (tests' batch)
+    assert "autoplan verify DIR checks it on this machine's CPU" in bare
+    assert launch_problem(cp2, {}, running_world=2) is None  # a process group already started (tests' batch)
 
 
 def test_verify_fails_a_train_py_of_another_plan_before_running_it(tmp_path):
@@ -142,11 +140,11 @@ def test_train_py_start_up_mistakes_are_one_line_and_exit_2(tmp_path):
     silent = run_train_py(out, ["--steps", "1"], {**TORCHRUN, "WORLD_SIZE": "3", "RANK": "1", "LOCAL_RANK": "1"})
     assert silent.returncode == 2 and not silent.stderr.strip(), silent.stderr
     (out / "plan.json").write_text(tp2_plan().to_json())
-    assert "not the plan this train.py was generated from" in one_error_line(run_train_py(out, ["--reference"]))
+    assert "not the plan this train.py was generated from" in one_error_line(run_train_py(out, []))
     (out / "plan.json").write_text(dp2_plan().to_json())
     other = tmp_path / "tp2.json"
     other.write_text(tp2_plan().to_json())
-    assert "tp2.json is not the plan" in one_error_line(run_train_py(out, ["--reference", "--plan", str(other)]))
+    assert "tp2.json is not the plan" in one_error_line(run_train_py(out, ["--plan", str(other)]))
 
 
 def test_torchrun_sh_refuses_another_number_of_processes(tmp_path):

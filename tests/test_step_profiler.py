@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from autoplan.runtime.profiling import PROFILED_STEPS, StepProfiler, trace_path
+from autoplan.runtime.components.profiling import PROFILED_STEPS, StepProfiler, trace_path
 
 
 def _traced_steps(path) -> list[str]:

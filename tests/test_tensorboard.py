@@ -1,4 +1,4 @@
-"""train.py --tensorboard (autoplan.runtime.tensorboard): the scalars it writes, read back from the event files
+"""train.py --tensorboard (autoplan.runtime.components.tensorboard): the scalars it writes, read back from the event files
 with TensorBoard's own reader; the plan's predictions in train.py's PREDICTED; one line and exit 2 when the
 package is absent. The last test runs a generated program under torchrun (dp=2, CPU/gloo) in one shared launch
 (tests/helpers/batch.py) and checks the event file against the losses and metrics the program also wrote."""
@@ -13,8 +13,8 @@ import pytest
 
 from autoplan.codegen import write_program
 from autoplan.plan import ClusterRef, ModelRef, Parallelism, Plan, Prediction, SolverInfo, Stage, Training
-from autoplan.runtime import tensorboard
-from autoplan.runtime.tensorboard import TensorBoardLog, default_log_dir, predicted_scalars
+from autoplan.runtime.components import tensorboard
+from autoplan.runtime.components.tensorboard import TensorBoardLog, default_log_dir, predicted_scalars
 from helpers.verify_many import BatchJob, run_batch
 from test_layouts import TINY_GPT  # examples/gpt.py at tiny sizes
 
@@ -68,7 +68,7 @@ def load_program(out: Path):
 
 
 def step_entry(step: int, loss: float) -> dict:
-    """A StepMetrics record (runtime/metrics.py) as rank 0 has it."""
+    """A StepMetrics record (runtime/components/metrics.py) as rank 0 has it."""
     return {"step": step, "loss": loss, "seconds": 0.2, "samples_per_s": 40.0, "tokens_per_s": 320.0, "mfu": 0.02,
             "peak_memory_bytes": 2 * GIB}
 

@@ -290,7 +290,7 @@ def _data_parallel_comm(schedule: str, *, overlap: float = 1.0, tensor_overhead_
 
 
 def test_ddp_under_a_zero_bubble_schedule_pays_one_flat_all_reduce_after_the_last_weight_pass():
-    """The program (runtime/split_backward.py) all-reduces a DDP stage's gradients in one flat buffer after its last
+    """The program (runtime/distributed/split_backward.py) all-reduces a DDP stage's gradients in one flat buffer after its last
     weight pass, no DDP hook firing: nothing hides it and DDP's time per parameter tensor is not paid. The interleaved
     1F1B's DDP buckets hide behind the last backward."""
     for schedule in ZERO_BUBBLE_SCHEDULES:

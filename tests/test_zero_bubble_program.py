@@ -6,7 +6,7 @@ as tests/test_layouts.py writes them), the search's own plans pinned to each sch
 embedding tied three ways, a stage whose embedding reads only token ids) pinned to each; ONE launch of 4 CPU
 processes. With data parallelism (dp=2 x pp=2: replicas, and FSDP2 resharding after forward or not) and with
 context parallelism (cp=2 x pp=2, FSDP2 over the cp ranks) each stage reduces its gradients once after its last
-weight pass (runtime/split_backward.py; torch's own handling left DDP's
+weight pass (runtime/distributed/split_backward.py; torch's own handling left DDP's
 gradients 136% off and lost FSDP2's under ZeRO-3)."""
 
 from pathlib import Path
@@ -53,7 +53,7 @@ SMALL_GPT = Path(__file__).parent / "models" / "small_gpt.py"
 BART = Path(__file__).parents[1] / "benchmarks" / "zoo" / "seq2seq.py"
 """BART ties one embedding three ways; at pp=2 the search puts the decoder's embed_tokens (reading only the token
 ids) on stage 1 beside the encoder's last layer, a path torch's split backward alone leaves without a gradient
-(runtime/split_backward.py)."""
+(runtime/distributed/split_backward.py)."""
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from autoplan.calibrate.measure import OPTIMIZER_TENSORS, Clock, transformer_lay
 from autoplan.calibrate.types import ROUNDS
 from autoplan.cost import calibration
 from autoplan.cost.pipeline import StageCost, simulate
-from autoplan.runtime.optimizer import adamw
+from autoplan.runtime.components.optimizer import adamw
 
 LAYERS = 2
 """Transformer layers (width 128, 4 heads, MLP 512) under the timed DDP and fully_shard: a small model's
@@ -175,12 +175,12 @@ class _Mlp(nn.Module):
 
 def tensor_parallel_op_overhead_seconds(clock: Clock, mesh, all_reduce_s: float) -> float:
     """Host seconds per DTensor op of a tensor-parallel region, as the cost model counts the ops: a
-    Megatron MLP (fc column-parallel, GELU, proj row-parallel; autoplan.runtime.tensor_parallel, as the
+    Megatron MLP (fc column-parallel, GELU, proj row-parallel; autoplan.runtime.distributed.tensor_parallel, as the
     generated programs shard) forward+backward, over one rank's shard of it run on plain tensors, less
     the two all-reduces the link fits charge (`all_reduce_s` each), per counted op. Its DTensor
     dispatch (sharding propagation, redistributes, wrapping) costs far more than a replicated tiny op's.
     Every rank of `mesh` calls this."""
-    from autoplan.runtime.tensor_parallel import tensor_parallel, tensor_parallel_context
+    from autoplan.runtime.distributed.tensor_parallel import tensor_parallel, tensor_parallel_context
 
     hidden = 4 * TP_FEATURES
     torch.manual_seed(0)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from autoplan.calibrate.fit import median
-from autoplan.runtime.optimizer import adamw
+from autoplan.runtime.components.optimizer import adamw
 
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """Profile dtype name -> the tensor dtype timed ("tf32" is fp32 with TF32 tensor cores allowed)."""

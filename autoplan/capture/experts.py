@@ -1,7 +1,7 @@
 """The experts module of a mixture of experts, as transformers' MoE families (Mixtral, Qwen2-MoE, OLMoE, ...)
 write it: called after the router as `experts(hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k))`,
 its parameters stacked per expert on dimension 0 and its `num_experts` saying how many. The one place the
-rule lives: the runtime shards such modules (runtime/expert_parallel.py) and the profile counts the tokens
+rule lives: the runtime shards such modules (runtime/distributed/expert_parallel.py) and the profile counts the tokens
 the router sends them (profile/router_loads.py)."""
 
 from __future__ import annotations

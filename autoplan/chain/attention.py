@@ -1,6 +1,6 @@
 """The model's attention calls in the captured graph (torch-free): what context parallelism splits.
 
-torch's context parallelism (`context_parallel`, runtime/context_parallel.py) replaces each
+torch's context parallelism (`context_parallel`, runtime/distributed/context_parallel.py) replaces each
 `scaled_dot_product_attention` call by a ring over the ranks' sequence shards; every other op runs token by
 token on the rank's shard. So a model can run with cp > 1 when every op that computes attention (chain/ops.py
 kind "attention") is an SDPA kernel: attention written as activation x activation matmuls, a softmax between

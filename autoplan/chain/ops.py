@@ -159,7 +159,7 @@ def autocast_fp32_nodes(ops: tuple[OpProfile, ...] | list[OpProfile]) -> frozens
     In a Hugging Face transformer that is the embedding's output and the residual stream it feeds (adds, norms),
     while the matmuls, attention and the MLP between them run in bf16. Grouped expert matmuls run in bf16 too,
     though autocast does not cast them: the program casts the experts' weights to the training dtype each forward
-    (runtime/expert_parallel.py) and transformers casts the routed tokens to the weights' dtype; so does the expert
+    (runtime/distributed/expert_parallel.py) and transformers casts the routed tokens to the weights' dtype; so does the expert
     MLP after them (measured on CPU under autocast: the experts keep bf16 tokens, gate/up outputs and weights)."""
     fp32: set[str] = set()
     for op in ops:

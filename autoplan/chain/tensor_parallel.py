@@ -27,7 +27,7 @@ torch's loss_parallel computes: LOSS_OPS, LOSS_PARALLEL_OPS) is also "colwise", 
 vocabulary for the loss (loss_parallel; gathered when the plan disables it), and an input embedding tied to that
 head or with as many rows as the head has outputs (the word embedding, not a position table) is
 "rowwise" (RowwiseParallel on nn.Embedding: vocabulary rows split, outputs reduce-scattered onto the
-sequence with sequence parallelism, else all-reduced). runtime/tensor_parallel.py runs both.
+sequence with sequence parallelism, else all-reduced). runtime/distributed/tensor_parallel.py runs both.
 
 Sequence parallelism (Korthikanti et al. 2022): the outputs of rowwise Linears (and of the vocabulary-
 parallel embedding) are reduce-scattered onto the sequence dimension, and the ops that read them up to the
@@ -44,7 +44,7 @@ shards as they are (SEQUENCE_LOCAL_OPS: elementwise, norms, casts, dropout, a Li
 "sequence"; the others (a mixture of experts' routing: the (b s, h) view, router, gathers, grouped matmul,
 combine) get role "sequence_local", and the innermost module around them whose inputs and outputs are [b, s,
 ...] shards (the MoE block: HF Mixtral's, Qwen3-MoE's, OLMoE's model.layers.N.mlp) joins the plan with style
-"sequence_local": runtime/tensor_parallel.py runs it on each rank's tokens as plain tensors. Any op that mixes
+"sequence_local": runtime/distributed/tensor_parallel.py runs it on each rank's tokens as plain tensors. Any op that mixes
 tokens (attention left whole, expert-choice routing, the sequence reshaped into features) makes sequence
 parallelism unavailable for the model: TensorParallelFacts.sequence_parallel_problem says which op and why.
 
@@ -297,7 +297,7 @@ def _module_plan(role: dict[str, str], ops) -> tuple[dict[str, str], set[str]]:
 def _sequence_parallel(ops, consumers, role: dict[str, str]) -> tuple[str, list[str]]:
     """Mark the ops that run on sequence shards: "sequence" (on DTensors sharded on the sequence, op by op) or
     "sequence_local" (inside a module that runs on this rank's tokens as plain tensors: a mixture of experts'
-    routing, runtime/tensor_parallel.py); returns why they cannot ("" when they can) and the modules that run on
+    routing, runtime/distributed/tensor_parallel.py); returns why they cannot ("" when they can) and the modules that run on
     this rank's tokens as plain tensors."""
     def sequence_output(op: OpProfile) -> bool:  # a [b, s, h] output: the input (rowwise) or indices (embedding)
         shapes = op.input_shapes
@@ -723,7 +723,7 @@ def _dtensor_sequence_op(op: OpProfile, tokens: dict[str, Tokens], found: Tokens
 
 def _local_modules(ops, consumers, role: dict[str, str], tokens: dict[str, Tokens]) -> tuple[str, list[str]]:
     """Every "sequence_local" op must lie in a module whose inputs and outputs computed from the shard are [b, s, ...]
-    tensors in token order and that holds no split Linear (runtime/tensor_parallel.py runs that module on this rank's
+    tensors in token order and that holds no split Linear (runtime/distributed/tensor_parallel.py runs that module on this rank's
     tokens as plain tensors); returns why not ("" when they do) and those modules (outermost first)."""
     members: dict[str, list[str]] = {}
     for node, op in ops.items():
@@ -761,7 +761,7 @@ def _split_islands(module: str, split: list[str], ops, consumers, tokens: dict[s
                    members: dict[str, list[str]]) -> bool:
     """The split Linears inside a module run on this rank's tokens lie in submodules of it (DeepSeek-V3's and
     Qwen2-MoE's shared experts, a colwise/rowwise pair) that take and return [b, s, ...] tensors in token order and
-    hold nothing else: runtime/tensor_parallel.py runs such a submodule on DTensors again (its input a sequence
+    hold nothing else: runtime/distributed/tensor_parallel.py runs such a submodule on DTensors again (its input a sequence
     shard the colwise Linears all-gather, its rowwise output reduce-scattered back onto the sequence)."""
     islands = {ops[n].module.rpartition(".")[0] for n in split if is_weight_linear(ops[n])}
     if not islands or any(not island.startswith(module + ".") for island in islands):

@@ -57,7 +57,7 @@ TARGET_CHECKPOINT_INTERVAL_S = 1800.0
 """Training time between periodic checkpoints: a killed or preempted job loses at most about this much
 (30 minutes, issue 30)."""
 MAX_SAVE_FRACTION = 0.03
-"""The most of the training time that saving may take: train.py saves synchronously (runtime/checkpoint.py,
+"""The most of the training time that saving may take: train.py saves synchronously (runtime/components/checkpoint.py,
 dcp.save), every rank waits for the save, so a save of S seconds needs an interval of at least S / 0.03."""
 NODE_WRITE_BYTES_PER_S = 1e9
 """Bytes per second one node writes its share of a checkpoint at: a 10 GbE link to a shared filesystem
@@ -65,7 +65,7 @@ NODE_WRITE_BYTES_PER_S = 1e9
 nodes write in parallel. Parallel filesystems write faster: then the save costs less than assumed and the
 interval stays at TARGET_CHECKPOINT_INTERVAL_S."""
 CHECKPOINT_BYTES_PER_PARAM = FSDP2_STATE_BYTES_PER_PARAM["parameters"] + FSDP2_STATE_BYTES_PER_PARAM["optimizer"]
-"""What a checkpoint holds per parameter (runtime/checkpoint.py saves the model and AdamW state): the fp32
+"""What a checkpoint holds per parameter (runtime/components/checkpoint.py saves the model and AdamW state): the fp32
 weight and AdamW's fp32 exp_avg and exp_avg_sq, 4 + 8 = 12 bytes, whatever the training dtype (cost/memory.py)."""
 
 

@@ -135,12 +135,11 @@ def _docstring(plan: Plan, launch: Launch) -> str:
         "",
         "Initial weights: every rank builds the model on the meta device and allocates only its own",
         "stages and shards; rank 0 builds the model once on CPU with the seed below and broadcasts",
-        "the values (see autoplan/runtime/materialize.py for the trade-off).",
+        "the values (see autoplan/runtime/distributed/materialize.py for the trade-off).",
         "",
-        "Check it on this machine's CPU (gloo) against a single-device run first:",
+        "Check it on this machine's CPU (gloo) against a single-device run first (same weights, batches,",
+        "optimizer and schedule; loss and every first-step gradient compared):",
         "    autoplan verify .",
-        "The single-device reference it compares against (same weights, batches and optimizer):",
-        "    python train.py --reference --steps 3 --losses-out reference_losses.json",
     ]
     return "\n".join(lines) + "\n"
 
@@ -208,7 +207,7 @@ def _peak_flops_per_gpu(plan: Plan) -> float | None:
 
 
 MIN_PROCESS_GROUP_TIMEOUT_S = 1800.0
-"""The shortest collective timeout train.py gets (runtime/mesh.py PROCESS_GROUP_TIMEOUT_S, 30 minutes: torch's
+"""The shortest collective timeout train.py gets (runtime/distributed/mesh.py PROCESS_GROUP_TIMEOUT_S, 30 minutes: torch's
 NCCL default is 10)."""
 BUILD_BYTES_PER_S = 1e8
 """fp32 bytes per second rank 0 builds and initializes the model at on the CPU while the other ranks wait in the

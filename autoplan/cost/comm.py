@@ -26,7 +26,7 @@ Gpu.comm_overlap (1 on GPUs; measured on a CPU, whose gloo threads share the cor
   zero-bubble schedules reduce-scatter after the stage's last weight-gradient pass, the same once per step.
 - Replicas under a zero-bubble schedule (split backward, dp_shard 1): no DDP (its hooks would never fire in the
   autograd.grad passes); after the stage's last weight-gradient pass its gradients are copied into flat buckets of
-  DDP_BUCKET_BYTES, all-reduced, averaged and copied back (runtime/split_backward.py), which nothing hides.
+  DDP_BUCKET_BYTES, all-reduced, averaged and copied back (runtime/distributed/split_backward.py), which nothing hides.
 - Expert parallelism under FSDP2: a module's experts (E/ep per rank) are their own FSDP2 unit, sharded over the
   ranks holding the same experts (dp_shard x cp / ep; HSDP's replicas beside), gathered and reduce-scattered
   in the same streams just before the module's other parameters: their collectives add to that module's and
@@ -251,7 +251,7 @@ def fsdp_comm(stage: FsdpStage) -> DataParallelComm:
 
 
 SYNC_STATISTICS_BYTES = 4
-"""Bytes per synchronized BatchNorm statistic: fp32 (runtime/batchnorm.py reduces in fp32)."""
+"""Bytes per synchronized BatchNorm statistic: fp32 (runtime/distributed/batchnorm.py reduces in fp32)."""
 
 
 def sync_batch_norm_s(channels: Sequence[int], group: Group) -> float:

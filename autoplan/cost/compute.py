@@ -17,13 +17,13 @@ divided by t.
 Ops of a tensor-parallel region (its Linears and everything between them) run on DTensors and also
 pay their host cost (Gpu.dtensor_op_overhead_s per DTensor op).
 
-Tensor-parallel collectives per module (alpha-beta, cost/comm.py), as runtime/tensor_parallel.py runs them:
+Tensor-parallel collectives per module (alpha-beta, cost/comm.py), as runtime/distributed/tensor_parallel.py runs them:
 - without sequence parallelism: an all-reduce of each rowwise Linear's output (and of a vocabulary-parallel
   embedding's output) in forward, of each colwise Linear's (and the head's) input gradient in backward;
 - with it (Korthikanti et al. 2022): each all-reduce becomes a reduce-scatter onto the sequence; the colwise
   Linears (and the head) all-gather their sequence-sharded input in forward, once for those reading the same
   tensor (q, k, v), and in backward reduce-scatter its gradient and gather it again (the shard was kept:
-  runtime/sequence_gather.py; not in compiled modules); the rowwise Linear's output gradient is all-gathered
+  runtime/distributed/sequence_gather.py; not in compiled modules); the rowwise Linear's output gradient is all-gathered
   in backward; the ops between the pairs compute on sequence shards (1/tp);
 - a reduction over a projection's split features (a q/k norm spanning every head: its sum of squares) is
   all-reduced in forward (DTensor's Partial result made whole); in backward its gradient is broadcast locally;
@@ -88,7 +88,7 @@ class ModuleTable:
     ep_backward_s: tuple[float, ...] = ()
     ep_recompute_s: tuple[float, ...] = ()
     """What selective recompute runs again of expert parallelism's route in the module's backward: its permutation
-    passes and host syncs, not its all-to-alls (the program's save list keeps their outputs: runtime/recompute.py),
+    passes and host syncs, not its all-to-alls (the program's save list keeps their outputs: runtime/distributed/recompute.py),
     seconds; () at ep = 1."""
 
     def selective_recompute_s(self, u: int) -> float:
@@ -177,7 +177,7 @@ class ShardedModules:
     """The same in the backward (permutation passes), seconds."""
     expert_split: int = 1
     """Tensor-parallel ranks sharing the expert layers' tokens beyond the base table's share: tp when ep > 1 (each
-    routes its own 1/tp of them: runtime/expert_parallel.py TensorParallelTokens) unless the experts' ops already run
+    routes its own 1/tp of them: runtime/distributed/expert_parallel.py TensorParallelTokens) unless the experts' ops already run
     on sequence shards ("sequence_local" MoE blocks, priced on 1/tp in the base table), else 1."""
     expert_cheap_forward_s: tuple[float, ...] = ()
     """Per module, the forward of its experts' ops that selective recompute repeats (all experts, whole rows),
@@ -411,7 +411,7 @@ def loss_s(logits_bytes: float, setting: TableSetting) -> tuple[float, float]:
 
 def weight_cast_s(op: OpCost, setting: TableSetting) -> float:
     """One cast of the fp32 weights an op reads under torch.autocast to the training dtype (forward: autocast's
-    cast of a Linear's weight, the experts' cast of runtime/expert_parallel.py; module_costs.autocast_weight_copy_bytes
+    cast of a Linear's weight, the experts' cast of runtime/distributed/expert_parallel.py; module_costs.autocast_weight_copy_bytes
     holds the copies), or of their gradient back to fp32 (backward: the cast's own backward): a streaming kernel
     reading one dtype and writing the other, per tensor-parallel rank, plus its launch, seconds. The traced kernels
     of the GPU run (benchmarks/results/gpu_check_h200_20261127b, bfloat16_copy and direct_copy kernels) show them;
@@ -424,7 +424,7 @@ def weight_cast_s(op: OpCost, setting: TableSetting) -> float:
 
 DTENSOR_ROLES = frozenset({"colwise", "rowwise", "interior"})
 """Tensor-parallel roles whose ops run on DTensors: the sharded Linears and every op between a
-column-parallel Linear and its row-parallel partner (runtime/tensor_parallel.py keeps DTensors there,
+column-parallel Linear and its row-parallel partner (runtime/distributed/tensor_parallel.py keeps DTensors there,
 views included)."""
 
 

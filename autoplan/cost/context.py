@@ -75,7 +75,7 @@ def expert_shard_degree(fsdp: int, ep: int, tp: int = 1) -> int:
     """Ranks the expert parameters' states shard over, with FSDP over `fsdp` ranks (dp_shard x cp), expert
     parallelism `ep` and tensor parallelism `tp`. Expert parallelism is folded over dp_shard x cp x tp
     (layout.expert_folded_ranks): a rank holds E/ep experts, whole (ETP 1), and FSDP2 shards them over the
-    dp_shard x cp x tp / ep ranks holding the same ones (runtime/expert_parallel.py "efsdp"), so a rank keeps
+    dp_shard x cp x tp / ep ranks holding the same ones (runtime/distributed/expert_parallel.py "efsdp"), so a rank keeps
     1/(dp_shard x cp x tp) of the expert states. At ep 1 the experts are parameters like the others, whole on each tp
     rank: fsdp. 1 (whole E/ep experts, gradients all-reduced over the ranks holding them) without FSDP (fsdp 1), or
     when the folded ranks are no multiple of ep (ep then borrows replicas: priced, not run)."""
@@ -259,7 +259,7 @@ class Context:
 
     def autocast_layout(self, par: Parallelism) -> bool:
         """bf16 trains as torch.autocast over fp32 weights in this layout: FSDP2 does not wrap it
-        (layout.fsdp_wraps), so no MixedPrecisionPolicy computes in bf16 (runtime/steps.py)."""
+        (layout.fsdp_wraps), so no MixedPrecisionPolicy computes in bf16 (runtime/distributed/steps.py)."""
         return self.dtype == "bf16" and not fsdp_wraps(par.data_parallel_replicate_degree,
                                                         par.data_parallel_shard_degree, par.context_parallel_degree,
                                                         par.tensor_parallel_degree)
@@ -285,7 +285,7 @@ class Context:
         experts = self._ops_table(self._expert_nodes, tp, microbatch, sp)
         imbalance, all_to_all, route_forward, route_backward = [1.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
         route_recompute, route_kept = [0.0] * n, [0.0] * n
-        ep_group = self.group(ep, 1)  # folded over the tp ranks first (runtime/expert_parallel.py)
+        ep_group = self.group(ep, 1)  # folded over the tp ranks first (runtime/distributed/expert_parallel.py)
         # with ep > 1 each tp rank routes its own 1/tp of the tokens (TensorParallelTokens); with sequence parallelism
         # through "sequence_local" MoE blocks (chain/tensor_parallel.py) the table already prices the experts' ops on
         # that share, so only the rows sent are split here
@@ -321,7 +321,7 @@ class Context:
                 heads = tp if role.get(call.node, "") in SPLIT_ROLES else 1  # its heads split over tp
                 change[u] += (call.ring_saved_bytes - call.saved_bytes) * microbatch * self.scale / heads
             first = self._block_start(min(self._attention_module))
-            if sp and tp > 1 and first > 0:  # sequence shares under sequence parallelism (runtime/context_parallel.py)
+            if sp and tp > 1 and first > 0:  # sequence shares under sequence parallelism (runtime/distributed/context_parallel.py)
                 whole = self.cut_bytes(cp)[first - 1] * microbatch * self.scale
                 tp_group = self.group(tp, 1)
                 ring_forward[first] += comm.all_gather_s(whole, tp, tp_group.link, tp_group.nodes)
@@ -342,7 +342,7 @@ class Context:
     def _block_start(self, u: int) -> int:
         """The first chain module of the block running module u (its siblings under the same parent before it, as
         blocks.0.ln_1 before blocks.0.attn): where context parallelism cuts each rank's share of the sequence
-        (runtime/attention_blocks.py: the outermost module running the attention that started after the
+        (runtime/distributed/attention_blocks.py: the outermost module running the attention that started after the
         embeddings)."""
         fqns = [m.fqn for m in self.chain.modules]
         parent = fqns[u].rpartition(".")[0]
@@ -361,7 +361,7 @@ class Context:
         """Bytes per sample each rank sends across each module boundary (capture dtype): cut_bytes(cp), divided by cp
         from the output of the first module calling attention on; the boundaries before it carry the whole sequence
         on every context-parallel rank, as the program hands the ranks their shares only where the block of the first
-        attention call starts (runtime/context_parallel.py)."""
+        attention call starts (runtime/distributed/context_parallel.py)."""
         if cp == 1:
             return self.cut_bytes()
         first = min(self._attention_module, default=0)

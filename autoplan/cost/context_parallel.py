@@ -1,6 +1,6 @@
 """What context parallelism's ring attention costs one rank, per attention layer and micro-batch
 (torch-free), as torch's ring (torch.distributed.tensor.experimental._context_parallel, which
-runtime/context_parallel.py runs with its defaults: rotate_method all-gather, convert_to_f32, causal load
+runtime/distributed/context_parallel.py runs with its defaults: rotate_method all-gather, convert_to_f32, causal load
 balancing) runs it on cp sequence shards:
 
 - Forward: cp steps. The keys and values of the whole sequence are all-gathered once (2 x batch x seq x kv

@@ -174,7 +174,7 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
                 par.fsdp_shard_degree,
                 groups.tp)
         updated = (sum(numels) - sum(expert_numels)) / par.fsdp_shard_degree + sum(expert_numels) / expert_shard
-        # FSDP2 parameters are DTensors (also over tensor-parallel replicas: runtime/parallel.py); without
+        # FSDP2 parameters are DTensors (also over tensor-parallel replicas: runtime/distributed/parallel.py); without
         # it, only the tensor-parallel Linears' weights and biases are
         if par.sharded or (tp > 1 and par.data_parallel_degree > 1):
             dtensors = len(held)
@@ -313,7 +313,7 @@ def _sum(a: comm.DataParallelComm, b: comm.DataParallelComm) -> comm.DataParalle
 def sequence_local_gradient_sum_s(numels: list[float], element: int, shard: int, tp: comm.Group) -> float:
     """After backward, the gradients of the replicated parameters that modules run on each tp rank's sequence shard
     read (a mixture of experts' router, and its experts at ep = 1) hold this rank's tokens' share: they are
-    all-reduced over the tp ranks (runtime/tensor_parallel.py reduce_partial_gradients), each rank its FSDP shard
+    all-reduced over the tp ranks (runtime/distributed/tensor_parallel.py reduce_partial_gradients), each rank its FSDP shard
     (1/`shard` of them), nothing hiding it. Seconds per step."""
     nbytes = sum(numels) * element / shard
     return comm.all_reduce_s(nbytes, tp.size, tp.link, tp.nodes) if nbytes > 0 else 0.0
@@ -342,7 +342,7 @@ def _data_parallel(ctx: Context, par: Parallelism, groups: Groups, *, module_byt
     forward, backward = forward_s * overlap, backward_s * overlap
     streaming = gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency
     if not sharded:
-        # DDP proper only without tensor parallelism (with it, fully_shard replicates: runtime/parallel.py)
+        # DDP proper only without tensor parallelism (with it, fully_shard replicates: runtime/distributed/parallel.py)
         if _split_backward(par):  # reduced after the stage's last weight pass, nothing beside it
             if par.tensor_parallel_degree == 1:  # in buckets by the stage itself, no DDP
                 return comm.bucketed_all_reduce_comm(sum(module_bytes) * gradient_ratio, replicate, streaming)

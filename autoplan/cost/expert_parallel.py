@@ -1,5 +1,5 @@
 """What expert parallelism costs one rank, per expert layer and micro-batch (torch-free), as
-runtime/expert_parallel.py runs it:
+runtime/distributed/expert_parallel.py runs it:
 
 - Traffic: every (token, slot) row goes to its expert's rank and comes back, an all-to-all each way in
   the forward and again in the backward (the gradients retrace the route): 4 all-to-alls of
@@ -18,7 +18,7 @@ runtime/expert_parallel.py runs it:
   A router that prefers some experts is worse: a measured ratio replaces this one when there is one
   (measured_imbalance: the rows `autoplan profile --measure` counted per expert, grouped as the ranks hold
   the experts).
-- The route around the all-to-alls (runtime/expert_parallel.py _route), which the captured experts module does not
+- The route around the all-to-alls (runtime/distributed/expert_parallel.py _route), which the captured experts module does not
   hold (it runs only when ep > 1): in the forward, the gather of each row's token into destination order, the
   multiply of the returned rows by their router weights and the index_add that sums them per token, each a
   read and a write of rows x features x bytes (ROUTE_FORWARD_PASSES); in the backward, the index_add's gather of
@@ -30,7 +30,7 @@ runtime/expert_parallel.py runs it:
   queue, which then waits for the next kernel's launch (Gpu.kernel_overhead_s).
 - Memory: a rank holds E/ep of the experts' weights, gradients and optimizer states; every other
   parameter stays data-parallel. Under selective recompute the program keeps the outputs of the route's
-  all-to-alls (runtime/recompute.py saved_ops, torchtitan's save list): the rows and expert ids the rank
+  all-to-alls (runtime/distributed/recompute.py saved_ops, torchtitan's save list): the rows and expert ids the rank
   received (the busiest rank's: the mean's times the imbalance) and its own rows back from the experts, per
   expert layer and micro-batch (ExpertParallelCost.selective_kept_bytes); its recomputation then runs the
   route's permutation passes and host syncs again but no exchange (route_recompute_s).
@@ -127,7 +127,7 @@ def router_imbalance(rows: float, degree: int, experts: int = 0, top_k: int = 1)
 
 def measured_imbalance(rows_per_expert: Sequence[int], degree: int) -> float | None:
     """The busiest of `degree` ranks' rows over the mean when rank r holds experts r*E/degree .. (r+1)*E/degree - 1
-    (runtime/expert_parallel.py) and the router sends each expert the measured rows (ModelProfile.router_loads);
+    (runtime/distributed/expert_parallel.py) and the router sends each expert the measured rows (ModelProfile.router_loads);
     None without a measurement or when `degree` does not split the experts evenly."""
     experts = len(rows_per_expert)
     total = sum(rows_per_expert)

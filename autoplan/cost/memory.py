@@ -9,7 +9,7 @@ memory(stage) = model states (parameters + gradients + AdamW state, sharded by Z
                 in its fwd_cache until that micro-batch's backward, stage.py forward_one_chunk)
               + the gradient of its outputs a stage receives for the backward it runs (pipeline, one
                 micro-batch: the program allocates a receive buffer when it posts the receive and lets it go
-                once the backward has run, runtime/steps.py on_demand_receive_stage); the inputs a stage
+                once the backward has run, runtime/distributed/steps.py on_demand_receive_stage); the inputs a stage
                 receives are its first module's input, priced among its activations
               + working set: the activations of the module running its backward (recomputed or not),
                 plus the loss's copies of the logits on the output module.
@@ -68,7 +68,7 @@ output, that output's gradient and the logits' gradient: the kept output plus ca
 three). torch.distributed.pipelining's own stage keeps a receive buffer per micro-batch of the step for each tensor
 it receives, for good (pytorch/pytorch#136380): 1.0 of the last stage's 6.3 MiB there; priced so, the published
 1T-parameter layout (512 micro-batches, two stages a rank) needed ~190 GiB more per GPU. The program's stage makes
-them on demand instead (runtime/steps.py on_demand_receive_stage).
+them on demand instead (runtime/distributed/steps.py on_demand_receive_stage).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ autocast makes of the weights are activations (module_costs.autocast_weight_copy
 FSDP2_STATE_BYTES_PER_PARAM = {"parameters": 4, "gradients": 4, "optimizer": 8}
 """Bytes per parameter of FSDP2's sharded state (divided by the shard degree), any training dtype: the sharded
 parameter stays in its fp32 (MixedPrecisionPolicy(param_dtype=bf16) casts only the all-gathered copy, which is
-priced apart as gathered_parameters), its gradient is reduced into fp32 (reduce_dtype=float32, runtime/parallel.py),
+priced apart as gathered_parameters), its gradient is reduced into fp32 (reduce_dtype=float32, runtime/distributed/parallel.py),
 and AdamW's exp_avg and exp_avg_sq are fp32 (torch.distributed.fsdp._fully_shard, FSDPParam)."""
 ACCUMULATED_GRADIENT_BYTES_PER_PARAM = 4
 """Bytes per parameter of the unsharded gradient FSDP2 keeps across micro-batches without gradient sync: upcast
@@ -175,7 +175,7 @@ class StageMemoryModel:
     """Micro-batches whose activations and outputs this stage keeps (cost/pipeline.py)."""
     received: int = 0
     """Micro-batches whose outputs' gradients the stage holds in receive buffers at its peak: 1 under a pipeline (the
-    one whose backward runs; runtime/steps.py on_demand_receive_stage), 0 without."""
+    one whose backward runs; runtime/distributed/steps.py on_demand_receive_stage), 0 without."""
     late_per_module: dict[str, tuple[float, ...]] = field(default_factory=dict)
     """category -> bytes each module holds from its backward on, not at the loss's peak (gradients made during
     backward: FSDP2's sharded gradients, plain autograd's without accumulation). With any, the stage's memory is

@@ -15,7 +15,7 @@ recompute mode (parallelism.activation_checkpoint, chosen per module):
              activation checkpointing that saves matmul and attention outputs; Korthikanti et al.
              2022 keep matmul outputs and recompute the cheap ops the same way). Recompute costs
              the forward time of the "memory" ops. Grouped expert matmuls are not kept: the program's
-             policy (runtime/recompute.py) saves the outputs of mm, addmm, bmm, attention and the
+             policy (runtime/distributed/recompute.py) saves the outputs of mm, addmm, bmm, attention and the
              expert-parallel route's all-to-alls, not of aten._grouped_mm (as torchtitan's default save list
              leaves it out), so under selective the experts' grouped GEMMs run again in backward
              (OpCost.kept_by_selective); the route's kept all-to-all outputs exist only at ep > 1 and are
@@ -82,7 +82,7 @@ class OpCost:
     (calibration.COMPILE_TIME_FACTOR)."""
     shares_gather: bool = False
     """A colwise Linear (or the head) reading the same tensor as an earlier one of its module (k and v after
-    q): with sequence parallelism it uses that one's all-gather (runtime/sequence_gather.py)."""
+    q): with sequence parallelism it uses that one's all-gather (runtime/distributed/sequence_gather.py)."""
     autocast_fp32: bool = False
     """Under torch.autocast (bf16 without FSDP2) the op computes in and saves float32 (chain.ops.autocast_fp32_nodes:
     the residual stream, norms, losses), whatever the training dtype."""
@@ -261,7 +261,7 @@ def grouped_weight_numel(op: OpProfile, by_node: dict[str, OpProfile], profile: 
     """Parameter elements a grouped expert matmul reads as weights: the stacked expert parameters reaching its
     inputs through views (transformers transposes gate_up_proj / down_proj before the grouped matmul). The
     program casts an experts module's parameters to the training dtype each forward (autocast does not cast
-    torch._grouped_mm: runtime/expert_parallel.py `_compute_on_local_tensors`), and the grouped matmul saves the
+    torch._grouped_mm: runtime/distributed/expert_parallel.py `_compute_on_local_tensors`), and the grouped matmul saves the
     cast copies for backward, as autocast's copies of a Linear's weight are saved."""
     seen: set[str] = set()
     stack = [src for src in op.inputs if src in by_node]
@@ -313,9 +313,9 @@ def saved_by_mode(module: ModuleCosts, tp: int, scale: float, sp: bool = False,
     (`scale` = its element size over the capture's). With sequence parallelism (`sp`) the ops between the
     pairs keep sequence shards (norm inputs, dropout masks: Korthikanti et al. 2022, Eq. 4), and so does the
     module's input when it arrives sequence-sharded. So does the input a colwise Linear (or the head) all-gathers:
-    runtime/sequence_gather.py keeps the shard for backward and gathers it again there, as Megatron-LM does;
+    runtime/distributed/sequence_gather.py keeps the shard for backward and gathers it again there, as Megatron-LM does;
     in a `compiled` module torch.compile's graph keeps the gathered input whole (those hooks stay out of it),
-    but the head's: runtime/compile.py leaves the chain modules of the tensor-parallel plan eager.
+    but the head's: runtime/distributed/compile.py leaves the chain modules of the tensor-parallel plan eager.
     Under torch.autocast (`autocast`: bf16 without FSDP2) the ops it keeps in float32 (OpCost.autocast_fp32) save
     float32 and the module's input (the residual stream) arrives in float32; the rest saves bf16 (`scale`)."""
     def share(nbytes: float, split: bool) -> float:

@@ -5,8 +5,8 @@ The order is torchtitan's: the pipeline stages are cut first (each rank keeps on
 stage tensor parallelism, activation recomputation, torch.compile, FSDP2/HSDP (all on the meta device:
 no memory yet), then the values are filled in, then DDP (which needs real parameters). With context
 parallelism the block where each rank starts computing on its share of the sequence is found first, by running
-the meta-device model on fake tensors (runtime/attention_blocks.py), and each micro-batch then runs inside a
-ContextParallelRegion (runtime/context_parallel.py); with a pipeline too, each rank exports the model with those
+the meta-device model on fake tensors (runtime/distributed/attention_blocks.py), and each micro-batch then runs inside a
+ContextParallelRegion (runtime/distributed/context_parallel.py); with a pipeline too, each rank exports the model with those
 blocks handed its share of the sequence, so its stages compute and send the share, and each schedule step runs
 inside a PipelineContextParallel region.
 
@@ -32,23 +32,23 @@ from torch.utils import _pytree as pytree
 from autoplan.contract import LossFn
 from autoplan.errors import UserError
 from autoplan.layout import SCHEDULE_BY_NAME, SUPPORTED, Layout, Scope, placement_of, problems
-from autoplan.runtime.attention_blocks import find_attention_blocks
-from autoplan.runtime.checkpoint import first_names
-from autoplan.runtime.compile import compile_modules
-from autoplan.runtime.config import ParallelConfig, as_config
-from autoplan.runtime.context_parallel import ContextParallelRegion, PipelineContextParallel
-from autoplan.runtime.data import batch_size_of, shard, to_device
-from autoplan.runtime.expert_parallel import ExpertParallel, parallelize_experts
-from autoplan.runtime.gradients import clip_grad_norm_
-from autoplan.runtime.materialize import ModelPart, catalog, materialize_from, named_tensors
-from autoplan.runtime.mesh import (MESH_DIMS, RankLayout, device_mesh, global_mean_loss, local_device, local_stages,
+from autoplan.runtime.distributed.attention_blocks import find_attention_blocks
+from autoplan.runtime.components.checkpoint import first_names
+from autoplan.runtime.distributed.compile import compile_modules
+from autoplan.runtime.distributed.config import ParallelConfig, as_config
+from autoplan.runtime.distributed.context_parallel import ContextParallelRegion, PipelineContextParallel
+from autoplan.runtime.distributed.batches import batch_size_of, shard, to_device
+from autoplan.runtime.distributed.expert_parallel import ExpertParallel, parallelize_experts
+from autoplan.runtime.distributed.gradients import clip_grad_norm_
+from autoplan.runtime.distributed.materialize import ModelPart, catalog, materialize_from, named_tensors
+from autoplan.runtime.distributed.mesh import (MESH_DIMS, RankLayout, device_mesh, global_mean_loss, local_device, local_stages,
                                    rank_layout)
-from autoplan.runtime.optimizer import param_groups
-from autoplan.runtime.parallel import TiedGradients, compute_dtype, replicate_data_parallel, shard_data_parallel
-from autoplan.runtime.recompute import ROOT_MODULE, checkpoint_modules
-from autoplan.runtime.split import PipelineSplit, split_model
-from autoplan.runtime.steps import AccumulationStep, PipelineStep
-from autoplan.runtime.tensor_parallel import tensor_parallel
+from autoplan.runtime.components.optimizer import param_groups
+from autoplan.runtime.distributed.parallel import TiedGradients, compute_dtype, replicate_data_parallel, shard_data_parallel
+from autoplan.runtime.distributed.recompute import ROOT_MODULE, checkpoint_modules
+from autoplan.runtime.distributed.split import PipelineSplit, split_model
+from autoplan.runtime.distributed.steps import AccumulationStep, PipelineStep
+from autoplan.runtime.distributed.tensor_parallel import tensor_parallel
 
 
 @dataclass
@@ -121,7 +121,7 @@ class Parallelized:
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip the gradients forward_backward left to a global norm of at most `max_norm` (0: measure only), as
         torch.nn.utils.clip_grad_norm_ does on one device, whatever the layout; returns the norm before clipping
-        (runtime/gradients.py). A collective: call it on every rank, after forward_backward."""
+        (runtime/distributed/gradients.py). A collective: call it on every rank, after forward_backward."""
         pp_group = self.mesh["pp"].get_group() if self.rank.pp_size > 1 else None
         return clip_grad_norm_(self.parameters(), max_norm, pp_group, self.tied.copies_counted_elsewhere)
 
@@ -155,7 +155,7 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
     device: where to compute; default the mesh's device type (cuda if available, else cpu).
     example_inputs: the model's inputs for one micro-batch (a larger batch is cut to one); needed with a
         pipeline, whose stages are cut from the model exported on them, and with context parallelism, whose
-        attention modules are found by running the model on them as fake tensors (runtime/attention_blocks.py).
+        attention modules are found by running the model on them as fake tensors (runtime/distributed/attention_blocks.py).
     loss_fn: loss_fn(output, targets) -> scalar; default cross-entropy for integer targets, else MSE (an
         output with .logits uses them). forward_backward and the pipeline's last stage call it.
     initial_values: called on rank 0 only, returns a module with the model's names holding the values to
@@ -225,7 +225,7 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
     materialize_from(list(parts.values()), weights, values, device, offload=config.offload)
     facts = SCHEDULE_BY_NAME.get(config.schedule)
     if split is None or facts is None or not facts.split_backward:  # the zero-bubble schedules' stages all-reduce
-        for part in parts.values():  # their gradients themselves (runtime/split_backward.py)
+        for part in parts.values():  # their gradients themselves (runtime/distributed/split_backward.py)
             part.module = replicate_data_parallel(part.module, mesh, device)  # DDP
     modules = {s: part.module for s, part in parts.items()}
 

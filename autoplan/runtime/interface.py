@@ -12,7 +12,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-RUNTIME_API = 10
+RUNTIME_API = 11
 """Bump it (and RUNTIME_API in codegen/templates/train.py) with any change to what a train.py calls that a
 train.py generated before would call wrongly, or that one generated now would not find in an autoplan before:
 a name added, removed or renamed, a signature, a meaning. A train.py reaches autoplan through autoplan.runtime
@@ -36,7 +36,16 @@ split, with each rank's generators and data position (Checkpointer(directory, pa
 takes the Parallelized, Parallelized.model_names, TrainingData.position/restore), save and stop on SIGUSR1
 (runtime.SaveAndStop, runtime.stopped_line, runtime.UserError caught by train.py's __main__); runtime.StepProfiler (train.py --profile DIR); gradient clipping
 (Parallelized.clip_grad_norm_, runtime.clip_grad_norm_); runtime.adamw(weight_decay=, betas=);
-StepMetrics.record(lr=, grad_norm=)."""
+StepMetrics.record(lr=, grad_norm=). 11: autoplan verify's reference run and verify-only flags out of train.py:
+train.py has no --reference, --no-dropout, --dropout-out, --gradients-out nor train_reference; verify launches the
+same train.py with AUTOPLAN_VERIFY set, which runtime.verify_hook() reads (runtime.VerifyHook: hook.step() around
+each step, hook.gradients_clipped(parallel) after clipping; runtime.NoDropout, runtime.save_gradients and
+runtime.save_reference_gradients left the interface), and trains the single-device reference in
+autoplan/runtime/harness/reference.py, which imports train.py and reads its SEED, GLOBAL_BATCH, DP, OPTIMIZER_IMPLEMENTATION,
+parse_args, get_lr and load_model_source(args) (new); runtime.check_start(program_file, fingerprint, config, plan,
+device) lost its `reference` argument. Also in 11: runtime's modules moved into distributed/, components/ and
+harness/ (the names a train.py reads through autoplan.runtime are unchanged; runtime.materialize and
+runtime.tensor_parallel are the functions, no longer their modules made callable)."""
 
 MISMATCH_EXIT_CODE = 2
 """What a program exits with on a mismatch: 2, the exit code of autoplan's own user errors (the user fixes

@@ -1,6 +1,6 @@
 """What a generated train.py checks before it starts anything: that the plan.json beside it (or the one given with
 --plan) is the plan it was generated from, and that it was launched as the plan needs (under torchrun, with the
-plan's number of processes; --reference in one process; CUDA GPUs for --device cuda).
+plan's number of processes; CUDA GPUs for --device cuda).
 
 A problem is one line on stderr ("train.py: error: ...", printed by local rank 0 only: every rank finds the same)
 and exit code 2 (interface.MISMATCH_EXIT_CODE), before the process group, the model or any file is touched. Each
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Mapping, NoReturn
 
 from autoplan.errors import UserError
-from autoplan.runtime.config import ParallelConfig
+from autoplan.runtime.distributed.config import ParallelConfig
 from autoplan.runtime.interface import MISMATCH_EXIT_CODE
 
 PLAN_FILE = "plan.json"
@@ -59,23 +59,17 @@ def plan_mismatch(fingerprint: str, config: ParallelConfig, plan_path: Path, giv
             f"(autoplan writes both into its --out folder), or plan again")
 
 
-def launch_problem(config: ParallelConfig, reference: bool, env: Mapping[str, str],
-                   running_world: int | None = None) -> str | None:
+def launch_problem(config: ParallelConfig, env: Mapping[str, str], running_world: int | None = None) -> str | None:
     """Why this process was not launched as the plan needs, or None. `env`: the process's environment (torchrun's
     variables); `running_world`: the world size of a process group already started (a test harness), else None."""
     world = config.world_size
     launched = running_world if running_world is not None else _int(env.get("WORLD_SIZE"))
-    if reference:
-        if launched is not None and launched > 1:
-            return (f"--reference trains the unsplit model in one process, but {launched} were started "
-                    f"(WORLD_SIZE={launched}): run python train.py --reference, without torchrun")
-        return None
     command = f"bash launch/torchrun.sh, or torchrun --standalone --nproc-per-node {world} train.py on one machine"
     if running_world is None and any(name not in env for name in TORCHRUN_ENV):
         missing = [name for name in TORCHRUN_ENV if name not in env]
         return (f"train.py runs the plan's {_processes(config)} under torchrun, which sets "
-                f"{', '.join(missing)}: launch it with {command} (python train.py --reference trains the "
-                f"unsplit model in one process)")
+                f"{', '.join(missing)}: launch it with {command} (autoplan verify DIR checks it on this "
+                f"machine's CPU against the unsplit model)")
     if launched != world:
         return (f"{launched} processes were started (WORLD_SIZE={env.get('WORLD_SIZE', launched)}: torchrun's "
                 f"--nnodes x --nproc-per-node), but the plan is for {_processes(config)}: launch it with {command}")
@@ -98,7 +92,7 @@ def device_problem(device: str, local_world: int | None) -> str | None:
 
 
 def check_start(program_file: str | Path, fingerprint: str, config: ParallelConfig, plan: Path | None,
-                reference: bool, device: str) -> None:
+                device: str) -> None:
     """train.py's start-up checks (plan_mismatch with `plan`, else the plan.json beside `program_file`;
     launch_problem; device_problem): return when all pass, else print the first problem as one line on stderr
     (local rank 0 only) and exit with MISMATCH_EXIT_CODE."""
@@ -108,7 +102,7 @@ def check_start(program_file: str | Path, fingerprint: str, config: ParallelConf
     running = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
     plan_path = plan if plan is not None else Path(program_file).resolve().parent / PLAN_FILE
     problem = (plan_mismatch(fingerprint, config, plan_path, given=plan is not None)
-               or launch_problem(config, reference, env, running)
+               or launch_problem(config, env, running)
                or device_problem(device, _int(env.get("LOCAL_WORLD_SIZE"))))
     if problem is None:
         return

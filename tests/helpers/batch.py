@@ -15,7 +15,10 @@ sys.path); the programs it runs import autoplan from the installed package.
 JOBS.json: {"store_dir": str, "timeout_s": float (collectives), "wait_s": float (ranks meeting),
 "jobs": [{"dir", "argv", "world", "errors"}, ...]}; a job with "same_ranks_as": i runs on job i's
 ranks after it (e.g. resuming its checkpoint); a job with "program": path runs that file's main(argv)
-instead of <dir>/train.py's (a hand-written loop, e.g. examples/recipes/custom_loop.py).
+instead of <dir>/train.py's (a hand-written loop, e.g. examples/recipes/custom_loop.py); a job with
+"reference": true is autoplan verify's single-device reference run of <dir>/train.py (autoplan.runtime.harness.reference,
+its "gradients_out" the harness's --gradients-out), on one rank without a process group; a job with "env": {...}
+runs with those environment variables set (e.g. autoplan verify's hook, AUTOPLAN_VERIFY).
 A job that raises writes the traceback to <errors>.rank<r> and the rank goes on; a rank through a job (its
 cleanup included) marks it in <errors>.done.rank<r>, so a launch that died tells which jobs it finished.
 """
@@ -68,8 +71,14 @@ def run_job(index: int, job: dict, local_rank: int, store_dir: Path, timeout_s: 
     first): they meet in the store with the long `wait_s`, then collectives time out after `timeout_s`."""
     world = job["world"]
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world))
+    os.environ.update(job.get("env") or {})
     try:
-        if "--reference" not in job["argv"]:
+        if job.get("reference"):  # autoplan verify's single-device reference: one process, no process group
+            from autoplan.runtime.harness.reference import run_reference
+
+            gradients_out = job.get("gradients_out")
+            run_reference(Path(job["dir"]) / "train.py", job["argv"], Path(gradients_out) if gradients_out else None)
+        else:
             store = dist.FileStore(str(store_dir / f"job{index}.store"), world)
             store.set_timeout(timedelta(seconds=wait_s))
             if store.add("arrived", 1) == world:
@@ -77,11 +86,13 @@ def run_job(index: int, job: dict, local_rank: int, store_dir: Path, timeout_s: 
             store.wait(["all arrived"])
             dist.init_process_group("gloo", store=dist.PrefixStore("job", store), rank=local_rank, world_size=world,
                                     timeout=timedelta(seconds=timeout_s))
-        program = Path(job.get("program") or Path(job["dir"]) / "train.py")
-        _load_program(program, index).main(list(job["argv"]))
+            program = Path(job.get("program") or Path(job["dir"]) / "train.py")
+            _load_program(program, index).main(list(job["argv"]))
     except BaseException:  # noqa: BLE001 - every failure is reported per job; the rank goes on
         Path(f"{job['errors']}.rank{local_rank}").write_text(traceback.format_exc())
     finally:
+        for name in job.get("env") or {}:
+            os.environ.pop(name, None)
         if dist.is_initialized():
             dist.destroy_process_group()
         _forget_device_meshes()

@@ -12,7 +12,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import autoplan
 from autoplan.contract import call_model, load_source
-from autoplan.runtime.tensor_parallel import tensor_parallel_context
+from autoplan.runtime.distributed.tensor_parallel import tensor_parallel_context
 
 
 def forward_collectives(folder: str, spec: str) -> dict[str, dict[str, int]]:

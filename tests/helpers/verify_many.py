@@ -17,6 +17,7 @@ from typing import Sequence
 from autoplan.codegen.program import MODEL_COPY_DIR
 from autoplan.errors import UserError
 from autoplan.plan import Plan
+from autoplan.runtime.harness.hooks import verify_environment
 from autoplan.verify import (VerifyResult, _compare, _load_plan, _measured, _Run, _run_all, compare_gradients,
                              run_args)
 
@@ -33,11 +34,16 @@ class BatchJob:
     argv: tuple[str, ...]
     """Its command-line arguments."""
     world: int
-    """Ranks it needs (1 for --reference)."""
+    """Ranks it needs (1 for a reference)."""
     same_ranks_as: int | None = None
     """Index of an earlier job to run after, on the same ranks (e.g. to resume its checkpoint)."""
     program: Path | None = None
     """The program whose main(argv) runs (default: out_dir's train.py)."""
+    reference: bool = False
+    """autoplan verify's single-device reference run of out_dir's train.py (autoplan.runtime.harness.reference) instead."""
+    gradients_out: Path | None = None
+    """Where the run writes its first-step gradients: a reference as the harness's --gradients-out, any other run
+    through autoplan verify's hook (AUTOPLAN_VERIFY, which also turns its dropout off)."""
 
 
 LAUNCH_ATTEMPTS = 2
@@ -84,7 +90,8 @@ def _launch(jobs: list[BatchJob], indices: list[int], nproc: int, tmp: Path, lau
     spec = {"store_dir": str(launch_dir), "timeout_s": job_timeout_s, "wait_s": timeout_s, "jobs": [
         {"dir": str(Path(jobs[i].out_dir).resolve()), "argv": list(jobs[i].argv), "world": jobs[i].world,
          "errors": str(tmp / f"job{i}.error"), "same_ranks_as": position.get(jobs[i].same_ranks_as),
-         "program": str(Path(jobs[i].program).resolve()) if jobs[i].program else None}
+         "program": str(Path(jobs[i].program).resolve()) if jobs[i].program else None,
+         "reference": jobs[i].reference, **_gradients(jobs[i])}
         for i in indices]}
     (launch_dir / "jobs.json").write_text(json.dumps(spec))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
@@ -95,6 +102,16 @@ def _launch(jobs: list[BatchJob], indices: list[int], nproc: int, tmp: Path, lau
     except UserError as failure:
         return failure, run.process.poll()
     return None
+
+
+def _gradients(job: BatchJob) -> dict:
+    """A job's gradient output in the batch runner's terms: the reference's "gradients_out", else the "env" of
+    autoplan verify's hook."""
+    if job.gradients_out is None:
+        return {}
+    if job.reference:
+        return {"gradients_out": str(job.gradients_out)}
+    return {"env": verify_environment(job.gradients_out)}
 
 
 def _finished(tmp: Path, index: int, world: int) -> bool:
@@ -169,12 +186,12 @@ def _verification_jobs(out_dirs: list[Path], plans: list[Plan], steps: int, tmp:
                plan.parallelism.data_parallel_degree)
         if key not in references:
             references[key] = tmp / f"reference{len(references)}.json"
-            reference_jobs.append(BatchJob(out_dir, ("--reference", *common, *_gradients_out(references[key]),
-                                                     "--losses-out", str(references[key])), 1))
+            reference_jobs.append(BatchJob(out_dir, (*common, "--losses-out", str(references[key])), 1,
+                                           reference=True, gradients_out=_gradients_dir(references[key])))
         reference_of.append(references[key])
     metrics = (lambda i: ("--metrics-out", str(tmp / f"metrics{i}.json"))) if measure else (lambda i: ())
-    runs = [BatchJob(out_dir, (*common, *_gradients_out(tmp / f"losses{i}.json"), *metrics(i), "--losses-out",
-                               str(tmp / f"losses{i}.json")), plan.parallelism.world_size)
+    runs = [BatchJob(out_dir, (*common, *metrics(i), "--losses-out", str(tmp / f"losses{i}.json")),
+                     plan.parallelism.world_size, gradients_out=_gradients_dir(tmp / f"losses{i}.json"))
             for i, (out_dir, plan) in enumerate(zip(out_dirs, plans))]
     # the largest jobs first: the one-rank references then fill the gaps
     return sorted(runs, key=lambda job: -job.world) + reference_jobs, reference_of
@@ -191,10 +208,6 @@ def _model_code(out_dir: Path) -> tuple[tuple[str, bytes], ...]:
 def _gradients_dir(losses_path: Path) -> Path:
     """Where the run that writes its losses to `losses_path` writes its first-step gradients."""
     return losses_path.with_name(losses_path.stem + "_gradients")
-
-
-def _gradients_out(losses_path: Path) -> tuple[str, str]:
-    return ("--gradients-out", str(_gradients_dir(losses_path)))
 
 
 def _read_list(path: Path) -> list[float]:

@@ -9,7 +9,6 @@ imports it (tests/test_codegen.py). autoplan itself never imports it: it reads i
 import argparse
 import contextlib
 import gc
-import json
 import math
 import os
 import sys
@@ -22,7 +21,7 @@ import torch.distributed as dist
 import autoplan
 from autoplan import runtime
 
-RUNTIME_API = 10  # the version of autoplan's interface to programs (autoplan.runtime) this one was generated for
+RUNTIME_API = 11  # the version of autoplan's interface to programs (autoplan.runtime) this one was generated for
 runtime.check_runtime_api(RUNTIME_API)  # before any other autoplan name: one line and exit 2 if autoplan differs
 
 # ----------------------------------------------------------------------------------------------
@@ -114,20 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="log every step's loss, step time, throughput, MFU and peak memory beside the plan's "
                              "predictions (PREDICTED) for TensorBoard, from rank 0, into DIR; without DIR into "
                              "tensorboard/<UTC date-time>/ beside this file (needs the tensorboard package)")
-    parser.add_argument("--reference", action="store_true",
-                        help="train the unsplit model on one device on the whole global batch (no torchrun)")
-    parser.add_argument("--no-dropout", action="store_true",
-                        help="make every dropout the identity (autoplan verify runs both sides so: ranks and the "
-                             "reference draw different random numbers)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=COMPILE,
                         help="torch.compile each of the plan's chain modules (default: the plan's compile.enable)")
-    parser.add_argument("--dropout-out", type=Path,
-                        help="with --no-dropout: write the dropout calls it disabled per step here (JSON)")
-    parser.add_argument("--gradients-out", type=Path, metavar="DIR",
-                        help="after the first step's backward and clipping, write every parameter's gradient as a "
-                             "full tensor by "
-                             "the model's name to DIR/rank<R>.pt, each rank its own (autoplan verify compares them "
-                             "with the reference's)")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be at least 1 (the optimizer steps to train until), not {args.steps}")
@@ -157,28 +144,10 @@ def get_lr(step: int, args) -> float:
     return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr)
 
 
-def train_reference(model_source, device: torch.device, args) -> list[float]:
-    """The single-device baseline: same initial weights, same batches, same optimizer, schedule and clipping, in
-    fp32; with --gradients-out, the first step's gradients written there (runtime.save_reference_gradients)."""
-    torch.manual_seed(SEED)
-    model = model_source.build_model().to(device)
-    optimizer = runtime.adamw(model.parameters(), args.lr, OPTIMIZER_IMPLEMENTATION, args.weight_decay, args.betas)
-    data = runtime.TrainingData(model_source, GLOBAL_BATCH, SEED, dp_rank=0, dp_size=DP)
-    losses = []
-    for step in range(args.steps):
-        inputs, targets = runtime.to_device(data.global_batch_of(step), device)
-        optimizer.zero_grad(set_to_none=True)
-        loss = runtime.compute_loss(model_source.loss_fn, runtime.call_model(model, inputs), targets)
-        loss.backward()
-        runtime.clip_grad_norm_(list(model.parameters()), args.clip_grad_norm)
-        if args.gradients_out and step == 0:
-            runtime.save_reference_gradients(args.gradients_out, model)
-        for group in optimizer.param_groups:
-            group["lr"] = get_lr(step, args)
-        optimizer.step()
-        losses.append(loss.item())
-        print(f"step {step} | loss {losses[-1]:.6f}")
-    return losses
+def load_model_source(args):
+    """The model file's functions (build_model, loss_fn, example_batch, make_dataloader): MODEL_FILE, the copy
+    beside this file, or with --model-file planned the file it was planned from, MODEL_SOURCE."""
+    return runtime.load_source(f"{MODEL_SOURCE if args.model_file == 'planned' else MODEL_FILE}:{FACTORY}")
 
 
 def parallel_config(compile_modules=COMPILE) -> runtime.ParallelConfig:
@@ -209,18 +178,12 @@ def main(argv=None) -> list[float]:
     args = parse_args(argv)
     board = runtime.TensorBoardLog(args.tensorboard, PREDICTED)  # one line and exit 2 without the package
     # one line and exit 2 beside another plan.json, without torchrun, with another number of processes
-    runtime.check_start(__file__, PLAN_FINGERPRINT, parallel_config(), args.plan, args.reference, args.device)
+    runtime.check_start(__file__, PLAN_FINGERPRINT, parallel_config(), args.plan, args.device)
     device = torch.device(args.device)
-    model_source = runtime.load_source(f"{MODEL_SOURCE if args.model_file == 'planned' else MODEL_FILE}:{FACTORY}")
-    dropout = runtime.NoDropout(enabled=args.no_dropout)  # entered around the training steps only
-    if args.reference:
-        with dropout:
-            losses = train_reference(model_source, device, args)
-        if args.losses_out:
-            args.losses_out.write_text(json.dumps(losses))
-        if args.dropout_out:
-            args.dropout_out.write_text(json.dumps({"disabled_calls_per_step": dropout.calls / max(args.steps, 1)}))
-        return losses
+    model_source = load_model_source(args)
+    # autoplan verify's checks (dropout off, the first step's gradients written) when it launched this run; as
+    # you run it, nothing (runtime/harness/hooks.py)
+    verify = runtime.verify_hook()
 
     # processes and the device mesh ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     config = parallel_config(args.compile)
@@ -246,13 +209,12 @@ def main(argv=None) -> list[float]:
     for step in range(first_step, args.steps):
         tracked = args.metrics_out is not None and step == args.steps - 1
         start = time.perf_counter()
-        with dropout, memory if tracked else contextlib.nullcontext():
+        with verify.step(), memory if tracked else contextlib.nullcontext():
             inputs, targets = runtime.to_device(data.batch(step), device)  # this data-parallel rank's share
             optimizer.zero_grad(set_to_none=True)
             local_loss = parallel.forward_backward(inputs, targets)  # and tied weights' gradients summed
             grad_norm = parallel.clip_grad_norm_(args.clip_grad_norm)  # the whole model's norm, on every layout
-            if args.gradients_out and step == first_step:  # full tensors by the model's names (a collective)
-                runtime.save_gradients(args.gradients_out, parallel)
+            verify.gradients_clipped(parallel)
             lr = get_lr(step, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr

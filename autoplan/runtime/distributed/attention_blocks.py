@@ -3,7 +3,7 @@
 Under context parallelism every module from the block of the first `scaled_dot_product_attention` call on (the
 transformer blocks, then norm and head) computes on the rank's share of each sequence, and what runs before it
 (embeddings, positions, rotary tables, masks) on the whole sequence, so an unmodified model keeps its positions
-right (runtime/context_parallel.py, shard_block_inputs). The plan names the chain modules, not which of them
+right (runtime/distributed/context_parallel.py, shard_block_inputs). The plan names the chain modules, not which of them
 attend nor where a block starts (its chain may be finer: blocks.0.ln_1, blocks.0.attn, ...):
 `find_attention_blocks` runs the model's forward on fake tensors (FakeTensorMode over the meta-device model: no
 memory, no values) with hooks noting which modules run and a TorchFunctionMode noting the modules running when
@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 
 from autoplan.contract import call_model
 from autoplan.errors import UserError
-from autoplan.runtime.recompute import ROOT_MODULE, submodule
+from autoplan.runtime.distributed.recompute import ROOT_MODULE, submodule
 
 QUERY_SEQUENCE_DIM = -2
 """The sequence dimension of SDPA's query, (..., sequence, head_dim)."""
@@ -113,7 +113,7 @@ def find_attention_blocks(model: nn.Module, chain_modules: Sequence[str], exampl
     the device type takes the branch the run will: transformers' MoE experts pick grouped matmuls by it). A
     UserError when the model calls no attention, or calls it before any chain module has returned (nothing computes
     the positions on the whole sequence first)."""
-    from autoplan.runtime.split import fake_on_device
+    from autoplan.runtime.distributed.split import fake_on_device
 
     chain = [u for u in chain_modules if u != ROOT_MODULE]
     for path in chain:

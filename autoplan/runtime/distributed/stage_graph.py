@@ -7,7 +7,7 @@ holds the parameters only its ops read; a parameter read by several chain module
 stage and is passed to the chain modules as an argument. A chain module whose ops interleave with the rest of the
 stage (a module called twice, with other work in between) cannot be one call; it stays inlined.
 
-An experts module exported as one experts_call node (runtime/expert_calls.py) becomes a call of the model's own
+An experts module exported as one experts_call node (runtime/distributed/expert_calls.py) becomes a call of the model's own
 module again, placed at its FQN (relative to the chain module that calls it) with its parameters and buffers
 under the model's names, so expert parallelism can shard it and route its tokens. An experts module that is a
 chain module itself is that chain module.
@@ -29,7 +29,7 @@ import networkx as nx
 import torch
 from torch import fx, nn
 
-from autoplan.runtime.expert_calls import called_experts
+from autoplan.runtime.distributed.expert_calls import called_experts
 
 ROOT = ""
 """Partition name of the stage's own graph (glue between chain modules)."""
@@ -121,7 +121,7 @@ class StagePlan:
     attributes: nn.Module
     """The exported GraphModule (holds subgraphs of higher-order ops, read via get_attr)."""
     experts: dict[str, nn.Module] = field(default_factory=dict)
-    """The experts modules the graph's experts_call nodes stand for, by FQN (runtime/expert_calls.py)."""
+    """The experts modules the graph's experts_call nodes stand for, by FQN (runtime/distributed/expert_calls.py)."""
     layouts: dict[fx.Node, SendLayout] = field(default_factory=dict)
     """How each tensor this stage receives from, or sends to, another stage travels (the model's inputs, which
     stage 0 takes, and its outputs, which the last stage hands to the loss, are not sent between stages)."""

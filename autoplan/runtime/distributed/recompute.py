@@ -9,7 +9,7 @@ keeping them.
 Under torch.compile (the plan's compile=on compiles the checkpointed chain modules) dynamo turns each
 checkpoint into a higher-order op: torch then accepts only TorchDispatchModes from context_fn
 (_compiled_context), and traces the checkpointed function with the torch-function modes active outside it
-popped, so runtime.NoDropout's mode does not reach it: the function enters that mode itself
+popped, so runtime/distributed/dropout.py NoDropout's mode does not reach it: the function enters that mode itself
 (_run_without_dropout), as the eager recomputation does (recompute_context).
 
 Selective checkpointing replays each op by its invocation count, so an op that runs a different number of times in
@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from autoplan.errors import UserError
-from autoplan.runtime.dropout import recompute_context
+from autoplan.runtime.distributed.dropout import recompute_context
 
 ROOT_MODULE = ""
 """The chain module name of the root module (a model whose root runs every op itself is one chain module)."""
@@ -126,7 +126,7 @@ def traced() -> bool:
 def _contexts(selective: bool):
     """torch.utils.checkpoint's context_fn: the forward and recomputation contexts ("selective": what to
     save). Eager (and a region dynamo leaves to eager at a graph break), the recomputation runs with dropout off
-    while runtime.NoDropout is active (runtime/dropout.py); while torch.compile traces the checkpoint (traced()),
+    while a runtime/distributed/dropout.py NoDropout is active; while torch.compile traces the checkpoint (traced()),
     _compiled_context."""
     if traced():
         return _compiled_context(selective)

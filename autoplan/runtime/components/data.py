@@ -13,16 +13,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autoplan.errors import UserError
+from autoplan.runtime.distributed.batches import batch_size_of, shard
 
 DATA_SEED_OFFSET = 1000
 """Step t draws its batch with seed + DATA_SEED_OFFSET + t, away from the weight-init seed."""
-
-
-def batch_size_of(tree: Any) -> int:
-    sizes = {t.shape[0] for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.dim() > 0}
-    if len(sizes) != 1:
-        raise UserError(f"example_batch returned tensors with different sizes along dim 0: {sorted(sizes)}")
-    return sizes.pop()
 
 
 def step_batch(example_batch: Callable[[int], Any], global_batch: int, seed: int, step: int) -> tuple[Any, Any]:
@@ -35,27 +29,6 @@ def step_batch(example_batch: Callable[[int], Any], global_batch: int, seed: int
     if got != global_batch:
         raise UserError(f"example_batch({global_batch}) returned {got} samples along dim 0")
     return batch[0], batch[1]
-
-
-def shard(tree: Any, index: int, count: int) -> Any:
-    """Slice `index` of `count` contiguous equal slices along dim 0 of every tensor in `tree`."""
-    def take(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor) or t.dim() == 0:
-            return t
-        if t.shape[0] % count:
-            raise UserError(f"cannot split {t.shape[0]} samples into {count} equal parts")
-        size = t.shape[0] // count
-        return t.narrow(0, index * size, size)
-    return pytree.tree_map(take, tree)
-
-
-def microbatches(tree: Any, count: int) -> list[Any]:
-    """`count` equal contiguous micro-batches of a batch (gradient accumulation)."""
-    return [shard(tree, i, count) for i in range(count)]
-
-
-def to_device(tree: Any, device: torch.device) -> Any:
-    return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)
 
 
 class TrainingData:

@@ -21,13 +21,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from autoplan.contract import LossFn, call_model, compute_loss
 from autoplan.errors import UserError
 from autoplan.layout import SCHEDULE_BY_NAME, SCHEDULES
-from autoplan.runtime.context_parallel import ContextParallelRegion, PipelineContextParallel
-from autoplan.runtime.data import microbatches
-from autoplan.runtime.failures import stage_failures
-from autoplan.runtime.mesh import RankLayout
-from autoplan.runtime.parallel import ddp_replicas, gradient_sync
-from autoplan.runtime.split import PipelineSplit
-from autoplan.runtime.tensor_parallel import (ParallelLoss, loss_parallel_context, plain_tensor,
+from autoplan.runtime.distributed.context_parallel import ContextParallelRegion, PipelineContextParallel
+from autoplan.runtime.distributed.batches import microbatches
+from autoplan.runtime.distributed.failures import stage_failures
+from autoplan.runtime.distributed.mesh import RankLayout
+from autoplan.runtime.distributed.parallel import ddp_replicas, gradient_sync
+from autoplan.runtime.distributed.split import PipelineSplit
+from autoplan.runtime.distributed.tensor_parallel import (ParallelLoss, loss_parallel_context, plain_tensor,
                                               reduce_partial_gradients, tensor_parallel_context)
 
 
@@ -224,8 +224,8 @@ class PipelineStep:
         the tokens)."""
         num_stages = len(split.stages)
         stage_class = on_demand_receive_stage()
-        if facts.split_backward:  # the weight pass completed (runtime/split_backward.py), receive buffers on demand
-            from autoplan.runtime.split_backward import SplitBackwardStage
+        if facts.split_backward:  # the weight pass completed (runtime/distributed/split_backward.py), receive buffers on demand
+            from autoplan.runtime.distributed.split_backward import SplitBackwardStage
 
             stage_class = type("SplitBackwardStage", (SplitBackwardStage, stage_class), {})
         stages = []

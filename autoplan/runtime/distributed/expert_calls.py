@@ -1,13 +1,13 @@
 """Experts modules kept as module calls in the exported graph that the pipeline stages are cut from.
 
-Expert parallelism replaces an experts module's forward by all-to-all routing (runtime/expert_parallel.py). A
-pipeline stage is cut from torch.export's graph (runtime/split.py), where a module's ops are inlined, so there
+Expert parallelism replaces an experts module's forward by all-to-all routing (runtime/distributed/expert_parallel.py). A
+pipeline stage is cut from torch.export's graph (runtime/distributed/split.py), where a module's ops are inlined, so there
 would be no module left to route through. While the model is exported for the split, `experts_as_calls` makes
 each experts module (capture/experts.py's rule: transformers' Mixtral, Qwen2-MoE, OLMoE, ... and
 examples/mixtral.py) call one opaque op instead, `autoplan::experts_call(hidden_states, top_k_index,
 top_k_weights, fqn) -> Tensor` (a torch.library custom op whose fake implementation gives the output's shape:
 that of hidden_states), so the graph holds one node per experts call, naming the module, with the call's three
-inputs. The stage builder (runtime/stage_graph.py) turns that node back into a call of the model's own module,
+inputs. The stage builder (runtime/distributed/stage_graph.py) turns that node back into a call of the model's own module,
 placed in the stage at the module's FQN with its parameters under the model's names; expert parallelism then
 shards it as it shards the module of a model without a pipeline.
 
@@ -108,7 +108,7 @@ MODULE_CALL = torch.ops.autoplan.module_call.default
 @contextlib.contextmanager
 def modules_as_calls(model: nn.Module, fqns: tuple[str, ...]) -> Iterator[None]:
     """While inside: each module named in `fqns` (a module run on each tensor-parallel rank's tokens under sequence
-    parallelism, runtime/tensor_parallel.py run_on_local_tokens) calls module_call instead of running its ops, so
+    parallelism, runtime/distributed/tensor_parallel.py run_on_local_tokens) calls module_call instead of running its ops, so
     the pipeline stage calls the model's own module there (the exported graph would fix its views to the whole
     sequence's sizes). Its forward takes one tensor and returns one of the same shape (a transformers MoE block)."""
     with _forwards_replaced({fqn: model.get_submodule(fqn) for fqn in fqns}, _opaque_module_forward):

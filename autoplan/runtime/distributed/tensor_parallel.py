@@ -12,7 +12,7 @@ Sequence parallelism (`sequence_parallel`, Korthikanti et al. 2022): the ops bet
 dropout, residual adds) run on sequence shards. A row-parallel Linear reduce-scatters its partial
 outputs onto the sequence dimension (RowwiseParallel(output_layouts=Shard(1))) instead of all-reducing
 them, and a column-parallel Linear all-gathers its sequence-sharded input (ColwiseParallel(input_layouts=
-Shard(1)); runtime/sequence_gather.py gathers once per shared input and keeps the shard for backward, as
+Shard(1)); runtime/distributed/sequence_gather.py gathers once per shared input and keeps the shard for backward, as
 Megatron-LM does). Between them the residual stream is a DTensor sharded on dim 1 (batch-first [b, s, h], as
 unmodified PyTorch and Hugging Face models are): DTensor runs the norms and adds on each rank's shard.
 The parameters the plan does not shard (norm weights, biases, position tables) become replicated
@@ -40,7 +40,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from autoplan.errors import UserError
-from autoplan.runtime.sequence_gather import SequenceGather
+from autoplan.runtime.distributed.sequence_gather import SequenceGather
 
 STYLES = ("colwise", "rowwise", "replicate", "sequence_local")
 
@@ -134,7 +134,7 @@ def run_on_local_tokens(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     DTensors again; its tensor-parallel parameters (replicated DTensors) enter as their local tensors whose gradient
     is Partial (this rank's tokens' share), which reduce_partial_gradients sums over the ranks after backward, as
     for a norm's weight. Parameters on another mesh (experts sharded over expert parallelism) are left as they are:
-    their experts module routes this rank's tokens as they are (runtime/expert_parallel.py TensorParallelTokens,
+    their experts module routes this rank's tokens as they are (runtime/distributed/expert_parallel.py TensorParallelTokens,
     told so here), and ExpertParallel sums their gradients over the ranks holding the same experts."""
     from torch.distributed.tensor import DTensor, Partial
 

@@ -24,7 +24,7 @@ from torch.distributed import _functional_collectives as funcol
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from autoplan.errors import UserError
-from autoplan.runtime.names import canonical_name
+from autoplan.runtime.distributed.names import canonical_name
 
 
 def synchronized_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,

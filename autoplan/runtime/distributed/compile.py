@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 
 from torch import nn
 
-from autoplan.runtime.recompute import ROOT_MODULE, allow_mode_in_compiled_checkpoint, submodule
+from autoplan.runtime.distributed.recompute import ROOT_MODULE, allow_mode_in_compiled_checkpoint, submodule
 
 
 def compile_modules(module: nn.Module, chain_modules: Sequence[str], enabled: bool,

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autoplan.errors import UserError
-from autoplan.runtime.parallel import named_state
+from autoplan.runtime.distributed.parallel import named_state
 from autoplan.contract import ModelSource, call_user
 
 

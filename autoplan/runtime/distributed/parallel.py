@@ -23,11 +23,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.layout import fsdp_wraps, stage_rank
-from autoplan.runtime.expert_parallel import ExpertParallel
-from autoplan.runtime.mesh import RankLayout, fsdp_mesh, local_device
-from autoplan.runtime.recompute import ROOT_MODULE, submodule
-from autoplan.runtime.names import WRAPPER_PREFIXES, canonical_name  # noqa: F401 (re-exported)
-from autoplan.runtime.split import PipelineSplit
+from autoplan.runtime.distributed.expert_parallel import ExpertParallel
+from autoplan.runtime.distributed.mesh import RankLayout, fsdp_mesh, local_device
+from autoplan.runtime.distributed.recompute import ROOT_MODULE, submodule
+from autoplan.runtime.distributed.names import WRAPPER_PREFIXES, canonical_name  # noqa: F401 (re-exported)
+from autoplan.runtime.distributed.split import PipelineSplit
 
 def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """The planned training dtype on CUDA; fp32 on CPU (what `autoplan verify` checks parity in)."""
@@ -45,12 +45,12 @@ def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, reshard_after_forwa
     DTensors, so there fully_shard over a replicate-only mesh (shard dim of size 1) replicates instead:
     full parameters on every replica, gradients all-reduced, the same work as DDP. First, with any data
     parallelism, the BatchNorm modules `batch_norm_modules` (the plan's) synchronize their statistics over
-    the data-parallel ranks (runtime/batchnorm.py). `offload`: FSDP2's CPUOffloadPolicy keeps the sharded
+    the data-parallel ranks (runtime/distributed/batchnorm.py). `offload`: FSDP2's CPUOffloadPolicy keeps the sharded
     parameters, gradients and optimizer state in host memory (pinned on CUDA; on a CPU device torch cannot pin,
     "Cannot access accelerator device", so unpinned: the same code path with host-to-host copies).
     `experts`: expert parallelism's experts modules, FSDP2-sharded first over the ranks holding the same experts
     (ExpertParallel.fully_shard, with the same settings), so the modules around them leave them alone."""
-    from autoplan.runtime.batchnorm import sync_batch_norm
+    from autoplan.runtime.distributed.batchnorm import sync_batch_norm
 
     module = sync_batch_norm(module, mesh, batch_norm_modules)
     if not fsdp_wraps(mesh["dp_replicate"].size(), mesh["dp_shard"].size(), mesh["cp"].size(), mesh["tp"].size()):

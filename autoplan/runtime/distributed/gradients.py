@@ -2,8 +2,8 @@
 
 The loss parity alone cannot see a gradient summed or averaged with the wrong factor: AdamW's update is
 (nearly) invariant to a parameter's gradient scale, so a layout that halves every expert gradient trains to
-the same losses. train.py --gradients-out DIR therefore writes, after the first step's forward and backward
-(before the optimizer step), the gradient of the global batch's mean loss of each parameter it holds (clipped) to
+the same losses. Under autoplan verify, train.py (its hook, runtime/harness/hooks.py) therefore writes, after the first
+step's forward and backward (before the optimizer step), the gradient of the global batch's mean loss of each parameter it holds (clipped) to
 DIR/rank<R>.pt (the reference: DIR/rank0.pt), and autoplan.verify compares every rank's file with the
 reference's, parameter by parameter. They are written after clipping (clip_grad_norm_): verify runs both sides
 with a clipping norm below any gradient norm (verify.VERIFY_CLIP_GRAD_NORM), so every gradient is scaled by the
@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoplan.runtime.names import canonical_name
+from autoplan.runtime.distributed.names import canonical_name
 
 GRADIENTS_FILE = "rank{rank}.pt"
-"""The file each process writes in the --gradients-out folder."""
+"""The file each process writes in the gradients folder."""
 
 
 def parameter_aliases(model: nn.Module) -> list[list[str]]:
@@ -120,7 +120,7 @@ def clip_grad_norm_(parameters: Any, max_norm: float, pp_group: dist.ProcessGrou
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's dim under tensor parallelism
 
-    from autoplan.runtime.parallel import _local
+    from autoplan.runtime.distributed.parallel import _local
 
     held = [p for p in parameters if p.grad is not None]
     groups: dict[tuple, list[torch.Tensor]] = {}

@@ -20,7 +20,7 @@ The ep ranks hold different tokens (see below: one route per token): a rank's ex
 contributions of every token of the group routed to its experts.
 
 In the generated program, autoplan.parallelize calls parallelize_experts before FSDP2 (with a pipeline, on this
-rank's stages, which call the experts modules as modules: runtime/expert_calls.py): the sliced parameters
+rank's stages, which call the experts modules as modules: runtime/distributed/expert_calls.py): the sliced parameters
 become DTensors sharded on dimension 0 over the expert mesh's "ep" dimension (so the initial values' broadcast
 gives each rank its slice, and a torch.distributed.checkpoint holds each expert once at the model's full shape).
 
@@ -133,7 +133,7 @@ def _waited(tensor: torch.Tensor) -> torch.Tensor:
 
 EXPERT_MESH_DIMS = ("pp", "dp_replicate", "efsdp", "ep")
 """The expert mesh: the dp_shard x cp x tp ranks of each pipeline rank and data-parallel replica (numbered as the
-plan's mesh numbers them: runtime/mesh.py, tp innermost) cut into groups of ep consecutive ranks, which split the
+plan's mesh numbers them: runtime/distributed/mesh.py, tp innermost) cut into groups of ep consecutive ranks, which split the
 experts among them ("ep"), and the dp_shard x cp x tp / ep ranks holding the same experts ("efsdp", over which FSDP2
 shards them), with the dp_replicate replicas beside (HSDP). A rank's index among the folded ranks,
 (dp_shard index x cp + cp index) x tp + tp index, is efsdp index x ep + ep index."""
@@ -278,7 +278,7 @@ class TensorParallelTokens:
     """One route per token under tensor parallelism (the experts are left out of the tensor-parallel plan: each
     expert stays whole on its rank, ETP 1, and the ep group may span tp ranks). The experts module's inputs are the
     tokens the tp ranks hold: this rank's own tokens as plain tensors when its MoE block runs on the rank's sequence
-    shard (runtime/tensor_parallel.py run_on_local_tokens, the plan's "sequence_local" modules, which set
+    shard (runtime/distributed/tensor_parallel.py run_on_local_tokens, the plan's "sequence_local" modules, which set
     `local_tokens`), routed as they are; DTensors on the tp mesh with sequence parallelism in a plan without them
     (the router ran on DTensors), each rank routing its share (Shard(0) of the (tokens, hidden) rows; the output is
     that share again); plain tensors without sequence parallelism, the same on every tp rank, of which each rank

@@ -16,7 +16,7 @@ The handlers join torch's context-parallel op table, so they are active exactly 
 Attention masks are not handled (torch's CUDA handlers refuse them too): causal or full attention only.
 
 With tensor parallelism (mesh dims cp and tp), q, k and v reach attention as DTensors on the "tp" mesh split on
-the heads (runtime/tensor_parallel.py keeps a column-parallel Linear's output a DTensor), which torch's
+the heads (runtime/distributed/tensor_parallel.py keeps a column-parallel Linear's output a DTensor), which torch's
 context_parallel refuses: tensor_parallel_heads_local hands it each rank's local heads, so every tensor-parallel rank
 runs the ring over the cp ranks of its own tp index on its heads (the cp group is the mesh's "cp" dim). Under
 sequence parallelism the first block's input is split on the sequence over the tp ranks; SequenceShards gathers it,
@@ -26,7 +26,7 @@ takes the targets' cp share as it is.
 
 ContextParallelRegion is what the generated program's step runs each micro-batch in: torch's context_parallel
 over the mesh's "cp" ranks (targets cut to the rank's share), the load balancing set from the attention's
-causality, and the shard_block_inputs hooks on the block found by runtime/attention_blocks.py and the chain
+causality, and the shard_block_inputs hooks on the block found by runtime/distributed/attention_blocks.py and the chain
 modules after it.
 
 Pipeline stages are graphs torch.export recorded with the shapes it saw (PipelineContextParallel). Exported on a
@@ -54,12 +54,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from autoplan.errors import UserError
-from autoplan.runtime.dropout import attention_without_dropout
+from autoplan.runtime.distributed.dropout import attention_without_dropout
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from autoplan.runtime.attention_blocks import AttentionBlocks
+    from autoplan.runtime.distributed.attention_blocks import AttentionBlocks
 
 SEQUENCE_DIM = 2
 """The sequence dimension of SDPA's (batch, heads, sequence, head_dim) tensors, as torch's ring uses."""
@@ -244,7 +244,7 @@ def attention_through_functional(stage) -> int:
 @contextmanager
 def tensor_parallel_heads_local():
     """Within a `context_parallel` region, F.scaled_dot_product_attention taking tensor-parallel DTensors (q, k, v
-    on the "tp" mesh, split on the heads: runtime/tensor_parallel.py keeps a column-parallel Linear's output a
+    on the "tp" mesh, split on the heads: runtime/distributed/tensor_parallel.py keeps a column-parallel Linear's output a
     DTensor) as their local heads. torch's patched function wraps every tensor it is given as a shard of the
     sequence over the "cp" mesh and refuses a DTensor on another mesh (an AssertionError in its sdpa_input_fn);
     attention is independent per head, so each tensor-parallel rank runs the ring over the cp group on its own
@@ -315,11 +315,11 @@ class ContextParallelRegion:
     module after it its share of each whole-sequence input."""
 
     def __init__(self, cp_mesh: "DeviceMesh", module: torch.nn.Module, blocks: "AttentionBlocks") -> None:
-        from autoplan.runtime.recompute import submodule
+        from autoplan.runtime.distributed.recompute import submodule
 
         register_cpu_ring_attention()
         self.mesh, self.attention = cp_mesh, blocks
-        """The 1-D "cp" mesh; the AttentionBlocks (runtime/attention_blocks.py)."""
+        """The 1-D "cp" mesh; the AttentionBlocks (runtime/distributed/attention_blocks.py)."""
         self.blocks = [submodule(module, path) for path in blocks.modules]
 
     @contextmanager
@@ -415,7 +415,7 @@ class PipelineContextParallel:
     def __init__(self, cp_mesh: "DeviceMesh", blocks: "AttentionBlocks", device: torch.device) -> None:
         register_cpu_ring_attention()
         self.mesh, self.attention, self.device = cp_mesh, blocks, device
-        """The 1-D "cp" mesh; the AttentionBlocks (runtime/attention_blocks.py); the compute device."""
+        """The 1-D "cp" mesh; the AttentionBlocks (runtime/distributed/attention_blocks.py); the compute device."""
         with load_balanced(blocks.causal):
             self.shards = SequenceShards(cp_mesh, blocks.sequence_length, device)
 
@@ -423,7 +423,7 @@ class PipelineContextParallel:
     def export(self, model: torch.nn.Module, inputs: Any):
         """Where `model` is exported on `inputs` for the stages: the hooks (shard_block_inputs) hand the blocks this
         rank's share, and transformers leaves its causal mask to is_causal (causal_mask_as_is_causal)."""
-        from autoplan.runtime.recompute import submodule
+        from autoplan.runtime.distributed.recompute import submodule
 
         handles = shard_block_inputs([submodule(model, path) for path in self.attention.modules], self.shards)
         try:

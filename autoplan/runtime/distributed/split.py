@@ -22,7 +22,8 @@ Parameters keep the model's real tensors. One used on several stages (tied weigh
 stage with the same initial value; the training program sums their gradients (see TiedParameter).
 
 With experts_as_modules (expert parallelism), each experts module is exported as one opaque call
-(runtime/expert_calls.py) that the stage turns back into a call of the model's module (runtime/stage_graph.py).
+(runtime/distributed/expert_calls.py) that the stage turns back into a call of the model's module
+(runtime/distributed/stage_graph.py).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ from autoplan.capture.experts import is_experts_module
 from autoplan.contract import (CONSTANT_TYPES, LossFn, compute_loss, disable_kv_cache, model_args,
                                outputs_without_caches)
 from autoplan.errors import UserError
-from autoplan.runtime.expert_calls import called_experts, experts_as_calls, modules_as_calls
-from autoplan.runtime.stage_graph import SendLayout, StagePlan, StateTensor, build_stage_module
+from autoplan.runtime.distributed.expert_calls import called_experts, experts_as_calls, modules_as_calls
+from autoplan.runtime.distributed.stage_graph import SendLayout, StagePlan, StateTensor, build_stage_module
 
 
 @dataclass(frozen=True)
@@ -122,10 +123,10 @@ def split_model(model: nn.Module, inputs: Any, stage_chain_modules: Sequence[Seq
                 module_calls: Sequence[str] = ()) -> PipelineSplit:
     """Export `model` on `inputs` (one micro-batch) and cut it into len(stage_units) stages.
 
-    experts_as_modules: the stages call the model's experts modules (runtime/expert_calls.py) instead of
+    experts_as_modules: the stages call the model's experts modules (runtime/distributed/expert_calls.py) instead of
     running their ops inlined, so expert parallelism can shard them.
     module_calls: modules the stages call as the model's own modules instead of running their ops inlined
-    (runtime/expert_calls.py modules_as_calls), so the runtime can wrap them (a mixture of experts' block run on
+    (runtime/distributed/expert_calls.py modules_as_calls), so the runtime can wrap them (a mixture of experts' block run on
     each tensor-parallel rank's tokens).
 
     A model on the meta device with a `device` to run on is exported on fake tensors of that device (no

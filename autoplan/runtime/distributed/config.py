@@ -37,7 +37,7 @@ class ParallelConfig:
     attention); the model states are FSDP2-sharded over dp_shard x cp."""
     ep: int = 1
     """Expert-parallel ranks, folded over the dp_shard x cp x tp ranks of a pipeline rank and replica: each group of
-    ep consecutive ones (tp innermost) splits every experts module's experts (runtime/expert_parallel.py, all-to-all
+    ep consecutive ones (tp innermost) splits every experts module's experts (runtime/distributed/expert_parallel.py, all-to-all
     dispatch); the dp_shard x cp x tp / ep groups hold the same experts. Not a mesh dimension of its own: it does not
     change the number of processes."""
     pp: int = 1

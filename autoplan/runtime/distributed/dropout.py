@@ -2,7 +2,8 @@
 
 Why: dropout draws random numbers, and the ranks of a distributed run draw other streams than the
 single-device reference, so with dropout their losses differ by far more than float rounding. `autoplan
-verify` runs both sides with train.py's --no-dropout; training itself keeps dropout.
+verify` runs both sides so (runtime/harness/hooks.py's VerifyChecks in train.py, runtime/harness/reference.py's reference);
+training itself keeps dropout.
 
 How: a TorchFunctionMode sees every call of a torch function made while it is active, both the
 Python-level ones of an eager model (F.dropout, which nn.Dropout calls, and the other dropout functions)
@@ -170,14 +171,14 @@ def recompute_context() -> Any:
     """A context for an activation-checkpointing recomputation (torch.utils.checkpoint's context_fn, second
     element): dropout off while a NoDropout block is active (its calls there are not counted again), else
     nothing. Built when the block is entered: torch.compile traces entering it inside a checkpointed module
-    (runtime/recompute.py), where building it would break the graph."""
+    (runtime/distributed/recompute.py), where building it would break the graph."""
     return _ACTIVE[-1].quiet if _ACTIVE else nullcontext()
 
 
 def attention_without_dropout(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """F.scaled_dot_product_attention's arguments with dropout_p = 0 while a NoDropout block is active (else as
     given), for a call NoDropout's mode does not see: torch.compile traces context parallelism's patched attention
-    (runtime/context_parallel.py) with the model's dropout_p (seen on a GPT with attention dropout at cp=2:
+    (runtime/distributed/context_parallel.py) with the model's dropout_p (seen on a GPT with attention dropout at cp=2:
     "aten.add.Tensor got mixed torch.Tensor and DTensor"). Not counted: the reference run counts."""
     if not _ACTIVE:
         return args, kwargs

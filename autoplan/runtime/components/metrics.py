@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from autoplan.runtime.memory import PeakLiveMemory
-from autoplan.runtime.mesh import RankLayout
-from autoplan.runtime.parallel import max_over_ranks, peak_memory_bytes
+from autoplan.runtime.components.memory import PeakLiveMemory
+from autoplan.runtime.distributed.mesh import RankLayout
+from autoplan.runtime.distributed.parallel import max_over_ranks, peak_memory_bytes
 
 
 @dataclass
