@@ -51,7 +51,7 @@ from autoplan.hardware.types import Gpu, Host, Link
 
 ADAMW_BYTES_PER_PARAM = {"fused": 28, "foreach": 80, "for-loop": 80}
 """Memory traffic of one step of torch.optim.AdamW per fp32 parameter, bytes, per implementation
-(plan.OPTIMIZER_IMPLEMENTATIONS; train.py runs the plan's, runtime/optimizer.py). fused (torch's
+(plan.OPTIMIZER_IMPLEMENTATIONS; train.py runs the plan's, runtime/components/optimizer.py). fused (torch's
 _fused_adamw_, CPU and CUDA): one pass that reads the weight, gradient, exp_avg and exp_avg_sq and writes
 the weight and both moments back, 7 x 4 = 28. foreach and for-loop make one pass over memory per
 elementwise op: weight decay mul_ (read+write weight, 8), exp_avg.lerp_(grad) (12), exp_avg_sq.mul_ (8)

@@ -46,7 +46,7 @@ _SAVED_OP_NAMES = (
 
 _SAVED_COLLECTIVE_NAMES = ("all_to_all_single",)
 """Functional collectives whose outputs "selective" keeps: the expert-parallel route's all-to-alls
-(runtime/expert_parallel.py _route), as torchtitan's op-level save list keeps
+(runtime/distributed/expert_parallel.py _route), as torchtitan's op-level save list keeps
 torch.ops._c10d_functional.all_to_all_single (torchtitan/models/deepseek_v3/infra/parallelize.py
 _op_sac_save_list), so the recomputation does not exchange the rows again. all_to_all_single_autograd
 dispatches this op below autograd, where the checkpoint's policy sees it."""
