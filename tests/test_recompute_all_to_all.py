@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autoplan.runtime.expert_parallel import ExpertShard, _route
+from autoplan.runtime.distributed.expert_parallel import ExpertShard, _route
 from autoplan.runtime.distributed.recompute import _contexts
 
 
