@@ -148,12 +148,17 @@ def attention_facts(profile: ModelProfile) -> AttentionFacts:
         elif other is None:
             other = op
     dropped = next((op for op in profile.ops if packet(op) in SDPA_PACKETS and op.dropout_p > 0), None)
+    masked = next((c for c in calls if c.mask), None) if not profile.masks_left_to_is_causal else None
     if other is not None:
         problem = (f"its attention is computed by {other.op} in '{other.module}' (activation x activation "
                    f"matmuls), not scaled_dot_product_attention, which context parallelism's ring replaces")
     elif dropped is not None:
         problem = (f"its attention in '{dropped.module}' applies dropout to the attention weights (dropout_p "
                    f"{dropped.dropout_p:g}), which context parallelism's ring attention does not run")
+    elif masked is not None:
+        problem = (f"its attention in '{masked.module}' takes a mask tensor that is not a causal mask the model leaves "
+                   f"to is_causal at run time (a padding, sliding-window or custom mask), and context parallelism's "
+                   f"ring attention takes is_causal or no mask")
     elif not calls:
         problem = NO_SDPA_PROBLEM
     else:
