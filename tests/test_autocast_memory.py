@@ -69,20 +69,20 @@ def test_autocast_states_are_fp32_weights_gradients_and_moments():
 
 
 def _par(**degrees) -> Parallelism:
-    return Parallelism(**{"pipeline_parallel_microbatch_size": 2, **degrees})
+    return Parallelism(**{"microbatch": 2, **degrees})
 
 
 @pytest.mark.parametrize("degrees, wraps", [
     ({}, False),                                                       # one GPU
-    ({"data_parallel_replicate_degree": 2}, False),                     # DDP
-    ({"data_parallel_shard_degree": 2}, True),                          # FSDP2
-    ({"data_parallel_replicate_degree": 2, "tensor_parallel_degree": 2}, True),  # fully_shard replicating DTensors
-    ({"tensor_parallel_degree": 2}, False),                             # tensor parallel alone
+    ({"dp_replicate": 2}, False),                     # DDP
+    ({"dp_shard": 2}, True),                          # FSDP2
+    ({"dp_replicate": 2, "tp": 2}, True),  # fully_shard replicating DTensors
+    ({"tp": 2}, False),                             # tensor parallel alone
 ])
 def test_one_rule_picks_autocast_for_the_program_and_the_price(degrees, wraps):
     par = _par(**degrees)
-    assert fsdp_wraps(par.data_parallel_replicate_degree, par.data_parallel_shard_degree,
-                      par.context_parallel_degree, par.tensor_parallel_degree) == wraps
+    assert fsdp_wraps(par.dp_replicate, par.dp_shard,
+                      par.cp, par.tp) == wraps
     ctx = Context(gpt_profile(n_layer=2), cluster(par.world_size), Training(4, "bf16"), SUPPORTED)
     assert ctx.autocast_layout(par) == (not wraps)
     assert not Context(gpt_profile(n_layer=2), cluster(par.world_size), Training(4, "fp32"),

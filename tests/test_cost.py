@@ -24,11 +24,11 @@ PSI = 1_000_000
 
 def _par(dp=1, pp=1, zero=0, schedule="1f1b", mbs=1, m=1, tp=1, v=1, replicate=None):
     shard = 1 if zero == 0 else dp // (replicate or 1)
-    return Parallelism(data_parallel_replicate_degree=dp // shard, data_parallel_shard_degree=shard,
-                       fsdp_reshard_after_forward="always" if zero == 3 else "never",
-                       tensor_parallel_degree=tp, pipeline_parallel_degree=pp, pipeline_parallel_schedule=schedule,
-                       pipeline_parallel_microbatch_size=mbs, pipeline_parallel_num_microbatches=m,
-                       pipeline_parallel_virtual_stages=v)
+    return Parallelism(dp_replicate=dp // shard, dp_shard=shard,
+                       reshard=zero == 3,
+                       tp=tp, pp=pp, schedule=schedule,
+                       microbatch=mbs, microbatches=m,
+                       virtual_stages=v)
 
 
 def _ctx(profile=None, gpus=8, batch=8, dtype="bf16", features=SUPPORTED, **kw):
@@ -465,7 +465,7 @@ def test_plan_shows_the_activation_saving_of_sequence_parallelism_against_the_sa
     on = search(profile, cluster(8), training, Layout(tp=4, pp=2, microbatch=2), features=ALL_FEATURES).best
     off = search(profile, cluster(8), training, Layout(tp=4, pp=2, microbatch=2, sp="off"),
                  features=ALL_FEATURES).best
-    assert on.parallelism.enable_sequence_parallel and not off.parallelism.enable_sequence_parallel
+    assert on.parallelism.sp and not off.parallelism.sp
     saved_with, saved_without = (on.predicted.memory_breakdown["activations"],
                                  on.predicted.activations_without_sequence_parallel_bytes)
     assert saved_with < saved_without

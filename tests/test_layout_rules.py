@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.layout import VOCABULARY, Layout, Scope, problems
+from autoplan.layout import VOCABULARY, Layout, Scope, problems, to_plan_fields
 from autoplan.plan import Parallelism
 from autoplan.report.csv import CANDIDATE_COLUMNS
 from autoplan.solve.pins import PIN_KEYS
@@ -33,8 +33,9 @@ def test_pins_csv_and_plan_fields_use_the_vocabulary():
     layout_columns = set(CANDIDATE_COLUMNS) - {"rank", "fits", "step_time_s", "peak_memory_gib", "host_memory_gib",
                                                "reason", "bubble_s", "schedule_tradeoff"}
     assert layout_columns <= short
+    assert {f.name for f in fields(Parallelism)} <= short
     plan_fields = {t.plan_field for t in VOCABULARY}
-    assert {f.name for f in fields(Parallelism)} <= plan_fields
+    assert set(to_plan_fields(Parallelism())) <= plan_fields
 
 
 def test_every_rule_is_reported_at_once_with_its_arithmetic():

@@ -178,22 +178,22 @@ class Context:
         return comm.Group(size, link, min(size, nodes))
 
     def groups(self, par: Parallelism) -> Groups:
-        t, r = par.tensor_parallel_degree, par.data_parallel_replicate_degree
-        cp, ep, fsdp = par.context_parallel_degree, par.expert_parallel_degree, par.fsdp_shard_degree
+        t, r = par.tp, par.dp_replicate
+        cp, ep, fsdp = par.cp, par.ep, par.fsdp_shard
         experts = expert_shard_degree(fsdp, ep, t)
         # the expert mesh folded over dp_shard x cp x tp (tp innermost): ep consecutive ranks, then the experts' FSDP
         # ranks, then the ranks holding the same experts' shard (the replicas, and the folded ranks beyond ep x
         # experts when FSDP2 does not shard them), which sum their gradients
         replicas = self.group(max(1, r * fsdp * t // (ep * experts)), ep * experts)
         return Groups(self.group(t, 1), self.group(fsdp, t), self.group(r, t * fsdp),
-                      self.group(par.pipeline_parallel_degree, t * fsdp * r), self.group(cp, t), self.group(ep, 1),
+                      self.group(par.pp, t * fsdp * r), self.group(cp, t), self.group(ep, 1),
                       self.group(experts, ep), replicas)
 
     def send_s(self, nbytes: float, par: Parallelism, link) -> float:
         """One activation (or gradient) crossing a stage boundary. Each tensor-parallel rank sends the
         whole replicated tensor (torch.distributed.pipelining), unless "pp_scatter_gather" is on:
         Megatron-LM sends 1/tp per rank and all-gathers it inside the node (Narayanan et al. SC21 4.1)."""
-        tp = par.tensor_parallel_degree
+        tp = par.tp
         if tp == 1 or "pp_scatter_gather" not in self.features:
             return comm.p2p_s(nbytes, link)
         return comm.p2p_s(nbytes / tp, link) + comm.all_gather_s(nbytes, tp, self.group(tp, 1).link)
@@ -260,9 +260,9 @@ class Context:
     def autocast_layout(self, par: Parallelism) -> bool:
         """bf16 trains as torch.autocast over fp32 weights in this layout: FSDP2 does not wrap it
         (layout.fsdp_wraps), so no MixedPrecisionPolicy computes in bf16 (runtime/steps.py)."""
-        return self.dtype == "bf16" and not fsdp_wraps(par.data_parallel_replicate_degree,
-                                                        par.data_parallel_shard_degree, par.context_parallel_degree,
-                                                        par.tensor_parallel_degree)
+        return self.dtype == "bf16" and not fsdp_wraps(par.dp_replicate,
+                                                        par.dp_shard, par.cp,
+                                                        par.tp)
 
     def _ops_table(self, nodes: frozenset[str], tp: int, microbatch: int, sp: bool) -> ModuleTable:
         """The module table of only the ops in `nodes` (each module's share: its experts, its attention), priced once

@@ -286,47 +286,47 @@ def variants(family: Family, pins: Layout, scope: Scope, rejected: list[str] | N
 
 def parallelism(family: Family, variant: Variant, recompute: str) -> Parallelism:
     return Parallelism(
-        data_parallel_replicate_degree=family.dp_replicate,
-        data_parallel_shard_degree=family.dp_shard,
-        fsdp_reshard_after_forward="always" if family.reshard else "never",
-        tensor_parallel_degree=family.tp,
-        pipeline_parallel_degree=family.pp,
-        pipeline_parallel_schedule=variant.schedule,
-        pipeline_parallel_microbatch_size=variant.microbatch,
-        pipeline_parallel_num_microbatches=variant.microbatches,
-        activation_checkpoint=recompute,
-        pipeline_parallel_virtual_stages=variant.virtual_stages,
-        enable_sequence_parallel=family.sp,
-        disable_loss_parallel=family.tp > 1 and not family.loss_parallel,
-        enable_cpu_offload=family.offload,
-        context_parallel_degree=family.cp,
-        expert_parallel_degree=family.ep,
+        dp_replicate=family.dp_replicate,
+        dp_shard=family.dp_shard,
+        reshard=family.reshard,
+        tp=family.tp,
+        pp=family.pp,
+        schedule=variant.schedule,
+        microbatch=variant.microbatch,
+        microbatches=variant.microbatches,
+        recompute=recompute,
+        virtual_stages=variant.virtual_stages,
+        sp=family.sp,
+        loss_parallel=family.tp == 1 or family.loss_parallel,
+        offload=family.offload,
+        cp=family.cp,
+        ep=family.ep,
     )
 
 
 def describe(par: Parallelism) -> str:
-    text = f"dp={par.data_parallel_degree}"
-    if par.data_parallel_replicate_degree > 1 and par.data_parallel_shard_degree > 1:
-        text += f" ({par.data_parallel_replicate_degree}x{par.data_parallel_shard_degree} HSDP)"
-    text += f" tp={par.tensor_parallel_degree}"
-    if par.tensor_parallel_degree > 1:
-        text += f" sp={'on' if par.enable_sequence_parallel else 'off'}"
-    if par.context_parallel_degree > 1:
-        text += f" cp={par.context_parallel_degree}"
-    if par.expert_parallel_degree > 1:
-        text += f" ep={par.expert_parallel_degree}"
-    text += f" pp={par.pipeline_parallel_degree}"
+    text = f"dp={par.dp}"
+    if par.dp_replicate > 1 and par.dp_shard > 1:
+        text += f" ({par.dp_replicate}x{par.dp_shard} HSDP)"
+    text += f" tp={par.tp}"
+    if par.tp > 1:
+        text += f" sp={'on' if par.sp else 'off'}"
+    if par.cp > 1:
+        text += f" cp={par.cp}"
+    if par.ep > 1:
+        text += f" ep={par.ep}"
+    text += f" pp={par.pp}"
     if par.sharded:
-        text += f" dp_shard={par.data_parallel_shard_degree} reshard={par.fsdp_reshard_after_forward}"
-    if par.enable_cpu_offload:
+        text += f" dp_shard={par.dp_shard} reshard={par.layout().reshard}"
+    if par.offload:
         text += " offload=cpu"
-    if par.pipeline_parallel_degree > 1:
-        text += f" schedule={par.pipeline_parallel_schedule}"
-        if par.pipeline_parallel_virtual_stages > 1:
-            text += f" virtual_stages={par.pipeline_parallel_virtual_stages}"
-    text += f" microbatch={par.pipeline_parallel_microbatch_size} microbatches={par.pipeline_parallel_num_microbatches}"
-    if par.activation_checkpoint != "none":
-        text += f" recompute={par.activation_checkpoint}"
+    if par.pp > 1:
+        text += f" schedule={par.schedule}"
+        if par.virtual_stages > 1:
+            text += f" virtual_stages={par.virtual_stages}"
+    text += f" microbatch={par.microbatch} microbatches={par.microbatches}"
+    if par.recompute != "none":
+        text += f" recompute={par.recompute}"
     return text
 
 

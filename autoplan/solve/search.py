@@ -87,7 +87,7 @@ def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: La
     chosen = choose(fitting)
     best, info = refine_with_ilp(ctx, chosen, pins.recompute is not None, solver, time_limit_s)
     best = with_memory_without_cp_ep(priced_as(ctx, best), best, layouts.modes_for(
-        best.parallelism.activation_checkpoint, pins.recompute is not None))
+        best.parallelism.recompute, pins.recompute is not None))
     twin = compile_twin(ctx, best, pins, pins.recompute is not None, scope)
     other_split = [dataclasses.replace(c, reason=_losing_reason(c, best))
                    for c in _other_expert_split(ctx, pins, best, tried) + _schedule_rival(ctx, pins, best, tried)]
@@ -131,10 +131,10 @@ def _other_expert_split(ctx: Context, pins: Layout, best: Candidate, tried: list
     """On a model with expert layers and ep not pinned: the fastest fitting layout of the other kind than `best`'s
     (ep = 1 when it splits the experts, ep > 1 when it does not), by its own branch and bound when the search's
     cut it off before pricing one (what the report and the summary measure expert parallelism by); else []."""
-    split = best.parallelism.expert_parallel_degree > 1
+    split = best.parallelism.ep > 1
     if not ctx.experts or pins.ep is not None:
         return []
-    if any(c.fits and (c.parallelism.expert_parallel_degree > 1) != split for c in tried):
+    if any(c.fits and (c.parallelism.ep > 1) != split for c in tried):
         return []
     found = explore(ctx, pins, keep=lambda fam: (fam.ep > 1) != split).tried
     fitting = sorted((c for c in found if c.fits), key=_by_time)
@@ -146,18 +146,18 @@ def _schedule_rival(ctx: Context, pins: Layout, best: Candidate, tried: list[Can
     not pinned: the same degrees' fastest fitting layout with a schedule that does not split backward, by its own
     branch and bound when the search's cut it off (candidates.csv's schedule_tradeoff compares the two); else []."""
     par = best.parallelism
-    if pins.schedule is not None or not SCHEDULE_BY_NAME[par.pipeline_parallel_schedule].split_backward:
+    if pins.schedule is not None or not SCHEDULE_BY_NAME[par.schedule].split_backward:
         return []
 
     def same_degrees(c: Candidate) -> bool:
         q = c.parallelism
-        return (q.tensor_parallel_degree, q.pipeline_parallel_degree, q.data_parallel_replicate_degree,
-                q.data_parallel_shard_degree, q.context_parallel_degree, q.expert_parallel_degree) == (
-            par.tensor_parallel_degree, par.pipeline_parallel_degree, par.data_parallel_replicate_degree,
-            par.data_parallel_shard_degree, par.context_parallel_degree, par.expert_parallel_degree)
+        return (q.tp, q.pp, q.dp_replicate,
+                q.dp_shard, q.cp, q.ep) == (
+            par.tp, par.pp, par.dp_replicate,
+            par.dp_shard, par.cp, par.ep)
 
     def unsplit(c: Candidate) -> bool:
-        return c.fits and not SCHEDULE_BY_NAME[c.parallelism.pipeline_parallel_schedule].split_backward
+        return c.fits and not SCHEDULE_BY_NAME[c.parallelism.schedule].split_backward
 
     if any(unsplit(c) and same_degrees(c) for c in tried):
         return []
@@ -166,8 +166,8 @@ def _schedule_rival(ctx: Context, pins: Layout, best: Candidate, tried: list[Can
         if name in ctx.features and not SCHEDULE_BY_NAME[name].split_backward:
             found += explore(ctx, replace(pins, schedule=name), keep=lambda fam: (
                 fam.tp, fam.pp, fam.dp_replicate, fam.dp_shard, fam.cp, fam.ep) == (
-                par.tensor_parallel_degree, par.pipeline_parallel_degree, par.data_parallel_replicate_degree,
-                par.data_parallel_shard_degree, par.context_parallel_degree, par.expert_parallel_degree)).tried
+                par.tp, par.pp, par.dp_replicate,
+                par.dp_shard, par.cp, par.ep)).tried
     return sorted((c for c in found if unsplit(c)), key=_by_time)[:1]
 
 
@@ -278,7 +278,7 @@ def compile_twin(ctx: Context, best: Candidate, pins: Layout, pinned_recompute: 
     other = ctx.compiled_as(not best.compile)
     par = best.parallelism
     refused = problems(replace(par.layout(), compile="on"), scope) if not best.compile else []
-    problem = build_problem(other, par, layouts.modes_for(par.activation_checkpoint, pinned_recompute))
+    problem = build_problem(other, par, layouts.modes_for(par.recompute, pinned_recompute))
     twin = evaluate(other, par, problem, best.assignment, problem.fits(best.assignment))
     change = (twin.predicted.step_time_s - best.predicted.step_time_s) / best.predicted.step_time_s * 100
     opening, ending = _why_compile_lost(best.compile, change, ctx.compiled, pins.compile == "off", refused)
@@ -389,7 +389,7 @@ def refine_with_ilp(ctx: Context, candidate: Candidate, pinned: bool, solver: st
     or, without an incumbent, the seed's to the step-time lower bound); "infeasible" or "failed" (a solver failure:
     the seed fits, and the MILP's rows are ChainProblem.fits's own), the seed kept, gap to the lower bound."""
     par = candidate.parallelism
-    mode = par.activation_checkpoint
+    mode = par.recompute
     ctx = priced_as(ctx, candidate)
     problem = build_problem(ctx, par, layouts.modes_for(mode, pinned))
     start = candidate.assignment
@@ -438,14 +438,14 @@ def _by_time(c: Candidate) -> tuple:
 
 def _simplicity(c: Candidate) -> tuple:
     par = c.parallelism
-    schedule = layouts.SCHEDULE_PREFERENCE.index(par.pipeline_parallel_schedule)
-    recompute = RECOMPUTE.index(par.activation_checkpoint)
-    return (par.enable_cpu_offload, par.pipeline_parallel_degree, par.tensor_parallel_degree,
-            par.context_parallel_degree, par.expert_parallel_degree,
-            zero_of(par.data_parallel_shard_degree, par.reshards_after_forward),
-            par.data_parallel_shard_degree > 1 and par.data_parallel_replicate_degree > 1, schedule,
-            par.pipeline_parallel_virtual_stages, recompute, _partial_recompute(c),
-            c.predicted.step_time_s, -par.pipeline_parallel_microbatch_size, par.data_parallel_degree)
+    schedule = layouts.SCHEDULE_PREFERENCE.index(par.schedule)
+    recompute = RECOMPUTE.index(par.recompute)
+    return (par.offload, par.pp, par.tp,
+            par.cp, par.ep,
+            zero_of(par.dp_shard, par.reshards_after_forward),
+            par.dp_shard > 1 and par.dp_replicate > 1, schedule,
+            par.virtual_stages, recompute, _partial_recompute(c),
+            c.predicted.step_time_s, -par.microbatch, par.dp)
 
 
 def _partial_recompute(c: Candidate) -> int:
@@ -462,6 +462,6 @@ def _losing_reason(c: Candidate, best: Candidate) -> str:
     if abs(percent) <= TIE_TOLERANCE * 100:  # a faster one in the tie lost to the simpler best
         return f"{percent:+.2f}% step time vs the best, a tie within {TIE_TOLERANCE:.0%}: the best is simpler"
     digits = 0 if percent >= 1 else 1
-    offloads = c.parallelism.enable_cpu_offload and not best.parallelism.enable_cpu_offload
+    offloads = c.parallelism.offload and not best.parallelism.offload
     why = " (CPU offload: host-device copies and the optimizer step on the CPU)" if offloads else ""
     return f"{percent:.{digits}f}% slower than the best{why}"
