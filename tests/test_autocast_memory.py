@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 from chain_fixtures import cluster, gpt_profile
 
+from autoplan.cost.context import TableKey
 from autoplan.chain.ops import autocast_fp32_nodes
 from autoplan.cost.context import Context
 from autoplan.cost.evaluate import build_problem
@@ -98,8 +99,8 @@ def test_a_one_gpu_bf16_plan_prices_what_autocast_keeps():
     tied = {**memory.per_tied_group, **memory.late_per_tied_group}
     states = {c: sum(held[c]) + sum(tied[c]) for c in ("parameters", "gradients", "optimizer")}
     assert states == pytest.approx({"parameters": 4 * numel, "gradients": 4 * numel, "optimizer": 8 * numel})
-    pure = ctx.table(1, 2)
-    autocast = ctx.table(1, 2, autocast=True)
+    pure = ctx.table(TableKey(1, 2))
+    autocast = ctx.table(TableKey(1, 2), autocast=True)
     copies = [autocast_weight_copy_bytes(m, 1, 2) for m in ctx.costs.modules]
     assert sum(copies) > 0
     for u, module in enumerate(ctx.costs.modules):

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 from chain_fixtures import GIB, cluster, gpt_profile
 
+from autoplan.cost.context import TableKey
 from autoplan.cost import calibration, comm
 from autoplan.cost.compute import ADAMW_BYTES_PER_PARAM
 from autoplan.cost.context import Context
@@ -52,7 +53,7 @@ def test_offload_moves_the_model_states_to_the_host_and_stages_a_shard_per_unit(
         assert off.memory_breakdown[category] > 0 and on.memory_breakdown[category] == 0
     assert on.memory_breakdown.get("gradients", 0.0) == 0  # off: made in backward, none at the loss's peak
     assert on.memory_breakdown["gathered_parameters"] == off.memory_breakdown["gathered_parameters"]
-    largest = max(ctx.memory_inputs(1, 1).module_largest_numel)  # the unit whose shards are staged
+    largest = max(ctx.memory_inputs(TableKey(1, 1)).module_largest_numel)  # the unit whose shards are staged
     assert on.memory_breakdown["offload_staging"] == pytest.approx(
         calibration.FSDP_PREFETCH_UNITS * largest * OFFLOAD_STAGING_BYTES_PER_PARAM / 8)
     assert on.peak_memory_bytes < off.peak_memory_bytes
@@ -91,7 +92,7 @@ def comm_link():
 
 
 def test_compile_scales_pointwise_ops_by_their_factor_and_leaves_matmuls(ctx):
-    eager, compiled = ctx.table(1, 2), ctx.compiled_as(True).table(1, 2)
+    eager, compiled = ctx.table(TableKey(1, 2)), ctx.compiled_as(True).table(TableKey(1, 2))
     factor = calibration.COMPILE_TIME_FACTOR["pointwise"]
     assert 0 < factor < 1 and calibration.COMPILE_TIME_FACTOR["gemm"] == calibration.COMPILE_TIME_FACTOR["attention"] == 1
     fusing = [any(op.compile_class == "pointwise" for op in m.ops) for m in ctx.costs.modules]
@@ -100,7 +101,7 @@ def test_compile_scales_pointwise_ops_by_their_factor_and_leaves_matmuls(ctx):
         for compiled_s, eager_s in ((compiled.forward_s[u], eager.forward_s[u]), (compiled.backward_s[u], eager.backward_s[u])):
             assert compiled_s < eager_s if fuses else compiled_s == eager_s
     # the module table's cache is keyed by it: the eager one is not overwritten
-    assert ctx.table(1, 2) is eager and not ctx.compiled
+    assert ctx.table(TableKey(1, 2)) is eager and not ctx.compiled
 
 
 def test_the_search_offloads_only_when_nothing_else_fits():

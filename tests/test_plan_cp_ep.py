@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 from chain_fixtures import cluster, gpt_profile
 
+from autoplan.cost.context import TableKey
 from autoplan.chain.attention import attention_facts
 from autoplan.cost.compute import ModuleTable, ShardedModules, sharded_table
 from autoplan.cost.context import Context, expert_shard_degree
@@ -269,7 +270,7 @@ def test_expert_states_per_rank_divide_by_every_folded_rank(olmoe_context, shard
     numel, experts = ctx.total_numel(tp), sum(ctx.expert_numel)
     fsdp = shard * cp
     assert expert_shard_degree(fsdp, ep, tp) == shard * cp * tp // ep
-    memory = ctx.layout_memory(ctx.memory_inputs(tp, 1, ep=ep), fsdp, True, 1,
+    memory = ctx.layout_memory(ctx.memory_inputs(TableKey(tp, 1, ep=ep)), fsdp, True, 1,
                                expert_shard=expert_shard_degree(fsdp, ep, tp))
     states = sum(sum(memory.states[c]) + sum(memory.tied_states[c]) for c in ("parameters", "gradients",
                                                                                      "optimizer"))
@@ -350,10 +351,10 @@ def test_context_parallel_halves_activations_and_prices_the_exposed_ring():
     bandwidth, latency = 1e6, 1e-5
     profile = gpt_profile(n_layer=layers, n_embd=hidden, seq=seq, batch=2)
     ctx = Context(profile, cluster(4, intra_bw=bandwidth, latency_s=latency), Training(batch, "bf16"), CP_EP)
-    one, two = ctx.table(1, 1), ctx.table(1, 1, cp=2)
+    one, two = ctx.table(TableKey(1, 1)), ctx.table(TableKey(1, 1, cp=2))
     assert two.activation_bytes["full"] == pytest.approx(tuple(a / 2 for a in one.activation_bytes["full"]))
     # a rank's modules are priced on its tokens (micro-batch / cp): their FLOPs halve, their kernel launches do not
-    assert two.forward_s == pytest.approx(ctx.table(1, 1 / 2).forward_s)
+    assert two.forward_s == pytest.approx(ctx.table(TableKey(1, 1 / 2)).forward_s)
     assert sum(one.forward_s) / 2 < sum(two.forward_s) < sum(one.forward_s)
     block = 2 * 1 * seq / 2 * hidden * 2
     per_layer = 2 * (latency + block / bandwidth) + 2 * (latency + 2 * block / bandwidth)
@@ -380,7 +381,7 @@ def test_context_parallel_with_tensor_parallelism_rings_each_ranks_heads_and_gat
     profile = gpt_profile(n_layer=layers, n_embd=hidden, seq=seq, batch=2)
     features = CP_EP | {"tp_fused_split"}  # the fixture's attention is a fused qkv: split it over the tp ranks
     ctx = Context(profile, cluster(4, intra_bw=bandwidth, latency_s=latency), Training(batch, "bf16"), features)
-    plain, sp = ctx.table(2, 1, cp=2), ctx.table(2, 1, sp=True, cp=2)
+    plain, sp = ctx.table(TableKey(2, 1, cp=2)), ctx.table(TableKey(2, 1, sp=True, cp=2))
     block = 2 * 1 * seq / 2 * hidden / 2 * 2
     per_layer = 2 * (latency + block / bandwidth) + 2 * (latency + 2 * block / bandwidth)
     assert sum(plain.cp_forward_s) + sum(plain.cp_backward_s) == pytest.approx(layers * per_layer, rel=1e-3)
@@ -445,7 +446,7 @@ def test_expert_states_per_rank_are_those_of_fsdp_without_ep(olmoe_context, resh
     ctx = olmoe_context
     numel, experts = ctx.total_numel(1), sum(ctx.expert_numel)
     assert experts > numel / 2  # most of the model is experts
-    memory = ctx.layout_memory(ctx.memory_inputs(1, 1, ep=ep), 8, reshard, 1, expert_shard=expert_shard_degree(8, ep))
+    memory = ctx.layout_memory(ctx.memory_inputs(TableKey(1, 1, ep=ep)), 8, reshard, 1, expert_shard=expert_shard_degree(8, ep))
     states = {c: sum(memory.states[c]) + sum(memory.tied_states[c]) for c in ("parameters", "gradients",
                                                                                        "optimizer")}
     assert states == pytest.approx({"parameters": 4 * numel / 8, "gradients": 4 * numel / 8, "optimizer": 8 * numel / 8})
@@ -535,7 +536,7 @@ def test_pipeline_sends_carry_the_rank_share_from_the_first_attention_module_on(
     assert shared[:first] == whole[:first]
     assert shared[first:] == pytest.approx(tuple(c / 2 for c in whole[first:]))
     assert ctx.rank_cut_bytes(1) == ctx.cut_bytes(1)
-    inputs = ctx.memory_inputs(1, 1, cp=2)
+    inputs = ctx.memory_inputs(TableKey(1, 1, cp=2))
     assert inputs.cut_bytes == pytest.approx(tuple(c * ctx.scale for c in shared))
 
 
@@ -603,9 +604,9 @@ def test_expert_compute_is_its_own_part_of_the_step_and_the_parts_still_sum_to_i
     predicted = evaluate(ctx, par, problem, problem.uniform(Split((0, len(ctx.chain)))), True).predicted
     parts = predicted.time_breakdown
     assert sum(parts.values()) == pytest.approx(predicted.step_time_s)
-    expert = sum(ctx.expert_compute_s(1, 1, False, 1, ep))
+    expert = sum(ctx.expert_compute_s(TableKey(1, 1, ep=ep)))
     assert parts["expert_compute"] == pytest.approx(expert) and expert > 0
-    table = ctx.table(1, 1, False, True, 1, ep)
+    table = ctx.table(TableKey(1, 1, False, True, 1, ep))
     assert parts["compute"] + parts["expert_compute"] == pytest.approx(sum(table.forward_s) + sum(table.backward_s))
 
 

@@ -67,12 +67,9 @@ class Candidate:
 
 def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> ChainProblem:
     pp, v = par.pp, par.virtual_stages
-    tp, mbs = par.tp, par.microbatch
-    m = par.microbatches
-    sp, loss_parallel = par.sp, par.loss_parallel
-    cp, ep = par.cp, par.ep
+    tp, m, ep = par.tp, par.microbatches, par.ep
     autocast = ctx.autocast_layout(par)
-    inputs = ctx.memory_inputs(tp, mbs, sp, loss_parallel, cp, ep, autocast)
+    inputs = ctx.memory_inputs(par, autocast)
     stages = pp * v
     ddp = par.fsdp_shard == 1 and par.dp_replicate > 1 and tp == 1  # parallel.py
     shared = ctx.layout_memory(inputs, par.fsdp_shard, par.reshards_after_forward, pp,
@@ -81,7 +78,7 @@ def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> Cha
     received = 1 if pp > 1 else 0  # the gradient received for the backward running (StageMemoryModel.received)
     models = tuple(shared.stage(s, microbatches_in_flight(par.schedule, pp, m, s, v), received)
                    for s in range(stages))
-    table = ctx.table(tp, mbs, sp, loss_parallel, cp, ep)
+    table = ctx.table(par)
     overhead = ()
     if stages > 1:
         link = ctx.groups(par).pipeline.link
@@ -107,12 +104,12 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     pp, tp = par.pp, par.tp
     m, mbs = par.microbatches, par.microbatch
     cp, ep = par.cp, par.ep
-    table = ctx.table(tp, mbs, par.sp, par.loss_parallel, cp, ep)
+    table = ctx.table(par)
     chain, gpu = ctx.chain, ctx.cluster.gpu
     groups = ctx.groups(par)
     element = bytes_per_element(ctx.dtype)
     own, tied = ctx.module_numel(tp, ep), ctx.group_numel(tp)
-    expert_compute = ctx.expert_compute_s(tp, mbs, par.sp, cp, ep) if ctx.experts else None
+    expert_compute = ctx.expert_compute_s(par) if ctx.experts else None
     # with ep = 1 the experts are parameters like the others (in their module's FSDP2 unit or DDP bucket)
     experts = ctx.module_expert_numel(ep) if ep > 1 else [0.0] * len(own)
     expert_shard = expert_shard_degree(par.fsdp_shard, ep, par.tp)

@@ -108,7 +108,7 @@ class Work:
     """A variant of a family waiting to be priced, and the step time no split of it can beat."""
 
     time_bound_s: float
-    family: layouts.Family
+    family: Parallelism
     variant: layouts.Variant
 
 
@@ -172,7 +172,7 @@ def _schedule_rival(ctx: Context, pins: Layout, best: Candidate, tried: list[Can
 
 
 def explore(ctx: Context, pins: Layout, deadline: float | None = None, explain: bool = True,
-            keep: Callable[[layouts.Family], bool] | None = None) -> Explored:
+            keep: Callable[[Parallelism], bool] | None = None) -> Explored:
     """The branch and bound (module docstring, steps 1-3) over every layout the pins allow (the families `keep`
     accepts, when given), stopped at `deadline` (time.perf_counter() seconds) when one is given. Without
     `explain`, a layout that does not fit is not priced at its leanest split (what the "why not" and infeasibility
@@ -306,39 +306,39 @@ def _why_compile_lost(best_compiled: bool, change_percent: float, compiled_by_de
     return opening, "".join(f"; and the program cannot run it: {why}" for why in refused)
 
 
-def family_memory_bound(ctx: Context, fam: layouts.Family) -> float:
+def family_memory_bound(ctx: Context, fam: Parallelism) -> float:
     """Model states of the average pipeline rank: no split of this family can do better. The expert
     parameters (E/ep per rank) shard over expert_shard_degree ranks (cost/context.py)."""
     if fam.offload:  # on the host (CPU offload)
         return 0.0
     numel = ctx.total_numel(fam.tp, fam.ep)
     experts = sum(ctx.module_expert_numel(fam.ep))
-    zero = zero_of(fam.fsdp, fam.reshard)
-    expert_shard = expert_shard_degree(fam.fsdp, fam.ep, fam.tp)
-    states = sum(model_state_bytes(numel - experts, ctx.dtype, zero, fam.fsdp).values()) + \
+    zero = zero_of(fam.fsdp_shard, fam.reshard)
+    expert_shard = expert_shard_degree(fam.fsdp_shard, fam.ep, fam.tp)
+    states = sum(model_state_bytes(numel - experts, ctx.dtype, zero, fam.fsdp_shard).values()) + \
         sum(model_state_bytes(experts, ctx.dtype, zero, expert_shard).values())
     if fam.pp > 1 and zero >= 2:  # unreduced gradients (and unsharded FSDP parameters) under pipelining
         states += numel * (2 if zero == 3 else 1) * ctx.dtype_bytes
     return states / fam.pp
 
 
-def time_lower_bound(ctx: Context, fam: layouts.Family, var: layouts.Variant, pinned: bool) -> float:
+def time_lower_bound(ctx: Context, fam: Parallelism, var: layouts.Variant, pinned: bool) -> float:
     """(m + (p - 1) / v) x the slowest rank's slot if the fastest module times balanced perfectly; m slots for a
     zero-bubble schedule (its weight-gradient passes may fill the whole bubble)."""
-    table = ctx.table(fam.tp, var.microbatch, fam.sp, cp=fam.cp, ep=fam.ep)
+    table = ctx.table(replace(fam, microbatch=var.microbatch))
     mode = "none" if not pinned else var.recompute
     slot = table.total_s[mode] / fam.pp
     bubble = 0.0 if SCHEDULE_BY_NAME[var.schedule].split_backward else (fam.pp - 1) / var.virtual_stages
     return (var.microbatches + bubble) * slot
 
 
-def _time_bounds(ctx: Context, pinned: bool) -> Callable[[layouts.Family, layouts.Variant], float]:
+def _time_bounds(ctx: Context, pinned: bool) -> Callable[[Parallelism, layouts.Variant], float]:
     """time_lower_bound, remembered per what it reads of the family (tp, sp, cp, ep, pp) and the variant: the
     families that differ only in how data parallelism shards (replicate x shard, resharding, offload) share it,
     and a big mixture of experts enumerates hundreds of thousands of variants."""
     known: dict[tuple, float] = {}
 
-    def bound(fam: layouts.Family, var: layouts.Variant) -> float:
+    def bound(fam: Parallelism, var: layouts.Variant) -> float:
         key = (fam.tp, fam.sp, fam.cp, fam.ep, fam.pp, var)
         if key not in known:
             known[key] = time_lower_bound(ctx, fam, var, pinned)
