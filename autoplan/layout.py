@@ -165,6 +165,57 @@ replicas, no CPU offload), compile_pp_experts (inductor stops in the experts' ba
 compile_tp_recompute (AOTAutograd stops on a recomputed module over tensor-parallel shards that are not sequence
 shards, or in the ring), compile_tp_experts (compiled, a mixture of experts at tp > 1 trains off the reference)."""
 
+@dataclass(frozen=True)
+class UnsupportedPair:
+    """Two parts of a layout the program does not run together, unless the features hold `feature` (ALL_FEATURES:
+    the cost model prices them, so a caller pricing other programs may allow it)."""
+
+    first: str
+    """A part of a layout, a key of PARTS ("cp": cp > 1, "offload": offload=cpu, ...)."""
+    second: str
+    feature: str
+    """The ALL_FEATURES name that lifts the rule."""
+    reason: str
+    """Why, after "cp=2 with pp=2: "."""
+    use: tuple[str, str] = ("", "")
+    """The way out, in the order the message offers them; ("", ""): first off, then second off."""
+
+
+PARTS: dict[str, tuple[Callable[["Layout"], bool], Callable[["Layout"], str], str]] = {
+    "tp": (lambda x: _positive(x.tp) and x.tp > 1, lambda x: f"tp={x.tp}", "tp=1"),
+    "cp": (lambda x: _positive(x.cp) and x.cp > 1, lambda x: f"cp={x.cp}", "cp=1"),
+    "ep": (lambda x: _positive(x.ep) and x.ep > 1, lambda x: f"ep={x.ep}", "ep=1"),
+    "pp": (lambda x: _positive(x.pp) and x.pp > 1, lambda x: f"pp={x.pp}", "pp=1"),
+    "offload": (lambda x: x.offload == "cpu", lambda x: "offload=cpu", "offload=none"),
+}
+"""Each part a pair may name: (whether the layout uses it, how a message writes it, how to leave it out)."""
+
+UNSUPPORTED_PAIRS = (
+    UnsupportedPair("cp", "pp", "cp_pp", "the program cannot yet run context parallelism inside pipeline stages"),
+    UnsupportedPair("cp", "tp", "cp_tp", "the program cannot yet run context parallelism together with tensor "
+                    "parallelism"),
+    UnsupportedPair("ep", "pp", "ep_pp", "expert parallelism inside pipeline stages is not supported here"),
+    UnsupportedPair("ep", "tp", "ep_tp", "the program cannot yet run expert parallelism together with tensor "
+                    "parallelism"),
+    UnsupportedPair("ep", "cp", "ep_cp", "the program does not yet fold expert parallelism over the "
+                    "context-parallel ranks"),
+    UnsupportedPair("ep", "offload", "ep_offload", "the program does not yet run the experts' own FSDP2 units with "
+                    "CPU offload", ("offload=none", "ep=1")),
+)
+"""Every "A with B is not supported (reason)" rule, as data (_unsupported_pairs reads it; rules that need arithmetic,
+such as ep across replicas, stay functions). A new pair costs a row here and its feature name in ALL_FEATURES."""
+
+
+def _unsupported_pairs(layout: "Layout", have: frozenset[str]) -> list[str]:
+    out = []
+    for pair in UNSUPPORTED_PAIRS:
+        (uses_a, text_a, off_a), (uses_b, text_b, off_b) = PARTS[pair.first], PARTS[pair.second]
+        if pair.feature not in have and uses_a(layout) and uses_b(layout):
+            first, second = pair.use if pair.use[0] else (off_a, off_b)
+            out.append(f"{text_a(layout)} with {text_b(layout)}: {pair.reason} (use {first} or {second})")
+    return out
+
+
 CONTEXT_PARALLEL_CHUNKS = 2
 """Chunks per context-parallel rank: torch's causal load balancing cuts each sequence into 2 x cp chunks and
 gives rank r chunks r and 2cp-1-r, so every rank computes as much of the causal triangle."""
@@ -609,33 +660,19 @@ def _features(layout: Layout, scope: Scope) -> list[str]:
     if _positive(layout.cp) and layout.cp > 1 and "cp" not in have:
         out.append(f"context parallelism is priced but the generated program cannot run it yet (cp={layout.cp}; "
                    f"use cp=1)")
-    if _positive(layout.cp, layout.pp) and layout.cp > 1 and layout.pp > 1 and "cp_pp" not in have:
-        out.append(f"cp={layout.cp} with pp={layout.pp}: the program cannot yet run context parallelism inside "
-                   f"pipeline stages (use cp=1 or pp=1)")
-    if _positive(layout.cp, layout.tp) and layout.cp > 1 and layout.tp > 1 and "cp_tp" not in have:
-        out.append(f"cp={layout.cp} with tp={layout.tp}: the program cannot yet run context parallelism together "
-                   f"with tensor parallelism (use cp=1 or tp=1)")
     if _positive(layout.ep) and layout.ep > 1 and "ep" not in have:
         out.append(f"expert parallelism is priced but the generated program cannot run it yet (ep={layout.ep}; "
                    f"use ep=1)")
-    return out + _expert_parallel_features(layout, have)
+    return out + _unsupported_pairs(layout, have) + _expert_parallel_features(layout, have)
 
 
 def _expert_parallel_features(layout: Layout, have: frozenset[str]) -> list[str]:
-    """The combinations with expert parallelism the program does not run yet (runtime/expert_parallel.py)."""
+    """The placements of expert parallelism the program does not run yet (runtime/expert_parallel.py) that take
+    arithmetic: across replicas (ep_ddp) and beside DDP. The pairs are UNSUPPORTED_PAIRS."""
     ep = layout.ep
     if not _positive(ep) or ep == 1:
         return []
     out = []
-    if _positive(layout.pp) and layout.pp > 1 and "ep_pp" not in have:
-        out.append(f"ep={ep} with pp={layout.pp}: expert parallelism inside pipeline stages is not supported here "
-                   f"(use ep=1 or pp=1)")
-    if _positive(layout.tp) and layout.tp > 1 and "ep_tp" not in have:
-        out.append(f"ep={ep} with tp={layout.tp}: the program cannot yet run expert parallelism together with tensor "
-                   f"parallelism (use ep=1 or tp=1)")
-    if _positive(layout.cp) and layout.cp > 1 and "ep_cp" not in have:
-        out.append(f"ep={ep} with cp={layout.cp}: the program does not yet fold expert parallelism over the "
-                   f"context-parallel ranks (use ep=1 or cp=1)")
     cp, tp = _or_one(layout.cp), _or_one(layout.tp)
     dp = layout.data_parallel
     whole = not _positive(dp) or expert_folded_ranks(dp, cp, tp) % ep == 0  # else _expert_parallel says why
@@ -648,9 +685,6 @@ def _expert_parallel_features(layout: Layout, have: frozenset[str]) -> list[str]
     elif layout.zero == 0 and "ep_ddp" not in have:
         out.append(f"ep={ep} with zero=0 (DDP): the program shards the experts' states with FSDP2 over the ranks "
                    f"holding the same experts, not beside DDP (use zero=3 or ep=1)")
-    if layout.offload == "cpu" and "ep_offload" not in have:
-        out.append(f"ep={ep} with offload=cpu: the program does not yet run the experts' own FSDP2 units with CPU "
-                   f"offload (use offload=none or ep=1)")
     return out
 
 
