@@ -895,28 +895,28 @@ def _sharding_rules(layout: Layout, scope: Scope) -> list[str]:
 
 
 def _batch(layout: Layout, scope: Scope) -> list[str]:
-    out, batch, dp, mbs = [], scope.global_batch, layout.data_parallel, layout.microbatch
-    if batch is None or not _positive(mbs):
+    out, batch, dp, microbatch = [], scope.global_batch, layout.data_parallel, layout.microbatch
+    if batch is None or not _positive(microbatch):
         return out
     if _positive(dp) and batch % dp == 0:
         per_rank = batch // dp
-        if per_rank % mbs:
-            out.append(f"microbatch={mbs} does not divide the {per_rank} samples per data-parallel rank "
+        if per_rank % microbatch:
+            out.append(f"microbatch={microbatch} does not divide the {per_rank} samples per data-parallel rank "
                        f"(global batch {batch} / dp={dp})")
-        elif _positive(layout.microbatches) and layout.microbatches != per_rank // mbs:
+        elif _positive(layout.microbatches) and layout.microbatches != per_rank // microbatch:
             out.append(f"microbatches={layout.microbatches}, but global batch {batch} / dp={dp} / "
-                       f"microbatch={mbs} = {per_rank // mbs}")
-    elif mbs > batch:
-        out.append(f"microbatch={mbs} exceeds the global batch of {batch}")
+                       f"microbatch={microbatch} = {per_rank // microbatch}")
+    elif microbatch > batch:
+        out.append(f"microbatch={microbatch} exceeds the global batch of {batch}")
     return out
 
 
 def _microbatches(layout: Layout, scope: Scope) -> int | None:
     if _positive(layout.microbatches):
         return layout.microbatches
-    batch, dp, mbs = scope.global_batch, layout.data_parallel, layout.microbatch
-    if batch is not None and _positive(dp, mbs) and batch % (dp * mbs) == 0:
-        return batch // (dp * mbs)
+    batch, dp, microbatch = scope.global_batch, layout.data_parallel, layout.microbatch
+    if batch is not None and _positive(dp, microbatch) and batch % (dp * microbatch) == 0:
+        return batch // (dp * microbatch)
     return None
 
 

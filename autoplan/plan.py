@@ -17,8 +17,8 @@ import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
-from autoplan.layout import (RECOMPUTE, SCHEDULES, SUPPORTED, TENSOR_PARALLEL_STYLES, Parallelism, Scope, from_plan_fields,
-                             to_plan_fields)
+from autoplan.layout import (RECOMPUTE, SCHEDULES, SUPPORTED, TENSOR_PARALLEL_STYLES, Parallelism, Scope,
+                             from_plan_fields, to_plan_fields)
 
 SCHEMA_VERSION = 2
 SCHEMA_CHANGES = {1: "version 2 replaced parallelism.zero_stage with data_parallel_shard_degree and "

@@ -102,7 +102,7 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
              reason: str = "") -> Candidate:
     """Predictions for `par` with `assignment` (memory models and module times from `problem`)."""
     pp, tp = par.pp, par.tp
-    m, mbs = par.microbatches, par.microbatch
+    m, microbatch = par.microbatches, par.microbatch
     cp, ep = par.cp, par.ep
     table = ctx.table(par)
     chain, gpu = ctx.chain, ctx.cluster.gpu
@@ -114,7 +114,7 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     experts = ctx.module_expert_numel(ep) if ep > 1 else [0.0] * len(own)
     expert_shard = expert_shard_degree(par.fsdp_shard, ep, par.tp)
     cut_scale = 1.0 if ctx.autocast_layout(par) else ctx.scale  # autocast sends the fp32 residual stream
-    cut = [c * mbs * cut_scale for c in ctx.rank_cut_bytes(cp)]
+    cut = [c * microbatch * cut_scale for c in ctx.rank_cut_bytes(cp)]
     n, ranges, modes = len(chain), assignment.split.ranges(), assignment.modes
     parts: list[dict[str, float]] = []
     costs: list[StageCost] = []

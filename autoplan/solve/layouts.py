@@ -1,8 +1,8 @@
 """The layouts the search enumerates: families (tp, cp, ep, pp, dp_replicate, dp_shard, reshard, sp, offload,
 loss_parallel: a layout.Parallelism whose schedule fields are left at their defaults) times variants (schedule,
 virtual stages, micro-batch size, micro-batches, recompute mode: Variant, those fields of a Parallelism); the
-recompute mode names what the solver may apply per module. Only layouts that layout.problems() accepts with the pins are emitted, and only
-features the program can run (layout.SUPPORTED) unless the caller prices other programs.
+recompute mode names what the solver may apply per module. Only layouts that layout.problems() accepts with
+the pins are emitted, and only features the program can run (layout.SUPPORTED) unless the caller prices other programs.
 
 Mesh dims in rank order ("pp", "dp_replicate", "dp_shard", "cp", "tp"): tp innermost and within a node.
 The search's own scope (not validity): reshard=never shards over every data-parallel rank; HSDP
@@ -242,9 +242,9 @@ def variants(family: Parallelism, pins: Layout, scope: Scope, rejected: list[str
     base = Layout(dp=family.dp, tp=family.tp, pp=pp, cp=family.cp)
     out = []
     for schedule, virtual in schedules:
-        for mbs in sizes:
-            shape = replace(base, schedule=schedule, virtual_stages=virtual, microbatch=mbs,
-                            microbatches=per_rank // mbs if per_rank % mbs == 0 else None)
+        for microbatch in sizes:
+            shape = replace(base, schedule=schedule, virtual_stages=virtual, microbatch=microbatch,
+                            microbatches=per_rank // microbatch if per_rank % microbatch == 0 else None)
             if shape.microbatches is None:
                 continue
             broken = schedule_problems(shape, scope)  # the family passed the rest
@@ -252,7 +252,7 @@ def variants(family: Parallelism, pins: Layout, scope: Scope, rejected: list[str
                 if rejected is not None:
                     rejected += broken
                 continue
-            out += [Variant(schedule, virtual, mbs, shape.microbatches, mode) for mode in modes
+            out += [Variant(schedule, virtual, microbatch, shape.microbatches, mode) for mode in modes
                     if mode == "none" or not schedule_problems(replace(shape, recompute=mode), scope)]
     return out
 
