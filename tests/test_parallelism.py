@@ -86,3 +86,19 @@ def test_problems_are_the_layout_rules():
     assert Parallelism(tp=3).problems(Scope(num_gpus=8)) == ["tp=3 does not divide 8 GPUs",
                                                             "dp=1 x tp=3 x pp=1 = 3, not 8 GPUs"]
     assert any("offload=cpu" in p for p in Parallelism(dp_replicate=2, offload=True).problems(Scope()))
+
+
+def test_a_plan_json_written_before_the_one_type_loads_and_writes_back_the_same():
+    """tests/fixtures/plan_schema2_main_276da8a.json: autoplan examples/gpt.py --gpus 8 --pin
+    tp=2,pp=2,schedule=interleaved,zero=3 as main 276da8a wrote it (plan.Parallelism with the long names; its model
+    path made relative). It loads into the one type and its parallelism sections come back key for key."""
+    from pathlib import Path
+
+    from autoplan.plan import Plan
+
+    text = (Path(__file__).parent / "fixtures" / "plan_schema2_main_276da8a.json").read_text()
+    plan = Plan.from_json(text)
+    assert plan.parallelism == Parallelism(dp_shard=2, reshard=True, tp=2, pp=2, schedule="interleaved",
+                                           microbatch=8, microbatches=2, virtual_stages=3)
+    assert all(isinstance(a.parallelism, Parallelism) for a in plan.alternatives) and plan.alternatives
+    assert plan.to_json() == text.removesuffix("\n")  # byte for byte (the fixture ends with a newline)
