@@ -309,10 +309,10 @@ def summary(plan, out: str | None) -> Group:
                      f"{pred.activations_without_sequence_parallel_bytes / gib:.2f} GiB without (sp=off)")
     if _has_experts(plan):
         head.add_row("experts", _expert_parallel_line(plan))
-    if p.enable_cpu_offload:
+    if p.offload:
         head.add_row("host", f"{pred.host_memory_per_node_bytes / gib:,.0f} GiB of host memory per node (CPU offload: "
                      f"parameters, gradients and optimizer state; the optimizer steps on the CPU)")
-    if p.tensor_parallel_degree > 1:
+    if p.tp > 1:
         head.add_row("tensor par.", escape(_tensor_parallel_text(plan)))
     head.add_row("compile", "on (torch.compile per module)" if plan.compile.enable else "off")
     head.add_row("solver", f"{plan.solver.name} {plan.solver.status} in {plan.solver.time_s:.2f} s, "
@@ -343,8 +343,8 @@ def _tensor_parallel_text(plan) -> str:
 
 def _has_experts(plan) -> bool:
     """The plan's model has expert layers: it splits them, prices their compute, or an alternative splits them."""
-    return (plan.parallelism.expert_parallel_degree > 1 or "expert_compute" in plan.predicted.time_breakdown
-            or any(a.parallelism.expert_parallel_degree > 1 for a in plan.alternatives))
+    return (plan.parallelism.ep > 1 or "expert_compute" in plan.predicted.time_breakdown
+            or any(a.parallelism.ep > 1 for a in plan.alternatives))
 
 
 def _expert_parallel_line(plan) -> str:
@@ -354,16 +354,16 @@ def _expert_parallel_line(plan) -> str:
     from autoplan.solve.layouts import describe
 
     p, pred, gib = plan.parallelism, plan.predicted, 2**30
-    split = p.expert_parallel_degree > 1
+    split = p.ep > 1
     parts = pred.time_breakdown
     spent = [f"{_seconds(parts['expert_compute'])} expert compute"] if "expert_compute" in parts else []
     if split:
         spent.append(f"{_seconds(parts.get('expert_parallel_comm', 0.0))} all-to-all")
-    line = f"ep={p.expert_parallel_degree}: " + "".join(f"{s}, " for s in spent) + \
+    line = f"ep={p.ep}: " + "".join(f"{s}, " for s in spent) + \
         f"{pred.peak_memory_bytes / gib:.2f} GiB peak"
     if split and pred.peak_memory_without_expert_parallel_bytes is not None:
         line += f", the same layout with ep=1 {pred.peak_memory_without_expert_parallel_bytes / gib:.2f} GiB"
-    other = [a for a in plan.alternatives if (a.parallelism.expert_parallel_degree > 1) != split and a.step_time_s]
+    other = [a for a in plan.alternatives if (a.parallelism.ep > 1) != split and a.step_time_s]
     if other:
         fastest = other[0]
         fits = "" if fastest.fits else ", does not fit"

@@ -97,6 +97,8 @@ them to backward ("never", the closest FSDP2 has to ZeRO-1/2). torchtitan's "def
 OFFLOAD = ("none", "cpu")
 """enable_cpu_offload false or true: FSDP2's CPUOffloadPolicy keeps parameters, gradients and optimizer state
 on the host and steps the optimizer there."""
+LOSS_PARALLEL = ("on", "off")
+"""loss_parallel: the cross-entropy on vocabulary-sharded logits ("on") or on gathered ones."""
 COMPILE = ("off", "on")
 """compile.enable: torch.compile per chain module (torchtitan compiles each TransformerBlock)."""
 TENSOR_PARALLEL_STYLES = ("colwise", "rowwise", "replicate", "sequence_local")
@@ -133,7 +135,7 @@ benchmarks/accuracy.py prices the published runs with, never use them."""
 
 SUPPORTED = frozenset({
     "tp",                 # Megatron colwise/rowwise pairs (Plan.tensor_parallel_plan)
-    "sp",                 # sequence parallel between the pairs (Parallelism.enable_sequence_parallel)
+    "sp",                 # sequence parallel between the pairs (Parallelism.sp)
     "tp_vocab_parallel",  # the word embedding rowwise, the head colwise, the loss on its sharded logits
     "zero2",              # FSDP2 reshard_after_forward=False (zero=1 and zero=2)
     "zero3",              # FSDP2 fully_shard
@@ -163,6 +165,57 @@ replicas, no CPU offload), compile_pp_experts (inductor stops in the experts' ba
 compile_tp_recompute (AOTAutograd stops on a recomputed module over tensor-parallel shards that are not sequence
 shards, or in the ring), compile_tp_experts (compiled, a mixture of experts at tp > 1 trains off the reference)."""
 
+@dataclass(frozen=True)
+class UnsupportedPair:
+    """Two parts of a layout the program does not run together, unless the features hold `feature` (ALL_FEATURES:
+    the cost model prices them, so a caller pricing other programs may allow it)."""
+
+    first: str
+    """A part of a layout, a key of PARTS ("cp": cp > 1, "offload": offload=cpu, ...)."""
+    second: str
+    feature: str
+    """The ALL_FEATURES name that lifts the rule."""
+    reason: str
+    """Why, after "cp=2 with pp=2: "."""
+    use: tuple[str, str] = ("", "")
+    """The way out, in the order the message offers them; ("", ""): first off, then second off."""
+
+
+PARTS: dict[str, tuple[Callable[["Layout"], bool], Callable[["Layout"], str], str]] = {
+    "tp": (lambda x: _positive(x.tp) and x.tp > 1, lambda x: f"tp={x.tp}", "tp=1"),
+    "cp": (lambda x: _positive(x.cp) and x.cp > 1, lambda x: f"cp={x.cp}", "cp=1"),
+    "ep": (lambda x: _positive(x.ep) and x.ep > 1, lambda x: f"ep={x.ep}", "ep=1"),
+    "pp": (lambda x: _positive(x.pp) and x.pp > 1, lambda x: f"pp={x.pp}", "pp=1"),
+    "offload": (lambda x: x.offload == "cpu", lambda x: "offload=cpu", "offload=none"),
+}
+"""Each part a pair may name: (whether the layout uses it, how a message writes it, how to leave it out)."""
+
+UNSUPPORTED_PAIRS = (
+    UnsupportedPair("cp", "pp", "cp_pp", "the program cannot yet run context parallelism inside pipeline stages"),
+    UnsupportedPair("cp", "tp", "cp_tp", "the program cannot yet run context parallelism together with tensor "
+                    "parallelism"),
+    UnsupportedPair("ep", "pp", "ep_pp", "expert parallelism inside pipeline stages is not supported here"),
+    UnsupportedPair("ep", "tp", "ep_tp", "the program cannot yet run expert parallelism together with tensor "
+                    "parallelism"),
+    UnsupportedPair("ep", "cp", "ep_cp", "the program does not yet fold expert parallelism over the "
+                    "context-parallel ranks"),
+    UnsupportedPair("ep", "offload", "ep_offload", "the program does not yet run the experts' own FSDP2 units with "
+                    "CPU offload", ("offload=none", "ep=1")),
+)
+"""Every "A with B is not supported (reason)" rule, as data (_unsupported_pairs reads it; rules that need arithmetic,
+such as ep across replicas, stay functions). A new pair costs a row here and its feature name in ALL_FEATURES."""
+
+
+def _unsupported_pairs(layout: "Layout", have: frozenset[str]) -> list[str]:
+    out = []
+    for pair in UNSUPPORTED_PAIRS:
+        (uses_a, text_a, off_a), (uses_b, text_b, off_b) = PARTS[pair.first], PARTS[pair.second]
+        if pair.feature not in have and uses_a(layout) and uses_b(layout):
+            first, second = pair.use if pair.use[0] else (off_a, off_b)
+            out.append(f"{text_a(layout)} with {text_b(layout)}: {pair.reason} (use {first} or {second})")
+    return out
+
+
 CONTEXT_PARALLEL_CHUNKS = 2
 """Chunks per context-parallel rank: torch's causal load balancing cuts each sequence into 2 x cp chunks and
 gives rank r chunks r and 2cp-1-r, so every rank computes as much of the causal triangle."""
@@ -175,6 +228,9 @@ class Term:
     plan_field: str
     """plan.json field ("parallelism." unless it says otherwise), or "" when the term is derived."""
     meaning: str
+    plan_values: tuple[tuple[object, object], ...] = ()
+    """(plan.json value, Parallelism value) pairs where the two differ (plan.json keeps torchtitan's spelling);
+    empty: the same value."""
 
 
 VOCABULARY = (
@@ -184,7 +240,7 @@ VOCABULARY = (
     Term("dp_shard", "data_parallel_shard_degree", "ranks that shard parameters, gradients and optimizer "
          "state (FSDP2)"),
     Term("reshard", "fsdp_reshard_after_forward", "always: FSDP2 frees gathered parameters after forward "
-         "(ZeRO-3); never: keeps them to backward (ZeRO-1/2)"),
+         "(ZeRO-3); never: keeps them to backward (ZeRO-1/2)", (("always", True), ("never", False))),
     Term("zero", "", "pin shorthand: 0 = dp_shard 1 (DDP); 1 or 2 = dp_shard dp, reshard never; 3 = "
          "reshard always"),
     Term("tp", "tensor_parallel_degree", "ranks that split each layer's matmuls (Megatron pairs)"),
@@ -192,7 +248,7 @@ VOCABULARY = (
          "norms, dropout and residual adds between the tensor-parallel pairs run on sequence shards"),
     Term("loss_parallel", "disable_loss_parallel", "on: the cross-entropy runs on the logits sharded on the "
          "vocabulary by the tensor-parallel head (loss_parallel); off: they are gathered first (plan.json stores "
-         "the negation, torchtitan's name)"),
+         "the negation, torchtitan's name)", ((False, True), (True, False))),
     Term("cp", "context_parallel_degree", "ranks that split each sequence (ring attention over SDPA); the "
          "model states are FSDP-sharded over dp_shard x cp, as torchtitan"),
     Term("ep", "expert_parallel_degree", "ranks that split each expert layer's experts (all-to-all dispatch), "
@@ -252,6 +308,8 @@ class Layout:
     """"none" or "cpu" (OFFLOAD)."""
     compile: str | None = None
     """"off" or "on" (COMPILE)."""
+    loss_parallel: str | None = None
+    """"on" or "off" (LOSS_PARALLEL); only matters when tp > 1 (not a pin: the search reads it off the loss_fn)."""
 
     @property
     def data_parallel(self) -> int | None:
@@ -265,6 +323,236 @@ class Layout:
     def text(self) -> str:
         """"dp=2,tp=4,..." with the chosen fields, in this class's order."""
         return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if getattr(self, f.name) is not None)
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """A whole layout: how the work is split (torchtitan's ParallelismConfig and ParallelDims in one frozen value).
+
+    Field names are VOCABULARY's short names and the values real types (bools for sp, loss_parallel, reshard and
+    offload); plan.json keeps torchtitan's long names through one codec (to_plan_fields, from_plan_fields, read off
+    VOCABULARY's plan_field and plan_values). Degrees multiply to the number of GPUs (ep is folded, it does not).
+    Fields in plan.json's order. Layout is its partial twin (pins, rules); problems() its validation."""
+
+    dp_replicate: int = 1
+    """Replicas that all-reduce gradients (DDP; the replicate dimension of HSDP)."""
+    dp_shard: int = 1
+    """Ranks that shard parameters, gradients and optimizer state (FSDP2); 1 = not sharded."""
+    reshard: bool = False
+    """FSDP2 frees gathered parameters after forward and gathers them again for backward (ZeRO-3; plan.json
+    "always"); else keeps them to backward (optimizer state and gradients sharded: ZeRO-1/2; "never")."""
+    tp: int = 1
+    """Ranks that split each layer's matmuls (Megatron-style)."""
+    pp: int = 1
+    """Pipeline ranks."""
+    schedule: str = DEFAULT_SCHEDULE
+    """One of SCHEDULES."""
+    microbatch: int = 1
+    """Samples per micro-batch."""
+    microbatches: int = 1
+    """Micro-batches per step per data-parallel rank (gradient accumulation when pp = 1)."""
+    recompute: str = "none"
+    """"none", "selective" or "full" (Plan.activation_checkpoint_modules lists the modules)."""
+    virtual_stages: int = 1
+    """Stages per pipeline rank (> 1 for the interleaved and zero-bubble schedules): pp x virtual_stages stages, stage
+    s on pipeline rank stage_rank(s)."""
+    sp: bool = False
+    """With tp > 1: the ops between the tensor-parallel pairs (norms, dropout, residual adds) run on sequence shards
+    (Korthikanti et al. 2022). The search turns it on whenever tp > 1 and the model allows it; false when tp = 1 and
+    in a plan.json written before the key existed (what it was priced as)."""
+    loss_parallel: bool = True
+    """With tp > 1 and the head column-sharded on the vocabulary: the cross-entropy runs on the sharded logits
+    (torch's loss_parallel); false gathers the logits first (plan.json: disable_loss_parallel, the negation)."""
+    offload: bool = False
+    """FSDP2 keeps the sharded parameters, gradients and optimizer state in host memory and the optimizer steps on
+    the CPU (CPUOffloadPolicy; GPU only)."""
+    cp: int = 1
+    """Ranks that split each sequence (ring attention over SDPA, causal load balancing); the model states are
+    FSDP-sharded over dp_shard x cp (torchtitan's dp_shard_cp). Multiplies the world size."""
+    ep: int = 1
+    """Ranks that split each expert layer's experts (all-to-all dispatch), folded over the dp_shard x cp x tp ranks
+    (expert_folded_ranks): it does not multiply the world size."""
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: dp_replicate x dp_shard."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        """dp x cp x tp x pp (ep is folded over dp_shard x cp x tp: it does not multiply)."""
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def fsdp_shard(self) -> int:
+        """Ranks FSDP2 shards the model states over: dp_shard x cp (torchtitan's dp_shard_cp mesh)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def sharded(self) -> bool:
+        """Parameters, gradients and optimizer state are sharded (FSDP2, fsdp_shard > 1); else replicated (DDP)."""
+        return self.fsdp_shard > 1
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """FSDP2 shards the model states and frees the gathered parameters after forward (ZeRO-3)."""
+        return self.sharded and self.reshard
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def sp_enabled(self) -> bool:
+        """Sequence parallelism runs (it only means something with tp > 1)."""
+        return self.sp and self.tp > 1
+
+    @property
+    def loss_parallel_enabled(self) -> bool:
+        """The loss runs on vocabulary-sharded logits (it only means something with tp > 1)."""
+        return self.loss_parallel and self.tp > 1
+
+    @property
+    def placement(self) -> str:
+        """How pipeline ranks hold the stages (Schedule.placement)."""
+        return placement_of(self.schedule)
+
+    def stage_rank(self, stage: int) -> int:
+        """The pipeline rank that runs `stage` of pp x virtual_stages (layout.stage_rank)."""
+        return stage_rank(stage, self.pp, self.placement)
+
+    def rank_stages(self, pp_rank: int) -> list[int]:
+        """The stages pipeline rank `pp_rank` runs, in its local order."""
+        return rank_stages(pp_rank, self.pp, self.virtual_stages, self.placement)
+
+    def world_size_arithmetic(self) -> str:
+        """"pp 1 x dp_replicate 2 x dp_shard 1 x cp 1 x tp 1 = 2 processes" (for messages: every factor of
+        world_size, in the device mesh's order)."""
+        return (f"pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} x "
+                f"tp {self.tp} = {self.world_size} process{'es' if self.world_size != 1 else ''}")
+
+    def layout(self, compile: bool | None = None) -> Layout:
+        """Its partial twin, every field chosen, in the rules' words (with `compile` when known)."""
+        return Layout(dp=self.dp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
+                      reshard=RESHARD[0] if self.reshard else RESHARD[1], tp=self.tp, pp=self.pp,
+                      schedule=self.schedule, virtual_stages=self.virtual_stages, microbatch=self.microbatch,
+                      microbatches=self.microbatches, recompute=self.recompute,
+                      sp=SEQUENCE_PARALLEL[0] if self.sp else SEQUENCE_PARALLEL[1],
+                      loss_parallel=LOSS_PARALLEL[0] if self.loss_parallel else LOSS_PARALLEL[1],
+                      offload=OFFLOAD[1] if self.offload else OFFLOAD[0], cp=self.cp, ep=self.ep,
+                      compile=None if compile is None else COMPILE[1] if compile else COMPILE[0])
+
+    @staticmethod
+    def of(layout: Layout) -> "Parallelism":
+        """The whole layout `layout` describes, its unchosen fields at their defaults (dp_replicate from dp and
+        dp_shard, dp_shard and reshard from a zero pin)."""
+        out = {}
+        if layout.zero is not None:
+            out["reshard"] = layout.zero == 3
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "schedule", "microbatch", "microbatches", "recompute",
+                     "virtual_stages", "cp", "ep"):
+            if getattr(layout, name) is not None:
+                out[name] = getattr(layout, name)
+        if layout.dp is not None and layout.dp_replicate is None:
+            shard = layout.dp_shard if layout.dp_shard is not None else (1 if layout.zero in (None, 0) else layout.dp)
+            out["dp_shard"], out["dp_replicate"] = shard, layout.dp // shard
+        for name, on in (("reshard", RESHARD[0]), ("sp", SEQUENCE_PARALLEL[0]), ("offload", OFFLOAD[1])):
+            if getattr(layout, name) is not None:
+                out[name] = getattr(layout, name) == on
+        if layout.loss_parallel is not None:
+            out["loss_parallel"] = layout.loss_parallel == LOSS_PARALLEL[0]
+        return Parallelism(**out)
+
+    def problems(self, scope: "Scope | None" = None, compile: bool | None = None) -> list[str]:
+        """Every rule this layout breaks in `scope` (layout.problems; nothing known of the model by default)."""
+        return problems(self.layout(compile), scope or Scope())
+
+    def text(self) -> str:
+        """"dp=8 tp=2 sp=on pp=2 ..." in the short names, the fields that matter to this layout (describe it)."""
+        text = f"dp={self.dp}"
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            text += f" ({self.dp_replicate}x{self.dp_shard} HSDP)"
+        text += f" tp={self.tp}"
+        if self.tp > 1:
+            text += f" sp={'on' if self.sp else 'off'}"
+        if self.cp > 1:
+            text += f" cp={self.cp}"
+        if self.ep > 1:
+            text += f" ep={self.ep}"
+        text += f" pp={self.pp}"
+        if self.sharded:
+            text += f" dp_shard={self.dp_shard} reshard={RESHARD[0] if self.reshard else RESHARD[1]}"
+        if self.offload:
+            text += " offload=cpu"
+        if self.pp > 1:
+            text += f" schedule={self.schedule}"
+            if self.virtual_stages > 1:
+                text += f" virtual_stages={self.virtual_stages}"
+        text += f" microbatch={self.microbatch} microbatches={self.microbatches}"
+        if self.recompute != "none":
+            text += f" recompute={self.recompute}"
+        return text
+
+
+def plan_codec() -> tuple[tuple[str, str, dict, dict], ...]:
+    """(Parallelism field, plan.json field, plan.json value -> field value, field value -> plan.json value) for each
+    field, in Parallelism's order: read off VOCABULARY (plan_field, plan_values), the one mapping of the two
+    spellings."""
+    terms = {term.short: term for term in VOCABULARY}
+    return tuple((f.name, terms[f.name].plan_field, dict(terms[f.name].plan_values),
+                  {mine: theirs for theirs, mine in terms[f.name].plan_values}) for f in fields(Parallelism))
+
+
+def to_plan_fields(par: Parallelism) -> dict[str, object]:
+    """plan.json's parallelism section of `par` (torchtitan's names and values), in plan.json's order."""
+    return {plan_field: encode.get(getattr(par, name), getattr(par, name))
+            for name, plan_field, _, encode in PLAN_CODEC}
+
+
+PLAN_CODEC = plan_codec()
+
+
+def from_plan_fields(section: dict[str, object]) -> Parallelism:
+    """The Parallelism of plan.json's parallelism section (absent fields at their defaults); ValueError naming the
+    field for a value of the wrong type or outside its vocabulary, or a field plan.json does not have."""
+    known = {plan_field for _, plan_field, _, _ in PLAN_CODEC}
+    unknown = sorted(set(section) - known)
+    if unknown:
+        raise ValueError(f"unknown field(s) in 'parallelism': {', '.join(unknown)}")
+    kwargs: dict[str, object] = {}
+    types = {f.name: f.type for f in fields(Parallelism)}
+    for name, plan_field, decode, _ in PLAN_CODEC:
+        if plan_field not in section:
+            continue
+        value = section[plan_field]
+        if decode:
+            if isinstance(value, bool) != isinstance(next(iter(decode)), bool) or value not in decode:
+                raise ValueError(f"parallelism.{plan_field} must be one of "
+                                 f"{', '.join(json_text(v) for v in decode)}, got {value!r}")
+            kwargs[name] = decode[value]
+            continue
+        wanted = {"int": int, "bool": bool, "str": str}[types[name]]
+        if not isinstance(value, wanted) or (wanted is int and isinstance(value, bool)):
+            raise ValueError(f"parallelism.{plan_field} must be {types[name]}, got {value!r}")
+        kwargs[name] = value
+    return Parallelism(**kwargs)
+
+
+def json_text(value: object) -> str:
+    """`value` as JSON writes it (true, "always")."""
+    return str(value).lower() if isinstance(value, bool) else f'"{value}"'
 
 
 @dataclass(frozen=True)
@@ -331,7 +619,8 @@ def _values(layout: Layout, scope: Scope) -> list[str]:
     for name, value, allowed in (("schedule", layout.schedule, SCHEDULES), ("recompute", layout.recompute, RECOMPUTE),
                                  ("reshard", layout.reshard, RESHARD), ("zero", layout.zero, ZERO_STAGES),
                                  ("sp", layout.sp, SEQUENCE_PARALLEL),
-                                 ("offload", layout.offload, OFFLOAD), ("compile", layout.compile, COMPILE)):
+                                 ("offload", layout.offload, OFFLOAD), ("compile", layout.compile, COMPILE),
+                                 ("loss_parallel", layout.loss_parallel, LOSS_PARALLEL)):
         if value is not None and value not in allowed:
             out.append(f"{name}={value} is not one of {', '.join(map(str, allowed))}")
     return out
@@ -371,33 +660,19 @@ def _features(layout: Layout, scope: Scope) -> list[str]:
     if _positive(layout.cp) and layout.cp > 1 and "cp" not in have:
         out.append(f"context parallelism is priced but the generated program cannot run it yet (cp={layout.cp}; "
                    f"use cp=1)")
-    if _positive(layout.cp, layout.pp) and layout.cp > 1 and layout.pp > 1 and "cp_pp" not in have:
-        out.append(f"cp={layout.cp} with pp={layout.pp}: the program cannot yet run context parallelism inside "
-                   f"pipeline stages (use cp=1 or pp=1)")
-    if _positive(layout.cp, layout.tp) and layout.cp > 1 and layout.tp > 1 and "cp_tp" not in have:
-        out.append(f"cp={layout.cp} with tp={layout.tp}: the program cannot yet run context parallelism together "
-                   f"with tensor parallelism (use cp=1 or tp=1)")
     if _positive(layout.ep) and layout.ep > 1 and "ep" not in have:
         out.append(f"expert parallelism is priced but the generated program cannot run it yet (ep={layout.ep}; "
                    f"use ep=1)")
-    return out + _expert_parallel_features(layout, have)
+    return out + _unsupported_pairs(layout, have) + _expert_parallel_features(layout, have)
 
 
 def _expert_parallel_features(layout: Layout, have: frozenset[str]) -> list[str]:
-    """The combinations with expert parallelism the program does not run yet (runtime/distributed/expert_parallel.py)."""
+    """The placements of expert parallelism the program does not run yet (runtime/distributed/expert_parallel.py) that take
+    arithmetic: across replicas (ep_ddp) and beside DDP. The pairs are UNSUPPORTED_PAIRS."""
     ep = layout.ep
     if not _positive(ep) or ep == 1:
         return []
     out = []
-    if _positive(layout.pp) and layout.pp > 1 and "ep_pp" not in have:
-        out.append(f"ep={ep} with pp={layout.pp}: expert parallelism inside pipeline stages is not supported here "
-                   f"(use ep=1 or pp=1)")
-    if _positive(layout.tp) and layout.tp > 1 and "ep_tp" not in have:
-        out.append(f"ep={ep} with tp={layout.tp}: the program cannot yet run expert parallelism together with tensor "
-                   f"parallelism (use ep=1 or tp=1)")
-    if _positive(layout.cp) and layout.cp > 1 and "ep_cp" not in have:
-        out.append(f"ep={ep} with cp={layout.cp}: the program does not yet fold expert parallelism over the "
-                   f"context-parallel ranks (use ep=1 or cp=1)")
     cp, tp = _or_one(layout.cp), _or_one(layout.tp)
     dp = layout.data_parallel
     whole = not _positive(dp) or expert_folded_ranks(dp, cp, tp) % ep == 0  # else _expert_parallel says why
@@ -410,9 +685,6 @@ def _expert_parallel_features(layout: Layout, have: frozenset[str]) -> list[str]
     elif layout.zero == 0 and "ep_ddp" not in have:
         out.append(f"ep={ep} with zero=0 (DDP): the program shards the experts' states with FSDP2 over the ranks "
                    f"holding the same experts, not beside DDP (use zero=3 or ep=1)")
-    if layout.offload == "cpu" and "ep_offload" not in have:
-        out.append(f"ep={ep} with offload=cpu: the program does not yet run the experts' own FSDP2 units with CPU "
-                   f"offload (use offload=none or ep=1)")
     return out
 
 
@@ -623,28 +895,28 @@ def _sharding_rules(layout: Layout, scope: Scope) -> list[str]:
 
 
 def _batch(layout: Layout, scope: Scope) -> list[str]:
-    out, batch, dp, mbs = [], scope.global_batch, layout.data_parallel, layout.microbatch
-    if batch is None or not _positive(mbs):
+    out, batch, dp, microbatch = [], scope.global_batch, layout.data_parallel, layout.microbatch
+    if batch is None or not _positive(microbatch):
         return out
     if _positive(dp) and batch % dp == 0:
         per_rank = batch // dp
-        if per_rank % mbs:
-            out.append(f"microbatch={mbs} does not divide the {per_rank} samples per data-parallel rank "
+        if per_rank % microbatch:
+            out.append(f"microbatch={microbatch} does not divide the {per_rank} samples per data-parallel rank "
                        f"(global batch {batch} / dp={dp})")
-        elif _positive(layout.microbatches) and layout.microbatches != per_rank // mbs:
+        elif _positive(layout.microbatches) and layout.microbatches != per_rank // microbatch:
             out.append(f"microbatches={layout.microbatches}, but global batch {batch} / dp={dp} / "
-                       f"microbatch={mbs} = {per_rank // mbs}")
-    elif mbs > batch:
-        out.append(f"microbatch={mbs} exceeds the global batch of {batch}")
+                       f"microbatch={microbatch} = {per_rank // microbatch}")
+    elif microbatch > batch:
+        out.append(f"microbatch={microbatch} exceeds the global batch of {batch}")
     return out
 
 
 def _microbatches(layout: Layout, scope: Scope) -> int | None:
     if _positive(layout.microbatches):
         return layout.microbatches
-    batch, dp, mbs = scope.global_batch, layout.data_parallel, layout.microbatch
-    if batch is not None and _positive(dp, mbs) and batch % (dp * mbs) == 0:
-        return batch // (dp * mbs)
+    batch, dp, microbatch = scope.global_batch, layout.data_parallel, layout.microbatch
+    if batch is not None and _positive(dp, microbatch) and batch % (dp * microbatch) == 0:
+        return batch // (dp * microbatch)
     return None
 
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
-from autoplan.layout import (DEFAULT_SCHEDULE, RECOMPUTE, RESHARD, SCHEDULES, SUPPORTED, TENSOR_PARALLEL_STYLES, Layout, Scope,
-                             problems)
+from autoplan.layout import (RECOMPUTE, SCHEDULES, SUPPORTED, TENSOR_PARALLEL_STYLES, Parallelism, Scope,
+                             from_plan_fields, to_plan_fields)
 
 SCHEMA_VERSION = 2
 SCHEMA_CHANGES = {1: "version 2 replaced parallelism.zero_stage with data_parallel_shard_degree and "
@@ -33,99 +33,6 @@ group, per-op kernels batched over tensors, or the single-tensor loop."""
 
 class PlanError(ValueError):
     """plan.json is not a valid plan of this schema version."""
-
-
-@dataclass(frozen=True)
-class Parallelism:
-    """How the work is split. Degrees multiply to the number of GPUs."""
-
-    data_parallel_replicate_degree: int = 1
-    """Replicas that all-reduce gradients (DDP; the replicate dimension of HSDP)."""
-    data_parallel_shard_degree: int = 1
-    """Ranks that shard parameters, gradients and optimizer state (FSDP2); 1 = not sharded."""
-    fsdp_reshard_after_forward: str = "never"
-    """"always": FSDP2 frees gathered parameters after forward and gathers them again for backward
-    (ZeRO-3); "never": keeps them to backward (optimizer state and gradients sharded: ZeRO-1/2)."""
-    tensor_parallel_degree: int = 1
-    """Ranks that split each layer's matmuls (Megatron-style)."""
-    pipeline_parallel_degree: int = 1
-    """Pipeline stages, one per rank along the pipeline dimension."""
-    pipeline_parallel_schedule: str = DEFAULT_SCHEDULE
-    """One of layout.SCHEDULES: "gpipe", "1f1b", "interleaved", "zb-interleaved", "zbv" or "dualpipev"."""
-    pipeline_parallel_microbatch_size: int = 1
-    """Samples per micro-batch."""
-    pipeline_parallel_num_microbatches: int = 1
-    """Micro-batches per step per data-parallel rank (gradient accumulation when pp = 1)."""
-    activation_checkpoint: str = "none"
-    """"none", "selective" or "full" (Plan.activation_checkpoint_modules lists the modules)."""
-    pipeline_parallel_virtual_stages: int = 1
-    """Stages per pipeline rank (> 1 for the interleaved and zero-bubble schedules). Plan.stages then holds
-    pp * v stages and stage s runs on pipeline rank layout.stage_rank(s, pp, placement): s % pp
-    (torch.distributed.pipelining's loop order) or, for zbv and dualpipev, the V (rank r: stages r, 2 pp - 1 - r)."""
-    enable_sequence_parallel: bool = False
-    """With tensor_parallel_degree > 1: the ops between the tensor-parallel pairs (norms, dropout, residual
-    adds) run on sequence shards, the pairs all-gather and reduce-scatter (Korthikanti et al. 2022). The
-    search turns it on whenever tp > 1 and the model allows it (pin sp=off to keep it off); false when tp = 1
-    and in a plan.json written before the key existed (what it was priced as)."""
-    disable_loss_parallel: bool = False
-    """With tensor_parallel_degree > 1 and the head column-sharded on the vocabulary (tensor_parallel_plan):
-    false computes the cross-entropy on the sharded logits (torch's loss_parallel; the program gathers them
-    instead, and says so, if the model's loss_fn cannot run on them); true gathers the logits first."""
-    enable_cpu_offload: bool = False
-    """FSDP2 keeps the sharded parameters, gradients and optimizer state in host memory and the optimizer
-    steps on the CPU (CPUOffloadPolicy; GPU only). Optional in schema 2 (absent: false)."""
-    context_parallel_degree: int = 1
-    """Ranks that split each sequence: attention runs as a ring over their sequence shards (torch's
-    context_parallel over SDPA, causal load balancing), every other op on seq/cp tokens. The model states are
-    FSDP-sharded over data_parallel_shard_degree x context_parallel_degree (torchtitan's dp_shard_cp), and
-    gradients are reduced over those ranks. Multiplies the world size. Optional in schema 2 (absent: 1)."""
-    expert_parallel_degree: int = 1
-    """Ranks that split each expert layer's experts (E/ep each), tokens dispatched and combined by all-to-all.
-    Borrowed from the data- and context-parallel ranks as torchtitan does (it divides dp x cp and does not
-    multiply the world size); the non-expert parameters stay data-parallel. Optional in schema 2 (absent: 1)."""
-
-    @property
-    def data_parallel_degree(self) -> int:
-        return self.data_parallel_replicate_degree * self.data_parallel_shard_degree
-
-    @property
-    def world_size(self) -> int:
-        """dp x cp x tp x pp (ep is folded over dp_shard x cp x tp: it does not multiply)."""
-        return (self.data_parallel_degree * self.context_parallel_degree * self.tensor_parallel_degree
-                * self.pipeline_parallel_degree)
-
-    def world_size_arithmetic(self) -> str:
-        """"pp 1 x dp_replicate 2 x dp_shard 1 x cp 1 x tp 1 = 2 processes" (for messages: every factor of
-        world_size, in the device mesh's order, as runtime.ParallelConfig.arithmetic writes them)."""
-        return (f"pp {self.pipeline_parallel_degree} x dp_replicate {self.data_parallel_replicate_degree} x "
-                f"dp_shard {self.data_parallel_shard_degree} x cp {self.context_parallel_degree} x "
-                f"tp {self.tensor_parallel_degree} = {self.world_size} process{'es' if self.world_size != 1 else ''}")
-
-    @property
-    def fsdp_shard_degree(self) -> int:
-        """Ranks FSDP2 shards the model states over: dp_shard x cp (torchtitan's dp_shard_cp mesh)."""
-        return self.data_parallel_shard_degree * self.context_parallel_degree
-
-    @property
-    def sharded(self) -> bool:
-        """Parameters, gradients and optimizer state are sharded (FSDP2); else replicated (DDP)."""
-        return self.fsdp_shard_degree > 1
-
-    @property
-    def reshards_after_forward(self) -> bool:
-        return self.sharded and self.fsdp_reshard_after_forward == "always"
-
-    def layout(self) -> Layout:
-        """The same layout in layout.py's short names (what the rules read)."""
-        return Layout(dp=self.data_parallel_degree, dp_replicate=self.data_parallel_replicate_degree,
-                      dp_shard=self.data_parallel_shard_degree, reshard=self.fsdp_reshard_after_forward,
-                      tp=self.tensor_parallel_degree, pp=self.pipeline_parallel_degree,
-                      schedule=self.pipeline_parallel_schedule, virtual_stages=self.pipeline_parallel_virtual_stages,
-                      microbatch=self.pipeline_parallel_microbatch_size,
-                      microbatches=self.pipeline_parallel_num_microbatches, recompute=self.activation_checkpoint,
-                      sp="on" if self.enable_sequence_parallel else "off",
-                      offload="cpu" if self.enable_cpu_offload else "none", cp=self.context_parallel_degree,
-                      ep=self.expert_parallel_degree)
 
 
 @dataclass(frozen=True)
@@ -307,7 +214,12 @@ class Plan:
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """plan.json's content: the parallelism sections in plan.json's names (layout.to_plan_fields)."""
+        raw = asdict(self)
+        raw["parallelism"] = to_plan_fields(self.parallelism)
+        for alternative, kept in zip(raw["alternatives"], self.alternatives):
+            alternative["parallelism"] = to_plan_fields(kept.parallelism)
+        return raw
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -321,11 +233,10 @@ class Plan:
                       sequence_local_modules=tuple(m for m, style in self.tensor_parallel_plan.items()
                                                    if style == "sequence_local"),
                       batch_norm_modules=self.batch_norm_modules)
-        layout = replace(self.parallelism.layout(), compile="on" if self.compile.enable else "off")
-        found = problems(layout, scope)
+        found = self.parallelism.problems(scope, compile=self.compile.enable)
         recomputed = set(self.activation_checkpoint_modules)
-        if (self.parallelism.activation_checkpoint == "none") != (not recomputed):
-            found.append(f"recompute={self.parallelism.activation_checkpoint}, but recompute_modules lists "
+        if (self.parallelism.recompute == "none") != (not recomputed):
+            found.append(f"recompute={self.parallelism.recompute}, but recompute_modules lists "
                          f"{len(recomputed)} modules")
         unknown = recomputed - {m for s in self.stages for m in s.modules}
         if unknown:
@@ -361,13 +272,11 @@ class Plan:
         if unknown:  # a misspelt section would otherwise be dropped without a word and its defaults used
             raise PlanError(f"plan.json: unknown top-level key(s): {', '.join(map(repr, unknown))} (schema version "
                             f"{SCHEMA_VERSION} has {', '.join(f.name for f in fields(Plan))})")
-        parallelism = _build(Parallelism, raw, "parallelism")
-        if parallelism.pipeline_parallel_schedule not in SCHEDULES:
+        parallelism = _parallelism(raw)
+        if parallelism.schedule not in SCHEDULES:
             raise PlanError(f"plan.json: parallelism.pipeline_parallel_schedule must be one of {SCHEDULES}")
-        if parallelism.activation_checkpoint not in RECOMPUTE:
+        if parallelism.recompute not in RECOMPUTE:
             raise PlanError(f"plan.json: parallelism.activation_checkpoint must be one of {RECOMPUTE}")
-        if parallelism.fsdp_reshard_after_forward not in RESHARD:
-            raise PlanError(f"plan.json: parallelism.fsdp_reshard_after_forward must be one of {RESHARD}")
         training = _build(Training, raw, "training")
         if training.optimizer_implementation not in OPTIMIZER_IMPLEMENTATIONS:
             raise PlanError(f"plan.json: training.optimizer_implementation must be one of {OPTIMIZER_IMPLEMENTATIONS}")
@@ -383,7 +292,7 @@ class Plan:
         if not isinstance(alternatives_raw, list) or not all(isinstance(a, dict) for a in alternatives_raw):
             raise PlanError("plan.json: alternatives must be a list of objects")
         alternatives = tuple(
-            _build(Alternative, {"alternative": {**a, "parallelism": _build(Parallelism, a, "parallelism"),
+            _build(Alternative, {"alternative": {**a, "parallelism": _parallelism(a),
                                                  **_compile_section(a)}}, "alternative") for a in alternatives_raw)
         tp_plan = raw.get("tensor_parallel_plan", {})
         if not isinstance(tp_plan, dict) or any(
@@ -445,6 +354,17 @@ _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
 def _compile_section(raw: dict) -> dict:
     """{"compile": Compile} from raw's optional compile section, else {} (the default: off)."""
     return {"compile": _build(Compile, raw, "compile")} if "compile" in raw else {}
+
+
+def _parallelism(raw: dict) -> Parallelism:
+    """The Parallelism of raw's parallelism section, through the one codec (layout.from_plan_fields)."""
+    section = raw.get("parallelism")
+    if not isinstance(section, dict):
+        raise PlanError("plan.json: 'parallelism' must be an object")
+    try:
+        return from_plan_fields(section)
+    except ValueError as e:
+        raise PlanError(f"plan.json: {e}") from None
 
 
 def _fail(message: str):

@@ -106,7 +106,7 @@ def autoplan_run(row: dict) -> dict:
     step = plan.predicted.step_time_s
     return {"step": step, "tflops": paper_flops(row) / int(row["gpus"]) / step / 1e12,
             "memory": plan.predicted.peak_memory_bytes,
-            "microbatch": plan.parallelism.pipeline_parallel_microbatch_size,
+            "microbatch": plan.parallelism.microbatch,
             "layout": plan.parallelism}
 
 
@@ -585,7 +585,7 @@ def zero_bubble_estimate(row: dict, schedule: str, uncapped: bool = False) -> di
         cluster = load_cluster(int(row["gpus"]), row["gpu"], int(row["gpus_per_node"]), "1TiB", None)
         best = search(profile, cluster, training, pins).best
         note = "predicted not to fit the GPU: priced with memory uncapped"
-    return {"step": best.predicted.step_time_s, "virtual": best.parallelism.pipeline_parallel_virtual_stages,
+    return {"step": best.predicted.step_time_s, "virtual": best.parallelism.virtual_stages,
             "memory": best.predicted.peak_memory_bytes / GB, "note": note}
 
 

@@ -67,8 +67,8 @@ def run_case(name: str) -> dict:
     try:
         result = plan_model(source, gpus, "h100-sxm5-80gb")
         p = result.plan.parallelism
-        stages["plan"] = (f"dp={p.data_parallel_degree} tp={p.tensor_parallel_degree} pp={p.pipeline_parallel_degree} "
-                          f"recompute={p.activation_checkpoint}, {result.plan.predicted.step_time_s:.2f} s/step")
+        stages["plan"] = (f"dp={p.dp} tp={p.tp} pp={p.pp} "
+                          f"recompute={p.recompute}, {result.plan.predicted.step_time_s:.2f} s/step")
     except UserError as e:
         stages["plan"] = f"no plan: {str(e)[:120]}"
     stages["search_s"] = time.perf_counter() - begin - stages.get("capture_s", 0) - stages.get("profile_s", 0)

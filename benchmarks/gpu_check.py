@@ -96,9 +96,9 @@ def cmd_plan(args) -> None:
                             out=args.results / "plans" / name)
         plan, p = result.plan, result.plan.parallelism
         found[name] = {"pin": pin, "planned_in_s": time.perf_counter() - started,
-                       "layout": {"microbatch": p.pipeline_parallel_microbatch_size,
-                                  "microbatches": p.pipeline_parallel_num_microbatches,
-                                  "recompute": p.activation_checkpoint, "compile": plan.compile.enable},
+                       "layout": {"microbatch": p.microbatch,
+                                  "microbatches": p.microbatches,
+                                  "recompute": p.recompute, "compile": plan.compile.enable},
                        "predicted_step_time_s": plan.predicted.step_time_s, "predicted_mfu": plan.predicted.mfu,
                        "predicted_peak_memory_bytes": plan.predicted.peak_memory_bytes,
                        "predicted_time_breakdown_s": dict(plan.predicted.time_breakdown),
@@ -123,7 +123,7 @@ def _predicted_kinds(result) -> dict[str, float]:
     from autoplan.chain.ops import cost_kind
 
     p = result.plan.parallelism
-    scale = p.pipeline_parallel_microbatch_size * p.pipeline_parallel_num_microbatches / result.profile.batch_size
+    scale = p.microbatch * p.microbatches / result.profile.batch_size
     kinds: dict[str, float] = {}
     for op in result.profile.ops:
         kind = cost_kind(op)

@@ -241,13 +241,13 @@ def plan_of(case: Case, model_file: Path) -> Plan:
     stages = {1: [model.chain], 2: [model.chain[:len(model.chain) // 2], model.chain[len(model.chain) // 2:]],
               4: model.four_stages}[lay.pp * lay.virtual_stages]
     plan = make_plan(model_file, stages, model.tensor_parallel_plan,
-                     data_parallel_replicate_degree=lay.dp_replicate, data_parallel_shard_degree=lay.dp_shard,
-                     fsdp_reshard_after_forward=lay.reshard, tensor_parallel_degree=lay.tp,
-                     enable_sequence_parallel=lay.sp == "on", disable_loss_parallel=case["loss_parallel"] == "off",
-                     context_parallel_degree=lay.cp, expert_parallel_degree=lay.ep, pipeline_parallel_degree=lay.pp,
-                     pipeline_parallel_schedule=lay.schedule, pipeline_parallel_virtual_stages=lay.virtual_stages,
-                     pipeline_parallel_microbatch_size=lay.microbatch, pipeline_parallel_num_microbatches=lay.microbatches,
-                     activation_checkpoint=lay.recompute, enable_cpu_offload=lay.offload == "cpu")
+                     dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard,
+                     reshard=lay.reshard == "always", tp=lay.tp,
+                     sp=lay.sp == "on", loss_parallel=case["loss_parallel"] != "off",
+                     cp=lay.cp, ep=lay.ep, pp=lay.pp,
+                     schedule=lay.schedule, virtual_stages=lay.virtual_stages,
+                     microbatch=lay.microbatch, microbatches=lay.microbatches,
+                     recompute=lay.recompute, offload=lay.offload == "cpu")
     return replace(plan, compile=Compile(case["compile"] == "on"),
                    training=replace(plan.training, optimizer_implementation=case["optimizer"]),
                    batch_norm_modules=tuple(model.facts.get("batch_norm_modules", ())))
@@ -256,16 +256,16 @@ def plan_of(case: Case, model_file: Path) -> Plan:
 def runs_as(plan: Plan) -> dict[str, Any]:
     """What the program runs of a plan, in the matrix's factors (to check that a case's plan is the case)."""
     par = plan.parallelism
-    data = {shape: name for name, shape in DATA.items()}[par.data_parallel_replicate_degree,
-                                                           par.data_parallel_shard_degree]
-    tp = par.tensor_parallel_degree
-    pipeline = "pp=1" if par.pipeline_parallel_degree == 1 else par.pipeline_parallel_schedule
-    return {"data": data, "reshard": par.fsdp_reshard_after_forward if par.sharded else None, "tp": tp,
-            "sp": ("on" if par.enable_sequence_parallel else "off") if tp > 1 else None,
-            "loss_parallel": ("off" if par.disable_loss_parallel else "on") if tp > 1 and "lm_head" in
-            plan.tensor_parallel_plan else None, "cp": par.context_parallel_degree, "ep": par.expert_parallel_degree,
-            "pipeline": pipeline, "recompute": par.activation_checkpoint, "compile": "on" if plan.compile.enable else "off",
-            "offload": "cpu" if par.enable_cpu_offload else "none", "optimizer": plan.training.optimizer_implementation}
+    data = {shape: name for name, shape in DATA.items()}[par.dp_replicate,
+                                                           par.dp_shard]
+    tp = par.tp
+    pipeline = "pp=1" if par.pp == 1 else par.schedule
+    return {"data": data, "reshard": par.layout().reshard if par.sharded else None, "tp": tp,
+            "sp": ("on" if par.sp else "off") if tp > 1 else None,
+            "loss_parallel": par.layout().loss_parallel if tp > 1 and "lm_head" in
+            plan.tensor_parallel_plan else None, "cp": par.cp, "ep": par.ep,
+            "pipeline": pipeline, "recompute": par.recompute, "compile": "on" if plan.compile.enable else "off",
+            "offload": "cpu" if par.offload else "none", "optimizer": plan.training.optimizer_implementation}
 
 
 def write_case(root: Path, index: int, case: Case) -> Path:

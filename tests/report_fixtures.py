@@ -67,14 +67,14 @@ def make_plan(pp: int = 2, microbatches: int = 4, schedule: str = "1f1b", dp: in
         stages.append(Stage(i, owned, 0.012 + 0.002 * (i == 0), memory,
                             {"parameters": 2 * GIB, "gradients": 2 * GIB, "optimizer": 4 * GIB,
                              "activations": memory - 8.5 * GIB, "buffers": 0.5 * GIB}))
-    par = Parallelism(data_parallel_replicate_degree=dp, pipeline_parallel_degree=pp,
-                      pipeline_parallel_schedule=schedule, pipeline_parallel_num_microbatches=microbatches,
-                      pipeline_parallel_virtual_stages=chunks)
+    par = Parallelism(dp_replicate=dp, pp=pp,
+                      schedule=schedule, microbatches=microbatches,
+                      virtual_stages=chunks)
     predicted = _prediction(0.02 * (microbatches + pp), stages[0].predicted_memory_bytes, 0.008, 0.004)
-    alternatives = (Alternative(parallelism=replace(par, pipeline_parallel_schedule="gpipe"), step_time_s=0.2,
+    alternatives = (Alternative(parallelism=replace(par, schedule="gpipe"), step_time_s=0.2,
                                 peak_memory_bytes=40 * GIB, fits=True, reason=f"GPipe keeps all {microbatches} "
                                 f"micro-batches' activations: 40 GiB vs 13 GiB, and is 1.1x slower"),
-                    Alternative(parallelism=Parallelism(data_parallel_replicate_degree=dp * pp), step_time_s=0.1,
+                    Alternative(parallelism=Parallelism(dp_replicate=dp * pp), step_time_s=0.1,
                                 peak_memory_bytes=93.1 * GIB, fits=False,
                                 reason=f"needs 93.1 GiB per GPU, has 80 GiB ({EVIL})"))
     return Plan(model=ModelRef("examples/gpt.py", "build_model", 124_000_000),
@@ -89,14 +89,14 @@ def make_candidates(plan: Plan) -> tuple[FakeCandidate, ...]:
     for i in range(1, 24):
         step = plan.predicted.step_time_s * (1 + 0.15 * i) * (0.6 if i % 5 == 0 else 1)
         memory = plan.predicted.peak_memory_bytes * (0.5 + (i * 7 % 11) / 2.2)
-        par = Parallelism(data_parallel_replicate_degree=max(1, 4 // (1 + i % 3)), pipeline_parallel_degree=1 + i % 3,
-                          pipeline_parallel_num_microbatches=2 + i % 4)
+        par = Parallelism(dp_replicate=max(1, 4 // (1 + i % 3)), pp=1 + i % 3,
+                          microbatches=2 + i % 4)
         fits = memory <= plan.cluster.memory_per_gpu_bytes
         reason = f"{step / plan.predicted.step_time_s:.2f}x slower" if fits else \
             f"needs {memory / GIB:.1f} GiB per GPU, has 80 GiB"
         pred = replace(plan.predicted, step_time_s=step, peak_memory_bytes=memory, samples_per_s=32 / step)
         out.append(FakeCandidate(par, plan.stages, pred, fits, reason))
-    out.append(FakeCandidate(Parallelism(tensor_parallel_degree=3), (), None, False, "tp 3 does not divide 12 heads"))
+    out.append(FakeCandidate(Parallelism(tp=3), (), None, False, "tp 3 does not divide 12 heads"))
     return tuple(out)
 
 
@@ -114,14 +114,14 @@ def moe_result():
     plan = result.plan
     parts = {**plan.predicted.time_breakdown, "expert_compute": 0.011, "expert_parallel_comm": 0.004}
     memory = {"parameters": 2 * GIB, "gradients": 2 * GIB, "optimizer": 4 * GIB, "activations": 9 * GIB}
-    chosen = replace(result.candidates[0], parallelism=replace(plan.parallelism, expert_parallel_degree=4),
+    chosen = replace(result.candidates[0], parallelism=replace(plan.parallelism, ep=4),
                      predicted=replace(plan.predicted, time_breakdown=parts, memory_breakdown=memory))
     whole = []
     for slower, peak, fits in ((1.1, 90 * GIB, False), (1.3, 30 * GIB, True)):
         pred = replace(plan.predicted, step_time_s=plan.predicted.step_time_s * slower, peak_memory_bytes=peak,
                        time_breakdown={"compute": 0.05, "expert_compute": 0.017 * slower},
                        memory_breakdown={"parameters": peak / 4, "activations": peak / 2})
-        whole.append(FakeCandidate(replace(plan.parallelism, data_parallel_replicate_degree=8), (), pred, fits, "x"))
+        whole.append(FakeCandidate(replace(plan.parallelism, dp_replicate=8), (), pred, fits, "x"))
     plan = replace(plan, parallelism=chosen.parallelism, predicted=chosen.predicted)
     candidates = (chosen, *whole, replace(whole[1], predicted=None))  # and one that could not be priced
     return SimpleNamespace(**{**vars(result), "plan": plan, "candidates": candidates}), chosen, whole[1]

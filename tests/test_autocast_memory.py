@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 from chain_fixtures import cluster, gpt_profile
 
+from autoplan.cost.context import TableKey
 from autoplan.chain.ops import autocast_fp32_nodes
 from autoplan.cost.context import Context
 from autoplan.cost.evaluate import build_problem
@@ -69,20 +70,20 @@ def test_autocast_states_are_fp32_weights_gradients_and_moments():
 
 
 def _par(**degrees) -> Parallelism:
-    return Parallelism(**{"pipeline_parallel_microbatch_size": 2, **degrees})
+    return Parallelism(**{"microbatch": 2, **degrees})
 
 
 @pytest.mark.parametrize("degrees, wraps", [
     ({}, False),                                                       # one GPU
-    ({"data_parallel_replicate_degree": 2}, False),                     # DDP
-    ({"data_parallel_shard_degree": 2}, True),                          # FSDP2
-    ({"data_parallel_replicate_degree": 2, "tensor_parallel_degree": 2}, True),  # fully_shard replicating DTensors
-    ({"tensor_parallel_degree": 2}, False),                             # tensor parallel alone
+    ({"dp_replicate": 2}, False),                     # DDP
+    ({"dp_shard": 2}, True),                          # FSDP2
+    ({"dp_replicate": 2, "tp": 2}, True),  # fully_shard replicating DTensors
+    ({"tp": 2}, False),                             # tensor parallel alone
 ])
 def test_one_rule_picks_autocast_for_the_program_and_the_price(degrees, wraps):
     par = _par(**degrees)
-    assert fsdp_wraps(par.data_parallel_replicate_degree, par.data_parallel_shard_degree,
-                      par.context_parallel_degree, par.tensor_parallel_degree) == wraps
+    assert fsdp_wraps(par.dp_replicate, par.dp_shard,
+                      par.cp, par.tp) == wraps
     ctx = Context(gpt_profile(n_layer=2), cluster(par.world_size), Training(4, "bf16"), SUPPORTED)
     assert ctx.autocast_layout(par) == (not wraps)
     assert not Context(gpt_profile(n_layer=2), cluster(par.world_size), Training(4, "fp32"),
@@ -98,8 +99,8 @@ def test_a_one_gpu_bf16_plan_prices_what_autocast_keeps():
     tied = {**memory.per_tied_group, **memory.late_per_tied_group}
     states = {c: sum(held[c]) + sum(tied[c]) for c in ("parameters", "gradients", "optimizer")}
     assert states == pytest.approx({"parameters": 4 * numel, "gradients": 4 * numel, "optimizer": 8 * numel})
-    pure = ctx.table(1, 2)
-    autocast = ctx.table(1, 2, autocast=True)
+    pure = ctx.table(TableKey(1, 2))
+    autocast = ctx.table(TableKey(1, 2), autocast=True)
     copies = [autocast_weight_copy_bytes(m, 1, 2) for m in ctx.costs.modules]
     assert sum(copies) > 0
     for u, module in enumerate(ctx.costs.modules):

@@ -251,9 +251,9 @@ def _search(profile, gpus: int, batch: int, pins=None):
 def test_the_search_never_splits_a_batch_norm_model_into_micro_batches(resnet_profile):
     result = _search(resnet_profile, 8, 64)
     chosen = [result.best.parallelism] + [c.parallelism for c in result.candidates]
-    assert all(p.pipeline_parallel_num_microbatches == 1 for p in chosen)
-    assert all(p.pipeline_parallel_degree == 1 or p.data_parallel_degree == 1 for p in chosen)
-    assert all(p.activation_checkpoint == "none" for p in chosen)
+    assert all(p.microbatches == 1 for p in chosen)
+    assert all(p.pp == 1 or p.dp == 1 for p in chosen)
+    assert all(p.recompute == "none" for p in chosen)
     assert result.context.batch_norm_modules[0] == "stem.1"
 
 
@@ -297,7 +297,7 @@ def test_plan_json_lists_batch_norm_modules_and_old_plans_still_load():
 
     plan = Plan(model=ModelRef("model.py"), cluster=ClusterRef("cpu", 2, 2, 2.0**30),
                 training=Training(global_batch_size=4),
-                parallelism=Parallelism(data_parallel_replicate_degree=2, pipeline_parallel_microbatch_size=2),
+                parallelism=Parallelism(dp_replicate=2, microbatch=2),
                 stages=(Stage(0, ("stem.0", "stem.1"), 0.1, 100.0),), predicted=Prediction(0.5, 8.0, None, 1e9, 0.3, 100.0),
                 solver=SolverInfo("highs", "optimal", 0.01, 3), batch_norm_modules=("stem.1",))
     raw = json.loads(plan.to_json())

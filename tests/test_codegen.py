@@ -41,9 +41,9 @@ UPDATE_GOLDEN = "AUTOPLAN_UPDATE_GOLDEN"
 
 
 def make_plan(stages=(("inp", "layers.0"), ("layers.1", "out")), gpus_per_node=8, global_batch=16,
-              model=ModelRef(path=str(MLP)), tensor_parallel_plan=None, recompute=(), **parallelism) -> Plan:
-    defaults = dict(data_parallel_replicate_degree=2, pipeline_parallel_degree=2, pipeline_parallel_schedule="1f1b",
-                    pipeline_parallel_num_microbatches=4, pipeline_parallel_microbatch_size=2)
+              model=ModelRef(path=str(MLP)), tensor_parallel_plan=None, recompute_modules=(), **parallelism) -> Plan:
+    defaults = dict(dp_replicate=2, pp=2, schedule="1f1b",
+                    microbatches=4, microbatch=2)
     par = Parallelism(**{**defaults, **parallelism})
     return Plan(
         model=model,
@@ -57,7 +57,7 @@ def make_plan(stages=(("inp", "layers.0"), ("layers.1", "out")), gpus_per_node=8
                              mfu=0.4, peak_memory_bytes=1e9),
         solver=SolverInfo(name="highs", status="optimal", time_s=0.1, candidates_evaluated=10),
         tensor_parallel_plan=dict(tensor_parallel_plan or {}),
-        activation_checkpoint_modules=tuple(recompute),
+        activation_checkpoint_modules=tuple(recompute_modules),
     )
 
 
@@ -98,10 +98,10 @@ def test_writes_train_py_model_copy_and_launcher(tmp_path):
 def test_layout_numbers_reach_the_program(tmp_path):
     tp_plan = {"layers.0": "colwise", "layers.1": "rowwise"}
     plan = make_plan(stages=(("inp",), ("layers.0",), ("layers.1",), ("out",)), tensor_parallel_plan=tp_plan,
-                     recompute=("layers.1",), data_parallel_replicate_degree=1, data_parallel_shard_degree=2,
-                     fsdp_reshard_after_forward="always", tensor_parallel_degree=2, enable_sequence_parallel=True,
-                     pipeline_parallel_virtual_stages=2,
-                     pipeline_parallel_schedule="interleaved", activation_checkpoint="selective", global_batch=16)
+                     recompute_modules=("layers.1",), dp_replicate=1, dp_shard=2,
+                     reshard=True, tp=2, sp=True,
+                     virtual_stages=2,
+                     schedule="interleaved", recompute="selective", global_batch=16)
     plan = replace(plan, training=replace(plan.training, dtype="bf16"))
     write_program(plan, tmp_path, MLP)
     train_py = (tmp_path / "train.py").read_text()
@@ -114,7 +114,7 @@ def test_layout_numbers_reach_the_program(tmp_path):
     assert "torchrun --standalone --nproc-per-node 8 train.py" in docstring
     assert "2-way tensor parallel (2 Linears, sequence parallel)" in docstring and "2 stages per rank" in docstring
     assert config["SP"] == "on"  # the default whenever TP > 1
-    write_program(replace(plan, parallelism=replace(plan.parallelism, enable_sequence_parallel=False)), tmp_path, MLP)
+    write_program(replace(plan, parallelism=replace(plan.parallelism, sp=False)), tmp_path, MLP)
     train_py = (tmp_path / "train.py").read_text()
     assert config_values(train_py)["SP"] == "off" and "2-way tensor parallel (2 Linears)" in train_py
     assert "FSDP2: dp_replicate 1 x dp_shard 2, reshard always" in docstring and "selective activation checkpointing" in docstring
@@ -122,8 +122,8 @@ def test_layout_numbers_reach_the_program(tmp_path):
 
 
 def test_train_py_main_is_importable_and_takes_argv(tmp_path):
-    write_program(make_plan(data_parallel_replicate_degree=1, pipeline_parallel_degree=1, stages=[["inp", "out"]],
-                            pipeline_parallel_num_microbatches=2, pipeline_parallel_microbatch_size=8), tmp_path, MLP)
+    write_program(make_plan(dp_replicate=1, pp=1, stages=[["inp", "out"]],
+                            microbatches=2, microbatch=8), tmp_path, MLP)
     spec = importlib.util.spec_from_file_location("generated_train", tmp_path / "train.py")
     program = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(program)  # importing runs nothing
@@ -140,8 +140,8 @@ def test_strange_module_and_file_names_cannot_change_the_program(tmp_path):
     model_file = model_dir / "my model's file.py"
     shutil.copyfile(MLP, model_file)
     plan = make_plan(stages=(evil[:2], evil[2:]), model=ModelRef(path=str(model_file), factory='build"\nmodel'),
-                     tensor_parallel_plan={evil[0]: "colwise", evil[4]: "rowwise"}, recompute=evil,
-                     activation_checkpoint="full")
+                     tensor_parallel_plan={evil[0]: "colwise", evil[4]: "rowwise"}, recompute_modules=evil,
+                     recompute="full")
     out = tmp_path / "out"
     write_program(plan, out, model_file)
     train_py = (out / "train.py").read_text()
@@ -155,21 +155,20 @@ def test_strange_module_and_file_names_cannot_change_the_program(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(tensor_parallel_degree=2), r"tp=2, but the plan's tensor_parallel_plan names no module to shard"),
-    (dict(pipeline_parallel_virtual_stages=2),
+    (dict(tp=2), r"tp=2, but the plan's tensor_parallel_plan names no module to shard"),
+    (dict(virtual_stages=2),
      r"schedule=1f1b runs 1 stage per pipeline rank, but virtual_stages=2 \(virtual stages need "
      r"schedule=interleaved"),
-    (dict(pipeline_parallel_schedule="interleaved", pipeline_parallel_num_microbatches=3, global_batch=12),
+    (dict(schedule="interleaved", microbatches=3, global_batch=12),
      r"schedule=interleaved needs a multiple of pp=2 micro-batches, but microbatches = 3"),
-    (dict(pipeline_parallel_virtual_stages=2, pipeline_parallel_schedule="interleaved"),
+    (dict(virtual_stages=2, schedule="interleaved"),
      r"pp=2 x virtual_stages=2 = 4 stages, but the plan lists 2"),
-    (dict(activation_checkpoint="most"), r"recompute=most is not one of none, selective, full"),
-    (dict(pipeline_parallel_num_microbatches=3), r"microbatches=3, but global batch 16 / dp=2 / microbatch=2 = 4"),
-    (dict(pipeline_parallel_num_microbatches=1, pipeline_parallel_microbatch_size=8),
+    (dict(recompute="most"), r"recompute=most is not one of none, selective, full"),
+    (dict(microbatches=3), r"microbatches=3, but global batch 16 / dp=2 / microbatch=2 = 4"),
+    (dict(microbatches=1, microbatch=8),
      r"schedule=1f1b needs at least pp=2 micro-batches, but microbatches = 1"),
-    (dict(fsdp_reshard_after_forward="always"), r"reshard=always needs dp_shard > 1"),
-    (dict(fsdp_reshard_after_forward="sometimes"), r"reshard=sometimes is not one of always, never"),
-    (dict(pipeline_parallel_degree=4, data_parallel_replicate_degree=1, pipeline_parallel_num_microbatches=8),
+    (dict(reshard=True), r"reshard=always needs dp_shard > 1"),
+    (dict(pp=4, dp_replicate=1, microbatches=8),
      r"pp=4 x virtual_stages=1 = 4 stages, but the plan lists 2"),
 ])
 def test_plans_the_program_cannot_run_are_refused(tmp_path, change, message):
@@ -214,10 +213,10 @@ def golden_plan() -> Plan:
     parallel, an interleaved pipeline, selective recompute, bf16. Built by hand (no capture), with a
     relative model path, so its train.py is the same on every machine."""
     parallelism = Parallelism(
-        data_parallel_replicate_degree=2, data_parallel_shard_degree=2, fsdp_reshard_after_forward="always",
-        tensor_parallel_degree=2, pipeline_parallel_degree=2, pipeline_parallel_virtual_stages=2,
-        pipeline_parallel_schedule="interleaved", pipeline_parallel_microbatch_size=2,
-        pipeline_parallel_num_microbatches=4, activation_checkpoint="selective", enable_sequence_parallel=True)
+        dp_replicate=2, dp_shard=2, reshard=True,
+        tp=2, pp=2, virtual_stages=2,
+        schedule="interleaved", microbatch=2,
+        microbatches=4, recompute="selective", sp=True)
     stages = (("inp", "layers.0"), ("layers.1", "layers.2"), ("layers.3", "layers.4"), ("layers.5", "out"))
     return Plan(
         model=ModelRef(path="examples/mlp.py", factory="build_model"),
@@ -373,8 +372,8 @@ def reference_run(program_dir: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_a_program_for_another_runtime_api_stops_before_building_anything(tmp_path):
-    plan = make_plan(data_parallel_replicate_degree=1, pipeline_parallel_degree=1, stages=[["inp", "out"]],
-                     pipeline_parallel_num_microbatches=2, pipeline_parallel_microbatch_size=8)
+    plan = make_plan(dp_replicate=1, pp=1, stages=[["inp", "out"]],
+                     microbatches=2, microbatch=8)
     write_program(plan, tmp_path, MLP)
     matching = reference_run(tmp_path)
     assert matching.returncode == 0 and "step 0 | loss" in matching.stdout, matching.stderr

@@ -200,8 +200,8 @@ def test_dockerfile_builds_the_image_the_manifests_run(tmp_path):
 def test_train_py_trains_the_shipped_copy_unless_asked_for_the_planned_file(tmp_path):
     planned = tmp_path / "mine.py"
     shutil.copyfile(MLP, planned)
-    plan = make_plan(data_parallel_replicate_degree=1, pipeline_parallel_degree=1, stages=[["inp", "out"]],
-                     pipeline_parallel_num_microbatches=2, pipeline_parallel_microbatch_size=8,
+    plan = make_plan(dp_replicate=1, pp=1, stages=[["inp", "out"]],
+                     microbatches=2, microbatch=8,
                      model=ModelRef(path=str(planned)))
     write_program(plan, tmp_path / "out", planned)
     planned.write_text(MLP.read_text() + "\n\ndef build_model():\n    raise RuntimeError('edited after planning')\n")

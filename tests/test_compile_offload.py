@@ -19,15 +19,15 @@ from test_layouts import MODELS, STEPS, make_plan, mb
 pytestmark = pytest.mark.slow  # one torchrun launch; inductor compiles on 2 cores (minutes)
 
 CASES = {
-    "compile dp=2,zero=3": (True, dict(data_parallel_shard_degree=2, fsdp_reshard_after_forward="always", **mb(1, 4))),
-    "compile pp=2": (True, dict(pipeline_parallel_degree=2, **mb(2, 4))),
-    "compile tp=2": (True, dict(tensor_parallel_degree=2, **mb(1, 8))),
+    "compile dp=2,zero=3": (True, dict(dp_shard=2, reshard=True, **mb(1, 4))),
+    "compile pp=2": (True, dict(pp=2, **mb(2, 4))),
+    "compile tp=2": (True, dict(tp=2, **mb(1, 8))),
     # HF Llama: sequence parallel + vocabulary-parallel head + loss parallel; run twice on a machine it once
     # failed from AOTAutograd's cache (runtime/distributed/compile.py _no_autograd_cache)
-    "compile tp=2 llama": (True, dict(tensor_parallel_degree=2, **mb(1, 8))),
-    "offload dp=2,zero=3": (False, dict(data_parallel_shard_degree=2, fsdp_reshard_after_forward="always",
-                                        enable_cpu_offload=True, **mb(2, 2))),
-    "foreach tp=2": (False, dict(tensor_parallel_degree=2, **mb(1, 8))),  # DTensor weights beside plain tensors
+    "compile tp=2 llama": (True, dict(tp=2, **mb(1, 8))),
+    "offload dp=2,zero=3": (False, dict(dp_shard=2, reshard=True,
+                                        offload=True, **mb(2, 2))),
+    "foreach tp=2": (False, dict(tp=2, **mb(1, 8))),  # DTensor weights beside plain tensors
 }
 IMPLEMENTATION = {"foreach tp=2": "foreach"}
 
@@ -41,7 +41,7 @@ def write(root: Path, name: str, compiled: bool, parallelism: dict) -> Path:
     folder.mkdir(parents=True)
     model_file = folder / "user_model.py"
     model_file.write_text(case.source)
-    pp = parallelism.get("pipeline_parallel_degree", 1)
+    pp = parallelism.get("pp", 1)
     half = len(case.chain_modules) // 2
     stages = [case.chain_modules] if pp == 1 else [case.chain_modules[:half], case.chain_modules[half:]]
     plan = replace(make_plan(model_file, stages, case.tensor_parallel_plan, **parallelism), compile=Compile(compiled))
@@ -75,7 +75,7 @@ def test_the_programs_compile_and_offload_as_planned(batch):
     for name, (compiled, par) in CASES.items():
         text = (folders[name] / "train.py").read_text()
         assert f"COMPILE = {compiled}" in text
-        assert ("SP = 'on'" in text) == (par.get("tensor_parallel_degree", 1) > 1)  # make_plan: on with tp
-        assert f"OFFLOAD = {par.get('enable_cpu_offload', False)}" in text
+        assert ("SP = 'on'" in text) == (par.get("tp", 1) > 1)  # make_plan: on with tp
+        assert f"OFFLOAD = {par.get('offload', False)}" in text
         assert f"OPTIMIZER_IMPLEMENTATION = {IMPLEMENTATION.get(name, 'fused')!r}" in text
 

@@ -83,35 +83,35 @@ build_model, example_batch, loss_fn = mixtral.build_model, mixtral.example_batch
 MODELS = {**MODELS, "mixtral": ModelCase(MIXTRAL, MODELS["llama"].chain_modules, MODELS["llama"].four_stages, {})}
 """A mixture of experts too: the search prices cp for MoE models (each rank routes the tokens of its share)."""
 CP_LAYOUTS = {
-    ("mixtral", "dp=2,zero=3,cp=2"): dict(data_parallel_shard_degree=2, fsdp_reshard_after_forward="always",
-                                          context_parallel_degree=2, **mb(1, 4)),
-    ("gpt", "cp=2, 2 accumulated micro-batches"): dict(context_parallel_degree=2, **mb(2, 4)),
-    ("gpt", "dp=2,zero=3,cp=2"): dict(data_parallel_shard_degree=2, fsdp_reshard_after_forward="always",
-                                      context_parallel_degree=2, **mb(1, 4)),
-    ("llama", "cp=2"): dict(context_parallel_degree=2, **mb(1, 8)),
-    ("llama", "dp=2,zero=1,cp=2"): dict(data_parallel_shard_degree=2, context_parallel_degree=2, **mb(2, 2)),
-    ("gpt", "cp=2,recompute=full"): dict(context_parallel_degree=2, activation_checkpoint="full", **mb(1, 8)),
+    ("mixtral", "dp=2,zero=3,cp=2"): dict(dp_shard=2, reshard=True,
+                                          cp=2, **mb(1, 4)),
+    ("gpt", "cp=2, 2 accumulated micro-batches"): dict(cp=2, **mb(2, 4)),
+    ("gpt", "dp=2,zero=3,cp=2"): dict(dp_shard=2, reshard=True,
+                                      cp=2, **mb(1, 4)),
+    ("llama", "cp=2"): dict(cp=2, **mb(1, 8)),
+    ("llama", "dp=2,zero=1,cp=2"): dict(dp_shard=2, cp=2, **mb(2, 2)),
+    ("gpt", "cp=2,recompute=full"): dict(cp=2, recompute="full", **mb(1, 8)),
     ("llama", "dp=2,zero=3,cp=2,recompute=selective"): dict(
-        data_parallel_shard_degree=2, fsdp_reshard_after_forward="always", context_parallel_degree=2,
-        activation_checkpoint="selective", **mb(1, 4)),
-    ("llama", "hsdp dp_replicate=2,cp=2"): dict(data_parallel_replicate_degree=2, fsdp_reshard_after_forward="always",
-                                                context_parallel_degree=2, **mb(1, 4)),
-    ("gpt", "cp=2,tp=2,sp=on"): dict(context_parallel_degree=2, tensor_parallel_degree=2, **mb(2, 4)),
-    ("llama", "cp=2,tp=2,sp=off"): dict(context_parallel_degree=2, tensor_parallel_degree=2,
-                                        enable_sequence_parallel=False, **mb(1, 8)),
-    ("llama", "cp=2,tp=2,sp=on,recompute=selective"): dict(context_parallel_degree=2, tensor_parallel_degree=2,
-                                                          activation_checkpoint="selective", **mb(2, 4)),
+        dp_shard=2, reshard=True, cp=2,
+        recompute="selective", **mb(1, 4)),
+    ("llama", "hsdp dp_replicate=2,cp=2"): dict(dp_replicate=2, reshard=True,
+                                                cp=2, **mb(1, 4)),
+    ("gpt", "cp=2,tp=2,sp=on"): dict(cp=2, tp=2, **mb(2, 4)),
+    ("llama", "cp=2,tp=2,sp=off"): dict(cp=2, tp=2,
+                                        sp=False, **mb(1, 8)),
+    ("llama", "cp=2,tp=2,sp=on,recompute=selective"): dict(cp=2, tp=2,
+                                                          recompute="selective", **mb(2, 4)),
 }
 STAGED_LAYOUTS = {
-    ("gpt", "cp=2,pp=2,1f1b"): dict(context_parallel_degree=2, pipeline_parallel_degree=2,
-                                    pipeline_parallel_schedule="1f1b", **mb(4, 2)),
-    ("llama", "cp=2,pp=2,gpipe"): dict(context_parallel_degree=2, pipeline_parallel_degree=2,
-                                       pipeline_parallel_schedule="gpipe", **mb(4, 2)),
-    ("llama", "cp=2,pp=2,interleaved"): dict(context_parallel_degree=2, pipeline_parallel_degree=2,
-                                             pipeline_parallel_virtual_stages=2,
-                                             pipeline_parallel_schedule="interleaved", **mb(4, 2)),
-    ("gpt", "cp=2,pp=2,1f1b,recompute=full"): dict(context_parallel_degree=2, pipeline_parallel_degree=2,
-                                                   pipeline_parallel_schedule="1f1b", activation_checkpoint="full",
+    ("gpt", "cp=2,pp=2,1f1b"): dict(cp=2, pp=2,
+                                    schedule="1f1b", **mb(4, 2)),
+    ("llama", "cp=2,pp=2,gpipe"): dict(cp=2, pp=2,
+                                       schedule="gpipe", **mb(4, 2)),
+    ("llama", "cp=2,pp=2,interleaved"): dict(cp=2, pp=2,
+                                             virtual_stages=2,
+                                             schedule="interleaved", **mb(4, 2)),
+    ("gpt", "cp=2,pp=2,1f1b,recompute=full"): dict(cp=2, pp=2,
+                                                   schedule="1f1b", recompute="full",
                                                    **mb(4, 2)),
 }
 """cp inside pipeline stages: the chain cut in halves (four stages for the interleaved schedule, the first one the
@@ -177,7 +177,7 @@ def batch(tmp_path_factory):
                                MODELS[key[0]].tensor_parallel_plan, **layout) for key, layout in CP_LAYOUTS.items()}
     folders.update({key: model_layout(root, *key, layout) for key, layout in STAGED_LAYOUTS.items()})
     folders[FULL_ATTENTION] = write_case(root, "tagger cp=2", TAGGER, [("embed", "pos", "blocks.0", "blocks.1", "head")],
-                                         context_parallel_degree=2, **mb(2, 4))
+                                         cp=2, **mb(2, 4))
     for (model, name), (pin, gpus) in PINNED.items():
         source = root / f"{model}_model.py"
         source.write_text(MODELS[model].source)

@@ -5,6 +5,7 @@ from dataclasses import replace
 import pytest
 from chain_fixtures import LAUNCH_S, cluster, gpt_profile, make_gpu
 
+from autoplan.cost.context import TableKey
 from autoplan.cost import comm
 from autoplan.cost.compute import LOSS_KERNELS, TableSetting, mfu, module_table
 from autoplan.cost.context import Context
@@ -24,11 +25,11 @@ PSI = 1_000_000
 
 def _par(dp=1, pp=1, zero=0, schedule="1f1b", mbs=1, m=1, tp=1, v=1, replicate=None):
     shard = 1 if zero == 0 else dp // (replicate or 1)
-    return Parallelism(data_parallel_replicate_degree=dp // shard, data_parallel_shard_degree=shard,
-                       fsdp_reshard_after_forward="always" if zero == 3 else "never",
-                       tensor_parallel_degree=tp, pipeline_parallel_degree=pp, pipeline_parallel_schedule=schedule,
-                       pipeline_parallel_microbatch_size=mbs, pipeline_parallel_num_microbatches=m,
-                       pipeline_parallel_virtual_stages=v)
+    return Parallelism(dp_replicate=dp // shard, dp_shard=shard,
+                       reshard=zero == 3,
+                       tp=tp, pp=pp, schedule=schedule,
+                       microbatch=mbs, microbatches=m,
+                       virtual_stages=v)
 
 
 def _ctx(profile=None, gpus=8, batch=8, dtype="bf16", features=SUPPORTED, **kw):
@@ -115,7 +116,7 @@ def test_activation_memory_per_layer_follows_korthikanti():
     ctx = Context(profile, cluster(8), Training(8, "bf16"), SUPPORTED | {"tp_fused_split"})  # Megatron qkv
     block = ctx.chain.fqns.index("blocks.1")
     for t in (1, 2, 4):
-        acts = ctx.table(t, 1).activation_bytes
+        acts = ctx.table(TableKey(t, 1)).activation_bytes
         korthikanti = s * h * (10 + 24 / t + 5 * a * s / (h * t))
         assert acts["none"][block] == pytest.approx(korthikanti, rel=0.01)  # + LayerNorm statistics
         assert acts["full"][block] == pytest.approx(2 * s * h)
@@ -134,18 +135,18 @@ def test_sequence_parallel_activation_memory_per_layer_follows_korthikanti_eq4()
     assert ctx.facts.sequence_parallel_problem == ""
     block = ctx.chain.fqns.index("blocks.1")
     for t in (2, 4, 8):
-        acts = ctx.table(t, 1, sp=True).activation_bytes
+        acts = ctx.table(TableKey(t, 1, sp=True)).activation_bytes
         eq4 = s * h * (34 / t + 5 * a * s / (h * t))
         assert acts["none"][block] == pytest.approx(eq4, rel=0.03)  # + LayerNorm statistics
         assert acts["full"][block] == pytest.approx(2 * s * h / t)
-        without = ctx.table(t, 1).activation_bytes["none"][block]
+        without = ctx.table(TableKey(t, 1)).activation_bytes["none"][block]
         assert without - acts["none"][block] == pytest.approx(10 * s * h * (1 - 1 / t), rel=0.01)  # Eq. 2 - Eq. 4
 
 
 def test_sequence_parallel_layer_gathers_and_reduce_scatters_instead_of_all_reducing():
     profile = gpt_profile(n_layer=12, device="testgpu")
     ctx = Context(profile, cluster(8), Training(8, "bf16"), SUPPORTED | {"tp_fused_split"})  # Megatron qkv
-    table, plain = ctx.table(4, 2, sp=True), ctx.table(4, 2)
+    table, plain = ctx.table(TableKey(4, 2, sp=True)), ctx.table(TableKey(4, 2))
     link, nbytes = ctx.group(4, 1).link, 2 * 64 * 128 * 2  # b s h elements, bf16
     pair = comm.all_gather_s(nbytes, 4, link) + comm.reduce_scatter_s(nbytes, 4, link)
     assert table.tp_forward_s[2] == pytest.approx(2 * pair)  # qkv and fc gather, proj and fc2 reduce-scatter
@@ -154,7 +155,7 @@ def test_sequence_parallel_layer_gathers_and_reduce_scatters_instead_of_all_redu
     assert table.tp_backward_s[2] == pytest.approx(2 * pair + 2 * comm.all_gather_s(nbytes, 4, link))
     assert table.forward_s[2] < plain.forward_s[2]  # the norms, adds and dropouts run on sequence shards
     compiled = Context(profile, cluster(8), Training(8, "bf16"), SUPPORTED | {"tp_fused_split"}, compiled=True)
-    assert compiled.table(4, 2, sp=True).tp_backward_s[2] == pytest.approx(2 * pair)  # compiled: kept whole
+    assert compiled.table(TableKey(4, 2, sp=True)).tp_backward_s[2] == pytest.approx(2 * pair)  # compiled: kept whole
 
 
 def test_sequence_parallel_linears_reading_one_tensor_share_its_gather():
@@ -168,7 +169,7 @@ def test_sequence_parallel_linears_reading_one_tensor_share_its_gather():
     profile = ModelProfile.from_json((fixtures / "llama_capture.json").read_text())
     ctx = Context(profile, cluster(8), Training(8, "bf16"), SUPPORTED)
     attention, mlp = (ctx.chain.fqns.index(f"model.layers.0.{name}") for name in ("self_attn", "mlp"))
-    link, table, per_mb = ctx.group(2, 1).link, ctx.table(2, 1, sp=True), ctx.scale  # one sample, in bf16
+    link, table, per_mb = ctx.group(2, 1).link, ctx.table(TableKey(2, 1, sp=True)), ctx.scale  # one sample, in bf16
     for u, readers in ((attention, [False, True, True]), (mlp, [False, True])):  # q k v; gate up
         ops = ctx.costs.modules[u].ops
         colwise = [op for op in ops if op.tp_role == "colwise"]
@@ -190,7 +191,7 @@ def test_vocabulary_parallel_head_divides_its_time_weights_and_logits_by_tp():
     profile = gpt_profile(n_layer=2, n_embd=1024, vocab=vocab, seq=seq, n_head=16, device="testgpu")
     ctx = Context(profile, cluster(8), Training(8, "bf16"), SUPPORTED)
     head = ctx.chain.fqns.index("lm_head")
-    one, four = ctx.table(1, b), ctx.table(4, b)
+    one, four = ctx.table(TableKey(1, b)), ctx.table(TableKey(4, b))
     assert [op.tp_role for op in ctx.costs.modules[head].ops if op.kind == "gemm"] == ["head"]
     for seconds, kernels in ((lambda t: t.forward_s[head], LOSS_KERNELS[0]),  # launches aside: the loss_fn's
                              (lambda t: t.backward_s[head], LOSS_KERNELS[1])):  # (cost.compute.loss_s) too
@@ -214,7 +215,7 @@ def _setting(ctx, tp, microbatch):
 
 def test_recompute_costs_the_forward_it_repeats():
     ctx = _ctx()
-    table = ctx.table(1, 2)
+    table = ctx.table(TableKey(1, 2))
     none, selective, full = (table.time_s(m)[2] for m in ("none", "selective", "full"))
     assert full - none == pytest.approx(table.forward_s[2])
     assert selective - none == pytest.approx(table.cheap_forward_s[2]) and 0 < selective - none < full - none
@@ -223,22 +224,22 @@ def test_recompute_costs_the_forward_it_repeats():
 def test_tensor_parallel_layer_all_reduces_twice_forward_and_twice_backward():
     profile = gpt_profile(n_layer=12, device="testgpu")
     ctx = Context(profile, cluster(8), Training(8, "bf16"), SUPPORTED | {"tp_fused_split"})  # Megatron qkv
-    table = ctx.table(4, 2)
+    table = ctx.table(TableKey(4, 2))
     one = comm.all_reduce_s(2 * 64 * 128 * 2, 4, ctx.group(4, 1).link)  # b s h elements, bf16
     assert table.tp_forward_s[2] == pytest.approx(2 * one)
     assert table.tp_backward_s[2] == pytest.approx(2 * one)
-    assert ctx.table(1, 2).tp_forward_s[2] == 0.0
-    assert table.forward_s[2] < ctx.table(1, 2).forward_s[2]  # split matmuls and attention
+    assert ctx.table(TableKey(1, 2)).tp_forward_s[2] == 0.0
+    assert table.forward_s[2] < ctx.table(TableKey(1, 2)).forward_s[2]  # split matmuls and attention
 
 
 def test_roofline_times_scale_with_dtype_and_measured_times_keep_launches_fixed():
     gpu_ctx = _ctx(gpt_profile(n_layer=12, device="testgpu"))
     fp32 = Context(gpu_ctx.profile, gpu_ctx.cluster, Training(8, "fp32"), SUPPORTED)
-    assert all(b < f for b, f in zip(gpu_ctx.table(1, 1).time_s("none"), fp32.table(1, 1).time_s("none")))
+    assert all(b < f for b, f in zip(gpu_ctx.table(TableKey(1, 1)).time_s("none"), fp32.table(TableKey(1, 1)).time_s("none")))
     cpu = Context(gpt_profile(n_layer=12, batch=4), replace(cluster(8), hardware=replace(
         cluster(8).hardware, gpu=replace(make_gpu(), name="cpu"))), Training(8, "fp32"), SUPPORTED)
     assert cpu.use_measured
-    one, two, four = (cpu.table(1, b).forward_s[2] for b in (1, 2, 4))
+    one, two, four = (cpu.table(TableKey(1, b)).forward_s[2] for b in (1, 2, 4))
     launches = sum(1 for n in cpu.chain.modules[2].ops if not n.startswith(("split", "view", "transpose"))) * LAUNCH_S
     assert two - one == pytest.approx(one - launches, rel=1e-6)  # only the part above the launches grows
     assert four == pytest.approx(cpu.chain.modules[2].time_fwd_s * 4)  # the profiled batch: as measured
@@ -465,7 +466,7 @@ def test_plan_shows_the_activation_saving_of_sequence_parallelism_against_the_sa
     on = search(profile, cluster(8), training, Layout(tp=4, pp=2, microbatch=2), features=ALL_FEATURES).best
     off = search(profile, cluster(8), training, Layout(tp=4, pp=2, microbatch=2, sp="off"),
                  features=ALL_FEATURES).best
-    assert on.parallelism.enable_sequence_parallel and not off.parallelism.enable_sequence_parallel
+    assert on.parallelism.sp and not off.parallelism.sp
     saved_with, saved_without = (on.predicted.memory_breakdown["activations"],
                                  on.predicted.activations_without_sequence_parallel_bytes)
     assert saved_with < saved_without
@@ -501,3 +502,17 @@ def test_gradients_count_from_when_the_program_makes_them(shard, ddp):
     accumulating = layout_memory(_one_module(0.0), "bf16", shard, True, 1, ddp=ddp, accumulates=True).stage(0, 1)
     assert accumulating.per_module.get("unsharded_gradients", (0.0,))[0] == (4 * n if fsdp else 0.0)
     assert ("gradients" in accumulating.per_module) == (not fsdp)  # FSDP2's sharded ones only after the last
+
+
+def test_the_table_of_a_layout_is_the_table_of_what_it_reads():
+    """Context.table takes the layout: its TableKey (tp, micro-batch, sp at tp > 1, loss_parallel, cp, ep) picks the
+    table, the other fields (dp, pp, schedule, recompute, sharding) leave it alone, and sp at tp = 1 is no sp."""
+    ctx = _ctx()
+    par = Parallelism(dp_shard=2, tp=4, sp=True, pp=1, microbatch=2, microbatches=1)
+    assert ctx.table(par) is ctx.table(TableKey(4, 2, sp=True))
+    assert ctx.table(replace(par, dp_shard=1, dp_replicate=2, reshard=True, recompute="full")) is ctx.table(par)
+    assert ctx.table(replace(par, sp=False)) is ctx.table(TableKey(4, 2)) is not ctx.table(par)
+    assert ctx.table(Parallelism(sp=True, microbatch=2)) is ctx.table(TableKey(1, 2))
+    assert ctx.table(replace(par, loss_parallel=False)) is ctx.table(TableKey(4, 2, sp=True, loss_parallel=False))
+    assert ctx.table(par).activation_bytes != ctx.table(replace(par, sp=False)).activation_bytes
+    assert ctx.memory_inputs(par) is ctx.memory_inputs(TableKey(4, 2, sp=True))

@@ -41,13 +41,13 @@ def test_published_runs_pinned_are_predicted_within_10_percent_and_fit_80_gb(row
     result = search(run_profile(row), run_cluster(row), training, parse_pins(run_pins(row)), features=ALL_FEATURES)
     best = result.best
     par = best.parallelism
-    assert (par.tensor_parallel_degree, par.pipeline_parallel_degree, par.data_parallel_degree) == (
+    assert (par.tp, par.pp, par.dp) == (
         int(row["tp"]), int(row["pp"]), int(row["dp"]))
     predicted = paper_flops(row) / int(row["gpus"]) / best.predicted.step_time_s / 1e12
     measured = float(row["measured_tflops_per_gpu_incl_recompute"])
     assert predicted == pytest.approx(measured, rel=0.10)
     assert best.predicted.peak_memory_bytes <= 80e9 and best.fits
-    assert best.parallelism.activation_checkpoint == "full" and best.activation_checkpoint_modules == result.chain.fqns
+    assert best.parallelism.recompute == "full" and best.activation_checkpoint_modules == result.chain.fqns
 
 
 @pytest.mark.parametrize("row", RUNS, ids=[f"{r['params_b']}B" for r in RUNS])
@@ -61,8 +61,8 @@ def test_published_runs_through_the_user_path_are_predicted_within_10_percent(ro
 
     ours = autoplan_run(row)
     par = ours["layout"]
-    assert (par.tensor_parallel_degree, par.pipeline_parallel_degree, par.data_parallel_degree) == (
+    assert (par.tp, par.pp, par.dp) == (
         int(row["tp"]), int(row["pp"]), int(row["dp"]))
-    assert not par.enable_sequence_parallel  # pinned off: SC21 ran without it
+    assert not par.sp  # pinned off: SC21 ran without it
     assert ours["tflops"] == pytest.approx(float(row["measured_tflops_per_gpu_incl_recompute"]), rel=0.10)
     assert ours["memory"] <= 80e9

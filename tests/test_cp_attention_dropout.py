@@ -21,7 +21,7 @@ def test_cp_is_refused_where_attention_drops_weights_and_planned_where_it_does_n
     assert not (tmp_path / "a").exists()
     plan = autoplan.plan(str(MODELS / "chaos_gpt_ring.py"), gpus=2, gpu="cpu", pin="cp=2,compile=off",
                          out=str(tmp_path / "b"))
-    assert plan.parallelism.context_parallel_degree == 2
+    assert plan.parallelism.cp == 2
 
 
 def test_the_capture_records_the_attention_dropout():

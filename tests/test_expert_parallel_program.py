@@ -56,31 +56,31 @@ build_model, example_batch = zoo.{factory}, zoo.example_batch
 SOURCES = {"mixtral": MIXTRAL.format(root=ROOT, experts=4), "mixtral_2_experts": MIXTRAL.format(root=ROOT, experts=2),
            "olmoe": zoo_source("olmoe"), "qwen2_moe": zoo_source("qwen2_moe")}
 EP_LAYOUTS = {
-    ("mixtral", "ep=2"): dict(data_parallel_shard_degree=2, fsdp_reshard_after_forward="always",
-                              expert_parallel_degree=2, **mb(1, 4)),
-    ("mixtral", "dp=4,zero=3,ep=2"): dict(data_parallel_shard_degree=4, fsdp_reshard_after_forward="always",
-                                          expert_parallel_degree=2, **mb(1, 2)),
-    ("mixtral_2_experts", "dp=4,zero=3,ep=2"): dict(data_parallel_shard_degree=4, fsdp_reshard_after_forward="always",
-                                                    expert_parallel_degree=2, **mb(1, 2)),
-    ("olmoe", "ep=2, 2 accumulated micro-batches"): dict(data_parallel_shard_degree=2, expert_parallel_degree=2,
+    ("mixtral", "ep=2"): dict(dp_shard=2, reshard=True,
+                              ep=2, **mb(1, 4)),
+    ("mixtral", "dp=4,zero=3,ep=2"): dict(dp_shard=4, reshard=True,
+                                          ep=2, **mb(1, 2)),
+    ("mixtral_2_experts", "dp=4,zero=3,ep=2"): dict(dp_shard=4, reshard=True,
+                                                    ep=2, **mb(1, 2)),
+    ("olmoe", "ep=2, 2 accumulated micro-batches"): dict(dp_shard=2, ep=2,
                                                          **mb(2, 2)),
-    ("olmoe", "dp=4,zero=3,ep=2"): dict(data_parallel_shard_degree=4, fsdp_reshard_after_forward="always",
-                                        expert_parallel_degree=2, **mb(1, 2)),
-    ("qwen2_moe", "ep=2,recompute=full"): dict(data_parallel_shard_degree=2, expert_parallel_degree=2,
-                                               activation_checkpoint="full", **mb(1, 4)),
+    ("olmoe", "dp=4,zero=3,ep=2"): dict(dp_shard=4, reshard=True,
+                                        ep=2, **mb(1, 2)),
+    ("qwen2_moe", "ep=2,recompute=full"): dict(dp_shard=2, ep=2,
+                                               recompute="full", **mb(1, 4)),
     # selective recompute keeps the all-to-alls' outputs and reruns the grouped expert matmuls inside the
     # checkpointed block
-    ("qwen2_moe", "ep=2,recompute=selective"): dict(data_parallel_shard_degree=2, expert_parallel_degree=2,
-                                                    activation_checkpoint="selective", **mb(1, 4)),
+    ("qwen2_moe", "ep=2,recompute=selective"): dict(dp_shard=2, ep=2,
+                                                    recompute="selective", **mb(1, 4)),
     ("qwen2_moe", "hsdp dp_replicate=2 x dp_shard=2,ep=2"): dict(
-        data_parallel_replicate_degree=2, data_parallel_shard_degree=2, fsdp_reshard_after_forward="always",
-        expert_parallel_degree=2, **mb(1, 2)),
-    ("mixtral", "pp=2,gpipe,dp=2,zero=3,ep=2"): dict(pipeline_parallel_degree=2, pipeline_parallel_schedule="gpipe",
-                                                     data_parallel_shard_degree=2, fsdp_reshard_after_forward="always",
-                                                     expert_parallel_degree=2, **mb(2, 2)),
-    ("qwen2_moe", "pp=2,1f1b,dp=2,zero=3,ep=2"): dict(pipeline_parallel_degree=2, pipeline_parallel_schedule="1f1b",
-                                                      data_parallel_shard_degree=2,
-                                                      fsdp_reshard_after_forward="always", expert_parallel_degree=2,
+        dp_replicate=2, dp_shard=2, reshard=True,
+        ep=2, **mb(1, 2)),
+    ("mixtral", "pp=2,gpipe,dp=2,zero=3,ep=2"): dict(pp=2, schedule="gpipe",
+                                                     dp_shard=2, reshard=True,
+                                                     ep=2, **mb(2, 2)),
+    ("qwen2_moe", "pp=2,1f1b,dp=2,zero=3,ep=2"): dict(pp=2, schedule="1f1b",
+                                                      dp_shard=2,
+                                                      reshard=True, ep=2,
                                                       **mb(2, 2)),
 }
 ATTENTION_TP_PLAN = {f"model.layers.{i}.self_attn.{p}_proj": "rowwise" if p == "o" else "colwise"
@@ -91,14 +91,14 @@ SHARED_EXPERT_TP_PLAN = ATTENTION_TP_PLAN | {f"model.layers.{i}.mlp.shared_exper
                                              else "colwise" for i in range(2) for p in ("gate", "up", "down")}
 EP_TP_LAYOUTS = {
     ("qwen2_moe", "dp=2,zero=3,ep=2,tp=2"): (SHARED_EXPERT_TP_PLAN, dict(
-        data_parallel_shard_degree=2, fsdp_reshard_after_forward="always", expert_parallel_degree=2,
-        tensor_parallel_degree=2, enable_sequence_parallel=False, **mb(1, 4))),
+        dp_shard=2, reshard=True, ep=2,
+        tp=2, sp=False, **mb(1, 4))),
     # sp=on with a hand-written plan that leaves out the "sequence_local" MoE blocks the search now adds
     # (tests/test_moe_sequence_parallel.py): the router runs on DTensors and each tp rank routes its share of the
     # tokens (TensorParallelTokens)
     ("mixtral", "dp=2,zero=1,ep=2,tp=2,sp=on"): (ATTENTION_TP_PLAN, dict(
-        data_parallel_shard_degree=2, expert_parallel_degree=2, tensor_parallel_degree=2,
-        enable_sequence_parallel=True, **mb(2, 2))),
+        dp_shard=2, ep=2, tp=2,
+        sp=True, **mb(2, 2))),
 }
 GRADIENTS = f'''
 """dp_shard 2 x ep 2 x tp 2 with sequence parallelism on or off (argv[0]): every gradient after one forward_backward
@@ -204,7 +204,7 @@ modules of their own, so that each pipeline rank holds one stage without experts
 def batch(tmp_path_factory):
     root = tmp_path_factory.mktemp("expert_parallel")
     folders = {key: write_case(root, f"{key[0]} {key[1]}", SOURCES[key[0]],
-                               STAGES[layout.get("pipeline_parallel_degree", 1)], **layout)
+                               STAGES[layout.get("pp", 1)], **layout)
                for key, layout in EP_LAYOUTS.items()}
     folders.update({key: write_case(root, f"{key[0]} {key[1]}", SOURCES[key[0]], [CHAIN], plan, **layout)
                     for key, (plan, layout) in EP_TP_LAYOUTS.items()})

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.layout import VOCABULARY, Layout, Scope, problems
+from autoplan.layout import (ALL_FEATURES, PARTS, UNSUPPORTED_PAIRS, VOCABULARY, Layout, Scope, problems,
+                             to_plan_fields)
 from autoplan.plan import Parallelism
 from autoplan.report.csv import CANDIDATE_COLUMNS
 from autoplan.solve.pins import PIN_KEYS
@@ -33,8 +34,9 @@ def test_pins_csv_and_plan_fields_use_the_vocabulary():
     layout_columns = set(CANDIDATE_COLUMNS) - {"rank", "fits", "step_time_s", "peak_memory_gib", "host_memory_gib",
                                                "reason", "bubble_s", "schedule_tradeoff"}
     assert layout_columns <= short
+    assert {f.name for f in fields(Parallelism)} <= short
     plan_fields = {t.plan_field for t in VOCABULARY}
-    assert {f.name for f in fields(Parallelism)} <= plan_fields
+    assert set(to_plan_fields(Parallelism())) <= plan_fields
 
 
 def test_every_rule_is_reported_at_once_with_its_arithmetic():
@@ -87,3 +89,20 @@ def test_compiled_recompute_over_tensor_parallel_shards_is_refused_unless_sequen
                  Layout(tp=2, sp="off", cp=2, recompute="selective", compile="off")):
         assert not refused(runs), runs
     assert not refused(Layout(tp=2, sp="off", recompute="full", compile="on"), ALL_FEATURES)  # priced
+
+
+PART_VALUES = {"tp": {"tp": 2}, "cp": {"cp": 2}, "ep": {"ep": 2}, "pp": {"pp": 2}, "offload": {"offload": "cpu"}}
+
+
+@pytest.mark.parametrize("pair", UNSUPPORTED_PAIRS, ids=lambda p: p.feature)
+def test_each_unsupported_pair_refuses_its_two_parts_together_with_its_reason(pair):
+    """layout.UNSUPPORTED_PAIRS is the rule: a layout using both parts breaks it, once, unless the features hold
+    the pair's name; either part alone does not."""
+    assert pair.feature in ALL_FEATURES and set(PARTS) == set(PART_VALUES)
+    both = Layout(dp_shard=4, **PART_VALUES[pair.first], **PART_VALUES[pair.second])
+    without = Scope(features=ALL_FEATURES - {pair.feature})
+    found = [p for p in problems(both, without) if pair.reason in p]
+    assert len(found) == 1 and found[0].endswith(")") and "(use " in found[0]
+    assert not [p for p in problems(both, Scope(features=ALL_FEATURES)) if pair.reason in p]
+    for alone in (pair.first, pair.second):
+        assert not [p for p in problems(Layout(dp_shard=4, **PART_VALUES[alone]), without) if pair.reason in p]

@@ -143,47 +143,47 @@ MODELS = {"gpt": gpt_case(), "llama": llama_case()}
 
 
 def mb(count: int, size: int) -> dict:
-    return dict(pipeline_parallel_num_microbatches=count, pipeline_parallel_microbatch_size=size)
+    return dict(microbatches=count, microbatch=size)
 
 
 # every layout of issue 5's list, then HSDP, ZeRO-1, DDP-style replication with TP and selective recompute
 LAYOUTS = {
-    "dp=4": dict(data_parallel_replicate_degree=4, **mb(1, 2)),
-    "dp=4,zero=3": dict(data_parallel_shard_degree=4, fsdp_reshard_after_forward="always", **mb(1, 2)),
-    "pp=4,gpipe": dict(pipeline_parallel_degree=4, pipeline_parallel_schedule="gpipe", **mb(4, 2)),
-    "pp=4,1f1b": dict(pipeline_parallel_degree=4, pipeline_parallel_schedule="1f1b", **mb(4, 2)),
-    "pp=2,interleaved": dict(pipeline_parallel_degree=2, pipeline_parallel_virtual_stages=2,
-                             pipeline_parallel_schedule="interleaved", **mb(4, 2)),
-    "tp=2": dict(tensor_parallel_degree=2, **mb(2, 4)),
-    "dp=2,pp=2": dict(data_parallel_replicate_degree=2, pipeline_parallel_degree=2, **mb(2, 2)),
-    "dp=2,zero=3,tp=2": dict(data_parallel_shard_degree=2, fsdp_reshard_after_forward="always", tensor_parallel_degree=2, **mb(1, 4)),
-    "pp=2,tp=2": dict(pipeline_parallel_degree=2, tensor_parallel_degree=2, **mb(4, 2)),
-    "dp=2,pp=2,tp=2": dict(data_parallel_replicate_degree=2, pipeline_parallel_degree=2, tensor_parallel_degree=2,
+    "dp=4": dict(dp_replicate=4, **mb(1, 2)),
+    "dp=4,zero=3": dict(dp_shard=4, reshard=True, **mb(1, 2)),
+    "pp=4,gpipe": dict(pp=4, schedule="gpipe", **mb(4, 2)),
+    "pp=4,1f1b": dict(pp=4, schedule="1f1b", **mb(4, 2)),
+    "pp=2,interleaved": dict(pp=2, virtual_stages=2,
+                             schedule="interleaved", **mb(4, 2)),
+    "tp=2": dict(tp=2, **mb(2, 4)),
+    "dp=2,pp=2": dict(dp_replicate=2, pp=2, **mb(2, 2)),
+    "dp=2,zero=3,tp=2": dict(dp_shard=2, reshard=True, tp=2, **mb(1, 4)),
+    "pp=2,tp=2": dict(pp=2, tp=2, **mb(4, 2)),
+    "dp=2,pp=2,tp=2": dict(dp_replicate=2, pp=2, tp=2,
                            **mb(2, 2)),
-    "pp=2,recompute=full": dict(pipeline_parallel_degree=2, activation_checkpoint="full", **mb(4, 2)),
+    "pp=2,recompute=full": dict(pp=2, recompute="full", **mb(4, 2)),
 }
 EXTRA_LAYOUTS = {
-    ("gpt", "hsdp=2x2"): dict(data_parallel_replicate_degree=2, data_parallel_shard_degree=2, fsdp_reshard_after_forward="always", **mb(1, 2)),
-    ("llama", "dp=2,zero=1,recompute=selective"): dict(data_parallel_shard_degree=2,
-                                                      activation_checkpoint="selective", **mb(2, 2)),
-    ("llama", "dp=2,tp=2,zero=0"): dict(data_parallel_replicate_degree=2, tensor_parallel_degree=2, **mb(1, 4)),
-    ("gpt", "tp=2,recompute=selective"): dict(tensor_parallel_degree=2, activation_checkpoint="selective", **mb(1, 8)),
+    ("gpt", "hsdp=2x2"): dict(dp_replicate=2, dp_shard=2, reshard=True, **mb(1, 2)),
+    ("llama", "dp=2,zero=1,recompute=selective"): dict(dp_shard=2,
+                                                      recompute="selective", **mb(2, 2)),
+    ("llama", "dp=2,tp=2,zero=0"): dict(dp_replicate=2, tp=2, **mb(1, 4)),
+    ("gpt", "tp=2,recompute=selective"): dict(tp=2, recompute="selective", **mb(1, 8)),
     ("gpt", "dp=2,zero=3,pp=2,interleaved,recompute=full"): dict(
-        data_parallel_shard_degree=2, fsdp_reshard_after_forward="always", pipeline_parallel_degree=2, pipeline_parallel_virtual_stages=2,
-        pipeline_parallel_schedule="interleaved", activation_checkpoint="full", **mb(2, 2)),
+        dp_shard=2, reshard=True, pp=2, virtual_stages=2,
+        schedule="interleaved", recompute="full", **mb(2, 2)),
 }
 OTHER_MODELS = {
     "skip net dict inputs pp=2,1f1b,recompute=full": (SKIP_NET, [("embed",), ("mid", "head")], dict(
-        pipeline_parallel_degree=2, activation_checkpoint="full", **mb(4, 2))),
+        pp=2, recompute="full", **mb(4, 2))),
     "make_dataloader dp=2, 2 accumulated micro-batches": (LOADER_NET, [("0", "1", "2")], dict(
-        data_parallel_replicate_degree=2, **mb(2, 2))),
+        dp_replicate=2, **mb(2, 2))),
 }
 RESUMED = [("llama", "dp=2,zero=3,tp=2"), ("gpt", "dp=2,pp=2")]
 """Layouts whose checkpoint (saved after step 2) must resume into the uninterrupted run's losses."""
 
 
 def make_plan(model_file: Path, stages, tensor_parallel_plan=None, **parallelism) -> Plan:
-    parallelism.setdefault("enable_sequence_parallel", parallelism.get("tensor_parallel_degree", 1) > 1)
+    parallelism.setdefault("sp", parallelism.get("tp", 1) > 1)
     return pinned_plan(model_file, stages, tokens_per_sample=8, tensor_parallel_plan=tensor_parallel_plan,
                        **parallelism)
 
@@ -201,7 +201,7 @@ def write_case(root: Path, name: str, source: str, stages, tensor_parallel_plan=
 
 def model_layout(root: Path, model: str, layout: str, parallelism: dict) -> Path:
     case = MODELS[model]
-    pp = parallelism.get("pipeline_parallel_degree", 1) * parallelism.get("pipeline_parallel_virtual_stages", 1)
+    pp = parallelism.get("pp", 1) * parallelism.get("virtual_stages", 1)
     half = len(case.chain_modules) // 2
     modules = case.chain_modules
     stages = {1: [modules], 2: [modules[:half], modules[half:]], 4: case.four_stages}[pp]

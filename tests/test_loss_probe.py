@@ -27,14 +27,14 @@ def test_hand_written_label_smoothing_is_found_and_named():
 def test_the_plan_gathers_the_logits_and_says_why():
     smoothed = plan_model(str(SMOOTHED), 8, "h100-sxm5-80gb", pin="tp=2")
     plain = plan_model(str(ROOT / "examples" / "gpt.py"), 8, "h100-sxm5-80gb", pin="tp=2")
-    assert smoothed.plan.parallelism.disable_loss_parallel
-    assert not plain.plan.parallelism.disable_loss_parallel
+    assert not smoothed.plan.parallelism.loss_parallel
+    assert plain.plan.parallelism.loss_parallel
     assert any(line.startswith("no loss parallel") and "aten.gather" in line for line in smoothed.not_planned)
     assert not any(line.startswith("no loss parallel") for line in plain.not_planned)
     # priced as run: every rank holds the gathered logits whole (one all-gather replaces three all-reduces of
     # a number per token, which on this small model is the cheaper of the two)
     assert smoothed.plan.parallelism == plain.plan.parallelism.__class__(
-        **{**plain.plan.parallelism.__dict__, "disable_loss_parallel": True})
+        **{**plain.plan.parallelism.__dict__, "loss_parallel": False})
     assert smoothed.plan.predicted.peak_memory_bytes > plain.plan.predicted.peak_memory_bytes
 
 
@@ -50,7 +50,7 @@ def test_targets_without_the_sequence_refuse_context_parallelism_at_planning():
     assert problem.startswith("the targets have no dimension of the sequence's 16 tokens at position 1 (shapes [(2,)])")
     with pytest.raises(UserError, match="cp=2: the targets have no dimension of the sequence's 16 tokens"):
         plan_model(str(CLASSIFIER), 2, "h100-sxm5-80gb", pin="cp=2")
-    assert plan_model(str(CLASSIFIER), 2, "h100-sxm5-80gb").plan.parallelism.context_parallel_degree == 1
+    assert plan_model(str(CLASSIFIER), 2, "h100-sxm5-80gb").plan.parallelism.cp == 1
 
 
 def test_the_probe_runs_each_run_of_identical_blocks_cut_short():

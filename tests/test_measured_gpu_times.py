@@ -8,6 +8,7 @@ import pytest
 import torch
 from chain_fixtures import cluster, gpt_profile
 
+from autoplan.cost.context import TableKey
 from autoplan.cost.context import Context
 from autoplan.layout import SUPPORTED
 from autoplan.plan import Training
@@ -40,7 +41,7 @@ def _embedding_call() -> OpCall:
 
 
 def _forward_s(ctx: Context) -> float:
-    return sum(ctx.table(1, ctx.profile.batch_size).forward_s)
+    return sum(ctx.table(TableKey(1, ctx.profile.batch_size)).forward_s)
 
 
 def test_a_gpu_plan_is_priced_with_gpu_measured_times():

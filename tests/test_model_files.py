@@ -272,8 +272,8 @@ def test_verify_model_file_planned_needs_the_planned_file(tmp_path):
 
     out = tmp_path / "out"
     out.mkdir()
-    plan = make_plan(model=ModelRef(path=str(tmp_path / "gone.py")), data_parallel_replicate_degree=2,
-                     pipeline_parallel_degree=1, stages=[["inp", "out"]])
+    plan = make_plan(model=ModelRef(path=str(tmp_path / "gone.py")), dp_replicate=2,
+                     pp=1, stages=[["inp", "out"]])
     (out / "plan.json").write_text(plan.to_json())
     (out / "train.py").write_text("# --model-file\n")
     with pytest.raises(UserError, match=r"--model-file planned runs .*gone\.py, the file this plan was made from, "

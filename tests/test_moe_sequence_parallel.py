@@ -199,7 +199,7 @@ def test_sp_prices_the_experts_router_and_all_to_all_on_one_tp_ranks_tokens(capt
         assert half.rows == pytest.approx(layer.tokens / profile.batch_size * layer.top_k)
     moe = sum(profile.parameters[p] for p in profile.parameters if ".mlp." in p)
     assert sum(ctx.sequence_local_numel) == moe
-    group = ctx.groups(replace(_parallelism(), tensor_parallel_degree=2)).tp
+    group = ctx.groups(replace(_parallelism(), tp=2)).tp
     assert sequence_local_gradient_sum_s([moe], 4, 1, group) == pytest.approx(
         comm.all_reduce_s(moe * 4, 2, group.link, group.nodes))
 

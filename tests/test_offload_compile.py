@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 from chain_fixtures import GIB, cluster, gpt_profile
 
+from autoplan.cost.context import TableKey
 from autoplan.cost import calibration, comm
 from autoplan.cost.compute import ADAMW_BYTES_PER_PARAM
 from autoplan.cost.context import Context
@@ -31,9 +32,9 @@ def with_host(c, host=HOST):
 
 
 def fsdp(offload: bool, m: int = 2) -> Parallelism:
-    return Parallelism(data_parallel_shard_degree=8, fsdp_reshard_after_forward="always",
-                       pipeline_parallel_microbatch_size=16 // 8 // m, pipeline_parallel_num_microbatches=m,
-                       enable_cpu_offload=offload)
+    return Parallelism(dp_shard=8, reshard=True,
+                       microbatch=16 // 8 // m, microbatches=m,
+                       offload=offload)
 
 
 def priced(ctx, par):
@@ -52,7 +53,7 @@ def test_offload_moves_the_model_states_to_the_host_and_stages_a_shard_per_unit(
         assert off.memory_breakdown[category] > 0 and on.memory_breakdown[category] == 0
     assert on.memory_breakdown.get("gradients", 0.0) == 0  # off: made in backward, none at the loss's peak
     assert on.memory_breakdown["gathered_parameters"] == off.memory_breakdown["gathered_parameters"]
-    largest = max(ctx.memory_inputs(1, 1).module_largest_numel)  # the unit whose shards are staged
+    largest = max(ctx.memory_inputs(TableKey(1, 1)).module_largest_numel)  # the unit whose shards are staged
     assert on.memory_breakdown["offload_staging"] == pytest.approx(
         calibration.FSDP_PREFETCH_UNITS * largest * OFFLOAD_STAGING_BYTES_PER_PARAM / 8)
     assert on.peak_memory_bytes < off.peak_memory_bytes
@@ -91,7 +92,7 @@ def comm_link():
 
 
 def test_compile_scales_pointwise_ops_by_their_factor_and_leaves_matmuls(ctx):
-    eager, compiled = ctx.table(1, 2), ctx.compiled_as(True).table(1, 2)
+    eager, compiled = ctx.table(TableKey(1, 2)), ctx.compiled_as(True).table(TableKey(1, 2))
     factor = calibration.COMPILE_TIME_FACTOR["pointwise"]
     assert 0 < factor < 1 and calibration.COMPILE_TIME_FACTOR["gemm"] == calibration.COMPILE_TIME_FACTOR["attention"] == 1
     fusing = [any(op.compile_class == "pointwise" for op in m.ops) for m in ctx.costs.modules]
@@ -100,19 +101,19 @@ def test_compile_scales_pointwise_ops_by_their_factor_and_leaves_matmuls(ctx):
         for compiled_s, eager_s in ((compiled.forward_s[u], eager.forward_s[u]), (compiled.backward_s[u], eager.backward_s[u])):
             assert compiled_s < eager_s if fuses else compiled_s == eager_s
     # the module table's cache is keyed by it: the eager one is not overwritten
-    assert ctx.table(1, 2) is eager and not ctx.compiled
+    assert ctx.table(TableKey(1, 2)) is eager and not ctx.compiled
 
 
 def test_the_search_offloads_only_when_nothing_else_fits():
     profile = gpt_profile(n_layer=8, n_embd=512, vocab=4096, seq=128)
     ample = search(profile, with_host(cluster(8)), TRAINING)
-    assert not ample.best.parallelism.enable_cpu_offload
-    offloaded = [c for c in ample.candidates if c.parallelism.enable_cpu_offload]
+    assert not ample.best.parallelism.offload
+    offloaded = [c for c in ample.candidates if c.parallelism.offload]
     assert offloaded and all("CPU offload" in c.reason or not c.fits for c in offloaded)
     states = 16 * sum(profile.parameters.values()) / 8  # FSDP's model states per GPU
     tight = with_host(replace(cluster(8), memory_per_gpu_bytes=0.6 * states))
     best = search(profile, tight, TRAINING).best
-    assert best.parallelism.enable_cpu_offload and best.fits
+    assert best.parallelism.offload and best.fits
     assert best.predicted.time_breakdown["optimizer"] > ample.best.predicted.time_breakdown["optimizer"]
     small_host = replace(tight, host_memory_per_node_bytes=0.5 * 16 * sum(profile.parameters.values()))
     with pytest.raises(Infeasible, match=r"; CPU offload needs [\d.]+ GiB of host memory per node, has [\d.]+ GiB"):
@@ -197,11 +198,11 @@ def test_a_70b_model_on_8_h100s_fits_only_with_cpu_offload():
     h100 = Cluster(load_hardware("h100-sxm5-80gb"), 8, 8)
     result = search(profile, h100, Training(global_batch_size=16, dtype="bf16"))
     best = result.best
-    assert best.fits and best.parallelism.enable_cpu_offload and best.parallelism.data_parallel_shard_degree == 8
+    assert best.fits and best.parallelism.offload and best.parallelism.dp_shard == 8
     assert best.predicted.peak_memory_bytes <= h100.usable_memory_bytes
     host = best.predicted.host_memory_per_node_bytes
     assert host == pytest.approx(16 * sum(profile.parameters.values())) and host <= h100.host_memory_bytes
-    assert all(not c.fits for c in result.candidates if not c.parallelism.enable_cpu_offload)
+    assert all(not c.fits for c in result.candidates if not c.parallelism.offload)
     assert best.predicted.time_breakdown["optimizer"] > 1.0  # 65e9 x 28 B / 8 ranks through shared host memory
 
 

@@ -151,9 +151,9 @@ TINY_GPT_CHAIN = ("tok", *(f"h.{i}.{m}" for i in range(4) for m in ("norm1", "at
 
 
 def make_plan(stages=(TINY_GPT_CHAIN,), **parallelism) -> "autoplan.Plan":
-    dp = parallelism.get("data_parallel_replicate_degree", 1) * parallelism.get("data_parallel_shard_degree", 1)
-    parallelism.setdefault("pipeline_parallel_microbatch_size",
-                           8 // (dp * parallelism.get("pipeline_parallel_num_microbatches", 1)))
+    dp = parallelism.get("dp_replicate", 1) * parallelism.get("dp_shard", 1)
+    parallelism.setdefault("microbatch",
+                           8 // (dp * parallelism.get("microbatches", 1)))
     return pinned_plan(MODEL, stages, **parallelism)
 
 
@@ -176,7 +176,7 @@ def one_line_error(call, *args, **kwargs) -> str:
 
 
 def test_load_plan_reads_an_output_folder_or_its_plan_json(tmp_path):
-    plan = make_plan(data_parallel_replicate_degree=2)
+    plan = make_plan(dp_replicate=2)
     (tmp_path / "plan.json").write_text(plan.to_json())
     assert autoplan.load_plan(tmp_path) == plan
     assert autoplan.load_plan(str(tmp_path / "plan.json")) == plan
@@ -190,7 +190,7 @@ def test_load_plan_reads_an_output_folder_or_its_plan_json(tmp_path):
     (lambda raw: raw["training"].update(optimiser="sgd"), "unknown field(s) in 'training': optimiser"),
 ])
 def test_load_plan_refuses_a_plan_json_of_another_schema_in_one_line(tmp_path, change, expected):
-    raw = make_plan(data_parallel_replicate_degree=2).to_dict()
+    raw = make_plan(dp_replicate=2).to_dict()
     change(raw)
     (tmp_path / "plan.json").write_text(json.dumps(raw))
     message = one_line_error(autoplan.load_plan, tmp_path / "plan.json")
@@ -207,9 +207,9 @@ def test_load_plan_of_a_folder_without_a_plan_or_a_file_that_is_not_json(tmp_pat
 
 
 def test_the_config_of_a_plan_holds_its_layout_and_modules():
-    plan = make_plan(stages=(TINY_GPT_CHAIN[:9], TINY_GPT_CHAIN[9:]), pipeline_parallel_degree=2,
-                     data_parallel_shard_degree=2, fsdp_reshard_after_forward="always",
-                     pipeline_parallel_num_microbatches=2, pipeline_parallel_microbatch_size=2)
+    plan = make_plan(stages=(TINY_GPT_CHAIN[:9], TINY_GPT_CHAIN[9:]), pp=2,
+                     dp_shard=2, reshard=True,
+                     microbatches=2, microbatch=2)
     config = as_config(plan)
     assert (config.pp, config.dp_replicate, config.dp_shard, config.tp, config.world_size) == (2, 1, 2, 1, 4)
     assert (config.reshard, config.num_microbatches, config.microbatch_size) == ("always", 2, 2)
@@ -233,7 +233,7 @@ def test_parallelize_refuses_what_is_not_a_model_or_a_plan():
 
 def test_a_pipeline_plan_needs_example_inputs():
     message = one_line_error(autoplan.parallelize, tiny_gpt().build_model(),
-                             make_plan(stages=(TINY_GPT_CHAIN[:9], TINY_GPT_CHAIN[9:]), pipeline_parallel_degree=2))
+                             make_plan(stages=(TINY_GPT_CHAIN[:9], TINY_GPT_CHAIN[9:]), pp=2))
     assert "2-rank pipeline: pass example_inputs=" in message
 
 
@@ -241,7 +241,7 @@ def test_a_context_parallel_plan_needs_example_inputs_and_a_config_with_ep_acros
     from autoplan.runtime.apply_plan import _check_runnable
 
     model = tiny_gpt().build_model()
-    message = one_line_error(autoplan.parallelize, model, make_plan(context_parallel_degree=2))
+    message = one_line_error(autoplan.parallelize, model, make_plan(cp=2))
     assert "splits sequences over 2 context-parallel ranks: pass example_inputs=" in message
     config = ParallelConfig(cp=2, pp=2, stages=(TINY_GPT_CHAIN[:9], TINY_GPT_CHAIN[9:]))
     assert config.world_size == 4 and config.arithmetic().endswith("cp 2 x tp 1 = 4")
@@ -272,10 +272,10 @@ def one_process():
 
 
 def test_a_plan_for_another_number_of_processes_says_how_many_to_launch(one_process):
-    message = one_line_error(autoplan.init_mesh, make_plan(data_parallel_replicate_degree=2), "cpu")
+    message = one_line_error(autoplan.init_mesh, make_plan(dp_replicate=2), "cpu")
     assert message == ("the plan is for pp 1 x dp_replicate 2 x dp_shard 1 x cp 1 x tp 1 = 2 processes but 1 are "
                        "running: launch it with 2 processes (torchrun --nproc-per-node 2 on one machine)")
-    message = one_line_error(autoplan.init_mesh, make_plan(data_parallel_shard_degree=2, context_parallel_degree=2),
+    message = one_line_error(autoplan.init_mesh, make_plan(dp_shard=2, cp=2),
                              "cpu")
     assert message.startswith("the plan is for pp 1 x dp_replicate 1 x dp_shard 2 x cp 2 x tp 1 = 4 processes but 1 "
                               "are running: launch it with 4 processes"), message

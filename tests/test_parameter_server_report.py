@@ -150,7 +150,7 @@ def fake_layout(step_time_s: float) -> SimpleNamespace:
     """Duck-typed stand-in for solve.parameter_server.ParameterServerLayout."""
     sync = SimpleNamespace(push_s=step_time_s / 2, pull_s=step_time_s / 4, step_s=step_time_s * 3 / 4,
                            bottleneck="server links", arithmetic="push ...")
-    return SimpleNamespace(parallelism=Parallelism(data_parallel_replicate_degree=4), compile=False, fits=True,
+    return SimpleNamespace(parallelism=Parallelism(dp_replicate=4), compile=False, fits=True,
                            workers=4, servers=1, link_bytes_per_s=1e9, gradient_bytes=1e9, parameter_bytes=5e8,
                            sync=sync, server_update_s=0.0, compute_s=step_time_s / 4, ring_all_reduce_s=0.1,
                            step_time_s=step_time_s, peak_memory_bytes=2 * GIB, host_memory_per_node_bytes=GIB,
@@ -159,8 +159,8 @@ def fake_layout(step_time_s: float) -> SimpleNamespace:
 
 def test_the_row_takes_its_place_by_fit_and_time_and_the_section_stands_alone():
     plan = make_plan()
-    fast = FakeCandidate(Parallelism(data_parallel_replicate_degree=4), (), plan.predicted, True, "")
-    oom = FakeCandidate(Parallelism(data_parallel_replicate_degree=2), (), None, False, "OOM by 3 GiB")
+    fast = FakeCandidate(Parallelism(dp_replicate=4), (), plan.predicted, True, "")
+    oom = FakeCandidate(Parallelism(dp_replicate=2), (), None, False, "OOM by 3 GiB")
     ps = fake_layout(plan.predicted.step_time_s * 3)
     frame = candidates_frame((fast, oom), fast, ps)
     assert list(frame.gradient_sync) == ["collectives", "parameter_server", "collectives"]

@@ -38,8 +38,8 @@ def cut_before_attention(root: Path) -> Path:
     cut = chain.index("layers.1.attention.inner_attention")
     model_file = MODELS / "titan_llama.py"
     plan = pinned_plan(model_file, [chain[:cut], chain[cut:]], global_batch=8,
-                       pipeline_parallel_degree=2, pipeline_parallel_microbatch_size=2,
-                       pipeline_parallel_num_microbatches=4)
+                       pp=2, microbatch=2,
+                       microbatches=4)
     out = root / "inside_attention"
     write_program(plan, out, model_file)
     (out / "plan.json").write_text(plan.to_json())
@@ -62,7 +62,7 @@ def verified(tmp_path_factory):
 def test_pipeline_trains_with_parity(verified, name):
     plans, results = verified
     if name in plans:
-        assert plans[name].parallelism.pipeline_parallel_degree == int(PLANNED[name][2].split(",")[0][3:])
+        assert plans[name].parallelism.pp == int(PLANNED[name][2].split(",")[0][3:])
     result = results[name]
     assert not result.error, result.error[-3000:]
     assert result.parity_max_abs_diff <= PARITY_TOLERANCE, (result.reference_losses, result.losses)

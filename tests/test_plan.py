@@ -14,13 +14,13 @@ def make_plan() -> Plan:
         model=ModelRef("model.py", "build_model", 1000),
         cluster=ClusterRef("cpu", 4, 4, 2.0**30),
         training=Training(global_batch_size=4),
-        parallelism=Parallelism(data_parallel_replicate_degree=2, pipeline_parallel_degree=2,
-                                pipeline_parallel_num_microbatches=2),
+        parallelism=Parallelism(dp_replicate=2, pp=2,
+                                microbatches=2),
         stages=(Stage(0, ("a", "b"), 0.1, 100.0, {"parameters": 50.0}), Stage(1, ("c",), 0.1, 90.0)),
         predicted=Prediction(0.5, 16.0, None, 1e9, 0.3, 100.0, {"parameters": 50.0}),
         solver=SolverInfo("highs", "optimal", 0.01, 3),
-        alternatives=(Alternative(Parallelism(data_parallel_shard_degree=4, fsdp_reshard_after_forward="always",
-                                              pipeline_parallel_num_microbatches=1), 0.6, 80.0, True,
+        alternatives=(Alternative(Parallelism(dp_shard=4, reshard=True,
+                                              microbatches=1), 0.6, 80.0, True,
                                   "20% slower than the best"),),
     )
 

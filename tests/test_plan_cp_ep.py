@@ -9,14 +9,15 @@ from dataclasses import replace
 import pytest
 from chain_fixtures import cluster, gpt_profile
 
+from autoplan.cost.context import TableKey
 from autoplan.chain.attention import attention_facts
 from autoplan.cost.compute import ModuleTable, ShardedModules, sharded_table
 from autoplan.cost.context import Context, expert_shard_degree
 from autoplan.cost.evaluate import build_problem, with_memory_without_cp_ep
 from autoplan.cost.memory import MemoryInputs, layout_memory
 from autoplan.errors import UserError
-from autoplan.layout import ALL_FEATURES, SUPPORTED, ZERO_BUBBLE_SCHEDULES, Layout, Scope, problems
-from autoplan.plan import Parallelism, _build
+from autoplan.layout import ALL_FEATURES, SUPPORTED, ZERO_BUBBLE_SCHEDULES, Layout, Scope, from_plan_fields, problems
+from autoplan.plan import Parallelism
 from autoplan.solve.layouts import families
 from autoplan.solve.pins import parse_pins
 from autoplan.plan import Training
@@ -54,22 +55,22 @@ def test_cp_pins_plan_with_a_pipeline_and_with_tp():
     training = Training(global_batch_size=8, dtype="bf16")
     pinned = search(profile, cluster(8), training, parse_pins("cp=2")).best
     par = pinned.parallelism
-    assert par.context_parallel_degree == 2 and par.sharded and par.world_size == 8
-    assert par.pipeline_parallel_degree == par.tensor_parallel_degree == 1
+    assert par.cp == 2 and par.sharded and par.world_size == 8
+    assert par.pp == par.tp == 1
     staged = search(profile, cluster(8), training, parse_pins("cp=2,pp=2")).best.parallelism
-    assert (staged.context_parallel_degree, staged.pipeline_parallel_degree, staged.world_size) == (2, 2, 8)
+    assert (staged.cp, staged.pp, staged.world_size) == (2, 2, 8)
     assert staged.sharded  # FSDP2 over dp_shard x cp inside each stage
     with_tp = search(profile, cluster(8), training, parse_pins("cp=2,tp=2")).best.parallelism  # runs since cp_tp
-    assert (with_tp.context_parallel_degree, with_tp.tensor_parallel_degree, with_tp.world_size) == (2, 2, 8)
+    assert (with_tp.cp, with_tp.tp, with_tp.world_size) == (2, 2, 8)
     three = search(profile, cluster(8), training, parse_pins("cp=2,pp=2,tp=2")).best.parallelism  # all three run
-    assert (three.context_parallel_degree, three.pipeline_parallel_degree, three.tensor_parallel_degree) == (2, 2, 2)
+    assert (three.cp, three.pp, three.tp) == (2, 2, 2)
     with pytest.raises(UserError, match=r"expert parallelism is priced but the generated program cannot run it yet "
                                         r"\(ep=2; use ep=1\)"):
         search(profile, cluster(8), training, parse_pins("ep=2"), features=SUPPORTED - {"ep"})
     with pytest.raises(UserError, match="the model has no expert layers"):
         search(profile, cluster(8), training, parse_pins("ep=2"))
     default = search(profile, cluster(8), training, features=CP_EP)  # no experts: ep is never tried
-    assert all(c.parallelism.expert_parallel_degree == 1 for c in default.candidates)
+    assert all(c.parallelism.ep == 1 for c in default.candidates)
 
 
 def test_the_program_runs_ep_folded_over_dp_shard_cp_tp_or_in_pipeline_stages_and_the_rules_say_why_not_otherwise():
@@ -119,11 +120,11 @@ def test_the_search_tries_zero_bubble_schedules_with_a_ring_and_without():
     parity): the search lists them beside cp=2 and beside cp=1 (before, a rule refused them with cp > 1)."""
     profile = gpt_profile(n_layer=4, seq=2048, batch=2)
     result = search(profile, cluster(4), Training(global_batch_size=8, dtype="bf16"), parse_pins("cp=2,pp=2"))
-    rings = [c.parallelism for c in result.candidates if c.parallelism.context_parallel_degree > 1]
-    assert rings and result.best.parallelism.context_parallel_degree == 2
-    assert {p.pipeline_parallel_schedule for p in rings} & set(ZERO_BUBBLE_SCHEDULES)
+    rings = [c.parallelism for c in result.candidates if c.parallelism.cp > 1]
+    assert rings and result.best.parallelism.cp == 2
+    assert {p.schedule for p in rings} & set(ZERO_BUBBLE_SCHEDULES)
     unringed = search(profile, cluster(2), Training(global_batch_size=8, dtype="bf16"), parse_pins("cp=1,pp=2"))
-    assert {c.parallelism.pipeline_parallel_schedule for c in unringed.candidates} & set(ZERO_BUBBLE_SCHEDULES), \
+    assert {c.parallelism.schedule for c in unringed.candidates} & set(ZERO_BUBBLE_SCHEDULES), \
         "without a ring the zero-bubble schedules are tried"
 
 
@@ -139,7 +140,7 @@ def test_the_default_search_tries_cp_inside_pipelines_and_with_tensor_parallelis
     listed = search(long, cluster(8), Training(global_batch_size=8, dtype="bf16"), parse_pins("pp=2")).candidates
     # the fastest (the search's choice may keep DDP within its margin: dp=4 x pp=2 with zb-interleaved, 6% slower)
     staged = min((c for c in listed if c.fits and c.predicted), key=lambda c: c.predicted.step_time_s)
-    assert staged.parallelism.context_parallel_degree > 1, "cp inside a pipeline is the fastest on long sequences"
+    assert staged.parallelism.cp > 1, "cp inside a pipeline is the fastest on long sequences"
     scope = Scope(num_gpus=8, gpus_per_node=8, global_batch=8, features=SUPPORTED, sequence_length=32768,
                   context_parallel_problem="")
     assert {(f.tp, f.cp) for f in families(Layout(), scope) if f.pp == 1} >= {(2, 2), (2, 4), (4, 2)}  # cp x tp
@@ -154,16 +155,16 @@ def test_the_search_tries_a_ring_across_nodes_and_prices_it_on_the_inter_node_li
     training = Training(global_batch_size=2, dtype="bf16")
     across = cluster(8, gpus_per_node=2)
     result = search(long, across, training, parse_pins("tp=2"))
-    rings = [c for c in result.candidates if c.predicted is not None and c.parallelism.context_parallel_degree > 1]
-    assert rings and all(c.parallelism.context_parallel_degree in (2, 4) for c in rings)
-    assert result.best.parallelism.context_parallel_degree > 1
+    rings = [c for c in result.candidates if c.predicted is not None and c.parallelism.cp > 1]
+    assert rings and all(c.parallelism.cp in (2, 4) for c in rings)
+    assert result.best.parallelism.cp > 1
     for candidate in rings:
         par = candidate.parallelism
         ring = result.context.groups(par).cp
-        assert (ring.nodes, ring.link.bus_bandwidth_bytes_per_s) == (par.context_parallel_degree, 20e9)
+        assert (ring.nodes, ring.link.bus_bandwidth_bytes_per_s) == (par.cp, 20e9)
         inside = search(long, cluster(8, gpus_per_node=8), training, parse_pins(
-            f"tp=2,cp={par.context_parallel_degree},pp={par.pipeline_parallel_degree},dp={par.data_parallel_degree}"
-            f",microbatch={par.pipeline_parallel_microbatch_size},recompute={par.activation_checkpoint}")).best
+            f"tp=2,cp={par.cp},pp={par.pp},dp={par.dp}"
+            f",microbatch={par.microbatch},recompute={par.recompute}")).best
         priced = candidate.predicted.time_breakdown["context_parallel_comm"]
         assert priced > inside.predicted.time_breakdown["context_parallel_comm"] * 1.5
     scope = Scope(num_gpus=16, gpus_per_node=4, global_batch=16, features=SUPPORTED, sequence_length=32768,
@@ -178,7 +179,7 @@ def test_a_small_model_at_8k_tokens_is_not_worth_a_ring():
     against its merges, launches and exchange, so data parallelism wins (the ring priced as a free 1/cp of each
     module once made cp = 4 the best layout here)."""
     best = search(gpt_profile(n_layer=4, seq=8192, batch=1), cluster(8), Training(global_batch_size=8, dtype="bf16"))
-    assert best.best.parallelism.context_parallel_degree == 1
+    assert best.best.parallelism.cp == 1
 
 
 def test_attention_written_as_matmuls_refuses_cp_with_the_reason():
@@ -204,13 +205,13 @@ def test_a_model_without_attention_refuses_cp_in_one_sentence():
 
 
 def test_plan_json_without_the_new_keys_loads_and_cp_multiplies_the_world_size():
-    old = _build(Parallelism, {"parallelism": {"tensor_parallel_degree": 2}}, "parallelism")
-    assert (old.context_parallel_degree, old.expert_parallel_degree) == (1, 1)
-    par = Parallelism(data_parallel_shard_degree=2, context_parallel_degree=4, tensor_parallel_degree=2,
-                      expert_parallel_degree=8)
+    old = from_plan_fields({"tensor_parallel_degree": 2})
+    assert (old.cp, old.ep) == (1, 1)
+    par = Parallelism(dp_shard=2, cp=4, tp=2,
+                      ep=8)
     assert par.world_size == 2 * 4 * 2  # ep borrows from dp x cp
-    assert par.fsdp_shard_degree == 8 and par.sharded
-    assert Parallelism(context_parallel_degree=2).sharded  # FSDP over the cp ranks, as torchtitan
+    assert par.fsdp_shard == 8 and par.sharded
+    assert Parallelism(cp=2).sharded  # FSDP over the cp ranks, as torchtitan
 
 
 def test_sharded_table_divides_by_cp_and_waits_for_the_busiest_expert_rank():
@@ -248,10 +249,10 @@ def test_the_expert_groups_are_folded_over_dp_shard_and_tp(shard, tp, ep, replic
     consecutive ranks (stride 1, over the tp ranks first), the experts' FSDP group the next dp_shard x tp / ep
     (stride ep), the replicas beyond; with or without sequence parallelism (every tp rank routes its own tokens)."""
     ctx = Context(gpt_profile(n_layer=2, seq=1024), cluster(8), Training(8, "bf16"), CP_EP)
-    par = Parallelism(data_parallel_replicate_degree=replicate, data_parallel_shard_degree=shard,
-                      tensor_parallel_degree=tp, expert_parallel_degree=ep)
+    par = Parallelism(dp_replicate=replicate, dp_shard=shard,
+                      tp=tp, ep=ep)
     for sp in (False, True):
-        groups = ctx.groups(replace(par, enable_sequence_parallel=sp))
+        groups = ctx.groups(replace(par, sp=sp))
         assert groups.ep == ctx.group(ep, 1)
         assert groups.expert_shard == ctx.group(expert_shard, ep)
         assert groups.expert_replicate.size == expert_replicate
@@ -269,7 +270,7 @@ def test_expert_states_per_rank_divide_by_every_folded_rank(olmoe_context, shard
     numel, experts = ctx.total_numel(tp), sum(ctx.expert_numel)
     fsdp = shard * cp
     assert expert_shard_degree(fsdp, ep, tp) == shard * cp * tp // ep
-    memory = ctx.layout_memory(ctx.memory_inputs(tp, 1, ep=ep), fsdp, True, 1,
+    memory = ctx.layout_memory(ctx.memory_inputs(TableKey(tp, 1, ep=ep)), fsdp, True, 1,
                                expert_shard=expert_shard_degree(fsdp, ep, tp))
     states = sum(sum(memory.states[c]) + sum(memory.tied_states[c]) for c in ("parameters", "gradients",
                                                                                      "optimizer"))
@@ -286,11 +287,11 @@ def test_the_search_tries_ep_folded_over_the_tensor_parallel_ranks(olmoe_context
     # every ep is a family the search explores (which of them it prices fully is the branch and bound's call)
     enumerated = {f.ep for f in families(parse_pins("tp=4"), scope_of(result.context))}
     assert enumerated == {1, 2, 4}
-    tried = {c.parallelism.expert_parallel_degree for c in result.candidates}
+    tried = {c.parallelism.ep for c in result.candidates}
     assert tried <= {1, 2, 4}
     four = search(ctx.profile, cluster(4), Training(8, "bf16"), parse_pins("tp=4,ep=4"), features=CP_EP).best
-    assert four.fits and four.parallelism.expert_parallel_degree == 4
-    assert four.parallelism.tensor_parallel_degree == 4 and four.parallelism.data_parallel_shard_degree == 1
+    assert four.fits and four.parallelism.ep == 4
+    assert four.parallelism.tp == 4 and four.parallelism.dp_shard == 1
 
 
 def test_a_planned_layout_prices_the_folded_expert_states_and_one_route_per_token(olmoe_context):
@@ -301,13 +302,13 @@ def test_a_planned_layout_prices_the_folded_expert_states_and_one_route_per_toke
     from autoplan.cost.evaluate import build_problem
 
     ctx = olmoe_context
-    par = Parallelism(data_parallel_shard_degree=4, tensor_parallel_degree=2, fsdp_reshard_after_forward="always",
-                      enable_sequence_parallel=False, pipeline_parallel_microbatch_size=1,
-                      pipeline_parallel_num_microbatches=2)
+    par = Parallelism(dp_shard=4, tp=2, reshard=True,
+                      sp=False, microbatch=1,
+                      microbatches=2)
     experts = sum(ctx.expert_numel)
 
     def states(ep: int) -> float:
-        problem = build_problem(ctx, replace(par, expert_parallel_degree=ep), ("none",))
+        problem = build_problem(ctx, replace(par, ep=ep), ("none",))
         return sum(sum(problem.memory[0].states[c]) + sum(problem.memory[0].tied_states[c])
                    for c in ("parameters", "gradients", "optimizer"))
 
@@ -350,16 +351,16 @@ def test_context_parallel_halves_activations_and_prices_the_exposed_ring():
     bandwidth, latency = 1e6, 1e-5
     profile = gpt_profile(n_layer=layers, n_embd=hidden, seq=seq, batch=2)
     ctx = Context(profile, cluster(4, intra_bw=bandwidth, latency_s=latency), Training(batch, "bf16"), CP_EP)
-    one, two = ctx.table(1, 1), ctx.table(1, 1, cp=2)
+    one, two = ctx.table(TableKey(1, 1)), ctx.table(TableKey(1, 1, cp=2))
     assert two.activation_bytes["full"] == pytest.approx(tuple(a / 2 for a in one.activation_bytes["full"]))
     # a rank's modules are priced on its tokens (micro-batch / cp): their FLOPs halve, their kernel launches do not
-    assert two.forward_s == pytest.approx(ctx.table(1, 1 / 2).forward_s)
+    assert two.forward_s == pytest.approx(ctx.table(TableKey(1, 1 / 2)).forward_s)
     assert sum(one.forward_s) / 2 < sum(two.forward_s) < sum(one.forward_s)
     block = 2 * 1 * seq / 2 * hidden * 2
     per_layer = 2 * (latency + block / bandwidth) + 2 * (latency + 2 * block / bandwidth)
     assert sum(two.cp_forward_s) + sum(two.cp_backward_s) == pytest.approx(layers * per_layer, rel=1e-3)
-    par = Parallelism(data_parallel_shard_degree=2, fsdp_reshard_after_forward="always", context_parallel_degree=2,
-                      pipeline_parallel_num_microbatches=2)
+    par = Parallelism(dp_shard=2, reshard=True, cp=2,
+                      microbatches=2)
     problem = build_problem(ctx, par, ("none",))
     assert problem.memory_cap_bytes > 0
     priced = try_layout(ctx, par, ("none",))
@@ -380,7 +381,7 @@ def test_context_parallel_with_tensor_parallelism_rings_each_ranks_heads_and_gat
     profile = gpt_profile(n_layer=layers, n_embd=hidden, seq=seq, batch=2)
     features = CP_EP | {"tp_fused_split"}  # the fixture's attention is a fused qkv: split it over the tp ranks
     ctx = Context(profile, cluster(4, intra_bw=bandwidth, latency_s=latency), Training(batch, "bf16"), features)
-    plain, sp = ctx.table(2, 1, cp=2), ctx.table(2, 1, sp=True, cp=2)
+    plain, sp = ctx.table(TableKey(2, 1, cp=2)), ctx.table(TableKey(2, 1, sp=True, cp=2))
     block = 2 * 1 * seq / 2 * hidden / 2 * 2
     per_layer = 2 * (latency + block / bandwidth) + 2 * (latency + 2 * block / bandwidth)
     assert sum(plain.cp_forward_s) + sum(plain.cp_backward_s) == pytest.approx(layers * per_layer, rel=1e-3)
@@ -399,7 +400,7 @@ def test_the_report_names_cp_and_ep_and_shows_memory_with_them_set_back_to_1():
     from autoplan.report.rollup import describe_layout
 
     plan = make_plan(pp=1, dp=2, microbatches=16)
-    plan = replace(plan, cluster=replace(plan.cluster, num_gpus=8), parallelism=replace(plan.parallelism, context_parallel_degree=4, expert_parallel_degree=2),
+    plan = replace(plan, cluster=replace(plan.cluster, num_gpus=8), parallelism=replace(plan.parallelism, cp=4, ep=2),
                    predicted=replace(plan.predicted, peak_memory_without_context_parallel_bytes=50 * 2**30,
                                      peak_memory_without_expert_parallel_bytes=30 * 2**30))
     name = describe_layout(plan.parallelism)
@@ -408,7 +409,7 @@ def test_the_report_names_cp_and_ep_and_shows_memory_with_them_set_back_to_1():
     assert "Context parallelism" in html and "cp=1 would need 50 GiB" in html
     assert "Expert parallelism" in html and "ep=1 would need 30 GiB" in html
     restored = type(plan).from_json(plan.to_json())  # plan.json round trip with the new fields
-    assert restored.parallelism.context_parallel_degree == 4
+    assert restored.parallelism.cp == 4
     assert restored.predicted.peak_memory_without_expert_parallel_bytes == 30 * 2**30
 
 
@@ -445,7 +446,7 @@ def test_expert_states_per_rank_are_those_of_fsdp_without_ep(olmoe_context, resh
     ctx = olmoe_context
     numel, experts = ctx.total_numel(1), sum(ctx.expert_numel)
     assert experts > numel / 2  # most of the model is experts
-    memory = ctx.layout_memory(ctx.memory_inputs(1, 1, ep=ep), 8, reshard, 1, expert_shard=expert_shard_degree(8, ep))
+    memory = ctx.layout_memory(ctx.memory_inputs(TableKey(1, 1, ep=ep)), 8, reshard, 1, expert_shard=expert_shard_degree(8, ep))
     states = {c: sum(memory.states[c]) + sum(memory.tied_states[c]) for c in ("parameters", "gradients",
                                                                                        "optimizer")}
     assert states == pytest.approx({"parameters": 4 * numel / 8, "gradients": 4 * numel / 8, "optimizer": 8 * numel / 8})
@@ -493,7 +494,7 @@ def test_the_summary_says_why_the_experts_are_split():
     single = Alternative(parallelism=plan.parallelism, step_time_s=plan.predicted.step_time_s * 1.25,
                          peak_memory_bytes=70 * 2**30, fits=True, reason="25% slower than the best")
     parts = {**plan.predicted.time_breakdown, "expert_compute": 0.02, "expert_parallel_comm": 0.005}
-    plan = replace(plan, parallelism=replace(plan.parallelism, expert_parallel_degree=8), alternatives=(single,),
+    plan = replace(plan, parallelism=replace(plan.parallelism, ep=8), alternatives=(single,),
                    predicted=replace(plan.predicted, peak_memory_bytes=60 * 2**30, time_breakdown=parts,
                                      peak_memory_without_expert_parallel_bytes=90 * 2**30))
     line = _expert_parallel_line(plan)
@@ -512,7 +513,7 @@ def test_the_summary_names_the_fastest_expert_split_when_the_plan_keeps_the_expe
     from autoplan.plan import Alternative
 
     plan = make_plan(pp=1, dp=8, microbatches=2)
-    split = Alternative(parallelism=replace(plan.parallelism, expert_parallel_degree=4),
+    split = Alternative(parallelism=replace(plan.parallelism, ep=4),
                         step_time_s=plan.predicted.step_time_s * 1.5, peak_memory_bytes=50 * 2**30, fits=True,
                         reason="50% slower than the best")
     parts = {**plan.predicted.time_breakdown, "expert_compute": 0.02}
@@ -535,7 +536,7 @@ def test_pipeline_sends_carry_the_rank_share_from_the_first_attention_module_on(
     assert shared[:first] == whole[:first]
     assert shared[first:] == pytest.approx(tuple(c / 2 for c in whole[first:]))
     assert ctx.rank_cut_bytes(1) == ctx.cut_bytes(1)
-    inputs = ctx.memory_inputs(1, 1, cp=2)
+    inputs = ctx.memory_inputs(TableKey(1, 1, cp=2))
     assert inputs.cut_bytes == pytest.approx(tuple(c * ctx.scale for c in shared))
 
 
@@ -597,15 +598,15 @@ def test_expert_compute_is_its_own_part_of_the_step_and_the_parts_still_sum_to_i
     from autoplan.cost.problem import Split
 
     ctx = olmoe_context
-    par = Parallelism(data_parallel_shard_degree=8, fsdp_reshard_after_forward="always", expert_parallel_degree=ep,
-                      pipeline_parallel_microbatch_size=1, pipeline_parallel_num_microbatches=1)
+    par = Parallelism(dp_shard=8, reshard=True, ep=ep,
+                      microbatch=1, microbatches=1)
     problem = build_problem(ctx, par, ("none",))
     predicted = evaluate(ctx, par, problem, problem.uniform(Split((0, len(ctx.chain)))), True).predicted
     parts = predicted.time_breakdown
     assert sum(parts.values()) == pytest.approx(predicted.step_time_s)
-    expert = sum(ctx.expert_compute_s(1, 1, False, 1, ep))
+    expert = sum(ctx.expert_compute_s(TableKey(1, 1, ep=ep)))
     assert parts["expert_compute"] == pytest.approx(expert) and expert > 0
-    table = ctx.table(1, 1, False, True, 1, ep)
+    table = ctx.table(TableKey(1, 1, False, True, 1, ep))
     assert parts["compute"] + parts["expert_compute"] == pytest.approx(sum(table.forward_s) + sum(table.backward_s))
 
 
@@ -621,19 +622,19 @@ def test_the_search_prices_the_fastest_layout_without_expert_parallelism_beside_
     best = result.best
     other = fastest_of_the_other_expert_split(result.candidates, best)
     assert len(other) == 1 and other[0].fits
-    assert (other[0].parallelism.expert_parallel_degree > 1) != (best.parallelism.expert_parallel_degree > 1)
+    assert (other[0].parallelism.ep > 1) != (best.parallelism.ep > 1)
     assert other[0] in result.candidates
     section = experts_section(None, result.candidates, best)
     rows = section.split("<tr")[2:]
     assert len(rows) == 2
-    for row, c in zip(rows, sorted((best, other[0]), key=lambda c: c.parallelism.expert_parallel_degree == 1)):
+    for row, c in zip(rows, sorted((best, other[0]), key=lambda c: c.parallelism.ep == 1)):
         parts = c.predicted.time_breakdown
         assert parts["expert_compute"] > 0
         assert f">{fmt_seconds(c.predicted.step_time_s)}<" in row
         assert f">{fmt_seconds(parts['expert_compute'])}<" in row
         assert f">{fmt_seconds(parts.get('expert_parallel_comm', 0.0))}<" in row
         assert f">{fmt_bytes(c.predicted.peak_memory_bytes)}<" in row
-    split = best if best.parallelism.expert_parallel_degree > 1 else other[0]
+    split = best if best.parallelism.ep > 1 else other[0]
     assert split.predicted.time_breakdown["expert_parallel_comm"] > 0
 
 

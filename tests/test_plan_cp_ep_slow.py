@@ -55,7 +55,7 @@ def test_llama_3_1_8b_on_8_h100s_splits_longer_sequences_over_more_ranks_and_fit
         runs = [c for c in result.candidates if c.fits and "cannot run it" not in c.reason]
         assert [c for c in runs if problems(replace(c.parallelism.layout(), compile="on" if c.compile else "off"),
                                             scope)] == []
-        chosen.append((best.parallelism.tensor_parallel_degree, best.parallelism.context_parallel_degree))
+        chosen.append((best.parallelism.tp, best.parallelism.cp))
     assert len(chosen) == 4, chosen  # every length plans
     # cp and tp both split a sequence's activations: the ranks holding a sequence grow with it, ties going to the
     # simpler layout (at 256K tp=4 x cp=2 and tp=2 x cp=4 with CPU offload price within 0.1%)
@@ -76,8 +76,8 @@ def test_mixtral_8x7b_on_64_h100s_prices_ep_against_its_data_parallel_savings_an
     result = search(profile, cluster, training, features=SUPPORTED)
     best = result.best
     fitting = [c for c in result.candidates if c.fits and c.compile == best.compile]
-    split = min((c for c in fitting if c.parallelism.expert_parallel_degree > 1), key=lambda c: c.predicted.step_time_s)
-    whole = min((c for c in fitting if c.parallelism.expert_parallel_degree == 1), key=lambda c: c.predicted.step_time_s)
+    split = min((c for c in fitting if c.parallelism.ep > 1), key=lambda c: c.predicted.step_time_s)
+    whole = min((c for c in fitting if c.parallelism.ep == 1), key=lambda c: c.predicted.step_time_s)
     assert split.predicted.step_time_s < whole.predicted.step_time_s
     assert split.predicted.time_breakdown["expert_parallel_comm"] > 0
     # the mechanism: the split layout's own degrees without ep, priced by the same search (on GPUs with room for the
@@ -85,13 +85,13 @@ def test_mixtral_8x7b_on_64_h100s_prices_ep_against_its_data_parallel_savings_an
     pins = replace(split.parallelism.layout(), ep=1, compile="on" if split.compile else "off")
     roomy = Cluster(replace(H100, gpu=replace(H100.gpu, memory_bytes=4 * H100.gpu.memory_bytes)), 64, 8)
     twin = search(profile, roomy, training, pins=pins, features=SUPPORTED).best
-    assert twin.parallelism.expert_parallel_degree == 1
+    assert twin.parallelism.ep == 1
     assert split.predicted.time_breakdown["data_parallel_comm"] < twin.predicted.time_breakdown["data_parallel_comm"]
     assert not twin.predicted.time_breakdown.get("expert_parallel_comm")
     fastest = min(split.predicted.step_time_s, whole.predicted.step_time_s)
     assert best.fits and best.predicted.step_time_s <= fastest * (1 + TIE_TOLERANCE)
     frame = candidates_frame(result.candidates, best)
-    assert frame.iloc[0]["ep"] == best.parallelism.expert_parallel_degree
-    other = frame[(frame["ep"] == 1) != (best.parallelism.expert_parallel_degree == 1)]
+    assert frame.iloc[0]["ep"] == best.parallelism.ep
+    other = frame[(frame["ep"] == 1) != (best.parallelism.ep == 1)]
     reason = other.sort_values("step_time_s").iloc[0]["reason"]
     assert "slower" in reason or ("a tie within 1%" in reason and "simpler" in reason), reason

@@ -83,18 +83,18 @@ def make_dataloader(rank, world_size, batch_size):
     loader = DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=True)
     return ResumableLoader(loader) if STATEFUL else loader
 '''
-PP_MB = dict(pipeline_parallel_num_microbatches=2, pipeline_parallel_microbatch_size=2)
+PP_MB = dict(microbatches=2, microbatch=2)
 GPT_LAYOUTS = {  # name: (world size, stages, Parallelism fields)
-    "fsdp": (2, [GPT_CHAIN], dict(data_parallel_shard_degree=2, fsdp_reshard_after_forward="always",
-                                  pipeline_parallel_num_microbatches=1, pipeline_parallel_microbatch_size=4)),
-    "pp": (2, [GPT_CHAIN[:3], GPT_CHAIN[3:]], dict(pipeline_parallel_degree=2, pipeline_parallel_schedule="1f1b",
-                                                   pipeline_parallel_num_microbatches=4,
-                                                   pipeline_parallel_microbatch_size=2)),
-    "tp": (2, [GPT_CHAIN], dict(tensor_parallel_degree=2, enable_sequence_parallel=True,
-                                pipeline_parallel_num_microbatches=1, pipeline_parallel_microbatch_size=8)),
-    "hsdp": (4, [GPT_CHAIN], dict(data_parallel_replicate_degree=2, data_parallel_shard_degree=2,
-                                  fsdp_reshard_after_forward="always", pipeline_parallel_num_microbatches=1,
-                                  pipeline_parallel_microbatch_size=2)),
+    "fsdp": (2, [GPT_CHAIN], dict(dp_shard=2, reshard=True,
+                                  microbatches=1, microbatch=4)),
+    "pp": (2, [GPT_CHAIN[:3], GPT_CHAIN[3:]], dict(pp=2, schedule="1f1b",
+                                                   microbatches=4,
+                                                   microbatch=2)),
+    "tp": (2, [GPT_CHAIN], dict(tp=2, sp=True,
+                                microbatches=1, microbatch=8)),
+    "hsdp": (4, [GPT_CHAIN], dict(dp_replicate=2, dp_shard=2,
+                                  reshard=True, microbatches=1,
+                                  microbatch=2)),
 }
 REPLANS = ["fsdp", "pp", "tp", "hsdp"]
 """Each trains SEGMENT steps, resuming the checkpoint of the one before."""
@@ -141,8 +141,8 @@ def _dropout_jobs(root: Path, first_index: int) -> list[BatchJob]:
     for stateful in (False, True):
         name = f"dropout_{'stateful' if stateful else 'plain'}"
         out = _program(root, name, DROPOUT_NET.format(stateful=stateful), [("0", "1", "2", "3")],
-                       data_parallel_replicate_degree=2, pipeline_parallel_num_microbatches=1,
-                       pipeline_parallel_microbatch_size=4)
+                       dp_replicate=2, microbatches=1,
+                       microbatch=4)
         checkpoints = ("--checkpoint-dir", str(root / f"{name}_checkpoints"))
         saved = len(jobs)
         jobs += [

@@ -143,7 +143,7 @@ def test_the_1t_gpt_on_3072_gpus_writes_an_output_folder_under_5_mb(tmp_path):
     result = search(profile, cluster, training, parse_pins(run_pins(one_t)), time_limit_s=ILP_TIME_LIMIT_S,
                     features=ALL_FEATURES)
     best = result.best
-    assert (best.parallelism.pipeline_parallel_degree, best.parallelism.pipeline_parallel_num_microbatches) == (64, 512)
+    assert (best.parallelism.pp, best.parallelism.microbatches) == (64, 512)
     model_file = tests.parent / "benchmarks" / "models" / "megatron_gpt.py"
     plan = Plan(model=ModelRef(str(model_file), "build_model", profile.param_count),
                 cluster=ClusterRef(cluster.gpu.name, cluster.num_gpus, cluster.gpus_per_node,

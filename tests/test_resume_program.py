@@ -72,8 +72,8 @@ def runs(tmp_path_factory):
     model_file = root / "model.py"
     model_file.write_text(MODEL)
     out = root / "out"
-    plan = pinned_plan(model_file, [("0", "1", "2")], data_parallel_shard_degree=2,
-                       pipeline_parallel_num_microbatches=1, pipeline_parallel_microbatch_size=4)
+    plan = pinned_plan(model_file, [("0", "1", "2")], dp_shard=2,
+                       microbatches=1, microbatch=4)
     write_program(plan, out, model_file)
     (out / "plan.json").write_text(plan.to_json())
     for name, text in (("damage.py", DAMAGE), ("dies.py", DIES_AFTER_TWO_STEPS)):

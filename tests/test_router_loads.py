@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from autoplan.cost.context import TableKey
 from autoplan.api import profile_only
 from autoplan.profile.router_loads import measure_router_loads
 from autoplan.profile_data import ModelProfile
@@ -68,7 +69,7 @@ def test_measured_loads_set_the_busiest_expert_rank_in_the_plan(tmp_path):
     def forward_s(rows):
         measured = replace(profile, router_loads={name: rows for name in names})
         ctx = Context(measured, cluster(8), Training(8, "bf16"), SUPPORTED | {"ep"})
-        return sum(ctx.table(1, 1, ep=2).forward_s), sum(ctx.table(1, 1).forward_s)
+        return sum(ctx.table(TableKey(1, 1, ep=2)).forward_s), sum(ctx.table(TableKey(1, 1)).forward_s)
 
     even, whole = forward_s((5, 5, 5, 5))
     skewed, _ = forward_s((10, 10, 0, 0))

@@ -65,8 +65,8 @@ def test_micro_batches_in_flight_follow_the_row(row_edited):
 
 
 def test_the_report_names_a_schedule_by_its_row(row_edited):
-    par = Parallelism(data_parallel_replicate_degree=1, pipeline_parallel_degree=2, pipeline_parallel_schedule="1f1b",
-                      pipeline_parallel_num_microbatches=4)
+    par = Parallelism(dp_replicate=1, pp=2, schedule="1f1b",
+                      microbatches=4)
     assert "PP 2 (1F1B," in describe_layout(par)
     row_edited("1f1b", display_name="one-forward-one-backward")
     assert "PP 2 (one-forward-one-backward," in describe_layout(par)

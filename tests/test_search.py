@@ -51,8 +51,8 @@ def test_parse_pins_lists_every_problem_at_once():
 def test_ample_memory_picks_pure_data_parallelism_without_resharding():
     result = search(gpt2_small(), cluster(8), TRAINING)
     par = result.best.parallelism
-    assert (par.data_parallel_degree, par.pipeline_parallel_degree, par.tensor_parallel_degree,
-            par.activation_checkpoint) == (8, 1, 1, "none")
+    assert (par.dp, par.pp, par.tp,
+            par.recompute) == (8, 1, 1, "none")
     # parameters fit, so none are re-gathered per forward; sharding the optimizer state (ZeRO-1/2) may
     # still win: AdamW streams 28 B per parameter (fused), 8x less of it per rank
     assert not par.reshards_after_forward
@@ -66,10 +66,10 @@ def test_memory_below_the_replicated_model_state_forces_sharding_or_a_pipeline()
     cap_gib = 0.75 * replicated / GIB
     result = search(gpt2_small(), capped(8, cap_gib), TRAINING)
     par = result.best.parallelism
-    assert par.sharded or par.pipeline_parallel_degree > 1 or par.tensor_parallel_degree > 1
+    assert par.sharded or par.pp > 1 or par.tp > 1
     assert result.best.predicted.peak_memory_bytes <= cap_gib * GIB
     ddp = [c for c in result.candidates if not c.parallelism.sharded and c.parallelism.world_size == 8
-           and c.parallelism.data_parallel_degree == 8]
+           and c.parallelism.dp == 8]
     assert ddp and all(not c.fits and c.reason.startswith("OOM by") for c in ddp)
 
 
@@ -85,7 +85,7 @@ def test_more_data_parallelism_beats_more_pipeline_or_tensor_parallelism_for_a_5
     data = best(tp=1, pp=1)
     assert data < best(pp=2, tp=1) and data < best(tp=2, pp=1) and data < best(pp=4, tp=2)
     chosen = search(profile, a100_cluster(64), training).best.parallelism
-    assert chosen.data_parallel_degree == 64
+    assert chosen.dp == 64
 
 
 def test_pins_are_respected():
@@ -93,19 +93,19 @@ def test_pins_are_respected():
     result = search(gpt2_small(), cluster(8), TRAINING, pins)
     for c in result.candidates:
         par = c.parallelism
-        assert (par.pipeline_parallel_degree, par.reshards_after_forward, par.pipeline_parallel_schedule,
-                par.pipeline_parallel_microbatch_size) == (2, True, "gpipe", 2)
+        assert (par.pp, par.reshards_after_forward, par.schedule,
+                par.microbatch) == (2, True, "gpipe", 2)
     best = result.best
-    assert best.parallelism.data_parallel_degree == 4 and best.parallelism.pipeline_parallel_num_microbatches == 8
+    assert best.parallelism.dp == 4 and best.parallelism.microbatches == 8
     assert [m for s in best.stages for m in s.modules] == list(result.chain.fqns)
 
 
 def test_interleaved_pins_give_p_times_v_stages_on_ranks_in_turn():
     result = search(gpt2_small(), cluster(8), TRAINING, Layout(pp=2, schedule="interleaved", microbatch=4, dp=4))
     par = result.best.parallelism
-    v = par.pipeline_parallel_virtual_stages
+    v = par.virtual_stages
     assert v >= 2 and len(result.best.stages) == 2 * v
-    assert par.pipeline_parallel_num_microbatches % 2 == 0
+    assert par.microbatches % 2 == 0
     memory = [s.predicted_memory_bytes for s in result.best.stages]
     assert memory[0::2] == [memory[0]] * v  # stage s runs on rank s % p: its rank's memory
 
@@ -114,8 +114,8 @@ def test_the_switch_list_turns_features_off():
     without = SUPPORTED - {"zero2", "tp", "interleaved"}
     result = search(gpt2_small(), capped(8, 0.9), TRAINING, features=without)
     assert all(not (c.parallelism.sharded and not c.parallelism.reshards_after_forward)
-               and c.parallelism.tensor_parallel_degree == 1
-               and c.parallelism.pipeline_parallel_schedule != "interleaved" for c in result.candidates)
+               and c.parallelism.tp == 1
+               and c.parallelism.schedule != "interleaved" for c in result.candidates)
     with pytest.raises(UserError, match="zero=2 is not supported yet"):
         search(gpt2_small(), cluster(8), TRAINING, Layout(zero=2), features=without)
 
@@ -135,7 +135,7 @@ def test_recompute_is_chosen_per_module_when_memory_needs_some():
     tight = replace(cluster(8), memory_per_gpu_bytes=0.8 * needed)
     result = search(profile, tight, Training(global_batch_size=64, dtype="bf16"), pins)
     best = result.best
-    assert best.parallelism.activation_checkpoint in ("selective", "full")
+    assert best.parallelism.recompute in ("selective", "full")
     assert 0 < len(best.activation_checkpoint_modules) < len(result.chain)  # some modules, not all
     assert best.predicted.time_breakdown["recompute"] > 0 and best.predicted.peak_memory_bytes <= 0.8 * needed
 
@@ -207,7 +207,7 @@ def test_a_layout_whose_leanest_split_fits_is_planned_when_the_packing_finds_non
     found = search(gpt2_small(), cluster(8), TRAINING, pins)
     p = found.best.parallelism
     assert found.best.fits and found.best.predicted is not None
-    assert (p.data_parallel_degree, p.pipeline_parallel_degree, p.pipeline_parallel_microbatch_size) == (4, 2, 4)
+    assert (p.dp, p.pp, p.microbatch) == (4, 2, 4)
     with pytest.raises(Infeasible) as error:
         search(gpt2_small(), capped(8, 0.5), TRAINING, pins)
     needed = float(re.search(r"needs ([0-9.]+) GiB per GPU", str(error.value)).group(1))

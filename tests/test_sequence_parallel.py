@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow  # one 4-process torchrun launch
 STEPS = 2
 TP_LAYOUTS = {
     "tp=2": LAYOUTS["tp=2"],
-    "dp=2,tp=2": dict(data_parallel_replicate_degree=2, tensor_parallel_degree=2, **mb(1, 4)),
+    "dp=2,tp=2": dict(dp_replicate=2, tp=2, **mb(1, 4)),
     "dp=2,zero=3,tp=2": LAYOUTS["dp=2,zero=3,tp=2"],
     "pp=2,tp=2": LAYOUTS["pp=2,tp=2"],
 }
@@ -31,10 +31,10 @@ VOCAB = {"gpt": {"wte": "rowwise", "lm_head": "colwise"},
          "llama": {"model.embed_tokens": "rowwise", "lm_head": "colwise"}}
 """The word embedding (rows split on the vocabulary) and the head (logits sharded on it)."""
 VARIANTS = {
-    "vocab": dict(enable_sequence_parallel=True),
-    "vocab,gathered": dict(enable_sequence_parallel=True, disable_loss_parallel=True),
-    "pairs": dict(enable_sequence_parallel=True),
-    "pairs,sp=off": dict(enable_sequence_parallel=False),
+    "vocab": dict(sp=True),
+    "vocab,gathered": dict(sp=True, loss_parallel=False),
+    "pairs": dict(sp=True),
+    "pairs,sp=off": dict(sp=False),
 }
 CASES = [(model, layout, variant) for model in MODELS for layout in TP_LAYOUTS for variant in VARIANTS
          if variant == "vocab" or layout == "tp=2"]
@@ -62,7 +62,7 @@ def _folder(root, model: str, layout: str, variant: str):
     plan = dict(pairs, **(VOCAB[model] if variant.startswith("vocab") else {}))
     modules = case.chain_modules
     half = len(modules) // 2
-    stages = [modules] if parallelism.get("pipeline_parallel_degree", 1) == 1 else [modules[:half], modules[half:]]
+    stages = [modules] if parallelism.get("pp", 1) == 1 else [modules[:half], modules[half:]]
     return write_case(root, f"{model} {layout} {variant}", case.source, stages, plan, **parallelism)
 
 

@@ -31,18 +31,18 @@ TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_
 
 
 def dp2_plan(model: Path = MLP):
-    return pinned_plan(model, MLP_UNITS, data_parallel_replicate_degree=2, pipeline_parallel_microbatch_size=4)
+    return pinned_plan(model, MLP_UNITS, dp_replicate=2, microbatch=4)
 
 
 def tp2_plan(model: Path = MLP):
     units = {f"layers.{i}.0": ("colwise" if i % 2 == 0 else "rowwise") for i in range(6)}
-    return pinned_plan(model, MLP_UNITS, tensor_parallel_degree=2, pipeline_parallel_microbatch_size=8,
+    return pinned_plan(model, MLP_UNITS, tp=2, microbatch=8,
                        tensor_parallel_plan=units)
 
 
 def cp2_plan():
-    return pinned_plan(GPT, [("wte", "wpe", *(f"blocks.{i}" for i in range(4)), "ln_f", "lm_head")], context_parallel_degree=2,
-                       pipeline_parallel_microbatch_size=8)
+    return pinned_plan(GPT, [("wte", "wpe", *(f"blocks.{i}" for i in range(4)), "ln_f", "lm_head")], cp=2,
+                       microbatch=8)
 
 
 def program(folder: Path, plan, plan_json=None) -> Path:

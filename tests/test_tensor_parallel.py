@@ -89,7 +89,7 @@ def test_tensor_parallel_stays_inside_a_node_and_the_plan_names_the_pairs():
     profile = gpt_profile(n_layer=12, n_embd=1024, vocab=8192, seq=512, n_head=16, device="testgpu")
     tight = replace(cluster(16, gpus_per_node=4), memory_per_gpu_bytes=None)
     result = search(profile, tight, Training(global_batch_size=16, dtype="bf16"), features=MEGATRON_TP)
-    assert all(c.parallelism.tensor_parallel_degree <= 4 for c in result.candidates)
+    assert all(c.parallelism.tp <= 4 for c in result.candidates)
     pinned = search(profile, tight, Training(global_batch_size=16, dtype="bf16"), Layout(tp=4, pp=1),
                     features=MEGATRON_TP)
     assert pinned.best.tensor_parallel_plan["blocks.0.attn.qkv"] == "colwise"
@@ -128,10 +128,10 @@ def test_sp_pin_defaults_on_with_tp_and_is_refused_where_the_model_cannot_run_it
         parse_pins("sp=maybe")
     llama, gpt = _capture("llama"), _capture("gpt")
     training = Training(global_batch_size=8)
-    assert search(llama, cluster(2), training, Layout(tp=2)).best.parallelism.enable_sequence_parallel
-    assert not search(llama, cluster(2), training, Layout(tp=2, sp="off")).best.parallelism.enable_sequence_parallel
-    assert not search(gpt, cluster(2), training, Layout(tp=2)).best.parallelism.enable_sequence_parallel
+    assert search(llama, cluster(2), training, Layout(tp=2)).best.parallelism.sp
+    assert not search(llama, cluster(2), training, Layout(tp=2, sp="off")).best.parallelism.sp
+    assert not search(gpt, cluster(2), training, Layout(tp=2)).best.parallelism.sp
     with pytest.raises(UserError, match="sp=on with tp=2: aten.split.Tensor in blocks.*does not compute token by token"):
         search(gpt, cluster(2), training, Layout(tp=2, sp="on"))
     dense = search(llama, cluster(2), training, Layout(tp=1)).best.parallelism
-    assert not dense.enable_sequence_parallel  # nothing to shard on the sequence without tensor parallelism
+    assert not dense.sp  # nothing to shard on the sequence without tensor parallelism

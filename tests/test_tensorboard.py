@@ -39,7 +39,7 @@ def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def make_plan(model_file: Path) -> Plan:
-    par = Parallelism(data_parallel_replicate_degree=2, pipeline_parallel_microbatch_size=4)
+    par = Parallelism(dp_replicate=2, microbatch=4)
     return Plan(
         model=ModelRef(path=str(model_file)),
         cluster=ClusterRef(gpu="h100-sxm5-80gb", num_gpus=2, gpus_per_node=8, memory_per_gpu_bytes=80 * GIB),

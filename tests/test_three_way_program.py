@@ -16,11 +16,11 @@ pytestmark = pytest.mark.slow  # one 8-process torchrun launch
 
 STEPS = 2
 LAYOUTS = {
-    ("llama", "cp=2,tp=2,pp=2,1f1b"): dict(context_parallel_degree=2, tensor_parallel_degree=2,
-                                           pipeline_parallel_degree=2, pipeline_parallel_schedule="1f1b", **mb(4, 2)),
-    ("gpt", "cp=2,tp=2,sp=on,pp=2,gpipe"): dict(context_parallel_degree=2, tensor_parallel_degree=2,
-                                                enable_sequence_parallel=True, pipeline_parallel_degree=2,
-                                                pipeline_parallel_schedule="gpipe", **mb(4, 2)),
+    ("llama", "cp=2,tp=2,pp=2,1f1b"): dict(cp=2, tp=2,
+                                           pp=2, schedule="1f1b", **mb(4, 2)),
+    ("gpt", "cp=2,tp=2,sp=on,pp=2,gpipe"): dict(cp=2, tp=2,
+                                                sp=True, pp=2,
+                                                schedule="gpipe", **mb(4, 2)),
 }
 EXPERT_LAYOUT = ("mixtral", "dp=2,zero=3,ep=2,tp=2,pp=2,gpipe")
 
@@ -30,9 +30,9 @@ def batch(tmp_path_factory):
     root = tmp_path_factory.mktemp("three_way")
     folders = {key: model_layout(root, *key, layout) for key, layout in LAYOUTS.items()}
     folders[EXPERT_LAYOUT] = write_case(
-        root, " ".join(EXPERT_LAYOUT), SOURCES["mixtral"], STAGES[2], ATTENTION_TP_PLAN, data_parallel_shard_degree=2,
-        fsdp_reshard_after_forward="always", expert_parallel_degree=2, tensor_parallel_degree=2,
-        pipeline_parallel_degree=2, pipeline_parallel_schedule="gpipe", **mb(2, 2))
+        root, " ".join(EXPERT_LAYOUT), SOURCES["mixtral"], STAGES[2], ATTENTION_TP_PLAN, dp_shard=2,
+        reshard=True, ep=2, tp=2,
+        pp=2, schedule="gpipe", **mb(2, 2))
     keys = list(folders)
     result = verify_many([folders[k] for k in keys], steps=STEPS, timeout_s=1500, nproc=8)
     return dict(zip(keys, result.results)), folders

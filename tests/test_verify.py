@@ -47,11 +47,11 @@ def write_out(tmp_path: Path, model_text: str | None, plan_args: tuple, model_fi
 
 CASES = {
     "mlp dp=2 DDP, 2 accumulated micro-batches": (
-        None, EXAMPLES / "mlp.py", (8, MLP_UNITS, dict(data_parallel_replicate_degree=2,
-                                                       pipeline_parallel_num_microbatches=2, pipeline_parallel_microbatch_size=2))),
+        None, EXAMPLES / "mlp.py", (8, MLP_UNITS, dict(dp_replicate=2,
+                                                       microbatches=2, microbatch=2))),
     "gpt pp=2 gpipe, tied lm_head across stages": (
-        TINY_GPT, None, (8, GPT_STAGES, dict(pipeline_parallel_degree=2, pipeline_parallel_schedule="gpipe",
-                                             pipeline_parallel_num_microbatches=4, pipeline_parallel_microbatch_size=2))),
+        TINY_GPT, None, (8, GPT_STAGES, dict(pp=2, schedule="gpipe",
+                                             microbatches=4, microbatch=2))),
 }
 
 
@@ -74,9 +74,9 @@ def test_loss_parity_with_the_single_device_reference(tmp_path, case):
 
 
 def test_nproc_other_than_the_plan_is_rejected_with_the_arithmetic(tmp_path):
-    out = write_out(tmp_path, TINY_GPT, (8, GPT_STAGES, dict(data_parallel_replicate_degree=2, pipeline_parallel_degree=2,
-                                                             pipeline_parallel_num_microbatches=2,
-                                                             pipeline_parallel_microbatch_size=2)))
+    out = write_out(tmp_path, TINY_GPT, (8, GPT_STAGES, dict(dp_replicate=2, pp=2,
+                                                             microbatches=2,
+                                                             microbatch=2)))
     with pytest.raises(UserError, match=r"--nproc 2 .* pp 2 x dp_replicate 2 x dp_shard 1 x cp 1 x tp 1 = 4 processes"):
         verify(out, nproc=2)
 
@@ -85,8 +85,8 @@ def fake_program(tmp_path: Path, body: str) -> Path:
     """A plan folder whose train.py is a stand-in (no torch import: its ranks start fast). Its body runs on import:
     in the distributed run's ranks (RANK set) and in the reference run (the harness imports it), and the stand-in
     ends its process itself, as if it had trained."""
-    out = write_out(tmp_path, SKIP_NET, (4, [("embed", "mid", "head")], dict(data_parallel_replicate_degree=2,
-                                                                            pipeline_parallel_microbatch_size=2)))
+    out = write_out(tmp_path, SKIP_NET, (4, [("embed", "mid", "head")], dict(dp_replicate=2,
+                                                                            microbatch=2)))
     fingerprint = next(line for line in (out / "train.py").read_text().splitlines()
                        if line.startswith("PLAN_FINGERPRINT = "))  # verify checks it is plan.json's program
     header = "import json, os, sys, time\nreference = 'RANK' not in os.environ\n" \
@@ -164,7 +164,7 @@ def test_verify_many_reports_a_failing_program_and_checks_the_others(tmp_path):
     folders = []
     for name in ("good", "bad"):
         folders.append(write_out(tmp_path / name, SKIP_NET, (4, [("embed", "mid", "head")], dict(
-            data_parallel_replicate_degree=2, pipeline_parallel_microbatch_size=2))))
+            dp_replicate=2, microbatch=2))))
     plant(folders[1], "    raise RuntimeError('stage 1 blew up')")  # on every rank: each one's error names it
     good, bad = verify_many(folders, steps=2, timeout_s=300).results
     assert good.passed and len(good.losses) == 2 and not good.error and good.gradient_max_rel_diff < 1e-5

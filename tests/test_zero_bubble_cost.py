@@ -134,9 +134,9 @@ def test_the_predicted_timeline_draws_forward_input_and_weight_gradient_passes()
     from autoplan.report.schedule import step_schedule
     from helpers.plans import pinned_plan
 
-    plan = pinned_plan("model.py", [("a",), ("b",), ("c",), ("d",)], pipeline_parallel_degree=2,
-                       pipeline_parallel_schedule="zbv", pipeline_parallel_virtual_stages=2,
-                       pipeline_parallel_num_microbatches=4, pipeline_parallel_microbatch_size=2)
+    plan = pinned_plan("model.py", [("a",), ("b",), ("c",), ("d",)], pp=2,
+                       schedule="zbv", virtual_stages=2,
+                       microbatches=4, microbatch=2)
     plan = replace(plan, stages=tuple(replace(s, predicted_forward_s=0.01, predicted_time_s=0.03,
                                               predicted_weight_s=0.01, predicted_send_s=0.001) for s in plan.stages))
     events = step_schedule(plan)
@@ -235,7 +235,7 @@ def test_the_accuracy_section_prices_one_published_run():
         best = search(profile, a100_cluster(int(row["gpus"])), Training(global_batch_size=batch, dtype="bf16"),
                       pins).best
         priced[schedule] = best.predicted.step_time_s
-        return {"step": best.predicted.step_time_s, "virtual": best.parallelism.pipeline_parallel_virtual_stages,
+        return {"step": best.predicted.step_time_s, "virtual": best.parallelism.virtual_stages,
                 "memory": best.predicted.peak_memory_bytes / 1e9, "note": ""}
 
     out = accuracy.zero_bubble_row(row, price)
@@ -264,7 +264,7 @@ def test_pinned_virtual_stages_are_the_ones_priced(virtual):
     pins = Layout(tp=1, pp=2, dp=1, schedule="zb-interleaved", compile="off", recompute="none", microbatch=2,
                   virtual_stages=virtual)
     best = search(profile, a100_cluster(2), Training(global_batch_size=16, dtype="bf16"), pins).best
-    assert best.parallelism.pipeline_parallel_virtual_stages == virtual
+    assert best.parallelism.virtual_stages == virtual
 
 
 def _data_parallel_comm(schedule: str, *, overlap: float = 1.0, tensor_overhead_s: float = 0.0, zero: int = 0) -> float:

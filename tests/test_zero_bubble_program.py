@@ -23,8 +23,8 @@ pytestmark = pytest.mark.slow  # one 4-process torchrun launch
 
 
 def pipeline(schedule: str, virtual: int = 2, microbatches: int = 4, size: int = 2, **more) -> dict:
-    return dict(pipeline_parallel_degree=2, pipeline_parallel_schedule=schedule,
-                pipeline_parallel_virtual_stages=virtual, **mb(microbatches, size), **more)
+    return dict(pp=2, schedule=schedule,
+                virtual_stages=virtual, **mb(microbatches, size), **more)
 
 
 LAYOUTS = {
@@ -32,14 +32,14 @@ LAYOUTS = {
     "pp=2,zb-interleaved,v=1": pipeline("zb-interleaved", virtual=1),
     "pp=2,zbv": pipeline("zbv"),
     "pp=2,dualpipev": pipeline("dualpipev"),
-    "pp=2,tp=2,zb-interleaved": pipeline("zb-interleaved", tensor_parallel_degree=2),
-    "pp=2,tp=2,zbv": pipeline("zbv", tensor_parallel_degree=2),
-    "pp=2,tp=2,dualpipev": pipeline("dualpipev", tensor_parallel_degree=2),
-    **{f"dp=2,pp=2,{s}": pipeline(s, size=1, data_parallel_replicate_degree=2) for s in ZERO_BUBBLE_SCHEDULES},
-    **{f"dp=2,zero=3,pp=2,{s}": pipeline(s, size=1, data_parallel_shard_degree=2, fsdp_reshard_after_forward="always")
+    "pp=2,tp=2,zb-interleaved": pipeline("zb-interleaved", tp=2),
+    "pp=2,tp=2,zbv": pipeline("zbv", tp=2),
+    "pp=2,tp=2,dualpipev": pipeline("dualpipev", tp=2),
+    **{f"dp=2,pp=2,{s}": pipeline(s, size=1, dp_replicate=2) for s in ZERO_BUBBLE_SCHEDULES},
+    **{f"dp=2,zero=3,pp=2,{s}": pipeline(s, size=1, dp_shard=2, reshard=True)
        for s in ZERO_BUBBLE_SCHEDULES},
-    "dp=2,zero=2,pp=2,zbv": pipeline("zbv", size=1, data_parallel_shard_degree=2, fsdp_reshard_after_forward="never"),
-    **{f"cp=2,zero=3,pp=2,{s}": pipeline(s, context_parallel_degree=2, fsdp_reshard_after_forward="always")
+    "dp=2,zero=2,pp=2,zbv": pipeline("zbv", size=1, dp_shard=2, reshard=False),
+    **{f"cp=2,zero=3,pp=2,{s}": pipeline(s, cp=2, reshard=True)
        for s in ZERO_BUBBLE_SCHEDULES},
 }
 """dp=2 runs micro-batches of one sample (the tests' global batch of 8 is 2 replicas x 4 micro-batches); cp=2 shards
@@ -63,13 +63,13 @@ def results(tmp_path_factory):
     for pin, gpus in SEARCHED.items():
         out = tmp_path_factory.mktemp("searched")
         plan = plan_model(str(SMALL_GPT), gpus, "cpu", global_batch=8, pin=pin, out=out).plan
-        assert plan.parallelism.pipeline_parallel_schedule == dict(i.split("=") for i in pin.split(","))["schedule"]
+        assert plan.parallelism.schedule == dict(i.split("=") for i in pin.split(","))["schedule"]
         folders["searched", pin] = out
     for schedule in ZERO_BUBBLE_SCHEDULES:
         out = tmp_path_factory.mktemp("bart")
         plan = plan_model(load_source(f"{BART}:bart"), 2, "cpu", global_batch=4,
                           pin=f"pp=2,microbatch=1,schedule={schedule}", out=out).plan
-        assert plan.parallelism.pipeline_parallel_schedule == schedule
+        assert plan.parallelism.schedule == schedule
         folders["bart", schedule] = out
     batch = verify_many(list(folders.values()), steps=STEPS, timeout_s=900, nproc=4)
     return dict(zip(folders, batch.results))

@@ -104,8 +104,8 @@ def _docstring(plan: Plan, launch: Launch) -> str:
         "",
         f"Layout: {_layout(plan)}.",
         f"{p.world_size} processes; global batch {plan.training.global_batch_size} = data parallel "
-        f"{p.data_parallel_degree} x {p.pipeline_parallel_num_microbatches} micro-batches x "
-        f"{p.pipeline_parallel_microbatch_size} samples.",
+        f"{p.dp} x {p.microbatches} micro-batches x "
+        f"{p.microbatch} samples.",
         *_precision(plan.training.dtype),
         "",
     ]
@@ -154,35 +154,35 @@ def _precision(dtype: str) -> list[str]:
 
 def _layout(plan: Plan) -> str:
     p = plan.parallelism
-    dp = p.data_parallel_degree
+    dp = p.dp
     parts = []
-    facts = SCHEDULE_BY_NAME.get(p.pipeline_parallel_schedule)
-    if dp > 1 and not p.sharded and p.pipeline_parallel_degree > 1 and facts is not None and facts.split_backward:
+    facts = SCHEDULE_BY_NAME.get(p.schedule)
+    if dp > 1 and not p.sharded and p.pp > 1 and facts is not None and facts.split_backward:
         parts.append(f"{dp}-way data parallel (each stage averages its gradients over the replicas after its last "
                      f"weight-gradient pass; no DDP)")
     elif dp > 1 and not p.sharded:
         parts.append(f"{dp}-way data parallel (DDP)")
     elif dp > 1:
-        hybrid = " (HSDP)" if p.data_parallel_replicate_degree > 1 else ""
-        parts.append(f"{dp}-way data parallel with FSDP2{hybrid}: dp_replicate {p.data_parallel_replicate_degree} x "
-                     f"dp_shard {p.data_parallel_shard_degree}, reshard {p.fsdp_reshard_after_forward}")
-    if p.tensor_parallel_degree > 1:
-        sequence = ", sequence parallel" if p.enable_sequence_parallel else ""
+        hybrid = " (HSDP)" if p.dp_replicate > 1 else ""
+        parts.append(f"{dp}-way data parallel with FSDP2{hybrid}: dp_replicate {p.dp_replicate} x "
+                     f"dp_shard {p.dp_shard}, reshard {p.layout().reshard}")
+    if p.tp > 1:
+        sequence = ", sequence parallel" if p.sp else ""
         split = sum(style in ("colwise", "rowwise") for style in plan.tensor_parallel_plan.values())
-        parts.append(f"{p.tensor_parallel_degree}-way tensor parallel ({split} Linears{sequence})")
-    if p.context_parallel_degree > 1:
-        parts.append(f"{p.context_parallel_degree}-way context parallel (ring attention over SDPA, FSDP2 over "
-                     f"dp_shard {p.data_parallel_shard_degree} x cp {p.context_parallel_degree})")
-    if p.expert_parallel_degree > 1:
-        parts.append(f"{p.expert_parallel_degree}-way expert parallel (the experts split over groups of "
-                     f"{p.expert_parallel_degree} of the dp_shard x cp x tp ranks, all-to-all token dispatch)")
-    if p.pipeline_parallel_degree > 1:
-        virtual = (f", {p.pipeline_parallel_virtual_stages} stages per rank"
-                   if p.pipeline_parallel_virtual_stages > 1 else "")
-        parts.append(f"{p.pipeline_parallel_degree}-rank pipeline ({p.pipeline_parallel_schedule}{virtual})")
-    if p.activation_checkpoint != "none":
-        parts.append(f"{p.activation_checkpoint} activation checkpointing")
-    if p.enable_cpu_offload:
+        parts.append(f"{p.tp}-way tensor parallel ({split} Linears{sequence})")
+    if p.cp > 1:
+        parts.append(f"{p.cp}-way context parallel (ring attention over SDPA, FSDP2 over "
+                     f"dp_shard {p.dp_shard} x cp {p.cp})")
+    if p.ep > 1:
+        parts.append(f"{p.ep}-way expert parallel (the experts split over groups of "
+                     f"{p.ep} of the dp_shard x cp x tp ranks, all-to-all token dispatch)")
+    if p.pp > 1:
+        virtual = (f", {p.virtual_stages} stages per rank"
+                   if p.virtual_stages > 1 else "")
+        parts.append(f"{p.pp}-rank pipeline ({p.schedule}{virtual})")
+    if p.recompute != "none":
+        parts.append(f"{p.recompute} activation checkpointing")
+    if p.offload:
         parts.append("CPU offload")
     if plan.compile.enable:
         parts.append("torch.compile per module")
@@ -248,24 +248,24 @@ def _config_block(plan: Plan, launch: Launch, model_copy: Path) -> str:
         ("OPTIMIZER_IMPLEMENTATION", repr(t.optimizer_implementation), "AdamW kernels: fused | foreach | for-loop"),
         ("GLOBAL_BATCH", repr(t.global_batch_size), "samples per optimizer step, all ranks together"),
         ("DTYPE", repr(t.dtype), '"bf16": mixed precision on GPUs (fp32 on CPU)'),
-        ("DP_REPLICATE", repr(p.data_parallel_replicate_degree), "data-parallel replicas (DDP, or HSDP's replicate dim)"),
-        ("DP_SHARD", repr(p.data_parallel_shard_degree), "data-parallel ranks sharding the model (FSDP2)"),
-        ("RESHARD", repr(p.fsdp_reshard_after_forward), "FSDP2 frees gathered parameters after forward: always | never"),
-        ("TP", repr(p.tensor_parallel_degree), "tensor-parallel ranks (innermost mesh dim)"),
-        ("SP", repr("on" if p.enable_sequence_parallel else "off"),
+        ("DP_REPLICATE", repr(p.dp_replicate), "data-parallel replicas (DDP, or HSDP's replicate dim)"),
+        ("DP_SHARD", repr(p.dp_shard), "data-parallel ranks sharding the model (FSDP2)"),
+        ("RESHARD", repr(p.layout().reshard), "FSDP2 frees gathered parameters after forward: always | never"),
+        ("TP", repr(p.tp), "tensor-parallel ranks (innermost mesh dim)"),
+        ("SP", repr(p.layout().sp),
          "sequence parallel between the TP pairs (when TP > 1): on | off"),
-        ("LOSS_PARALLEL", repr("off" if p.disable_loss_parallel else "on"),
+        ("LOSS_PARALLEL", repr(p.layout().loss_parallel),
          "cross-entropy on the vocabulary-sharded logits (TP head): on | off"),
-        ("CP", repr(p.context_parallel_degree), "context-parallel ranks: each a share of every sequence (ring attention)"),
-        ("EP", repr(p.expert_parallel_degree),
+        ("CP", repr(p.cp), "context-parallel ranks: each a share of every sequence (ring attention)"),
+        ("EP", repr(p.ep),
          "expert-parallel ranks (folded over dp_shard x cp x tp): each group of EP splits every expert layer's experts"),
-        ("PP", repr(p.pipeline_parallel_degree), "pipeline ranks"),
-        ("VIRTUAL_STAGES", repr(p.pipeline_parallel_virtual_stages), "stages per pipeline rank (interleaved schedule)"),
-        ("SCHEDULE", repr(p.pipeline_parallel_schedule), "pipeline schedule"),
-        ("MICROBATCH", repr(p.pipeline_parallel_microbatch_size), "samples per micro-batch"),
-        ("MICROBATCHES", repr(p.pipeline_parallel_num_microbatches), "micro-batches per step per data-parallel rank"),
-        ("RECOMPUTE", repr(p.activation_checkpoint), "activation checkpointing: none | selective (keep matmul outputs) | full"),
-        ("OFFLOAD", repr(p.enable_cpu_offload), "FSDP2 CPU offload: model states in host memory, AdamW on the CPU"),
+        ("PP", repr(p.pp), "pipeline ranks"),
+        ("VIRTUAL_STAGES", repr(p.virtual_stages), "stages per pipeline rank (interleaved schedule)"),
+        ("SCHEDULE", repr(p.schedule), "pipeline schedule"),
+        ("MICROBATCH", repr(p.microbatch), "samples per micro-batch"),
+        ("MICROBATCHES", repr(p.microbatches), "micro-batches per step per data-parallel rank"),
+        ("RECOMPUTE", repr(p.recompute), "activation checkpointing: none | selective (keep matmul outputs) | full"),
+        ("OFFLOAD", repr(p.offload), "FSDP2 CPU offload: model states in host memory, AdamW on the CPU"),
         ("COMPILE", repr(plan.compile.enable), "torch.compile per chain module (train.py --compile/--no-compile)"),
         ("TOKENS_PER_SAMPLE", repr(t.tokens_per_sample), "for tokens/s (None: not token inputs)"),
         ("MODEL_FLOPS_PER_STEP", repr(float(plan.predicted.model_flops_per_step)), "for MFU"),

@@ -288,9 +288,9 @@ class TableSetting:
     use_measured: bool
     """Price from the op times measured on this machine (the plan is for it) rather than the roofline."""
     sp: bool = False
-    """Sequence parallelism between the tensor-parallel pairs (Parallelism.enable_sequence_parallel)."""
+    """Sequence parallelism between the tensor-parallel pairs (Parallelism.sp)."""
     loss_parallel: bool = True
-    """The loss runs on the vocabulary-parallel head's sharded logits (not Parallelism.disable_loss_parallel)."""
+    """The loss runs on the vocabulary-parallel head's sharded logits (Parallelism.loss_parallel)."""
     compiled: bool = False
     """The modules run under torch.compile (plan.json compile.enable): each op's time scales by its class's
     calibration.COMPILE_TIME_FACTOR."""

@@ -87,8 +87,29 @@ def expert_shard_degree(fsdp: int, ep: int, tp: int = 1) -> int:
     return 1 if folded % ep else folded // ep
 
 
+@dataclass(frozen=True)
+class TableKey:
+    """What a module table (Context.table) reads of a layout: its cache key. From a Parallelism (TableKey.of), or
+    written out where a table is priced at a fractional micro-batch (a context-parallel rank's share)."""
+
+    tp: int = 1
+    microbatch: float = 1
+    sp: bool = False
+    """Sequence parallel (only with tp > 1: of() and the constructor's callers keep it off at tp = 1)."""
+    loss_parallel: bool = True
+    """The loss on the vocabulary-parallel head's sharded logits, else on gathered ones."""
+    cp: int = 1
+    ep: int = 1
+
+    @staticmethod
+    def of(layout: "Parallelism | TableKey") -> "TableKey":
+        if isinstance(layout, TableKey):
+            return replace(layout, sp=layout.sp and layout.tp > 1)
+        return TableKey(layout.tp, layout.microbatch, layout.sp_enabled, layout.loss_parallel, layout.cp, layout.ep)
+
+
 class Context:
-    """A profile prepared for pricing layouts on a cluster; module tables cached per (tp, micro-batch)."""
+    """A profile prepared for pricing layouts on a cluster; module tables cached per TableKey."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, training: Training, features: frozenset[str],
                  compiled: bool = False, float8_linears: str | None = None) -> None:
@@ -142,7 +163,7 @@ class Context:
         self._module_numel: dict[tuple[int, int], tuple[float, ...]] = {}
         self._op_tables: dict[tuple, ModuleTable] = {}
         self._expert_compute: dict[tuple, tuple[float, ...]] = {}
-        self._inputs: dict[tuple[int, int, bool], MemoryInputs] = {}
+        self._inputs: dict[tuple[TableKey, bool], MemoryInputs] = {}
         self._layouts: dict[tuple, LayoutMemory] = {}
 
     def at(self, cluster: Cluster, training: Training) -> "Context":
@@ -178,41 +199,41 @@ class Context:
         return comm.Group(size, link, min(size, nodes))
 
     def groups(self, par: Parallelism) -> Groups:
-        t, r = par.tensor_parallel_degree, par.data_parallel_replicate_degree
-        cp, ep, fsdp = par.context_parallel_degree, par.expert_parallel_degree, par.fsdp_shard_degree
+        t, r = par.tp, par.dp_replicate
+        cp, ep, fsdp = par.cp, par.ep, par.fsdp_shard
         experts = expert_shard_degree(fsdp, ep, t)
         # the expert mesh folded over dp_shard x cp x tp (tp innermost): ep consecutive ranks, then the experts' FSDP
         # ranks, then the ranks holding the same experts' shard (the replicas, and the folded ranks beyond ep x
         # experts when FSDP2 does not shard them), which sum their gradients
         replicas = self.group(max(1, r * fsdp * t // (ep * experts)), ep * experts)
         return Groups(self.group(t, 1), self.group(fsdp, t), self.group(r, t * fsdp),
-                      self.group(par.pipeline_parallel_degree, t * fsdp * r), self.group(cp, t), self.group(ep, 1),
+                      self.group(par.pp, t * fsdp * r), self.group(cp, t), self.group(ep, 1),
                       self.group(experts, ep), replicas)
 
     def send_s(self, nbytes: float, par: Parallelism, link) -> float:
         """One activation (or gradient) crossing a stage boundary. Each tensor-parallel rank sends the
         whole replicated tensor (torch.distributed.pipelining), unless "pp_scatter_gather" is on:
         Megatron-LM sends 1/tp per rank and all-gathers it inside the node (Narayanan et al. SC21 4.1)."""
-        tp = par.tensor_parallel_degree
+        tp = par.tp
         if tp == 1 or "pp_scatter_gather" not in self.features:
             return comm.p2p_s(nbytes, link)
         return comm.p2p_s(nbytes / tp, link) + comm.all_gather_s(nbytes, tp, self.group(tp, 1).link)
 
-    def table(self, tp: int, microbatch: int, sp: bool = False, loss_parallel: bool = True, cp: int = 1,
-              ep: int = 1, autocast: bool = False) -> ModuleTable:
-        """Module costs at tensor-parallel degree `tp`, micro-batch size `microbatch`, sequence parallel `sp`, the
-        loss on sharded logits or gathered ones (`loss_parallel`), context- and expert-parallel degrees `cp` and
-        `ep`, and this context's compile setting; with `autocast` (bf16 without FSDP2: autocast_layout), the
-        activations as torch.autocast keeps them (the times are the same)."""
-        key = (tp, microbatch, sp and tp > 1, self.compiled, loss_parallel, cp, ep, autocast)
+    def table(self, layout: Parallelism | TableKey, autocast: bool = False) -> ModuleTable:
+        """Module costs of `layout` (what of it a table reads: TableKey) under this context's compile setting; with
+        `autocast` (bf16 without FSDP2: autocast_layout), the activations as torch.autocast keeps them (the times are
+        the same)."""
+        k = TableKey.of(layout)
+        tp, microbatch, sp, loss_parallel, cp, ep = k.tp, k.microbatch, k.sp, k.loss_parallel, k.cp, k.ep
+        key = (k, self.compiled, autocast)
         if key not in self._tables:
             if cp == 1 and ep == 1:
-                self._tables[key] = self._part_table(self.costs, tp, microbatch, key[2], loss_parallel, autocast)
+                self._tables[key] = self._part_table(self.costs, tp, microbatch, sp, loss_parallel, autocast)
             else:
-                base = self.table(tp, microbatch, sp, loss_parallel, autocast=autocast)
-                rank = self._part_table(self.costs, tp, microbatch / cp, key[2], loss_parallel, autocast) \
+                base = self.table(replace(k, cp=1, ep=1), autocast=autocast)
+                rank = self._part_table(self.costs, tp, microbatch / cp, sp, loss_parallel, autocast) \
                     if cp > 1 else None  # a rank's tokens: its kernels launch and its weights stream whole
-                table = sharded_table(base, self._sharded_modules(tp, microbatch, key[2], cp, ep), rank)
+                table = sharded_table(base, self._sharded_modules(tp, microbatch, sp, cp, ep), rank)
                 self._tables[key] = self._local_expert_copies(table, ep) if autocast and ep > 1 else table
         return self._tables[key]
 
@@ -228,13 +249,14 @@ class Context:
         return replace(table, activation_bytes=activations,
                        working_bytes=tuple(max(0.0, v - e) for v, e in zip(table.working_bytes, extra)))
 
-    def expert_compute_s(self, tp: int, microbatch: int, sp: bool = False, cp: int = 1,
-                         ep: int = 1) -> tuple[float, ...]:
-        """Per module, the share of table(...).forward_s + backward_s that is its experts' ops, per micro-batch:
+    def expert_compute_s(self, layout: Parallelism | TableKey) -> tuple[float, ...]:
+        """Per module, the share of table(layout).forward_s + backward_s that is its experts' ops, per micro-batch:
         (expert_forward_1 + expert_backward_1) x imbalance / expert_split / cp, as sharded_table prices them (the
         busiest expert-parallel rank on its share of the tokens; at cp > 1 the experts' kernels on the whole
         sequence / cp). 0 for modules without experts."""
-        key = (tp, microbatch, sp and tp > 1, self.compiled, cp, ep)
+        k = TableKey.of(layout)
+        tp, microbatch, cp, ep = k.tp, k.microbatch, k.cp, k.ep
+        key = (tp, microbatch, k.sp, self.compiled, cp, ep)
         if key not in self._expert_compute:
             n = len(self.chain)
             if not self._expert_nodes:
@@ -260,9 +282,9 @@ class Context:
     def autocast_layout(self, par: Parallelism) -> bool:
         """bf16 trains as torch.autocast over fp32 weights in this layout: FSDP2 does not wrap it
         (layout.fsdp_wraps), so no MixedPrecisionPolicy computes in bf16 (runtime/distributed/steps.py)."""
-        return self.dtype == "bf16" and not fsdp_wraps(par.data_parallel_replicate_degree,
-                                                        par.data_parallel_shard_degree, par.context_parallel_degree,
-                                                        par.tensor_parallel_degree)
+        return self.dtype == "bf16" and not fsdp_wraps(par.dp_replicate,
+                                                        par.dp_shard, par.cp,
+                                                        par.tp)
 
     def _ops_table(self, nodes: frozenset[str], tp: int, microbatch: int, sp: bool) -> ModuleTable:
         """The module table of only the ops in `nodes` (each module's share: its experts, its attention), priced once
@@ -394,16 +416,16 @@ class Context:
                                                expert_shard, autocast, ddp, accumulates)
         return self._layouts[key]
 
-    def memory_inputs(self, tp: int, microbatch: int, sp: bool = False, loss_parallel: bool = True, cp: int = 1,
-                      ep: int = 1, autocast: bool = False) -> MemoryInputs:
-        key = (tp, microbatch, sp and tp > 1, loss_parallel, cp, ep, autocast)
+    def memory_inputs(self, layout: Parallelism | TableKey, autocast: bool = False) -> MemoryInputs:
+        """What a layout's memory model reads of the modules (module table, parameters, cuts) at `layout`."""
+        key = (TableKey.of(layout), autocast)
         if key not in self._inputs:
             self._inputs[key] = self._memory_inputs(*key)
         return self._inputs[key]
 
-    def _memory_inputs(self, tp: int, microbatch: int, sp: bool, loss_parallel: bool, cp: int, ep: int,
-                       autocast: bool = False) -> MemoryInputs:
-        table = self.table(tp, microbatch, sp, loss_parallel, cp, ep, autocast)
+    def _memory_inputs(self, k: TableKey, autocast: bool) -> MemoryInputs:
+        tp, microbatch, loss_parallel, cp, ep = k.tp, k.microbatch, k.loss_parallel, k.cp, k.ep
+        table = self.table(k, autocast)
         cut_scale = 1.0 if autocast else self.scale  # autocast's residual stream is fp32
         own, groups = self.module_numel(tp, ep), self.group_numel(tp)
         whole = [own[u] + sum(n for n, g in zip(groups, self.chain.tied_groups) if u in g.modules)

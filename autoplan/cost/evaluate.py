@@ -66,22 +66,19 @@ class Candidate:
 
 
 def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> ChainProblem:
-    pp, v = par.pipeline_parallel_degree, par.pipeline_parallel_virtual_stages
-    tp, mbs = par.tensor_parallel_degree, par.pipeline_parallel_microbatch_size
-    m = par.pipeline_parallel_num_microbatches
-    sp, loss_parallel = par.enable_sequence_parallel, not par.disable_loss_parallel
-    cp, ep = par.context_parallel_degree, par.expert_parallel_degree
+    pp, v = par.pp, par.virtual_stages
+    tp, m, ep = par.tp, par.microbatches, par.ep
     autocast = ctx.autocast_layout(par)
-    inputs = ctx.memory_inputs(tp, mbs, sp, loss_parallel, cp, ep, autocast)
+    inputs = ctx.memory_inputs(par, autocast)
     stages = pp * v
-    ddp = par.fsdp_shard_degree == 1 and par.data_parallel_replicate_degree > 1 and tp == 1  # parallel.py
-    shared = ctx.layout_memory(inputs, par.fsdp_shard_degree, par.reshards_after_forward, pp,
-                               par.enable_cpu_offload, expert_shard_degree(par.fsdp_shard_degree, ep, tp), autocast,
+    ddp = par.fsdp_shard == 1 and par.dp_replicate > 1 and tp == 1  # parallel.py
+    shared = ctx.layout_memory(inputs, par.fsdp_shard, par.reshards_after_forward, pp,
+                               par.offload, expert_shard_degree(par.fsdp_shard, ep, tp), autocast,
                                ddp, accumulates=m > 1)
     received = 1 if pp > 1 else 0  # the gradient received for the backward running (StageMemoryModel.received)
-    models = tuple(shared.stage(s, microbatches_in_flight(par.pipeline_parallel_schedule, pp, m, s, v), received)
+    models = tuple(shared.stage(s, microbatches_in_flight(par.schedule, pp, m, s, v), received)
                    for s in range(stages))
-    table = ctx.table(tp, mbs, sp, loss_parallel, cp, ep)
+    table = ctx.table(par)
     overhead = ()
     if stages > 1:
         link = ctx.groups(par).pipeline.link
@@ -97,27 +94,27 @@ def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> Cha
         modes=modes,
         stage_overhead_s=overhead,
         signature=ctx.costs.signature,
-        placement=SCHEDULE_BY_NAME[par.pipeline_parallel_schedule].placement,
+        placement=SCHEDULE_BY_NAME[par.schedule].placement,
     )
 
 
 def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: Assignment, fits: bool,
              reason: str = "") -> Candidate:
     """Predictions for `par` with `assignment` (memory models and module times from `problem`)."""
-    pp, tp = par.pipeline_parallel_degree, par.tensor_parallel_degree
-    m, mbs = par.pipeline_parallel_num_microbatches, par.pipeline_parallel_microbatch_size
-    cp, ep = par.context_parallel_degree, par.expert_parallel_degree
-    table = ctx.table(tp, mbs, par.enable_sequence_parallel, not par.disable_loss_parallel, cp, ep)
+    pp, tp = par.pp, par.tp
+    m, microbatch = par.microbatches, par.microbatch
+    cp, ep = par.cp, par.ep
+    table = ctx.table(par)
     chain, gpu = ctx.chain, ctx.cluster.gpu
     groups = ctx.groups(par)
     element = bytes_per_element(ctx.dtype)
     own, tied = ctx.module_numel(tp, ep), ctx.group_numel(tp)
-    expert_compute = ctx.expert_compute_s(tp, mbs, par.enable_sequence_parallel, cp, ep) if ctx.experts else None
+    expert_compute = ctx.expert_compute_s(par) if ctx.experts else None
     # with ep = 1 the experts are parameters like the others (in their module's FSDP2 unit or DDP bucket)
     experts = ctx.module_expert_numel(ep) if ep > 1 else [0.0] * len(own)
-    expert_shard = expert_shard_degree(par.fsdp_shard_degree, ep, par.tensor_parallel_degree)
+    expert_shard = expert_shard_degree(par.fsdp_shard, ep, par.tp)
     cut_scale = 1.0 if ctx.autocast_layout(par) else ctx.scale  # autocast sends the fp32 residual stream
-    cut = [c * mbs * cut_scale for c in ctx.rank_cut_bytes(cp)]
+    cut = [c * microbatch * cut_scale for c in ctx.rank_cut_bytes(cp)]
     n, ranges, modes = len(chain), assignment.split.ranges(), assignment.modes
     parts: list[dict[str, float]] = []
     costs: list[StageCost] = []
@@ -168,22 +165,22 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
                                send, weight_s=(1 + slowdown) * weight))
         rank = stage_rank(s, pp, problem.placement)
         per_step[rank] += dpc.per_step_s
-        if tp > 1 and par.enable_sequence_parallel:
+        if tp > 1 and par.sp:
             per_step[rank] += sequence_local_gradient_sum_s(
                 [ctx.sequence_local_numel[u] - (ctx.expert_numel[u] if ep > 1 else 0.0) for u in modules], element,
-                par.fsdp_shard_degree,
+                par.fsdp_shard,
                 groups.tp)
-        updated = (sum(numels) - sum(expert_numels)) / par.fsdp_shard_degree + sum(expert_numels) / expert_shard
+        updated = (sum(numels) - sum(expert_numels)) / par.fsdp_shard + sum(expert_numels) / expert_shard
         # FSDP2 parameters are DTensors (also over tensor-parallel replicas: runtime/distributed/parallel.py); without
         # it, only the tensor-parallel Linears' weights and biases are
-        if par.sharded or (tp > 1 and par.data_parallel_degree > 1):
+        if par.sharded or (tp > 1 and par.dp > 1):
             dtensors = len(held)
         elif tp > 1:
             dtensors = sum(1 for p in held if p.rpartition(".")[0] in ctx.facts.plan)
         else:
             dtensors = 0
         implementation = ctx.training.optimizer_implementation
-        if par.enable_cpu_offload:  # FSDP2 CPUOffloadPolicy: AdamW steps the host's shards on the CPU
+        if par.offload:  # FSDP2 CPUOffloadPolicy: AdamW steps the host's shards on the CPU
             optimizer[rank] += host_optimizer_step_time(updated, ctx.cluster.hardware.host, ranks_per_node(ctx, par),
                                                         len(held), implementation)
         else:
@@ -193,7 +190,7 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     breakdown = {k: m * x for k, x in slots[slowest].items()}
     busy = sum(breakdown.values())
     if pp > 1:  # the simulated schedule, with and without the transfers between stages
-        schedule = par.pipeline_parallel_schedule
+        schedule = par.schedule
         pipeline = simulated_step_s(schedule, pp, m, costs)
         idle = simulated_step_s(schedule, pp, m, [replace(c, send_s=0.0) for c in costs])
         breakdown["pipeline_comm"] += pipeline - idle
@@ -205,7 +202,7 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
                                                     problem.placement)
     breakdown["optimizer"] = max(optimizer)
     breakdown["loss_all_reduce"] = _loss_all_reduce(ctx, par)
-    if ctx.batch_statistics and par.data_parallel_degree > 1:
+    if ctx.batch_statistics and par.dp > 1:
         breakdown["batch_norm_sync"] = m * _batch_norm_sync(ctx, par)
     step = sum(breakdown.values())
     stages = []
@@ -218,8 +215,8 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
                             predicted_weight_s=costs[s].weight_s))
     peak = max(stages, key=lambda st: st.predicted_memory_bytes)
     without_sp = None
-    if tp > 1 and par.enable_sequence_parallel:  # the same layout's activations with sp=off, for the report
-        plain = build_problem(ctx, replace(par, enable_sequence_parallel=False), problem.modes)
+    if tp > 1 and par.sp:  # the same layout's activations with sp=off, for the report
+        plain = build_problem(ctx, replace(par, sp=False), problem.modes)
         without_sp = plain.rank_breakdown(stage_rank(peak.index, pp, problem.placement), assignment).get("activations")
     flops = model_flops_per_step(chain, ctx.training.global_batch_size)
     tokens = ctx.training.tokens_per_sample or chain.tokens_per_sample
@@ -229,10 +226,10 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
         model_flops_per_step=flops, mfu=mfu(flops, step, par.world_size, gpu, ctx.dtype),
         peak_memory_bytes=peak.predicted_memory_bytes, memory_breakdown=dict(peak.memory_breakdown),
         time_breakdown=breakdown, activations_without_sequence_parallel_bytes=without_sp,
-        host_memory_per_node_bytes=offload_host_bytes(ctx, par) if par.enable_cpu_offload else 0.0)
+        host_memory_per_node_bytes=offload_host_bytes(ctx, par) if par.offload else 0.0)
     recomputed = tuple(chain.fqns[u] for u in range(n) if modes[u] != "none")
     mode = next((k for k in modes if k != "none"), "none")
-    final = Parallelism(**{**par.__dict__, "activation_checkpoint": mode})
+    final = replace(par, recompute=mode)
     return Candidate(parallelism=final, stages=tuple(stages), predicted=predicted, fits=fits, reason=reason,
                      memory_needed_bytes=peak.predicted_memory_bytes,
                      tensor_parallel_plan=dict(ctx.facts.plan) if tp > 1 else {},
@@ -246,17 +243,17 @@ def with_memory_without_cp_ep(ctx: Context, candidate: Candidate, modes: tuple[s
     par, predicted = candidate.parallelism, candidate.predicted
     if predicted is None or candidate.assignment is None:
         return candidate
-    rank = max(candidate.stages, key=lambda st: st.predicted_memory_bytes).index % par.pipeline_parallel_degree
+    rank = max(candidate.stages, key=lambda st: st.predicted_memory_bytes).index % par.pp
 
     def peak(changed: Parallelism) -> float:
         return sum(build_problem(ctx, changed, modes).rank_breakdown(rank, candidate.assignment).values())
 
-    if par.context_parallel_degree > 1:
+    if par.cp > 1:
         predicted = replace(predicted, peak_memory_without_context_parallel_bytes=peak(
-            replace(par, context_parallel_degree=1)))
-    if par.expert_parallel_degree > 1:
+            replace(par, cp=1)))
+    if par.ep > 1:
         predicted = replace(predicted, peak_memory_without_expert_parallel_bytes=peak(
-            replace(par, expert_parallel_degree=1)))
+            replace(par, ep=1)))
     return replace(candidate, predicted=predicted)
 
 
@@ -267,14 +264,14 @@ def ranks_per_node(ctx: Context, par: Parallelism) -> int:
 
 def offload_host_bytes(ctx: Context, par: Parallelism) -> float:
     """Host memory per node that CPU offload fills: every rank's shard of its parameters' states."""
-    return host_state_bytes(ctx.total_numel(par.tensor_parallel_degree, par.expert_parallel_degree)
-                            / par.pipeline_parallel_degree, par.fsdp_shard_degree, ranks_per_node(ctx, par))
+    return host_state_bytes(ctx.total_numel(par.tp, par.ep)
+                            / par.pp, par.fsdp_shard, ranks_per_node(ctx, par))
 
 
 def host_oom_reason(ctx: Context, par: Parallelism) -> str:
     """"" when CPU offload's host memory fits the node, else why not."""
     need, have = offload_host_bytes(ctx, par), ctx.cluster.host_memory_bytes
-    if not par.enable_cpu_offload or need <= have:
+    if not par.offload or need <= have:
         return ""
     return f"host memory: CPU offload needs {gib(need)} GiB per node, has {gib(have)} GiB"
 
@@ -293,7 +290,7 @@ def _loss_all_reduce(ctx: Context, par: Parallelism) -> float:
 def _batch_norm_sync(ctx: Context, par: Parallelism) -> float:
     """SyncBatchNorm's all-reduces of one micro-batch over all data-parallel ranks (replicate x shard,
     stride tp), seconds."""
-    group = ctx.group(par.data_parallel_degree, par.tensor_parallel_degree)
+    group = ctx.group(par.dp, par.tp)
     return comm.sync_batch_norm_s([call.channels for call in ctx.batch_statistics], group)
 
 
@@ -321,8 +318,8 @@ def sequence_local_gradient_sum_s(numels: list[float], element: int, shard: int,
 
 def _split_backward(par: Parallelism) -> bool:
     """A zero-bubble schedule: the backward split into input- and weight-gradient passes (autoplan.layout)."""
-    facts = SCHEDULE_BY_NAME.get(par.pipeline_parallel_schedule)
-    return par.pipeline_parallel_degree > 1 and facts is not None and facts.split_backward
+    facts = SCHEDULE_BY_NAME.get(par.schedule)
+    return par.pp > 1 and facts is not None and facts.split_backward
 
 
 def _data_parallel(ctx: Context, par: Parallelism, groups: Groups, *, module_bytes: list[float],
@@ -344,18 +341,18 @@ def _data_parallel(ctx: Context, par: Parallelism, groups: Groups, *, module_byt
     if not sharded:
         # DDP proper only without tensor parallelism (with it, fully_shard replicates: runtime/distributed/parallel.py)
         if _split_backward(par):  # reduced after the stage's last weight pass, nothing beside it
-            if par.tensor_parallel_degree == 1:  # in buckets by the stage itself, no DDP
+            if par.tp == 1:  # in buckets by the stage itself, no DDP
                 return comm.bucketed_all_reduce_comm(sum(module_bytes) * gradient_ratio, replicate, streaming)
             backward = 0.0  # FSDP2's replication beside tensor parallelism
-        hooks = gpu.ddp_tensor_overhead_s if par.tensor_parallel_degree == 1 else 0.0
+        hooks = gpu.ddp_tensor_overhead_s if par.tp == 1 else 0.0
         return comm.ddp_comm(sum(module_bytes) * gradient_ratio, replicate, backward, tensors, hooks)
     return comm.fsdp_comm(comm.FsdpStage(
         module_param_bytes=tuple(module_bytes), reshard_after_forward=par.reshards_after_forward, shard=shard,
-        replicate=replicate, pipelined=par.pipeline_parallel_degree > 1,
-        num_microbatches=par.pipeline_parallel_num_microbatches, forward_window_s=forward,
+        replicate=replicate, pipelined=par.pp > 1,
+        num_microbatches=par.microbatches, forward_window_s=forward,
         backward_window_s=backward, copy_bytes_per_s=streaming, gradient_ratio=gradient_ratio,
         unit_overhead_s=gpu.fsdp_unit_overhead_s,
-        host_link_bytes_per_s=ctx.cluster.hardware.host.link_bandwidth_bytes_per_s if par.enable_cpu_offload else 0.0,
+        host_link_bytes_per_s=ctx.cluster.hardware.host.link_bandwidth_bytes_per_s if par.offload else 0.0,
         expert_param_bytes=tuple(expert_bytes), expert_shard=groups.expert_shard,
         expert_replicate=groups.expert_replicate))
 

@@ -92,20 +92,20 @@ def _row(c: Any, best: Any) -> dict[str, Any]:
     """A searched layout's columns (all but rank)."""
     p = c.parallelism
     return {
-        "dp_replicate": p.data_parallel_replicate_degree, "dp_shard": p.data_parallel_shard_degree,
-        "reshard": p.fsdp_reshard_after_forward, "tp": p.tensor_parallel_degree,
-        "sp": "on" if p.enable_sequence_parallel else "off", "pp": p.pipeline_parallel_degree,
-        "schedule": p.pipeline_parallel_schedule, "virtual_stages": p.pipeline_parallel_virtual_stages,
-        "microbatch": p.pipeline_parallel_microbatch_size, "microbatches": p.pipeline_parallel_num_microbatches,
-        "recompute": p.activation_checkpoint, "recompute_modules": len(c.activation_checkpoint_modules),
-        "offload": "cpu" if p.enable_cpu_offload else "none",
+        "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard,
+        "reshard": p.layout().reshard, "tp": p.tp,
+        "sp": "on" if p.sp else "off", "pp": p.pp,
+        "schedule": p.schedule, "virtual_stages": p.virtual_stages,
+        "microbatch": p.microbatch, "microbatches": p.microbatches,
+        "recompute": p.recompute, "recompute_modules": len(c.activation_checkpoint_modules),
+        "offload": "cpu" if p.offload else "none",
         "compile": "on" if getattr(c, "compile", False) else "off", "gradient_sync": "collectives",
         "fits": c.fits,
         "step_time_s": c.predicted.step_time_s if c.predicted else None,
         "peak_memory_gib": c.predicted.peak_memory_bytes / 2**30 if c.predicted else None,
         "host_memory_gib": c.predicted.host_memory_per_node_bytes / 2**30 if c.predicted else None,
         "reason": "chosen" if c is best else c.reason,
-        "cp": p.context_parallel_degree, "ep": p.expert_parallel_degree,
+        "cp": p.cp, "ep": p.ep,
     }
 
 
@@ -120,20 +120,20 @@ def _schedule_columns(c: Any, candidates: tuple[Any, ...]) -> dict[str, Any]:
 
     out: dict[str, Any] = {"bubble_s": _bubble_s(c), "schedule_tradeoff": ""}
     p = c.parallelism
-    facts = SCHEDULE_BY_NAME.get(p.pipeline_parallel_schedule)
-    if facts is None or not facts.split_backward or p.pipeline_parallel_degree == 1 or not c.predicted:
+    facts = SCHEDULE_BY_NAME.get(p.schedule)
+    if facts is None or not facts.split_backward or p.pp == 1 or not c.predicted:
         return out
 
     def degrees(q: Any) -> tuple[int, ...]:
-        return (q.tensor_parallel_degree, q.pipeline_parallel_degree, q.data_parallel_replicate_degree,
-                q.data_parallel_shard_degree, q.context_parallel_degree, q.expert_parallel_degree)
+        return (q.tp, q.pp, q.dp_replicate,
+                q.dp_shard, q.cp, q.ep)
 
     def same_layout(o: Any) -> bool:
         q = o.parallelism
         return (o.predicted is not None and o.fits and degrees(q) == degrees(p)
                 and getattr(o, "compile", False) == getattr(c, "compile", False)
-                and q.pipeline_parallel_schedule in SCHEDULE_BY_NAME
-                and not SCHEDULE_BY_NAME[q.pipeline_parallel_schedule].split_backward)
+                and q.schedule in SCHEDULE_BY_NAME
+                and not SCHEDULE_BY_NAME[q.schedule].split_backward)
 
     rivals = sorted((o for o in candidates if same_layout(o)), key=lambda o: o.predicted.step_time_s)
     if not rivals:
@@ -141,8 +141,8 @@ def _schedule_columns(c: Any, candidates: tuple[Any, ...]) -> dict[str, Any]:
         return out
     rival = rivals[0]
     q = rival.parallelism
-    name = q.pipeline_parallel_schedule + (f" v={q.pipeline_parallel_virtual_stages}"
-                                           if q.pipeline_parallel_virtual_stages > 1 else "")
+    name = q.schedule + (f" v={q.virtual_stages}"
+                                           if q.virtual_stages > 1 else "")
     saved = (_bubble_s(rival) or 0.0) - (_bubble_s(c) or 0.0)
     memory = (c.predicted.peak_memory_bytes - rival.predicted.peak_memory_bytes) / 2**30
     step = c.predicted.step_time_s - rival.predicted.step_time_s
@@ -157,16 +157,16 @@ def _parameter_server_row(ps: Any) -> dict[str, Any]:
     host memory per node."""
     p = ps.parallelism
     return {
-        "dp_replicate": p.data_parallel_replicate_degree, "dp_shard": p.data_parallel_shard_degree,
-        "reshard": p.fsdp_reshard_after_forward, "tp": p.tensor_parallel_degree, "sp": "off",
-        "pp": p.pipeline_parallel_degree, "schedule": p.pipeline_parallel_schedule,
-        "virtual_stages": p.pipeline_parallel_virtual_stages, "microbatch": p.pipeline_parallel_microbatch_size,
-        "microbatches": p.pipeline_parallel_num_microbatches, "recompute": p.activation_checkpoint,
+        "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard,
+        "reshard": p.layout().reshard, "tp": p.tp, "sp": "off",
+        "pp": p.pp, "schedule": p.schedule,
+        "virtual_stages": p.virtual_stages, "microbatch": p.microbatch,
+        "microbatches": p.microbatches, "recompute": p.recompute,
         "recompute_modules": 0, "offload": "none", "compile": "on" if ps.compile else "off",
         "gradient_sync": "parameter_server",
         "fits": ps.fits, "step_time_s": ps.step_time_s, "peak_memory_gib": ps.peak_memory_bytes / 2**30,
         "host_memory_gib": ps.host_memory_per_node_bytes / 2**30, "reason": ps.reason,
-        "cp": p.context_parallel_degree, "ep": p.expert_parallel_degree,
+        "cp": p.cp, "ep": p.ep,
     }
 
 

@@ -162,7 +162,7 @@ def tensor_parallel_section(plan) -> str:
     """With tp > 1: the Linears split (by style) and every block left whole, with the op and the reason."""
     from autoplan.chain.tensor_parallel import split_lines
 
-    if plan.parallelism.tensor_parallel_degree <= 1:
+    if plan.parallelism.tp <= 1:
         return ""
     split = "".join(f"<li>{esc(line)}</li>" for line in split_lines(plan.tensor_parallel_plan))
     rows = "".join(f"<tr><td>{esc(', '.join(b.modules))}</td><td><code>{esc(b.op)}</code> in "
@@ -171,7 +171,7 @@ def tensor_parallel_section(plan) -> str:
     whole = (f"<h3>Left whole (replicated on every tensor-parallel rank)</h3><table><thead><tr><th>Linears</th>"
              f"<th>op</th><th>why</th></tr></thead><tbody>{rows}</tbody></table>" if rows
              else "<p>Every Linear is split.</p>")
-    return (f"<h2>Tensor parallelism</h2><p class=\"lead\">{plan.parallelism.tensor_parallel_degree}-way: the Linears "
+    return (f"<h2>Tensor parallelism</h2><p class=\"lead\">{plan.parallelism.tp}-way: the Linears "
             f"split (colwise by output features, rowwise by input features; replicate: a per-head norm between "
             f"them) and the blocks left whole, with the op that keeps them whole.</p><ul>{split}</ul>{whole}")
 
@@ -206,7 +206,7 @@ def modules_section(result) -> str:
     plan, profile = result.plan, result.profile
     if profile is None or not plan.stages:
         return ""
-    b = plan.parallelism.pipeline_parallel_microbatch_size
+    b = plan.parallelism.microbatch
     times = module_times(profile, plan.stages, b)
     stage_time = {s.index: s.predicted_time_s for s in plan.stages}
     rows = [charts.BarRow(t.module, (("forward", t.forward_s), ("backward", t.backward_s)), t.stage,
@@ -230,10 +230,10 @@ def schedule_section(plan, view: ScheduleView | None = None) -> str:
         return ""
     par = plan.parallelism
     ranks = view.ranks
-    schedule = (SCHEDULE_BY_NAME[par.pipeline_parallel_schedule].display_name
-                if par.pipeline_parallel_degree > 1 else "Gradient accumulation")
+    schedule = (SCHEDULE_BY_NAME[par.schedule].display_name
+                if par.pp > 1 else "Gradient accumulation")
     chart = charts.gantt(list(view.events), ranks, "pipeline schedule", view.elided)
-    microbatches = plural(par.pipeline_parallel_num_microbatches, "micro-batch")
+    microbatches = plural(par.microbatches, "micro-batch")
     return (f'<h2>Schedule of one step</h2><p class="lead">{esc(schedule)}, '
             f"{microbatches} on {plural(ranks, 'pipeline rank')}; numbers are "
             f"micro-batches. Simulated step: {fmt_seconds(view.makespan_s)} (predicted "
@@ -285,13 +285,13 @@ def experts_section(plan, candidates: tuple[Any, ...], best: Any) -> str:
     all-to-all per step (time_breakdown "expert_compute", "expert_parallel_comm") and its peak memory split into
     model states and activations."""
     priced = [c for c in candidates if c.predicted is not None]
-    if not any("expert_compute" in c.predicted.time_breakdown or c.parallelism.expert_parallel_degree > 1
+    if not any("expert_compute" in c.predicted.time_breakdown or c.parallelism.ep > 1
                for c in priced):
         return ""
     chosen = best if best is not None and best.predicted is not None else None
     rows = ([chosen] if chosen else []) + fastest_by_expert_split(
-        priced, exclude_ep=chosen.parallelism.expert_parallel_degree if chosen else None)
-    rows.sort(key=lambda c: c.parallelism.expert_parallel_degree == 1)  # with ep > 1 first
+        priced, exclude_ep=chosen.parallelism.ep if chosen else None)
+    rows.sort(key=lambda c: c.parallelism.ep == 1)  # with ep > 1 first
     head = ('<tr><th>experts</th><th>layout</th><th class="n">step time</th><th class="n">expert compute</th>'
             '<th class="n">expert all-to-all</th><th class="n">peak memory/GPU</th><th class="n">model states</th>'
             '<th class="n">activations</th><th>fits</th></tr>')
@@ -304,7 +304,7 @@ def experts_section(plan, candidates: tuple[Any, ...], best: Any) -> str:
 
 
 def _expert_row(c: Any, chosen: bool) -> str:
-    pred, ep = c.predicted, c.parallelism.expert_parallel_degree
+    pred, ep = c.predicted, c.parallelism.ep
     parts, memory = pred.time_breakdown, pred.memory_breakdown
     states = sum(memory.get(k, 0.0) for k in MODEL_STATES)
     fits = '<span class="badge ok">yes</span>' if c.fits else '<span class="badge bad">no</span>'
@@ -321,8 +321,8 @@ def _expert_row(c: Any, chosen: bool) -> str:
 
 def _expert_verdict(rows: list[Any]) -> str:
     """One line: whether expert parallelism pays (both kinds priced), by step time among the layouts that fit."""
-    split = [c for c in rows if c.parallelism.expert_parallel_degree > 1]
-    whole = [c for c in rows if c.parallelism.expert_parallel_degree == 1]
+    split = [c for c in rows if c.parallelism.ep > 1]
+    whole = [c for c in rows if c.parallelism.ep == 1]
     if not split or not whole:
         kind = "with" if split else "without"
         return f'<p class="lead">Only layouts {kind} expert parallelism were priced.</p>'

@@ -76,34 +76,34 @@ def describe_layout(par: Parallelism | dict[str, Any]) -> str:
         known = {k: v for k, v in par.items() if k in Parallelism.__dataclass_fields__}
         par = Parallelism(**known)
     parts = []
-    dp = par.data_parallel_degree
+    dp = par.dp
     if dp > 1:
-        if par.sharded and par.data_parallel_replicate_degree > 1:
-            parts.append(f"HSDP {par.data_parallel_replicate_degree}×{par.data_parallel_shard_degree}")
+        if par.sharded and par.dp_replicate > 1:
+            parts.append(f"HSDP {par.dp_replicate}×{par.dp_shard}")
         elif par.reshards_after_forward:
             parts.append(f"FSDP {dp}")
         elif par.sharded:
             parts.append(f"FSDP {dp} (no reshard)")
         else:
             parts.append(f"DP {dp}")
-    if par.context_parallel_degree > 1:
-        parts.append(f"CP {par.context_parallel_degree}")
-    if par.tensor_parallel_degree > 1:
-        parts.append(f"TP {par.tensor_parallel_degree}")
-    m, b = par.pipeline_parallel_num_microbatches, par.pipeline_parallel_microbatch_size
-    if par.pipeline_parallel_degree > 1:
-        schedule = SCHEDULE_BY_NAME[par.pipeline_parallel_schedule].display_name
-        if par.pipeline_parallel_virtual_stages > 1:
-            schedule += f" ×{par.pipeline_parallel_virtual_stages} chunks"
-        parts.append(f"PP {par.pipeline_parallel_degree} ({schedule}, {plural(m, 'micro-batch')} of {b})")
+    if par.cp > 1:
+        parts.append(f"CP {par.cp}")
+    if par.tp > 1:
+        parts.append(f"TP {par.tp}")
+    m, b = par.microbatches, par.microbatch
+    if par.pp > 1:
+        schedule = SCHEDULE_BY_NAME[par.schedule].display_name
+        if par.virtual_stages > 1:
+            schedule += f" ×{par.virtual_stages} chunks"
+        parts.append(f"PP {par.pp} ({schedule}, {plural(m, 'micro-batch')} of {b})")
     name = " × ".join(parts) or "1 GPU"
-    if par.expert_parallel_degree > 1:
-        name += f" · EP {par.expert_parallel_degree} (experts split over {par.expert_parallel_degree} of the DP×CP×TP ranks)"
-    if par.pipeline_parallel_degree == 1 and m > 1:
+    if par.ep > 1:
+        name += f" · EP {par.ep} (experts split over {par.ep} of the DP×CP×TP ranks)"
+    if par.pp == 1 and m > 1:
         name += f" · {plural(m, 'accumulation step')} of {b}"
-    if par.activation_checkpoint != "none":
-        name += f" · recompute {par.activation_checkpoint}"
-    if par.enable_cpu_offload:
+    if par.recompute != "none":
+        name += f" · recompute {par.recompute}"
+    if par.offload:
         name += " · CPU offload"
     return name
 

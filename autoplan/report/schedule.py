@@ -80,7 +80,7 @@ def p2p_time_s(plan: Plan) -> float:
     activation and one gradient per micro-batch and model chunk, so one transfer is that / (2 m v).
     """
     par = plan.parallelism
-    transfers = 2 * par.pipeline_parallel_num_microbatches * max(1, par.pipeline_parallel_virtual_stages)
+    transfers = 2 * par.microbatches * max(1, par.virtual_stages)
     return max(0.0, plan.predicted.time_breakdown.get("pipeline_comm", 0.0)) / transfers
 
 
@@ -116,12 +116,12 @@ def _blocks(plan: Plan) -> list[Block]:
     stages = sorted(plan.stages, key=lambda s: s.index)
     if not stages:
         return []
-    ranks = max(1, min(par.pipeline_parallel_degree, len(stages)))
+    ranks = max(1, min(par.pp, len(stages)))
     if len(stages) % ranks:  # not a whole number of chunks per rank: draw one stage per rank
         ranks = len(stages)
-    m = max(1, par.pipeline_parallel_num_microbatches)
-    run = simulate(par.pipeline_parallel_schedule, ranks, m, stage_costs(plan, stages))
-    placement = SCHEDULE_BY_NAME[par.pipeline_parallel_schedule].placement
+    m = max(1, par.microbatches)
+    run = simulate(par.schedule, ranks, m, stage_costs(plan, stages))
+    placement = SCHEDULE_BY_NAME[par.schedule].placement
     compute, communication, receive = LANES.index(COMPUTE), LANES.index(COMMUNICATION), LANES.index(RECEIVE)
     index = [st.index for st in stages]
     blocks: list[Block] = []
@@ -148,7 +148,7 @@ def _after_backward(plan: Plan, ranks: int, rank_free: list[float], lane_free: l
     blocks: list[Block] = []
     for r in range(ranks):
         ready = rank_free[r]
-        if sync > 0 and plan.parallelism.data_parallel_degree > 1:
+        if sync > 0 and plan.parallelism.dp > 1:
             start = max(ready, lane_free[r])
             blocks.append((r, LANES.index(COMMUNICATION), start, sync, "grad_sync", None, None, None, None))
             ready = start + sync
@@ -257,7 +257,7 @@ def schedule_view(plan: Plan, budget: int = DRAWN_EVENTS) -> ScheduleView:
     if _last_view and _last_view[0] is plan and _last_view[1] == budget:
         return _last_view[2]
     blocks = _blocks(plan)
-    m = max(1, plan.parallelism.pipeline_parallel_num_microbatches)
+    m = max(1, plan.parallelism.microbatches)
     shown = drawn_microbatches(m, sum(1 for b in blocks if b[6] is not None) / m, budget)
     drawn, elided = _elide(blocks, shown)
     end = max((b[2] + b[3] for b in blocks), default=0.0)

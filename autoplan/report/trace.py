@@ -67,7 +67,7 @@ def write_trace(plan: Plan, out_dir: Path, view: ScheduleView | None = None) -> 
     """Write out_dir/trace.json (`view`: the schedule_view of the plan when the caller has it)."""
     view = schedule_view(plan) if view is None else view
     other: dict[str, Any] = {"source": "autoplan predicted schedule",
-                             "schedule": plan.parallelism.pipeline_parallel_schedule,
+                             "schedule": plan.parallelism.schedule,
                              "predicted_step_time_s": plan.predicted.step_time_s}
     if view.elided:
         other["elided"] = (f"{view.microbatches} micro-batches: the blocks of micro-batches "

@@ -30,7 +30,7 @@ def fastest_of_the_other_expert_split(candidates, best) -> list[Any]:
     """On a model with expert layers, the fastest priced layout of the other kind than the plan's: with ep=1 when
     the plan splits the experts (ep > 1), with ep > 1 when it does not (what the report and the summary measure
     expert parallelism by); else nothing."""
-    return fastest_by_expert_split(candidates, exclude_ep=best.parallelism.expert_parallel_degree)
+    return fastest_by_expert_split(candidates, exclude_ep=best.parallelism.ep)
 
 
 def fastest_by_expert_split(candidates, exclude_ep: int | None = None) -> list[Any]:
@@ -41,7 +41,7 @@ def fastest_by_expert_split(candidates, exclude_ep: int | None = None) -> list[A
     for split in (True, False):
         if exclude_ep is not None and (exclude_ep > 1) == split:
             continue
-        kind = [c for c in candidates if c.predicted is not None and (c.parallelism.expert_parallel_degree > 1) == split]
+        kind = [c for c in candidates if c.predicted is not None and (c.parallelism.ep > 1) == split]
         if kind:
             out.append(min(kind, key=lambda c: (not c.fits, c.predicted.step_time_s)))
     return out

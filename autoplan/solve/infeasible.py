@@ -52,7 +52,7 @@ def _leanest(ctx: Context, candidates: list[Candidate]) -> Candidate:
         if best is not None and bound > best[0]:
             break  # no split of this one or of any after it needs less than the best
         par = c.parallelism
-        problem = build_problem(ctx, par, layouts.modes_for(par.activation_checkpoint, False))
+        problem = build_problem(ctx, par, layouts.modes_for(par.recompute, False))
         found = leanest_assignment(problem)
         needed = max(problem.peak_memory(found)) if found else bound
         entry = (needed, i, dataclasses.replace(c, memory_needed_bytes=needed))

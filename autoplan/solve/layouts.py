@@ -1,7 +1,8 @@
-"""The layouts the search enumerates: families (tp, cp, ep, pp, dp_replicate, dp_shard, reshard) times variants
-(schedule, virtual stages, micro-batch size, recompute mode); the recompute mode names what the solver
-may apply per module. Only layouts that layout.problems() accepts with the pins are emitted, and only
-features the program can run (layout.SUPPORTED) unless the caller prices other programs.
+"""The layouts the search enumerates: families (tp, cp, ep, pp, dp_replicate, dp_shard, reshard, sp, offload,
+loss_parallel: a layout.Parallelism whose schedule fields are left at their defaults) times variants (schedule,
+virtual stages, micro-batch size, micro-batches, recompute mode: Variant, those fields of a Parallelism); the
+recompute mode names what the solver may apply per module. Only layouts that layout.problems() accepts with
+the pins are emitted, and only features the program can run (layout.SUPPORTED) unless the caller prices other programs.
 
 Mesh dims in rank order ("pp", "dp_replicate", "dp_shard", "cp", "tp"): tp innermost and within a node.
 The search's own scope (not validity): reshard=never shards over every data-parallel rank; HSDP
@@ -23,9 +24,8 @@ from dataclasses import dataclass, replace
 from autoplan.cost.context import Context
 from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster
-from autoplan.layout import (DEFAULT_SCHEDULE, RECOMPUTE, SCHEDULE_BY_NAME, Layout, Scope, expert_folded_ranks,
-                             problems, schedule_problems)
-from autoplan.plan import Parallelism
+from autoplan.layout import (DEFAULT_SCHEDULE, RECOMPUTE, SCHEDULE_BY_NAME, Layout, Parallelism, Scope,
+                             expert_folded_ranks, problems, schedule_problems)
 
 MAX_VIRTUAL_STAGES = 8
 """Largest number of stages per pipeline rank tried with the interleaved schedule."""
@@ -47,37 +47,6 @@ def compiled(pins: Layout, cluster: Cluster, features: frozenset[str]) -> bool:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-@dataclass(frozen=True)
-class Family:
-    """Degrees and sharding of a layout (what the model states' memory depends on)."""
-
-    tp: int
-    pp: int
-    dp_replicate: int
-    dp_shard: int
-    reshard: bool
-    """FSDP2 reshards after forward (only with dp_shard > 1)."""
-    sp: bool = False
-    """Sequence parallel between the tensor-parallel pairs (only with tp > 1)."""
-    offload: bool = False
-    """FSDP2 keeps the model states on the host (CPU offload; only with resharding, pp = 1)."""
-    loss_parallel: bool = True
-    """The loss runs on the vocabulary-parallel head's sharded logits (off when the loss_fn cannot)."""
-    cp: int = 1
-    """Context-parallel degree (the model states are sharded over dp_shard x cp)."""
-    ep: int = 1
-    """Expert-parallel degree (folded over the dp_shard x cp x tp ranks)."""
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def fsdp(self) -> int:
-        """Ranks the model states are sharded over: dp_shard x cp."""
-        return self.dp_shard * self.cp
 
 
 def scope_of(ctx: Context) -> Scope:
@@ -105,7 +74,7 @@ def check_pins(pins: Layout, scope: Scope) -> None:
         raise UserError("pins cannot hold: " + "; ".join(found))
 
 
-def families(pins: Layout, scope: Scope, rejected: list[str] | None = None) -> list[Family]:
+def families(pins: Layout, scope: Scope, rejected: list[str] | None = None) -> list[Parallelism]:
     """Every (tp, cp, ep, pp, dp_replicate, dp_shard, reshard) the pins allow that layout.problems() accepts in
     `scope` (whose tensor_parallel_problems says which tp the model allows); the rules the others of
     those degrees break are added to `rejected` when it is given."""
@@ -125,7 +94,7 @@ def families(pins: Layout, scope: Scope, rejected: list[str] | None = None) -> l
 
 
 def _sharded_families(pins: Layout, scope: Scope, tp: int, cp: int, ep: int, pp: int, dp: int,
-                      rejected: list[str] | None) -> list[Family]:
+                      rejected: list[str] | None) -> list[Parallelism]:
     """The families of these degrees: each sharding (and CPU offload) the pins and the rules allow."""
     per_node, features = scope.gpus_per_node or scope.num_gpus, scope.features or frozenset()
     out = []
@@ -136,8 +105,9 @@ def _sharded_families(pins: Layout, scope: Scope, tp: int, cp: int, ep: int, pp:
             continue
         sp = sequence_parallel(pins, tp, scope)
         for offload in _offload_options(pins, shard * cp, reshard, scope):
-            family = Family(tp=tp, pp=pp, dp_replicate=dp // shard, dp_shard=shard, reshard=reshard, sp=sp,
-                            offload=offload, loss_parallel=not scope.loss_parallel_problem, cp=cp, ep=ep)
+            family = Parallelism(tp=tp, pp=pp, dp_replicate=dp // shard, dp_shard=shard, reshard=reshard, sp=sp,
+                                 offload=offload, loss_parallel=tp == 1 or not scope.loss_parallel_problem, cp=cp,
+                                 ep=ep)
             layout = replace(pins, dp=dp, dp_replicate=dp // shard, dp_shard=shard,
                              reshard="always" if reshard else "never", tp=tp, pp=pp, cp=cp, ep=ep,
                              sp="on" if sp else pins.sp, offload="cpu" if offload else "none")
@@ -242,6 +212,9 @@ def virtual_stages_tried(schedule: str) -> range:
 
 @dataclass(frozen=True)
 class Variant:
+    """The micro-batch schedule of a layout: these fields of a Parallelism (with_variant sets them on a family). Its
+    own small value because the search prices each (dp, tp, pp, cp) shape's variants once for every family of it."""
+
     schedule: str
     virtual_stages: int
     microbatch: int
@@ -249,7 +222,7 @@ class Variant:
     recompute: str
 
 
-def variants(family: Family, pins: Layout, scope: Scope, rejected: list[str] | None = None) -> list[Variant]:
+def variants(family: Parallelism, pins: Layout, scope: Scope, rejected: list[str] | None = None) -> list[Variant]:
     """Every (schedule, virtual stages, micro-batch size, recompute mode) of `family` the pins allow that
     layout.problems() accepts; the rules the others break are added to `rejected` when it is given. They depend
     on the family's dp, tp, pp and cp alone (the search prices each such shape's variants once; a zero-bubble
@@ -269,9 +242,9 @@ def variants(family: Family, pins: Layout, scope: Scope, rejected: list[str] | N
     base = Layout(dp=family.dp, tp=family.tp, pp=pp, cp=family.cp)
     out = []
     for schedule, virtual in schedules:
-        for mbs in sizes:
-            shape = replace(base, schedule=schedule, virtual_stages=virtual, microbatch=mbs,
-                            microbatches=per_rank // mbs if per_rank % mbs == 0 else None)
+        for microbatch in sizes:
+            shape = replace(base, schedule=schedule, virtual_stages=virtual, microbatch=microbatch,
+                            microbatches=per_rank // microbatch if per_rank % microbatch == 0 else None)
             if shape.microbatches is None:
                 continue
             broken = schedule_problems(shape, scope)  # the family passed the rest
@@ -279,55 +252,20 @@ def variants(family: Family, pins: Layout, scope: Scope, rejected: list[str] | N
                 if rejected is not None:
                     rejected += broken
                 continue
-            out += [Variant(schedule, virtual, mbs, shape.microbatches, mode) for mode in modes
+            out += [Variant(schedule, virtual, microbatch, shape.microbatches, mode) for mode in modes
                     if mode == "none" or not schedule_problems(replace(shape, recompute=mode), scope)]
     return out
 
 
-def parallelism(family: Family, variant: Variant, recompute: str) -> Parallelism:
-    return Parallelism(
-        data_parallel_replicate_degree=family.dp_replicate,
-        data_parallel_shard_degree=family.dp_shard,
-        fsdp_reshard_after_forward="always" if family.reshard else "never",
-        tensor_parallel_degree=family.tp,
-        pipeline_parallel_degree=family.pp,
-        pipeline_parallel_schedule=variant.schedule,
-        pipeline_parallel_microbatch_size=variant.microbatch,
-        pipeline_parallel_num_microbatches=variant.microbatches,
-        activation_checkpoint=recompute,
-        pipeline_parallel_virtual_stages=variant.virtual_stages,
-        enable_sequence_parallel=family.sp,
-        disable_loss_parallel=family.tp > 1 and not family.loss_parallel,
-        enable_cpu_offload=family.offload,
-        context_parallel_degree=family.cp,
-        expert_parallel_degree=family.ep,
-    )
+def parallelism(family: Parallelism, variant: Variant, recompute: str) -> Parallelism:
+    """`family` with `variant`'s schedule fields, the modules recomputed with `recompute`."""
+    return replace(family, schedule=variant.schedule, virtual_stages=variant.virtual_stages,
+                   microbatch=variant.microbatch, microbatches=variant.microbatches, recompute=recompute)
 
 
 def describe(par: Parallelism) -> str:
-    text = f"dp={par.data_parallel_degree}"
-    if par.data_parallel_replicate_degree > 1 and par.data_parallel_shard_degree > 1:
-        text += f" ({par.data_parallel_replicate_degree}x{par.data_parallel_shard_degree} HSDP)"
-    text += f" tp={par.tensor_parallel_degree}"
-    if par.tensor_parallel_degree > 1:
-        text += f" sp={'on' if par.enable_sequence_parallel else 'off'}"
-    if par.context_parallel_degree > 1:
-        text += f" cp={par.context_parallel_degree}"
-    if par.expert_parallel_degree > 1:
-        text += f" ep={par.expert_parallel_degree}"
-    text += f" pp={par.pipeline_parallel_degree}"
-    if par.sharded:
-        text += f" dp_shard={par.data_parallel_shard_degree} reshard={par.fsdp_reshard_after_forward}"
-    if par.enable_cpu_offload:
-        text += " offload=cpu"
-    if par.pipeline_parallel_degree > 1:
-        text += f" schedule={par.pipeline_parallel_schedule}"
-        if par.pipeline_parallel_virtual_stages > 1:
-            text += f" virtual_stages={par.pipeline_parallel_virtual_stages}"
-    text += f" microbatch={par.pipeline_parallel_microbatch_size} microbatches={par.pipeline_parallel_num_microbatches}"
-    if par.activation_checkpoint != "none":
-        text += f" recompute={par.activation_checkpoint}"
-    return text
+    """The layout in one line of short names (Parallelism.text)."""
+    return par.text()
 
 
 def modes_for(recompute: str, pinned: bool) -> tuple[str, ...]:

@@ -85,7 +85,7 @@ def parameter_server_layout(ctx: Context, best: Candidate) -> ParameterServerLay
     workers, numel = cluster.num_gpus, ctx.total_numel(1)
     if workers < 2 or batch % workers or numel <= 0:
         return None
-    par = Parallelism(data_parallel_replicate_degree=workers, pipeline_parallel_microbatch_size=batch // workers)
+    par = Parallelism(dp_replicate=workers, microbatch=batch // workers)
     modules = len(ctx.chain)
     problem = build_problem(ctx, par, ("none",))
     assignment = Assignment(Split((0, modules)), ("none",) * modules)

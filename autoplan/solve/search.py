@@ -87,7 +87,7 @@ def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: La
     chosen = choose(fitting)
     best, info = refine_with_ilp(ctx, chosen, pins.recompute is not None, solver, time_limit_s)
     best = with_memory_without_cp_ep(priced_as(ctx, best), best, layouts.modes_for(
-        best.parallelism.activation_checkpoint, pins.recompute is not None))
+        best.parallelism.recompute, pins.recompute is not None))
     twin = compile_twin(ctx, best, pins, pins.recompute is not None, scope)
     other_split = [dataclasses.replace(c, reason=_losing_reason(c, best))
                    for c in _other_expert_split(ctx, pins, best, tried) + _schedule_rival(ctx, pins, best, tried)]
@@ -108,7 +108,7 @@ class Work:
     """A variant of a family waiting to be priced, and the step time no split of it can beat."""
 
     time_bound_s: float
-    family: layouts.Family
+    family: Parallelism
     variant: layouts.Variant
 
 
@@ -132,10 +132,10 @@ def _other_expert_split(ctx: Context, pins: Layout, best: Candidate, tried: list
     """On a model with expert layers and ep not pinned: the fastest fitting layout of the other kind than `best`'s
     (ep = 1 when it splits the experts, ep > 1 when it does not), by its own branch and bound when the search's
     cut it off before pricing one (what the report and the summary measure expert parallelism by); else []."""
-    split = best.parallelism.expert_parallel_degree > 1
+    split = best.parallelism.ep > 1
     if not ctx.experts or pins.ep is not None:
         return []
-    if any(c.fits and (c.parallelism.expert_parallel_degree > 1) != split for c in tried):
+    if any(c.fits and (c.parallelism.ep > 1) != split for c in tried):
         return []
     found = explore(ctx, pins, keep=lambda fam: (fam.ep > 1) != split).tried
     fitting = sorted((c for c in found if c.fits), key=_by_time)
@@ -147,18 +147,18 @@ def _schedule_rival(ctx: Context, pins: Layout, best: Candidate, tried: list[Can
     not pinned: the same degrees' fastest fitting layout with a schedule that does not split backward, by its own
     branch and bound when the search's cut it off (candidates.csv's schedule_tradeoff compares the two); else []."""
     par = best.parallelism
-    if pins.schedule is not None or not SCHEDULE_BY_NAME[par.pipeline_parallel_schedule].split_backward:
+    if pins.schedule is not None or not SCHEDULE_BY_NAME[par.schedule].split_backward:
         return []
 
     def same_degrees(c: Candidate) -> bool:
         q = c.parallelism
-        return (q.tensor_parallel_degree, q.pipeline_parallel_degree, q.data_parallel_replicate_degree,
-                q.data_parallel_shard_degree, q.context_parallel_degree, q.expert_parallel_degree) == (
-            par.tensor_parallel_degree, par.pipeline_parallel_degree, par.data_parallel_replicate_degree,
-            par.data_parallel_shard_degree, par.context_parallel_degree, par.expert_parallel_degree)
+        return (q.tp, q.pp, q.dp_replicate,
+                q.dp_shard, q.cp, q.ep) == (
+            par.tp, par.pp, par.dp_replicate,
+            par.dp_shard, par.cp, par.ep)
 
     def unsplit(c: Candidate) -> bool:
-        return c.fits and not SCHEDULE_BY_NAME[c.parallelism.pipeline_parallel_schedule].split_backward
+        return c.fits and not SCHEDULE_BY_NAME[c.parallelism.schedule].split_backward
 
     if any(unsplit(c) and same_degrees(c) for c in tried):
         return []
@@ -167,13 +167,13 @@ def _schedule_rival(ctx: Context, pins: Layout, best: Candidate, tried: list[Can
         if name in ctx.features and not SCHEDULE_BY_NAME[name].split_backward:
             found += explore(ctx, replace(pins, schedule=name), keep=lambda fam: (
                 fam.tp, fam.pp, fam.dp_replicate, fam.dp_shard, fam.cp, fam.ep) == (
-                par.tensor_parallel_degree, par.pipeline_parallel_degree, par.data_parallel_replicate_degree,
-                par.data_parallel_shard_degree, par.context_parallel_degree, par.expert_parallel_degree)).tried
+                par.tp, par.pp, par.dp_replicate,
+                par.dp_shard, par.cp, par.ep)).tried
     return sorted((c for c in found if unsplit(c)), key=_by_time)[:1]
 
 
 def explore(ctx: Context, pins: Layout, max_priced: int | None = None, explain: bool = True,
-            keep: Callable[[layouts.Family], bool] | None = None) -> Explored:
+            keep: Callable[[Parallelism], bool] | None = None) -> Explored:
     """The branch and bound (module docstring, steps 1-3) over every layout the pins allow (the families `keep`
     accepts, when given), stopped after pricing `max_priced` variants when given (the first ones by their time
     lower bound: the same ones on any machine). Without
@@ -280,7 +280,7 @@ def compile_twin(ctx: Context, best: Candidate, pins: Layout, pinned_recompute: 
     other = ctx.compiled_as(not best.compile)
     par = best.parallelism
     refused = problems(replace(par.layout(), compile="on"), scope) if not best.compile else []
-    problem = build_problem(other, par, layouts.modes_for(par.activation_checkpoint, pinned_recompute))
+    problem = build_problem(other, par, layouts.modes_for(par.recompute, pinned_recompute))
     twin = evaluate(other, par, problem, best.assignment, problem.fits(best.assignment))
     change = (twin.predicted.step_time_s - best.predicted.step_time_s) / best.predicted.step_time_s * 100
     opening, ending = _why_compile_lost(best.compile, change, ctx.compiled, pins.compile == "off", refused)
@@ -308,39 +308,39 @@ def _why_compile_lost(best_compiled: bool, change_percent: float, compiled_by_de
     return opening, "".join(f"; and the program cannot run it: {why}" for why in refused)
 
 
-def family_memory_bound(ctx: Context, fam: layouts.Family) -> float:
+def family_memory_bound(ctx: Context, fam: Parallelism) -> float:
     """Model states of the average pipeline rank: no split of this family can do better. The expert
     parameters (E/ep per rank) shard over expert_shard_degree ranks (cost/context.py)."""
     if fam.offload:  # on the host (CPU offload)
         return 0.0
     numel = ctx.total_numel(fam.tp, fam.ep)
     experts = sum(ctx.module_expert_numel(fam.ep))
-    zero = zero_of(fam.fsdp, fam.reshard)
-    expert_shard = expert_shard_degree(fam.fsdp, fam.ep, fam.tp)
-    states = sum(model_state_bytes(numel - experts, ctx.dtype, zero, fam.fsdp).values()) + \
+    zero = zero_of(fam.fsdp_shard, fam.reshard)
+    expert_shard = expert_shard_degree(fam.fsdp_shard, fam.ep, fam.tp)
+    states = sum(model_state_bytes(numel - experts, ctx.dtype, zero, fam.fsdp_shard).values()) + \
         sum(model_state_bytes(experts, ctx.dtype, zero, expert_shard).values())
     if fam.pp > 1 and zero >= 2:  # unreduced gradients (and unsharded FSDP parameters) under pipelining
         states += numel * (2 if zero == 3 else 1) * ctx.dtype_bytes
     return states / fam.pp
 
 
-def time_lower_bound(ctx: Context, fam: layouts.Family, var: layouts.Variant, pinned: bool) -> float:
+def time_lower_bound(ctx: Context, fam: Parallelism, var: layouts.Variant, pinned: bool) -> float:
     """(m + (p - 1) / v) x the slowest rank's slot if the fastest module times balanced perfectly; m slots for a
     zero-bubble schedule (its weight-gradient passes may fill the whole bubble)."""
-    table = ctx.table(fam.tp, var.microbatch, fam.sp, cp=fam.cp, ep=fam.ep)
+    table = ctx.table(replace(fam, microbatch=var.microbatch))
     mode = "none" if not pinned else var.recompute
     slot = table.total_s[mode] / fam.pp
     bubble = 0.0 if SCHEDULE_BY_NAME[var.schedule].split_backward else (fam.pp - 1) / var.virtual_stages
     return (var.microbatches + bubble) * slot
 
 
-def _time_bounds(ctx: Context, pinned: bool) -> Callable[[layouts.Family, layouts.Variant], float]:
+def _time_bounds(ctx: Context, pinned: bool) -> Callable[[Parallelism, layouts.Variant], float]:
     """time_lower_bound, remembered per what it reads of the family (tp, sp, cp, ep, pp) and the variant: the
     families that differ only in how data parallelism shards (replicate x shard, resharding, offload) share it,
     and a big mixture of experts enumerates hundreds of thousands of variants."""
     known: dict[tuple, float] = {}
 
-    def bound(fam: layouts.Family, var: layouts.Variant) -> float:
+    def bound(fam: Parallelism, var: layouts.Variant) -> float:
         key = (fam.tp, fam.sp, fam.cp, fam.ep, fam.pp, var)
         if key not in known:
             known[key] = time_lower_bound(ctx, fam, var, pinned)
@@ -391,7 +391,7 @@ def refine_with_ilp(ctx: Context, candidate: Candidate, pinned: bool, solver: st
     or, without an incumbent, the seed's to the step-time lower bound); "infeasible" or "failed" (a solver failure:
     the seed fits, and the MILP's rows are ChainProblem.fits's own), the seed kept, gap to the lower bound."""
     par = candidate.parallelism
-    mode = par.activation_checkpoint
+    mode = par.recompute
     ctx = priced_as(ctx, candidate)
     problem = build_problem(ctx, par, layouts.modes_for(mode, pinned))
     start = candidate.assignment
@@ -440,14 +440,14 @@ def _by_time(c: Candidate) -> tuple:
 
 def _simplicity(c: Candidate) -> tuple:
     par = c.parallelism
-    schedule = layouts.SCHEDULE_PREFERENCE.index(par.pipeline_parallel_schedule)
-    recompute = RECOMPUTE.index(par.activation_checkpoint)
-    return (par.enable_cpu_offload, par.pipeline_parallel_degree, par.tensor_parallel_degree,
-            par.context_parallel_degree, par.expert_parallel_degree,
-            zero_of(par.data_parallel_shard_degree, par.reshards_after_forward),
-            par.data_parallel_shard_degree > 1 and par.data_parallel_replicate_degree > 1, schedule,
-            par.pipeline_parallel_virtual_stages, recompute, _partial_recompute(c),
-            c.predicted.step_time_s, -par.pipeline_parallel_microbatch_size, par.data_parallel_degree)
+    schedule = layouts.SCHEDULE_PREFERENCE.index(par.schedule)
+    recompute = RECOMPUTE.index(par.recompute)
+    return (par.offload, par.pp, par.tp,
+            par.cp, par.ep,
+            zero_of(par.dp_shard, par.reshards_after_forward),
+            par.dp_shard > 1 and par.dp_replicate > 1, schedule,
+            par.virtual_stages, recompute, _partial_recompute(c),
+            c.predicted.step_time_s, -par.microbatch, par.dp)
 
 
 def _partial_recompute(c: Candidate) -> int:
@@ -464,6 +464,6 @@ def _losing_reason(c: Candidate, best: Candidate) -> str:
     if abs(percent) <= TIE_TOLERANCE * 100:  # a faster one in the tie lost to the simpler best
         return f"{percent:+.2f}% step time vs the best, a tie within {TIE_TOLERANCE:.0%}: the best is simpler"
     digits = 0 if percent >= 1 else 1
-    offloads = c.parallelism.enable_cpu_offload and not best.parallelism.enable_cpu_offload
+    offloads = c.parallelism.offload and not best.parallelism.offload
     why = " (CPU offload: host-device copies and the optimizer step on the CPU)" if offloads else ""
     return f"{percent:.{digits}f}% slower than the best{why}"

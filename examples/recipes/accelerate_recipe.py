@@ -52,7 +52,7 @@ def main(argv=None) -> list[float]:
 
     torch.manual_seed(seed)  # rank 0's values are the ones every rank starts from
     model = model_file.build_model()
-    micro_batch = model_file.example_batch(plan.parallelism.pipeline_parallel_microbatch_size)[0]
+    micro_batch = model_file.example_batch(plan.parallelism.microbatch)[0]
     parallel = autoplan.parallelize(model, plan, device=accelerator.device, example_inputs=micro_batch,
                                     loss_fn=getattr(model_file, "loss_fn", None))
     kernels = plan.training.optimizer_implementation  # as the generated train.py runs AdamW

@@ -62,7 +62,7 @@ def main(argv=None) -> list[float]:
     torch.manual_seed(seed)
     model = model_file.build_model()
     # 2. apply the plan: this rank's stages and shards, wrapped as planned
-    micro_batch = model_file.example_batch(plan.parallelism.pipeline_parallel_microbatch_size)[0]
+    micro_batch = model_file.example_batch(plan.parallelism.microbatch)[0]
     parallel = autoplan.parallelize(model, plan, device=device, example_inputs=micro_batch,
                                     loss_fn=getattr(model_file, "loss_fn", None))
     # 3. an optimizer over this rank's parameters (grouped by tensor kind for torch's fused/foreach kernels),

@@ -45,7 +45,7 @@ class PlannedModule(L.LightningModule):
             return
         torch.manual_seed(self.plan.training.seed)  # rank 0's values are the ones every rank starts from
         model = self.model_file.build_model()
-        micro_batch = self.model_file.example_batch(self.plan.parallelism.pipeline_parallel_microbatch_size)[0]
+        micro_batch = self.model_file.example_batch(self.plan.parallelism.microbatch)[0]
         self.parallel = autoplan.parallelize(model, self.plan, device=self.device, example_inputs=micro_batch,
                                              loss_fn=getattr(self.model_file, "loss_fn", None))
         self.parts = nn.ModuleDict({str(s): part for s, part in self.parallel.parts.items()})  # Lightning sees them

@@ -24,6 +24,6 @@ def pinned_plan(model_file: Path, stages, global_batch: int = 8, tokens_per_samp
         predicted=Prediction(step_time_s=0.05, samples_per_s=160.0, tokens_per_s=None, model_flops_per_step=1e6,
                              mfu=0.1, peak_memory_bytes=1e6),
         solver=SolverInfo(name="pinned", status="optimal", time_s=0.0, candidates_evaluated=1),
-        tensor_parallel_plan=dict(tensor_parallel_plan or {}) if par.tensor_parallel_degree > 1 else {},
-        activation_checkpoint_modules=() if par.activation_checkpoint == "none" else tuple(m for s in stages for m in s),
+        tensor_parallel_plan=dict(tensor_parallel_plan or {}) if par.tp > 1 else {},
+        activation_checkpoint_modules=() if par.recompute == "none" else tuple(m for s in stages for m in s),
     )

@@ -183,7 +183,7 @@ def _verification_jobs(out_dirs: list[Path], plans: list[Plan], steps: int, tmp:
     reference_jobs, reference_of = [], []
     for out_dir, plan in zip(out_dirs, plans):
         key = (_model_code(out_dir), plan.model.factory, json.dumps(plan.to_dict()["training"]),
-               plan.parallelism.data_parallel_degree)
+               plan.parallelism.dp)
         if key not in references:
             references[key] = tmp / f"reference{len(references)}.json"
             reference_jobs.append(BatchJob(out_dir, (*common, "--losses-out", str(references[key])), 1,

@@ -110,14 +110,14 @@ class ParallelConfig:
         """The layout of a Plan (what its generated train.py's constants hold)."""
         p = plan.parallelism
         return ParallelConfig(
-            dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-            reshard=p.fsdp_reshard_after_forward, tp=p.tensor_parallel_degree, cp=p.context_parallel_degree,
-            ep=p.expert_parallel_degree,
-            sequence_parallel=p.enable_sequence_parallel, loss_parallel=not p.disable_loss_parallel,
-            pp=p.pipeline_parallel_degree, virtual_stages=p.pipeline_parallel_virtual_stages,
-            schedule=p.pipeline_parallel_schedule, microbatch_size=p.pipeline_parallel_microbatch_size,
-            num_microbatches=p.pipeline_parallel_num_microbatches, recompute=p.activation_checkpoint,
-            recompute_modules=plan.activation_checkpoint_modules, offload=p.enable_cpu_offload,
+            dp_replicate=p.dp_replicate, dp_shard=p.dp_shard,
+            reshard=p.layout().reshard, tp=p.tp, cp=p.cp,
+            ep=p.ep,
+            sequence_parallel=p.sp, loss_parallel=p.loss_parallel,
+            pp=p.pp, virtual_stages=p.virtual_stages,
+            schedule=p.schedule, microbatch_size=p.microbatch,
+            num_microbatches=p.microbatches, recompute=p.recompute,
+            recompute_modules=plan.activation_checkpoint_modules, offload=p.offload,
             compile=plan.compile.enable, dtype=plan.training.dtype, tensor_parallel_plan=plan.tensor_parallel_plan,
             batch_norm_modules=plan.batch_norm_modules,
             stages=tuple(stage.modules for stage in sorted(plan.stages, key=lambda s: s.index)))
