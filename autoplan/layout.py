@@ -443,6 +443,17 @@ class Parallelism:
         return (f"pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} x "
                 f"tp {self.tp} = {self.world_size} process{'es' if self.world_size != 1 else ''}")
 
+    def __getattr__(self, name: str) -> object:
+        """A field read by its plan.json name (plan.parallelism.tensor_parallel_degree), with plan.json's value,
+        through the codec: code written against plan.json's keys (a user's own loop) keeps reading a plan. Only
+        reached for names that are not attributes."""
+        if not name.startswith("_"):
+            for short, plan_field, _, encode in PLAN_CODEC:
+                if plan_field == name:
+                    value = getattr(self, short)
+                    return encode.get(value, value)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def layout(self, compile: bool | None = None) -> Layout:
         """Its partial twin, every field chosen, in the rules' words (with `compile` when known)."""
         return Layout(dp=self.dp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,

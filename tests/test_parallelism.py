@@ -102,3 +102,16 @@ def test_a_plan_json_written_before_the_one_type_loads_and_writes_back_the_same(
                                            microbatch=8, microbatches=2, virtual_stages=3)
     assert all(isinstance(a.parallelism, Parallelism) for a in plan.alternatives) and plan.alternatives
     assert plan.to_json() == text.removesuffix("\n")  # byte for byte (the fixture ends with a newline)
+
+
+def test_a_field_reads_by_its_plan_json_name_with_plan_json_value():
+    """Code written against plan.json's keys (a user's own loop: plan.parallelism.pipeline_parallel_microbatch_size)
+    keeps reading a plan: every plan.json field, by its name, gives what plan.json stores."""
+    from autoplan.layout import to_plan_fields
+
+    par = Parallelism(dp_shard=4, reshard=True, tp=2, sp=True, loss_parallel=False, microbatch=3, cp=2, ep=2)
+    for key, value in to_plan_fields(par).items():
+        assert getattr(par, key) == value, key
+    assert par.fsdp_reshard_after_forward == "always" and par.disable_loss_parallel is True
+    with pytest.raises(AttributeError, match="no attribute 'tensor_parallel'"):
+        par.tensor_parallel  # noqa: B018 - not a plan.json name
