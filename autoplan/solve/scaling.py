@@ -59,14 +59,16 @@ def scaling_curve(profile: ModelProfile, cluster: Cluster, training: Training, p
     that would fit)."""
     _say_counts(cluster.num_gpus)
     searched = [c for c in scaling_counts(cluster.num_gpus) if c != cluster.num_gpus or planned is None]
-    return _curve(cluster.num_gpus, _search_counts(profile, cluster, training, searched, max_priced, context),
-                  planned)
+    counts = _Counts(profile, cluster, training, max_priced, context)
+    return _curve(cluster.num_gpus, {count: counts.point(count) for count in searched}, planned)
 
 
 class ScalingInBackground:
     """scaling_curve's searches in a forked process, started before the caller's own search; points() collects
-    them. Where a process cannot be forked (not Linux, or inside a daemonic process) or the forked one fails,
-    points() searches in this process instead, so the curve is the same either way."""
+    them. The process takes the counts from the fewest GPUs up; once the caller's search is done, points() takes
+    them from the most GPUs down until the two meet (each count is claimed once, under a lock), so both cores work
+    to the end. Where a process cannot be forked (not Linux, or inside a daemonic process) or the forked one fails,
+    points() searches what it did not deliver in this process, so the curve is the same either way."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, training: Training, search_planned_count: bool,
                  max_priced: int = SCALING_LAYOUTS) -> None:
@@ -74,21 +76,32 @@ class ScalingInBackground:
         self.counts = [c for c in scaling_counts(cluster.num_gpus) if c != cluster.num_gpus or search_planned_count]
         self._process: Any = None
         self._receiver: Any = None
+        self._claimed: Any = None
         if sys.platform == "linux" and not multiprocessing.current_process().daemon:
             fork = multiprocessing.get_context("fork")
+            self._claimed = fork.Array("b", len(self.counts))
             self._receiver, sender = fork.Pipe(duplex=False)
             self._process = fork.Process(target=_search_in_child, daemon=True, name="autoplan-scaling-curve",
-                                         args=(sender, profile, cluster, training, self.counts, max_priced))
+                                         args=(sender, self._claimed, _Counts(profile, cluster, training, max_priced),
+                                               self.counts))
             self._process.start()
             sender.close()
 
     def points(self, planned: Any = None, context: Any = None) -> tuple[ScalingPoint, ...]:
         """The curve, with `planned` (the unpinned search's winner) at the planned count when the caller gave
-        search_planned_count=False. `context` serves a search in this process, if one is needed."""
+        search_planned_count=False. `context` serves the searches in this process."""
         _say_counts(self.cluster.num_gpus)
-        found = self._collect()
-        if found is None:
-            found = _search_counts(self.profile, self.cluster, self.training, self.counts, self.max_priced, context)
+        counts = _Counts(self.profile, self.cluster, self.training, self.max_priced, context)
+        found: dict[int, ScalingPoint] = {}
+        if self._process is not None:
+            for index in reversed(range(len(self.counts))):
+                if not _claim(self._claimed, index):
+                    break
+                found[self.counts[index]] = counts.point(self.counts[index])
+            found.update(self._collect())
+        for count in self.counts:
+            if count not in found:
+                found[count] = counts.point(count)
         return _curve(self.cluster.num_gpus, found, planned)
 
     def cancel(self) -> None:
@@ -97,18 +110,22 @@ class ScalingInBackground:
             self._process.terminate()
         self._join()
 
-    def _collect(self) -> dict[int, ScalingPoint] | None:
-        if self._process is None:
-            return None
-        try:
-            kind, value = self._receiver.recv()
-        except EOFError:
-            kind, value = "error", f"it ended with exit code {self._process.exitcode} and no result"
+    def _collect(self) -> dict[int, ScalingPoint]:
+        """The points the forked process sent; a failure is said (points() then searches the rest itself)."""
+        found: dict[int, ScalingPoint] = {}
+        while True:
+            try:
+                kind, value = self._receiver.recv()
+            except EOFError:
+                kind, value = "error", f"it ended with exit code {self._process.exitcode} and no result"
+            if kind == "point":
+                found[value.gpus] = value
+                continue
+            if kind == "error":
+                log.warning("scaling curve: the search in a second process failed (%s); searching here", value)
+            break
         self._join()
-        if kind == "points":
-            return value
-        log.warning("scaling curve: the search in a second process failed (%s); searching here", value)
-        return None
+        return found
 
     def _join(self) -> None:
         if self._process is not None:
@@ -117,15 +134,28 @@ class ScalingInBackground:
             self._process = None
 
 
-def _search_in_child(sender: Any, profile: ModelProfile, cluster: Cluster, training: Training, counts: list[int],
-                     max_priced: int) -> None:
-    """The forked process: the points of `counts`, sent back; an error as its one-line text. Ctrl-C is the
-    parent's to handle (it stops this process); nothing is logged here, so the parent's log stays in order."""
+def _claim(claimed: Any, index: int) -> bool:
+    """Claim count `index` for the caller: False when the other process has it."""
+    with claimed.get_lock():
+        if claimed[index]:
+            return False
+        claimed[index] = 1
+        return True
+
+
+def _search_in_child(sender: Any, claimed: Any, counts: "_Counts", gpu_counts: list[int]) -> None:
+    """The forked process: the points of `gpu_counts` from the fewest GPUs up, each sent as it is found, until a
+    count the parent has claimed; then "done" (an error: its one-line text). Ctrl-C is the parent's to handle (it
+    stops this process); nothing is logged here, so the parent's log stays in order."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.getLogger("autoplan").disabled = True
     try:
-        message = ("points", _search_counts(profile, cluster, training, counts, max_priced, None))
-    except Exception as e:  # noqa: BLE001 - reported by the parent, which then searches itself
+        for index, count in enumerate(gpu_counts):
+            if not _claim(claimed, index):
+                break
+            sender.send(("point", counts.point(count)))
+        message = ("done", None)
+    except Exception as e:  # noqa: BLE001 - reported by the parent, which then searches the rest itself
         message = ("error", f"{type(e).__name__}: {e}")
     sender.send(message)
     sender.close()
@@ -150,32 +180,38 @@ def _curve(num_gpus: int, found: dict[int, ScalingPoint], planned: Any) -> tuple
     return tuple(points)
 
 
-def _search_counts(profile: ModelProfile, cluster: Cluster, training: Training, counts: list[int], max_priced: int,
-                   context: Any) -> dict[int, ScalingPoint]:
-    """The branch and bound at each of `counts` GPUs (the same batch per GPU), one Context per node size."""
-    from dataclasses import replace
+class _Counts:
+    """The branch and bound at other GPU counts than the plan's (the same batch per GPU), one Context per node
+    size: `context` (the search's) serves the counts with its GPUs per node."""
 
-    from autoplan.cost.context import Context
-    from autoplan.layout import SUPPORTED as features
-    from autoplan.layout import Layout
-    from autoplan.solve import layouts
+    def __init__(self, profile: ModelProfile, cluster: Cluster, training: Training, max_priced: int,
+                 context: Any = None) -> None:
+        from autoplan.layout import SUPPORTED, Layout
+        from autoplan.solve import layouts
 
-    pins = pins_for_capture(Layout(), profile, warn=False)
-    # by GPUs per node: the module tables' tensor-parallel links depend on it
-    contexts: dict[int, Context] = {cluster.gpus_per_node: context} if context is not None else {}
-    compiled = context.compiled if context is not None else layouts.compiled(pins, cluster, features)
-    found = {}
-    for count in counts:
+        self.profile, self.cluster, self.training, self.max_priced = profile, cluster, training, max_priced
+        self.pins = pins_for_capture(Layout(), profile, warn=False)
+        # by GPUs per node: the module tables' tensor-parallel links depend on it
+        self.contexts: dict[int, Any] = {cluster.gpus_per_node: context} if context is not None else {}
+        self.compiled = context.compiled if context is not None else layouts.compiled(self.pins, cluster, SUPPORTED)
+
+    def point(self, count: int) -> ScalingPoint:
+        from dataclasses import replace
+
+        from autoplan.cost.context import Context
+        from autoplan.layout import SUPPORTED
+
+        cluster, training = self.cluster, self.training
         per_node = min(cluster.gpus_per_node, count)
-        if per_node not in contexts:
-            contexts[per_node] = Context(profile, replace(cluster, gpus_per_node=per_node), training, features,
-                                         compiled=compiled)
+        if per_node not in self.contexts:
+            self.contexts[per_node] = Context(self.profile, replace(cluster, gpus_per_node=per_node), training,
+                                              SUPPORTED, compiled=self.compiled)
         batch = max(1, training.global_batch_size * count // cluster.num_gpus)
-        ctx = contexts[per_node].at(replace(cluster, num_gpus=count, gpus_per_node=per_node),
-                                    replace(training, global_batch_size=batch))
-        found[count] = _scaling_point(ctx, pins, max_priced)
-        log.debug("scaling curve: %d GPUs: %s", count, found[count])
-    return found
+        ctx = self.contexts[per_node].at(replace(cluster, num_gpus=count, gpus_per_node=per_node),
+                                         replace(training, global_batch_size=batch))
+        point = _scaling_point(ctx, self.pins, self.max_priced)
+        log.debug("scaling curve: %d GPUs: %s", count, point)
+        return point
 
 
 def _fraction(factor: float) -> str:
