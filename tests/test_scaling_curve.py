@@ -87,3 +87,20 @@ def test_a_cancelled_second_process_is_stopped():
     process = background._process
     background.cancel()
     assert process is None or not process.is_alive()
+
+
+def test_the_caller_takes_the_counts_the_second_process_has_not_claimed(monkeypatch, caplog):
+    """The second process claims the fewest GPUs first; the caller, from the most GPUs down, takes every count not
+    claimed yet; a count claimed but never delivered (the process died) is searched by the caller too."""
+    def first_then_dies(sender, claimed, counts, gpu_counts):
+        assert scaling._claim(claimed, 0) and scaling._claim(claimed, 1)  # claims two, delivers one, dies
+        sender.send(("point", counts.point(gpu_counts[0])))
+        sender.close()
+
+    monkeypatch.setattr(scaling, "_search_in_child", first_then_dies)
+    caplog.set_level("WARNING", logger="autoplan")
+    points = ScalingInBackground(PROFILE, cluster(8), TRAINING, search_planned_count=True).points()
+    assert points == scaling_curve(PROFILE, cluster(8), TRAINING)
+    assert [r.getMessage() for r in caplog.records] == [
+        "scaling curve: the search in a second process failed (it ended with exit code 0 and no result); "
+        "searching here"]
