@@ -217,29 +217,31 @@ def _regions(profile: ModelProfile, ops, consumers,
              fused_split: bool) -> tuple[dict[str, str], list[DivisibilityFact], dict[str, LeftWhole]]:
     """Every region a weight Linear opens: the ops' roles, the sizes tp must divide, and per Linear left whole
     why (the first failed region that reached it; an output projection fed by a whole q, k, v says so)."""
+    linears = frozenset(op.node for op in profile.ops if is_weight_linear(op))
     derived: set[str] = set()  # ops downstream of some Linear (not constants, masks or position tables)
     for op in profile.ops:
-        if is_weight_linear(op) or any(src in derived for src in op.inputs):
+        if op.node in linears or any(src in derived for src in op.inputs):
             derived.add(op.node)
+    graph = _Graph(ops, consumers, frozenset(derived), linears, fused_split)
     role: dict[str, str] = {}
     facts: list[DivisibilityFact] = []
     whole: dict[str, LeftWhole] = {}
     for op in profile.ops:  # attention first: its pairs split the heads (DeepSeek-V3's q_b_proj -> o_proj)
-        if is_weight_linear(op) and op.node not in role:
+        if op.node in linears and op.node not in role:
             region = {}
             try:
-                _grow_region(op.node, ops, consumers, role, derived, fused_split, region)
+                _grow_region(op.node, graph, role, region)
             except _Whole:
                 continue
             if any(packet(ops[n]) in ATTENTION_OPS for n in region):
                 role.update(region)
                 facts += _region_facts(region, ops, consumers)
     for op in profile.ops:
-        if not is_weight_linear(op) or op.node in role:
+        if op.node not in linears or op.node in role:
             continue
         region: dict[str, str] = {}
         try:
-            _grow_region(op.node, ops, consumers, role, derived, fused_split, region)
+            _grow_region(op.node, graph, role, region)
         except _Whole as e:
             upstream = [n for n in _feeding_linears(op.node, ops) if n in whole]
             block = LeftWhole((), e.op.op, e.op.module, e.reason) if not upstream or op.node in whole else \
@@ -247,7 +249,7 @@ def _regions(profile: ModelProfile, ops, consumers,
                     f"its input is computed from the output of {ops[upstream[0]].module}, which stays whole, so "
                     "no split input reaches it to reduce as the row-parallel half of a pair"))
             for n in region:
-                if is_weight_linear(ops[n]):
+                if n in linears:
                     whole.setdefault(n, block)
             continue
         role.update(region)
@@ -810,13 +812,27 @@ class _Whole(Exception):
         self.op, self.reason = op, reason
 
 
-def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set[str], fused_split: bool,
-                 region: dict[str, str]) -> None:
+@dataclass(frozen=True)
+class _Graph:
+    """The captured ops as the region search reads them (what it asks of every op, worked out once)."""
+
+    ops: dict[str, OpProfile]
+    consumers: dict[str, list[str]]
+    derived: frozenset[str]
+    """Ops downstream of some weight Linear (not constants, masks or position tables)."""
+    linears: frozenset[str]
+    """The weight Linears' ops (is_weight_linear)."""
+    fused_split: bool
+    """A fused projection (q, k and v in one Linear) may be split (Megatron-LM's interleaved weights)."""
+
+
+def _grow_region(start: str, graph: _Graph, taken: dict[str, str], region: dict[str, str]) -> None:
     """Fill `region` with the region opened by Linear `start`; raises _Whole when some split tensor would have
     to be gathered (`region` then holds what it had reached).
 
     Grows forward from every split tensor to its consumers and backward from every interior op to the
     operands it needs split (sibling projections such as k_proj reached through rotary embedding)."""
+    ops, consumers, derived, linears = graph.ops, graph.consumers, graph.derived, graph.linears
     region[start] = "colwise"
     work = [("forward", start)]
 
@@ -838,11 +854,11 @@ def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set
         if direction == "forward":
             for c in consumers[node]:
                 op = ops[c]
-                if not fused_split and _projection_output(node, region, ops) and packet(op) in FUSED_SPLIT_OPS:
+                if not graph.fused_split and _projection_output(node, region, ops) and packet(op) in FUSED_SPLIT_OPS:
                     raise _Whole(op, "it cuts a fused projection (q, k and v in one Linear) along the features the "
                                      "Linear would shard: torch's ColwiseParallel shards the fused rows as they are, "
                                      "so a rank would hold some heads' q but other heads' k and v")
-                if is_weight_linear(op):
+                if c in linears:
                     claim(c, "rowwise")
                     continue
                 why = _mixes_heads(op)
@@ -864,7 +880,7 @@ def _grow_region(start: str, ops, consumers, taken: dict[str, str], derived: set
             if src in region or src not in derived or small:
                 continue  # already split, a constant (mask, positions), or a small broadcast operand
             producer = ops[src]
-            if is_weight_linear(producer):
+            if src in linears:
                 claim(src, "colwise")
                 continue
             why = _mixes_heads(producer)
