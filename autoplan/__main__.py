@@ -1,5 +1,3 @@
-import sys
+from autoplan.cli import run
 
-from autoplan.cli import main
-
-sys.exit(main())
+run()

@@ -496,5 +496,23 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def run() -> None:
+    """The `autoplan` command: main(), then the process ends at once with its exit code. The exit handlers run
+    (atexit: logging's flush, multiprocessing's), the interpreter's teardown of every module and object does not:
+    freeing a planned model's graphs and torch's modules took 1.1 s of the 1T GPT's 10.5 s command. Everything the
+    command writes is written and flushed before."""
+    import atexit
+    import os
+
+    code = main()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
