@@ -8,7 +8,8 @@ and full (non-causal)
 attention on a small token tagger (torch's ring without load balancing); a dp=2 x cp=2 checkpoint
 (torch.distributed.checkpoint over the flattened dp_shard x cp mesh) resumes into the uninterrupted run. Plans
 written as tests/test_layouts.py writes them, and planned by the search with cp pinned, as a user would
-(autoplan MODEL.py --gpu cpu --pin cp=2). One 4-process torchrun launch (tests/helpers/verify_many.py)."""
+(autoplan MODEL.py --gpu cpu --pin cp=2), torchtitan's Llama among them (its blocks take the whole sequence's
+freqs_cis table, sharded on its rows). One 4-process torchrun launch (tests/helpers/verify_many.py)."""
 
 import json
 from pathlib import Path
@@ -168,6 +169,8 @@ FULL_ATTENTION = ("tagger", "cp=2, full attention")
 PINNED = {("gpt", "pin cp=2"): ("cp=2", 2), ("llama", "pin dp=2,cp=2"): ("dp=2,cp=2", 4),
           ("llama", "pin cp=2,pp=2"): ("cp=2,pp=2", 4), ("gpt", "pin cp=2,tp=2"): ("cp=2,tp=2", 4)}
 """Planned by the search: pins and GPUs."""
+PINNED_FILES = {("titan llama", "pin cp=2"): (ROOT / "tests" / "models" / "titan_llama.py", "cp=2", 2)}
+"""Planned by the search from a model file: torchtitan's Llama hands every block its whole `freqs_cis` table."""
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +186,9 @@ def batch(tmp_path_factory):
         source.write_text(MODELS[model].source)
         folders[model, name] = root / f"{model}_planned_{pin.replace(',', '_').replace('=', '')}"
         plan_model(str(source), gpus, "cpu", global_batch=8, pin=pin, out=folders[model, name])
+    for key, (source, pin, gpus) in PINNED_FILES.items():
+        folders[key] = root / f"{key[0]} {key[1]}".replace(" ", "_").replace("=", "")
+        plan_model(str(source), gpus, "cpu", global_batch=8, pin=pin, out=folders[key])
     keys = list(folders)
     gradients = root / "gradients.py"
     gradients.write_text(GRADIENTS)
@@ -199,7 +205,7 @@ def batch(tmp_path_factory):
     return dict(zip(keys, result.results)), result.extra_errors, folders, root
 
 
-@pytest.mark.parametrize("key", [*CP_LAYOUTS, *STAGED_LAYOUTS, FULL_ATTENTION, *PINNED], ids=lambda key: " ".join(key))
+@pytest.mark.parametrize("key", [*CP_LAYOUTS, *STAGED_LAYOUTS, FULL_ATTENTION, *PINNED, *PINNED_FILES], ids=lambda key: " ".join(key))
 def test_context_parallel_program_trains_like_the_single_device_model(batch, key):
     results, _, folders, _ = batch
     check_parity(results[key])

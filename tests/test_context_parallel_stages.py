@@ -49,6 +49,23 @@ def test_a_rank_cuts_torch_head_tail_chunks_as_runs_of_positions():
         assert SequenceShards(Rank(1), 8, torch.device("cpu")).positions.tolist() == [4, 5, 6, 7]
 
 
+def test_a_block_gets_its_share_of_activations_and_of_a_position_table_handed_whole():
+    """torchtitan's Llama hands every block `freqs_cis`, (sequence, features) complex and needing no gradient,
+    and the block reads its first rows for its own sequence: the table is sharded on its rows, the activations on
+    their sequence dimension; a weight-like tensor (requires grad) and other shapes pass as they are."""
+    with load_balanced(True):
+        shards = SequenceShards(Rank(0), 8, torch.device("cpu"))
+    hidden = torch.arange(16.0).view(2, 8).requires_grad_()
+    table = torch.polar(torch.ones(8, 3), torch.arange(24.0).view(8, 3))
+    trained = torch.ones(8, 3, requires_grad=True)
+    scale = torch.ones(3)
+    args, kwargs = shards.shard_sequences(((hidden, table), {"trained": trained, "scale": scale}))
+    assert args[0].tolist() == [[0, 1, 6, 7], [8, 9, 14, 15]]
+    assert torch.equal(args[1], table[[0, 1, 6, 7]])
+    assert args[1][0:4].shape == (4, 3)  # what `freqs_cis[0:seqlen]` reads on this rank: its own positions
+    assert kwargs["trained"] is trained and kwargs["scale"] is scale
+
+
 def export_stages(module, stages, rank=1):
     model = module.build_model().to("meta")
     inputs, _ = module.example_batch(2)

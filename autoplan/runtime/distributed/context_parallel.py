@@ -135,6 +135,9 @@ def _sharded(local: torch.Tensor, like: DTensor) -> DTensor:
 ACTIVATION_SEQUENCE_DIM = 1
 """The sequence dimension of a block's batch-first activations (batch, sequence, ...): hidden states,
 position ids, rotary cos/sin."""
+POSITION_TABLE_DIM = 0
+"""The position dimension of a table a model computes once for the whole sequence and hands to every block
+without a batch dimension (torchtitan's `freqs_cis`: (sequence, head_dim / 2), complex)."""
 
 
 class SequenceShards:
@@ -173,13 +176,21 @@ class SequenceShards:
         return share.redistribute(placements=placements) if placements is not None else share
 
     def shard_sequences(self, value):
-        """Every tensor in `value` (nested) whose sequence dimension is the whole sequence, sharded."""
+        """Every tensor in `value` (nested) that holds the whole sequence, sharded: an activation whose sequence
+        dimension (1) is the whole sequence, and a position table, a tensor that needs no gradient and has a row
+        per position (dimension 0), such as torchtitan's `freqs_cis` handed to every block (torchtitan's own
+        context parallel shards it on dimension 0 beside the batch's dimension 1). A block that takes the
+        table's first rows for its own sequence, `freqs_cis[0:seqlen]`, then reads this rank's positions."""
         from torch.utils import _pytree as pytree
 
         def one(item):
-            if (isinstance(item, torch.Tensor) and item.dim() > ACTIVATION_SEQUENCE_DIM
-                    and item.shape[ACTIVATION_SEQUENCE_DIM] == self.seq_len):
+            if not isinstance(item, torch.Tensor):
+                return item
+            if item.dim() > ACTIVATION_SEQUENCE_DIM and item.shape[ACTIVATION_SEQUENCE_DIM] == self.seq_len:
                 return self.shard(item, ACTIVATION_SEQUENCE_DIM)
+            if item.dim() > POSITION_TABLE_DIM and item.shape[POSITION_TABLE_DIM] == self.seq_len \
+                    and not item.requires_grad:
+                return self.shard(item, POSITION_TABLE_DIM)
             return item
 
         return pytree.tree_map(one, value)
