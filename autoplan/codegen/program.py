@@ -251,7 +251,7 @@ LAYOUT_COMMENTS = {
     "loss_parallel": "cross-entropy on the vocabulary-sharded logits (TP head)",
     "offload": "FSDP2 CPU offload: model states in host memory, AdamW on the CPU",
     "cp": "context-parallel ranks: each a share of every sequence (ring attention)",
-    "ep": "expert-parallel ranks (folded over dp_shard x cp x tp): each group of EP splits every expert layer's experts",
+    "ep": "expert-parallel ranks, folded over dp_shard x cp x tp (groups of EP split the experts)",
 }
 """The comment beside each of train.py's layout constants, by Parallelism field (docs/layouts.md has the long
 meanings)."""
@@ -300,7 +300,8 @@ def _config_block(plan: Plan, launch: Launch, model_copy: Path) -> str:
                             "the modules recomputed in backward, in the RECOMPUTE mode")
     lines += _literal_block("BATCH_NORM_MODULES", "[]", [f"{name!r}," for name in plan.batch_norm_modules],
                             "BatchNorm modules: statistics synchronized over the DP ranks")
-    lines.append("STAGES = [  # the modules each pipeline stage runs, in order; stage s on pipeline rank s % PP (a V: zbv, dualpipev)")
+    lines.append("STAGES = [  # the modules each pipeline stage runs, in order; stage s on pipeline rank s % PP "
+                 "(a V: zbv, dualpipev)")
     lines += [f"    {list(stage.modules)!r}," for stage in sorted(plan.stages, key=lambda s: s.index)]
     lines.append("]")
     return "\n".join(lines)

@@ -211,7 +211,7 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
 
     for s, part in parts.items():  # order as in torchtitan: tensor parallel, recompute, compile, FSDP
         part.module = tensor_parallel(part.module, mesh["tp"], config.tensor_parallel_plan, chain_modules[s],
-                                      sequence_parallel=p.sp)
+                                      sp=p.sp)
         recomputed = [u for u in chain_modules[s] if u in config.recompute_modules]
         part.module = checkpoint_modules(part.module, recomputed, p.recompute)
         part.module = compile_modules(part.module, chain_modules[s], config.compile,

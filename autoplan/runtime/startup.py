@@ -71,7 +71,8 @@ def launch_problem(config: ParallelConfig, env: Mapping[str, str], running_world
                 f"machine's CPU against the unsplit model)")
     if launched != world:
         return (f"{launched} processes were started (WORLD_SIZE={env.get('WORLD_SIZE', launched)}: torchrun's "
-                f"--nnodes x --nproc-per-node), but the plan is for {config.parallelism.world_size_arithmetic()}: launch it with {command}")
+                f"--nnodes x --nproc-per-node), but the plan is for {config.parallelism.world_size_arithmetic()}: "
+                f"launch it with {command}")
     return None
 
 
