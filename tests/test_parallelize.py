@@ -220,6 +220,15 @@ def test_the_config_of_a_plan_holds_its_layout_and_modules():
     assert as_config(config) is config
 
 
+def test_the_config_holds_the_layout_once():
+    """ParallelConfig is one Parallelism and the module lists: none of its own fields is a layout field again (a
+    second spelling of microbatch, sp or reshard would be one)."""
+    from dataclasses import fields
+
+    own = {f.name for f in fields(ParallelConfig)} - {"parallelism"}
+    assert not own & {f.name for f in fields(Parallelism)}
+
+
 def test_a_config_whose_stages_do_not_match_its_pipeline_shows_the_arithmetic():
     message = one_line_error(ParallelConfig, Parallelism(pp=2, virtual_stages=2), stages=(("a",), ("b",)))
     assert "pp 2 x virtual_stages 2 = 4 stages, but stages lists 2" in message

@@ -75,9 +75,9 @@ def parallelism_problems(parallelism: Parallelism) -> list[str]:
     out = []
     for f in fields(Parallelism):
         value = getattr(parallelism, f.name)
-        if f.type == "bool" and not isinstance(value, bool):
+        if f.type in ("bool", bool) and not isinstance(value, bool):
             out.append(f"{f.name} must be True or False, got {value!r}")
-        elif f.type == "int" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        elif f.type in ("int", int) and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             out.append(f"{f.name} must be a positive integer, got {value!r}")
     for name, allowed in (("schedule", SCHEDULES), ("recompute", RECOMPUTE)):
         value = getattr(parallelism, name)
