@@ -56,7 +56,8 @@ instead of loose degrees: device_mesh(device, parallelism, timeout_s), rank_layo
 parallelize_experts(module, parallelism, device_type, dtype, tp_mesh), expert_mesh(device_type, parallelism),
 shard_data_parallel(module, mesh, config, chain_modules, dtype, experts), AccumulationStep(module, parallelism,
 loss_fn, dtype, context_parallel), PipelineStep(parts, split, runtime.RankSetup(...) (new), loss_fn,
-context_parallel); runtime.local_stages left (Parallelism.rank_stages)."""
+context_parallel), tensor_parallel(..., sp=) (was sequence_parallel=); runtime.local_stages left
+(Parallelism.rank_stages)."""
 
 MISMATCH_EXIT_CODE = 2
 """What a program exits with on a mismatch: 2, the exit code of autoplan's own user errors (the user fixes
