@@ -40,11 +40,12 @@ def deepseek():
 def _held_by_module(source) -> dict[str, int]:
     """Bytes each module's forward saves for backward (storages no earlier op saved, parameters excluded) in one
     bf16 autocast forward with the experts cast as the program casts them."""
+    from autoplan.layout import Parallelism
     from autoplan.runtime.distributed.expert_parallel import parallelize_experts
 
     torch.manual_seed(0)
     model = source.build_model()
-    parallelize_experts(model, "cpu", 1, 1, dtype=torch.bfloat16)
+    parallelize_experts(model, Parallelism(), "cpu", dtype=torch.bfloat16)
     inputs, _ = source.example_batch(BATCH)
     stack, held, seen = [""], {}, set()
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}

@@ -17,7 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -29,6 +29,8 @@ from autoplan.codegen import check_supported, render_train_py, write_program
 from autoplan.codegen.launch import launch_layout
 from autoplan.codegen.template import placeholder_config, template_text
 from autoplan.errors import UserError
+from autoplan.layout import VOCABULARY
+from autoplan.runtime.distributed.config import ParallelConfig
 from autoplan.runtime.harness.reference import run_reference
 from autoplan.plan import ClusterRef, ModelRef, Parallelism, Plan, Prediction, SolverInfo, Stage, Training
 
@@ -87,7 +89,7 @@ def test_writes_train_py_model_copy_and_launcher(tmp_path):
     assert (config["DP_REPLICATE"], config["PP"], config["SCHEDULE"], config["MICROBATCHES"]) == (2, 2, "1f1b", 4)
     assert config["GLOBAL_BATCH"] == 16 and config["LEARNING_RATE"] == 1e-3 and config["SEED"] == 0
     assert (config["TP"], config["VIRTUAL_STAGES"], config["DP_SHARD"], config["RESHARD"], config["DTYPE"]) == (
-        1, 1, 1, "never", "fp32")
+        1, 1, 1, False, "fp32")
     assert config["TENSOR_PARALLEL_PLAN"] == {} and config["RECOMPUTE_MODULES"] == []
     assert config["MODEL_FLOPS_PER_STEP"] == 1e12
     assert config["PEAK_FLOPS_PER_GPU"] == 67e12  # the H100 SXM profile's dense fp32 peak
@@ -109,16 +111,79 @@ def test_layout_numbers_reach_the_program(tmp_path):
     assert (config["DP_SHARD"], config["TP"], config["PP"], config["VIRTUAL_STAGES"]) == (2, 2, 2, 2)
     assert config["DTYPE"] == "bf16" and config["PEAK_FLOPS_PER_GPU"] == 989e12  # H100 SXM dense bf16
     assert config["TENSOR_PARALLEL_PLAN"] == tp_plan and config["RECOMPUTE_MODULES"] == ["layers.1"]
-    assert config["RECOMPUTE"] == "selective" and config["SCHEDULE"] == "interleaved" and config["RESHARD"] == "always"
+    assert config["RECOMPUTE"] == "selective" and config["SCHEDULE"] == "interleaved" and config["RESHARD"] is True
     docstring = ast.get_docstring(ast.parse(train_py))
     assert "torchrun --standalone --nproc-per-node 8 train.py" in docstring
     assert "2-way tensor parallel (2 Linears, sequence parallel)" in docstring and "2 stages per rank" in docstring
-    assert config["SP"] == "on"  # the default whenever TP > 1
+    assert config["SP"] is True  # the default whenever TP > 1
     write_program(replace(plan, parallelism=replace(plan.parallelism, sp=False)), tmp_path, MLP)
     train_py = (tmp_path / "train.py").read_text()
-    assert config_values(train_py)["SP"] == "off" and "2-way tensor parallel (2 Linears)" in train_py
+    assert config_values(train_py)["SP"] is False and "2-way tensor parallel (2 Linears)" in train_py
     assert "FSDP2: dp_replicate 1 x dp_shard 2, reshard always" in docstring and "selective activation checkpointing" in docstring
     assert "bf16 mixed precision on GPUs" in docstring and "On CPU it trains in fp32" in docstring
+
+
+OTHER_TEXT_VALUES = {"schedule": "interleaved", "recompute": "full"}
+"""A value other than the default for each text field of Parallelism (a new text field: add one of its values)."""
+MLP_CHAIN = ("inp", "layers.0", "layers.1", "out")
+
+
+def _other_value(name: str, default: object) -> object:
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int):
+        return default + 1
+    return OTHER_TEXT_VALUES[name]
+
+
+def _train_py_of(plan: Plan, tmp_path: Path, name: str):
+    path = tmp_path / f"{name}.py"
+    path.write_text(render_train_py(plan, launch_layout(plan)))
+    return path.read_text(), load_module(path, f"autoplan_round_trip_{name}")
+
+
+LAYOUT_TERMS = [term.short for term in VOCABULARY if term.short in {f.name for f in fields(Parallelism)}]
+
+
+def test_every_parallelism_field_is_a_vocabulary_term():
+    """The round trip below runs over VOCABULARY's terms: a field of Parallelism without a term would go untested."""
+    assert set(LAYOUT_TERMS) == {f.name for f in fields(Parallelism)} and len(LAYOUT_TERMS) == len(fields(Parallelism))
+
+
+@pytest.mark.parametrize("short", LAYOUT_TERMS)
+def test_train_py_constants_round_trip_to_the_plans_parallelism(tmp_path, short):
+    """For each term of the vocabulary that is a layout field: a plan with it off its default writes a train.py whose
+    constant (the short name upper case, a real type: True/False for the booleans) holds the plan's value, and whose
+    parallel_config() is the plan's own (ParallelConfig.of: the same Parallelism and module lists)."""
+    default = getattr(Parallelism(), short)
+    value = _other_value(short, default)
+    base = Parallelism(**{short: value})
+    stages = [MLP_CHAIN[:2], MLP_CHAIN[2:]] if base.pp * base.virtual_stages == 2 else [MLP_CHAIN]
+    plan = make_plan(stages=stages, **{**dict(dp_replicate=1, pp=1, microbatches=1, microbatch=1), short: value})
+    assert getattr(plan.parallelism, short) == value != default
+    train_py, program = _train_py_of(plan, tmp_path, short)
+    constant = config_values(train_py)[short.upper()]
+    assert constant == value and type(constant) is type(value)
+    assert program.parallel_config() == ParallelConfig.of(plan)
+    assert program.parallel_config().parallelism == plan.parallelism
+
+
+def test_train_py_compile_constant_round_trips(tmp_path):
+    plan = make_plan(stages=[MLP_CHAIN], dp_replicate=1, pp=1, microbatches=1, microbatch=1)
+    plan = replace(plan, compile=replace(plan.compile, enable=True))
+    train_py, program = _train_py_of(plan, tmp_path, "compiled")
+    assert config_values(train_py)["COMPILE"] is True
+    assert program.parallel_config() == ParallelConfig.of(plan) and program.parallel_config().compile is True
+    assert program.parallel_config(False).compile is False  # train.py --no-compile
+
+
+def test_a_hand_edited_layout_constant_of_the_old_spelling_is_one_clear_error():
+    """train.py's constants are Parallelism's fields in their types: RESHARD = "always" (runtime API 11's spelling)
+    is refused, naming the field and the value."""
+    with pytest.raises(UserError, match=r"parallel config: reshard must be True or False, got 'always'"):
+        ParallelConfig(replace(Parallelism(), reshard="always"))
+    with pytest.raises(UserError, match=r"tp must be a positive integer, got 0.*schedule must be one of"):
+        ParallelConfig(replace(Parallelism(), tp=0, schedule="1F1B"))
 
 
 def test_train_py_main_is_importable_and_takes_argv(tmp_path):
@@ -259,7 +324,8 @@ def test_template_imports_with_its_placeholder_config_without_running_main(monke
     monkeypatch.setattr(sys, "argv", ["train.py", "--steps", "not-a-number"])  # main would exit on these
     program = load_module(TEMPLATE, "autoplan_train_template")
     assert program.RUNTIME_API == runtime.RUNTIME_API, "bump RUNTIME_API in the template with autoplan.runtime's"
-    assert (program.DP, program.PP, program.TP, program.FACTORY) == (1, 1, 1, "build_model")
+    assert (program.DP_SHARD, program.PP, program.TP, program.FACTORY) == (1, 1, 1, "build_model")
+    assert program.parallel_config().parallelism == Parallelism()  # the placeholders: the layout's defaults
     assert program.parse_args(["--steps", "3"]).steps == 3 and callable(program.main)
     assert "autoplan.codegen.templates.train" not in sys.modules  # nothing imports it as autoplan code
 

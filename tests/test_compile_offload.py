@@ -75,7 +75,7 @@ def test_the_programs_compile_and_offload_as_planned(batch):
     for name, (compiled, par) in CASES.items():
         text = (folders[name] / "train.py").read_text()
         assert f"COMPILE = {compiled}" in text
-        assert ("SP = 'on'" in text) == (par.get("tp", 1) > 1)  # make_plan: on with tp
+        assert ("SP = True" in text) == (par.get("tp", 1) > 1)  # make_plan: on with tp
         assert f"OFFLOAD = {par.get('offload', False)}" in text
         assert f"OPTIMIZER_IMPLEMENTATION = {IMPLEMENTATION.get(name, 'fused')!r}" in text
 

@@ -132,6 +132,7 @@ from torch.distributed.tensor import DTensor
 
 import autoplan
 from autoplan.contract import call_model
+from autoplan.layout import Parallelism
 from autoplan.runtime.distributed.config import ParallelConfig
 
 
@@ -145,7 +146,7 @@ def main(argv):
     inputs, targets = model_code["example_batch"](4)
     loss_fn = model_code["loss_fn"]
     loss_fn(call_model(reference, inputs), targets).backward()
-    config = ParallelConfig(cp=2, tp=2, sequence_parallel=sp, microbatch_size=4, stages=(tuple(chain),),
+    config = ParallelConfig(Parallelism(cp=2, tp=2, sp=sp, microbatch=4), stages=(tuple(chain),),
                             tensor_parallel_plan=plan)
     parallel = autoplan.parallelize(model, config, device="cpu", loss_fn=loss_fn, example_inputs=inputs)
     parallel.forward_backward(*parallel.shard_batch(inputs, targets))

@@ -92,6 +92,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 from autoplan.runtime.distributed.expert_parallel import parallelize_experts
+from autoplan.layout import Parallelism
 
 spec = importlib.util.spec_from_file_location("autoplan_test_mixtral", f"{ROOT}/examples/mixtral.py")
 mixtral = importlib.util.module_from_spec(spec)
@@ -107,7 +108,7 @@ for experts_count, fsdp_dim in ((4, 0), (2, 1)):  # E/ep = 2 experts split 2 way
     inputs, targets = mixtral.example_batch(2 * dp)
     expected = mixtral.loss_fn(reference(**inputs), targets)
     expected.backward()
-    experts = parallelize_experts(model, "cpu", dp, ep)
+    experts = parallelize_experts(model, Parallelism(dp_shard=dp, ep=ep), "cpu")
     experts.fully_shard(model, reshard_after_forward=True)
     assert len(experts.modules) == 2
     mine = slice(2 * rank, 2 * rank + 2)  # this data-parallel rank's samples
@@ -186,6 +187,7 @@ def test_experts_compute_in_the_plans_dtype_under_autocast_without_expert_parall
     import torch
     from torch import nn
 
+    from autoplan.layout import Parallelism
     from autoplan.runtime.distributed.expert_parallel import parallelize_experts
 
     spec = importlib.util.spec_from_file_location("autoplan_test_zoo_dtype", ROOT / "benchmarks" / "zoo" / "causal_lm.py")
@@ -197,7 +199,7 @@ def test_experts_compute_in_the_plans_dtype_under_autocast_without_expert_parall
     before = [d for name, d in _grouped_matmul_dtypes(model, inputs) if torch.float32 in d]
     assert before, "the experts' matmuls ran in bf16 without the cast: the test no longer shows the fault"
     model.zero_grad(set_to_none=True)
-    parallelize_experts(nn.ModuleList([model]), "cpu", dp=1, ep=1, dtype=torch.bfloat16)
+    parallelize_experts(nn.ModuleList([model]), Parallelism(), "cpu", dtype=torch.bfloat16)
     after = _grouped_matmul_dtypes(model, inputs)
     assert after and all(torch.float32 not in d for _, d in after), [x for x in after if torch.float32 in x[1]]
     experts = [p for n, p in model.named_parameters() if ".experts." in n]

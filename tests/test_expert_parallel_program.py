@@ -115,6 +115,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import autoplan
+from autoplan.layout import Parallelism
 from autoplan.runtime.distributed.config import ParallelConfig
 
 spec = importlib.util.spec_from_file_location("autoplan_ep_mixtral_grads", "{ROOT}/examples/mixtral.py")
@@ -132,8 +133,8 @@ def main(argv):
     reference = copy.deepcopy(model)
     inputs, targets = mixtral.example_batch(8)
     mixtral.loss_fn(reference(**inputs), targets).backward()
-    config = ParallelConfig(dp_shard=2, reshard="always", tp=2, ep=2, sequence_parallel=argv[0] == "on",
-                            microbatch_size=4, stages=(CHAIN,), tensor_parallel_plan=TP_PLAN)
+    layout = Parallelism(dp_shard=2, reshard=True, tp=2, ep=2, sp=argv[0] == "on", microbatch=4)
+    config = ParallelConfig(layout, stages=(CHAIN,), tensor_parallel_plan=TP_PLAN)
     parallel = autoplan.parallelize(model, config, device="cpu", loss_fn=mixtral.loss_fn, example_inputs=inputs)
     parallel.forward_backward(*parallel.shard_batch(inputs, targets))
     expected, found = dict(reference.named_parameters()), {{}}

@@ -16,6 +16,7 @@ from autoplan.codegen.launch import launch_layout
 from autoplan.codegen.program import (BUILD_BYTES_PER_S, BUILD_TIME_MARGIN, MIN_PROCESS_GROUP_TIMEOUT_S,
                                       process_group_timeout_s)
 from autoplan.errors import UserError
+from autoplan.layout import Parallelism
 from autoplan.runtime.distributed import mesh as mesh_module
 from autoplan.runtime.distributed import parallel
 
@@ -63,11 +64,11 @@ def test_process_group_starts_with_the_programs_timeout(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: started.update(kwargs))
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
     with pytest.raises(UserError, match="but 2 are running"):  # stops at the world-size check, after starting
-        mesh_module.device_mesh(torch.device("cpu"), 1, 1, 3, timeout_s=4321.0)
+        mesh_module.device_mesh(torch.device("cpu"), Parallelism(dp_shard=3), timeout_s=4321.0)
     assert started == {"backend": "gloo", "timeout": datetime.timedelta(seconds=4321.0)}
     started.clear()
     with pytest.raises(UserError, match="but 2 are running"):
-        mesh_module.device_mesh(torch.device("cpu"), 1, 1, 3)
+        mesh_module.device_mesh(torch.device("cpu"), Parallelism(dp_shard=3))
     assert started["timeout"] == datetime.timedelta(seconds=mesh_module.PROCESS_GROUP_TIMEOUT_S) > \
         datetime.timedelta(minutes=10)  # longer than torch's NCCL default
 

@@ -21,6 +21,7 @@ import pytest
 
 import autoplan
 from autoplan.errors import UserError
+from autoplan.layout import Parallelism
 from autoplan.runtime.distributed.config import ParallelConfig, as_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
@@ -211,16 +212,27 @@ def test_the_config_of_a_plan_holds_its_layout_and_modules():
                      dp_shard=2, reshard=True,
                      microbatches=2, microbatch=2)
     config = as_config(plan)
-    assert (config.pp, config.dp_replicate, config.dp_shard, config.tp, config.world_size) == (2, 1, 2, 1, 4)
-    assert (config.reshard, config.num_microbatches, config.microbatch_size) == ("always", 2, 2)
+    assert config.parallelism is plan.parallelism  # the one layout type, not a copy in other names
+    p = config.parallelism
+    assert (p.pp, p.dp_replicate, p.dp_shard, p.tp, p.world_size) == (2, 1, 2, 1, 4)
+    assert (p.reshard, p.microbatches, p.microbatch) == (True, 2, 2)
     assert config.stages == (TINY_GPT_CHAIN[:9], TINY_GPT_CHAIN[9:]) and config.chain_modules == TINY_GPT_CHAIN
     assert as_config(config) is config
 
 
+def test_the_config_holds_the_layout_once():
+    """ParallelConfig is one Parallelism and the module lists: none of its own fields is a layout field again (a
+    second spelling of microbatch, sp or reshard would be one)."""
+    from dataclasses import fields
+
+    own = {f.name for f in fields(ParallelConfig)} - {"parallelism"}
+    assert not own & {f.name for f in fields(Parallelism)}
+
+
 def test_a_config_whose_stages_do_not_match_its_pipeline_shows_the_arithmetic():
-    message = one_line_error(ParallelConfig, pp=2, virtual_stages=2, stages=(("a",), ("b",)))
+    message = one_line_error(ParallelConfig, Parallelism(pp=2, virtual_stages=2), stages=(("a",), ("b",)))
     assert "pp 2 x virtual_stages 2 = 4 stages, but stages lists 2" in message
-    assert "tp 0" in one_line_error(ParallelConfig, tp=0)
+    assert "tp must be a positive integer, got 0" in one_line_error(ParallelConfig, Parallelism(tp=0))
 
 
 def test_parallelize_refuses_what_is_not_a_model_or_a_plan():
@@ -243,12 +255,12 @@ def test_a_context_parallel_plan_needs_example_inputs_and_a_config_with_ep_acros
     model = tiny_gpt().build_model()
     message = one_line_error(autoplan.parallelize, model, make_plan(cp=2))
     assert "splits sequences over 2 context-parallel ranks: pass example_inputs=" in message
-    config = ParallelConfig(cp=2, pp=2, stages=(TINY_GPT_CHAIN[:9], TINY_GPT_CHAIN[9:]))
-    assert config.world_size == 4 and config.arithmetic().endswith("cp 2 x tp 1 = 4")
-    _check_runnable(config)  # cp inside pipeline stages runs (tests/test_context_parallel_program.py)
-    _check_runnable(ParallelConfig(cp=2, tp=2, stages=(TINY_GPT_CHAIN,)))  # and cp with tp
-    _check_runnable(ParallelConfig(cp=2, dp_shard=2, ep=4, stages=(TINY_GPT_CHAIN,)))  # ep folded over dp_shard x cp
-    message = one_line_error(autoplan.parallelize, model, ParallelConfig(cp=2, dp_replicate=2, ep=4,
+    config = ParallelConfig(Parallelism(cp=2, pp=2), stages=(TINY_GPT_CHAIN[:9], TINY_GPT_CHAIN[9:]))
+    assert config.parallelism.world_size_arithmetic().endswith("cp 2 x tp 1 = 4 processes")
+    _check_runnable(config.parallelism)  # cp inside pipeline stages runs (tests/test_context_parallel_program.py)
+    _check_runnable(Parallelism(cp=2, tp=2))  # and cp with tp
+    _check_runnable(Parallelism(cp=2, dp_shard=2, ep=4))  # ep folded over dp_shard x cp
+    message = one_line_error(autoplan.parallelize, model, ParallelConfig(Parallelism(cp=2, dp_replicate=2, ep=4),
                                                                          stages=(TINY_GPT_CHAIN,)),
                              example_inputs=tiny_gpt().example_batch(1)[0])
     assert "ep=4 does not divide dp_shard=1 x cp=2 x tp=1 = 2 (2 % 4 = 2)" in message
@@ -287,7 +299,7 @@ def test_a_mesh_that_is_not_the_plans_is_refused(one_process):
     other = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
     message = one_line_error(autoplan.parallelize, tiny_gpt().build_model(), make_plan(), other)
     assert message == ("the mesh is data_parallel 1 x tensor_parallel 1, the plan needs pp 1 x dp_replicate 1 x "
-                       "dp_shard 1 x cp 1 x tp 1 = 1 processes in dims ('pp', 'dp_replicate', 'dp_shard', 'cp', 'tp'): "
+                       "dp_shard 1 x cp 1 x tp 1 = 1 process in dims ('pp', 'dp_replicate', 'dp_shard', 'cp', 'tp'): "
                        "build it with autoplan.init_mesh(plan)")
 
 

@@ -102,16 +102,16 @@ def test_a_parallel_config_with_ep_the_program_cannot_run_is_refused_before_any_
     from autoplan.runtime.apply_plan import _check_runnable
     from autoplan.runtime.distributed.config import ParallelConfig
 
-    _check_runnable(ParallelConfig(dp_shard=2, ep=2, tp=2, pp=2, stages=(("a",), ("b",))))  # all three run
-    _check_runnable(ParallelConfig(dp_shard=2, ep=2, cp=2))
-    _check_runnable(ParallelConfig(ep=2, tp=2))  # ep over the tp ranks
-    _check_runnable(ParallelConfig(dp_shard=2, ep=2, tp=2))
-    _check_runnable(ParallelConfig(dp_shard=2, ep=2, pp=2, stages=(("a",), ("b",))))
+    _check_runnable(Parallelism(dp_shard=2, ep=2, tp=2, pp=2))  # all three run
+    _check_runnable(Parallelism(dp_shard=2, ep=2, cp=2))
+    _check_runnable(Parallelism(ep=2, tp=2))  # ep over the tp ranks
+    _check_runnable(Parallelism(dp_shard=2, ep=2, tp=2))
+    _check_runnable(Parallelism(dp_shard=2, ep=2, pp=2))
     with pytest.raises(UserError, match=r"ep=2 does not divide dp_shard=1 x cp=1 x tp=1 = 1 \(1 % 2 = 1\)"):
-        _check_runnable(ParallelConfig(dp_replicate=2, ep=2))
-    _check_runnable(ParallelConfig(dp_shard=2, ep=2))
-    with pytest.raises(UserError, match=r"degrees must be positive integers, got ep 0"):
-        ParallelConfig(ep=0)
+        _check_runnable(Parallelism(dp_replicate=2, ep=2))
+    _check_runnable(Parallelism(dp_shard=2, ep=2))
+    with pytest.raises(UserError, match=r"parallel config: ep must be a positive integer, got 0"):
+        ParallelConfig(Parallelism(ep=0))
 
 
 def test_the_search_tries_zero_bubble_schedules_with_a_ring_and_without():

@@ -13,6 +13,7 @@ from torch import fx, nn
 from torch.nn import functional as F
 
 from autoplan.errors import UserError
+from autoplan.layout import Parallelism
 from autoplan.runtime import AccumulationStep, default_loss, microbatches, shard, split_model, step_batch
 from autoplan.runtime.distributed.failures import NOTE_PREFIX, stage_failures
 
@@ -250,7 +251,7 @@ def test_gradient_accumulation_equals_the_whole_batch():
     reference = copy.deepcopy(model)
     x, y = torch.randn(6, 4), torch.randn(6, 2)
     default_loss(reference(x), y).backward()
-    loss = AccumulationStep(model, num_microbatches=3, loss_fn=None)(x, y)
+    loss = AccumulationStep(model, Parallelism(microbatches=3), loss_fn=None)(x, y)
     torch.testing.assert_close(loss, default_loss(reference(x), y).detach())
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad)

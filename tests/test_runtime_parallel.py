@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from autoplan.errors import UserError
+from autoplan.layout import Parallelism
 from autoplan.runtime import (ModelPart, TrainingData, build_on_meta, catalog, checkpoint_modules, compute_dtype,
                               materialize, restore_linears, split_model, step_batch)
 from autoplan.runtime.distributed.recompute import _save_matmuls, saved_ops
@@ -248,7 +249,7 @@ def test_mixed_precision_accumulation_computes_in_bf16_and_the_loss_in_fp32():
     x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
     seen = []
     model[2].register_forward_hook(lambda module, args, out: seen.append(out.dtype))
-    loss = AccumulationStep(model, num_microbatches=2, loss_fn=None, dtype=torch.bfloat16)(x, y)
+    loss = AccumulationStep(model, Parallelism(microbatches=2), loss_fn=None, dtype=torch.bfloat16)(x, y)
     default_loss(reference(x), y).backward()
     assert seen == [torch.bfloat16] * 2 and loss.dtype == torch.float32
     torch.testing.assert_close(loss, default_loss(reference(x), y).detach(), rtol=2e-2, atol=2e-2)

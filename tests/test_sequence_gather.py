@@ -63,7 +63,7 @@ SCRIPT = textwrap.dedent('''
     (reference(x) ** 2).sum().backward()
 
     def sharded(keep_shard):
-        model = tpm.tensor_parallel(copy.deepcopy(reference), mesh, PLAN, sequence_parallel=True)
+        model = tpm.tensor_parallel(copy.deepcopy(reference), mesh, PLAN, sp=True)
         if not keep_shard:  # torch's ColwiseParallel alone: each Linear gathers and keeps what it gathered
             for module in model.modules():
                 for hooks in (module._forward_pre_hooks, module._forward_hooks):

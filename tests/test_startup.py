@@ -74,8 +74,8 @@ def test_a_program_refuses_a_plan_it_was_not_generated_from_with_both_layouts(tm
     beside.write_text(tp2_plan().to_json())
     problem = plan_mismatch(dp2_plan().fingerprint(), dp2, beside, given=False)
     assert "is not the plan this train.py was generated from" in problem
-    assert ("plan.json is for pp 1 x dp_replicate 1 x dp_shard 1 x cp 1 x tp 2 = 2, train.py for pp 1 x "
-            "dp_replicate 2 x dp_shard 1 x cp 1 x tp 1 = 2") in problem
+    assert ("plan.json is for pp 1 x dp_replicate 1 x dp_shard 1 x cp 1 x tp 2 = 2 processes, train.py for pp 1 x "
+            "dp_replicate 2 x dp_shard 1 x cp 1 x tp 1 = 2 processes") in problem
     beside.write_text(dp2_plan().to_json())
     assert plan_mismatch(dp2_plan().fingerprint(), dp2, beside, given=False) is None
     assert plan_mismatch(dp2_plan().fingerprint(), dp2, tmp_path / "none.json", given=False) is None  # copied alone

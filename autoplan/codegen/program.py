@@ -9,13 +9,14 @@ no plan or file name can change what the program does.
 from __future__ import annotations
 
 import shutil
+from dataclasses import fields
 from pathlib import Path
 
 from autoplan.codegen.kubernetes import pytorchjob_yaml, trainjob_yaml
 from autoplan.codegen.launch import Launch, dockerfile, launch_layout, sbatch_script, torchrun_script
 from autoplan.codegen.template import fill
 from autoplan.errors import UserError
-from autoplan.layout import SCHEDULE_BY_NAME, SUPPORTED, TENSOR_PARALLEL_STYLES
+from autoplan.layout import SCHEDULE_BY_NAME, SCHEDULES, SUPPORTED, TENSOR_PARALLEL_STYLES, Parallelism
 from autoplan.plan import Plan
 from autoplan.contract import import_root, local_files
 
@@ -235,8 +236,38 @@ def _predicted(plan: Plan) -> dict[str, float]:
     return {key: float(value) for key, value in values.items() if value is not None}
 
 
+LAYOUT_COMMENTS = {
+    "dp_replicate": "data-parallel replicas (DDP, or HSDP's replicate dim)",
+    "dp_shard": "data-parallel ranks sharding the model (FSDP2)",
+    "reshard": "FSDP2 frees gathered parameters after forward (ZeRO-3)",
+    "tp": "tensor-parallel ranks (innermost mesh dim)",
+    "pp": "pipeline ranks (outermost mesh dim)",
+    "schedule": "pipeline schedule: " + " | ".join(SCHEDULES),
+    "microbatch": "samples per micro-batch",
+    "microbatches": "micro-batches per step per data-parallel rank",
+    "recompute": "activation checkpointing: none | selective (keep matmul outputs) | full",
+    "virtual_stages": "stages per pipeline rank (interleaved and zero-bubble schedules)",
+    "sp": "sequence parallel between the TP pairs (when TP > 1)",
+    "loss_parallel": "cross-entropy on the vocabulary-sharded logits (TP head)",
+    "offload": "FSDP2 CPU offload: model states in host memory, AdamW on the CPU",
+    "cp": "context-parallel ranks: each a share of every sequence (ring attention)",
+    "ep": "expert-parallel ranks, folded over dp_shard x cp x tp (groups of EP split the experts)",
+}
+"""The comment beside each of train.py's layout constants, by Parallelism field (docs/layouts.md has the long
+meanings)."""
+
+
+def layout_constants(parallelism: Parallelism) -> list[tuple[str, str, str]]:
+    """train.py's layout constants, the one codec from a Parallelism to them: (name, Python literal, comment) for each
+    field, in the field order; the name is the short name upper case (DP_SHARD, MICROBATCHES), the literal the
+    field's value (True/False for reshard, sp, loss_parallel and offload). train.py's parallel_config passes each back
+    to the field of its name."""
+    return [(f.name.upper(), repr(getattr(parallelism, f.name)), LAYOUT_COMMENTS[f.name])
+            for f in fields(Parallelism)]
+
+
 def _config_block(plan: Plan, launch: Launch, model_copy: Path) -> str:
-    p, t = plan.parallelism, plan.training
+    t = plan.training
     rows = [
         ("MODEL_SOURCE", repr(plan.model.path), "the file it was planned from (used with --model-file planned)"),
         ("PLAN_FINGERPRINT", repr(plan.fingerprint()), "plan.json's fingerprint: runs beside no other plan (--plan)"),
@@ -248,24 +279,7 @@ def _config_block(plan: Plan, launch: Launch, model_copy: Path) -> str:
         ("OPTIMIZER_IMPLEMENTATION", repr(t.optimizer_implementation), "AdamW kernels: fused | foreach | for-loop"),
         ("GLOBAL_BATCH", repr(t.global_batch_size), "samples per optimizer step, all ranks together"),
         ("DTYPE", repr(t.dtype), '"bf16": mixed precision on GPUs (fp32 on CPU)'),
-        ("DP_REPLICATE", repr(p.dp_replicate), "data-parallel replicas (DDP, or HSDP's replicate dim)"),
-        ("DP_SHARD", repr(p.dp_shard), "data-parallel ranks sharding the model (FSDP2)"),
-        ("RESHARD", repr(p.layout().reshard), "FSDP2 frees gathered parameters after forward: always | never"),
-        ("TP", repr(p.tp), "tensor-parallel ranks (innermost mesh dim)"),
-        ("SP", repr(p.layout().sp),
-         "sequence parallel between the TP pairs (when TP > 1): on | off"),
-        ("LOSS_PARALLEL", repr(p.layout().loss_parallel),
-         "cross-entropy on the vocabulary-sharded logits (TP head): on | off"),
-        ("CP", repr(p.cp), "context-parallel ranks: each a share of every sequence (ring attention)"),
-        ("EP", repr(p.ep),
-         "expert-parallel ranks (folded over dp_shard x cp x tp): each group of EP splits every expert layer's experts"),
-        ("PP", repr(p.pp), "pipeline ranks"),
-        ("VIRTUAL_STAGES", repr(p.virtual_stages), "stages per pipeline rank (interleaved schedule)"),
-        ("SCHEDULE", repr(p.schedule), "pipeline schedule"),
-        ("MICROBATCH", repr(p.microbatch), "samples per micro-batch"),
-        ("MICROBATCHES", repr(p.microbatches), "micro-batches per step per data-parallel rank"),
-        ("RECOMPUTE", repr(p.recompute), "activation checkpointing: none | selective (keep matmul outputs) | full"),
-        ("OFFLOAD", repr(p.offload), "FSDP2 CPU offload: model states in host memory, AdamW on the CPU"),
+        *layout_constants(plan.parallelism),
         ("COMPILE", repr(plan.compile.enable), "torch.compile per chain module (train.py --compile/--no-compile)"),
         ("TOKENS_PER_SAMPLE", repr(t.tokens_per_sample), "for tokens/s (None: not token inputs)"),
         ("MODEL_FLOPS_PER_STEP", repr(float(plan.predicted.model_flops_per_step)), "for MFU"),
@@ -286,7 +300,8 @@ def _config_block(plan: Plan, launch: Launch, model_copy: Path) -> str:
                             "the modules recomputed in backward, in the RECOMPUTE mode")
     lines += _literal_block("BATCH_NORM_MODULES", "[]", [f"{name!r}," for name in plan.batch_norm_modules],
                             "BatchNorm modules: statistics synchronized over the DP ranks")
-    lines.append("STAGES = [  # the modules each pipeline stage runs, in order; stage s on pipeline rank s % PP")
+    lines.append("STAGES = [  # the modules each pipeline stage runs, in order; stage s on pipeline rank s % PP "
+                 "(a V: zbv, dualpipev)")
     lines += [f"    {list(stage.modules)!r}," for stage in sorted(plan.stages, key=lambda s: s.index)]
     lines.append("]")
     return "\n".join(lines)

@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 
 from autoplan.contract import LossFn
 from autoplan.errors import UserError
-from autoplan.layout import SCHEDULE_BY_NAME, SUPPORTED, Layout, Scope, placement_of, problems
+from autoplan.layout import SCHEDULE_BY_NAME, SUPPORTED, Layout, Parallelism, Scope, problems
 from autoplan.runtime.distributed.attention_blocks import find_attention_blocks
 from autoplan.runtime.components.checkpoint import first_names
 from autoplan.runtime.distributed.compile import compile_modules
@@ -41,8 +41,8 @@ from autoplan.runtime.distributed.batches import batch_size_of, shard, to_device
 from autoplan.runtime.distributed.expert_parallel import ExpertParallel, parallelize_experts
 from autoplan.runtime.distributed.gradients import clip_grad_norm_
 from autoplan.runtime.distributed.materialize import ModelPart, catalog, materialize_from, named_tensors
-from autoplan.runtime.distributed.mesh import (MESH_DIMS, RankLayout, device_mesh, global_mean_loss, local_device, local_stages,
-                                   rank_layout)
+from autoplan.runtime.distributed.mesh import (MESH_DIMS, RankLayout, RankSetup, device_mesh, global_mean_loss,
+                                               local_device, mesh_shape, rank_layout)
 from autoplan.runtime.components.optimizer import param_groups
 from autoplan.runtime.distributed.parallel import TiedGradients, compute_dtype, replicate_data_parallel, shard_data_parallel
 from autoplan.runtime.distributed.recompute import ROOT_MODULE, checkpoint_modules
@@ -136,9 +136,7 @@ def init_plan_mesh(plan: Any, device: torch.device | str | None = None, timeout_
     mesh.PROCESS_GROUP_TIMEOUT_S) unless one is running, and build the plan's mesh (pp, dp_replicate, dp_shard,
     cp, tp). `plan`: a Plan, a plan.json or output folder path, or a ParallelConfig. A UserError if the number
     of processes is not the plan's."""
-    config = as_config(plan)
-    return device_mesh(_device(device), config.pp, config.dp_replicate, config.dp_shard, config.tp, config.cp,
-                       timeout_s)
+    return device_mesh(_device(device), as_config(plan).parallelism, timeout_s)
 
 
 def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
@@ -162,44 +160,44 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
         start from (the model's own values when omitted).
     """
     config = as_config(plan)
+    p = config.parallelism
     if not isinstance(model, nn.Module):
         raise UserError(f"parallelize takes the model as a torch.nn.Module, got {type(model).__name__}")
-    if config.pp > 1 and example_inputs is None:
-        raise UserError(f"the plan has a {config.pp}-rank pipeline: pass example_inputs= (the inputs of one "
-                        f"micro-batch, {config.microbatch_size} samples), on which the stages are cut")
-    if config.cp > 1 and example_inputs is None:
-        raise UserError(f"the plan splits sequences over {config.cp} context-parallel ranks: pass example_inputs= "
-                        f"(the inputs of one micro-batch, {config.microbatch_size} samples), on which the modules "
+    if p.pp > 1 and example_inputs is None:
+        raise UserError(f"the plan has a {p.pp}-rank pipeline: pass example_inputs= (the inputs of one "
+                        f"micro-batch, {p.microbatch} samples), on which the stages are cut")
+    if p.cp > 1 and example_inputs is None:
+        raise UserError(f"the plan splits sequences over {p.cp} context-parallel ranks: pass example_inputs= "
+                        f"(the inputs of one micro-batch, {p.microbatch} samples), on which the modules "
                         f"that call attention are found")
-    _check_runnable(config)
+    _check_runnable(p)
     _check_module_names(model, config)
     if mesh is None:
         mesh = init_plan_mesh(config, device)
-    _check_mesh(mesh, config)
+    _check_mesh(mesh, p)
     device = _device(device if device is not None else mesh.device_type)
-    placement = placement_of(config.schedule)
-    rank = rank_layout(mesh, placement, config.virtual_stages)
+    rank = rank_layout(mesh, p)
     dtype = compute_dtype(config.dtype, device)
     values = _initial_values(model, initial_values)
     _to_meta(model)  # the structure only: every rank holds just its own share later
     weights = catalog(model)  # every tensor's names and shape, for the initial broadcast
     model_names = first_names(model)  # the names checkpoints use, whatever the split
     attention = None
-    if config.cp > 1:  # from the block of the first attention call on, the ranks compute on sequence shares
-        attention = find_attention_blocks(model, config.chain_modules,
-                                          _one_microbatch(example_inputs, config.microbatch_size), device)
+    if p.cp > 1:  # from the block of the first attention call on, the ranks compute on sequence shares
+        attention = find_attention_blocks(model, config.chain_modules, _one_microbatch(example_inputs, p.microbatch),
+                                          device)
 
     split = stage_cp = None
-    if config.pp > 1:  # cut this rank's stages out of the exported graph of the model
-        inputs = _one_microbatch(example_inputs, config.microbatch_size)
+    if p.pp > 1:  # cut this rank's stages out of the exported graph of the model
+        inputs = _one_microbatch(example_inputs, p.microbatch)
         if attention is not None:  # exported on this rank's share of the sequence from the first block on
             stage_cp = PipelineContextParallel(mesh["cp"], attention, device)
         with stage_cp.export(model, inputs) if stage_cp is not None else nullcontext():
             split = split_model(model, to_device(inputs, "meta"), config.stages, device,
-                                experts_as_modules=config.ep > 1, module_calls=_local_token_modules(config))
+                                experts_as_modules=p.ep > 1, module_calls=_local_token_modules(config))
         if stage_cp is not None:
             stage_cp.prepare(split.stages)
-        stage_ids = local_stages(rank.pp_rank, config.pp, config.virtual_stages, placement)
+        stage_ids = p.rank_stages(rank.pp_rank)
         split.drop_other_stages(stage_ids)
         parts = {s: ModelPart(split.stages[s], split.state_fqns[s]) for s in stage_ids}
         chain_modules = {s: list(split.chain_modules[s]) for s in stage_ids}
@@ -209,36 +207,30 @@ def parallelize(model: nn.Module, plan: Any, mesh: DeviceMesh | None = None, *,
     # expert parallelism: each rank keeps its experts (of its own stages), FSDP2 shards them over the ranks holding
     # the same ones (shard_data_parallel)
     experts = parallelize_experts(nn.ModuleList([part.module for part in parts.values()]) if split is not None
-                                  else parts[0].module, device.type, config.dp, config.ep, dtype, config.dp_replicate,
-                                  config.tp, pp=config.pp, cp=config.cp, tp_mesh=mesh["tp"])
+                                  else parts[0].module, p, device.type, dtype, tp_mesh=mesh["tp"])
 
     for s, part in parts.items():  # order as in torchtitan: tensor parallel, recompute, compile, FSDP
         part.module = tensor_parallel(part.module, mesh["tp"], config.tensor_parallel_plan, chain_modules[s],
-                                      sequence_parallel=config.sequence_parallel)
+                                      sp=p.sp)
         recomputed = [u for u in chain_modules[s] if u in config.recompute_modules]
-        part.module = checkpoint_modules(part.module, recomputed, config.recompute)
+        part.module = checkpoint_modules(part.module, recomputed, p.recompute)
         part.module = compile_modules(part.module, chain_modules[s], config.compile,
-                                      config.tensor_parallel_plan if config.tp > 1 else None)
-        part.module = shard_data_parallel(part.module, mesh, config.reshard == "always", chain_modules[s], dtype,
-                                          batch_norm_modules=config.batch_norm_modules,  # SyncBatchNorm if DP > 1
-                                          offload=config.offload, experts=experts)
-    materialize_from(list(parts.values()), weights, values, device, offload=config.offload)
-    facts = SCHEDULE_BY_NAME.get(config.schedule)
+                                      config.tensor_parallel_plan if p.tp > 1 else None)
+        # FSDP2 (SyncBatchNorm first if DP > 1)
+        part.module = shard_data_parallel(part.module, mesh, config, chain_modules[s], dtype, experts)
+    materialize_from(list(parts.values()), weights, values, device, offload=p.offload)
+    facts = SCHEDULE_BY_NAME.get(p.schedule)
     if split is None or facts is None or not facts.split_backward:  # the zero-bubble schedules' stages all-reduce
         for part in parts.values():  # their gradients themselves (runtime/distributed/split_backward.py)
             part.module = replicate_data_parallel(part.module, mesh, device)  # DDP
     modules = {s: part.module for s, part in parts.items()}
 
     tied = TiedGradients(split, mesh, modules, rank)  # weights used on 2+ stages
-    loss_parallel = config.tp > 1 and config.loss_parallel
     if split is not None:
-        step = PipelineStep(modules, split, mesh, rank, config.schedule, config.num_microbatches, loss_fn, device,
-                            dtype, tensor_parallel=config.tp > 1, loss_parallel=loss_parallel,
-                            context_parallel=stage_cp)
+        step = PipelineStep(modules, split, RankSetup(p, mesh, rank, device, dtype), loss_fn, stage_cp)
     else:
         region = ContextParallelRegion(mesh["cp"], modules[0], attention) if attention is not None else None
-        step = AccumulationStep(modules[0], config.num_microbatches, loss_fn, dtype, tensor_parallel=config.tp > 1,
-                                loss_parallel=loss_parallel, context_parallel=region)
+        step = AccumulationStep(modules[0], p, loss_fn, dtype, region)
     if device.type == "cuda":  # the steps' peak, not the model's materialization (rank 0's broadcast buffers)
         torch.cuda.reset_peak_memory_stats(device)
     return Parallelized(parts=modules, step=step, tied=tied, split=split, mesh=mesh, rank=rank, experts=experts,
@@ -252,23 +244,23 @@ def _device(device: torch.device | str | None) -> torch.device:
     return local_device(device)
 
 
-def _check_runnable(config: ParallelConfig) -> None:
-    """The layout rules a ParallelConfig built by hand can break that this runtime cannot run (layout.py:
-    context parallelism with expert parallelism)."""
-    layout = Layout(dp_replicate=config.dp_replicate, dp_shard=config.dp_shard, cp=config.cp, ep=config.ep,
-                    pp=config.pp, tp=config.tp)
+def _check_runnable(parallelism: Parallelism) -> None:
+    """The rules of the degrees a ParallelConfig built by hand can break that this runtime cannot run (layout.py:
+    e.g. expert parallelism across replicas)."""
+    p = parallelism
+    layout = Layout(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, ep=p.ep, pp=p.pp, tp=p.tp)
     found = problems(layout, Scope(features=SUPPORTED))
     if found:
         raise UserError("parallel config: " + "; ".join(found))
 
 
-def _check_mesh(mesh: DeviceMesh, config: ParallelConfig) -> None:
+def _check_mesh(mesh: DeviceMesh, parallelism: Parallelism) -> None:
     """The mesh must be the plan's: dims (pp, dp_replicate, dp_shard, cp, tp) of the plan's sizes."""
-    want = (config.pp, config.dp_replicate, config.dp_shard, config.cp, config.tp)
+    want = mesh_shape(parallelism)
     names, shape = tuple(mesh.mesh_dim_names or ()), tuple(mesh.shape)
     if names != MESH_DIMS or shape != want:
         got = " x ".join(f"{n} {s}" for n, s in zip(names or ("?",) * len(shape), shape))
-        raise UserError(f"the mesh is {got or 'empty'}, the plan needs {config.arithmetic()} processes "
+        raise UserError(f"the mesh is {got or 'empty'}, the plan needs {parallelism.world_size_arithmetic()} "
                         f"in dims {MESH_DIMS}: build it with autoplan.init_mesh(plan)")
 
 
@@ -314,23 +306,23 @@ def _to_meta(model: nn.Module) -> None:
                 store[name] = moved[id(tensor)][1]
 
 
-def _one_microbatch(inputs: Any, microbatch_size: int) -> Any:
-    """The first micro-batch of `inputs`: as they are if every tensor holds microbatch_size samples along
-    dim 0, else the first microbatch_size of an equal number of samples in each."""
+def _one_microbatch(inputs: Any, microbatch: int) -> Any:
+    """The first micro-batch of `inputs`: as they are if every tensor holds `microbatch` samples along dim 0, else
+    the first `microbatch` of an equal number of samples in each."""
     sizes = {t.shape[0] for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0}
-    if sizes <= {microbatch_size}:
+    if sizes <= {microbatch}:
         return inputs
     size = batch_size_of(inputs)
-    if size % microbatch_size:
+    if size % microbatch:
         raise UserError(f"example_inputs holds {size} samples, not a multiple of the plan's micro-batch of "
-                        f"{microbatch_size}")
-    return pytree.tree_map(lambda t: t.narrow(0, 0, microbatch_size)
+                        f"{microbatch}")
+    return pytree.tree_map(lambda t: t.narrow(0, 0, microbatch)
                            if isinstance(t, torch.Tensor) and t.dim() > 0 else t, inputs)
 
 
-def _local_token_modules(config) -> tuple[str, ...]:
+def _local_token_modules(config: ParallelConfig) -> tuple[str, ...]:
     """The modules a pipeline stage keeps as calls: under sequence parallelism, those run on each tensor-parallel
     rank's tokens (tensor-parallel style "sequence_local": a mixture of experts' block), which the runtime wraps."""
-    if config.tp <= 1 or not config.sequence_parallel:
+    if not config.parallelism.sp_enabled:
         return ()
     return tuple(fqn for fqn, style in config.tensor_parallel_plan.items() if style == "sequence_local")

@@ -12,7 +12,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-RUNTIME_API = 11
+RUNTIME_API = 12
 """Bump it (and RUNTIME_API in codegen/templates/train.py) with any change to what a train.py calls that a
 train.py generated before would call wrongly, or that one generated now would not find in an autoplan before:
 a name added, removed or renamed, a signature, a meaning. A train.py reaches autoplan through autoplan.runtime
@@ -45,7 +45,19 @@ autoplan/runtime/harness/reference.py, which imports train.py and reads its SEED
 parse_args, get_lr and load_model_source(args) (new); runtime.check_start(program_file, fingerprint, config, plan,
 device) lost its `reference` argument. Also in 11: runtime's modules moved into distributed/, components/ and
 harness/ (the names a train.py reads through autoplan.runtime are unchanged; runtime.materialize and
-runtime.tensor_parallel are the functions, no longer their modules made callable)."""
+runtime.tensor_parallel are the functions, no longer their modules made callable). 12: one layout type: train.py's
+layout constants are autoplan.layout.Parallelism's fields upper case, in their types and order (RESHARD, SP,
+LOSS_PARALLEL and OFFLOAD are True/False, no longer "always"/"never" and "on"/"off"; DP is gone: rank.dp_size, and
+the reference run reads parallel_config().parallelism.dp), and parallel_config() builds runtime.Parallelism (new)
+and runtime.ParallelConfig(parallelism, stages=, tensor_parallel_plan=, recompute_modules=, batch_norm_modules=,
+compile=, dtype=), whose layout fields (dp_shard=, sequence_parallel=, microbatch_size=, num_microbatches=, reshard=
+"always", ...) and arithmetic() left it (Parallelism.world_size_arithmetic()). Runtime functions take the layout
+instead of loose degrees: device_mesh(device, parallelism, timeout_s), rank_layout(mesh, parallelism),
+parallelize_experts(module, parallelism, device_type, dtype, tp_mesh), expert_mesh(device_type, parallelism),
+shard_data_parallel(module, mesh, config, chain_modules, dtype, experts), AccumulationStep(module, parallelism,
+loss_fn, dtype, context_parallel), PipelineStep(parts, split, runtime.RankSetup(...) (new), loss_fn,
+context_parallel), tensor_parallel(..., sp=) (was sequence_parallel=); runtime.local_stages left
+(Parallelism.rank_stages)."""
 
 MISMATCH_EXIT_CODE = 2
 """What a program exits with on a mismatch: 2, the exit code of autoplan's own user errors (the user fixes

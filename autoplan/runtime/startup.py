@@ -50,9 +50,8 @@ def plan_mismatch(fingerprint: str, config: ParallelConfig, plan_path: Path, giv
     found = plan.fingerprint()
     if found == fingerprint:
         return None
-    planned = ParallelConfig.of(plan)
-    layouts = (f"{plan_path.name} is for {planned.arithmetic()}, train.py for {config.arithmetic()}"
-               if planned.arithmetic() != config.arithmetic() else
+    planned, running = plan.parallelism.world_size_arithmetic(), config.parallelism.world_size_arithmetic()
+    layouts = (f"{plan_path.name} is for {planned}, train.py for {running}" if planned != running else
                "the same degrees, other training settings or modules")
     return (f"{plan_path} is not the plan this train.py was generated from (fingerprint {found}, train.py's "
             f"PLAN_FINGERPRINT {fingerprint}: {layouts}): run the train.py generated with that plan "
@@ -62,17 +61,18 @@ def plan_mismatch(fingerprint: str, config: ParallelConfig, plan_path: Path, giv
 def launch_problem(config: ParallelConfig, env: Mapping[str, str], running_world: int | None = None) -> str | None:
     """Why this process was not launched as the plan needs, or None. `env`: the process's environment (torchrun's
     variables); `running_world`: the world size of a process group already started (a test harness), else None."""
-    world = config.world_size
+    world = config.parallelism.world_size
     launched = running_world if running_world is not None else _int(env.get("WORLD_SIZE"))
     command = f"bash launch/torchrun.sh, or torchrun --standalone --nproc-per-node {world} train.py on one machine"
     if running_world is None and any(name not in env for name in TORCHRUN_ENV):
         missing = [name for name in TORCHRUN_ENV if name not in env]
-        return (f"train.py runs the plan's {_processes(config)} under torchrun, which sets "
+        return (f"train.py runs the plan's {config.parallelism.world_size_arithmetic()} under torchrun, which sets "
                 f"{', '.join(missing)}: launch it with {command} (autoplan verify DIR checks it on this "
                 f"machine's CPU against the unsplit model)")
     if launched != world:
         return (f"{launched} processes were started (WORLD_SIZE={env.get('WORLD_SIZE', launched)}: torchrun's "
-                f"--nnodes x --nproc-per-node), but the plan is for {_processes(config)}: launch it with {command}")
+                f"--nnodes x --nproc-per-node), but the plan is for {config.parallelism.world_size_arithmetic()}: "
+                f"launch it with {command}")
     return None
 
 
@@ -109,11 +109,6 @@ def check_start(program_file: str | Path, fingerprint: str, config: ParallelConf
     if env.get("LOCAL_RANK", "0") == "0":
         print(f"{Path(program_file).name}: error: {problem}", file=sys.stderr, flush=True)
     raise SystemExit(MISMATCH_EXIT_CODE)
-
-
-def _processes(config: ParallelConfig) -> str:
-    """"pp 1 x dp_replicate 2 x dp_shard 1 x cp 1 x tp 1 = 2 processes"."""
-    return f"{config.arithmetic()} process{'es' if config.world_size != 1 else ''}"
 
 
 def _int(value: str | None) -> int | None:

@@ -51,7 +51,7 @@ import torch.distributed as dist
 import autoplan
 from autoplan import runtime
 
-RUNTIME_API = 11  # the version of autoplan's interface to programs (autoplan.runtime) this one was generated for
+RUNTIME_API = 12  # the version of autoplan's interface to programs (autoplan.runtime) this one was generated for
 runtime.check_runtime_api(RUNTIME_API)  # before any other autoplan name: one line and exit 2 if autoplan differs
 
 # ----------------------------------------------------------------------------------------------
@@ -67,19 +67,19 @@ GLOBAL_BATCH = 32                   # samples per optimizer step, all ranks toge
 DTYPE = 'bf16'                      # "bf16": mixed precision on GPUs (fp32 on CPU)
 DP_REPLICATE = 2                    # data-parallel replicas (DDP, or HSDP's replicate dim)
 DP_SHARD = 2                        # data-parallel ranks sharding the model (FSDP2)
-RESHARD = 'always'                  # FSDP2 frees gathered parameters after forward: always | never
+RESHARD = True                      # FSDP2 frees gathered parameters after forward (ZeRO-3)
 TP = 2                              # tensor-parallel ranks (innermost mesh dim)
-SP = 'on'                           # sequence parallel between the TP pairs (when TP > 1): on | off
-LOSS_PARALLEL = 'on'                # cross-entropy on the vocabulary-sharded logits (TP head): on | off
-CP = 1                              # context-parallel ranks: each a share of every sequence (ring attention)
-EP = 1                              # expert-parallel ranks (folded over dp_shard x cp x tp): each group of EP splits every expert layer's experts
-PP = 2                              # pipeline ranks
-VIRTUAL_STAGES = 2                  # stages per pipeline rank (interleaved schedule)
-SCHEDULE = 'interleaved'            # pipeline schedule
+PP = 2                              # pipeline ranks (outermost mesh dim)
+SCHEDULE = 'interleaved'            # pipeline schedule: gpipe | 1f1b | interleaved | zb-interleaved | zbv | dualpipev
 MICROBATCH = 2                      # samples per micro-batch
 MICROBATCHES = 4                    # micro-batches per step per data-parallel rank
 RECOMPUTE = 'selective'             # activation checkpointing: none | selective (keep matmul outputs) | full
+VIRTUAL_STAGES = 2                  # stages per pipeline rank (interleaved and zero-bubble schedules)
+SP = True                           # sequence parallel between the TP pairs (when TP > 1)
+LOSS_PARALLEL = True                # cross-entropy on the vocabulary-sharded logits (TP head)
 OFFLOAD = False                     # FSDP2 CPU offload: model states in host memory, AdamW on the CPU
+CP = 1                              # context-parallel ranks: each a share of every sequence (ring attention)
+EP = 1                              # expert-parallel ranks, folded over dp_shard x cp x tp (groups of EP split the experts)
 COMPILE = False                     # torch.compile per chain module (train.py --compile/--no-compile)
 TOKENS_PER_SAMPLE = None            # for tokens/s (None: not token inputs)
 MODEL_FLOPS_PER_STEP = 4000000000000.0  # for MFU
@@ -101,13 +101,12 @@ RECOMPUTE_MODULES = [  # the modules recomputed in backward, in the RECOMPUTE mo
     'layers.3',
 ]
 BATCH_NORM_MODULES = []             # BatchNorm modules: statistics synchronized over the DP ranks
-STAGES = [  # the modules each pipeline stage runs, in order; stage s on pipeline rank s % PP
+STAGES = [  # the modules each pipeline stage runs, in order; stage s on pipeline rank s % PP (a V: zbv, dualpipev)
     ['inp', 'layers.0'],
     ['layers.1', 'layers.2'],
     ['layers.3', 'layers.4'],
     ['layers.5', 'out'],
 ]
-DP = DP_REPLICATE * DP_SHARD
 # ----------------------------------------------------------------------------------------------
 
 
@@ -195,13 +194,15 @@ def load_model_source(args):
 
 
 def parallel_config(compile_modules=COMPILE) -> runtime.ParallelConfig:
-    """The plan's layout, as autoplan.parallelize reads it; its chain modules compiled when `compile_modules`."""
-    return runtime.ParallelConfig(
-        dp_replicate=DP_REPLICATE, dp_shard=DP_SHARD, reshard=RESHARD, tp=TP, sequence_parallel=SP == "on",
-        loss_parallel=LOSS_PARALLEL == "on", cp=CP, ep=EP, pp=PP, virtual_stages=VIRTUAL_STAGES, schedule=SCHEDULE,
-        microbatch_size=MICROBATCH, num_microbatches=MICROBATCHES, recompute=RECOMPUTE,
-        recompute_modules=RECOMPUTE_MODULES, offload=OFFLOAD, compile=compile_modules, dtype=DTYPE,
-        tensor_parallel_plan=TENSOR_PARALLEL_PLAN, batch_norm_modules=BATCH_NORM_MODULES, stages=STAGES)
+    """The plan's layout (an autoplan Parallelism: each constant above is its field, upper case) and the modules it
+    names, as autoplan.parallelize reads them; the chain modules compiled when `compile_modules`."""
+    layout = runtime.Parallelism(
+        dp_replicate=DP_REPLICATE, dp_shard=DP_SHARD, reshard=RESHARD, tp=TP, pp=PP, schedule=SCHEDULE,
+        microbatch=MICROBATCH, microbatches=MICROBATCHES, recompute=RECOMPUTE, virtual_stages=VIRTUAL_STAGES, sp=SP,
+        loss_parallel=LOSS_PARALLEL, offload=OFFLOAD, cp=CP, ep=EP)
+    return runtime.ParallelConfig(layout, stages=STAGES, tensor_parallel_plan=TENSOR_PARALLEL_PLAN,
+                                  recompute_modules=RECOMPUTE_MODULES, batch_norm_modules=BATCH_NORM_MODULES,
+                                  compile=compile_modules, dtype=DTYPE)
 
 
 def build_parallel_model(model_source, config, mesh, device) -> autoplan.Parallelized:
@@ -236,7 +237,7 @@ def main(argv=None) -> list[float]:
     rank, parts = parallel.rank, parallel.parts
     optimizer = runtime.adamw(parallel.parameters(), args.lr, OPTIMIZER_IMPLEMENTATION, args.weight_decay, args.betas)
 
-    data = runtime.TrainingData(model_source, GLOBAL_BATCH, SEED, rank.dp_rank, DP)
+    data = runtime.TrainingData(model_source, GLOBAL_BATCH, SEED, rank.dp_rank, rank.dp_size)
     # keyed by the model's own names (any plan resumes any other's), with each rank's generators and data position
     checkpoints = runtime.Checkpointer(args.checkpoint_dir, parallel, optimizer, keep=args.keep_checkpoints, data=data)
     first_step = checkpoints.load(args.steps) if args.resume else 0  # says what it resumed from, or that it found none

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import autoplan
 from autoplan import runtime
 
-RUNTIME_API = 11  # the version of autoplan's interface to programs (autoplan.runtime) this one was generated for
+RUNTIME_API = 12  # the version of autoplan's interface to programs (autoplan.runtime) this one was generated for
 runtime.check_runtime_api(RUNTIME_API)  # before any other autoplan name: one line and exit 2 if autoplan differs
 
 # ----------------------------------------------------------------------------------------------
@@ -38,19 +38,19 @@ GLOBAL_BATCH = 1
 DTYPE = "fp32"
 DP_REPLICATE = 1
 DP_SHARD = 1
-RESHARD = "never"
+RESHARD = False
 TP = 1
-SP = "on"
-LOSS_PARALLEL = "on"
-CP = 1
-EP = 1
 PP = 1
-VIRTUAL_STAGES = 1
 SCHEDULE = "1f1b"
 MICROBATCH = 1
 MICROBATCHES = 1
 RECOMPUTE = "none"
+VIRTUAL_STAGES = 1
+SP = False
+LOSS_PARALLEL = True
 OFFLOAD = False
+CP = 1
+EP = 1
 COMPILE = False
 TOKENS_PER_SAMPLE = None
 MODEL_FLOPS_PER_STEP = 0.0
@@ -63,7 +63,6 @@ RECOMPUTE_MODULES = []
 BATCH_NORM_MODULES = []
 STAGES = [[]]
 # --- plan config end ---
-DP = DP_REPLICATE * DP_SHARD
 # ----------------------------------------------------------------------------------------------
 
 
@@ -151,13 +150,15 @@ def load_model_source(args):
 
 
 def parallel_config(compile_modules=COMPILE) -> runtime.ParallelConfig:
-    """The plan's layout, as autoplan.parallelize reads it; its chain modules compiled when `compile_modules`."""
-    return runtime.ParallelConfig(
-        dp_replicate=DP_REPLICATE, dp_shard=DP_SHARD, reshard=RESHARD, tp=TP, sequence_parallel=SP == "on",
-        loss_parallel=LOSS_PARALLEL == "on", cp=CP, ep=EP, pp=PP, virtual_stages=VIRTUAL_STAGES, schedule=SCHEDULE,
-        microbatch_size=MICROBATCH, num_microbatches=MICROBATCHES, recompute=RECOMPUTE,
-        recompute_modules=RECOMPUTE_MODULES, offload=OFFLOAD, compile=compile_modules, dtype=DTYPE,
-        tensor_parallel_plan=TENSOR_PARALLEL_PLAN, batch_norm_modules=BATCH_NORM_MODULES, stages=STAGES)
+    """The plan's layout (an autoplan Parallelism: each constant above is its field, upper case) and the modules it
+    names, as autoplan.parallelize reads them; the chain modules compiled when `compile_modules`."""
+    layout = runtime.Parallelism(
+        dp_replicate=DP_REPLICATE, dp_shard=DP_SHARD, reshard=RESHARD, tp=TP, pp=PP, schedule=SCHEDULE,
+        microbatch=MICROBATCH, microbatches=MICROBATCHES, recompute=RECOMPUTE, virtual_stages=VIRTUAL_STAGES, sp=SP,
+        loss_parallel=LOSS_PARALLEL, offload=OFFLOAD, cp=CP, ep=EP)
+    return runtime.ParallelConfig(layout, stages=STAGES, tensor_parallel_plan=TENSOR_PARALLEL_PLAN,
+                                  recompute_modules=RECOMPUTE_MODULES, batch_norm_modules=BATCH_NORM_MODULES,
+                                  compile=compile_modules, dtype=DTYPE)
 
 
 def build_parallel_model(model_source, config, mesh, device) -> autoplan.Parallelized:
@@ -192,7 +193,7 @@ def main(argv=None) -> list[float]:
     rank, parts = parallel.rank, parallel.parts
     optimizer = runtime.adamw(parallel.parameters(), args.lr, OPTIMIZER_IMPLEMENTATION, args.weight_decay, args.betas)
 
-    data = runtime.TrainingData(model_source, GLOBAL_BATCH, SEED, rank.dp_rank, DP)
+    data = runtime.TrainingData(model_source, GLOBAL_BATCH, SEED, rank.dp_rank, rank.dp_size)
     # keyed by the model's own names (any plan resumes any other's), with each rank's generators and data position
     checkpoints = runtime.Checkpointer(args.checkpoint_dir, parallel, optimizer, keep=args.keep_checkpoints, data=data)
     first_step = checkpoints.load(args.steps) if args.resume else 0  # says what it resumed from, or that it found none

@@ -54,7 +54,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.capture.experts import is_experts_module
 from autoplan.errors import UserError
-from autoplan.layout import expert_folded_ranks
+from autoplan.layout import Parallelism, expert_folded_ranks
 
 
 @dataclass(frozen=True)
@@ -139,18 +139,17 @@ shards them), with the dp_replicate replicas beside (HSDP). A rank's index among
 (dp_shard index x cp + cp index) x tp + tp index, is efsdp index x ep + ep index."""
 
 
-def expert_mesh(device_type: str, pp: int, dp: int, ep: int, tp: int = 1, dp_replicate: int = 1, cp: int = 1):
-    """The mesh EXPERT_MESH_DIMS over every process (all of them call it, in the same order); `dp` counts every
-    data-parallel rank (dp_replicate x dp_shard)."""
+def expert_mesh(device_type: str, parallelism: Parallelism):
+    """The mesh EXPERT_MESH_DIMS of `parallelism` over every process (all of them call it, in the same order)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if dp % dp_replicate:
-        raise ValueError(f"dp {dp} is not a multiple of dp_replicate {dp_replicate}")
-    folded = expert_folded_ranks(dp // dp_replicate, cp, tp)
-    if folded % ep:
-        raise ValueError(f"expert parallelism is cut from dp_shard {dp // dp_replicate} x cp {cp} x tp {tp} = {folded} "
-                         f"ranks, which ep {ep} must divide ({folded} % {ep} = {folded % ep}; layout.py states the rule)")
-    shape = (pp, dp_replicate, folded // ep, ep)
+    p = parallelism
+    folded = expert_folded_ranks(p.dp_shard, p.cp, p.tp)
+    if folded % p.ep:
+        raise ValueError(f"expert parallelism is cut from dp_shard {p.dp_shard} x cp {p.cp} x tp {p.tp} = {folded} "
+                         f"ranks, which ep {p.ep} must divide ({folded} % {p.ep} = {folded % p.ep}; layout.py states "
+                         f"the rule)")
+    shape = (p.pp, p.dp_replicate, folded // p.ep, p.ep)
     return init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_DIMS)
 
 
@@ -236,9 +235,8 @@ def _fsdp_placement(param: nn.Parameter, local_experts: int, shards: int):
     return Shard(1)
 
 
-def parallelize_experts(module: nn.Module, device_type: str, dp: int, ep: int,
-                        dtype: torch.dtype = torch.float32, dp_replicate: int = 1, tp: int = 1,
-                        pp: int = 1, cp: int = 1, tp_mesh: DeviceMesh | None = None) -> ExpertParallel:
+def parallelize_experts(module: nn.Module, parallelism: Parallelism, device_type: str,
+                        dtype: torch.dtype = torch.float32, tp_mesh: DeviceMesh | None = None) -> ExpertParallel:
     """Split every experts module of `module` over groups of ep consecutive ranks of dp_shard x cp x tp (the folded
     expert mesh, EXPERT_MESH_DIMS; call on every rank, before tensor parallelism and FSDP, which shards them over the
     ranks holding the same experts with ExpertParallel.fully_shard). Works on the meta device: each parameter becomes
@@ -249,19 +247,21 @@ def parallelize_experts(module: nn.Module, device_type: str, dp: int, ep: int,
     pipeline rank; a stage may hold none."""
     from torch.distributed.tensor import DTensor, Shard
 
-    if ep == 1:
+    p = parallelism
+    loss_terms = p.dp * p.cp
+    if p.ep == 1:
         if dtype != torch.float32:  # autocast leaves grouped matmuls (torch._grouped_mm) in the weights' fp32
             for sub in module.modules():
                 if is_experts_module(sub):
                     _compute_on_local_tensors(sub, dtype)
-        return ExpertParallel([], None, dp * cp)
-    if tp > 1 and (tp_mesh is None or tp_mesh.size() != tp):
-        raise ValueError(f"expert parallelism with tp={tp} needs the plan's tensor-parallel mesh of {tp} ranks")
+        return ExpertParallel([], None, loss_terms)
+    if p.tp > 1 and (tp_mesh is None or tp_mesh.size() != p.tp):
+        raise ValueError(f"expert parallelism with tp={p.tp} needs the plan's tensor-parallel mesh of {p.tp} ranks")
     experts = [sub for sub in module.modules() if is_experts_module(sub)]
-    if not experts and pp == 1:
-        raise UserError(f"ep={ep}, but {type(module).__name__} has no experts module (num_experts and weights "
+    if not experts and p.pp == 1:
+        raise UserError(f"ep={p.ep}, but {type(module).__name__} has no experts module (num_experts and weights "
                         f"stacked per expert on dimension 0) to split: plan it with ep=1")
-    mesh = expert_mesh(device_type, pp, dp, ep, tp, dp_replicate=dp_replicate, cp=cp)  # every rank, experts or not
+    mesh = expert_mesh(device_type, p)  # every rank, experts or not
     ep_mesh = mesh["ep"]
     for sub in experts:
         shard_experts(sub, ep_mesh.get_group())
@@ -269,9 +269,9 @@ def parallelize_experts(module: nn.Module, device_type: str, dp: int, ep: int,
             sharded = DTensor.from_local(param.detach(), ep_mesh, [Shard(0)], run_check=False)
             setattr(sub, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         _compute_on_local_tensors(sub, dtype)
-        if tp > 1:
+        if p.tp > 1:
             TensorParallelTokens(tp_mesh).wrap(sub)
-    return ExpertParallel(experts, mesh, dp * cp)
+    return ExpertParallel(experts, mesh, loss_terms)
 
 
 class TensorParallelTokens:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autoplan.errors import UserError
-from autoplan.layout import rank_stages, stage_rank
+from autoplan.layout import Parallelism, stage_rank
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 FSDP_DIM = "dp_shard_cp"
@@ -33,7 +33,7 @@ class RankLayout:
     rank: int
     """Global rank (rank 0 prints and writes the results)."""
     pp_rank: int
-    """Pipeline rank: it runs local_stages(pp_rank, ...) (one per virtual stage)."""
+    """Pipeline rank: it runs Parallelism.rank_stages(pp_rank) (one per virtual stage)."""
     dp_rank: int
     """Index among the data-parallel ranks (which slice of the global batch it trains on; the ranks of a
     context-parallel group share it)."""
@@ -64,6 +64,22 @@ class RankLayout:
         return self.pp_rank == stage_rank(self.pp_size * self.virtual_stages - 1, self.pp_size, self.placement)
 
 
+@dataclass(frozen=True)
+class RankSetup:
+    """The plan's layout as this process runs it: what a pipeline step reads besides its stages."""
+
+    parallelism: Parallelism
+    """The layout (schedule, micro-batches, tp, loss_parallel, ...)."""
+    mesh: DeviceMesh
+    """The device mesh, dims MESH_DIMS."""
+    rank: RankLayout
+    """Where this process sits in it."""
+    device: torch.device
+    """Where it computes."""
+    dtype: torch.dtype
+    """The compute dtype (parallel.compute_dtype)."""
+
+
 PROCESS_GROUP_TIMEOUT_S = 1800.0
 """How long a collective waits for every rank before the process group gives up, seconds, unless the program
 says otherwise (train.py sizes it to the model: codegen/program.py process_group_timeout_s). torch's default,
@@ -80,22 +96,26 @@ def local_device(device: torch.device | str) -> torch.device:
     return device
 
 
-def device_mesh(device: torch.device, pp: int, dp_replicate: int, dp_shard: int, tp: int = 1,
-                cp: int = 1, timeout_s: float | None = None) -> DeviceMesh:
-    """The mesh (pp, dp_replicate, dp_shard, cp, tp) over all processes, after starting the process group
-    (NCCL on CUDA, gloo on CPU; collectives time out after `timeout_s`, default PROCESS_GROUP_TIMEOUT_S) unless
-    one is running. A UserError if the world size is not their product."""
+def mesh_shape(parallelism: Parallelism) -> tuple[int, int, int, int, int]:
+    """The sizes of the mesh's MESH_DIMS for `parallelism`: (pp, dp_replicate, dp_shard, cp, tp)."""
+    p = parallelism
+    return p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp
+
+
+def device_mesh(device: torch.device, parallelism: Parallelism, timeout_s: float | None = None) -> DeviceMesh:
+    """The mesh MESH_DIMS of `parallelism` over all processes, after starting the process group (NCCL on CUDA, gloo
+    on CPU; collectives time out after `timeout_s`, default PROCESS_GROUP_TIMEOUT_S) unless one is running. A
+    UserError if the world size is not the layout's."""
     if device.type == "cuda":
         torch.cuda.set_device(local_device(device))
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S if timeout_s is None else timeout_s)
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout)
-    world, planned = dist.get_world_size(), pp * dp_replicate * dp_shard * cp * tp
+    world, planned = dist.get_world_size(), parallelism.world_size
     if world != planned:
-        raise UserError(f"the plan is for pp {pp} x dp_replicate {dp_replicate} x dp_shard {dp_shard} x cp {cp} x "
-                        f"tp {tp} = {planned} processes but {world} are running: launch it with {planned} processes "
-                        f"(torchrun --nproc-per-node {planned} on one machine)")
-    return init_device_mesh(device.type, (pp, dp_replicate, dp_shard, cp, tp), mesh_dim_names=MESH_DIMS)
+        raise UserError(f"the plan is for {parallelism.world_size_arithmetic()} but {world} are running: launch it "
+                        f"with {planned} processes (torchrun --nproc-per-node {planned} on one machine)")
+    return init_device_mesh(device.type, mesh_shape(parallelism), mesh_dim_names=MESH_DIMS)
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -109,14 +129,15 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp_replicate", shard] if mesh["dp_replicate"].size() > 1 else mesh[shard]
 
 
-def rank_layout(mesh: DeviceMesh, placement: str = "loop", virtual_stages: int = 1) -> RankLayout:
-    """Where this process sits in a (pp, dp_replicate, dp_shard, cp, tp) mesh; `placement`, the pipeline
-    schedule's stage placement, and `virtual_stages`, its stages per pipeline rank."""
+def rank_layout(mesh: DeviceMesh, parallelism: Parallelism) -> RankLayout:
+    """Where this process sits in the (pp, dp_replicate, dp_shard, cp, tp) mesh of `parallelism` (whose schedule
+    places the stages on the pipeline ranks)."""
     pp, dp_replicate, dp_shard, cp, tp = mesh.shape
     pp_rank, replicate_rank, shard_rank, cp_rank, tp_rank = mesh.get_coordinate()
     return RankLayout(rank=dist.get_rank(), pp_rank=pp_rank, dp_rank=replicate_rank * dp_shard + shard_rank,
                       dp_size=dp_replicate * dp_shard, pp_size=pp, tp_rank=tp_rank, tp_size=tp, cp_rank=cp_rank,
-                      cp_size=cp, placement=placement, virtual_stages=virtual_stages)
+                      cp_size=cp, placement=parallelism.placement,
+                      virtual_stages=parallelism.virtual_stages)
 
 
 def global_mean_loss(local_loss: torch.Tensor | None, layout: RankLayout, device: torch.device) -> float:
@@ -127,9 +148,3 @@ def global_mean_loss(local_loss: torch.Tensor | None, layout: RankLayout, device
     total = local_loss.detach().reshape(()).float().to(device) if counts else torch.zeros((), device=device)
     dist.all_reduce(total)
     return total.item() / (layout.dp_size * layout.cp_size)
-
-
-def local_stages(pp_rank: int, pp: int, virtual_stages: int, placement: str = "loop") -> list[int]:
-    """The pipeline stages a rank runs: pp_rank, pp_rank + pp, ... (torch.distributed.pipelining's loop order), or
-    with placement "v" pp_rank and 2 pp - 1 - pp_rank (autoplan.layout.stage_rank)."""
-    return rank_stages(pp_rank, pp, virtual_stages, placement)

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.layout import fsdp_wraps, stage_rank
+from autoplan.runtime.distributed.config import ParallelConfig
 from autoplan.runtime.distributed.expert_parallel import ExpertParallel
 from autoplan.runtime.distributed.mesh import RankLayout, fsdp_mesh, local_device
 from autoplan.runtime.distributed.recompute import ROOT_MODULE, submodule
@@ -36,33 +37,33 @@ def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool, chain_modules: Sequence[str],
-                        dtype: torch.dtype = torch.float32, batch_norm_modules: Sequence[str] = (),
-                        offload: bool = False, experts: ExpertParallel | None = None) -> nn.Module:
+def shard_data_parallel(module: nn.Module, mesh: DeviceMesh, config: ParallelConfig, chain_modules: Sequence[str],
+                        dtype: torch.dtype = torch.float32, experts: ExpertParallel | None = None) -> nn.Module:
     """FSDP2 over the mesh's dp_shard x cp ranks (HSDP with dp_replicate): fully_shard each of the modules
-    `chain_modules`, then the root. Works on a meta-device module (materialize afterwards). With dp_shard 1 it
-    is DDP (replicate_data_parallel), except with tensor parallelism: DDP buckets plain tensors, not
+    `chain_modules` (those of `module`, one pipeline stage or the whole model), then the root; with the layout's
+    reshard (reshard_after_forward) and offload. Works on a meta-device module (materialize afterwards). With
+    dp_shard 1 it is DDP (replicate_data_parallel), except with tensor parallelism: DDP buckets plain tensors, not
     DTensors, so there fully_shard over a replicate-only mesh (shard dim of size 1) replicates instead:
     full parameters on every replica, gradients all-reduced, the same work as DDP. First, with any data
-    parallelism, the BatchNorm modules `batch_norm_modules` (the plan's) synchronize their statistics over
-    the data-parallel ranks (runtime/distributed/batchnorm.py). `offload`: FSDP2's CPUOffloadPolicy keeps the sharded
+    parallelism, the config's batch_norm_modules synchronize their statistics over
+    the data-parallel ranks (runtime/distributed/batchnorm.py). offload: FSDP2's CPUOffloadPolicy keeps the sharded
     parameters, gradients and optimizer state in host memory (pinned on CUDA; on a CPU device torch cannot pin,
     "Cannot access accelerator device", so unpinned: the same code path with host-to-host copies).
     `experts`: expert parallelism's experts modules, FSDP2-sharded first over the ranks holding the same experts
     (ExpertParallel.fully_shard, with the same settings), so the modules around them leave them alone."""
     from autoplan.runtime.distributed.batchnorm import sync_batch_norm
 
-    module = sync_batch_norm(module, mesh, batch_norm_modules)
+    module = sync_batch_norm(module, mesh, config.batch_norm_modules)
     if not fsdp_wraps(mesh["dp_replicate"].size(), mesh["dp_shard"].size(), mesh["cp"].size(), mesh["tp"].size()):
         return module
     shard = mesh["dp_shard"].size() * mesh["cp"].size()
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     dp_mesh = fsdp_mesh(mesh)
-    kwargs = dict(reshard_after_forward=reshard_after_forward and shard > 1)
+    kwargs = dict(reshard_after_forward=config.parallelism.reshard and shard > 1)
     if dtype != torch.float32:  # compute in `dtype`, reduce gradients in fp32
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    if offload:
+    if config.parallelism.offload:
         from torch.distributed.fsdp import CPUOffloadPolicy
 
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")

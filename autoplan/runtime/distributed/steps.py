@@ -16,15 +16,14 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
-from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.contract import LossFn, call_model, compute_loss
 from autoplan.errors import UserError
-from autoplan.layout import SCHEDULE_BY_NAME, SCHEDULES
+from autoplan.layout import SCHEDULE_BY_NAME, SCHEDULES, Parallelism
 from autoplan.runtime.distributed.context_parallel import ContextParallelRegion, PipelineContextParallel
 from autoplan.runtime.distributed.batches import microbatches
 from autoplan.runtime.distributed.failures import stage_failures
-from autoplan.runtime.distributed.mesh import RankLayout
+from autoplan.runtime.distributed.mesh import RankSetup
 from autoplan.runtime.distributed.parallel import ddp_replicas, gradient_sync
 from autoplan.runtime.distributed.split import PipelineSplit
 from autoplan.runtime.distributed.tensor_parallel import (ParallelLoss, loss_parallel_context, plain_tensor,
@@ -48,19 +47,20 @@ class AccumulationStep:
     """No pipeline: run the micro-batches one after another and accumulate gradients, reducing them
     over the data-parallel ranks only in the last backward."""
 
-    def __init__(self, module: nn.Module, num_microbatches: int, loss_fn: LossFn | None,
-                 dtype: torch.dtype = torch.float32, tensor_parallel: bool = False, loss_parallel: bool = False,
-                 context_parallel: ContextParallelRegion | None = None) -> None:
-        self.module, self.num_microbatches = module, num_microbatches
-        self.loss_fn = ParallelLoss(loss_fn) if loss_parallel else loss_fn
-        self.dtype, self.tensor_parallel, self.loss_parallel = dtype, tensor_parallel, loss_parallel
+    def __init__(self, module: nn.Module, parallelism: Parallelism, loss_fn: LossFn | None,
+                 dtype: torch.dtype = torch.float32, context_parallel: ContextParallelRegion | None = None) -> None:
+        """`parallelism`: the layout (its microbatches, tp and loss_parallel are what this step reads)."""
+        self.module, self.microbatches = module, parallelism.microbatches
+        self.tensor_parallel, self.loss_parallel = parallelism.tp_enabled, parallelism.loss_parallel_enabled
+        self.loss_fn = ParallelLoss(loss_fn) if self.loss_parallel else loss_fn
+        self.dtype = dtype
         self.context_parallel = context_parallel
         """With cp > 1: each micro-batch's forward, loss and backward run in it, on the rank's share of the
         sequence (the returned loss is the mean over that share's tokens)."""
 
     def __call__(self, inputs: Any, targets: Any) -> torch.Tensor:
         total = torch.zeros(())
-        parts = microbatches((inputs, targets), self.num_microbatches)
+        parts = microbatches((inputs, targets), self.microbatches)
         device = next(iter(self.module.parameters())).device
         with tensor_parallel_context(self.tensor_parallel), loss_parallel_context(self.loss_parallel):
             for i, (micro_inputs, micro_targets) in enumerate(parts):
@@ -204,12 +204,14 @@ class PipelineStep:
     into micro-batches, calls the loss on each one's output on the last stage and divides the
     gradients by the number of micro-batches (scale_grads), so they are those of the mean loss."""
 
-    def __init__(self, parts: Mapping[int, nn.Module], split: PipelineSplit, mesh: DeviceMesh, layout: RankLayout,
-                 schedule: str, num_microbatches: int, loss_fn: LossFn | None, device: torch.device,
-                 dtype: torch.dtype = torch.float32, tensor_parallel: bool = False,
-                 loss_parallel: bool = False, context_parallel: PipelineContextParallel | None = None) -> None:
+    def __init__(self, parts: Mapping[int, nn.Module], split: PipelineSplit, setup: RankSetup,
+                 loss_fn: LossFn | None, context_parallel: PipelineContextParallel | None = None) -> None:
+        """`setup`: the layout (its schedule, microbatches, tp and loss_parallel), the mesh, this rank's place in it,
+        the device and the compute dtype."""
         from torch.distributed import pipelining
 
+        p, mesh, device, dtype = setup.parallelism, setup.mesh, setup.device, setup.dtype
+        schedule = p.schedule
         if schedule not in SCHEDULES:
             raise UserError(f"pipeline schedule {schedule!r} is not supported: use one of {', '.join(SCHEDULES)}")
         facts = SCHEDULE_BY_NAME[schedule]
@@ -218,7 +220,7 @@ class PipelineStep:
             raise UserError(f"the {schedule} schedule runs {least if least == most else f'{least} or more'} "
                             f"stage(s) per rank, this rank has {len(parts)}")
         schedule_class = getattr(pipelining, facts.torch_class)
-        self.split, self.layout, self.tensor_parallel, self.parts = split, layout, tensor_parallel, dict(parts)
+        self.split, self.rank, self.tensor_parallel, self.parts = split, setup.rank, p.tp_enabled, dict(parts)
         self.context_parallel = context_parallel
         """With cp > 1: the region each step runs in (the last stage's loss is the mean over the rank's share of
         the tokens)."""
@@ -242,20 +244,20 @@ class PipelineStep:
             else:
                 stages.append(stage_class(module, index, num_stages, device, **kwargs))
         self.stages, self.split_backward = stages, facts.split_backward
-        self.loss_parallel = loss_parallel
-        loss = split.loss(ParallelLoss(loss_fn) if loss_parallel else loss_fn)
+        self.loss_parallel = p.loss_parallel_enabled
+        loss = split.loss(ParallelLoss(loss_fn) if self.loss_parallel else loss_fn)
         if most == 1:  # torch's single-stage schedules take the stage, the others a list
-            self.schedule = schedule_class(stages[0], n_microbatches=num_microbatches, loss_fn=loss)
+            self.schedule = schedule_class(stages[0], n_microbatches=p.microbatches, loss_fn=loss)
         else:
-            self.schedule = schedule_class(stages, n_microbatches=num_microbatches, loss_fn=loss)
+            self.schedule = schedule_class(stages, n_microbatches=p.microbatches, loss_fn=loss)
 
     def __call__(self, inputs: Any, targets: Any) -> torch.Tensor | None:
-        args = self.split.flatten_inputs(inputs) if self.layout.is_first_stage else ()
-        if self.layout.is_last_stage and not isinstance(targets, torch.Tensor):
+        args = self.split.flatten_inputs(inputs) if self.rank.is_first_stage else ()
+        if self.rank.is_last_stage and not isinstance(targets, torch.Tensor):
             raise UserError(f"pipeline parallelism needs the targets as one tensor, got {type(targets).__name__}")
         with tensor_parallel_context(self.tensor_parallel), loss_parallel_context(self.loss_parallel), \
                 stage_failures(self.parts), self._sequence_shares(targets) as targets:
-            if not self.layout.is_last_stage:
+            if not self.rank.is_last_stage:
                 self.schedule.step(*args, return_outputs=False)
             else:
                 losses: list[torch.Tensor] = []
@@ -267,7 +269,7 @@ class PipelineStep:
         if self.tensor_parallel:
             for module in self.parts.values():
                 reduce_partial_gradients(module)
-        if not self.layout.is_last_stage:
+        if not self.rank.is_last_stage:
             return None
         return torch.stack([plain_tensor(loss.detach()).float() for loss in losses]).mean()
 
@@ -276,4 +278,4 @@ class PipelineStep:
         stages); without cp, `targets` as they are."""
         if self.context_parallel is None:
             return nullcontext(targets)
-        return self.context_parallel(targets if self.layout.is_last_stage else None)
+        return self.context_parallel(targets if self.rank.is_last_stage else None)

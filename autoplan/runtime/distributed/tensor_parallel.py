@@ -8,7 +8,7 @@ each rank's shard (heads split along the sharded dim), and the row-parallel Line
 to a plain replicated tensor. Plain tensors that meet a DTensor on the way (rotary cos/sin, masks)
 count as replicated (implicit_replication, around forward and backward: tensor_parallel_context).
 
-Sequence parallelism (`sequence_parallel`, Korthikanti et al. 2022): the ops between the pairs (norms,
+Sequence parallelism (`sp`, Korthikanti et al. 2022): the ops between the pairs (norms,
 dropout, residual adds) run on sequence shards. A row-parallel Linear reduce-scatters its partial
 outputs onto the sequence dimension (RowwiseParallel(output_layouts=Shard(1))) instead of all-reducing
 them, and a column-parallel Linear all-gathers its sequence-sharded input (ColwiseParallel(input_layouts=
@@ -46,16 +46,16 @@ STYLES = ("colwise", "rowwise", "replicate", "sequence_local")
 
 
 def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, str],
-                    chain_modules: Sequence[str] = (), sequence_parallel: bool = False) -> nn.Module:
+                    chain_modules: Sequence[str] = (), sp: bool = False) -> nn.Module:
     """Shard the planned Linears of `module` over the tensor-parallel mesh (in place). For a
     pipeline stage (an exported graph running `chain_modules`), the planned Linears inside its chain modules.
-    With `sequence_parallel`, the ops between the pairs run on sequence shards (see the module docstring)."""
+    With `sp` (sequence parallelism), the ops between the pairs run on sequence shards (see the module docstring)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     if not plan or tp_mesh.size() == 1:
         return module
     _register_cpu_attention_sharding()
-    if not sequence_parallel:  # "sequence_local": a module run on each rank's sequence shard, nothing without sp
+    if not sp:  # "sequence_local": a module run on each rank's sequence shard, nothing without sp
         plan = {fqn: style for fqn, style in plan.items() if style != "sequence_local"}
     if isinstance(module, fx.GraphModule):
         plan = _stage_plan(module, plan, chain_modules)
@@ -76,8 +76,8 @@ def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, s
             if layer.num_embeddings % tp_mesh.size():
                 raise UserError(f"{fqn!r} has {layer.num_embeddings} rows, not divisible by tp {tp_mesh.size()}")
             styles[fqn] = RowwiseParallel(input_layouts=Replicate(),
-                                          output_layouts=Shard(1) if sequence_parallel else Replicate(),
-                                          use_local_output=not sequence_parallel)
+                                          output_layouts=Shard(1) if sp else Replicate(),
+                                          use_local_output=not sp)
             continue
         conv1d = is_conv1d(layer)
         if not isinstance(layer, nn.Linear) and not conv1d:
@@ -89,26 +89,26 @@ def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, s
             dim = "output" if style == "colwise" else "input"
             raise UserError(f"{fqn!r} has {parts} {dim} features, not divisible by tp {tp_mesh.size()}")
         colwise = Conv1DColwiseParallel if conv1d else ColwiseParallel
-        if style == "colwise" and sequence_parallel:
+        if style == "colwise" and sp:
             layer.register_forward_pre_hook(_plain_input_replicated(tp_mesh))  # runs before ColwiseParallel's
             gather.attach(layer)  # then this: one all-gather per shared input, its shard kept for backward
             styles[fqn] = colwise(input_layouts=Shard(1), use_local_output=False)
         elif style == "colwise":  # a pair's first half, or the head: its logits stay sharded on the vocabulary
             styles[fqn] = colwise(use_local_output=False)
         else:
-            if sequence_parallel:
+            if sp:
                 gather.attach_release(layer)  # the region's gathered input is not read after this
             styles[fqn] = (Conv1DRowwiseParallel if conv1d else SequenceRowwiseParallel)(
-                input_layouts=Shard(-1), output_layouts=Shard(1) if sequence_parallel else Replicate(),
-                use_local_output=not sequence_parallel)
+                input_layouts=Shard(-1), output_layouts=Shard(1) if sp else Replicate(),
+                use_local_output=not sp)
     ties = _tied_parameters(module)
     parallelize_module(module, tp_mesh, styles)
     _retie(module, ties)
-    if not sequence_parallel:  # with it every parameter is replicated below
+    if not sp:  # with it every parameter is replicated below
         replicate_parameters(module, tp_mesh, replicated)
     if isinstance(module, fx.GraphModule):  # DTensors run through a stage's graph (split heads, sequence shards)
         _drop_metadata_asserts(module)
-    if sequence_parallel:
+    if sp:
         gather.attach_release(module)
         replicate_parameters(module, tp_mesh)
         for fqn in local:

@@ -3,9 +3,10 @@
     python -m autoplan.runtime.harness.reference train.py [--gradients-out DIR] [--dropout-out FILE] -- [train.py flags]
 
 It imports the train.py given (importing runs none of its training: its main is not called) and trains what that
-program trains, by its own definitions: the plan's constants (SEED, GLOBAL_BATCH, DP, OPTIMIZER_IMPLEMENTATION),
-its flags (parse_args: --steps, --lr and the schedule's, --clip-grad-norm, --model-file, --losses-out, --device),
-its model (load_model_source), its learning-rate schedule (get_lr); in fp32, dropout off (runtime/distributed/dropout.py
+program trains, by its own definitions: the plan's constants (SEED, GLOBAL_BATCH, OPTIMIZER_IMPLEMENTATION), its
+layout (parallel_config: the data-parallel degree), its flags (parse_args: --steps, --lr and the schedule's,
+--clip-grad-norm, --model-file, --losses-out, --device), its model (load_model_source), its learning-rate schedule
+(get_lr); in fp32, dropout off (runtime/distributed/dropout.py
 NoDropout, counted: --dropout-out writes the calls per step). So the reference starts from the same weights,
 reads the same batches (the DP ranks' shares of each global batch, in order) and makes the same updates as the
 distributed run of the same train.py, which autoplan verify launches under torchrun with runtime/harness/hooks.py's
@@ -53,7 +54,8 @@ def train_reference(program: ModuleType, model_source: Any, device: torch.device
     torch.manual_seed(program.SEED)
     model = model_source.build_model().to(device)
     optimizer = adamw(model.parameters(), args.lr, program.OPTIMIZER_IMPLEMENTATION, args.weight_decay, args.betas)
-    data = TrainingData(model_source, program.GLOBAL_BATCH, program.SEED, dp_rank=0, dp_size=program.DP)
+    dp = program.parallel_config().parallelism.dp  # the order the data-parallel ranks read the global batch in
+    data = TrainingData(model_source, program.GLOBAL_BATCH, program.SEED, dp_rank=0, dp_size=dp)
     losses = []
     for step in range(args.steps):
         inputs, targets = to_device(data.global_batch_of(step), device)
