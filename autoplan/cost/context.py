@@ -112,13 +112,18 @@ class Context:
     """A profile prepared for pricing layouts on a cluster; module tables cached per TableKey."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, training: Training, features: frozenset[str],
-                 compiled: bool = False, float8_linears: str | None = None) -> None:
+                 compiled: bool = False, float8_linears: str | None = None, ring_traced: bool = False) -> None:
         self.profile, self.cluster, self.training, self.features = profile, cluster, training, features
         self.compiled = compiled
         """Modules run under torch.compile (plan.json compile.enable): priced per op class (compute.py)."""
         self.float8_linears = float8_linears
         """The float8 recipe the Linears are priced with (cost/float8.py FLOAT8_RECIPES), None for the training dtype:
         priced only, never a plan's program."""
+        self.ring_traced = ring_traced
+        """Context parallelism's ring priced as traced into torch.compile graphs (cost/context_parallel.py, every
+        exchange exposed) even where the modules are priced eager (`compiled` off): a published run's compiled blocks
+        on a layout whose compile autoplan's program refuses. Priced only, never a plan's program; with `compiled` the
+        ring is priced traced anyway (the program's compiled modules trace it)."""
         self.chain = build_chain(profile)
         self.facts = tensor_parallel_facts(profile, vocab_parallel="tp_vocab_parallel" in features,
                                            fused_split="tp_fused_split" in features)
@@ -336,7 +341,8 @@ class Context:
                 features = call.kv_features / (tp if role.get(call.node, "") in SPLIT_ROLES else 1)
                 ring = ring_attention_cost(microbatch, call.sequence_length, features, element,
                                            attention.forward_s[u] / calls[u] / cp,
-                                           attention.backward_s[u] / calls[u] / cp, cp_group, step)
+                                           attention.backward_s[u] / calls[u] / cp, cp_group, step,
+                                           traced=self.compiled or self.ring_traced)
                 ring_forward[u] += ring.forward_exposed_s
                 ring_backward[u] += ring.backward_exposed_s
                 ring_working[u] = max(ring_working[u], ring.working_bytes)
