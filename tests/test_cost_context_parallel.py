@@ -87,6 +87,7 @@ def test_a_ring_traced_by_torch_compile_hides_no_exchange():
     assert traced.backward_exposed_s == pytest.approx(cp * send(gradient) + work_backward + launches)
     assert traced.backward_exposed_s - eager.backward_exposed_s == pytest.approx((cp - 1) * send(gradient))
     assert (traced.traffic_bytes, traced.working_bytes) == (eager.traffic_bytes, eager.working_bytes)
+    assert (eager.kept_bytes, traced.kept_bytes) == (0.0, cp * block)  # the gather the traced backward reads
 
 
 def test_the_ring_holds_the_gathered_sequence_and_fp32_gradients_while_it_runs():
@@ -148,8 +149,10 @@ def example_batch(batch_size):
 def test_a_traced_ring_is_priced_only_and_shows_its_exchanges(tmp_path):
     """autoplan.estimate(ring_traced=True) prices a published compiled run's ring (every exchange waited where
     issued) on a layout priced eager: the step moves by the ring alone (this small ring's backward gather, exposed
-    eager, is not run traced), as compile=on's own ring is priced (its compiled modules trace it); no output folder
-    is written with it."""
+    eager, is not run traced) and, without recompute, the peak by the gathered keys and values the backward reads
+    (2 layers x the whole sequence's K,V: 2 x 4096 x 64 features x 2 bytes each; none under full recompute, whose
+    backward gathers them again), as compile=on's own ring is priced
+    (its compiled modules trace it); no output folder is written with it."""
     from pathlib import Path
 
     import autoplan
@@ -170,7 +173,11 @@ def example_batch(batch_size):
     eager = autoplan.estimate(str(model), 2, pins, "h100-sxm5-80gb", global_batch=2).predicted
     traced = autoplan.estimate(str(model), 2, pins, "h100-sxm5-80gb", global_batch=2, ring_traced=True).predicted
     assert traced.step_time_s != eager.step_time_s
-    assert traced.peak_memory_bytes == eager.peak_memory_bytes
+    assert traced.peak_memory_bytes - eager.peak_memory_bytes == pytest.approx(2 * 2 * 4096 * 64 * 2)
+    full = pins.replace("recompute=none", "recompute=full")  # the backward gathers them again: nothing kept
+    assert (autoplan.estimate(str(model), 2, full, "h100-sxm5-80gb", global_batch=2, ring_traced=True)
+            .predicted.peak_memory_bytes
+            == autoplan.estimate(str(model), 2, full, "h100-sxm5-80gb", global_batch=2).predicted.peak_memory_bytes)
     compiled = autoplan.estimate(str(model), 2, pins.replace("compile=off", "compile=on"), "h100-sxm5-80gb",
                                  global_batch=2).predicted
     both = autoplan.estimate(str(model), 2, pins.replace("compile=off", "compile=on"), "h100-sxm5-80gb",

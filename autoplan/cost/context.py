@@ -331,6 +331,7 @@ class Context:
             route_recompute[u] += cost.route_recompute_s
             route_kept[u] += cost.selective_kept_bytes
         ring_forward, ring_backward, change, ring_working = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+        ring_kept = [0.0] * n
         if cp > 1:
             attention = self._ops_table(self._attention_nodes, tp, microbatch, sp)
             calls = [self._attention_module.count(u) for u in range(n)]
@@ -346,6 +347,7 @@ class Context:
                 ring_forward[u] += ring.forward_exposed_s
                 ring_backward[u] += ring.backward_exposed_s
                 ring_working[u] = max(ring_working[u], ring.working_bytes)
+                ring_kept[u] += ring.kept_bytes
                 heads = tp if role.get(call.node, "") in SPLIT_ROLES else 1  # its heads split over tp
                 change[u] += (call.ring_saved_bytes - call.saved_bytes) * microbatch * self.scale / heads
             first = self._block_start(min(self._attention_module))
@@ -362,6 +364,7 @@ class Context:
                               expert_cheap_forward_s=experts.cheap_forward_s,
                               expert_saved_bytes=experts.activation_bytes["none"],
                               saved_change_bytes=tuple(change), ring_working_bytes=tuple(ring_working),
+                              ring_kept_bytes=tuple(ring_kept),
                               expert_split=split,
                               input_change_bytes=tuple(-self.mask_cut_bytes[u - 1] * microbatch * self.scale
                                                        / (tp if sp and self.costs.modules[u].sequence_input else 1)

@@ -37,7 +37,8 @@ default (the Dec 2024 nightly and 2.13). Inductor's code for a compiled module r
 all_to_all_single and its wait run back to back, and no all-gather runs: the joint graph's CSE merged the backward's
 gather of the keys and values with the forward's, whose result the backward reads (recomputed with the forward under
 full recompute). So the forward's gather and every step's gradient send are exposed whole, the backward gathers
-nothing. torchtitan 9dec370 (Dec 2024) ran torch's ring so: each TransformerBlock torch.compile'd (fullgraph) with the
+nothing, and without recompute the gathered keys and values are kept from the forward to the backward (the output
+code returns the gather's buffer among the saved tensors). torchtitan 9dec370 (Dec 2024) ran torch's ring so: each TransformerBlock torch.compile'd (fullgraph) with the
 patched scaled_dot_product_attention inside it. Context prices the ring traced where the modules are compiled
 (compile=on) and where a published run compiled them (autoplan.estimate ring_traced, priced only: benchmarks/
 accuracy.py); docs/parallelism.md.
@@ -97,6 +98,9 @@ class RingAttentionCost:
     working_bytes: float = 0.0
     """The ring's buffers beyond the captured attention while the layer's attention runs (the larger of forward and
     backward), bytes."""
+    kept_bytes: float = 0.0
+    """What the forward keeps for the backward beyond the captured attention, bytes: a traced ring's gathered keys and
+    values (the backward reads them: 0 eager, whose backward gathers again)."""
 
 
 def ring_step_work_s(batch: int, seq_len: int, kv_features: int, bytes_per_element: float, cp: int,
@@ -143,4 +147,4 @@ def ring_attention_cost(batch: int, seq_len: int, kv_features: int, bytes_per_el
     traffic = 2 * (cp - 1) * block + cp * gradient_block
     query_fp32 = batch * seq_len / cp * kv_features * GRADIENT_BYTES
     working = cp * block + query_fp32 + 3 * gradient_block  # backward's: forward holds the gathered K,V alone
-    return RingAttentionCost(block, forward, backward, traffic, working)
+    return RingAttentionCost(block, forward, backward, traffic, working, kept_bytes=cp * block if traced else 0.0)
