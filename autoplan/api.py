@@ -157,7 +157,8 @@ def plan_model(
     float8 training runs them over bf16, by recipe ("torchao" or "transformer_engine", cost/float8.py). Priced only: the
     generated program cannot run float8, so no output folder is written with it (for pricing published runs).
     `ring_traced`: price context parallelism's ring as traced into torch.compile graphs, every exchange waited where it
-    is issued (cost/context_parallel.py), as published compiled runs ran it; priced only, like float8_linears."""
+    is issued (cost/context_parallel.py), even on a layout priced eager: a published run's compiled blocks where the
+    program cannot compile the layout (compile=on prices the program's own so); priced only, like float8_linears."""
     from autoplan.layout import Layout
     from autoplan.profile import profile_model
     from autoplan.solve.alternatives import alternatives
@@ -190,8 +191,8 @@ def plan_model(
     if float8_linears:
         errors += _float8_problems(float8_linears, cluster, dtype, out, measure)
     if ring_traced and out is not None:
-        errors.append("a traced ring is priced only (the generated program runs its ring eager): "
-                      "no output folder is written with it")
+        errors.append("a traced ring is priced only (a published run's compiled blocks on a layout priced eager; "
+                      "compile=on prices the program's own): no output folder is written with it")
     if errors:
         raise UserError("; ".join(errors))
     source = _source(model, example_batch)

@@ -27,7 +27,8 @@
    float8 ("bf16+float8 linears": torchao, "fp8 (TE)": Transformer Engine) are priced with float8 linears
    (estimate's float8_linears, priced only: the generated program runs bf16). Compiled rows with context
    parallelism (torchtitan's) price the ring as their compiled blocks ran it, every exchange waited where issued
-   (estimate's ring_traced, priced only: autoplan's program runs its ring eager). Runs alone: --frontier-only.
+   (estimate's ring_traced, priced only: autoplan's program cannot compile those layouts, so their ops are priced
+   compile=off). Runs alone: --frontier-only.
 7. --zero-bubble: Qi et al.'s pure-pipeline runs (benchmarks/zero_bubble_runs.csv: GPT 1.5B-28.3B on 8-32 A100s,
    their Tables 3 and 4), each layout pinned (pp = the GPUs, dp = tp = 1, their micro-batch size and count,
    recompute none, compile off, the virtual stages too) as autoplan.estimate prices it (one capture per model

@@ -38,10 +38,11 @@ all_to_all_single and its wait run back to back, and no all-gather runs: the joi
 gather of the keys and values with the forward's, whose result the backward reads (recomputed with the forward under
 full recompute). So the forward's gather and every step's gradient send are exposed whole, the backward gathers
 nothing, and without recompute the gathered keys and values are kept from the forward to the backward (the output
-code returns the gather's buffer among the saved tensors). torchtitan 9dec370 (Dec 2024) ran torch's ring so: each TransformerBlock torch.compile'd (fullgraph) with the
-patched scaled_dot_product_attention inside it. Context prices the ring traced where the modules are compiled
-(compile=on) and where a published run compiled them (autoplan.estimate ring_traced, priced only: benchmarks/
-accuracy.py); docs/parallelism.md.
+code returns the gather's buffer among the saved tensors: RingAttentionCost.kept_bytes). torchtitan 9dec370 (Dec 2024)
+ran torch's ring so: each TransformerBlock torch.compile'd (fullgraph) with the patched scaled_dot_product_attention
+inside it. Context prices the ring traced where the modules are compiled (compile=on) and where a published run
+compiled them on a layout autoplan prices eager (autoplan.estimate ring_traced, priced only: benchmarks/accuracy.py);
+docs/parallelism.md.
 The queries are taken to have the keys' features (kv_features: grouped-query keys arrive repeated to the query
 heads in the models captured so far).
 """
