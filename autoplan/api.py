@@ -149,12 +149,16 @@ def plan_model(
     out: str | os.PathLike | None = None,
     measure: bool | None = None,
     float8_linears: str | None = None,
+    ring_traced: bool = False,
 ) -> PlanResult:
     """Plan a model for `gpus` accelerators; with `out`, also write the output folder. `measure`: price with op
     times measured on this machine (default: for --gpu cpu only); for a GPU profile it needs a CUDA GPU here,
     which stands for the planned one (ops timed in the plan's dtype). `float8_linears`: price the Linears as
     float8 training runs them over bf16, by recipe ("torchao" or "transformer_engine", cost/float8.py). Priced only: the
-    generated program cannot run float8, so no output folder is written with it (for pricing published runs)."""
+    generated program cannot run float8, so no output folder is written with it (for pricing published runs).
+    `ring_traced`: price context parallelism's ring as traced into torch.compile graphs, every exchange waited where it
+    is issued (cost/context_parallel.py), even on a layout priced eager: a published run's compiled blocks where the
+    program cannot compile the layout (compile=on prices the program's own so); priced only, like float8_linears."""
     from autoplan.layout import Layout
     from autoplan.profile import profile_model
     from autoplan.solve.alternatives import alternatives
@@ -186,6 +190,9 @@ def plan_model(
         errors += _pin_arithmetic(pins, cluster)
     if float8_linears:
         errors += _float8_problems(float8_linears, cluster, dtype, out, measure)
+    if ring_traced and out is not None:
+        errors.append("a traced ring is priced only (a published run's compiled blocks on a layout priced eager; "
+                      "compile=on prices the program's own): no output folder is written with it")
     if errors:
         raise UserError("; ".join(errors))
     source = _source(model, example_batch)
@@ -205,7 +212,7 @@ def plan_model(
     log.info("search %d GPUs, %d ops, %d parameters", cluster.num_gpus, len(profile.ops), profile.param_count)
     try:
         result = search(profile, cluster, training, pins, solver=solver, time_limit_s=time_limit,
-                        float8_linears=float8_linears)
+                        float8_linears=float8_linears, ring_traced=ring_traced)
         best = result.best
         warning = solver_warning(result.solver, time_limit)
         if warning:

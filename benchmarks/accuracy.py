@@ -25,7 +25,10 @@
    ratios (each row over the ladder's first), predicted against published, with issue 28's targets (each ratio
    within 20%; the rows alone, DeepSeek-V3-16B, within 20% on step time and memory). Rows whose `precision` says
    float8 ("bf16+float8 linears": torchao, "fp8 (TE)": Transformer Engine) are priced with float8 linears
-   (estimate's float8_linears, priced only: the generated program runs bf16). Runs alone: --frontier-only.
+   (estimate's float8_linears, priced only: the generated program runs bf16). Compiled rows with context
+   parallelism (torchtitan's) price the ring as their compiled blocks ran it, every exchange waited where issued
+   (estimate's ring_traced, priced only: autoplan's program cannot compile those layouts, so their ops are priced
+   compile=off). Runs alone: --frontier-only.
 7. --zero-bubble: Qi et al.'s pure-pipeline runs (benchmarks/zero_bubble_runs.csv: GPT 1.5B-28.3B on 8-32 A100s,
    their Tables 3 and 4), each layout pinned (pp = the GPUs, dp = tp = 1, their micro-batch size and count,
    recompute none, compile off, the virtual stages too) as autoplan.estimate prices it (one capture per model
@@ -382,6 +385,15 @@ def float8_linears(row: dict) -> str | None:
     return "torchao" if "float8" in precision or "fp8" in precision else None
 
 
+def ring_traced(row: dict) -> bool:
+    """Whether the row ran context parallelism's ring traced into torch.compile graphs (autoplan.estimate ring_traced,
+    priced only: cost/context_parallel.py): its program compiled the blocks its attention runs in, as torchtitan does
+    (9dec370, Dec 2024: each TransformerBlock torch.compile'd with the patched scaled_dot_product_attention inside), so
+    the ring's exchanges were waited where issued. Priced so even where a layout rule makes autoplan price the row's
+    ops with compile=off (its own program cannot compile that layout)."""
+    return row["compile"] == "yes" and (leading_int(row["cp"]) or 1) > 1
+
+
 def frontier_pins(row: dict) -> tuple[str, int]:
     """The row's layout as --pin, and its global batch (sequences)."""
     dp, tp, pp, cp, ep = (leading_int(row[k]) or 1 for k in ("fsdp_or_dp", "tp", "pp", "cp", "ep"))
@@ -432,6 +444,10 @@ def frontier_row(row: dict, compile_off: bool = False) -> dict:
     float8 = float8_linears(row)
     if float8:
         note = "; ".join(x for x in (note, f"float8 linears priced ({float8}, priced only)") if x)
+    traced = ring_traced(row)
+    if traced:
+        note = "; ".join(x for x in (note, "ring traced by torch.compile: exchanges waited where issued "
+                                           "(priced only)") if x)
     if compile_off:
         pins = pins.replace("compile=on", "compile=off")
     with tempfile.TemporaryDirectory() as tmp:
@@ -442,12 +458,12 @@ def frontier_row(row: dict, compile_off: bool = False) -> dict:
         try:
             try:
                 plan = autoplan.estimate(str(model_file), int(row["gpus"]), pins, gpu, global_batch=batch,
-                                         memory_per_gpu=cap, float8_linears=float8)
+                                         memory_per_gpu=cap, float8_linears=float8, ring_traced=traced)
             except UserError as e:  # priced all the same, beyond the GPU's memory, to show by how much
                 if "fit" not in str(e):
                     raise
                 plan = autoplan.estimate(str(model_file), int(row["gpus"]), pins, gpu, global_batch=batch,
-                                         memory_per_gpu="1TiB", float8_linears=float8)
+                                         memory_per_gpu="1TiB", float8_linears=float8, ring_traced=traced)
                 note = "; ".join(x for x in (note, "does not fit the GPU: priced with memory uncapped") if x)
         except UserError as e:
             if "compile=on" in pins and "compile" in str(e):

@@ -1,7 +1,7 @@
 """cost.context_parallel: ring attention as torch's ring runs it (rotate by all-gather, fp32 merges and gradients,
 causal load balancing), against its closed form: compute-bound (only the last gradient block and the per-step work
 show), link-bound (the gather hides behind step 0 only), short chunks (per-step launches and merges that no exchange
-hides), the ring's buffers, and nothing at cp=1."""
+hides), a ring traced by torch.compile (nothing hidden), the ring's buffers, and nothing at cp=1."""
 
 import pytest
 
@@ -70,6 +70,26 @@ def test_each_step_pays_its_merges_and_launches_which_short_chunks_cannot_hide()
     assert FORWARD_STEP_KERNELS * 5e-6 > FORWARD_MERGE_PASSES * out32 / 2e12  # launch-bound at short chunks
 
 
+def test_a_ring_traced_by_torch_compile_hides_no_exchange():
+    """Under tracing a functional collective is waited where it is issued (torch's _maybe_wrap_tensor) and Inductor
+    does not move the wait by default: a compute-bound ring, which eager hides all but its last gradient block of,
+    then shows the forward's gather and every step's gradient send whole; the backward gathers nothing (the joint
+    graph's CSE hands it the forward's gather); the per-step work is the same either way."""
+    forward, backward, cp = 1.0, 2.5, 8
+    block = 2 * BATCH * SEQ / cp * KV * BYTES
+    gradient = block / BYTES * GRADIENT_BYTES
+    eager = ring_attention_cost(BATCH, SEQ, KV, BYTES, forward, backward, Group(cp, LINK), STEP)
+    traced = ring_attention_cost(BATCH, SEQ, KV, BYTES, forward, backward, Group(cp, LINK), STEP, traced=True)
+    work_forward, work_backward = ring_step_work_s(BATCH, SEQ, KV, BYTES, cp, STEP)
+    launches = (cp - 1) * 5e-6
+    assert eager.forward_exposed_s == pytest.approx(work_forward + launches)
+    assert traced.forward_exposed_s == pytest.approx(gather(cp * block, cp) + work_forward + launches)
+    assert traced.backward_exposed_s == pytest.approx(cp * send(gradient) + work_backward + launches)
+    assert traced.backward_exposed_s - eager.backward_exposed_s == pytest.approx((cp - 1) * send(gradient))
+    assert (traced.traffic_bytes, traced.working_bytes) == (eager.traffic_bytes, eager.working_bytes)
+    assert (eager.kept_bytes, traced.kept_bytes) == (0.0, cp * block)  # the gather the traced backward reads
+
+
 def test_the_ring_holds_the_gathered_sequence_and_fp32_gradients_while_it_runs():
     cost = ring_attention_cost(BATCH, SEQ, KV, BYTES, 1.0, 2.0, Group(8, LINK))
     block = 2 * BATCH * SEQ / 8 * KV * BYTES
@@ -124,3 +144,45 @@ def example_batch(batch_size):
     report = json.loads((out / "verify.json").read_text())
     measured, predicted = report["measured_peak_memory_bytes"], report["predicted_peak_memory_bytes"]
     assert abs(predicted / measured - 1) <= 0.15, (predicted, measured)
+
+
+def test_a_traced_ring_is_priced_only_and_shows_its_exchanges(tmp_path):
+    """autoplan.estimate(ring_traced=True) prices a published compiled run's ring (every exchange waited where
+    issued) on a layout priced eager: the step moves by the ring alone (this small ring's backward gather, exposed
+    eager, is not run traced) and, without recompute, the peak by the gathered keys and values the backward reads
+    (2 layers x the whole sequence's K,V: 2 x 4096 x 64 features x 2 bytes each; none under full recompute, whose
+    backward gathers them again), as compile=on's own ring is priced
+    (its compiled modules trace it); no output folder is written with it."""
+    from pathlib import Path
+
+    import autoplan
+    from autoplan.errors import UserError
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    model = tmp_path / "long_gpt.py"
+    model.write_text(f"""import sys, torch
+sys.path.insert(0, {str(examples)!r})
+from gpt import GPT, loss_fn
+def build_model():
+    return GPT(256, 4096, 2, 2, 64)
+def example_batch(batch_size):
+    idx = torch.randint(0, 256, (batch_size, 4097))
+    return idx[:, :-1], idx[:, 1:]
+""")
+    pins = "cp=2,dp=1,microbatch=1,recompute=none,compile=off"
+    eager = autoplan.estimate(str(model), 2, pins, "h100-sxm5-80gb", global_batch=2).predicted
+    traced = autoplan.estimate(str(model), 2, pins, "h100-sxm5-80gb", global_batch=2, ring_traced=True).predicted
+    assert traced.step_time_s != eager.step_time_s
+    assert traced.peak_memory_bytes - eager.peak_memory_bytes == pytest.approx(2 * 2 * 4096 * 64 * 2)
+    full = pins.replace("recompute=none", "recompute=full")  # the backward gathers them again: nothing kept
+    assert (autoplan.estimate(str(model), 2, full, "h100-sxm5-80gb", global_batch=2, ring_traced=True)
+            .predicted.peak_memory_bytes
+            == autoplan.estimate(str(model), 2, full, "h100-sxm5-80gb", global_batch=2).predicted.peak_memory_bytes)
+    compiled = autoplan.estimate(str(model), 2, pins.replace("compile=off", "compile=on"), "h100-sxm5-80gb",
+                                 global_batch=2).predicted
+    both = autoplan.estimate(str(model), 2, pins.replace("compile=off", "compile=on"), "h100-sxm5-80gb",
+                             global_batch=2, ring_traced=True).predicted
+    assert both.step_time_s == compiled.step_time_s
+    with pytest.raises(UserError, match="priced only"):
+        autoplan.plan(str(model), 2, "h100-sxm5-80gb", pin=pins, ring_traced=True, out=str(tmp_path / "unused"))
+    assert not (tmp_path / "unused").exists()

@@ -191,6 +191,10 @@ class ShardedModules:
     route_kept_bytes: tuple[float, ...] = ()
     """Per module, what selective recompute keeps of its expert layers' route on a rank (the all-to-alls' outputs:
     cost/expert_parallel.py selective_kept_bytes), per micro-batch, bytes (already per rank); () without."""
+    ring_kept_bytes: tuple[float, ...] = ()
+    """Per module, the keys and values a traced ring's forward gathered, which its backward reads (cost/
+    context_parallel.py RingAttentionCost.kept_bytes), per micro-batch on a rank, bytes: kept without recompute (full
+    recompute gathers them again in the backward); () when the ring runs eager."""
 
 
 def sharded_table(base: ModuleTable, sharded: ShardedModules, rank: ModuleTable | None = None) -> ModuleTable:
@@ -223,6 +227,7 @@ def sharded_table(base: ModuleTable, sharded: ShardedModules, rank: ModuleTable 
         cheap_forward_s=tuple(cheap + (sharded.imbalance[u] / split - 1) * _at(sharded.expert_cheap_forward_s, u) / cp
                               for u, cheap in enumerate(rank_times("cheap_forward_s"))),
         activation_bytes={m: tuple(v / cp + (_at(sharded.route_kept_bytes, u) if m == "selective" else 0.0)
+                                   + (_at(sharded.ring_kept_bytes, u) if m == "none" else 0.0)
                                    for u, v in enumerate(values)) for m, values in activations.items()},
         working_bytes=tuple((base.working_bytes[u] + change[u] + busiest[u]) / cp + ring[u] for u in range(n)),
         cp_forward_s=sharded.ring_forward_s, cp_backward_s=sharded.ring_backward_s,

@@ -112,13 +112,18 @@ class Context:
     """A profile prepared for pricing layouts on a cluster; module tables cached per TableKey."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, training: Training, features: frozenset[str],
-                 compiled: bool = False, float8_linears: str | None = None) -> None:
+                 compiled: bool = False, float8_linears: str | None = None, ring_traced: bool = False) -> None:
         self.profile, self.cluster, self.training, self.features = profile, cluster, training, features
         self.compiled = compiled
         """Modules run under torch.compile (plan.json compile.enable): priced per op class (compute.py)."""
         self.float8_linears = float8_linears
         """The float8 recipe the Linears are priced with (cost/float8.py FLOAT8_RECIPES), None for the training dtype:
         priced only, never a plan's program."""
+        self.ring_traced = ring_traced
+        """Context parallelism's ring priced as traced into torch.compile graphs (cost/context_parallel.py, every
+        exchange exposed) even where the modules are priced eager (`compiled` off): a published run's compiled blocks
+        on a layout whose compile autoplan's program refuses. Priced only, never a plan's program; with `compiled` the
+        ring is priced traced anyway (the program's compiled modules trace it)."""
         self.chain = build_chain(profile)
         self.facts = tensor_parallel_facts(profile, vocab_parallel="tp_vocab_parallel" in features,
                                            fused_split="tp_fused_split" in features)
@@ -326,6 +331,7 @@ class Context:
             route_recompute[u] += cost.route_recompute_s
             route_kept[u] += cost.selective_kept_bytes
         ring_forward, ring_backward, change, ring_working = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+        ring_kept = [0.0] * n
         if cp > 1:
             attention = self._ops_table(self._attention_nodes, tp, microbatch, sp)
             calls = [self._attention_module.count(u) for u in range(n)]
@@ -336,10 +342,12 @@ class Context:
                 features = call.kv_features / (tp if role.get(call.node, "") in SPLIT_ROLES else 1)
                 ring = ring_attention_cost(microbatch, call.sequence_length, features, element,
                                            attention.forward_s[u] / calls[u] / cp,
-                                           attention.backward_s[u] / calls[u] / cp, cp_group, step)
+                                           attention.backward_s[u] / calls[u] / cp, cp_group, step,
+                                           traced=self.compiled or self.ring_traced)
                 ring_forward[u] += ring.forward_exposed_s
                 ring_backward[u] += ring.backward_exposed_s
                 ring_working[u] = max(ring_working[u], ring.working_bytes)
+                ring_kept[u] += ring.kept_bytes
                 heads = tp if role.get(call.node, "") in SPLIT_ROLES else 1  # its heads split over tp
                 change[u] += (call.ring_saved_bytes - call.saved_bytes) * microbatch * self.scale / heads
             first = self._block_start(min(self._attention_module))
@@ -356,6 +364,7 @@ class Context:
                               expert_cheap_forward_s=experts.cheap_forward_s,
                               expert_saved_bytes=experts.activation_bytes["none"],
                               saved_change_bytes=tuple(change), ring_working_bytes=tuple(ring_working),
+                              ring_kept_bytes=tuple(ring_kept),
                               expert_split=split,
                               input_change_bytes=tuple(-self.mask_cut_bytes[u - 1] * microbatch * self.scale
                                                        / (tp if sp and self.costs.modules[u].sequence_input else 1)

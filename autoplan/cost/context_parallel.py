@@ -28,6 +28,21 @@ balancing) runs it on cp sequence shards:
   split over the tp ranks: it is all-gathered over them once per micro-batch to cut the cp share (the whole
   sequence, forward) and the share's gradient once (seq/cp, backward): Context._sharded_modules adds both to
   that block's ring time.
+A ring traced into a torch.compile graph (`traced`: the attention runs in a compiled module) hides nothing: under
+tracing a functional collective is waited where it is issued (torch.distributed._functional_collectives.
+_maybe_wrap_tensor returns wait_tensor(...) when _are_we_tracing(), instead of the AsyncCollectiveTensor eager waits on
+at first use), and Inductor moves a wait away from its collective only with reorder_for_compute_comm_overlap, off by
+default (the Dec 2024 nightly and 2.13). Inductor's code for a compiled module running torch's ring (torch 2.13, CPU,
+2 ranks) issues all_gather_into_tensor, waits on it, then runs step 0's attention; in the backward each step's
+all_to_all_single and its wait run back to back, and no all-gather runs: the joint graph's CSE merged the backward's
+gather of the keys and values with the forward's, whose result the backward reads (recomputed with the forward under
+full recompute). So the forward's gather and every step's gradient send are exposed whole, the backward gathers
+nothing, and without recompute the gathered keys and values are kept from the forward to the backward (the output
+code returns the gather's buffer among the saved tensors: RingAttentionCost.kept_bytes). torchtitan 9dec370 (Dec 2024)
+ran torch's ring so: each TransformerBlock torch.compile'd (fullgraph) with the patched scaled_dot_product_attention
+inside it. Context prices the ring traced where the modules are compiled (compile=on) and where a published run
+compiled them on a layout autoplan prices eager (autoplan.estimate ring_traced, priced only: benchmarks/accuracy.py);
+docs/parallelism.md.
 The queries are taken to have the keys' features (kv_features: grouped-query keys arrive repeated to the query
 heads in the models captured so far).
 """
@@ -84,6 +99,9 @@ class RingAttentionCost:
     working_bytes: float = 0.0
     """The ring's buffers beyond the captured attention while the layer's attention runs (the larger of forward and
     backward), bytes."""
+    kept_bytes: float = 0.0
+    """What the forward keeps for the backward beyond the captured attention, bytes: a traced ring's gathered keys and
+    values (the backward reads them: 0 eager, whose backward gathers again)."""
 
 
 def ring_step_work_s(batch: int, seq_len: int, kv_features: int, bytes_per_element: float, cp: int,
@@ -104,11 +122,12 @@ def ring_step_work_s(batch: int, seq_len: int, kv_features: int, bytes_per_eleme
 
 def ring_attention_cost(batch: int, seq_len: int, kv_features: int, bytes_per_element: float,
                         attention_forward_s: float, attention_backward_s: float, group: Group,
-                        step: StepCosts | None = None) -> RingAttentionCost:
+                        step: StepCosts | None = None, traced: bool = False) -> RingAttentionCost:
     """The ring's cost for `batch` sequences of `seq_len` tokens (whole) split over `group` (cp ranks), keys
     and values of `kv_features` features (kv heads x head dim); attention_*_s: this rank's attention
     compute of the layer under context parallelism (1/cp of the whole, load-balanced, one launch); `step`: what
-    the per-step merges run at (None: free, the exchange alone)."""
+    the per-step merges run at (None: free, the exchange alone); `traced`: the ring traced into a torch.compile
+    graph, every exchange waited where it is issued, none hidden behind an attention step (the module docstring)."""
     cp = group.size
     block = 2 * batch * seq_len / cp * kv_features * bytes_per_element
     if cp <= 1:
@@ -119,10 +138,14 @@ def ring_attention_cost(batch: int, seq_len: int, kv_features: int, bytes_per_el
     forward_step, backward_step = attention_forward_s / cp, attention_backward_s / cp
     work = ring_step_work_s(batch, seq_len, kv_features, bytes_per_element, cp, step) if step else (0.0, 0.0)
     launches = (cp - 1) * step.kernel_overhead_s if step else 0.0  # the attention kernel once per step, not once
-    forward = max(0.0, gather - forward_step) + work[0] + launches
-    backward = (max(0.0, gather - backward_step) + (cp - 1) * max(0.0, send_gradient - backward_step)
-                + send_gradient + work[1] + launches)
+    if traced:  # every exchange waited where issued; the backward reads the forward's (or its recompute's) gather
+        forward = gather + work[0] + launches
+        backward = cp * send_gradient + work[1] + launches
+    else:
+        forward = max(0.0, gather - forward_step) + work[0] + launches
+        backward = (max(0.0, gather - backward_step) + (cp - 1) * max(0.0, send_gradient - backward_step)
+                    + send_gradient + work[1] + launches)
     traffic = 2 * (cp - 1) * block + cp * gradient_block
     query_fp32 = batch * seq_len / cp * kv_features * GRADIENT_BYTES
     working = cp * block + query_fp32 + 3 * gradient_block  # backward's: forward holds the gathered K,V alone
-    return RingAttentionCost(block, forward, backward, traffic, working)
+    return RingAttentionCost(block, forward, backward, traffic, working, kept_bytes=cp * block if traced else 0.0)

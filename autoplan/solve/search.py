@@ -70,13 +70,16 @@ class SearchResult:
 
 def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: Layout = Layout(),
            solver: str = "highs", time_limit_s: float | None = None,
-           features: frozenset[str] | None = None, float8_linears: str | None = None) -> SearchResult:
-    """`float8_linears`: a float8 recipe (cost/float8.py FLOAT8_RECIPES) to price the Linears with, priced only."""
+           features: frozenset[str] | None = None, float8_linears: str | None = None,
+           ring_traced: bool = False) -> SearchResult:
+    """`float8_linears`: a float8 recipe (cost/float8.py FLOAT8_RECIPES) to price the Linears with, priced only;
+    `ring_traced`: context parallelism's ring priced as traced into torch.compile graphs (Context.ring_traced), priced
+    only."""
     started = time.perf_counter()
     resolve_solver(solver)
     features = SUPPORTED if features is None else frozenset(features)
     ctx = Context(profile, cluster, training, features, compiled=layouts.compiled(pins, cluster, features),
-                  float8_linears=float8_linears)
+                  float8_linears=float8_linears, ring_traced=ring_traced)
     scope = layouts.scope_of(ctx)
     layouts.check_pins(pins, scope)
     explored = explore(ctx, pins)
