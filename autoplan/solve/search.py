@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 
 from autoplan.chain.modules import ModuleChain
 from autoplan.cost.context import Context, expert_shard_degree, gib
-from autoplan.cost.evaluate import (Candidate, build_problem, evaluate, host_oom_reason, oom_reason,
-                                    with_memory_without_cp_ep)
+from autoplan.cost.evaluate import (Candidate, build_problem, evaluate, host_oom_reason, memory_lower_bound,
+                                    oom_reason, with_memory_without_cp_ep)
 from autoplan.cost.memory import model_state_bytes, zero_of
 from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster
@@ -355,9 +355,8 @@ def try_layout(ctx: Context, par: Parallelism, modes: tuple[str, ...], cutoff: f
     packing finds no split that fits, at its leanest split: fitting if that one fits (the packing is a
     heuristic), else with the OOM reason (None without `explain`). What fits is ChainProblem.fits's to say
     (the memory the plan reports), whichever solver proposed the split."""
-    problem = build_problem(ctx, par, modes)
-    cap = problem.memory_cap_bytes
-    bound = problem.memory_lower_bound()
+    cap = ctx.cluster.usable_memory_bytes
+    bound = memory_lower_bound(ctx, par, modes)  # build_problem's, remembered: most variants stop here
     host = host_oom_reason(ctx, par)
     if host:
         return Candidate(parallelism=par, stages=(), predicted=None, fits=False, reason=host, memory_needed_bytes=bound)
@@ -365,6 +364,7 @@ def try_layout(ctx: Context, par: Parallelism, modes: tuple[str, ...], cutoff: f
         reason = f"OOM by at least {gib(bound - cap)} GiB (memory lower bound, no split tried)"
         return Candidate(parallelism=par, stages=(), predicted=None, fits=False, reason=reason,
                          memory_needed_bytes=bound)
+    problem = build_problem(ctx, par, modes)
     found = greedy_split(problem, modes[0] if len(modes) == 1 else None, cutoff if cutoff < math.inf else None)
     if found is not None and not problem.fits(found):
         found = None  # the packing proposes, ChainProblem.fits decides (tests/test_ilp.py holds them equal)
