@@ -168,7 +168,7 @@ class ChainProblem:
 
     @cached_property
     def fastest_module_time(self) -> tuple[float, ...]:
-        return tuple(min(self.module_time_s[m][u] for m in self.modes) for u in range(self.num_modules))
+        return tuple(map(min, zip(*(self.module_time_s[m] for m in self.modes))))
 
     def time_lower_bound(self) -> float:
         """No assignment beats an even share of the fastest times, or a rank's single largest module."""
