@@ -6,8 +6,10 @@ recompute mode, and the stage split with recompute per module.
 2. Every variant (schedule, v, micro-batch, recompute) gets a step-time lower bound (perfect balance
    of the fastest module times plus the bubble); variants are priced in order of that bound, and the
    search stops once the bound exceeds the best step time found (branch and bound).
-3. A priced variant is split by the fast packing (split.py), recompute chosen per module, and priced
-   (evaluate.py); a packing that cannot reach the time that would tie the best so far stops early.
+3. A priced variant whose memory lower bound (its leanest stage's, remembered per the layout's memory vectors:
+   cost/evaluate.py memory_lower_bound) overflows the cap is listed with it, before its problem is built; the
+   others are split by the fast packing (split.py), recompute chosen per module, and priced (evaluate.py); a
+   packing that cannot reach the time that would tie the best so far stops early.
 The fastest fitting layout wins, except that step times within TIE_TOLERANCE of the fastest count
 as equal and the simplest of those wins (and DDP is kept unless sharding gains SHARDING_MARGIN).
 The winner is then solved again as a MILP (ilp.py), warm started and bounded by its packing, so the
