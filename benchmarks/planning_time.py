@@ -305,7 +305,8 @@ def big_models() -> None:
                 print(f"  {error}")
                 continue
             chosen, fitting, expert = _chosen_and_experts(out)
-            print(f"  chose {chosen}\n  candidates.csv: {fitting} of {expert} ep > 1 layouts fit")
+            experts = f"{fitting} of {expert} ep > 1 layouts fit" if expert else "no ep > 1 layout listed (a dense model has none)"
+            print(f"  chose {chosen}\n  candidates.csv: {experts}")
 
 
 def main() -> None:

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from autoplan.chain.ops import OP_TRAITS, ops_with, packet
 from autoplan.plan import LeftWhole
@@ -169,7 +170,17 @@ class TensorParallelFacts:
         return "head" in self.role.values()
 
     def problems(self, tp: int) -> list[str]:
-        """Why `tp` cannot split this model (empty when it can)."""
+        """Why `tp` cannot split this model (empty when it can); worked out once per tp (layout.problems asks for
+        every layout a search checks)."""
+        if tp not in self._problems:
+            self._problems[tp] = tuple(self._tp_problems(tp))
+        return list(self._problems[tp])
+
+    @cached_property
+    def _problems(self) -> dict[int, tuple[str, ...]]:
+        return {}
+
+    def _tp_problems(self, tp: int) -> list[str]:
         if tp == 1:
             return []
         if not self.plan:

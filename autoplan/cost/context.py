@@ -170,6 +170,8 @@ class Context:
         self._expert_compute: dict[tuple, tuple[float, ...]] = {}
         self._inputs: dict[tuple[TableKey, bool], MemoryInputs] = {}
         self._layouts: dict[tuple, LayoutMemory] = {}
+        self.memory_bounds: dict[tuple, float] = {}
+        """cost/evaluate.py memory_lower_bound's, per the layout vectors, in-flight count, ranks and modes it reads."""
 
     def at(self, cluster: Cluster, training: Training) -> "Context":
         """This context for another GPU count or global batch, sharing the chain, the tensor-parallel facts,

@@ -28,14 +28,16 @@ Groups.expert_replicate beside), their collectives added to the module's and hid
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from autoplan.cost import calibration, comm
 from autoplan.cost.compute import ModuleTable, host_optimizer_step_time, mfu, model_flops_per_step, optimizer_step_time
 from autoplan.cost.context import Context, Groups, expert_shard_degree, gib
 from autoplan.cost.dtypes import bytes_per_element
-from autoplan.cost.memory import host_state_bytes
+from autoplan.cost.memory import LayoutMemory, MemoryInputs, host_state_bytes
 from autoplan.cost.pipeline import StageCost, microbatches_in_flight, simulated_step_s
-from autoplan.cost.problem import Assignment, ChainProblem
+from autoplan.cost.problem import Assignment, ChainProblem, single_stage_memory
+from autoplan.cost.problem import memory_lower_bound as problem_memory_lower_bound
 from autoplan.layout import SCHEDULE_BY_NAME, stage_rank
 from autoplan.plan import Parallelism, Prediction, Stage
 
@@ -67,14 +69,9 @@ class Candidate:
 
 def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> ChainProblem:
     pp, v = par.pp, par.virtual_stages
-    tp, m, ep = par.tp, par.microbatches, par.ep
-    autocast = ctx.autocast_layout(par)
-    inputs = ctx.memory_inputs(par, autocast)
+    m = par.microbatches
+    inputs, shared = _layout_memory(ctx, par)
     stages = pp * v
-    ddp = par.fsdp_shard == 1 and par.dp_replicate > 1 and tp == 1  # parallel.py
-    shared = ctx.layout_memory(inputs, par.fsdp_shard, par.reshards_after_forward, pp,
-                               par.offload, expert_shard_degree(par.fsdp_shard, ep, tp), autocast,
-                               ddp, accumulates=m > 1)
     received = 1 if pp > 1 else 0  # the gradient received for the backward running (StageMemoryModel.received)
     models = tuple(shared.stage(s, microbatches_in_flight(par.schedule, pp, m, s, v), received)
                    for s in range(stages))
@@ -96,6 +93,43 @@ def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> Cha
         signature=ctx.costs.signature,
         placement=SCHEDULE_BY_NAME[par.schedule].placement,
     )
+
+
+def _layout_memory(ctx: Context, par: Parallelism) -> tuple[MemoryInputs, LayoutMemory]:
+    """The memory inputs of `par` and the per-module vectors its stages share (Context's caches)."""
+    tp, ep = par.tp, par.ep
+    autocast = ctx.autocast_layout(par)
+    inputs = ctx.memory_inputs(par, autocast)
+    ddp = par.fsdp_shard == 1 and par.dp_replicate > 1 and tp == 1  # parallel.py
+    return inputs, ctx.layout_memory(inputs, par.fsdp_shard, par.reshards_after_forward, par.pp, par.offload,
+                                     expert_shard_degree(par.fsdp_shard, ep, tp), autocast, ddp,
+                                     accumulates=par.microbatches > 1)
+
+
+def memory_lower_bound(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> float:
+    """build_problem(ctx, par, modes).memory_lower_bound() without building the problem: its stages share their
+    vectors, so its leanest stage (ChainProblem.leanest_stages) is the first keeping the fewest micro-batches, and
+    the bound is remembered per those vectors, that count, the ranks and the modes (the search asks for it for
+    every variant, most of which share it: a big mixture of experts prunes tens of thousands by it)."""
+    pp, v = par.pp, par.virtual_stages
+    _, shared = _layout_memory(ctx, par)
+    n = len(ctx.chain)
+    if pp * v == 1:
+        key = (id(shared), 1, microbatches_in_flight(par.schedule, pp, par.microbatches, 0, v), 0, modes)
+        if key not in ctx.memory_bounds:
+            ctx.memory_bounds[key] = single_stage_memory(shared.stage(0, key[2], 0), modes, n)
+        return ctx.memory_bounds[key]
+    in_flight = fewest_in_flight(par.schedule, pp, par.microbatches, v)
+    key = (id(shared), pp, in_flight, 1, modes)
+    if key not in ctx.memory_bounds:
+        ctx.memory_bounds[key] = problem_memory_lower_bound([shared.stage(0, in_flight, 1)], pp, modes, n)
+    return ctx.memory_bounds[key]
+
+
+@lru_cache(maxsize=None)
+def fewest_in_flight(schedule: str, pp: int, microbatches: int, virtual: int) -> int:
+    """The fewest micro-batches any stage of the schedule keeps (microbatches_in_flight over its stages)."""
+    return min(microbatches_in_flight(schedule, pp, microbatches, s, virtual) for s in range(pp * virtual))
 
 
 def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: Assignment, fits: bool,

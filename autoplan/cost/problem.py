@@ -168,7 +168,7 @@ class ChainProblem:
 
     @cached_property
     def fastest_module_time(self) -> tuple[float, ...]:
-        return tuple(min(self.module_time_s[m][u] for m in self.modes) for u in range(self.num_modules))
+        return tuple(map(min, zip(*(self.module_time_s[m] for m in self.modes))))
 
     def time_lower_bound(self) -> float:
         """No assignment beats an even share of the fastest times, or a rank's single largest module."""
@@ -185,24 +185,33 @@ class ChainProblem:
         return list(lean.values())
 
     def memory_lower_bound(self) -> float:
-        """A bound on the peak rank memory of any assignment, cheap enough to prune before solving: the
-        average over ranks of the leanest bytes of every module and tied group, and the cheapest place
-        any single module could sit (boundary activations left out: they depend on the cut)."""
-        n, p = self.num_modules, self.ranks
+        """A bound on the peak rank memory of any assignment, cheap enough to prune before solving (the function
+        memory_lower_bound: what it reads of the problem is its leanest stages, its ranks and modes)."""
         if self.num_stages == 1:
-            return self.memory[0].total(0, n, self._leanest_modes(0))
-        lean = self.leanest_stages()
-        groups = range(len(self.memory[0].group_bytes))
-        linear = [(m.module_bytes(k), m.largest_bytes) for m in lean for k in self.modes]
-        leanest = [min(column) for column in zip(*(module for module, _ in linear))]  # per module, over (stage, mode)
-        cheapest_group = [min(m.group_bytes[g] for m in lean) for g in groups]
-        average = (sum(leanest) + sum(cheapest_group)) / p
-        tied = [sum(self.memory[0].group_bytes[g] for g in groups if u in self.memory[0].tied_group_modules[g])
-                for u in range(n)]
-        alone = [min(column) + t for column, t in zip(
-            zip(*(tuple(a + b for a, b in zip(module, largest)) for module, largest in linear)), tied)]
-        return max(average, max(alone))
+            return single_stage_memory(self.memory[0], self.modes, self.num_modules)
+        return memory_lower_bound(self.leanest_stages(), self.ranks, self.modes, self.num_modules)
 
-    def _leanest_modes(self, stage: int) -> tuple[str, ...]:
-        model = self.memory[stage]
-        return tuple(min(self.modes, key=lambda k: model.activations[k][u]) for u in range(self.num_modules))
+
+def single_stage_memory(stage: StageMemoryModel, modes: tuple[str, ...], n: int) -> float:
+    """The memory of a problem's one stage holding all `n` modules, each in its leanest mode: the exact minimum."""
+    leanest = tuple(min(modes, key=lambda k: stage.activations[k][u]) for u in range(n))
+    return stage.total(0, n, leanest)
+
+
+def memory_lower_bound(lean: list[StageMemoryModel], ranks: int, modes: tuple[str, ...], n: int) -> float:
+    """A bound on the peak rank memory of any assignment of a problem with more than one stage, from its leanest
+    stages (ChainProblem.leanest_stages: one per distinct set of shared vectors, the first keeping the fewest
+    micro-batches) over `ranks` pipeline ranks: the average over ranks of the leanest bytes of every module and
+    tied group, and the cheapest place any single module could sit (boundary activations left out: they depend on
+    the cut; `n` modules). It reads only those stages, so that a search can work it out, and remember it, before
+    building the problem (cost/evaluate.py memory_lower_bound)."""
+    p, first = ranks, lean[0]
+    groups = range(len(first.group_bytes))
+    linear = [(m.module_bytes(k), m.largest_bytes) for m in lean for k in modes]
+    leanest = [min(column) for column in zip(*(module for module, _ in linear))]  # per module, over (stage, mode)
+    cheapest_group = [min(m.group_bytes[g] for m in lean) for g in groups]
+    average = (sum(leanest) + sum(cheapest_group)) / p
+    tied = [sum(first.group_bytes[g] for g in groups if u in first.tied_group_modules[g]) for u in range(n)]
+    alone = [min(column) + t for column, t in zip(
+        zip(*(tuple(a + b for a, b in zip(module, largest)) for module, largest in linear)), tied)]
+    return max(average, max(alone))

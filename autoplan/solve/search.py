@@ -6,8 +6,10 @@ recompute mode, and the stage split with recompute per module.
 2. Every variant (schedule, v, micro-batch, recompute) gets a step-time lower bound (perfect balance
    of the fastest module times plus the bubble); variants are priced in order of that bound, and the
    search stops once the bound exceeds the best step time found (branch and bound).
-3. A priced variant is split by the fast packing (split.py), recompute chosen per module, and priced
-   (evaluate.py); a packing that cannot reach the time that would tie the best so far stops early.
+3. A priced variant whose memory lower bound (its leanest stage's, remembered per the layout's memory vectors:
+   cost/evaluate.py memory_lower_bound) overflows the cap is listed with it, before its problem is built; the
+   others are split by the fast packing (split.py), recompute chosen per module, and priced (evaluate.py); a
+   packing that cannot reach the time that would tie the best so far stops early.
 The fastest fitting layout wins, except that step times within TIE_TOLERANCE of the fastest count
 as equal and the simplest of those wins (and DDP is kept unless sharding gains SHARDING_MARGIN).
 The winner is then solved again as a MILP (ilp.py), warm started and bounded by its packing, so the
@@ -24,8 +26,8 @@ from dataclasses import dataclass, replace
 
 from autoplan.chain.modules import ModuleChain
 from autoplan.cost.context import Context, expert_shard_degree, gib
-from autoplan.cost.evaluate import (Candidate, build_problem, evaluate, host_oom_reason, oom_reason,
-                                    with_memory_without_cp_ep)
+from autoplan.cost.evaluate import (Candidate, build_problem, evaluate, host_oom_reason, memory_lower_bound,
+                                    oom_reason, with_memory_without_cp_ep)
 from autoplan.cost.memory import model_state_bytes, zero_of
 from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster
@@ -358,9 +360,8 @@ def try_layout(ctx: Context, par: Parallelism, modes: tuple[str, ...], cutoff: f
     packing finds no split that fits, at its leanest split: fitting if that one fits (the packing is a
     heuristic), else with the OOM reason (None without `explain`). What fits is ChainProblem.fits's to say
     (the memory the plan reports), whichever solver proposed the split."""
-    problem = build_problem(ctx, par, modes)
-    cap = problem.memory_cap_bytes
-    bound = problem.memory_lower_bound()
+    cap = ctx.cluster.usable_memory_bytes
+    bound = memory_lower_bound(ctx, par, modes)  # build_problem's, remembered: most variants stop here
     host = host_oom_reason(ctx, par)
     if host:
         return Candidate(parallelism=par, stages=(), predicted=None, fits=False, reason=host, memory_needed_bytes=bound)
@@ -368,6 +369,7 @@ def try_layout(ctx: Context, par: Parallelism, modes: tuple[str, ...], cutoff: f
         reason = f"OOM by at least {gib(bound - cap)} GiB (memory lower bound, no split tried)"
         return Candidate(parallelism=par, stages=(), predicted=None, fits=False, reason=reason,
                          memory_needed_bytes=bound)
+    problem = build_problem(ctx, par, modes)
     found = greedy_split(problem, modes[0] if len(modes) == 1 else None, cutoff if cutoff < math.inf else None)
     if found is not None and not problem.fits(found):
         found = None  # the packing proposes, ChainProblem.fits decides (tests/test_ilp.py holds them equal)

@@ -70,6 +70,7 @@ class _Tables:
                     "largest": [list(vec) for vec in model.max_vectors],
                     "groups": list(zip(model.group_bytes, model.tied_group_modules)),
                     "cut": model.cut_per_microbatch,
+                    "maxima": {},  # (a, b) -> the largest term of each category over [a, b): _largest
                 }
             self._stage[s] = {**self._shared[key], "f": model.in_flight}
         return self._stage[s]
@@ -134,6 +135,15 @@ class _Tables:
         return linear, _largest(t, a, b, ())
 
     @cached_property
+    def rank_of_stage(self) -> list[tuple[int, int]]:
+        """(rank, how many of that rank's stages come after it) of each stage."""
+        out = []
+        for s in range(self.p.num_stages):
+            rank = stage_rank(s, self.p.ranks, self.p.placement)
+            out.append((rank, sum(1 for t in self.p.stages_of_rank(rank) if t > s)))
+        return out
+
+    @cached_property
     def even_stage_bytes(self) -> float:
         """Linear bytes of an average stage in its leanest modes (the room a future stage needs)."""
         if self.p.virtual == 1:
@@ -170,7 +180,10 @@ def _largest(t: dict, a: int, b: int, prior_max: tuple[float, ...]) -> tuple[flo
     `prior_max` included: each category's maximum taken on its own, as StageMemoryModel.breakdown and
     ChainProblem.rank_breakdown take it (the sum of the per-module sums' maximum would be smaller when the
     categories peak on different modules: one module's working set, another's gathered parameters)."""
-    return _largest_of(prior_max, tuple(max(vec[a:b]) for vec in t["largest"]))
+    maxima = t["maxima"].get((a, b))
+    if maxima is None:
+        maxima = t["maxima"][a, b] = tuple(max(vec[a:b]) for vec in t["largest"])
+    return _largest_of(prior_max, maxima)
 
 
 def _largest_of(x: tuple[float, ...], y: tuple[float, ...]) -> tuple[float, ...]:
@@ -201,8 +214,7 @@ def _pack(tables: _Tables, stage_time: float, cap: float, mode: str | None) -> l
     share = tables.even_stage_bytes
     out, start = [], 0
     for s in range(stages):
-        rank = stage_rank(s, ranks, tables.p.placement)
-        later = sum(1 for t in tables.p.stages_of_rank(rank) if t > s)
+        rank, later = tables.rank_of_stage[s]
         room = cap - used[rank] - later * share
         last = n - (stages - 1 - s)
         best = None
