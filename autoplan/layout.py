@@ -399,6 +399,11 @@ class Parallelism:
         return self.sharded and self.reshard
 
     @property
+    def zero(self) -> int:
+        """The ZeRO stage whose memory this layout's sharding has (zero_of over fsdp_shard): 0, 2 or 3."""
+        return zero_of(self.fsdp_shard, self.reshard)
+
+    @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
@@ -833,6 +838,15 @@ def fsdp_wraps(dp_replicate: int, dp_shard: int, cp: int, tp: int) -> bool:
     it so); under FSDP2 its MixedPrecisionPolicy computes in bf16."""
     shard = dp_shard * cp
     return dp_replicate * shard > 1 and (shard > 1 or tp > 1)
+
+
+def zero_of(shard: int, reshard: bool) -> int:
+    """The ZeRO stage (the paper's notation, the zero pin's values) whose memory a data-parallel sharding over `shard`
+    ranks has: 0 unsharded (DDP), 2 FSDP2 keeping gathered parameters to backward (gradients and optimizer state
+    sharded), 3 FSDP2 resharding after forward (Parallelism.zero)."""
+    if shard <= 1:
+        return 0
+    return 3 if reshard else 2
 
 
 def _sharding(layout: Layout) -> tuple[bool, str] | None:

@@ -246,9 +246,9 @@ def test_roofline_times_scale_with_dtype_and_measured_times_keep_launches_fixed(
 
 
 def test_bubble_is_p_minus_1_over_v_m_of_the_ideal_time():
-    timing = pipeline_time(slot_s=2.0, num_ranks=4, num_microbatches=8)
+    timing = pipeline_time(slot_s=2.0, pp=4, microbatches=8)
     assert timing.bubble_s / timing.busy_s == pytest.approx(3 / 8) and timing.total_s == pytest.approx(22.0)
-    interleaved = pipeline_time(slot_s=2.0, num_ranks=4, num_microbatches=8, virtual=2)
+    interleaved = pipeline_time(slot_s=2.0, pp=4, microbatches=8, virtual_stages=2)
     assert interleaved.bubble_s / interleaved.busy_s == pytest.approx(3 / 16)
 
 
@@ -488,18 +488,18 @@ def test_gradients_count_from_when_the_program_makes_them(shard, ddp):
     """One micro-batch: FSDP2's sharded gradients and autograd's .grad are made during backward (set to None before
     each step), so the peak is the larger of the loss's (no gradients) and the end of backward (no activations);
     DDP's buckets hold them throughout. Under accumulation FSDP2 keeps the unsharded gradients in fp32 meanwhile."""
-    from autoplan.cost.memory import layout_memory
+    from autoplan.cost.memory import MemoryLayout, layout_memory
 
     n = 1000.0
     fsdp = shard > 1
     states = {"parameters": 4 * n / shard, "gradients": 4 * n / shard, "optimizer": 8 * n / shard}  # fp32
     for activation in (100 * n, 0.0):  # the loss's peak dominates, then the end of backward does
-        model = layout_memory(_one_module(activation), "fp32", shard, True, 1, ddp=ddp, accumulates=False).stage(0, 1)
+        model = layout_memory(_one_module(activation), "fp32", MemoryLayout(shard, True, ddp=ddp, accumulates=False)).stage(0, 1)
         peak = model.breakdown(0, 1)
         held = ddp or activation == 0.0
         assert peak.get("gradients", 0.0) == pytest.approx(states["gradients"] if held else 0.0)
         assert peak.get("activations", 0.0) == activation
-    accumulating = layout_memory(_one_module(0.0), "bf16", shard, True, 1, ddp=ddp, accumulates=True).stage(0, 1)
+    accumulating = layout_memory(_one_module(0.0), "bf16", MemoryLayout(shard, True, ddp=ddp, accumulates=True)).stage(0, 1)
     assert accumulating.per_module.get("unsharded_gradients", (0.0,))[0] == (4 * n if fsdp else 0.0)
     assert ("gradients" in accumulating.per_module) == (not fsdp)  # FSDP2's sharded ones only after the last
 

@@ -14,7 +14,7 @@ from autoplan.chain.attention import attention_facts
 from autoplan.cost.compute import ModuleTable, ShardedModules, sharded_table
 from autoplan.cost.context import Context, expert_shard_degree
 from autoplan.cost.evaluate import build_problem, with_memory_without_cp_ep
-from autoplan.cost.memory import MemoryInputs, layout_memory
+from autoplan.cost.memory import MemoryInputs, MemoryLayout, layout_memory
 from autoplan.errors import UserError
 from autoplan.layout import ALL_FEATURES, SUPPORTED, ZERO_BUBBLE_SCHEDULES, Layout, Scope, from_plan_fields, problems
 from autoplan.plan import Parallelism
@@ -270,8 +270,8 @@ def test_expert_states_per_rank_divide_by_every_folded_rank(olmoe_context, shard
     numel, experts = ctx.total_numel(tp), sum(ctx.expert_numel)
     fsdp = shard * cp
     assert expert_shard_degree(fsdp, ep, tp) == shard * cp * tp // ep
-    memory = ctx.layout_memory(ctx.memory_inputs(TableKey(tp, 1, ep=ep)), fsdp, True, 1,
-                               expert_shard=expert_shard_degree(fsdp, ep, tp))
+    memory = ctx.layout_memory(ctx.memory_inputs(TableKey(tp, 1, ep=ep)),
+                               MemoryLayout(fsdp, True, expert_shard=expert_shard_degree(fsdp, ep, tp)))
     states = sum(sum(memory.states[c]) + sum(memory.tied_states[c]) for c in ("parameters", "gradients",
                                                                                      "optimizer"))
     assert states == pytest.approx(16 * ((numel - experts) / fsdp + experts / (shard * cp * tp)))
@@ -330,7 +330,7 @@ def test_expert_states_shard_over_the_fsdp_group_left_after_ep(shard, reshard, e
     n, e = 1000.0, 600.0  # module elements on the rank, of which expert elements (already E/ep)
     inputs = MemoryInputs(module_numel=(n,), group_numel=(), tied_group_modules=(), module_largest_numel=(n,),
                           activations={"none": (0.0,)}, working_bytes=(0.0,), cut_bytes=(), expert_numel=(e,))
-    memory = layout_memory(inputs, "bf16", shard, reshard, 1, expert_shard=expert_shard)
+    memory = layout_memory(inputs, "bf16", MemoryLayout(shard, reshard, expert_shard=expert_shard))
     states = {c: memory.states[c][0] for c in ("parameters", "gradients", "optimizer")}
     if shard == 1:
         assert states == pytest.approx({"parameters": 2 * n, "gradients": 2 * n, "optimizer": 12 * n})
@@ -446,7 +446,8 @@ def test_expert_states_per_rank_are_those_of_fsdp_without_ep(olmoe_context, resh
     ctx = olmoe_context
     numel, experts = ctx.total_numel(1), sum(ctx.expert_numel)
     assert experts > numel / 2  # most of the model is experts
-    memory = ctx.layout_memory(ctx.memory_inputs(TableKey(1, 1, ep=ep)), 8, reshard, 1, expert_shard=expert_shard_degree(8, ep))
+    memory = ctx.layout_memory(ctx.memory_inputs(TableKey(1, 1, ep=ep)),
+                               MemoryLayout(8, reshard, expert_shard=expert_shard_degree(8, ep)))
     states = {c: sum(memory.states[c]) + sum(memory.tied_states[c]) for c in ("parameters", "gradients",
                                                                                        "optimizer")}
     assert states == pytest.approx({"parameters": 4 * numel / 8, "gradients": 4 * numel / 8, "optimizer": 8 * numel / 8})
@@ -467,7 +468,7 @@ def test_the_experts_fsdp_collectives_add_to_their_modules_and_hide_behind_the_s
 
     link, b, e, alpha, bw, copy, window = comm_link(), 4e6, 12e6, 1e-5, 100e9, 1e12, 1e-5
     stage = dict(module_param_bytes=(b, b), reshard_after_forward=True, shard=comm.Group(8, link, 1),
-                 replicate=comm.Group(1, link, 1), pipelined=False, num_microbatches=1, forward_window_s=0.0,
+                 replicate=comm.Group(1, link, 1), pipelined=False, microbatches=1, forward_window_s=0.0,
                  backward_window_s=0.0, copy_bytes_per_s=copy, gradient_ratio=2.0, expert_param_bytes=(e, e),
                  expert_shard=comm.Group(2, link, 1), expert_replicate=comm.Group(2, link, 1))
     g = (alpha + b * 7 / 8 / bw) + (alpha + e * 1 / 2 / bw)

@@ -171,7 +171,7 @@ class FsdpStage:
     """HSDP's replicas (size 1 without HSDP): they all-reduce the sharded gradients."""
     pipelined: bool
     """Under torch.distributed.pipelining (pp > 1): gathered once per step, reduced after the last backward."""
-    num_microbatches: int
+    microbatches: int
     forward_window_s: float
     """One micro-batch's forward compute that communication can hide behind, seconds."""
     backward_window_s: float
@@ -240,7 +240,7 @@ def fsdp_comm(stage: FsdpStage) -> DataParallelComm:
         first = exposed_s(sum(gathers), gathers[0], stage.forward_window_s) + copy_s
         return DataParallelComm(hooks, first + sum(scatters) + copy_s, sum(gathers) + sum(scatters), hooks / 2)
     forward = exposed_s(sum(gathers), gathers[0], stage.forward_window_s) + copy_s
-    m = stage.num_microbatches
+    m = stage.microbatches
     if stage.reshard_after_forward:
         backward = exposed_s(sum(gathers) + sum(scatters), scatters[-1], stage.backward_window_s) + 2 * copy_s
         total = m * (2 * sum(gathers) + sum(scatters))

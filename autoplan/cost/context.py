@@ -24,7 +24,7 @@ from autoplan.cost.compute import ModuleTable, ShardedModules, TableSetting, mod
 from autoplan.cost.context_parallel import StepCosts, ring_attention_cost
 from autoplan.cost.expert_parallel import expert_parallel_cost, measured_imbalance
 from autoplan.cost.dtypes import activation_scale, bytes_per_element, training_dtype
-from autoplan.cost.memory import LayoutMemory, MemoryInputs, layout_memory
+from autoplan.cost.memory import LayoutMemory, MemoryInputs, MemoryLayout, layout_memory
 from autoplan.cost.module_costs import SEQUENCE_ROLES, SPLIT_ROLES, ChainCosts, chain_costs
 from autoplan.hardware.types import Cluster
 from autoplan.layout import expert_folded_ranks, fsdp_wraps
@@ -85,6 +85,14 @@ def expert_shard_degree(fsdp: int, ep: int, tp: int = 1) -> int:
         return fsdp
     folded = expert_folded_ranks(dp_shard=fsdp, cp=1, tp=tp)
     return 1 if folded % ep else folded // ep
+
+
+def memory_layout(par: Parallelism, autocast: bool = False) -> MemoryLayout:
+    """What `par`'s memory vectors read of it (cost/memory.py layout_memory); `autocast` as Context.autocast_layout."""
+    ddp = par.fsdp_shard == 1 and par.dp_replicate > 1 and par.tp == 1  # runtime/distributed/parallel.py
+    return MemoryLayout(shard=par.fsdp_shard, reshard_after_forward=par.reshards_after_forward, pp_enabled=par.pp_enabled,
+                        offload=par.offload, expert_shard=expert_shard_degree(par.fsdp_shard, par.ep, par.tp),
+                        autocast=autocast, ddp=ddp, accumulates=par.microbatches > 1)
 
 
 @dataclass(frozen=True)
@@ -228,10 +236,10 @@ class Context:
         key = (k, self.compiled, autocast)
         if key not in self._tables:
             if cp == 1 and ep == 1:
-                self._tables[key] = self._part_table(self.costs, tp, microbatch, sp, loss_parallel, autocast)
+                self._tables[key] = self._part_table(self.costs, k, autocast)
             else:
                 base = self.table(replace(k, cp=1, ep=1), autocast=autocast)
-                rank = self._part_table(self.costs, tp, microbatch / cp, sp, loss_parallel, autocast) \
+                rank = self._part_table(self.costs, replace(k, microbatch=microbatch / cp), autocast) \
                     if cp > 1 else None  # a rank's tokens: its kernels launch and its weights stream whole
                 table = sharded_table(base, self._sharded_modules(tp, microbatch, sp, cp, ep), rank)
                 self._tables[key] = self._local_expert_copies(table, ep) if autocast and ep > 1 else table
@@ -271,12 +279,13 @@ class Context:
                     for f, b, i in zip(s.expert_forward_s, s.expert_backward_s, s.imbalance))
         return self._expert_compute[key]
 
-    def _part_table(self, costs: ChainCosts, tp: int, microbatch: float, sp: bool,
-                    loss_parallel: bool = True, autocast: bool = False, whole_modules: bool = True) -> ModuleTable:
+    def _part_table(self, costs: ChainCosts, k: TableKey, autocast: bool = False,
+                    whole_modules: bool = True) -> ModuleTable:
+        """The module table of `costs` at `k`'s tp, micro-batch, sp and loss_parallel (not its cp and ep)."""
         return module_table(costs, TableSetting(
-            gpu=self.cluster.gpu, capture_dtype=self.chain.capture_dtype, train_dtype=self.dtype, tp=tp,
-            microbatch=microbatch, tp_link=self.group(tp, 1).link, use_measured=self.use_measured, sp=sp,
-            compiled=self.compiled, loss_parallel=loss_parallel, autocast=autocast, float8_linears=self.float8_linears,
+            gpu=self.cluster.gpu, capture_dtype=self.chain.capture_dtype, train_dtype=self.dtype, tp=k.tp,
+            microbatch=k.microbatch, tp_link=self.group(k.tp, 1).link, use_measured=self.use_measured, sp=k.sp,
+            compiled=self.compiled, loss_parallel=k.loss_parallel, autocast=autocast, float8_linears=self.float8_linears,
             whole_modules=whole_modules))
 
     def autocast_layout(self, par: Parallelism) -> bool:
@@ -297,7 +306,7 @@ class Context:
     def _priced_ops_table(self, nodes: frozenset[str], tp: int, microbatch: int, sp: bool) -> ModuleTable:
         modules = tuple(replace(costs, ops=tuple(op for op, node in zip(costs.ops, module.ops) if node in nodes))
                         for costs, module in zip(self.costs.modules, self.chain.modules))
-        return self._part_table(replace(self.costs, modules=modules), tp, microbatch, sp, whole_modules=False)
+        return self._part_table(replace(self.costs, modules=modules), TableKey(tp, microbatch, sp), whole_modules=False)
 
     def _sharded_modules(self, tp: int, microbatch: int, sp: bool, cp: int, ep: int) -> ShardedModules:
         """Per module: its experts' compute and the imbalance the busiest expert-parallel rank adds, its ring
@@ -407,13 +416,10 @@ class Context:
     def group_numel(self, tp: int) -> list[float]:
         return [g.numel / (tp if split else 1) for g, split in zip(self.chain.tied_groups, self.costs.tied_split)]
 
-    def layout_memory(self, inputs: MemoryInputs, shard: int, reshard_after_forward: bool, pp: int,
-                      offload: bool = False, expert_shard: int = 1, autocast: bool = False, ddp: bool = False,
-                      accumulates: bool = True) -> LayoutMemory:
-        key = (id(inputs), shard, reshard_after_forward, pp > 1, offload, expert_shard, autocast, ddp, accumulates)
+    def layout_memory(self, inputs: MemoryInputs, setting: MemoryLayout) -> LayoutMemory:
+        key = (id(inputs), setting)
         if key not in self._layouts:
-            self._layouts[key] = layout_memory(inputs, self.dtype, shard, reshard_after_forward, pp, offload,
-                                               expert_shard, autocast, ddp, accumulates)
+            self._layouts[key] = layout_memory(inputs, self.dtype, setting)
         return self._layouts[key]
 
     def memory_inputs(self, layout: Parallelism | TableKey, autocast: bool = False) -> MemoryInputs:

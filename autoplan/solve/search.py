@@ -26,10 +26,10 @@ from autoplan.chain.modules import ModuleChain
 from autoplan.cost.context import Context, expert_shard_degree, gib
 from autoplan.cost.evaluate import (Candidate, build_problem, evaluate, host_oom_reason, oom_reason,
                                     with_memory_without_cp_ep)
-from autoplan.cost.memory import model_state_bytes, zero_of
+from autoplan.cost.memory import model_state_bytes
 from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster
-from autoplan.layout import RECOMPUTE, SCHEDULE_BY_NAME, SUPPORTED, Layout, Scope, problems
+from autoplan.layout import RECOMPUTE, SCHEDULE_BY_NAME, SUPPORTED, Layout, Scope, problems, zero_of
 from autoplan.plan import Parallelism, SolverInfo, Training
 from autoplan.profile_data import ModelProfile
 from autoplan.solve import layouts
@@ -315,7 +315,7 @@ def family_memory_bound(ctx: Context, fam: Parallelism) -> float:
         return 0.0
     numel = ctx.total_numel(fam.tp, fam.ep)
     experts = sum(ctx.module_expert_numel(fam.ep))
-    zero = zero_of(fam.fsdp_shard, fam.reshard)
+    zero = fam.zero
     expert_shard = expert_shard_degree(fam.fsdp_shard, fam.ep, fam.tp)
     states = sum(model_state_bytes(numel - experts, ctx.dtype, zero, fam.fsdp_shard).values()) + \
         sum(model_state_bytes(experts, ctx.dtype, zero, expert_shard).values())
