@@ -48,6 +48,23 @@ def test_parse_pins_lists_every_problem_at_once():
         assert part in message
 
 
+def test_pin_keys_and_their_value_kinds_come_from_the_vocabulary():
+    """PIN_KEYS is VOCABULARY's pins in its order (the message and --help list them so); word values are Layout's
+    str fields, read lower-cased, the others integers."""
+    from autoplan.layout import VOCABULARY
+    from autoplan.solve.pins import PIN_KEYS
+
+    known = "dp, tp, sp, cp, ep, pp, zero, schedule, microbatch, recompute, offload, compile"
+    assert ", ".join(PIN_KEYS) == known
+    assert PIN_KEYS == tuple(t.short for t in VOCABULARY if t.pin)
+    with pytest.raises(UserError, match=rf"unknown key 'foo' \(known: {known}\)"):
+        parse_pins("foo=1")
+    assert parse_pins("SP=ON,Schedule=ZBV,offload=CPU,compile=On,recompute=FULL,zero=3,microbatch=2") == Layout(
+        sp="on", schedule="zbv", offload="cpu", compile="on", recompute="full", zero=3, microbatch=2)
+    with pytest.raises(UserError, match="microbatch=two is not an integer"):
+        parse_pins("microbatch=two")
+
+
 def test_ample_memory_picks_pure_data_parallelism_without_resharding():
     result = search(gpt2_small(), cluster(8), TRAINING)
     par = result.best.parallelism
