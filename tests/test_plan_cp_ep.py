@@ -665,3 +665,23 @@ def test_a_default_compile_the_rules_refuse_for_a_layout_is_off_for_it_wherever_
     with pytest.raises(UserError, match="compile=on with recompute=full at tp=2"):
         search(profile, cluster(4), Training(8, "bf16"), parse_pins("tp=2,cp=2,recompute=full,compile=on"),
                features=CP_EP)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_memory_without_cp_and_ep_reads_the_rank_that_runs_the_peak_stage_in_the_v(schedule):
+    """The report's "without cp" memory is the cp = 1 memory of the rank that runs the peak stage: under zbv and
+    dualpipev stage s >= pp runs on rank 2 pp - 1 - s (Parallelism.stage_rank), not s % pp. Stage pp (rank pp - 1 in
+    the V, rank 0 in loop order) is made the peak, so reading the loop's rank gives another rank's memory."""
+    profile = gpt_profile(n_layer=8, seq=256, batch=2)
+    ctx = Context(profile, cluster(8), Training(8, "bf16"), ALL_FEATURES)
+    par = Parallelism(dp_shard=2, reshard=True, cp=2, pp=2, schedule=schedule, virtual_stages=2, microbatches=4)
+    priced = try_layout(ctx, par, ("none",))
+    assert priced is not None and priced.assignment is not None and len(priced.stages) == 4
+    peak_stage = par.pp
+    stages = tuple(replace(st, predicted_memory_bytes=1.0 if st.index == peak_stage else 0.0) for st in priced.stages)
+    whole = with_memory_without_cp_ep(ctx, replace(priced, stages=stages), ("none",)).predicted
+    plain = build_problem(ctx, replace(par, cp=1), ("none",))
+    by_rank = [sum(plain.rank_breakdown(r, priced.assignment).values()) for r in range(par.pp)]
+    assert par.stage_rank(peak_stage) == par.pp - 1 != peak_stage % par.pp
+    assert by_rank[0] != pytest.approx(by_rank[1])  # the two ranks differ, so reading the wrong one shows
+    assert whole.peak_memory_without_context_parallel_bytes == pytest.approx(by_rank[par.pp - 1])
