@@ -232,7 +232,7 @@ class Context:
         `autocast` (bf16 without FSDP2: autocast_layout), the activations as torch.autocast keeps them (the times are
         the same)."""
         k = TableKey.of(layout)
-        tp, microbatch, sp, loss_parallel, cp, ep = k.tp, k.microbatch, k.sp, k.loss_parallel, k.cp, k.ep
+        tp, microbatch, sp, cp, ep = k.tp, k.microbatch, k.sp, k.cp, k.ep
         key = (k, self.compiled, autocast)
         if key not in self._tables:
             if cp == 1 and ep == 1:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from autoplan.cost.memory import StageMemoryModel
-from autoplan.layout import rank_stages
+from autoplan.layout import rank_stages, stage_rank
 
 MEMORY_TOLERANCE = 1e-9
 """Relative slack on the memory cap that every solver and ChainProblem.fits allow alike (floating-point sums):
@@ -126,6 +126,10 @@ class ChainProblem:
 
     def stages_of_rank(self, rank: int) -> list[int]:
         return rank_stages(rank, self.ranks, self.virtual, self.placement)
+
+    def stage_rank(self, stage: int) -> int:
+        """The rank that runs `stage` (autoplan.layout.stage_rank)."""
+        return stage_rank(stage, self.ranks, self.placement)
 
     def uniform(self, split: Split, mode: str | None = None) -> Assignment:
         return Assignment(split, (mode or self.modes[0],) * self.num_modules)

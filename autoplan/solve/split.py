@@ -18,7 +18,6 @@ from functools import cached_property
 from itertools import accumulate
 
 from autoplan.cost.problem import Assignment, ChainProblem, Split
-from autoplan.layout import stage_rank
 
 BISECTION_TOLERANCE = 1e-3
 """Relative width at which the bisection on the bottleneck stops (the reported bottleneck is the
@@ -201,7 +200,7 @@ def _pack(tables: _Tables, stage_time: float, cap: float, mode: str | None) -> l
     share = tables.even_stage_bytes
     out, start = [], 0
     for s in range(stages):
-        rank = stage_rank(s, ranks, tables.p.placement)
+        rank = tables.p.stage_rank(s)
         later = sum(1 for t in tables.p.stages_of_rank(rank) if t > s)
         room = cap - used[rank] - later * share
         last = n - (stages - 1 - s)
