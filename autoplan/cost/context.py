@@ -71,19 +71,19 @@ def _sequence_local_numel(profile: ModelProfile, plan: dict[str, str], module_of
     return tuple(float(sum(profile.parameters[p] for p in params)) for params in found)
 
 
-def expert_shard_degree(fsdp: int, ep: int, tp: int = 1) -> int:
-    """Ranks the expert parameters' states shard over, with FSDP over `fsdp` ranks (dp_shard x cp), expert
+def expert_shard_degree(fsdp_shard: int, ep: int, tp: int = 1) -> int:
+    """Ranks the expert parameters' states shard over, with FSDP over `fsdp_shard` ranks (dp_shard x cp), expert
     parallelism `ep` and tensor parallelism `tp`. Expert parallelism is folded over dp_shard x cp x tp
     (layout.expert_folded_ranks): a rank holds E/ep experts, whole (ETP 1), and FSDP2 shards them over the
     dp_shard x cp x tp / ep ranks holding the same ones (runtime/distributed/expert_parallel.py "efsdp"), so a rank keeps
     1/(dp_shard x cp x tp) of the expert states. At ep 1 the experts are parameters like the others, whole on each tp
-    rank: fsdp. 1 (whole E/ep experts, gradients all-reduced over the ranks holding them) without FSDP (fsdp 1), or
+    rank: fsdp_shard. 1 (whole E/ep experts, gradients all-reduced over the ranks holding them) without FSDP (fsdp_shard 1), or
     when the folded ranks are no multiple of ep (ep then borrows replicas: priced, not run)."""
-    if fsdp <= 1:
+    if fsdp_shard <= 1:
         return 1
     if ep == 1:
-        return fsdp
-    folded = expert_folded_ranks(dp_shard=fsdp, cp=1, tp=tp)
+        return fsdp_shard
+    folded = expert_folded_ranks(dp_shard=fsdp_shard, cp=1, tp=tp)
     return 1 if folded % ep else folded // ep
 
 
@@ -208,14 +208,14 @@ class Context:
 
     def groups(self, par: Parallelism) -> Groups:
         t, r = par.tp, par.dp_replicate
-        cp, ep, fsdp = par.cp, par.ep, par.fsdp_shard
-        experts = expert_shard_degree(fsdp, ep, t)
+        cp, ep, fsdp_shard = par.cp, par.ep, par.fsdp_shard
+        experts = expert_shard_degree(fsdp_shard, ep, t)
         # the expert mesh folded over dp_shard x cp x tp (tp innermost): ep consecutive ranks, then the experts' FSDP
         # ranks, then the ranks holding the same experts' shard (the replicas, and the folded ranks beyond ep x
         # experts when FSDP2 does not shard them), which sum their gradients
-        replicas = self.group(max(1, r * fsdp * t // (ep * experts)), ep * experts)
-        return Groups(self.group(t, 1), self.group(fsdp, t), self.group(r, t * fsdp),
-                      self.group(par.pp, t * fsdp * r), self.group(cp, t), self.group(ep, 1),
+        replicas = self.group(max(1, r * fsdp_shard * t // (ep * experts)), ep * experts)
+        return Groups(self.group(t, 1), self.group(fsdp_shard, t), self.group(r, t * fsdp_shard),
+                      self.group(par.pp, t * fsdp_shard * r), self.group(cp, t), self.group(ep, 1),
                       self.group(experts, ep), replicas)
 
     def send_s(self, nbytes: float, par: Parallelism, link) -> float:

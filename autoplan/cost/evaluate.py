@@ -86,7 +86,7 @@ def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> Cha
         module_time_s={k: table.time_s(k) for k in modes},
         memory=models,
         memory_cap_bytes=ctx.cluster.usable_memory_bytes,
-        num_ranks=pp,
+        pp=pp,
         modes=modes,
         stage_overhead_s=overhead,
         signature=ctx.costs.signature,

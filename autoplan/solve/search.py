@@ -397,7 +397,7 @@ def refine_with_ilp(ctx: Context, candidate: Candidate, pinned: bool, solver: st
     start = candidate.assignment
     if problem.num_stages == 1 and len(problem.modes) == 1:
         return candidate, SolverInfo(name=resolve_solver(solver), status="optimal", time_s=0.0, candidates_evaluated=1)
-    if problem.virtual == 1 and len(problem.modes) == 1:  # the exact DP: a tighter bound and a better start
+    if problem.virtual_stages == 1 and len(problem.modes) == 1:  # the exact DP: a tighter bound and a better start
         exact = solve_dp(problem)
         if exact is not None and exact.value < problem.bottleneck(start) * (1 - 1e-9):
             start = exact.assignment

@@ -135,7 +135,7 @@ class _Tables:
     @cached_property
     def even_stage_bytes(self) -> float:
         """Linear bytes of an average stage in its leanest modes (the room a future stage needs)."""
-        if self.p.virtual == 1:
+        if self.p.virtual_stages == 1:
             return 0.0
         total = 0.0
         for s in range(self.p.num_stages):
@@ -261,7 +261,7 @@ def greedy_split(problem: ChainProblem, mode: str | None = None, cutoff: float |
     """The best assignment the packing finds: every module in `mode`, or (None) each module's mode chosen
     among problem.modes; None when nothing fits (or there are more stages than modules). With `cutoff`
     (a rank time per micro-batch), raises Slower when no packing within it exists."""
-    n, stages, v = problem.num_modules, problem.num_stages, problem.virtual
+    n, stages, v = problem.num_modules, problem.num_stages, problem.virtual_stages
     if stages > n:
         return None
     cap = problem.memory_limit_bytes
