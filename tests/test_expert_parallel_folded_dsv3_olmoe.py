@@ -151,7 +151,9 @@ def test_deepseek_v3_rotary_key_gathered_into_the_split_keys_is_priced_under_sp(
     all-gathered in forward and reduce-scattered in backward (cost/compute.py), and nothing without sp."""
     from autoplan.api import load_cluster
     from autoplan.cost import comm
-    from autoplan.cost.compute import _tp_backward, _tp_forward
+    from dataclasses import replace
+
+    from autoplan.cost.compute import TableSetting, _tp_backward, _tp_forward
     from autoplan.cost.context import Context
     from autoplan.cost.module_costs import _op_costs
     from autoplan.layout import SUPPORTED
@@ -163,13 +165,15 @@ def test_deepseek_v3_rotary_key_gathered_into_the_split_keys_is_priced_under_sp(
     copies = [(node, cost) for node, cost in zip(by_node, _op_costs(list(by_node), by_node, profile, facts))
               if cost.gathered_shard_bytes]
     assert [by_node[n].op for n, _ in copies] == ["aten.copy_.default"] * 3  # one per layer
-    link = Context(profile, load_cluster(4, "h100-sxm5-80gb", 8, None, None), Training(global_batch_size=8),
-                   SUPPORTED).group(2, 1).link
+    cluster = load_cluster(4, "h100-sxm5-80gb", 8, None, None)
+    link = Context(profile, cluster, Training(global_batch_size=8), SUPPORTED).group(2, 1).link
+    setting = TableSetting(gpu=cluster.gpu, capture_dtype="fp32", train_dtype="fp32", tp=2, microbatch=4, tp_link=link,
+                           use_measured=False, sp=True)
     for node, cost in copies:
         expand = next(by_node[s] for s in by_node[node].inputs if by_node[s].op == "aten.expand.default")
         assert cost.gathered_shard_bytes == expand.output_bytes / profile.batch_size
-        assert _tp_forward(cost, 2, 4, 1.0, link, sp=True) == comm.all_gather_s(cost.gathered_shard_bytes * 4, 2, link)
+        assert _tp_forward(cost, setting, 1.0) == comm.all_gather_s(cost.gathered_shard_bytes * 4, 2, link)
         assert _tp_backward(cost, 2, 4.0, link, sp=True) == comm.reduce_scatter_s(cost.gathered_shard_bytes * 4, 2,
                                                                                  link)
-        assert _tp_forward(cost, 2, 4, 1.0, link, sp=False) == _tp_backward(cost, 2, 4.0, link, sp=False) == 0.0
+        assert _tp_forward(cost, replace(setting, sp=False), 1.0) == _tp_backward(cost, 2, 4.0, link, sp=False) == 0.0
 

@@ -21,7 +21,7 @@ from autoplan.chain.modules import build_chain
 from autoplan.chain.tensor_parallel import tensor_parallel_facts
 from autoplan.cost import comm
 from autoplan.cost.compute import ModuleTable, ShardedModules, TableSetting, module_table, sharded_table
-from autoplan.cost.context_parallel import StepCosts, ring_attention_cost
+from autoplan.cost.context_parallel import KeyValues, StepCosts, ring_attention_cost
 from autoplan.cost.expert_parallel import expert_parallel_cost, measured_imbalance
 from autoplan.cost.dtypes import activation_scale, bytes_per_element, training_dtype
 from autoplan.cost.memory import LayoutMemory, MemoryInputs, MemoryLayout, layout_memory
@@ -343,7 +343,7 @@ class Context:
             step = StepCosts(gpu.kernel_overhead_s, gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency)
             for call, u in zip(self.attention.calls, self._attention_module):
                 features = call.kv_features / (tp if role.get(call.node, "") in SPLIT_ROLES else 1)
-                ring = ring_attention_cost(microbatch, call.sequence_length, features, element,
+                ring = ring_attention_cost(KeyValues(microbatch, call.sequence_length, features, element),
                                            attention.forward_s[u] / calls[u] / cp,
                                            attention.backward_s[u] / calls[u] / cp, cp_group, step)
                 ring_forward[u] += ring.forward_exposed_s

@@ -208,14 +208,14 @@ def _pack(tables: _Tables, stage_time: float, cap: float, mode: str | None) -> l
         end = start + 1 if s < stages - 1 else last  # the last stage must end at n: shorter ends cannot pack
         while end <= last:
             run_end = min(tables.runs[tables.run_of[end - 1]][1], last)
-            fits = _fits(tables, s, start, run_end, mode, room, stage_time, largest[rank])
+            fits = _within(tables.evaluate(s, start, run_end, mode, room, largest[rank]), stage_time)
             if fits is not None:
                 best, end = (run_end, fits), run_end + 1
                 continue
             lo, hi = end, run_end - 1  # the run's modules are identical: binary search how many fit
             while lo <= hi:
                 mid = (lo + hi) // 2
-                fits = _fits(tables, s, start, mid, mode, room, stage_time, largest[rank])
+                fits = _within(tables.evaluate(s, start, mid, mode, room, largest[rank]), stage_time)
                 if fits is not None:
                     best, lo = (mid, fits), mid + 1
                 else:
@@ -233,9 +233,8 @@ def _pack(tables: _Tables, stage_time: float, cap: float, mode: str | None) -> l
     return out if start == n else None
 
 
-def _fits(tables: _Tables, s: int, a: int, b: int, mode: str | None, cap: float, limit: float,
-          prior_max: tuple[float, ...]):
-    found = tables.evaluate(s, a, b, mode, cap, prior_max)
+def _within(found, limit: float):
+    """The counts of a stage _Tables.evaluate found fitting in memory, if its time is within `limit` (else None)."""
     if found is None or found[0] > limit * (1 + 1e-12):
         return None
     return found[1]
