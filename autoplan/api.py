@@ -160,7 +160,7 @@ def plan_model(
     from autoplan.solve.alternatives import alternatives
     from autoplan.solve.pins import parse_pins
     from autoplan.solve.scaling import ScalingInBackground
-    from autoplan.solve.search import search, solver_warning
+    from autoplan.solve.search import SearchOptions, search, solver_warning
 
     started = time.perf_counter()
     errors = []
@@ -204,8 +204,8 @@ def plan_model(
     curve = ScalingInBackground(profile, cluster, training, not unpinned) if out is not None else None
     log.info("search %d GPUs, %d ops, %d parameters", cluster.num_gpus, len(profile.ops), profile.param_count)
     try:
-        result = search(profile, cluster, training, pins, solver=solver, time_limit_s=time_limit,
-                        float8_linears=float8_linears)
+        result = search(profile, cluster, training, pins, SearchOptions(solver=solver, time_limit_s=time_limit,
+                                                                  float8_linears=float8_linears))
         best = result.best
         warning = solver_warning(result.solver, time_limit)
         if warning:

@@ -18,7 +18,7 @@ from autoplan.errors import UserError
 from autoplan.hardware.types import Link
 from autoplan.layout import ALL_FEATURES, SUPPORTED, Layout
 from autoplan.plan import Parallelism, Training
-from autoplan.solve.search import search
+from autoplan.solve.search import SearchOptions, search
 
 PSI = 1_000_000
 
@@ -463,9 +463,10 @@ def test_ddp_pays_its_measured_time_per_parameter_tensor():
 def test_plan_shows_the_activation_saving_of_sequence_parallelism_against_the_same_layout_without_it():
     profile = gpt_profile(n_layer=12, n_embd=1024, vocab=8192, seq=512, n_head=16, device="testgpu")
     training = Training(global_batch_size=16, dtype="bf16")
-    on = search(profile, cluster(8), training, Layout(tp=4, pp=2, microbatch=2), features=ALL_FEATURES).best
+    on = search(profile, cluster(8), training, Layout(tp=4, pp=2, microbatch=2),
+                options=SearchOptions(features=ALL_FEATURES)).best
     off = search(profile, cluster(8), training, Layout(tp=4, pp=2, microbatch=2, sp="off"),
-                 features=ALL_FEATURES).best
+                 options=SearchOptions(features=ALL_FEATURES)).best
     assert on.parallelism.sp and not off.parallelism.sp
     saved_with, saved_without = (on.predicted.memory_breakdown["activations"],
                                  on.predicted.activations_without_sequence_parallel_bytes)

@@ -21,7 +21,7 @@ from autoplan.plan import Parallelism
 from autoplan.solve.layouts import families
 from autoplan.solve.pins import parse_pins
 from autoplan.plan import Training
-from autoplan.solve.search import search, try_layout
+from autoplan.solve.search import SearchOptions, search, try_layout
 
 CP_EP = SUPPORTED | {"cp", "ep"}
 
@@ -66,10 +66,11 @@ def test_cp_pins_plan_with_a_pipeline_and_with_tp():
     assert (three.cp, three.pp, three.tp) == (2, 2, 2)
     with pytest.raises(UserError, match=r"expert parallelism is priced but the generated program cannot run it yet "
                                         r"\(ep=2; use ep=1\)"):
-        search(profile, cluster(8), training, parse_pins("ep=2"), features=SUPPORTED - {"ep"})
+        search(profile, cluster(8), training, parse_pins("ep=2"), options=SearchOptions(features=SUPPORTED - {"ep"}))
     with pytest.raises(UserError, match="the model has no expert layers"):
         search(profile, cluster(8), training, parse_pins("ep=2"))
-    default = search(profile, cluster(8), training, features=CP_EP)  # no experts: ep is never tried
+    default = search(profile, cluster(8), training,
+                     options=SearchOptions(features=CP_EP))  # no experts: ep is never tried
     assert all(c.parallelism.ep == 1 for c in default.candidates)
 
 
@@ -186,7 +187,8 @@ def test_attention_written_as_matmuls_refuses_cp_with_the_reason():
     profile = gpt_profile(n_layer=2, seq=2048, attention="megatron")
     assert "not scaled_dot_product_attention" in attention_facts(profile).context_parallel_problem
     with pytest.raises(UserError, match="cp=2: its attention is computed by"):
-        search(profile, cluster(8), Training(global_batch_size=8), parse_pins("cp=2"), features=CP_EP)
+        search(profile, cluster(8), Training(global_batch_size=8), parse_pins("cp=2"),
+               options=SearchOptions(features=CP_EP))
     sdpa = attention_facts(gpt_profile(n_layer=2, seq=2048))
     assert sdpa.context_parallel_problem == "" and sdpa.sequence_length == 2048
 
@@ -283,13 +285,15 @@ def test_the_search_tries_ep_folded_over_the_tensor_parallel_ranks(olmoe_context
     from autoplan.solve.layouts import scope_of
 
     ctx = olmoe_context
-    result = search(ctx.profile, cluster(4), Training(8, "bf16"), parse_pins("tp=4"), features=CP_EP)
+    result = search(ctx.profile, cluster(4), Training(8, "bf16"), parse_pins("tp=4"),
+                    options=SearchOptions(features=CP_EP))
     # every ep is a family the search explores (which of them it prices fully is the branch and bound's call)
     enumerated = {f.ep for f in families(parse_pins("tp=4"), scope_of(result.context))}
     assert enumerated == {1, 2, 4}
     tried = {c.parallelism.ep for c in result.candidates}
     assert tried <= {1, 2, 4}
-    four = search(ctx.profile, cluster(4), Training(8, "bf16"), parse_pins("tp=4,ep=4"), features=CP_EP).best
+    four = search(ctx.profile, cluster(4), Training(8, "bf16"), parse_pins("tp=4,ep=4"),
+                  options=SearchOptions(features=CP_EP)).best
     assert four.fits and four.parallelism.ep == 4
     assert four.parallelism.tp == 4 and four.parallelism.dp_shard == 1
 
@@ -619,7 +623,8 @@ def test_the_search_prices_the_fastest_layout_without_expert_parallelism_beside_
     from autoplan.report.html import experts_section
     from autoplan.report.svg import fmt_bytes, fmt_seconds
 
-    result = search(olmoe_context.profile, cluster(8), Training(8, "bf16"), parse_pins(""), features=CP_EP)
+    result = search(olmoe_context.profile, cluster(8), Training(8, "bf16"), parse_pins(""),
+                    options=SearchOptions(features=CP_EP))
     best = result.best
     other = fastest_of_the_other_expert_split(result.candidates, best)
     assert len(other) == 1 and other[0].fits
@@ -654,7 +659,8 @@ def test_a_default_compile_the_rules_refuse_for_a_layout_is_off_for_it_wherever_
     model = tmp_path / "llama.py"
     model.write_text(TINY_LLAMA)
     profile = profile_model(load_source(str(model)), 2, load_hardware("h100-sxm5-80gb"), measure=False, dtype="bf16")
-    result = search(profile, cluster(4), Training(8, "bf16"), parse_pins("tp=2,cp=2,recompute=full"), features=CP_EP)
+    result = search(profile, cluster(4), Training(8, "bf16"), parse_pins("tp=2,cp=2,recompute=full"),
+                    options=SearchOptions(features=CP_EP))
     best, scope = result.best, layouts.scope_of(result.context)
     assert not best.compile and best.fits
     assert problems(replace(best.parallelism.layout(), compile="off"), scope) == []
@@ -664,7 +670,7 @@ def test_a_default_compile_the_rules_refuse_for_a_layout_is_off_for_it_wherever_
     # pinned on, the pins cannot hold (the rule, before any search)
     with pytest.raises(UserError, match="compile=on with recompute=full at tp=2"):
         search(profile, cluster(4), Training(8, "bf16"), parse_pins("tp=2,cp=2,recompute=full,compile=on"),
-               features=CP_EP)
+               options=SearchOptions(features=CP_EP))
 
 
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])

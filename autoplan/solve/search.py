@@ -68,15 +68,29 @@ class SearchResult:
     """The same model under a parameter server, priced to say why it lost (solve/parameter_server.py)."""
 
 
+@dataclass(frozen=True)
+class SearchOptions:
+    """How a search prices and solves (search's options; the layout it must keep is the pins)."""
+
+    features: frozenset[str] | None = None
+    """What the layouts may use (layout.SUPPORTED by default: what the program runs; ALL_FEATURES to price others)."""
+    solver: str = "highs"
+    """The MILP solver of the chosen layout's stage split (solve/ilp_backend.py)."""
+    time_limit_s: float | None = None
+    """The MILP's time limit (ILP_TIME_LIMIT_S by default)."""
+    float8_linears: str | None = None
+    """A float8 recipe (cost/float8.py FLOAT8_RECIPES) to price the Linears with, priced only."""
+
+
 def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: Layout = Layout(),
-           solver: str = "highs", time_limit_s: float | None = None,
-           features: frozenset[str] | None = None, float8_linears: str | None = None) -> SearchResult:
-    """`float8_linears`: a float8 recipe (cost/float8.py FLOAT8_RECIPES) to price the Linears with, priced only."""
+           options: SearchOptions = SearchOptions()) -> SearchResult:
+    """The best layout of `profile` on `cluster` that keeps `pins`, and every other one tried (SearchResult)."""
     started = time.perf_counter()
+    solver, time_limit_s = options.solver, options.time_limit_s
     resolve_solver(solver)
-    features = SUPPORTED if features is None else frozenset(features)
+    features = SUPPORTED if options.features is None else frozenset(options.features)
     ctx = Context(profile, cluster, training, features, compiled=layouts.compiled(pins, cluster, features),
-                  float8_linears=float8_linears)
+                  float8_linears=options.float8_linears)
     scope = layouts.scope_of(ctx)
     layouts.check_pins(pins, scope)
     explored = explore(ctx, pins)
