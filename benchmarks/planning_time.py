@@ -109,13 +109,13 @@ def example_batch(batch_size):
 
 
 def capture_path() -> None:
-    from autoplan.api import plan_model
+    from autoplan.api import PlanOptions, plan_model
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "gpt_1p7b.py"
         path.write_text(MODEL_FILE.format(folder=str(ROOT / "examples")))
         started = time.perf_counter()
-        plan = plan_model(str(path), 32, "a100-sxm4-80gb", global_batch=512).plan
+        plan = plan_model(str(path), 32, "a100-sxm4-80gb", PlanOptions(global_batch=512)).plan
         print(f"\n## Real capture path: examples/gpt.py 1.7B (24 x 2304) on 32 A100s: "
               f"{time.perf_counter() - started:.1f} s end to end (capture, profile, search), "
               f"{plan.solver.candidates_evaluated} layouts, chose {layouts.describe(plan.parallelism)}")

@@ -103,7 +103,7 @@ def test_cp2_peak_memory_is_priced_within_15_percent_of_the_measured(tmp_path):
     import json
     from pathlib import Path
 
-    from autoplan.api import plan_model
+    from autoplan.api import PlanOptions, plan_model
     from autoplan.verify import verify
 
     examples = Path(__file__).resolve().parents[1] / "examples"
@@ -118,7 +118,7 @@ def example_batch(batch_size):
     return idx[:, :-1], idx[:, 1:]
 """)
     out = tmp_path / "out"
-    plan_model(str(model), 2, "cpu", global_batch=2, pin="cp=2,dp=1,microbatch=1,recompute=none", out=out)
+    plan_model(str(model), 2, "cpu", PlanOptions(global_batch=2, pin="cp=2,dp=1,microbatch=1,recompute=none", out=out))
     result = verify(out, steps=2, timeout_s=240, measure=True)
     assert result.passed
     report = json.loads((out / "verify.json").read_text())

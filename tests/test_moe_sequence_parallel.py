@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.api import load_cluster, plan_model, profile_only
+from autoplan.api import PlanOptions, ProfileOptions, load_cluster, plan_model, profile_only
 from autoplan.chain.tensor_parallel import tensor_parallel_facts
 from autoplan.cost import calibration, comm
 from autoplan.cost.context import Context
@@ -132,7 +132,7 @@ def captured(tmp_path_factory):
     for i, (name, source) in enumerate(sources.items()):
         path = root / f"model{i}.py"
         path.write_text(source)
-        profiles[name] = profile_only(str(path), "h100-sxm5-80gb", measure=False)
+        profiles[name] = profile_only(str(path), "h100-sxm5-80gb", ProfileOptions(measure=False))
     return profiles
 
 
@@ -275,7 +275,7 @@ def verified(tmp_path_factory):
         source = root / f"{model}.py"
         source.write_text(HF[model])
         folders[key] = root / key.replace(" ", "_").replace("=", "").replace(",", "_")
-        plan_model(str(source), gpus, "cpu", global_batch=8, pin=pin, out=folders[key])
+        plan_model(str(source), gpus, "cpu", PlanOptions(global_batch=8, pin=pin, out=folders[key]))
     rows = root / "rows.py"
     rows.write_text(ROWS)
     jobs = [BatchJob(folder, (str(folder), str(folder / "rows.json")), PINNED[key][2], program=rows)
