@@ -34,13 +34,13 @@ H100 = load_hardware("h100-sxm5-80gb")
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpt2") / "out"
-    return plan_model(str(EXAMPLES / "hf_gpt2.py"), GPUS, PlanOptions(out=out)), out
+    return plan_model(str(EXAMPLES / "hf_gpt2.py"), GPUS, options=PlanOptions(out=out)), out
 
 
 @pytest.fixture(scope="module")
 def llama70b(tmp_path_factory):
     out = tmp_path_factory.mktemp("llama70b") / "out"
-    return plan_model(f"{EXAMPLES / 'llama.py'}:llama3_70b", GPUS, PlanOptions(out=out)), out
+    return plan_model(f"{EXAMPLES / 'llama.py'}:llama3_70b", GPUS, options=PlanOptions(out=out)), out
 
 
 def server_row(out: Path) -> pd.Series:
