@@ -181,8 +181,8 @@ def cmd_profile(args) -> int:
     from autoplan.api import ProfileOptions, profile_only
 
     with _progress(args):
-        profile = profile_only(args.model, args.gpu, ProfileOptions(hardware=args.hardware, measure=args.measure or None,
-                                                                    out=args.out))
+        options = ProfileOptions(hardware=args.hardware, measure=args.measure or None, out=args.out)
+        profile = profile_only(args.model, args.gpu, options)
     if not args.quiet:
         flops = sum(o.flops_fwd + o.flops_bwd for o in profile.ops)
         print(f"{len(profile.ops)} ops, {profile.param_count:,} parameters, "

@@ -495,12 +495,14 @@ def test_gradients_count_from_when_the_program_makes_them(shard, ddp):
     fsdp = shard > 1
     states = {"parameters": 4 * n / shard, "gradients": 4 * n / shard, "optimizer": 8 * n / shard}  # fp32
     for activation in (100 * n, 0.0):  # the loss's peak dominates, then the end of backward does
-        model = layout_memory(_one_module(activation), "fp32", MemoryLayout(shard, True, ddp=ddp, accumulates=False)).stage(0, 1)
+        setting = MemoryLayout(shard, True, ddp=ddp, accumulates=False)
+        model = layout_memory(_one_module(activation), "fp32", setting).stage(0, 1)
         peak = model.breakdown(0, 1)
         held = ddp or activation == 0.0
         assert peak.get("gradients", 0.0) == pytest.approx(states["gradients"] if held else 0.0)
         assert peak.get("activations", 0.0) == activation
-    accumulating = layout_memory(_one_module(0.0), "bf16", MemoryLayout(shard, True, ddp=ddp, accumulates=True)).stage(0, 1)
+    setting = MemoryLayout(shard, True, ddp=ddp, accumulates=True)
+    accumulating = layout_memory(_one_module(0.0), "bf16", setting).stage(0, 1)
     assert accumulating.per_module.get("unsharded_gradients", (0.0,))[0] == (4 * n if fsdp else 0.0)
     assert ("gradients" in accumulating.per_module) == (not fsdp)  # FSDP2's sharded ones only after the last
 

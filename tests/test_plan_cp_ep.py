@@ -471,7 +471,7 @@ def test_the_experts_fsdp_collectives_add_to_their_modules_and_hide_behind_the_s
     from test_offload_compile import comm_link
 
     link, b, e, alpha, bw, copy, window = comm_link(), 4e6, 12e6, 1e-5, 100e9, 1e12, 1e-5
-    stage = dict(module_param_bytes=(b, b), reshard_after_forward=True, shard=comm.Group(8, link, 1),
+    stage = dict(module_param_bytes=(b, b), reshards_after_forward=True, shard=comm.Group(8, link, 1),
                  replicate=comm.Group(1, link, 1), pipelined=False, microbatches=1, forward_window_s=0.0,
                  backward_window_s=0.0, copy_bytes_per_s=copy, gradient_ratio=2.0, expert_param_bytes=(e, e),
                  expert_shard=comm.Group(2, link, 1), expert_replicate=comm.Group(2, link, 1))

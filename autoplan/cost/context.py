@@ -77,8 +77,8 @@ def expert_shard_degree(fsdp_shard: int, ep: int, tp: int = 1) -> int:
     (layout.expert_folded_ranks): a rank holds E/ep experts, whole (ETP 1), and FSDP2 shards them over the
     dp_shard x cp x tp / ep ranks holding the same ones (runtime/distributed/expert_parallel.py "efsdp"), so a rank keeps
     1/(dp_shard x cp x tp) of the expert states. At ep 1 the experts are parameters like the others, whole on each tp
-    rank: fsdp_shard. 1 (whole E/ep experts, gradients all-reduced over the ranks holding them) without FSDP (fsdp_shard 1), or
-    when the folded ranks are no multiple of ep (ep then borrows replicas: priced, not run)."""
+    rank: fsdp_shard. 1 (whole E/ep experts, gradients all-reduced over the ranks holding them) without FSDP
+    (fsdp_shard 1), or when the folded ranks are no multiple of ep (ep then borrows replicas: priced, not run)."""
     if fsdp_shard <= 1:
         return 1
     if ep == 1:
@@ -90,9 +90,10 @@ def expert_shard_degree(fsdp_shard: int, ep: int, tp: int = 1) -> int:
 def memory_layout(par: Parallelism, autocast: bool = False) -> MemoryLayout:
     """What `par`'s memory vectors read of it (cost/memory.py layout_memory); `autocast` as Context.autocast_layout."""
     ddp = par.fsdp_shard == 1 and par.dp_replicate > 1 and par.tp == 1  # runtime/distributed/parallel.py
-    return MemoryLayout(shard=par.fsdp_shard, reshard_after_forward=par.reshards_after_forward, pp_enabled=par.pp_enabled,
-                        offload=par.offload, expert_shard=expert_shard_degree(par.fsdp_shard, par.ep, par.tp),
-                        autocast=autocast, ddp=ddp, accumulates=par.microbatches > 1)
+    return MemoryLayout(fsdp_shard=par.fsdp_shard, reshards_after_forward=par.reshards_after_forward,
+                        pp_enabled=par.pp_enabled, offload=par.offload,
+                        expert_shard=expert_shard_degree(par.fsdp_shard, par.ep, par.tp), autocast=autocast, ddp=ddp,
+                        accumulates=par.microbatches > 1)
 
 
 @dataclass(frozen=True)
@@ -285,8 +286,8 @@ class Context:
         return module_table(costs, TableSetting(
             gpu=self.cluster.gpu, capture_dtype=self.chain.capture_dtype, train_dtype=self.dtype, tp=k.tp,
             microbatch=k.microbatch, tp_link=self.group(k.tp, 1).link, use_measured=self.use_measured, sp=k.sp,
-            compiled=self.compiled, loss_parallel=k.loss_parallel, autocast=autocast, float8_linears=self.float8_linears,
-            whole_modules=whole_modules))
+            compiled=self.compiled, loss_parallel=k.loss_parallel, autocast=autocast,
+            float8_linears=self.float8_linears, whole_modules=whole_modules))
 
     def autocast_layout(self, par: Parallelism) -> bool:
         """bf16 trains as torch.autocast over fp32 weights in this layout: FSDP2 does not wrap it

@@ -357,7 +357,7 @@ def _data_parallel(ctx: Context, par: Parallelism, groups: Groups, share: StageS
         hooks = gpu.ddp_tensor_overhead_s if par.tp == 1 else 0.0
         return comm.ddp_comm(sum(module_bytes) * gradient_ratio, replicate, backward, share.tensors, hooks)
     return comm.fsdp_comm(comm.FsdpStage(
-        module_param_bytes=tuple(module_bytes), reshard_after_forward=par.reshards_after_forward, shard=shard,
+        module_param_bytes=tuple(module_bytes), reshards_after_forward=par.reshards_after_forward, shard=shard,
         replicate=replicate, pipelined=par.pp > 1,
         microbatches=par.microbatches, forward_window_s=forward,
         backward_window_s=backward, copy_bytes_per_s=streaming, gradient_ratio=gradient_ratio,

@@ -365,9 +365,9 @@ class MemoryLayout:
     """What a layout's memory vectors read of the layout (layout_memory; cost/context.py memory_layout makes it of a
     Parallelism, and Context.layout_memory caches by it)."""
 
-    shard: int = 1
+    fsdp_shard: int = 1
     """The data-parallel sharding degree (Parallelism.fsdp_shard: dp_shard x cp; 1 for DDP)."""
-    reshard_after_forward: bool = False
+    reshards_after_forward: bool = False
     """Parallelism.reshards_after_forward (ZeRO-3)."""
     pp_enabled: bool = False
     """More than one pipeline rank (Parallelism.pp_enabled)."""
@@ -386,10 +386,10 @@ class MemoryLayout:
 
 def layout_memory(inputs: MemoryInputs, train_dtype: str, setting: MemoryLayout) -> LayoutMemory:
     """The memory vectors of a layout (`setting`: what they read of it) with the modules of `inputs`."""
-    shard, reshard_after_forward, offload = setting.shard, setting.reshard_after_forward, setting.offload
+    shard, reshards_after_forward, offload = setting.fsdp_shard, setting.reshards_after_forward, setting.offload
     expert_shard, autocast, pipelined = setting.expert_shard, setting.autocast, setting.pp_enabled
     dtype = training_dtype(train_dtype)
-    zero = zero_of(shard, reshard_after_forward)
+    zero = zero_of(shard, reshards_after_forward)
     accumulates = setting.accumulates or pipelined
     element = bytes_per_element(dtype)
     if autocast:

@@ -242,9 +242,9 @@ def variants(family: Parallelism, pins: Layout, scope: Scope, rejected: list[str
     modes = [r for r in modes if not problems(Layout(recompute=r), scope)]  # e.g. BatchNorm: none only
     base = Layout(dp=family.dp, tp=family.tp, pp=pp, cp=family.cp)
     out = []
-    for schedule, virtual in schedules:
+    for schedule, virtual_stages in schedules:
         for microbatch in sizes:
-            shape = replace(base, schedule=schedule, virtual_stages=virtual, microbatch=microbatch,
+            shape = replace(base, schedule=schedule, virtual_stages=virtual_stages, microbatch=microbatch,
                             microbatches=per_rank // microbatch if per_rank % microbatch == 0 else None)
             if shape.microbatches is None:
                 continue
@@ -253,7 +253,7 @@ def variants(family: Parallelism, pins: Layout, scope: Scope, rejected: list[str
                 if rejected is not None:
                     rejected += broken
                 continue
-            out += [Variant(schedule, virtual, microbatch, shape.microbatches, mode) for mode in modes
+            out += [Variant(schedule, virtual_stages, microbatch, shape.microbatches, mode) for mode in modes
                     if mode == "none" or not schedule_problems(replace(shape, recompute=mode), scope)]
     return out
 
