@@ -25,11 +25,12 @@ __version__ = "0.1.0"
 
 def _plan(model, gpus: int, gpu: str = "h100-sxm5-80gb", **options) -> Plan:
     """autoplan.plan(model, gpus, gpu, **options): plan `model` (path to model.py, "path.py:factory", or a factory
-    with example_batch=) for `gpus` accelerators. Options mirror the CLI: gpus_per_node, global_batch, dtype,
-    memory_per_gpu, pin, hardware, solver, time_limit, out (write the output folder)."""
-    from autoplan.api import plan_model as search_and_write
+    with example_batch=) for `gpus` accelerators. Options mirror the CLI (autoplan.api.PlanOptions): gpus_per_node,
+    global_batch, dtype, memory_per_gpu, host_memory_per_node, pin, hardware, solver, time_limit, measure, out (write
+    the output folder)."""
+    from autoplan.api import PlanOptions, plan_model
 
-    return search_and_write(model, gpus, gpu, **options).plan
+    return plan_model(model, gpus, gpu, PlanOptions(**options)).plan
 
 
 def estimate(model, gpus: int, pin: str, gpu: str = "h100-sxm5-80gb", **options) -> Plan:
@@ -39,10 +40,10 @@ def estimate(model, gpus: int, pin: str, gpu: str = "h100-sxm5-80gb", **options)
 
 def _profile(model, gpu: str = "cpu", **options):
     """autoplan.profile(model, gpu, **options): capture and profile a model; returns a ModelProfile (ops with FLOPs,
-    bytes and times)."""
-    from autoplan.api import profile_only
+    bytes and times). Options: autoplan.api.ProfileOptions (hardware, measure, batch_size, dtype, out)."""
+    from autoplan.api import ProfileOptions, profile_only
 
-    return profile_only(model, gpu, **options)
+    return profile_only(model, gpu, ProfileOptions(**options))
 
 
 callable_module(plan, _plan)

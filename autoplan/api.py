@@ -131,41 +131,57 @@ def _source(model: Any, example_batch: Any):
     raise UserError("model must be a path to model.py (optionally path.py:factory), or a factory plus example_batch=")
 
 
-def plan_model(
-    model: Any,
-    gpus: int,
-    gpu: str = DEFAULT_GPU,
-    *,
-    gpus_per_node: int | None = None,
-    global_batch: int | None = None,
-    dtype: str | None = None,
-    memory_per_gpu: str | float | None = None,
-    host_memory_per_node: str | float | None = None,
-    pin: str | None = None,
-    hardware: str | None = None,
-    solver: str = "highs",
-    time_limit: float | None = None,
-    example_batch: Any = None,
-    out: str | os.PathLike | None = None,
-    measure: bool | None = None,
-    float8_linears: str | None = None,
-    ring_traced: bool = False,
-) -> PlanResult:
-    """Plan a model for `gpus` accelerators; with `out`, also write the output folder. `measure`: price with op
-    times measured on this machine (default: for --gpu cpu only); for a GPU profile it needs a CUDA GPU here,
-    which stands for the planned one (ops timed in the plan's dtype). `float8_linears`: price the Linears as
-    float8 training runs them over bf16, by recipe ("torchao" or "transformer_engine", cost/float8.py). Priced only: the
-    generated program cannot run float8, so no output folder is written with it (for pricing published runs).
-    `ring_traced`: price context parallelism's ring as traced into torch.compile graphs, every exchange waited where it
-    is issued (cost/context_parallel.py), even on a layout priced eager: a published run's compiled blocks where the
-    program cannot compile the layout (compile=on prices the program's own so); priced only, like float8_linears."""
+@dataclass(frozen=True)
+class PlanOptions:
+    """What a planning run is asked for beyond the model and the GPUs: the CLI's flags (autoplan.plan's keywords)."""
+
+    gpus_per_node: int | None = None
+    """GPUs per node (default: the hardware profile's node size)."""
+    global_batch: int | None = None
+    """Samples per optimizer step (default DEFAULT_BATCH_PER_GPU per GPU)."""
+    dtype: str | None = None
+    """"bf16" or "fp32" (default bf16 on GPUs, fp32 on cpu)."""
+    memory_per_gpu: str | float | None = None
+    """A cap on usable memory per GPU ("40GiB", or bytes)."""
+    host_memory_per_node: str | float | None = None
+    """Host memory per node for CPU offload (default: the hardware profile's)."""
+    pin: str | None = None
+    """Layout choices to fix, "tp=8,pp=4" (solve/pins.py)."""
+    hardware: str | None = None
+    """A hardware profile file (overrides the gpu name)."""
+    solver: str = "highs"
+    """The MILP solver, highs or cbc."""
+    time_limit: float | None = None
+    """The MILP's time limit, seconds."""
+    example_batch: Any = None
+    """With a model factory instead of a file: its example_batch(batch_size)."""
+    out: str | os.PathLike | None = None
+    """The output folder to write (None: plan only)."""
+    measure: bool | None = None
+    """Price with op times measured on this machine (default: for the cpu profile only); for a GPU profile it needs a
+    CUDA GPU here, which stands for the planned one (ops timed in the plan's dtype)."""
+    float8_linears: str | None = None
+    """Price the Linears as float8 training runs them over bf16, by recipe ("torchao" or "transformer_engine",
+    cost/float8.py). Priced only: the generated program cannot run float8, so no output folder is written with it."""
+    ring_traced: bool = False
+    """Price context parallelism's ring as traced into torch.compile graphs, every exchange waited where it is issued
+    (cost/context_parallel.py), even on a layout priced eager: a published run's compiled blocks where the program
+    cannot compile the layout (compile=on prices the program's own so). Priced only, like float8_linears."""
+
+
+def plan_model(model: Any, gpus: int, gpu: str = DEFAULT_GPU, options: PlanOptions = PlanOptions()) -> PlanResult:
+    """Plan a model for `gpus` accelerators of profile `gpu`; with options.out, also write the output folder."""
     from autoplan.layout import Layout
     from autoplan.profile import profile_model
     from autoplan.solve.alternatives import alternatives
     from autoplan.solve.pins import parse_pins
     from autoplan.solve.scaling import ScalingInBackground
-    from autoplan.solve.search import search, solver_warning
+    from autoplan.solve.search import SearchOptions, search, solver_warning
 
+    gpus_per_node, global_batch, dtype = options.gpus_per_node, options.global_batch, options.dtype
+    memory_per_gpu, host_memory_per_node, pin = options.memory_per_gpu, options.host_memory_per_node, options.pin
+    hardware, solver, time_limit, out = options.hardware, options.solver, options.time_limit, options.out
+    measure, float8_linears, ring_traced = options.measure, options.float8_linears, options.ring_traced
     started = time.perf_counter()
     errors = []
     cluster = None
@@ -195,7 +211,7 @@ def plan_model(
                       "compile=on prices the program's own): no output folder is written with it")
     if errors:
         raise UserError("; ".join(errors))
-    source = _source(model, example_batch)
+    source = _source(model, options.example_batch)
 
     on_cpu = cluster.gpu.name == "cpu"
     dtype = dtype or ("fp32" if on_cpu else "bf16")
@@ -211,8 +227,9 @@ def plan_model(
     curve = ScalingInBackground(profile, cluster, training, not unpinned) if out is not None else None
     log.info("search %d GPUs, %d ops, %d parameters", cluster.num_gpus, len(profile.ops), profile.param_count)
     try:
-        result = search(profile, cluster, training, pins, solver=solver, time_limit_s=time_limit,
-                        float8_linears=float8_linears, ring_traced=ring_traced)
+        result = search(profile, cluster, training, pins, SearchOptions(solver=solver, time_limit_s=time_limit,
+                                                                  float8_linears=float8_linears,
+                                                                  ring_traced=ring_traced))
         best = result.best
         warning = solver_warning(result.solver, time_limit)
         if warning:
@@ -423,10 +440,24 @@ def _measure_here(measure: bool, gpu_name: str) -> bool:
     return measure
 
 
-def profile_only(model: Any, gpu: str = DEFAULT_GPU, *, hardware: str | None = None, measure: bool | None = None,
-                 batch_size: int = PROFILE_BATCH_SIZE, dtype: str | None = None,
-                 out: str | os.PathLike | None = None) -> ModelProfile:
-    """Capture and profile without planning; with `out`, write ops.csv, modules.csv, profile.json."""
+@dataclass(frozen=True)
+class ProfileOptions:
+    """What a profiling run is asked for beyond the model and the hardware profile's name (autoplan.profile's
+    keywords; PlanOptions's meanings)."""
+
+    hardware: str | None = None
+    measure: bool | None = None
+    batch_size: int = PROFILE_BATCH_SIZE
+    """Samples per captured batch."""
+    dtype: str | None = None
+    out: str | os.PathLike | None = None
+    """The folder to write ops.csv, modules.csv and profile.json into (None: none)."""
+
+
+def profile_only(model: Any, gpu: str = DEFAULT_GPU, options: ProfileOptions = ProfileOptions()) -> ModelProfile:
+    """Capture and profile without planning; with options.out, write ops.csv, modules.csv, profile.json."""
+    hardware, measure, batch_size, dtype, out = (options.hardware, options.measure, options.batch_size, options.dtype,
+                                                 options.out)
     from autoplan.hardware.profiles import load_hardware
     from autoplan.profile import profile_model
     from autoplan.report.unsupported import FILE_NAME as UNSUPPORTED_FILE

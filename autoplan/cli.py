@@ -162,16 +162,14 @@ def build_parser() -> dict[str, argparse.ArgumentParser]:
 
 
 def cmd_plan(args) -> int:
-    from autoplan.api import plan_model
+    from autoplan.api import PlanOptions, plan_model
 
     with _progress(args):
-        result = plan_model(
-            args.model, args.gpus, args.gpu, gpus_per_node=args.gpus_per_node, global_batch=args.global_batch,
-            dtype=args.dtype, memory_per_gpu=args.memory_per_gpu, host_memory_per_node=args.host_memory_per_node,
+        result = plan_model(args.model, args.gpus, args.gpu, PlanOptions(
+            gpus_per_node=args.gpus_per_node, global_batch=args.global_batch, dtype=args.dtype,
+            memory_per_gpu=args.memory_per_gpu, host_memory_per_node=args.host_memory_per_node,
             pin=",".join(args.pin) if args.pin else None, hardware=args.hardware, solver=args.solver,
-            measure=args.measure,
-            time_limit=args.time_limit, out=args.out,
-        )
+            measure=args.measure, time_limit=args.time_limit, out=args.out))
     if args.json:
         print(result.plan.to_json())
     elif not args.quiet:
@@ -180,10 +178,11 @@ def cmd_plan(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from autoplan.api import profile_only
+    from autoplan.api import ProfileOptions, profile_only
 
     with _progress(args):
-        profile = profile_only(args.model, args.gpu, hardware=args.hardware, measure=args.measure or None, out=args.out)
+        options = ProfileOptions(hardware=args.hardware, measure=args.measure or None, out=args.out)
+        profile = profile_only(args.model, args.gpu, options)
     if not args.quiet:
         flops = sum(o.flops_fwd + o.flops_bwd for o in profile.ops)
         print(f"{len(profile.ops)} ops, {profile.param_count:,} parameters, "

@@ -231,46 +231,48 @@ class Term:
     plan_values: tuple[tuple[object, object], ...] = ()
     """(plan.json value, Parallelism value) pairs where the two differ (plan.json keeps torchtitan's spelling);
     empty: the same value."""
+    pin: bool = False
+    """--pin may fix it (solve/pins.py PIN_KEYS, in this table's order)."""
 
 
 VOCABULARY = (
-    Term("dp", "", "data-parallel degree, dp_replicate x dp_shard (a pin fixes the total)"),
+    Term("dp", "", "data-parallel degree, dp_replicate x dp_shard (a pin fixes the total)", pin=True),
     Term("dp_replicate", "data_parallel_replicate_degree", "replicas that all-reduce gradients (DDP, HSDP's "
          "replicate dimension)"),
     Term("dp_shard", "data_parallel_shard_degree", "ranks that shard parameters, gradients and optimizer "
          "state (FSDP2)"),
     Term("reshard", "fsdp_reshard_after_forward", "always: FSDP2 frees gathered parameters after forward "
          "(ZeRO-3); never: keeps them to backward (ZeRO-1/2)", (("always", True), ("never", False))),
-    Term("zero", "", "pin shorthand: 0 = dp_shard 1 (DDP); 1 or 2 = dp_shard dp, reshard never; 3 = "
-         "reshard always"),
-    Term("tp", "tensor_parallel_degree", "ranks that split each layer's matmuls (Megatron pairs)"),
+    Term("tp", "tensor_parallel_degree", "ranks that split each layer's matmuls (Megatron pairs)", pin=True),
     Term("sp", "enable_sequence_parallel", "sequence parallel (on or off; on by default whenever tp > 1): "
-         "norms, dropout and residual adds between the tensor-parallel pairs run on sequence shards"),
+         "norms, dropout and residual adds between the tensor-parallel pairs run on sequence shards", pin=True),
     Term("loss_parallel", "disable_loss_parallel", "on: the cross-entropy runs on the logits sharded on the "
          "vocabulary by the tensor-parallel head (loss_parallel); off: they are gathered first (plan.json stores "
          "the negation, torchtitan's name)", ((False, True), (True, False))),
     Term("cp", "context_parallel_degree", "ranks that split each sequence (ring attention over SDPA); the "
-         "model states are FSDP-sharded over dp_shard x cp, as torchtitan"),
+         "model states are FSDP-sharded over dp_shard x cp, as torchtitan", pin=True),
     Term("ep", "expert_parallel_degree", "ranks that split each expert layer's experts (all-to-all dispatch), "
          "cut from the dp_shard x cp x tp ranks as torchtitan and Megatron-Core fold it: it does not multiply the "
-         "GPU count; each tp rank routes its own 1/tp of the tokens"),
-    Term("pp", "pipeline_parallel_degree", "pipeline ranks"),
+         "GPU count; each tp rank routes its own 1/tp of the tokens", pin=True),
+    Term("pp", "pipeline_parallel_degree", "pipeline ranks", pin=True),
+    Term("zero", "", "pin shorthand: 0 = dp_shard 1 (DDP); 1 or 2 = dp_shard dp, reshard never; 3 = "
+         "reshard always", pin=True),
     Term("schedule", "pipeline_parallel_schedule", "gpipe, 1f1b, interleaved, or a zero-bubble schedule (backward "
-         "split into input and weight gradients): zb-interleaved, zbv or dualpipev"),
+         "split into input and weight gradients): zb-interleaved, zbv or dualpipev", pin=True),
     Term("virtual_stages", "pipeline_parallel_virtual_stages", "stages per pipeline rank (interleaved, "
          "zb-interleaved; 2 for zbv and dualpipev, placed in a V)"),
-    Term("microbatch", "pipeline_parallel_microbatch_size", "samples per micro-batch"),
+    Term("microbatch", "pipeline_parallel_microbatch_size", "samples per micro-batch", pin=True),
     Term("microbatches", "pipeline_parallel_num_microbatches", "micro-batches per step per data-parallel "
          "rank (gradient accumulation when pp = 1)"),
-    Term("recompute", "activation_checkpoint", "activation checkpointing mode: none, selective or full"),
+    Term("recompute", "activation_checkpoint", "activation checkpointing mode: none, selective or full", pin=True),
     Term("recompute_modules", "activation_checkpoint_modules (top level)", "the modules recomputed in "
          "backward, listed in full"),
     Term("modules", "stages[].modules", "the modules of the model's chain a pipeline stage runs (nn.Module "
          "FQNs; stages are cut between them)"),
     Term("offload", "enable_cpu_offload", "none or cpu: FSDP2 keeps parameters, gradients and optimizer state in "
-         "host memory and runs the optimizer step on the CPU (CPUOffloadPolicy)"),
+         "host memory and runs the optimizer step on the CPU (CPUOffloadPolicy)", pin=True),
     Term("compile", "compile.enable (top level)", "on or off: torch.compile per chain module (inductor fuses "
-         "pointwise ops)"),
+         "pointwise ops)", pin=True),
     Term("gradient_sync", "", "how data-parallel ranks combine gradients: collectives (all-reduce, "
          "reduce-scatter and all-gather among the ranks: what train.py runs) or parameter_server (pushed to and "
          "pulled from server shards: priced in candidates.csv and the report to show why not, never generated)"),
@@ -397,6 +399,11 @@ class Parallelism:
     def reshards_after_forward(self) -> bool:
         """FSDP2 shards the model states and frees the gathered parameters after forward (ZeRO-3)."""
         return self.sharded and self.reshard
+
+    @property
+    def zero(self) -> int:
+        """The ZeRO stage whose memory this layout's sharding has (zero_of over fsdp_shard): 0, 2 or 3."""
+        return zero_of(self.fsdp_shard, self.reshard)
 
     @property
     def tp_enabled(self) -> bool:
@@ -833,6 +840,15 @@ def fsdp_wraps(dp_replicate: int, dp_shard: int, cp: int, tp: int) -> bool:
     it so); under FSDP2 its MixedPrecisionPolicy computes in bf16."""
     shard = dp_shard * cp
     return dp_replicate * shard > 1 and (shard > 1 or tp > 1)
+
+
+def zero_of(shard: int, reshard: bool) -> int:
+    """The ZeRO stage (the paper's notation, the zero pin's values) whose memory a data-parallel sharding over `shard`
+    ranks has: 0 unsharded (DDP), 2 FSDP2 keeping gathered parameters to backward (gradients and optimizer state
+    sharded), 3 FSDP2 resharding after forward (Parallelism.zero)."""
+    if shard <= 1:
+        return 0
+    return 3 if reshard else 2
 
 
 def _sharding(layout: Layout) -> tuple[bool, str] | None:

@@ -169,7 +169,7 @@ def example_batch(batch_size):
 
 
 def capture_path(row: dict) -> None:
-    from autoplan.api import plan_model
+    from autoplan.api import PlanOptions, plan_model
 
     print(f"\n## Real capture path (plan_model, FakeTensorMode), {row['params_b']}B run")
     measured = float(row["measured_tflops_per_gpu_incl_recompute"])
@@ -181,8 +181,9 @@ def capture_path(row: dict) -> None:
             path.write_text(MODEL_FILE.format(folder=str(folder), module=module, vocab=row["vocab"], seq=row["seq_len"],
                                               layers=row["layers"], heads=row["heads"], hidden=row["hidden"]))
             started = time.perf_counter()
-            plan = plan_model(str(path), int(row["gpus"]), row["gpu"], gpus_per_node=int(row["gpus_per_node"]),
-                              global_batch=int(row["global_batch_seqs"]), pin=run_pins(row)).plan
+            plan = plan_model(str(path), int(row["gpus"]), row["gpu"],
+                              PlanOptions(gpus_per_node=int(row["gpus_per_node"]),
+                                          global_batch=int(row["global_batch_seqs"]), pin=run_pins(row))).plan
             tflops = paper_flops(row) / int(row["gpus"]) / plan.predicted.step_time_s / 1e12
             print(f"{label:>34}: {tflops:6.1f} TFLOP/s ({err(tflops, measured)} vs {measured}), "
                   f"{plan.predicted.peak_memory_bytes / GB:.1f} GB, planned in {time.perf_counter() - started:.1f} s")
@@ -295,7 +296,7 @@ def this_machine(batch: int = 8, steps: int = 5) -> None:
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from autoplan.api import plan_model
+    from autoplan.api import PlanOptions, plan_model
 
     sys.path.insert(0, str(ROOT / "examples"))
     from gpt import GPT, loss_fn
@@ -325,7 +326,8 @@ def this_machine(batch: int = 8, steps: int = 5) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "cpu_gpt.py"
         path.write_text(CPU_MODEL.format(folder=str(ROOT / "examples")))
-        plan = plan_model(str(path), 1, "cpu", global_batch=batch, pin=f"dp=1,pp=1,microbatch={batch}").plan
+        plan = plan_model(str(path), 1, "cpu",
+                          PlanOptions(global_batch=batch, pin=f"dp=1,pp=1,microbatch={batch}")).plan
     measured = statistics.median(times)
     print(f"\n## This machine (CPU, 1 process): GPT 4x256, batch {batch}x128, fp32")
     print(f"step time: measured {measured * 1e3:.1f} ms | autoplan {plan.predicted.step_time_s * 1e3:.1f} ms "

@@ -101,12 +101,13 @@ def free_port() -> int:
 
 def plan_layout(name: str, work: Path) -> Path:
     """The output folder of LAYOUTS[name] (planned once, reused)."""
-    from autoplan.api import plan_model
+    from autoplan.api import PlanOptions, plan_model
 
     model, pin = LAYOUTS[name]
     out = work / name / "plan"
     if not (out / "train.py").is_file():
-        plan_model(str(MODELS / model), GPUS, PLANNED_FOR, global_batch=GLOBAL_BATCH, pin=pin, out=out, measure=False)
+        plan_model(str(MODELS / model), GPUS, PLANNED_FOR,
+                   PlanOptions(global_batch=GLOBAL_BATCH, pin=pin, out=out, measure=False))
     return out
 
 

@@ -83,7 +83,7 @@ def cmd_detect(args) -> None:
 
 def cmd_plan(args) -> None:
     """The four plans of PLANS, for one device of this machine's profile; writes plan.json and train.py each."""
-    from autoplan.api import plan_model
+    from autoplan.api import PlanOptions, plan_model
 
     gpu = profile_name(args.device)
     found = {}
@@ -92,8 +92,8 @@ def cmd_plan(args) -> None:
         model, batch = PLAN_MODELS.get(name, (MODELS[args.device], None)) if args.device == "cuda" else (
             MODELS[args.device], None)
         started = time.perf_counter()
-        result = plan_model(str(model), 1, gpu, pin=pin or None, global_batch=batch,
-                            out=args.results / "plans" / name)
+        result = plan_model(str(model), 1, gpu,
+                            PlanOptions(pin=pin or None, global_batch=batch, out=args.results / "plans" / name))
         plan, p = result.plan, result.plan.parallelism
         found[name] = {"pin": pin, "planned_in_s": time.perf_counter() - started,
                        "layout": {"microbatch": p.microbatch,
@@ -323,13 +323,14 @@ def cmd_checkpoint(args) -> None:
     the resumed steps' losses match the straight run's (up to the device's nondeterminism)."""
     import tempfile
 
-    from autoplan.api import plan_model
+    from autoplan.api import PlanOptions, plan_model
     from autoplan.runtime.harness.hooks import verify_environment
     from autoplan.verify import run_train_py
 
     gpu = profile_name(args.device)
     folder = args.results / "plans" / "checkpoint"
-    plan_model(str(MODELS["cpu"]), 1, gpu, out=folder)  # the shrunken model: the save is the point, not its size
+    plan_model(str(MODELS["cpu"]), 1, gpu,
+               PlanOptions(out=folder))  # the shrunken model: the save is the point, not its size
 
     def losses(name: str, *extra: str) -> list[float]:
         out = folder / f"losses_{name}.json"
@@ -356,13 +357,13 @@ def cmd_checkpoint(args) -> None:
 def cmd_profile(args) -> None:
     """profile --measure (ops timed here, in the plan's dtype) against the roofline of this machine's profile,
     summed per op kind (chain.ops.cost_kind)."""
-    from autoplan.api import profile_only
+    from autoplan.api import ProfileOptions, profile_only
     from autoplan.chain.ops import cost_kind
 
     gpu = profile_name(args.device)
     model = str(MODELS[args.device])
-    measured = profile_only(model, gpu, measure=True, out=args.results / "profile_measured")
-    roofline = profile_only(model, gpu, measure=False)
+    measured = profile_only(model, gpu, ProfileOptions(measure=True, out=args.results / "profile_measured"))
+    roofline = profile_only(model, gpu, ProfileOptions(measure=False))
     kinds: dict[str, dict[str, float]] = {}
     for i, op in enumerate(measured.ops):
         row = kinds.setdefault(cost_kind(op), {"ops": 0, "measured_s": 0.0, "roofline_s": 0.0, "timed": 0})

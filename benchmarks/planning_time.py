@@ -35,7 +35,7 @@ from autoplan.layout import ALL_FEATURES  # noqa: E402
 from autoplan.plan import Training  # noqa: E402
 from autoplan.solve import layouts  # noqa: E402
 from autoplan.solve.pins import parse_pins  # noqa: E402
-from autoplan.solve.search import search  # noqa: E402
+from autoplan.solve.search import SearchOptions, search  # noqa: E402
 
 SHAPES = {12: (768, 12), 24: (2304, 24), 48: (8192, 64), 96: (12288, 96), 128: (25600, 160)}
 """Layers -> (hidden, heads): GPT-3 / Megatron-LM family shapes."""
@@ -109,13 +109,13 @@ def example_batch(batch_size):
 
 
 def capture_path() -> None:
-    from autoplan.api import plan_model
+    from autoplan.api import PlanOptions, plan_model
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "gpt_1p7b.py"
         path.write_text(MODEL_FILE.format(folder=str(ROOT / "examples")))
         started = time.perf_counter()
-        plan = plan_model(str(path), 32, "a100-sxm4-80gb", global_batch=512).plan
+        plan = plan_model(str(path), 32, "a100-sxm4-80gb", PlanOptions(global_batch=512)).plan
         print(f"\n## Real capture path: examples/gpt.py 1.7B (24 x 2304) on 32 A100s: "
               f"{time.perf_counter() - started:.1f} s end to end (capture, profile, search), "
               f"{plan.solver.candidates_evaluated} layouts, chose {layouts.describe(plan.parallelism)}")
@@ -133,9 +133,11 @@ def one_trillion() -> None:
     profile, cluster = run_profile(row), run_cluster(row)
     training = Training(global_batch_size=int(row["global_batch_seqs"]), dtype="bf16")
     started = time.perf_counter()
-    result = search(profile, cluster, training, features=ALL_FEATURES)  # priced as Megatron-LM could run it
+    result = search(profile, cluster, training,
+                    options=SearchOptions(features=ALL_FEATURES))  # priced as Megatron-LM could run it
     elapsed = time.perf_counter() - started
-    published = search(profile, cluster, training, parse_pins(run_pins(row)), features=ALL_FEATURES).best
+    published = search(profile, cluster, training, parse_pins(run_pins(row)),
+                       options=SearchOptions(features=ALL_FEATURES)).best
     best = result.best.predicted.step_time_s
     print(f"\n## 1T GPT (128 x 25600, 160 heads) on 3072 A100s: full search {elapsed:.1f} s, "
           f"{result.solver.candidates_evaluated} layouts considered, MILP {result.solver.status}")
@@ -228,7 +230,8 @@ def context_and_expert() -> None:
             training = Training(global_batch_size=max(batch, gpus), dtype="bf16", tokens_per_sample=seq)
             started = time.perf_counter()
             try:
-                result = search(profile, Cluster(h100, gpus, 8), training, features=SUPPORTED | feature)
+                result = search(profile, Cluster(h100, gpus, 8), training,
+                                options=SearchOptions(features=SUPPORTED | feature))
             except Exception as e:  # noqa: BLE001 - a cell that cannot be planned is reported, not fatal
                 print(f"  {gpus:>4} GPUs: {time.perf_counter() - started:.2f} s ({type(e).__name__})")
                 continue

@@ -31,7 +31,7 @@ from autoplan.layout import ALL_FEATURES, Layout  # noqa: E402
 from autoplan.plan import Training  # noqa: E402
 from autoplan.solve import layouts  # noqa: E402
 from autoplan.solve.pins import parse_pins  # noqa: E402
-from autoplan.solve.search import search  # noqa: E402
+from autoplan.solve.search import SearchOptions, search  # noqa: E402
 
 SMALL_BOUND_S = 3.0
 """Both 12-layer searches together, seconds (was asserted by tests/test_search.py)."""
@@ -70,9 +70,11 @@ def one_trillion(repeats: int) -> None:
     row = next(r for r in read_runs(ROOT / "tests" / "fixtures" / "published_runs.csv") if r["pp"] == "64")
     profile, cluster_1t = run_profile(row), run_cluster(row)
     training = Training(global_batch_size=int(row["global_batch_seqs"]), dtype="bf16")
-    full_s, runs, result = timed(lambda: search(profile, cluster_1t, training, features=ALL_FEATURES), repeats)
+    full_s, runs, result = timed(lambda: search(profile, cluster_1t, training,
+                                                options=SearchOptions(features=ALL_FEATURES)), repeats)
     pinned_s, _, published = timed(
-        lambda: search(profile, cluster_1t, training, parse_pins(run_pins(row)), features=ALL_FEATURES), 1)
+        lambda: search(profile, cluster_1t, training, parse_pins(run_pins(row)),
+                       options=SearchOptions(features=ALL_FEATURES)), 1)
     best, theirs = result.best.predicted.step_time_s, published.best.predicted.step_time_s
     print(f"\n## 1T GPT (128 x 25600, 160 heads) on {row['gpus']} A100s (median of {repeats})")
     print(f"full search: {full_s:.1f} s ({verdict(full_s, ONE_T_BOUND_S)}; runs "

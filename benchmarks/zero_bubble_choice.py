@@ -35,7 +35,7 @@ from autoplan.plan import Training  # noqa: E402
 from autoplan.profile import profile_graph  # noqa: E402
 from autoplan.solve import layouts  # noqa: E402
 from autoplan.solve.pins import parse_pins  # noqa: E402
-from autoplan.solve.search import search  # noqa: E402
+from autoplan.solve.search import SearchOptions, search  # noqa: E402
 from autoplan.contract import load_source  # noqa: E402
 
 
@@ -66,8 +66,10 @@ def compare(profile, cluster, training, pins: str) -> None:
     """The best layout the pins allow without the zero-bubble schedules and with them."""
     without = SUPPORTED - set(ZERO_BUBBLE_SCHEDULES)
     try:
-        base = row(f"{pins or 'free'}, without", search(profile, cluster, training, parse_pins(pins), features=without))
-        best = row(f"{pins or 'free'}, with", search(profile, cluster, training, parse_pins(pins), features=SUPPORTED))
+        base = row(f"{pins or 'free'}, without", search(profile, cluster, training, parse_pins(pins),
+                                                        options=SearchOptions(features=without)))
+        best = row(f"{pins or 'free'}, with", search(profile, cluster, training, parse_pins(pins),
+                                                     options=SearchOptions(features=SUPPORTED)))
     except UserError as refusal:
         print(f"  {pins}: {str(refusal).splitlines()[0][:300]}")
         return

@@ -282,14 +282,14 @@ def write_case(root: Path, index: int, case: Case) -> Path:
 
 def captured_facts(folder: Path, model_name: str) -> dict[str, Any]:
     """The Scope fields the rules read, from autoplan's capture of the model (no measurement)."""
-    from autoplan.api import load_cluster, profile_only
+    from autoplan.api import ProfileOptions, load_cluster, profile_only
     from autoplan.cost.context import Context
     from autoplan.plan import Training
     from autoplan.solve.layouts import scope_of
 
     model_file = folder / f"{model_name}.py"
     model_file.write_text(models()[model_name].source)
-    profile = profile_only(str(model_file), "h100-sxm5-80gb", measure=False)
+    profile = profile_only(str(model_file), "h100-sxm5-80gb", ProfileOptions(measure=False))
     cluster = load_cluster(MAX_RANKS, "h100-sxm5-80gb", MAX_RANKS, None, None)
     found = scope_of(Context(profile, cluster, Training(global_batch_size=GLOBAL_BATCH), SUPPORTED))
     return {f: getattr(found, f) for f in ("sequence_parallel_problem", "loss_parallel_problem", "batch_norm_modules",

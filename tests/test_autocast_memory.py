@@ -12,7 +12,7 @@ from autoplan.cost.context import TableKey
 from autoplan.chain.ops import autocast_fp32_nodes
 from autoplan.cost.context import Context
 from autoplan.cost.evaluate import build_problem
-from autoplan.cost.memory import MemoryInputs, layout_memory
+from autoplan.cost.memory import MemoryInputs, MemoryLayout, layout_memory
 from autoplan.cost.module_costs import ModuleCosts, OpCost, autocast_weight_copy_bytes, saved_by_mode
 from autoplan.layout import SUPPORTED, fsdp_wraps
 from autoplan.plan import Parallelism, Training
@@ -63,8 +63,8 @@ def test_autocast_states_are_fp32_weights_gradients_and_moments():
     inputs = MemoryInputs(module_numel=(1e6, 3e6), group_numel=(), tied_group_modules=(),
                           module_largest_numel=(1e6, 3e6), activations={"none": (0.0, 0.0)},
                           working_bytes=(0.0, 0.0), cut_bytes=(0.0,))
-    autocast = layout_memory(inputs, "bf16", 1, False, 1, autocast=True).per_module
-    pure = layout_memory(inputs, "bf16", 1, False, 1).per_module
+    autocast = layout_memory(inputs, "bf16", MemoryLayout(autocast=True)).per_module
+    pure = layout_memory(inputs, "bf16", MemoryLayout()).per_module
     assert autocast == {"parameters": (4e6, 12e6), "gradients": (4e6, 12e6), "optimizer": (8e6, 24e6)}
     assert pure == {"parameters": (2e6, 6e6), "gradients": (2e6, 6e6), "optimizer": (12e6, 36e6)}
 

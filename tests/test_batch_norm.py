@@ -48,9 +48,9 @@ def test_batch_norm_ops_are_found_with_their_channels_and_eval_mode_is_not():
 
 
 def test_the_resnet_example_is_detected():
-    from autoplan.api import profile_only
+    from autoplan.api import ProfileOptions, profile_only
 
-    profile = profile_only(str(RESNET), "h100-sxm5-80gb", measure=False)
+    profile = profile_only(str(RESNET), "h100-sxm5-80gb", ProfileOptions(measure=False))
     modules = batch_statistics_modules(batch_statistics(profile))
     assert modules[:2] == ("stem.1", "blocks.0.bn1") and "blocks.2.shortcut.1" in modules
     assert len(modules) == 15
@@ -233,9 +233,9 @@ def test_recomputing_a_batch_norm_model_is_refused():
 
 @pytest.fixture(scope="module")
 def resnet_profile():
-    from autoplan.api import profile_only
+    from autoplan.api import ProfileOptions, profile_only
 
-    return profile_only(str(RESNET), "h100-sxm5-80gb", measure=False)
+    return profile_only(str(RESNET), "h100-sxm5-80gb", ProfileOptions(measure=False))
 
 
 def _search(profile, gpus: int, batch: int, pins=None):

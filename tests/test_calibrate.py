@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from autoplan.api import load_cluster, plan_model
+from autoplan.api import PlanOptions, load_cluster, plan_model
 from autoplan.solve.refusals import pins_for_capture
 from autoplan.calibrate import calibrate, refit
 from autoplan.calibrate.fit import bus_factor, fit_alpha_beta, link_points
@@ -38,7 +38,7 @@ def calibrated(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def planned(calibrated):
-    return plan_model(str(TINY_GPT), 2, "cpu", hardware=str(calibrated))
+    return plan_model(str(TINY_GPT), 2, "cpu", PlanOptions(hardware=str(calibrated)))
 
 
 @pytest.mark.slow

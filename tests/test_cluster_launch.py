@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.api import plan_model
+from autoplan.api import PlanOptions, plan_model
 from autoplan.verify import PARITY_TOLERANCE, REFERENCE_COMMAND, run_args
 from test_codegen import MLP
 
@@ -93,7 +93,7 @@ def child_env(tmp: Path, **extra: str) -> dict:
 def two_node_plan(tmp_path_factory):
     """A 2-node plan (1 CPU process per node) and its single-device reference losses."""
     out = tmp_path_factory.mktemp("two_nodes")
-    plan = plan_model(str(MLP), 2, "cpu", gpus_per_node=1, pin="dp=2", out=out).plan
+    plan = plan_model(str(MLP), 2, "cpu", PlanOptions(gpus_per_node=1, pin="dp=2", out=out)).plan
     assert (plan.cluster.gpus_per_node, plan.parallelism.world_size) == (1, 2)
     reference = out / "reference_losses.json"
     done = subprocess.run([*REFERENCE_COMMAND, "train.py", "--", *run_args(STEPS), "--losses-out", str(reference)],

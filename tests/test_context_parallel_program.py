@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.api import plan_model
+from autoplan.api import PlanOptions, plan_model
 from helpers.verify_many import BatchJob, verify_many
 from test_layouts import MODELS, ModelCase, check_parity, check_resumed, mb, model_layout, resume_jobs, write_case
 
@@ -186,10 +186,10 @@ def batch(tmp_path_factory):
         source = root / f"{model}_model.py"
         source.write_text(MODELS[model].source)
         folders[model, name] = root / f"{model}_planned_{pin.replace(',', '_').replace('=', '')}"
-        plan_model(str(source), gpus, "cpu", global_batch=8, pin=pin, out=folders[model, name])
+        plan_model(str(source), gpus, "cpu", PlanOptions(global_batch=8, pin=pin, out=folders[model, name]))
     for key, (source, pin, gpus) in PINNED_FILES.items():
         folders[key] = root / f"{key[0]} {key[1]}".replace(" ", "_").replace("=", "")
-        plan_model(str(source), gpus, "cpu", global_batch=8, pin=pin, out=folders[key])
+        plan_model(str(source), gpus, "cpu", PlanOptions(global_batch=8, pin=pin, out=folders[key]))
     keys = list(folders)
     gradients = root / "gradients.py"
     gradients.write_text(GRADIENTS)

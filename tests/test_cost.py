@@ -18,7 +18,7 @@ from autoplan.errors import UserError
 from autoplan.hardware.types import Link
 from autoplan.layout import ALL_FEATURES, SUPPORTED, Layout
 from autoplan.plan import Parallelism, Training
-from autoplan.solve.search import search
+from autoplan.solve.search import SearchOptions, search
 
 PSI = 1_000_000
 
@@ -246,9 +246,9 @@ def test_roofline_times_scale_with_dtype_and_measured_times_keep_launches_fixed(
 
 
 def test_bubble_is_p_minus_1_over_v_m_of_the_ideal_time():
-    timing = pipeline_time(slot_s=2.0, num_ranks=4, num_microbatches=8)
+    timing = pipeline_time(slot_s=2.0, pp=4, microbatches=8)
     assert timing.bubble_s / timing.busy_s == pytest.approx(3 / 8) and timing.total_s == pytest.approx(22.0)
-    interleaved = pipeline_time(slot_s=2.0, num_ranks=4, num_microbatches=8, virtual=2)
+    interleaved = pipeline_time(slot_s=2.0, pp=4, microbatches=8, virtual_stages=2)
     assert interleaved.bubble_s / interleaved.busy_s == pytest.approx(3 / 16)
 
 
@@ -463,9 +463,10 @@ def test_ddp_pays_its_measured_time_per_parameter_tensor():
 def test_plan_shows_the_activation_saving_of_sequence_parallelism_against_the_same_layout_without_it():
     profile = gpt_profile(n_layer=12, n_embd=1024, vocab=8192, seq=512, n_head=16, device="testgpu")
     training = Training(global_batch_size=16, dtype="bf16")
-    on = search(profile, cluster(8), training, Layout(tp=4, pp=2, microbatch=2), features=ALL_FEATURES).best
+    on = search(profile, cluster(8), training, Layout(tp=4, pp=2, microbatch=2),
+                options=SearchOptions(features=ALL_FEATURES)).best
     off = search(profile, cluster(8), training, Layout(tp=4, pp=2, microbatch=2, sp="off"),
-                 features=ALL_FEATURES).best
+                 options=SearchOptions(features=ALL_FEATURES)).best
     assert on.parallelism.sp and not off.parallelism.sp
     saved_with, saved_without = (on.predicted.memory_breakdown["activations"],
                                  on.predicted.activations_without_sequence_parallel_bytes)
@@ -488,18 +489,20 @@ def test_gradients_count_from_when_the_program_makes_them(shard, ddp):
     """One micro-batch: FSDP2's sharded gradients and autograd's .grad are made during backward (set to None before
     each step), so the peak is the larger of the loss's (no gradients) and the end of backward (no activations);
     DDP's buckets hold them throughout. Under accumulation FSDP2 keeps the unsharded gradients in fp32 meanwhile."""
-    from autoplan.cost.memory import layout_memory
+    from autoplan.cost.memory import MemoryLayout, layout_memory
 
     n = 1000.0
     fsdp = shard > 1
     states = {"parameters": 4 * n / shard, "gradients": 4 * n / shard, "optimizer": 8 * n / shard}  # fp32
     for activation in (100 * n, 0.0):  # the loss's peak dominates, then the end of backward does
-        model = layout_memory(_one_module(activation), "fp32", shard, True, 1, ddp=ddp, accumulates=False).stage(0, 1)
+        setting = MemoryLayout(shard, True, ddp=ddp, accumulates=False)
+        model = layout_memory(_one_module(activation), "fp32", setting).stage(0, 1)
         peak = model.breakdown(0, 1)
         held = ddp or activation == 0.0
         assert peak.get("gradients", 0.0) == pytest.approx(states["gradients"] if held else 0.0)
         assert peak.get("activations", 0.0) == activation
-    accumulating = layout_memory(_one_module(0.0), "bf16", shard, True, 1, ddp=ddp, accumulates=True).stage(0, 1)
+    setting = MemoryLayout(shard, True, ddp=ddp, accumulates=True)
+    accumulating = layout_memory(_one_module(0.0), "bf16", setting).stage(0, 1)
     assert accumulating.per_module.get("unsharded_gradients", (0.0,))[0] == (4 * n if fsdp else 0.0)
     assert ("gradients" in accumulating.per_module) == (not fsdp)  # FSDP2's sharded ones only after the last
 

@@ -8,7 +8,7 @@ import pytest
 from autoplan.cost.comm import Group
 from autoplan.cost.context_parallel import (BACKWARD_QUERY_PASSES, BACKWARD_STEP_KERNELS, BACKWARD_STEP_PASSES,
                                             FORWARD_MERGE_PASSES, FORWARD_STEP_KERNELS, GRADIENT_BYTES, OUTPUT_BYTES,
-                                            StepCosts, ring_attention_cost, ring_step_work_s)
+                                            KeyValues, StepCosts, ring_attention_cost, ring_step_work_s)
 from autoplan.hardware.types import Link
 
 LINK = Link("nvlink", bus_bandwidth_bytes_per_s=400e9, latency_s=10e-6, source="test")
@@ -26,7 +26,7 @@ def gather(nbytes, ranks):
 
 
 def test_a_compute_bound_ring_exposes_only_the_last_gradient_block():
-    cost = ring_attention_cost(BATCH, SEQ, KV, BYTES, attention_forward_s=1.0, attention_backward_s=2.5,
+    cost = ring_attention_cost(KeyValues(BATCH, SEQ, KV, BYTES), attention_forward_s=1.0, attention_backward_s=2.5,
                                group=Group(8, LINK))
     block = 2 * BATCH * SEQ / 8 * KV * BYTES
     assert cost.block_bytes == block
@@ -39,7 +39,7 @@ def test_the_keys_and_values_are_gathered_once_and_hide_behind_the_first_step_on
     """torch's default rotate method all-gathers the whole sequence's K,V before step 0 and waits at step 1: a
     gather of cp blocks hides behind 1/cp of the attention, not each block behind its own step."""
     forward, backward = 4e-4, 8e-4
-    cost = ring_attention_cost(BATCH, SEQ, KV, BYTES, forward, backward, Group(4, LINK))
+    cost = ring_attention_cost(KeyValues(BATCH, SEQ, KV, BYTES), forward, backward, Group(4, LINK))
     block = 2 * BATCH * SEQ / 4 * KV * BYTES
     gradient = block / BYTES * GRADIENT_BYTES
     assert gather(4 * block, 4) > forward / 4  # link-bound at this size: the gather shows
@@ -58,13 +58,13 @@ def test_each_step_pays_its_merges_and_launches_which_short_chunks_cannot_hide()
     tokens = BATCH * seq / cp
     out32, block = tokens * KV * OUTPUT_BYTES, 2 * tokens * KV * BYTES
     grad32 = 2 * tokens * KV * GRADIENT_BYTES
-    forward_work, backward_work = ring_step_work_s(BATCH, seq, KV, BYTES, cp, STEP)
+    forward_work, backward_work = ring_step_work_s(KeyValues(BATCH, seq, KV, BYTES), cp, STEP)
     assert forward_work == pytest.approx((cp - 1) * ((FORWARD_MERGE_PASSES * out32 + 2 * block) / 2e12
                                                      + FORWARD_STEP_KERNELS * 5e-6))
     assert backward_work == pytest.approx(cp * ((BACKWARD_STEP_PASSES * grad32 + BACKWARD_QUERY_PASSES * out32
                                                  + 2 * block) / 2e12 + BACKWARD_STEP_KERNELS * 5e-6))
-    free = ring_attention_cost(BATCH, seq, KV, BYTES, 1.0, 2.0, Group(cp, LINK))
-    priced = ring_attention_cost(BATCH, seq, KV, BYTES, 1.0, 2.0, Group(cp, LINK), STEP)
+    free = ring_attention_cost(KeyValues(BATCH, seq, KV, BYTES), 1.0, 2.0, Group(cp, LINK))
+    priced = ring_attention_cost(KeyValues(BATCH, seq, KV, BYTES), 1.0, 2.0, Group(cp, LINK), STEP)
     assert priced.forward_exposed_s - free.forward_exposed_s == pytest.approx(forward_work + (cp - 1) * 5e-6)
     assert priced.backward_exposed_s - free.backward_exposed_s == pytest.approx(backward_work + (cp - 1) * 5e-6)
     assert FORWARD_STEP_KERNELS * 5e-6 > FORWARD_MERGE_PASSES * out32 / 2e12  # launch-bound at short chunks
@@ -78,9 +78,9 @@ def test_a_ring_traced_by_torch_compile_hides_no_exchange():
     forward, backward, cp = 1.0, 2.5, 8
     block = 2 * BATCH * SEQ / cp * KV * BYTES
     gradient = block / BYTES * GRADIENT_BYTES
-    eager = ring_attention_cost(BATCH, SEQ, KV, BYTES, forward, backward, Group(cp, LINK), STEP)
-    traced = ring_attention_cost(BATCH, SEQ, KV, BYTES, forward, backward, Group(cp, LINK), STEP, traced=True)
-    work_forward, work_backward = ring_step_work_s(BATCH, SEQ, KV, BYTES, cp, STEP)
+    eager = ring_attention_cost(KeyValues(BATCH, SEQ, KV, BYTES), forward, backward, Group(cp, LINK), STEP)
+    traced = ring_attention_cost(KeyValues(BATCH, SEQ, KV, BYTES), forward, backward, Group(cp, LINK), STEP, traced=True)
+    work_forward, work_backward = ring_step_work_s(KeyValues(BATCH, SEQ, KV, BYTES), cp, STEP)
     launches = (cp - 1) * 5e-6
     assert eager.forward_exposed_s == pytest.approx(work_forward + launches)
     assert traced.forward_exposed_s == pytest.approx(gather(cp * block, cp) + work_forward + launches)
@@ -91,14 +91,14 @@ def test_a_ring_traced_by_torch_compile_hides_no_exchange():
 
 
 def test_the_ring_holds_the_gathered_sequence_and_fp32_gradients_while_it_runs():
-    cost = ring_attention_cost(BATCH, SEQ, KV, BYTES, 1.0, 2.0, Group(8, LINK))
+    cost = ring_attention_cost(KeyValues(BATCH, SEQ, KV, BYTES), 1.0, 2.0, Group(8, LINK))
     block = 2 * BATCH * SEQ / 8 * KV * BYTES
     query32 = BATCH * SEQ / 8 * KV * GRADIENT_BYTES
     assert cost.working_bytes == pytest.approx(8 * block + query32 + 3 * block / BYTES * GRADIENT_BYTES)
 
 
 def test_one_rank_has_no_ring():
-    cost = ring_attention_cost(BATCH, SEQ, KV, BYTES, 1.0, 2.0, Group(1, LINK), STEP)
+    cost = ring_attention_cost(KeyValues(BATCH, SEQ, KV, BYTES), 1.0, 2.0, Group(1, LINK), STEP)
     assert (cost.forward_exposed_s, cost.backward_exposed_s, cost.traffic_bytes, cost.working_bytes) == (0, 0, 0, 0)
 
 
@@ -123,7 +123,7 @@ def test_cp2_peak_memory_is_priced_within_15_percent_of_the_measured(tmp_path):
     import json
     from pathlib import Path
 
-    from autoplan.api import plan_model
+    from autoplan.api import PlanOptions, plan_model
     from autoplan.verify import verify
 
     examples = Path(__file__).resolve().parents[1] / "examples"
@@ -138,7 +138,7 @@ def example_batch(batch_size):
     return idx[:, :-1], idx[:, 1:]
 """)
     out = tmp_path / "out"
-    plan_model(str(model), 2, "cpu", global_batch=2, pin="cp=2,dp=1,microbatch=1,recompute=none", out=out)
+    plan_model(str(model), 2, "cpu", PlanOptions(global_batch=2, pin="cp=2,dp=1,microbatch=1,recompute=none", out=out))
     result = verify(out, steps=2, timeout_s=240, measure=True)
     assert result.passed
     report = json.loads((out / "verify.json").read_text())

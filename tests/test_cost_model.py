@@ -12,7 +12,7 @@ from autoplan.layout import ALL_FEATURES
 from autoplan.plan import Training
 from autoplan.profile_data import ModelProfile
 from autoplan.solve.pins import parse_pins
-from autoplan.solve.search import search
+from autoplan.solve.search import SearchOptions, search
 
 FIXTURES = Path(__file__).parent / "fixtures"
 RUNS = read_runs(FIXTURES / "published_runs.csv")
@@ -38,7 +38,8 @@ def test_the_generator_reproduces_a_real_capture_op_for_op(fixture, attention):
 @pytest.mark.parametrize("row", RUNS, ids=[f"{r['params_b']}B" for r in RUNS])
 def test_published_runs_pinned_are_predicted_within_10_percent_and_fit_80_gb(row):
     training = Training(global_batch_size=int(row["global_batch_seqs"]), dtype="bf16")
-    result = search(run_profile(row), run_cluster(row), training, parse_pins(run_pins(row)), features=ALL_FEATURES)
+    result = search(run_profile(row), run_cluster(row), training, parse_pins(run_pins(row)),
+                    options=SearchOptions(features=ALL_FEATURES))
     best = result.best
     par = best.parallelism
     assert (par.tp, par.pp, par.dp) == (

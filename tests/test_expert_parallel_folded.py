@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.api import plan_model
+from autoplan.api import PlanOptions, plan_model
 
 from helpers.verify_many import BatchJob, verify_many
 from test_expert_parallel_program import INSPECT
@@ -63,7 +63,7 @@ def batch(tmp_path_factory):
     for name, (model, pin, gpus) in CASES.items():
         model = model if model.startswith("/") else str(root / model)
         folders[name] = root / name.replace(" ", "_").replace("=", "").replace(",", "_")
-        plan_model(model, gpus, "cpu", global_batch=8, pin=pin, out=folders[name])
+        plan_model(model, gpus, "cpu", PlanOptions(global_batch=8, pin=pin, out=folders[name]))
     inspect = root / "inspect_experts.py"
     inspect.write_text(INSPECT)
     jobs = [BatchJob(folders[name], (str(folders[name]), str(root / f"experts{i}.json")), gpus, program=inspect)

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.api import plan_model, profile_only
+from autoplan.api import PlanOptions, ProfileOptions, plan_model, profile_only
 from autoplan.chain.attention import attention_facts
 from autoplan.chain.tensor_parallel import tensor_parallel_facts
 
@@ -71,7 +71,7 @@ def batch(sources, tmp_path_factory):
     folders = {}
     for name, (model, pin, gpus) in CASES.items():
         folders[name] = root / name.replace(" ", "_").replace("=", "").replace(",", "_")
-        plan_model(str(sources[model]), gpus, "cpu", global_batch=8, pin=pin or None, out=folders[name])
+        plan_model(str(sources[model]), gpus, "cpu", PlanOptions(global_batch=8, pin=pin or None, out=folders[name]))
     result = verify_many(list(folders.values()), steps=2, timeout_s=2400, nproc=4)
     return dict(zip(folders, result.results)), folders
 
@@ -99,14 +99,14 @@ def test_folded_expert_parallel_trains_like_the_single_device_model(batch, name)
 def test_deepseek_v3_router_multiplies_by_its_weight_so_context_parallel_is_allowed(sources):
     """The router's `F.linear(x.float(), self.weight.float())`: the matmul reads the parameter through a cast, which
     the capture records as a separate node; it is a matmul by a weight (priced as a GEMM), not attention."""
-    profile = profile_only(str(sources["deepseek_v3"]), "h100-sxm5-80gb", measure=False)
+    profile = profile_only(str(sources["deepseek_v3"]), "h100-sxm5-80gb", ProfileOptions(measure=False))
     router = [op for op in profile.ops if op.module == "model.layers.1.mlp.gate" and op.op == "aten.linear.default"]
     assert len(router) == 1 and router[0].params == ("model.layers.1.mlp.gate.weight",)
     assert attention_facts(profile).context_parallel_problem == ""
 
 
 def test_olmoe_attention_is_split_by_heads_with_its_norms_summed_over_the_ranks(sources):
-    facts = tensor_parallel_facts(profile_only(str(sources["olmoe"]), "h100-sxm5-80gb", measure=False))
+    facts = tensor_parallel_facts(profile_only(str(sources["olmoe"]), "h100-sxm5-80gb", ProfileOptions(measure=False)))
     for layer in (0, 1):
         attention = f"model.layers.{layer}.self_attn"
         assert {facts.plan[f"{attention}.{p}_proj"] for p in "qkv"} == {"colwise"}
@@ -114,13 +114,14 @@ def test_olmoe_attention_is_split_by_heads_with_its_norms_summed_over_the_ranks(
         assert facts.plan[f"{attention}.q_norm"] == facts.plan[f"{attention}.k_norm"] == "replicate"
         assert facts.plan[f"model.layers.{layer}.mlp"] == "sequence_local"
     assert facts.sequence_parallel_problem == ""
-    profile_ops = {op.node: op for op in profile_only(str(sources["olmoe"]), "h100-sxm5-80gb", measure=False).ops}
+    profile_ops = {op.node: op for op in profile_only(str(sources["olmoe"]), "h100-sxm5-80gb",
+                                                      ProfileOptions(measure=False)).ops}
     summed = [profile_ops[n] for n in facts.rank_sums]
     assert len(summed) == 4 and all(op.op == "aten.mean.dim" and op.module.endswith("_norm") for op in summed)
 
 
 def test_deepseek_v3_attention_is_split_by_heads_and_sequence_parallelism_runs_through_it(sources):
-    profile = profile_only(str(sources["deepseek_v3"]), "h100-sxm5-80gb", measure=False)
+    profile = profile_only(str(sources["deepseek_v3"]), "h100-sxm5-80gb", ProfileOptions(measure=False))
     facts = tensor_parallel_facts(profile)
     assert facts.sequence_parallel_problem == ""
     for layer in (0, 1, 2):
@@ -140,7 +141,7 @@ def test_deepseek_v3_attention_is_split_by_heads_and_sequence_parallelism_runs_t
 def test_the_search_plans_a_pipeline_with_sp_through_moe_blocks(sources, tmp_path):
     """OLMoE allows sp (on by default with tp > 1), with pp > 1 too: the stages call its MoE blocks as modules, run
     on each rank's tokens (before, sp was refused with a pipeline: a stage's graph inlined them)."""
-    plan_model(str(sources["olmoe"]), 4, "cpu", global_batch=8, pin="pp=2,tp=2,ep=2", out=tmp_path / "out")
+    plan_model(str(sources["olmoe"]), 4, "cpu", PlanOptions(global_batch=8, pin="pp=2,tp=2,ep=2", out=tmp_path / "out"))
     parallelism = json.loads((tmp_path / "out" / "plan.json").read_text())["parallelism"]
     assert parallelism["pipeline_parallel_degree"] == parallelism["tensor_parallel_degree"] == 2
     assert parallelism["enable_sequence_parallel"]
@@ -151,25 +152,29 @@ def test_deepseek_v3_rotary_key_gathered_into_the_split_keys_is_priced_under_sp(
     all-gathered in forward and reduce-scattered in backward (cost/compute.py), and nothing without sp."""
     from autoplan.api import load_cluster
     from autoplan.cost import comm
-    from autoplan.cost.compute import _tp_backward, _tp_forward
+    from dataclasses import replace
+
+    from autoplan.cost.compute import TableSetting, _tp_backward, _tp_forward
     from autoplan.cost.context import Context
     from autoplan.cost.module_costs import _op_costs
     from autoplan.layout import SUPPORTED
     from autoplan.plan import Training
 
-    profile = profile_only(str(sources["deepseek_v3"]), "h100-sxm5-80gb", measure=False)
+    profile = profile_only(str(sources["deepseek_v3"]), "h100-sxm5-80gb", ProfileOptions(measure=False))
     facts = tensor_parallel_facts(profile)
     by_node = {op.node: op for op in profile.ops}
     copies = [(node, cost) for node, cost in zip(by_node, _op_costs(list(by_node), by_node, profile, facts))
               if cost.gathered_shard_bytes]
     assert [by_node[n].op for n, _ in copies] == ["aten.copy_.default"] * 3  # one per layer
-    link = Context(profile, load_cluster(4, "h100-sxm5-80gb", 8, None, None), Training(global_batch_size=8),
-                   SUPPORTED).group(2, 1).link
+    cluster = load_cluster(4, "h100-sxm5-80gb", 8, None, None)
+    link = Context(profile, cluster, Training(global_batch_size=8), SUPPORTED).group(2, 1).link
+    setting = TableSetting(gpu=cluster.gpu, capture_dtype="fp32", train_dtype="fp32", tp=2, microbatch=4, tp_link=link,
+                           use_measured=False, sp=True)
     for node, cost in copies:
         expand = next(by_node[s] for s in by_node[node].inputs if by_node[s].op == "aten.expand.default")
         assert cost.gathered_shard_bytes == expand.output_bytes / profile.batch_size
-        assert _tp_forward(cost, 2, 4, 1.0, link, sp=True) == comm.all_gather_s(cost.gathered_shard_bytes * 4, 2, link)
+        assert _tp_forward(cost, setting, 1.0) == comm.all_gather_s(cost.gathered_shard_bytes * 4, 2, link)
         assert _tp_backward(cost, 2, 4.0, link, sp=True) == comm.reduce_scatter_s(cost.gathered_shard_bytes * 4, 2,
                                                                                  link)
-        assert _tp_forward(cost, 2, 4, 1.0, link, sp=False) == _tp_backward(cost, 2, 4.0, link, sp=False) == 0.0
+        assert _tp_forward(cost, replace(setting, sp=False), 1.0) == _tp_backward(cost, 2, 4.0, link, sp=False) == 0.0
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.api import plan_model
+from autoplan.api import PlanOptions, plan_model
 from torch.distributed.checkpoint import FileSystemReader
 
 from helpers.verify_many import BatchJob, verify_many
@@ -213,7 +213,7 @@ def batch(tmp_path_factory):
         source = root / f"{model}_model.py"
         source.write_text(SOURCES[model])
         folders[model, name] = root / f"{model} {name}".replace(" ", "_").replace("=", "").replace(",", "_")
-        plan_model(str(source), gpus, "cpu", global_batch=8, pin=pin, out=folders[model, name])
+        plan_model(str(source), gpus, "cpu", PlanOptions(global_batch=8, pin=pin, out=folders[model, name]))
     keys = list(folders)
     inspect = root / "inspect_experts.py"
     inspect.write_text(INSPECT)

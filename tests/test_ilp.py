@@ -75,7 +75,7 @@ EXPECTED = [_brute_force(problem) for problem in CASES]
 
 def test_the_random_cases_include_infeasible_interleaved_and_recompute_ones():
     assert any(e is None for e in EXPECTED) and not all(e is None for e in EXPECTED)
-    assert any(p.virtual > 1 and e is not None for p, e in zip(CASES, EXPECTED))
+    assert any(p.virtual_stages > 1 and e is not None for p, e in zip(CASES, EXPECTED))
     assert any(len(p.modes) > 1 and e is not None for p, e in zip(CASES, EXPECTED))
 
 
@@ -102,7 +102,7 @@ def test_cbc_milp_equals_brute_force(index):
         assert result.status == "optimal" and result.objective == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("index", [i for i, p in enumerate(CASES) if p.virtual == 1 and len(p.modes) == 1])
+@pytest.mark.parametrize("index", [i for i, p in enumerate(CASES) if p.virtual_stages == 1 and len(p.modes) == 1])
 def test_dp_equals_brute_force_for_one_stage_per_rank_and_a_fixed_mode(index):
     problem, expected = CASES[index], EXPECTED[index]
     found = solve_dp(problem)
@@ -144,7 +144,7 @@ def test_warm_start_and_bound_keep_the_optimum(index):
     assert result.status == "optimal" and result.objective == pytest.approx(EXPECTED[index])
 
 
-@pytest.mark.parametrize("index", [i for i, p in enumerate(CASES) if p.virtual == 1][:16])
+@pytest.mark.parametrize("index", [i for i, p in enumerate(CASES) if p.virtual_stages == 1][:16])
 def test_min_peak_memory_split_is_the_leanest(index):
     problem = CASES[index]
     model = problem.memory[0]
@@ -162,7 +162,7 @@ def test_memory_lower_bound_never_exceeds_the_leanest_assignment():
 
 
 def test_more_stages_than_modules_is_infeasible_and_unknown_solvers_are_refused():
-    problem = next(p for p in CASES if p.virtual == 1 and len(p.modes) == 1)
+    problem = next(p for p in CASES if p.virtual_stages == 1 and len(p.modes) == 1)
     crowded = ChainProblem(problem.module_time_s, problem.memory * (problem.num_modules + 1), problem.memory_cap_bytes)
     assert solve_dp(crowded) is None and solve_ilp(crowded).status == "infeasible" and greedy_split(crowded) is None
     with pytest.raises(UserError, match="gurobi"):
@@ -223,7 +223,7 @@ def test_every_solver_takes_each_transient_category_at_its_own_peak():
         result = solve_ilp(problem)
         assert result.status == ("infeasible" if expected is None else "optimal")
         assert expected is None or problem.fits(result.assignment) and result.objective == pytest.approx(expected)
-        if problem.virtual == 1 and len(problem.modes) == 1:
+        if problem.virtual_stages == 1 and len(problem.modes) == 1:
             exact = solve_dp(problem)
             assert (exact is None) if expected is None else exact.value == pytest.approx(expected)
 
@@ -250,5 +250,5 @@ def test_runs_break_where_the_boundary_after_a_module_differs():
     assert problem.runs()[:2] == [(0, half - 1), (half - 1, half)]
     uniform = ChainProblem(problem.module_time_s, tuple(replace(m, cut_per_microbatch=(1.0,) * (problem.num_modules - 1))
                                                        for m in problem.memory),
-                           problem.memory_cap_bytes, problem.num_ranks, problem.modes, (), problem.signature)
+                           problem.memory_cap_bytes, problem.pp, problem.modes, (), problem.signature)
     assert uniform.runs()[0] == (0, half)

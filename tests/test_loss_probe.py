@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.api import plan_model
+from autoplan.api import PlanOptions, plan_model
 from autoplan.profile.loss_probe import loss_parallel_problem
 from autoplan.contract import load_source
 
@@ -25,8 +25,8 @@ def test_hand_written_label_smoothing_is_found_and_named():
 
 
 def test_the_plan_gathers_the_logits_and_says_why():
-    smoothed = plan_model(str(SMOOTHED), 8, "h100-sxm5-80gb", pin="tp=2")
-    plain = plan_model(str(ROOT / "examples" / "gpt.py"), 8, "h100-sxm5-80gb", pin="tp=2")
+    smoothed = plan_model(str(SMOOTHED), 8, "h100-sxm5-80gb", PlanOptions(pin="tp=2"))
+    plain = plan_model(str(ROOT / "examples" / "gpt.py"), 8, "h100-sxm5-80gb", PlanOptions(pin="tp=2"))
     assert not smoothed.plan.parallelism.loss_parallel
     assert plain.plan.parallelism.loss_parallel
     assert any(line.startswith("no loss parallel") and "aten.gather" in line for line in smoothed.not_planned)
@@ -49,7 +49,7 @@ def test_targets_without_the_sequence_refuse_context_parallelism_at_planning():
     problem = sequence_targets_problem(load_source(str(CLASSIFIER)), 2)
     assert problem.startswith("the targets have no dimension of the sequence's 16 tokens at position 1 (shapes [(2,)])")
     with pytest.raises(UserError, match="cp=2: the targets have no dimension of the sequence's 16 tokens"):
-        plan_model(str(CLASSIFIER), 2, "h100-sxm5-80gb", pin="cp=2")
+        plan_model(str(CLASSIFIER), 2, "h100-sxm5-80gb", PlanOptions(pin="cp=2"))
     assert plan_model(str(CLASSIFIER), 2, "h100-sxm5-80gb").plan.parallelism.cp == 1
 
 

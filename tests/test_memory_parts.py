@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.api import plan_model
+from autoplan.api import PlanOptions, plan_model
 
 from helpers.verify_many import verify_many
 
@@ -123,8 +123,8 @@ def measured(tmp_path_factory):
     for name, (model, pin, gpus, batch) in LAYOUTS.items():
         folders[name] = root / name
         # op times from the roofline, so the pipeline's cut does not move with this machine's timings
-        plan_model(str(root / f"{model}_model.py"), gpus, "cpu", global_batch=batch, pin=pin, out=folders[name],
-                   measure=False)
+        plan_model(str(root / f"{model}_model.py"), gpus, "cpu",
+                   PlanOptions(global_batch=batch, pin=pin, out=folders[name], measure=False))
     results = verify_many(list(folders.values()), steps=2, timeout_s=1800, nproc=4, measure=True).results
     return {name: (result, json.loads((folders[name] / "verify.json").read_text()))
             for name, result in zip(folders, results)}

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.api import load_cluster, plan_model, profile_only
+from autoplan.api import PlanOptions, ProfileOptions, load_cluster, plan_model, profile_only
 from autoplan.chain.tensor_parallel import tensor_parallel_facts
 from autoplan.cost import calibration, comm
 from autoplan.cost.context import Context
@@ -132,7 +132,7 @@ def captured(tmp_path_factory):
     for i, (name, source) in enumerate(sources.items()):
         path = root / f"model{i}.py"
         path.write_text(source)
-        profiles[name] = profile_only(str(path), "h100-sxm5-80gb", measure=False)
+        profiles[name] = profile_only(str(path), "h100-sxm5-80gb", ProfileOptions(measure=False))
     return profiles
 
 
@@ -275,7 +275,7 @@ def verified(tmp_path_factory):
         source = root / f"{model}.py"
         source.write_text(HF[model])
         folders[key] = root / key.replace(" ", "_").replace("=", "").replace(",", "_")
-        plan_model(str(source), gpus, "cpu", global_batch=8, pin=pin, out=folders[key])
+        plan_model(str(source), gpus, "cpu", PlanOptions(global_batch=8, pin=pin, out=folders[key]))
     rows = root / "rows.py"
     rows.write_text(ROWS)
     jobs = [BatchJob(folder, (str(folder), str(folder / "rows.json")), PINNED[key][2], program=rows)
@@ -305,7 +305,7 @@ def test_the_searchs_sp_plans_through_moe_blocks_train_like_one_device(verified,
 def test_a_norm_summed_over_the_ranks_is_priced_as_one_all_reduce_of_its_sum(captured):
     """OLMoE's four q/k-norm means (one per norm, per token) are the ops marked `sums_ranks`, and each costs one
     forward all-reduce of its output over the tp ranks, nothing else; the same op without the mark costs nothing."""
-    from autoplan.cost.compute import _tp_forward
+    from autoplan.cost.compute import TableSetting, _tp_forward
 
     profile = captured["olmoe"]
     ctx = Context(profile, load_cluster(4, "h100-sxm5-80gb", 8, None, None), Training(global_batch_size=8),
@@ -313,8 +313,10 @@ def test_a_norm_summed_over_the_ranks_is_priced_as_one_all_reduce_of_its_sum(cap
     summed = [op for module in ctx.costs.modules for op in module.ops if op.sums_ranks]
     assert len(summed) == 4 and {op.tp_role for op in summed} == {"interior"}
     link = ctx.group(2, 2).link
+    setting = TableSetting(gpu=ctx.cluster.gpu, capture_dtype="fp32", train_dtype="bf16", tp=2, microbatch=4,
+                           tp_link=link, use_measured=False)
     for op in summed:
         assert op.output_bytes > 0
-        assert _tp_forward(op, 2, 4, 0.5, link) == pytest.approx(comm.all_reduce_s(op.output_bytes * 4 * 0.5, 2, link))
-        assert _tp_forward(replace(op, sums_ranks=False), 2, 4, 0.5, link) == 0.0
-        assert _tp_forward(op, 1, 4, 0.5, link) == 0.0
+        assert _tp_forward(op, setting, 0.5) == pytest.approx(comm.all_reduce_s(op.output_bytes * 4 * 0.5, 2, link))
+        assert _tp_forward(replace(op, sums_ranks=False), setting, 0.5) == 0.0
+        assert _tp_forward(op, replace(setting, tp=1), 0.5) == 0.0

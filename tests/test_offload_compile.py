@@ -72,8 +72,8 @@ def test_offload_steps_adamw_on_the_host_memory_the_node_shares(ctx):
 
 def test_offload_adds_each_units_shard_crossing_the_host_link_per_gather_and_reduction():
     group = comm.Group(8, comm_link(), 1)
-    common = dict(module_param_bytes=(4e6, 8e6), reshard_after_forward=True, shard=group, replicate=comm.Group(1, comm_link(), 1),
-                  pipelined=False, num_microbatches=3, forward_window_s=0.0, backward_window_s=0.0,
+    common = dict(module_param_bytes=(4e6, 8e6), reshards_after_forward=True, shard=group, replicate=comm.Group(1, comm_link(), 1),
+                  pipelined=False, microbatches=3, forward_window_s=0.0, backward_window_s=0.0,
                   copy_bytes_per_s=1e12, gradient_ratio=2.0)
     plain = comm.fsdp_comm(comm.FsdpStage(**common))
     offloaded = comm.fsdp_comm(comm.FsdpStage(**common, host_link_bytes_per_s=1e9))

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from autoplan.api import plan_model
+from autoplan.api import PlanOptions, plan_model
 from autoplan.cost.compute import ADAMW_BYTES_PER_PARAM
 from autoplan.hardware.profiles import load_hardware
 from autoplan.hardware.types import Cluster
@@ -34,13 +34,13 @@ H100 = load_hardware("h100-sxm5-80gb")
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpt2") / "out"
-    return plan_model(str(EXAMPLES / "hf_gpt2.py"), GPUS, out=out), out
+    return plan_model(str(EXAMPLES / "hf_gpt2.py"), GPUS, options=PlanOptions(out=out)), out
 
 
 @pytest.fixture(scope="module")
 def llama70b(tmp_path_factory):
     out = tmp_path_factory.mktemp("llama70b") / "out"
-    return plan_model(f"{EXAMPLES / 'llama.py'}:llama3_70b", GPUS, out=out), out
+    return plan_model(f"{EXAMPLES / 'llama.py'}:llama3_70b", GPUS, options=PlanOptions(out=out)), out
 
 
 def server_row(out: Path) -> pd.Series:

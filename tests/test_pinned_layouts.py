@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.api import plan_model
+from autoplan.api import PlanOptions, plan_model
 from helpers.verify_many import verify_many
 
 pytestmark = pytest.mark.slow  # plans 14 layouts and trains them under one torchrun launch (~75 s)
@@ -30,7 +30,8 @@ def verified(tmp_path_factory):
     plans, dirs = {}, []
     for model, pin in CASES:
         out = tmp_path_factory.mktemp("plan")
-        plans[model, pin] = plan_model(str(MODELS / model), PINS[pin], "cpu", global_batch=8, pin=pin, out=out).plan
+        plans[model, pin] = plan_model(str(MODELS / model), PINS[pin], "cpu",
+                                       PlanOptions(global_batch=8, pin=pin, out=out)).plan
         dirs.append(out)
     batch = verify_many(dirs, steps=2, timeout_s=900)
     return plans, dict(zip(CASES, batch.results))

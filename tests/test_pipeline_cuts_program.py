@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.api import plan_model
+from autoplan.api import PlanOptions, plan_model
 from autoplan.codegen import write_program
 from autoplan.verify import GRADIENT_TOLERANCE, PARITY_TOLERANCE
 from helpers.plans import pinned_plan
@@ -52,7 +52,8 @@ def verified(tmp_path_factory):
     folders, plans = {}, {}
     for name, (model, gpus, pin) in PLANNED.items():
         folders[name] = root / name.replace(" ", "_").replace(",", "_").replace("=", "")
-        plans[name] = plan_model(str(MODELS / model), gpus, "cpu", global_batch=8, pin=pin, out=folders[name]).plan
+        plans[name] = plan_model(str(MODELS / model), gpus, "cpu",
+                                 PlanOptions(global_batch=8, pin=pin, out=folders[name])).plan
     folders[INSIDE_ATTENTION] = cut_before_attention(root)
     batch = verify_many(list(folders.values()), steps=2, timeout_s=900, nproc=4)
     return plans, dict(zip(folders, batch.results))

@@ -14,14 +14,14 @@ from autoplan.chain.attention import attention_facts
 from autoplan.cost.compute import ModuleTable, ShardedModules, sharded_table
 from autoplan.cost.context import Context, expert_shard_degree
 from autoplan.cost.evaluate import build_problem, with_memory_without_cp_ep
-from autoplan.cost.memory import MemoryInputs, layout_memory
+from autoplan.cost.memory import MemoryInputs, MemoryLayout, layout_memory
 from autoplan.errors import UserError
 from autoplan.layout import ALL_FEATURES, SUPPORTED, ZERO_BUBBLE_SCHEDULES, Layout, Scope, from_plan_fields, problems
 from autoplan.plan import Parallelism
 from autoplan.solve.layouts import families
 from autoplan.solve.pins import parse_pins
 from autoplan.plan import Training
-from autoplan.solve.search import search, try_layout
+from autoplan.solve.search import SearchOptions, search, try_layout
 
 CP_EP = SUPPORTED | {"cp", "ep"}
 
@@ -66,10 +66,11 @@ def test_cp_pins_plan_with_a_pipeline_and_with_tp():
     assert (three.cp, three.pp, three.tp) == (2, 2, 2)
     with pytest.raises(UserError, match=r"expert parallelism is priced but the generated program cannot run it yet "
                                         r"\(ep=2; use ep=1\)"):
-        search(profile, cluster(8), training, parse_pins("ep=2"), features=SUPPORTED - {"ep"})
+        search(profile, cluster(8), training, parse_pins("ep=2"), options=SearchOptions(features=SUPPORTED - {"ep"}))
     with pytest.raises(UserError, match="the model has no expert layers"):
         search(profile, cluster(8), training, parse_pins("ep=2"))
-    default = search(profile, cluster(8), training, features=CP_EP)  # no experts: ep is never tried
+    default = search(profile, cluster(8), training,
+                     options=SearchOptions(features=CP_EP))  # no experts: ep is never tried
     assert all(c.parallelism.ep == 1 for c in default.candidates)
 
 
@@ -186,7 +187,8 @@ def test_attention_written_as_matmuls_refuses_cp_with_the_reason():
     profile = gpt_profile(n_layer=2, seq=2048, attention="megatron")
     assert "not scaled_dot_product_attention" in attention_facts(profile).context_parallel_problem
     with pytest.raises(UserError, match="cp=2: its attention is computed by"):
-        search(profile, cluster(8), Training(global_batch_size=8), parse_pins("cp=2"), features=CP_EP)
+        search(profile, cluster(8), Training(global_batch_size=8), parse_pins("cp=2"),
+               options=SearchOptions(features=CP_EP))
     sdpa = attention_facts(gpt_profile(n_layer=2, seq=2048))
     assert sdpa.context_parallel_problem == "" and sdpa.sequence_length == 2048
 
@@ -270,8 +272,8 @@ def test_expert_states_per_rank_divide_by_every_folded_rank(olmoe_context, shard
     numel, experts = ctx.total_numel(tp), sum(ctx.expert_numel)
     fsdp = shard * cp
     assert expert_shard_degree(fsdp, ep, tp) == shard * cp * tp // ep
-    memory = ctx.layout_memory(ctx.memory_inputs(TableKey(tp, 1, ep=ep)), fsdp, True, 1,
-                               expert_shard=expert_shard_degree(fsdp, ep, tp))
+    memory = ctx.layout_memory(ctx.memory_inputs(TableKey(tp, 1, ep=ep)),
+                               MemoryLayout(fsdp, True, expert_shard=expert_shard_degree(fsdp, ep, tp)))
     states = sum(sum(memory.states[c]) + sum(memory.tied_states[c]) for c in ("parameters", "gradients",
                                                                                      "optimizer"))
     assert states == pytest.approx(16 * ((numel - experts) / fsdp + experts / (shard * cp * tp)))
@@ -283,13 +285,15 @@ def test_the_search_tries_ep_folded_over_the_tensor_parallel_ranks(olmoe_context
     from autoplan.solve.layouts import scope_of
 
     ctx = olmoe_context
-    result = search(ctx.profile, cluster(4), Training(8, "bf16"), parse_pins("tp=4"), features=CP_EP)
+    result = search(ctx.profile, cluster(4), Training(8, "bf16"), parse_pins("tp=4"),
+                    options=SearchOptions(features=CP_EP))
     # every ep is a family the search explores (which of them it prices fully is the branch and bound's call)
     enumerated = {f.ep for f in families(parse_pins("tp=4"), scope_of(result.context))}
     assert enumerated == {1, 2, 4}
     tried = {c.parallelism.ep for c in result.candidates}
     assert tried <= {1, 2, 4}
-    four = search(ctx.profile, cluster(4), Training(8, "bf16"), parse_pins("tp=4,ep=4"), features=CP_EP).best
+    four = search(ctx.profile, cluster(4), Training(8, "bf16"), parse_pins("tp=4,ep=4"),
+                  options=SearchOptions(features=CP_EP)).best
     assert four.fits and four.parallelism.ep == 4
     assert four.parallelism.tp == 4 and four.parallelism.dp_shard == 1
 
@@ -330,7 +334,7 @@ def test_expert_states_shard_over_the_fsdp_group_left_after_ep(shard, reshard, e
     n, e = 1000.0, 600.0  # module elements on the rank, of which expert elements (already E/ep)
     inputs = MemoryInputs(module_numel=(n,), group_numel=(), tied_group_modules=(), module_largest_numel=(n,),
                           activations={"none": (0.0,)}, working_bytes=(0.0,), cut_bytes=(), expert_numel=(e,))
-    memory = layout_memory(inputs, "bf16", shard, reshard, 1, expert_shard=expert_shard)
+    memory = layout_memory(inputs, "bf16", MemoryLayout(shard, reshard, expert_shard=expert_shard))
     states = {c: memory.states[c][0] for c in ("parameters", "gradients", "optimizer")}
     if shard == 1:
         assert states == pytest.approx({"parameters": 2 * n, "gradients": 2 * n, "optimizer": 12 * n})
@@ -446,7 +450,8 @@ def test_expert_states_per_rank_are_those_of_fsdp_without_ep(olmoe_context, resh
     ctx = olmoe_context
     numel, experts = ctx.total_numel(1), sum(ctx.expert_numel)
     assert experts > numel / 2  # most of the model is experts
-    memory = ctx.layout_memory(ctx.memory_inputs(TableKey(1, 1, ep=ep)), 8, reshard, 1, expert_shard=expert_shard_degree(8, ep))
+    memory = ctx.layout_memory(ctx.memory_inputs(TableKey(1, 1, ep=ep)),
+                               MemoryLayout(8, reshard, expert_shard=expert_shard_degree(8, ep)))
     states = {c: sum(memory.states[c]) + sum(memory.tied_states[c]) for c in ("parameters", "gradients",
                                                                                        "optimizer")}
     assert states == pytest.approx({"parameters": 4 * numel / 8, "gradients": 4 * numel / 8, "optimizer": 8 * numel / 8})
@@ -466,8 +471,8 @@ def test_the_experts_fsdp_collectives_add_to_their_modules_and_hide_behind_the_s
     from test_offload_compile import comm_link
 
     link, b, e, alpha, bw, copy, window = comm_link(), 4e6, 12e6, 1e-5, 100e9, 1e12, 1e-5
-    stage = dict(module_param_bytes=(b, b), reshard_after_forward=True, shard=comm.Group(8, link, 1),
-                 replicate=comm.Group(1, link, 1), pipelined=False, num_microbatches=1, forward_window_s=0.0,
+    stage = dict(module_param_bytes=(b, b), reshards_after_forward=True, shard=comm.Group(8, link, 1),
+                 replicate=comm.Group(1, link, 1), pipelined=False, microbatches=1, forward_window_s=0.0,
                  backward_window_s=0.0, copy_bytes_per_s=copy, gradient_ratio=2.0, expert_param_bytes=(e, e),
                  expert_shard=comm.Group(2, link, 1), expert_replicate=comm.Group(2, link, 1))
     g = (alpha + b * 7 / 8 / bw) + (alpha + e * 1 / 2 / bw)
@@ -618,7 +623,8 @@ def test_the_search_prices_the_fastest_layout_without_expert_parallelism_beside_
     from autoplan.report.html import experts_section
     from autoplan.report.svg import fmt_bytes, fmt_seconds
 
-    result = search(olmoe_context.profile, cluster(8), Training(8, "bf16"), parse_pins(""), features=CP_EP)
+    result = search(olmoe_context.profile, cluster(8), Training(8, "bf16"), parse_pins(""),
+                    options=SearchOptions(features=CP_EP))
     best = result.best
     other = fastest_of_the_other_expert_split(result.candidates, best)
     assert len(other) == 1 and other[0].fits
@@ -653,7 +659,8 @@ def test_a_default_compile_the_rules_refuse_for_a_layout_is_off_for_it_wherever_
     model = tmp_path / "llama.py"
     model.write_text(TINY_LLAMA)
     profile = profile_model(load_source(str(model)), 2, load_hardware("h100-sxm5-80gb"), measure=False, dtype="bf16")
-    result = search(profile, cluster(4), Training(8, "bf16"), parse_pins("tp=2,cp=2,recompute=full"), features=CP_EP)
+    result = search(profile, cluster(4), Training(8, "bf16"), parse_pins("tp=2,cp=2,recompute=full"),
+                    options=SearchOptions(features=CP_EP))
     best, scope = result.best, layouts.scope_of(result.context)
     assert not best.compile and best.fits
     assert problems(replace(best.parallelism.layout(), compile="off"), scope) == []
@@ -663,4 +670,24 @@ def test_a_default_compile_the_rules_refuse_for_a_layout_is_off_for_it_wherever_
     # pinned on, the pins cannot hold (the rule, before any search)
     with pytest.raises(UserError, match="compile=on with recompute=full at tp=2"):
         search(profile, cluster(4), Training(8, "bf16"), parse_pins("tp=2,cp=2,recompute=full,compile=on"),
-               features=CP_EP)
+               options=SearchOptions(features=CP_EP))
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_memory_without_cp_and_ep_reads_the_rank_that_runs_the_peak_stage_in_the_v(schedule):
+    """The report's "without cp" memory is the cp = 1 memory of the rank that runs the peak stage: under zbv and
+    dualpipev stage s >= pp runs on rank 2 pp - 1 - s (Parallelism.stage_rank), not s % pp. Stage pp (rank pp - 1 in
+    the V, rank 0 in loop order) is made the peak, so reading the loop's rank gives another rank's memory."""
+    profile = gpt_profile(n_layer=8, seq=256, batch=2)
+    ctx = Context(profile, cluster(8), Training(8, "bf16"), ALL_FEATURES)
+    par = Parallelism(dp_shard=2, reshard=True, cp=2, pp=2, schedule=schedule, virtual_stages=2, microbatches=4)
+    priced = try_layout(ctx, par, ("none",))
+    assert priced is not None and priced.assignment is not None and len(priced.stages) == 4
+    peak_stage = par.pp
+    stages = tuple(replace(st, predicted_memory_bytes=1.0 if st.index == peak_stage else 0.0) for st in priced.stages)
+    whole = with_memory_without_cp_ep(ctx, replace(priced, stages=stages), ("none",)).predicted
+    plain = build_problem(ctx, replace(par, cp=1), ("none",))
+    by_rank = [sum(plain.rank_breakdown(r, priced.assignment).values()) for r in range(par.pp)]
+    assert par.stage_rank(peak_stage) == par.pp - 1 != peak_stage % par.pp
+    assert by_rank[0] != pytest.approx(by_rank[1])  # the two ranks differ, so reading the wrong one shows
+    assert whole.peak_memory_without_context_parallel_bytes == pytest.approx(by_rank[par.pp - 1])

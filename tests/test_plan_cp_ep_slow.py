@@ -18,7 +18,7 @@ from autoplan.plan import Training
 from autoplan.profile import profile_graph
 from autoplan.report.csv import candidates_frame
 from autoplan.solve.layouts import scope_of
-from autoplan.solve.search import TIE_TOLERANCE, search
+from autoplan.solve.search import TIE_TOLERANCE, SearchOptions, search
 from autoplan.contract import load_source
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -41,7 +41,8 @@ def test_llama_3_1_8b_on_8_h100s_splits_longer_sequences_over_more_ranks_and_fit
     for seq in (32_768, 65_536, 131_072, 262_144):
         training = Training(global_batch_size=8, dtype="bf16", tokens_per_sample=seq)
         try:
-            result = search(_profile("llama", LLAMA_3_1_8B, seq), Cluster(H100, 8, 8), training, features=SUPPORTED)
+            result = search(_profile("llama", LLAMA_3_1_8B, seq), Cluster(H100, 8, 8), training,
+                            options=SearchOptions(features=SUPPORTED))
         except UserError as refusal:  # a refusal must give the arithmetic
             assert "GiB" in str(refusal) and "needs" in str(refusal), str(refusal)
             continue
@@ -73,7 +74,7 @@ def test_mixtral_8x7b_on_64_h100s_prices_ep_against_its_data_parallel_savings_an
     time, a tie within TIE_TOLERANCE going to the simpler layout, and each row says why it lost."""
     cluster, training = Cluster(H100, 64, 8), Training(global_batch_size=256, dtype="bf16", tokens_per_sample=4096)
     profile = _profile("mixtral", MIXTRAL_8X7B, 4096)
-    result = search(profile, cluster, training, features=SUPPORTED)
+    result = search(profile, cluster, training, options=SearchOptions(features=SUPPORTED))
     best = result.best
     fitting = [c for c in result.candidates if c.fits and c.compile == best.compile]
     split = min((c for c in fitting if c.parallelism.ep > 1), key=lambda c: c.predicted.step_time_s)
@@ -84,7 +85,7 @@ def test_mixtral_8x7b_on_64_h100s_prices_ep_against_its_data_parallel_savings_an
     # whole experts: time does not depend on the memory, and without ep this layout needs more than 80 GB)
     pins = replace(split.parallelism.layout(), ep=1, compile="on" if split.compile else "off")
     roomy = Cluster(replace(H100, gpu=replace(H100.gpu, memory_bytes=4 * H100.gpu.memory_bytes)), 64, 8)
-    twin = search(profile, roomy, training, pins=pins, features=SUPPORTED).best
+    twin = search(profile, roomy, training, pins=pins, options=SearchOptions(features=SUPPORTED)).best
     assert twin.parallelism.ep == 1
     assert split.predicted.time_breakdown["data_parallel_comm"] < twin.predicted.time_breakdown["data_parallel_comm"]
     assert not twin.predicted.time_breakdown.get("expert_parallel_comm")

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from autoplan.api import plan_model
+from autoplan.api import PlanOptions, plan_model
 from autoplan.hardware.profiles import load_hardware
 from autoplan.profile import profile_model
 from autoplan.contract import ModelSource, load_source
@@ -114,7 +114,7 @@ def test_gpt_parameters_equal_the_closed_form_plus_the_final_norm():
 def test_model_flops_per_step_match_narayanan(global_batch):
     """72 B l s h^2 (1 + s/(6h) + V/(12 h l)): forward + backward, no recompute, at the global batch."""
     source = load_source(str(EXAMPLES / "gpt.py"))
-    plan = plan_model(source, 8, "h100-sxm5-80gb", global_batch=global_batch).plan
+    plan = plan_model(source, 8, "h100-sxm5-80gb", PlanOptions(global_batch=global_batch)).plan
     _, per_sample = _gpt_formulas(source)
     assert plan.predicted.model_flops_per_step == pytest.approx(global_batch * per_sample, rel=0.03)
 
@@ -123,7 +123,7 @@ def test_model_flops_of_hugging_face_gpt2_match_narayanan():
     source = load_source(str(EXAMPLES / "hf_gpt2.py"))
     m = source.module
     m.VOCAB, m.HIDDEN, m.LAYERS, m.HEADS, m.SEQ_LEN = 512, 128, 2, 4, 64
-    plan = plan_model(source, 8, "h100-sxm5-80gb", global_batch=16).plan
+    plan = plan_model(source, 8, "h100-sxm5-80gb", PlanOptions(global_batch=16)).plan
     per_sample = 72 * m.LAYERS * m.SEQ_LEN * m.HIDDEN**2 * (
         1 + m.SEQ_LEN / (6 * m.HIDDEN) + m.VOCAB / (12 * m.HIDDEN * m.LAYERS))
     assert plan.predicted.model_flops_per_step == pytest.approx(16 * per_sample, rel=0.03)

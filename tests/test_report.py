@@ -115,7 +115,7 @@ def test_add_verification_replaces_the_placeholder(tmp_path):
 
 def test_module_times_roll_ops_up_to_stage_units():
     result = make_result()
-    times = module_times(result.profile, result.plan.stages, microbatch_size=1)
+    times = module_times(result.profile, result.plan.stages, microbatch=1)
     assert [t.module for t in times] == [m for s in result.plan.stages for m in s.modules]
     blocks0 = next(t for t in times if t.module == "blocks.0")
     # two ops (attn 1.5 ms + mlp 2 ms forward at batch 2), scaled to a micro-batch of 1
@@ -133,7 +133,7 @@ def test_glue_ops_count_with_the_unit_before_them():
     ops = [make_op(i, stack, 2.0**i) for i, stack in enumerate(stacks)]
     profile = replace(make_profile(), ops=tuple(ops), batch_size=1)
     stages = (Stage(0, ("blocks.0.attn", "blocks.0.mlp"), 1.0, 1.0), Stage(1, ("blocks.1.attn",), 1.0, 1.0))
-    times = module_times(profile, stages, microbatch_size=1)
+    times = module_times(profile, stages, microbatch=1)
     assert [(t.module, t.stage, t.forward_s, t.glue_ops) for t in times] == [
         ("blocks.0.attn", 0, 7.0, 2), ("blocks.0.mlp", 0, 8.0, 0), ("blocks.1.attn", 1, 48.0, 1)]
     assert module_times(profile, (Stage(0, (), 1.0, 1.0),), 1)[0].module == OUTSIDE

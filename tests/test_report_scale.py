@@ -134,14 +134,14 @@ def test_the_1t_gpt_on_3072_gpus_writes_an_output_folder_under_5_mb(tmp_path):
     from autoplan.layout import ALL_FEATURES
     from autoplan.plan import ClusterRef, ModelRef, Plan, Training
     from autoplan.solve.pins import parse_pins
-    from autoplan.solve.search import ILP_TIME_LIMIT_S, search
+    from autoplan.solve.search import ILP_TIME_LIMIT_S, SearchOptions, search
 
     tests = Path(__file__).parent
     one_t = next(r for r in read_runs(tests / "fixtures" / "published_runs.csv") if r["pp"] == "64")
     profile, cluster = run_profile(one_t), run_cluster(one_t)
     training = Training(global_batch_size=int(one_t["global_batch_seqs"]), dtype="bf16")
-    result = search(profile, cluster, training, parse_pins(run_pins(one_t)), time_limit_s=ILP_TIME_LIMIT_S,
-                    features=ALL_FEATURES)
+    result = search(profile, cluster, training, parse_pins(run_pins(one_t)),
+                    options=SearchOptions(time_limit_s=ILP_TIME_LIMIT_S, features=ALL_FEATURES))
     best = result.best
     assert (best.parallelism.pp, best.parallelism.microbatches) == (64, 512)
     model_file = tests.parent / "benchmarks" / "models" / "megatron_gpt.py"

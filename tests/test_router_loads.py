@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from autoplan.cost.context import TableKey
-from autoplan.api import profile_only
+from autoplan.api import ProfileOptions, profile_only
 from autoplan.profile.router_loads import measure_router_loads
 from autoplan.profile_data import ModelProfile
 from autoplan.contract import load_source
@@ -44,11 +44,11 @@ def test_every_row_is_counted_once_per_expert_layer(tmp_path):
 
 def test_profile_measure_keeps_the_counts_in_profile_json(tmp_path):
     model = _tiny_mixtral(tmp_path)
-    measured = profile_only(str(model), "cpu", measure=True, out=tmp_path / "measured")
+    measured = profile_only(str(model), "cpu", ProfileOptions(measure=True, out=tmp_path / "measured"))
     assert sum(measured.router_loads["model.layers.0.mlp.experts"]) > 0
     saved = ModelProfile.from_json((tmp_path / "measured" / "profile.json").read_text())
     assert saved.router_loads == measured.router_loads
-    assert profile_only(str(model), "h100-sxm5-80gb", measure=False).router_loads == {}
+    assert profile_only(str(model), "h100-sxm5-80gb", ProfileOptions(measure=False)).router_loads == {}
 
 
 def test_measured_loads_set_the_busiest_expert_rank_in_the_plan(tmp_path):
@@ -63,7 +63,7 @@ def test_measured_loads_set_the_busiest_expert_rank_in_the_plan(tmp_path):
     from autoplan.layout import SUPPORTED
     from autoplan.plan import Training
 
-    profile = profile_only(str(_tiny_mixtral(tmp_path)), "h100-sxm5-80gb", measure=False)
+    profile = profile_only(str(_tiny_mixtral(tmp_path)), "h100-sxm5-80gb", ProfileOptions(measure=False))
     names = [f"model.layers.{i}.mlp.experts" for i in range(2)]
 
     def forward_s(rows):

@@ -25,6 +25,20 @@ def test_rank_stages_inverts_stage_rank(placement, pp, virtual):
         assert all(stage_rank(s, pp, placement) == r for s in stages)
 
 
+def test_the_cost_model_writes_each_schedule_of_the_table_once():
+    """cost/pipeline.ORDERS holds an operation order for every row of SCHEDULE_TABLE and nothing else; split-backward
+    rows give their order through split_backward_order too, the others refuse it."""
+    assert set(pipeline.ORDERS) == {s.name for s in SCHEDULE_TABLE}
+    for schedule in SCHEDULE_TABLE:
+        order = pipeline.rank_order(schedule.name, 2, 4, 0, max(schedule.virtual_stages[0], 1))
+        assert order == pipeline.ORDERS[schedule.name](2, 4, 0, max(schedule.virtual_stages[0], 1))
+        if schedule.split_backward:
+            assert pipeline.split_backward_order(schedule.name, 2, 4, 0, schedule.virtual_stages[0]) == order
+        else:
+            with pytest.raises(ValueError, match="does not split its backward"):
+                pipeline.split_backward_order(schedule.name, 2, 4, 0, 1)
+
+
 def test_the_v_placement_puts_the_first_and_last_stage_on_rank_zero():
     assert [stage_rank(s, 4, "v") for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
     assert [stage_rank(s, 4, "loop") for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]

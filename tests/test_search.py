@@ -16,7 +16,7 @@ from autoplan.plan import Training
 from autoplan.solve.pins import parse_pins
 from autoplan.solve import search as search_module
 from autoplan.solve.ilp import IlpResult
-from autoplan.solve.search import search, solver_warning
+from autoplan.solve.search import SearchOptions, search, solver_warning
 
 
 @lru_cache(maxsize=None)
@@ -46,6 +46,23 @@ def test_parse_pins_lists_every_problem_at_once():
                  "schedule=zb is not one of", "pp=0 must be at least 1", "'dp' is not key=value",
                  "'dp' is given twice"):
         assert part in message
+
+
+def test_pin_keys_and_their_value_kinds_come_from_the_vocabulary():
+    """PIN_KEYS is VOCABULARY's pins in its order (the message and --help list them so); word values are Layout's
+    str fields, read lower-cased, the others integers."""
+    from autoplan.layout import VOCABULARY
+    from autoplan.solve.pins import PIN_KEYS
+
+    known = "dp, tp, sp, cp, ep, pp, zero, schedule, microbatch, recompute, offload, compile"
+    assert ", ".join(PIN_KEYS) == known
+    assert PIN_KEYS == tuple(t.short for t in VOCABULARY if t.pin)
+    with pytest.raises(UserError, match=rf"unknown key 'foo' \(known: {known}\)"):
+        parse_pins("foo=1")
+    assert parse_pins("SP=ON,Schedule=ZBV,offload=CPU,compile=On,recompute=FULL,zero=3,microbatch=2") == Layout(
+        sp="on", schedule="zbv", offload="cpu", compile="on", recompute="full", zero=3, microbatch=2)
+    with pytest.raises(UserError, match="microbatch=two is not an integer"):
+        parse_pins("microbatch=two")
 
 
 def test_ample_memory_picks_pure_data_parallelism_without_resharding():
@@ -112,12 +129,12 @@ def test_interleaved_pins_give_p_times_v_stages_on_ranks_in_turn():
 
 def test_the_switch_list_turns_features_off():
     without = SUPPORTED - {"zero2", "tp", "interleaved"}
-    result = search(gpt2_small(), capped(8, 0.9), TRAINING, features=without)
+    result = search(gpt2_small(), capped(8, 0.9), TRAINING, options=SearchOptions(features=without))
     assert all(not (c.parallelism.sharded and not c.parallelism.reshards_after_forward)
                and c.parallelism.tp == 1
                and c.parallelism.schedule != "interleaved" for c in result.candidates)
     with pytest.raises(UserError, match="zero=2 is not supported yet"):
-        search(gpt2_small(), cluster(8), TRAINING, Layout(zero=2), features=without)
+        search(gpt2_small(), cluster(8), TRAINING, Layout(zero=2), options=SearchOptions(features=without))
 
 
 def test_fully_pinned_layout_reports_pinned_and_runs_the_milp_on_its_split():
@@ -154,13 +171,14 @@ def test_recompute_is_chosen_per_module_when_memory_needs_some():
 def test_pin_errors_show_the_arithmetic(pins, num_gpus, batch, message):
     megatron_tp = SUPPORTED | {"tp_fused_split"}  # gpt2_small fuses q, k, v: its heads split as in Megatron-LM
     with pytest.raises(UserError, match=re.escape(message)):
-        search(gpt2_small(), cluster(num_gpus), Training(global_batch_size=batch), pins, features=megatron_tp)
+        search(gpt2_small(), cluster(num_gpus), Training(global_batch_size=batch), pins,
+               options=SearchOptions(features=megatron_tp))
 
 
 def test_pin_errors_are_gathered():
     with pytest.raises(UserError) as error:
         search(gpt2_small(), cluster(8), Training(global_batch_size=64), Layout(pp=3, dp=5, tp=8),
-               features=SUPPORTED | {"tp_fused_split"})
+               options=SearchOptions(features=SUPPORTED | {"tp_fused_split"}))
     message = str(error.value)
     assert "pp=3 does not divide 8 GPUs" in message and "dp=5 does not divide 8 GPUs" in message
     assert "tp=8 does not divide 12 attention heads" in message

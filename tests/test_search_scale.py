@@ -13,7 +13,7 @@ from autoplan.hardware.types import Cluster
 from autoplan.layout import ALL_FEATURES
 from autoplan.plan import Training
 from autoplan.solve.pins import parse_pins
-from autoplan.solve.search import search
+from autoplan.solve.search import SearchOptions, search
 
 ONE_T = next(r for r in read_runs(Path(__file__).parent / "fixtures" / "published_runs.csv") if r["pp"] == "64")
 
@@ -21,8 +21,9 @@ ONE_T = next(r for r in read_runs(Path(__file__).parent / "fixtures" / "publishe
 def test_1t_gpt_on_3072_gpus_is_planned_and_beats_or_ties_the_published_layout():
     profile, cluster = run_profile(ONE_T), run_cluster(ONE_T)
     training = Training(global_batch_size=int(ONE_T["global_batch_seqs"]), dtype="bf16")
-    result = search(profile, cluster, training, features=ALL_FEATURES)
-    published = search(profile, cluster, training, parse_pins(run_pins(ONE_T)), features=ALL_FEATURES).best
+    result = search(profile, cluster, training, options=SearchOptions(features=ALL_FEATURES))
+    published = search(profile, cluster, training, parse_pins(run_pins(ONE_T)),
+                       options=SearchOptions(features=ALL_FEATURES)).best
     assert result.best.fits and result.best.predicted.peak_memory_bytes <= cluster.usable_memory_bytes
     assert result.best.predicted.step_time_s <= published.predicted.step_time_s * (1 + 1e-9)
     assert result.solver.candidates_evaluated > 10_000 and result.solver.status in ("optimal", "time_limit")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.api import plan_model
+from autoplan.api import PlanOptions, plan_model
 from autoplan.verify import PARITY_TOLERANCE
 from helpers.verify_many import verify_many
 from test_layouts import LAYOUTS, MODELS, mb, write_case
@@ -74,7 +74,7 @@ def results(tmp_path_factory):
     gpt2.write_text(GPT2.format(path=str(Path(__file__).resolve().parents[1] / "examples" / "hf_gpt2.py")))
     for pin, gpus in GPT2_PINS.items():
         out = root / f"gpt2_{pin.replace(',', '_').replace('=', '')}"
-        plan_model(str(gpt2), gpus, "cpu", global_batch=8, pin=pin, out=out)
+        plan_model(str(gpt2), gpus, "cpu", PlanOptions(global_batch=8, pin=pin, out=out))
         folders.append(out)
     batch = verify_many(folders, steps=STEPS, timeout_s=900, nproc=4)
     keys = CASES + [("gpt2", pin) for pin in GPT2_PINS]

@@ -52,7 +52,7 @@ CASES = _cases(160, seed=28)
 def _limits(problem: ChainProblem, mode: str | None) -> list[float]:
     """Per-stage time limits from below the lower bound to well above it."""
     low = (problem.time_lower_bound() if mode is None else split._uniform_lower_bound(problem, mode)) / \
-        problem.virtual
+        problem.virtual_stages
     return [low * f for f in (0.9, 1.0, 1.01, 1.05, 1.1, 1.2, 1.35, 1.5, 2.0, 3.0)]
 
 
@@ -72,7 +72,7 @@ def test_time_alone_never_refutes_a_limit_the_packing_meets():
 def _reference_greedy_split(problem: ChainProblem, mode: str | None, cutoff: float):
     """greedy_split's cutoff branch as it was before the early exits: pack every limit tried."""
     tables = split._Tables(problem, problem.signatures)
-    v = problem.virtual
+    v = problem.virtual_stages
     low = (problem.time_lower_bound() if mode is None else split._uniform_lower_bound(problem, mode)) / v
     tries = [x for x in (low * 1.01, (low + cutoff / v) / 2, cutoff / v) if x <= cutoff / v]
     found = next((q for q in (split._pack(tables, x, problem.memory_limit_bytes, mode) for x in tries)
@@ -122,7 +122,7 @@ def test_a_cutoff_the_time_alone_refutes_builds_no_packing_tables(monkeypatch):
         low = (problem.time_lower_bound() if mode is None else split._uniform_lower_bound(problem, mode))
         cutoff = low * 1.05
         if problem.num_stages > problem.num_modules or split._reaches_end_in_time(problem, mode,
-                                                                                  cutoff / problem.virtual):
+                                                                                  cutoff / problem.virtual_stages):
             continue  # the limits tried are at most cutoff / v, and a lower limit reaches less far
         built.clear()
         with pytest.raises(Slower):

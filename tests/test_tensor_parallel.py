@@ -12,7 +12,7 @@ from autoplan.errors import UserError
 from autoplan.layout import SUPPORTED, Layout
 from autoplan.plan import Training
 from autoplan.profile_data import ModelProfile
-from autoplan.solve.search import search
+from autoplan.solve.search import SearchOptions, search
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MEGATRON_TP = SUPPORTED | {"tp_fused_split"}
@@ -82,16 +82,18 @@ def test_no_pairs_means_no_tensor_parallelism():
 def test_pinned_tp_that_does_not_divide_the_heads_says_so():
     profile = gpt_profile(n_layer=8, n_embd=96, vocab=128, seq=32, n_head=6)
     with pytest.raises(UserError, match="tp=4 does not divide 6 attention heads"):
-        search(profile, cluster(8), Training(global_batch_size=8), Layout(tp=4), features=MEGATRON_TP)
+        search(profile, cluster(8), Training(global_batch_size=8), Layout(tp=4),
+               options=SearchOptions(features=MEGATRON_TP))
 
 
 def test_tensor_parallel_stays_inside_a_node_and_the_plan_names_the_pairs():
     profile = gpt_profile(n_layer=12, n_embd=1024, vocab=8192, seq=512, n_head=16, device="testgpu")
     tight = replace(cluster(16, gpus_per_node=4), memory_per_gpu_bytes=None)
-    result = search(profile, tight, Training(global_batch_size=16, dtype="bf16"), features=MEGATRON_TP)
+    result = search(profile, tight, Training(global_batch_size=16, dtype="bf16"),
+                    options=SearchOptions(features=MEGATRON_TP))
     assert all(c.parallelism.tp <= 4 for c in result.candidates)
     pinned = search(profile, tight, Training(global_batch_size=16, dtype="bf16"), Layout(tp=4, pp=1),
-                    features=MEGATRON_TP)
+                    options=SearchOptions(features=MEGATRON_TP))
     assert pinned.best.tensor_parallel_plan["blocks.0.attn.qkv"] == "colwise"
     assert pinned.best.tensor_parallel_plan["blocks.11.mlp.proj"] == "rowwise"
     with pytest.raises(UserError, match="tp=8"):

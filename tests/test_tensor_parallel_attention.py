@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.api import profile_only
+from autoplan.api import ProfileOptions, profile_only
 from autoplan.chain.tensor_parallel import left_whole_lines, split_lines, tensor_parallel_facts
 from autoplan.plan import LeftWhole, Plan
 from test_plan import make_plan
@@ -70,7 +70,7 @@ def loss_fn(output, targets):
 
 
 def _facts(spec: str, **options):
-    return tensor_parallel_facts(profile_only(spec, "cpu", measure=False), **options)
+    return tensor_parallel_facts(profile_only(spec, "cpu", ProfileOptions(measure=False)), **options)
 
 
 def _linears(layer: str, names: tuple[str, ...]) -> set[str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.api import plan_model
+from autoplan.api import PlanOptions, plan_model
 from autoplan.verify import PARITY_TOLERANCE
 from helpers.verify_many import verify_many
 
@@ -41,7 +41,7 @@ def results(tmp_path_factory):
     folders = []
     for name, (model, gpus, pin) in CASES.items():
         out = root / name.replace(" ", "_").replace(",", "_").replace("=", "")
-        plan_model(model, gpus, "cpu", global_batch=8, pin=pin, out=out)
+        plan_model(model, gpus, "cpu", PlanOptions(global_batch=8, pin=pin, out=out))
         folders.append(out)
     batch = verify_many(folders, steps=2, timeout_s=1200, nproc=4)
     return dict(zip(CASES, zip(folders, batch.results)))

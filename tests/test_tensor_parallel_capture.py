@@ -3,7 +3,7 @@ colwise -> rowwise pair (the sum would mix split and whole tensors); Linear -> G
 
 from pathlib import Path
 
-from autoplan.api import profile_only
+from autoplan.api import ProfileOptions, profile_only
 from autoplan.chain.tensor_parallel import find_tensor_parallel_plan
 
 PAIRED = """
@@ -25,14 +25,14 @@ def example_batch(b):
 
 def test_a_linear_feeding_a_residual_is_not_split(tmp_path):
     examples = Path(__file__).resolve().parents[1] / "examples"
-    profile = profile_only(str(examples / "mlp.py"), "cpu", measure=False)
+    profile = profile_only(str(examples / "mlp.py"), "cpu", ProfileOptions(measure=False))
     assert find_tensor_parallel_plan(profile, vocab_parallel=False) == {}
 
 
 def test_up_gelu_down_is_a_pair(tmp_path):
     model = tmp_path / "paired.py"
     model.write_text(PAIRED)
-    profile = profile_only(str(model), "cpu", measure=False)
+    profile = profile_only(str(model), "cpu", ProfileOptions(measure=False))
     assert find_tensor_parallel_plan(profile, vocab_parallel=False) == {
         "0.up": "colwise", "0.down": "rowwise", "1.up": "colwise", "1.down": "rowwise"}
 
@@ -49,7 +49,7 @@ _spec.loader.exec_module(gpt2)
 gpt2.VOCAB, gpt2.HIDDEN, gpt2.LAYERS, gpt2.HEADS, gpt2.SEQ_LEN = 64, 16, 2, 2, 8
 build_model, example_batch, loss_fn = gpt2.build_model, gpt2.example_batch, gpt2.loss_fn
 """)
-    profile = profile_only(str(model), "cpu", measure=False)
+    profile = profile_only(str(model), "cpu", ProfileOptions(measure=False))
     assert find_tensor_parallel_plan(profile, vocab_parallel=False, fused_split=False) == {
         f"transformer.h.{i}.mlp.{name}": style for i in range(2) for name, style in (("c_fc", "colwise"),
                                                                                       ("c_proj", "rowwise"))}

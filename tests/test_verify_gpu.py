@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.api import plan_model
+from autoplan.api import PlanOptions, plan_model
 from autoplan.cli import gpu_measurement_text, main
 from autoplan.errors import UserError
 from autoplan.report.html import verify_section
@@ -22,7 +22,7 @@ TINY_GPT = ROOT / "tests" / "models" / "tiny_gpt.py"
 def gpu_plan(tmp_path_factory) -> Path:
     """A one-GPU H100 plan of a tiny GPT (planned here: no GPU needed to plan)."""
     out = tmp_path_factory.mktemp("gpu_plan") / "plan"
-    plan_model(str(TINY_GPT), 1, "h100-sxm5-80gb", out=out)
+    plan_model(str(TINY_GPT), 1, "h100-sxm5-80gb", PlanOptions(out=out))
     return out
 
 
@@ -96,7 +96,7 @@ def test_a_one_gpu_plan_trains_on_this_gpu_beside_its_prediction(tmp_path):
     name = torch.cuda.get_device_name().lower()
     gpu = "h200-sxm-141gb" if "h200" in name else "h100-sxm5-80gb"
     out = tmp_path / "plan"
-    plan_model(str(TINY_GPT), 1, gpu, out=out)
+    plan_model(str(TINY_GPT), 1, gpu, PlanOptions(out=out))
     result = verify(out, steps=6, device="cuda", measure=True)
     report = json.loads((out / "verify.json").read_text())
     assert result.passed and report["device"] == "cuda" and len(report["losses"]) == 6

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.api import plan_model
+from autoplan.api import PlanOptions, plan_model
 from autoplan.layout import ZERO_BUBBLE_SCHEDULES
 from autoplan.contract import load_source
 from helpers.verify_many import verify_many
@@ -62,13 +62,13 @@ def results(tmp_path_factory):
     folders = {(m, name): model_layout(root, m, name, par) for m in MODELS for name, par in LAYOUTS.items()}
     for pin, gpus in SEARCHED.items():
         out = tmp_path_factory.mktemp("searched")
-        plan = plan_model(str(SMALL_GPT), gpus, "cpu", global_batch=8, pin=pin, out=out).plan
+        plan = plan_model(str(SMALL_GPT), gpus, "cpu", PlanOptions(global_batch=8, pin=pin, out=out)).plan
         assert plan.parallelism.schedule == dict(i.split("=") for i in pin.split(","))["schedule"]
         folders["searched", pin] = out
     for schedule in ZERO_BUBBLE_SCHEDULES:
         out = tmp_path_factory.mktemp("bart")
-        plan = plan_model(load_source(f"{BART}:bart"), 2, "cpu", global_batch=4,
-                          pin=f"pp=2,microbatch=1,schedule={schedule}", out=out).plan
+        plan = plan_model(load_source(f"{BART}:bart"), 2, "cpu",
+                          PlanOptions(global_batch=4, pin=f"pp=2,microbatch=1,schedule={schedule}", out=out)).plan
         assert plan.parallelism.schedule == schedule
         folders["bart", schedule] = out
     batch = verify_many(list(folders.values()), steps=STEPS, timeout_s=900, nproc=4)

@@ -164,14 +164,14 @@ class FsdpStage:
 
     module_param_bytes: tuple[float, ...]
     """Parameter bytes of each module of the stage (FSDP2 shards each as one unit), training dtype, unsharded."""
-    reshard_after_forward: bool
+    reshards_after_forward: bool
     """Gathered again for backward (ZeRO-3) or kept from forward (ZeRO-1/2)."""
     shard: Group
     replicate: Group
     """HSDP's replicas (size 1 without HSDP): they all-reduce the sharded gradients."""
     pipelined: bool
     """Under torch.distributed.pipelining (pp > 1): gathered once per step, reduced after the last backward."""
-    num_microbatches: int
+    microbatches: int
     forward_window_s: float
     """One micro-batch's forward compute that communication can hide behind, seconds."""
     backward_window_s: float
@@ -240,8 +240,8 @@ def fsdp_comm(stage: FsdpStage) -> DataParallelComm:
         first = exposed_s(sum(gathers), gathers[0], stage.forward_window_s) + copy_s
         return DataParallelComm(hooks, first + sum(scatters) + copy_s, sum(gathers) + sum(scatters), hooks / 2)
     forward = exposed_s(sum(gathers), gathers[0], stage.forward_window_s) + copy_s
-    m = stage.num_microbatches
-    if stage.reshard_after_forward:
+    m = stage.microbatches
+    if stage.reshards_after_forward:
         backward = exposed_s(sum(gathers) + sum(scatters), scatters[-1], stage.backward_window_s) + 2 * copy_s
         total = m * (2 * sum(gathers) + sum(scatters))
     else:

@@ -350,7 +350,7 @@ def _module_row(module: ModuleCosts, setting: TableSetting, timing: MeasuredScal
     fwd = bwd = cheap = tp_fwd = tp_bwd = 0.0
     for op in module.ops:
         f, g = (_measured(op, gpu, tp, b, timing, split) if setting.use_measured and op.measured
-                else _roofline(op, gpu, setting.train_dtype, scale, tp, b, split))
+                else _roofline(op, setting, setting.train_dtype, scale, split))
         if setting.float8_linears and not (setting.use_measured and op.measured) and float8.is_float8_linear(op):
             f, g = _float8_linear(op, setting, tp, b, split)
         if setting.compiled:  # fused pointwise chains: their traffic and launches go (calibration.py)
@@ -367,7 +367,7 @@ def _module_row(module: ModuleCosts, setting: TableSetting, timing: MeasuredScal
         fwd, bwd = fwd + f, bwd + g
         if op.kind != "view" and not op.kept_by_selective:  # what selective recompute runs again
             cheap += f
-        tp_fwd += _tp_forward(op, tp, b, scale, link, sp, setting.loss_parallel)
+        tp_fwd += _tp_forward(op, setting, scale)
         tp_bwd += _tp_backward(op, tp, b * scale, link, sp, setting.compiled)
     saved = saved_by_mode(module, tp, scale, sp, setting.compiled, setting.autocast)
     sharded_logits = tp > 1 and setting.loss_parallel and any(op.tp_role == "head" for op in module.ops)
@@ -448,8 +448,11 @@ def _efficiency(op: OpCost, gpu: Gpu) -> float:
     return gpu.matmul_efficiency
 
 
-def _roofline(op: OpCost, gpu: Gpu, dtype: str, scale: float, tp: int, b: int,
+def _roofline(op: OpCost, setting: TableSetting, dtype: str, scale: float,
               split_roles: frozenset[str] = split_roles(False)) -> tuple[float, float]:
+    """Forward and backward seconds of `op` at setting's micro-batch on one of its tp ranks, at `dtype`'s peak
+    (the training dtype, or float8's), from its FLOPs and its bytes (`scale`: training over capture bytes)."""
+    gpu, tp, b = setting.gpu, setting.tp, setting.microbatch
     if op.kind == "view":
         return 0.0, 0.0
     split = tp if op.tp_role in split_roles else 1
@@ -470,8 +473,8 @@ def _float8_linear(op: OpCost, setting: TableSetting, tp: int, b: float,
     """A float8 linear (cost/float8.py), forward and backward: the roofline of its GEMMs at the float8 peak, plus its
     operands' casts (memory-bound, at the streaming bandwidth) and their kernels' launches."""
     gpu = setting.gpu
-    forward, backward = _roofline(op, gpu, float8.FLOAT8_PEAK_KEY, activation_scale(setting.capture_dtype,
-                                  setting.train_dtype), tp, b, split)
+    forward, backward = _roofline(op, setting, float8.FLOAT8_PEAK_KEY, activation_scale(setting.capture_dtype,
+                                  setting.train_dtype), split)
     elements = float8.cast_elements(op, bytes_per_element(setting.capture_dtype), b, tp, split)
     how = float8.recipe(setting.float8_linears)
     cast_forward, cast_backward = float8.cast_bytes(elements, setting.compiled, how)
@@ -510,9 +513,10 @@ LOSS_PARALLEL_BYTES_PER_TOKEN = 4
 """Each in fp32."""
 
 
-def _tp_forward(op: OpCost, tp: int, b: int, scale: float, link: Link, sp: bool = False,
-                loss_parallel: bool = True) -> float:
-    """Forward collectives of one op for a micro-batch of b samples (`scale`: training over capture bytes)."""
+def _tp_forward(op: OpCost, setting: TableSetting, scale: float) -> float:
+    """Forward collectives of one op over setting's tp ranks for a micro-batch of b samples (`scale`: training over
+    capture bytes)."""
+    tp, b, link, sp, loss_parallel = setting.tp, setting.microbatch, setting.tp_link, setting.sp, setting.loss_parallel
     per_mb = b * scale
     if tp == 1:
         return 0.0

@@ -21,10 +21,10 @@ from autoplan.chain.modules import build_chain
 from autoplan.chain.tensor_parallel import tensor_parallel_facts
 from autoplan.cost import comm
 from autoplan.cost.compute import ModuleTable, ShardedModules, TableSetting, module_table, sharded_table
-from autoplan.cost.context_parallel import StepCosts, ring_attention_cost
+from autoplan.cost.context_parallel import KeyValues, StepCosts, ring_attention_cost
 from autoplan.cost.expert_parallel import expert_parallel_cost, measured_imbalance
 from autoplan.cost.dtypes import activation_scale, bytes_per_element, training_dtype
-from autoplan.cost.memory import LayoutMemory, MemoryInputs, layout_memory
+from autoplan.cost.memory import LayoutMemory, MemoryInputs, MemoryLayout, layout_memory
 from autoplan.cost.module_costs import SEQUENCE_ROLES, SPLIT_ROLES, ChainCosts, chain_costs
 from autoplan.hardware.types import Cluster
 from autoplan.layout import expert_folded_ranks, fsdp_wraps
@@ -71,20 +71,29 @@ def _sequence_local_numel(profile: ModelProfile, plan: dict[str, str], module_of
     return tuple(float(sum(profile.parameters[p] for p in params)) for params in found)
 
 
-def expert_shard_degree(fsdp: int, ep: int, tp: int = 1) -> int:
-    """Ranks the expert parameters' states shard over, with FSDP over `fsdp` ranks (dp_shard x cp), expert
+def expert_shard_degree(fsdp_shard: int, ep: int, tp: int = 1) -> int:
+    """Ranks the expert parameters' states shard over, with FSDP over `fsdp_shard` ranks (dp_shard x cp), expert
     parallelism `ep` and tensor parallelism `tp`. Expert parallelism is folded over dp_shard x cp x tp
     (layout.expert_folded_ranks): a rank holds E/ep experts, whole (ETP 1), and FSDP2 shards them over the
     dp_shard x cp x tp / ep ranks holding the same ones (runtime/distributed/expert_parallel.py "efsdp"), so a rank keeps
     1/(dp_shard x cp x tp) of the expert states. At ep 1 the experts are parameters like the others, whole on each tp
-    rank: fsdp. 1 (whole E/ep experts, gradients all-reduced over the ranks holding them) without FSDP (fsdp 1), or
-    when the folded ranks are no multiple of ep (ep then borrows replicas: priced, not run)."""
-    if fsdp <= 1:
+    rank: fsdp_shard. 1 (whole E/ep experts, gradients all-reduced over the ranks holding them) without FSDP
+    (fsdp_shard 1), or when the folded ranks are no multiple of ep (ep then borrows replicas: priced, not run)."""
+    if fsdp_shard <= 1:
         return 1
     if ep == 1:
-        return fsdp
-    folded = expert_folded_ranks(dp_shard=fsdp, cp=1, tp=tp)
+        return fsdp_shard
+    folded = expert_folded_ranks(dp_shard=fsdp_shard, cp=1, tp=tp)
     return 1 if folded % ep else folded // ep
+
+
+def memory_layout(par: Parallelism, autocast: bool = False) -> MemoryLayout:
+    """What `par`'s memory vectors read of it (cost/memory.py layout_memory); `autocast` as Context.autocast_layout."""
+    ddp = par.fsdp_shard == 1 and par.dp_replicate > 1 and par.tp == 1  # runtime/distributed/parallel.py
+    return MemoryLayout(fsdp_shard=par.fsdp_shard, reshards_after_forward=par.reshards_after_forward,
+                        pp_enabled=par.pp_enabled, offload=par.offload,
+                        expert_shard=expert_shard_degree(par.fsdp_shard, par.ep, par.tp), autocast=autocast, ddp=ddp,
+                        accumulates=par.microbatches > 1)
 
 
 @dataclass(frozen=True)
@@ -207,14 +216,14 @@ class Context:
 
     def groups(self, par: Parallelism) -> Groups:
         t, r = par.tp, par.dp_replicate
-        cp, ep, fsdp = par.cp, par.ep, par.fsdp_shard
-        experts = expert_shard_degree(fsdp, ep, t)
+        cp, ep, fsdp_shard = par.cp, par.ep, par.fsdp_shard
+        experts = expert_shard_degree(fsdp_shard, ep, t)
         # the expert mesh folded over dp_shard x cp x tp (tp innermost): ep consecutive ranks, then the experts' FSDP
         # ranks, then the ranks holding the same experts' shard (the replicas, and the folded ranks beyond ep x
         # experts when FSDP2 does not shard them), which sum their gradients
-        replicas = self.group(max(1, r * fsdp * t // (ep * experts)), ep * experts)
-        return Groups(self.group(t, 1), self.group(fsdp, t), self.group(r, t * fsdp),
-                      self.group(par.pp, t * fsdp * r), self.group(cp, t), self.group(ep, 1),
+        replicas = self.group(max(1, r * fsdp_shard * t // (ep * experts)), ep * experts)
+        return Groups(self.group(t, 1), self.group(fsdp_shard, t), self.group(r, t * fsdp_shard),
+                      self.group(par.pp, t * fsdp_shard * r), self.group(cp, t), self.group(ep, 1),
                       self.group(experts, ep), replicas)
 
     def send_s(self, nbytes: float, par: Parallelism, link) -> float:
@@ -231,14 +240,14 @@ class Context:
         `autocast` (bf16 without FSDP2: autocast_layout), the activations as torch.autocast keeps them (the times are
         the same)."""
         k = TableKey.of(layout)
-        tp, microbatch, sp, loss_parallel, cp, ep = k.tp, k.microbatch, k.sp, k.loss_parallel, k.cp, k.ep
+        tp, microbatch, sp, cp, ep = k.tp, k.microbatch, k.sp, k.cp, k.ep
         key = (k, self.compiled, autocast)
         if key not in self._tables:
             if cp == 1 and ep == 1:
-                self._tables[key] = self._part_table(self.costs, tp, microbatch, sp, loss_parallel, autocast)
+                self._tables[key] = self._part_table(self.costs, k, autocast)
             else:
                 base = self.table(replace(k, cp=1, ep=1), autocast=autocast)
-                rank = self._part_table(self.costs, tp, microbatch / cp, sp, loss_parallel, autocast) \
+                rank = self._part_table(self.costs, replace(k, microbatch=microbatch / cp), autocast) \
                     if cp > 1 else None  # a rank's tokens: its kernels launch and its weights stream whole
                 table = sharded_table(base, self._sharded_modules(tp, microbatch, sp, cp, ep), rank)
                 self._tables[key] = self._local_expert_copies(table, ep) if autocast and ep > 1 else table
@@ -278,13 +287,14 @@ class Context:
                     for f, b, i in zip(s.expert_forward_s, s.expert_backward_s, s.imbalance))
         return self._expert_compute[key]
 
-    def _part_table(self, costs: ChainCosts, tp: int, microbatch: float, sp: bool,
-                    loss_parallel: bool = True, autocast: bool = False, whole_modules: bool = True) -> ModuleTable:
+    def _part_table(self, costs: ChainCosts, k: TableKey, autocast: bool = False,
+                    whole_modules: bool = True) -> ModuleTable:
+        """The module table of `costs` at `k`'s tp, micro-batch, sp and loss_parallel (not its cp and ep)."""
         return module_table(costs, TableSetting(
-            gpu=self.cluster.gpu, capture_dtype=self.chain.capture_dtype, train_dtype=self.dtype, tp=tp,
-            microbatch=microbatch, tp_link=self.group(tp, 1).link, use_measured=self.use_measured, sp=sp,
-            compiled=self.compiled, loss_parallel=loss_parallel, autocast=autocast, float8_linears=self.float8_linears,
-            whole_modules=whole_modules))
+            gpu=self.cluster.gpu, capture_dtype=self.chain.capture_dtype, train_dtype=self.dtype, tp=k.tp,
+            microbatch=k.microbatch, tp_link=self.group(k.tp, 1).link, use_measured=self.use_measured, sp=k.sp,
+            compiled=self.compiled, loss_parallel=k.loss_parallel, autocast=autocast,
+            float8_linears=self.float8_linears, whole_modules=whole_modules))
 
     def autocast_layout(self, par: Parallelism) -> bool:
         """bf16 trains as torch.autocast over fp32 weights in this layout: FSDP2 does not wrap it
@@ -304,7 +314,7 @@ class Context:
     def _priced_ops_table(self, nodes: frozenset[str], tp: int, microbatch: int, sp: bool) -> ModuleTable:
         modules = tuple(replace(costs, ops=tuple(op for op, node in zip(costs.ops, module.ops) if node in nodes))
                         for costs, module in zip(self.costs.modules, self.chain.modules))
-        return self._part_table(replace(self.costs, modules=modules), tp, microbatch, sp, whole_modules=False)
+        return self._part_table(replace(self.costs, modules=modules), TableKey(tp, microbatch, sp), whole_modules=False)
 
     def _sharded_modules(self, tp: int, microbatch: int, sp: bool, cp: int, ep: int) -> ShardedModules:
         """Per module: its experts' compute and the imbalance the busiest expert-parallel rank adds, its ring
@@ -342,7 +352,7 @@ class Context:
             step = StepCosts(gpu.kernel_overhead_s, gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency)
             for call, u in zip(self.attention.calls, self._attention_module):
                 features = call.kv_features / (tp if role.get(call.node, "") in SPLIT_ROLES else 1)
-                ring = ring_attention_cost(microbatch, call.sequence_length, features, element,
+                ring = ring_attention_cost(KeyValues(microbatch, call.sequence_length, features, element),
                                            attention.forward_s[u] / calls[u] / cp,
                                            attention.backward_s[u] / calls[u] / cp, cp_group, step,
                                            traced=self.compiled or self.ring_traced)
@@ -418,13 +428,10 @@ class Context:
     def group_numel(self, tp: int) -> list[float]:
         return [g.numel / (tp if split else 1) for g, split in zip(self.chain.tied_groups, self.costs.tied_split)]
 
-    def layout_memory(self, inputs: MemoryInputs, shard: int, reshard_after_forward: bool, pp: int,
-                      offload: bool = False, expert_shard: int = 1, autocast: bool = False, ddp: bool = False,
-                      accumulates: bool = True) -> LayoutMemory:
-        key = (id(inputs), shard, reshard_after_forward, pp > 1, offload, expert_shard, autocast, ddp, accumulates)
+    def layout_memory(self, inputs: MemoryInputs, setting: MemoryLayout) -> LayoutMemory:
+        key = (id(inputs), setting)
         if key not in self._layouts:
-            self._layouts[key] = layout_memory(inputs, self.dtype, shard, reshard_after_forward, pp, offload,
-                                               expert_shard, autocast, ddp, accumulates)
+            self._layouts[key] = layout_memory(inputs, self.dtype, setting)
         return self._layouts[key]
 
     def memory_inputs(self, layout: Parallelism | TableKey, autocast: bool = False) -> MemoryInputs:

@@ -104,15 +104,25 @@ class RingAttentionCost:
     values (the backward reads them: 0 eager, whose backward gathers again)."""
 
 
-def ring_step_work_s(batch: int, seq_len: int, kv_features: int, bytes_per_element: float, cp: int,
-                     step: StepCosts) -> tuple[float, float]:
+@dataclass(frozen=True)
+class KeyValues:
+    """The keys and values one attention layer's ring exchanges: `batch` sequences of `seq_len` tokens (whole), of
+    `kv_features` features (kv heads x head dim) at `bytes_per_element`."""
+
+    batch: float
+    seq_len: int
+    kv_features: float
+    bytes_per_element: float
+
+
+def ring_step_work_s(kv: KeyValues, cp: int, step: StepCosts) -> tuple[float, float]:
     """(forward, backward) seconds of the ring's own per-step work on the compute stream over all cp steps: the
     merges and accumulations in fp32 and their kernel launches (steps after the first merge; every step
     accumulates)."""
-    tokens = batch * seq_len / cp
-    block_fp32 = 2 * tokens * kv_features * GRADIENT_BYTES
-    out_fp32 = tokens * kv_features * OUTPUT_BYTES
-    block = 2 * tokens * kv_features * bytes_per_element
+    tokens = kv.batch * kv.seq_len / cp
+    block_fp32 = 2 * tokens * kv.kv_features * GRADIENT_BYTES
+    out_fp32 = tokens * kv.kv_features * OUTPUT_BYTES
+    block = 2 * tokens * kv.kv_features * kv.bytes_per_element
     forward_step = (FORWARD_MERGE_PASSES * out_fp32 + 2 * block) / step.bytes_per_s \
         + FORWARD_STEP_KERNELS * step.kernel_overhead_s
     backward_step = (BACKWARD_STEP_PASSES * block_fp32 + BACKWARD_QUERY_PASSES * out_fp32 + 2 * block) \
@@ -120,14 +130,13 @@ def ring_step_work_s(batch: int, seq_len: int, kv_features: int, bytes_per_eleme
     return (cp - 1) * forward_step, cp * backward_step
 
 
-def ring_attention_cost(batch: int, seq_len: int, kv_features: int, bytes_per_element: float,
-                        attention_forward_s: float, attention_backward_s: float, group: Group,
+def ring_attention_cost(kv: KeyValues, attention_forward_s: float, attention_backward_s: float, group: Group,
                         step: StepCosts | None = None, traced: bool = False) -> RingAttentionCost:
-    """The ring's cost for `batch` sequences of `seq_len` tokens (whole) split over `group` (cp ranks), keys
-    and values of `kv_features` features (kv heads x head dim); attention_*_s: this rank's attention
-    compute of the layer under context parallelism (1/cp of the whole, load-balanced, one launch); `step`: what
-    the per-step merges run at (None: free, the exchange alone); `traced`: the ring traced into a torch.compile
+    """The ring's cost for the keys and values `kv` split over `group` (cp ranks); attention_*_s: this rank's
+    attention compute of the layer under context parallelism (1/cp of the whole, load-balanced, one launch); `step`:
+    what the per-step merges run at (None: free, the exchange alone); `traced`: the ring traced into a torch.compile
     graph, every exchange waited where it is issued, none hidden behind an attention step (the module docstring)."""
+    batch, seq_len, kv_features, bytes_per_element = kv.batch, kv.seq_len, kv.kv_features, kv.bytes_per_element
     cp = group.size
     block = 2 * batch * seq_len / cp * kv_features * bytes_per_element
     if cp <= 1:
@@ -136,7 +145,7 @@ def ring_attention_cost(batch: int, seq_len: int, kv_features: int, bytes_per_el
     gather = all_gather_s(cp * block, cp, group.link, group.nodes)
     send_gradient = p2p_s(gradient_block, group.link)
     forward_step, backward_step = attention_forward_s / cp, attention_backward_s / cp
-    work = ring_step_work_s(batch, seq_len, kv_features, bytes_per_element, cp, step) if step else (0.0, 0.0)
+    work = ring_step_work_s(kv, cp, step) if step else (0.0, 0.0)
     launches = (cp - 1) * step.kernel_overhead_s if step else 0.0  # the attention kernel once per step, not once
     if traced:  # every exchange waited where issued; the backward reads the forward's (or its recompute's) gather
         forward = gather + work[0] + launches

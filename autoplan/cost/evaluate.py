@@ -32,13 +32,13 @@ from functools import lru_cache
 
 from autoplan.cost import calibration, comm
 from autoplan.cost.compute import ModuleTable, host_optimizer_step_time, mfu, model_flops_per_step, optimizer_step_time
-from autoplan.cost.context import Context, Groups, expert_shard_degree, gib
+from autoplan.cost.context import Context, Groups, expert_shard_degree, gib, memory_layout
 from autoplan.cost.dtypes import bytes_per_element
 from autoplan.cost.memory import LayoutMemory, MemoryInputs, host_state_bytes
 from autoplan.cost.pipeline import StageCost, microbatches_in_flight, simulated_step_s
 from autoplan.cost.problem import Assignment, ChainProblem, single_stage_memory
 from autoplan.cost.problem import memory_lower_bound as problem_memory_lower_bound
-from autoplan.layout import SCHEDULE_BY_NAME, stage_rank
+from autoplan.layout import SCHEDULE_BY_NAME
 from autoplan.plan import Parallelism, Prediction, Stage
 
 
@@ -68,8 +68,7 @@ class Candidate:
 
 
 def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> ChainProblem:
-    pp, v = par.pp, par.virtual_stages
-    m = par.microbatches
+    pp, v, m = par.pp, par.virtual_stages, par.microbatches
     inputs, shared = _layout_memory(ctx, par)
     stages = pp * v
     received = 1 if pp > 1 else 0  # the gradient received for the backward running (StageMemoryModel.received)
@@ -87,23 +86,19 @@ def build_problem(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> Cha
         module_time_s={k: table.time_s(k) for k in modes},
         memory=models,
         memory_cap_bytes=ctx.cluster.usable_memory_bytes,
-        num_ranks=pp,
+        pp=pp,
         modes=modes,
         stage_overhead_s=overhead,
         signature=ctx.costs.signature,
-        placement=SCHEDULE_BY_NAME[par.schedule].placement,
+        placement=par.placement,
     )
 
 
 def _layout_memory(ctx: Context, par: Parallelism) -> tuple[MemoryInputs, LayoutMemory]:
     """The memory inputs of `par` and the per-module vectors its stages share (Context's caches)."""
-    tp, ep = par.tp, par.ep
     autocast = ctx.autocast_layout(par)
     inputs = ctx.memory_inputs(par, autocast)
-    ddp = par.fsdp_shard == 1 and par.dp_replicate > 1 and tp == 1  # parallel.py
-    return inputs, ctx.layout_memory(inputs, par.fsdp_shard, par.reshards_after_forward, par.pp, par.offload,
-                                     expert_shard_degree(par.fsdp_shard, ep, tp), autocast, ddp,
-                                     accumulates=par.microbatches > 1)
+    return inputs, ctx.layout_memory(inputs, memory_layout(par, autocast))
 
 
 def memory_lower_bound(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -> float:
@@ -173,13 +168,14 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
             if held:
                 numels[held[0] - a] += tied[g]
         held = {p for u in modules for p in chain.modules[u].parameters}
-        window = {"forward_s": forward, "backward_s": backward + recompute}
         expert_bytes = [e * element for e in expert_numels]
-        dpc = _data_parallel(ctx, par, groups, module_bytes=[(x - e) * element for x, e in zip(numels, expert_numels)],
-                             expert_bytes=expert_bytes if par.sharded else [], tensors=len(held), **window)
+        share = StageShare(module_bytes=[(x - e) * element for x, e in zip(numels, expert_numels)],
+                           expert_bytes=expert_bytes if par.sharded else [], tensors=len(held), forward_s=forward,
+                           backward_s=backward + recompute)
+        dpc = _data_parallel(ctx, par, groups, share)
         if any(expert_numels) and not par.sharded:  # beside DDP: the experts' gradients, over their replicas
             dpc = _sum(dpc, comm.ddp_comm(sum(expert_bytes) * calibration.GRADIENT_REDUCE_BYTES / ctx.dtype_bytes,
-                                          groups.expert_replicate, window["backward_s"] * ctx.cluster.gpu.comm_overlap))
+                                          groups.expert_replicate, share.backward_s * ctx.cluster.gpu.comm_overlap))
         expert = min(forward + backward, sum(expert_compute[u] for u in modules)) if expert_compute else 0.0
         part = {"compute": forward + backward - expert, "recompute": recompute,
                 "tensor_parallel_comm": tp_forward + tp_backward, "data_parallel_comm": dpc.per_microbatch_s,
@@ -197,7 +193,7 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
                                (1 + slowdown) * (backward + recompute) + tp_backward + parallel_backward
                                + dpc.per_microbatch_s - dpc.forward_s + host / 2,
                                send, weight_s=(1 + slowdown) * weight))
-        rank = stage_rank(s, pp, problem.placement)
+        rank = par.stage_rank(s)
         per_step[rank] += dpc.per_step_s
         if tp > 1 and par.sp:
             per_step[rank] += sequence_local_gradient_sum_s(
@@ -232,8 +228,7 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     else:
         breakdown["bubble"] = 0.0
     breakdown["data_parallel_comm"] += max(per_step)
-    breakdown["pipeline_comm"] += _tied_gradient_sync(chain, assignment, pp, tied, element, groups.pipeline,
-                                                    problem.placement)
+    breakdown["pipeline_comm"] += _tied_gradient_sync(chain, assignment, par, tied, element, groups.pipeline)
     breakdown["optimizer"] = max(optimizer)
     breakdown["loss_all_reduce"] = _loss_all_reduce(ctx, par)
     if ctx.batch_statistics and par.dp > 1:
@@ -242,7 +237,7 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     stages = []
     rank_memory = [problem.rank_breakdown(r, assignment) for r in range(pp)]
     for s, (a, b) in enumerate(ranges):
-        memory = rank_memory[stage_rank(s, pp, problem.placement)]
+        memory = rank_memory[par.stage_rank(s)]
         stages.append(Stage(index=s, modules=chain.fqns[a:b], predicted_time_s=sum(parts[s].values()),
                             predicted_memory_bytes=sum(memory.values()), memory_breakdown=dict(memory),
                             predicted_forward_s=costs[s].forward_s, predicted_send_s=costs[s].send_s,
@@ -251,7 +246,7 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
     without_sp = None
     if tp > 1 and par.sp:  # the same layout's activations with sp=off, for the report
         plain = build_problem(ctx, replace(par, sp=False), problem.modes)
-        without_sp = plain.rank_breakdown(stage_rank(peak.index, pp, problem.placement), assignment).get("activations")
+        without_sp = plain.rank_breakdown(par.stage_rank(peak.index), assignment).get("activations")
     flops = model_flops_per_step(chain, ctx.training.global_batch_size)
     tokens = ctx.training.tokens_per_sample or chain.tokens_per_sample
     batch = ctx.training.global_batch_size
@@ -277,7 +272,7 @@ def with_memory_without_cp_ep(ctx: Context, candidate: Candidate, modes: tuple[s
     par, predicted = candidate.parallelism, candidate.predicted
     if predicted is None or candidate.assignment is None:
         return candidate
-    rank = max(candidate.stages, key=lambda st: st.predicted_memory_bytes).index % par.pp
+    rank = par.stage_rank(max(candidate.stages, key=lambda st: st.predicted_memory_bytes).index)
 
     def peak(changed: Parallelism) -> float:
         return sum(build_problem(ctx, changed, modes).rank_breakdown(rank, candidate.assignment).values())
@@ -356,21 +351,35 @@ def _split_backward(par: Parallelism) -> bool:
     return par.pp > 1 and facts is not None and facts.split_backward
 
 
-def _data_parallel(ctx: Context, par: Parallelism, groups: Groups, *, module_bytes: list[float],
-                   expert_bytes: list[float], forward_s: float, backward_s: float,
-                   tensors: int) -> comm.DataParallelComm:
-    """Data-parallel communication of one rank of a stage whose modules hold `module_bytes` of parameters
+@dataclass(frozen=True)
+class StageShare:
+    """What one rank of a stage holds and computes, as its data-parallel communication reads it."""
+
+    module_bytes: list[float]
+    """Parameter bytes of each module (training dtype), its experts' not included."""
+    expert_bytes: list[float]
+    """Under FSDP: each module's experts' parameter bytes (their own unit); [] beside DDP."""
+    tensors: int
+    """Parameter tensors."""
+    forward_s: float
+    """One micro-batch's forward compute, seconds."""
+    backward_s: float
+    """One micro-batch's backward compute (recompute included), seconds."""
+
+
+def _data_parallel(ctx: Context, par: Parallelism, groups: Groups, share: StageShare) -> comm.DataParallelComm:
+    """Data-parallel communication of one rank of a stage whose modules hold share.module_bytes of parameters
     (training dtype), FSDP-sharded over groups.shard (when par.sharded) and replicated over groups.replicate, and
-    under FSDP `expert_bytes` of experts, sharded over groups.expert_shard and replicated over
-    groups.expert_replicate (comm.FsdpStage), behind one micro-batch's forward and backward compute; `tensors`
-    parameter tensors."""
+    under FSDP share.expert_bytes of experts, sharded over groups.expert_shard and replicated over
+    groups.expert_replicate (comm.FsdpStage), behind one micro-batch's forward and backward compute."""
+    module_bytes, expert_bytes = share.module_bytes, share.expert_bytes
     sharded, shard, replicate = par.sharded, groups.shard, groups.replicate
     gradient_ratio = calibration.GRADIENT_REDUCE_BYTES / ctx.dtype_bytes
     gpu = ctx.cluster.gpu
     # what compute can hide; FSDP2 on a CPU device has no side streams: its all-gathers and
     # reduce-scatters block the compute thread (unshard(async_op=False) waits at once), so none
     overlap = 0.0 if sharded and gpu.name == "cpu" else gpu.comm_overlap
-    forward, backward = forward_s * overlap, backward_s * overlap
+    forward, backward = share.forward_s * overlap, share.backward_s * overlap
     streaming = gpu.memory_bandwidth_bytes_per_s * gpu.memory_efficiency
     if not sharded:
         # DDP proper only without tensor parallelism (with it, fully_shard replicates: runtime/distributed/parallel.py)
@@ -379,11 +388,11 @@ def _data_parallel(ctx: Context, par: Parallelism, groups: Groups, *, module_byt
                 return comm.bucketed_all_reduce_comm(sum(module_bytes) * gradient_ratio, replicate, streaming)
             backward = 0.0  # FSDP2's replication beside tensor parallelism
         hooks = gpu.ddp_tensor_overhead_s if par.tp == 1 else 0.0
-        return comm.ddp_comm(sum(module_bytes) * gradient_ratio, replicate, backward, tensors, hooks)
+        return comm.ddp_comm(sum(module_bytes) * gradient_ratio, replicate, backward, share.tensors, hooks)
     return comm.fsdp_comm(comm.FsdpStage(
-        module_param_bytes=tuple(module_bytes), reshard_after_forward=par.reshards_after_forward, shard=shard,
+        module_param_bytes=tuple(module_bytes), reshards_after_forward=par.reshards_after_forward, shard=shard,
         replicate=replicate, pipelined=par.pp > 1,
-        num_microbatches=par.microbatches, forward_window_s=forward,
+        microbatches=par.microbatches, forward_window_s=forward,
         backward_window_s=backward, copy_bytes_per_s=streaming, gradient_ratio=gradient_ratio,
         unit_overhead_s=gpu.fsdp_unit_overhead_s,
         host_link_bytes_per_s=ctx.cluster.hardware.host.link_bandwidth_bytes_per_s if par.offload else 0.0,
@@ -391,11 +400,10 @@ def _data_parallel(ctx: Context, par: Parallelism, groups: Groups, *, module_byt
         expert_replicate=groups.expert_replicate))
 
 
-def _tied_gradient_sync(chain, assignment: Assignment, pp: int, tied: list[float], element: int,
-                        group: comm.Group, placement: str = "loop") -> float:
+def _tied_gradient_sync(chain, assignment: Assignment, par: Parallelism, tied: list[float], element: int,
+                        group: comm.Group) -> float:
     """Ranks holding copies of one tied parameter all-reduce its gradient once per step."""
-    stage_of = {u: stage_rank(s, pp, placement) for s, (a, b) in enumerate(assignment.split.ranges())
-                for u in range(a, b)}
+    stage_of = {u: par.stage_rank(s) for s, (a, b) in enumerate(assignment.split.ranges()) for u in range(a, b)}
     total = 0.0
     for g, numel in zip(chain.tied_groups, tied):
         holders = len({stage_of[u] for u in g.modules})

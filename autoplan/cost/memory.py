@@ -78,6 +78,7 @@ from functools import cached_property
 
 from autoplan.cost import calibration
 from autoplan.cost.dtypes import bytes_per_element, training_dtype
+from autoplan.layout import zero_of
 
 MODEL_STATE_BYTES_PER_PARAM = {
     "fp32": {"parameters": 4, "gradients": 4, "optimizer": 8},
@@ -123,25 +124,16 @@ def host_state_bytes(numel_on_rank: float, shard: int, ranks_per_node: int) -> f
     return HOST_STATE_BYTES_PER_PARAM * numel_on_rank / shard * ranks_per_node
 
 
-def model_state_bytes(numel: float, train_dtype: str, zero_stage: int, data_parallel: int) -> dict[str, float]:
-    """Parameters, gradients and optimizer state of `numel` parameters on one rank (ZeRO paper):
-    stage >= 1 shards the optimizer state over the data-parallel ranks, >= 2 also the gradients,
-    3 also the parameters: 16 Psi replicated, 4 Psi + 12 Psi / N, 2 Psi + 14 Psi / N, 16 Psi / N."""
+def model_state_bytes(numel: float, train_dtype: str, zero: int, shard: int) -> dict[str, float]:
+    """Parameters, gradients and optimizer state of `numel` parameters on one rank (ZeRO paper), sharded over
+    `shard` data-parallel ranks by ZeRO stage `zero` (Parallelism.zero): >= 1 shards the optimizer state, >= 2 also
+    the gradients, 3 also the parameters: 16 Psi replicated, 4 Psi + 12 Psi / N, 2 Psi + 14 Psi / N, 16 Psi / N."""
     per_param = MODEL_STATE_BYTES_PER_PARAM[training_dtype(train_dtype)]
     sharded_from = {"optimizer": 1, "gradients": 2, "parameters": 3}
     return {
-        c: numel * per_param[c] / (data_parallel if zero_stage >= sharded_from[c] else 1)
+        c: numel * per_param[c] / (shard if zero >= sharded_from[c] else 1)
         for c in STATE_CATEGORIES
     }
-
-
-def zero_of(dp_shard: int, reshard_after_forward: bool) -> int:
-    """The ZeRO stage (the paper's notation) whose memory a data-parallel sharding has: 0 unsharded (DDP),
-    2 FSDP2 keeping gathered parameters to backward (gradients and optimizer state sharded), 3 FSDP2
-    resharding after forward."""
-    if dp_shard <= 1:
-        return 0
-    return 3 if reshard_after_forward else 2
 
 
 @dataclass(frozen=True)
@@ -368,18 +360,37 @@ def gradients_at_loss_peak(ddp: bool, zero: int, accumulates: bool) -> bool:
     return ddp or (zero == 0 and accumulates)
 
 
-def layout_memory(inputs: MemoryInputs, train_dtype: str, shard: int, reshard_after_forward: bool,
-                  num_ranks: int, offload: bool = False, expert_shard: int = 1, autocast: bool = False,
-                  ddp: bool = False, accumulates: bool = True) -> LayoutMemory:
-    """The memory vectors of a layout. `shard` is the data-parallel sharding degree (dp_shard x cp; 1 for
-    DDP); `num_ranks` the pipeline degree; `offload`: the model states are on the host (CPU offload);
-    `expert_shard`: the ranks the expert parameters' states are sharded over (the FSDP group over ep);
-    `autocast`: bf16 runs as torch.autocast over fp32 weights (AUTOCAST_STATE_BYTES_PER_PARAM; `inputs` then
-    holds autocast's activations, Context.memory_inputs); `ddp`: the gradients live in DDP's buckets;
-    `accumulates`: a step runs more than one micro-batch's backward per rank (micro-batches > 1 or a pipeline)."""
+@dataclass(frozen=True)
+class MemoryLayout:
+    """What a layout's memory vectors read of the layout (layout_memory; cost/context.py memory_layout makes it of a
+    Parallelism, and Context.layout_memory caches by it)."""
+
+    fsdp_shard: int = 1
+    """The data-parallel sharding degree (Parallelism.fsdp_shard: dp_shard x cp; 1 for DDP)."""
+    reshards_after_forward: bool = False
+    """Parallelism.reshards_after_forward (ZeRO-3)."""
+    pp_enabled: bool = False
+    """More than one pipeline rank (Parallelism.pp_enabled)."""
+    offload: bool = False
+    """The model states are on the host (CPU offload)."""
+    expert_shard: int = 1
+    """The ranks the expert parameters' states are sharded over (the FSDP group over ep)."""
+    autocast: bool = False
+    """bf16 runs as torch.autocast over fp32 weights (AUTOCAST_STATE_BYTES_PER_PARAM; the MemoryInputs then hold
+    autocast's activations, Context.memory_inputs)."""
+    ddp: bool = False
+    """The gradients live in DDP's buckets."""
+    accumulates: bool = True
+    """A step runs more than one micro-batch's backward per rank (micro-batches > 1; a pipeline always does)."""
+
+
+def layout_memory(inputs: MemoryInputs, train_dtype: str, setting: MemoryLayout) -> LayoutMemory:
+    """The memory vectors of a layout (`setting`: what they read of it) with the modules of `inputs`."""
+    shard, reshards_after_forward, offload = setting.fsdp_shard, setting.reshards_after_forward, setting.offload
+    expert_shard, autocast, pipelined = setting.expert_shard, setting.autocast, setting.pp_enabled
     dtype = training_dtype(train_dtype)
-    zero = zero_of(shard, reshard_after_forward)
-    accumulates = accumulates or num_ranks > 1
+    zero = zero_of(shard, reshards_after_forward)
+    accumulates = setting.accumulates or pipelined
     element = bytes_per_element(dtype)
     if autocast:
         per_param = AUTOCAST_STATE_BYTES_PER_PARAM
@@ -390,7 +401,7 @@ def layout_memory(inputs: MemoryInputs, train_dtype: str, shard: int, reshard_af
     firsts = (("optimizer", 1), ("gradients", 2), ("parameters", 2))
     divisor = {c: shard if zero >= first else 1 for c, first in firsts}
     expert_divisor = {c: expert_shard if zero >= first else 1 for c, first in firsts}
-    held_gradients = gradients_at_loss_peak(ddp, zero, accumulates)
+    held_gradients = gradients_at_loss_peak(setting.ddp, zero, accumulates)
 
     def states(numels, experts=()) -> tuple[dict[str, tuple[float, ...]], dict[str, tuple[float, ...]]]:
         """(held at the loss's peak, made during backward) per category."""
@@ -400,7 +411,7 @@ def layout_memory(inputs: MemoryInputs, train_dtype: str, shard: int, reshard_af
         late = {} if held_gradients or offload else {"gradients": out.pop("gradients")}
         if zero == 2:  # FSDP2's gathered copies kept to backward: reshard_after_forward=False
             out["gathered_parameters"] = tuple(n * element for n in numels)
-        elif zero == 3 and num_ranks > 1:
+        elif zero == 3 and pipelined:
             # a pipeline's backwards keep them gathered (stage.py backward_maybe_with_nosync: reshard_after_backward
             # False until the step's end), but each forward reshards them again after it: held whole only from a
             # backward that no forward follows on (the late moment), the units in flight before
@@ -426,7 +437,7 @@ def layout_memory(inputs: MemoryInputs, train_dtype: str, shard: int, reshard_af
     modules, late_modules = states(inputs.module_numel, inputs.expert_numel)
     groups, late_groups = states(inputs.group_numel)
     activations = inputs.activations
-    if num_ranks > 1 and inputs.output_bytes:  # the last stage's outputs, kept in fwd_cache like every stage's
+    if pipelined and inputs.output_bytes:  # the last stage's outputs, kept in fwd_cache like every stage's
         activations = {mode: (*vec[:-1], vec[-1] + inputs.output_bytes) for mode, vec in activations.items()}
     return LayoutMemory(modules, activations, groups, inputs.tied_group_modules, largest, inputs.cut_bytes,
                         late_modules, late_groups, late_largest)

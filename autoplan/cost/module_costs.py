@@ -169,14 +169,33 @@ class ChainCosts:
         return out
 
 
-def op_cost(op: OpProfile, profile: ModelProfile, role: str, shares_gather: bool = False,
-            autocast_fp32: bool = False, sums_ranks: bool = False, gathered_shard_bytes: float = 0.0,
-            saved_bytes: float | None = None, viewed_weight_numel: float = 0.0,
-            fp32_share: float = 1.0) -> OpCost:
-    """`saved_bytes`: what the op keeps for backward when the program runs it, for the profiled batch, where it
-    differs from the capture's (chain.attention.run_time_saved_bytes); None: the capture's. `viewed_weight_numel`:
-    the parameter elements a grouped expert matmul reads through views of the stacked expert weights
+@dataclass(frozen=True)
+class OpMarks:
+    """What the chain's analyses say of one op beyond its profile (op_cost reads them into its OpCost)."""
+
+    role: str = ""
+    """Its tensor-parallel role (TensorParallelFacts.role), "" outside the pairs."""
+    shares_gather: bool = False
+    """A colwise Linear reading the same input as an earlier one (OpCost.shares_gather)."""
+    autocast_fp32: bool = False
+    """torch.autocast runs it in float32 (chain.ops.autocast_fp32_nodes)."""
+    sums_ranks: bool = False
+    """Its output sums over the tensor-parallel ranks' features (OpCost.sums_ranks)."""
+    gathered_shard_bytes: float = 0.0
+    """Bytes of the sequence-sharded operands it reads in a split region, for the profiled batch."""
+    saved_bytes: float | None = None
+    """What the op keeps for backward when the program runs it, for the profiled batch, where it differs from the
+    capture's (chain.attention.run_time_saved_bytes); None: the capture's."""
+    viewed_weight_numel: float = 0.0
+    """The parameter elements a grouped expert matmul reads through views of the stacked expert weights
     (grouped_weight_numel), which the program casts to the training dtype each forward."""
+    fp32_share: float = 1.0
+    """Of an autocast_fp32 op's saved bytes, the float32 share (autocast_fp32_share)."""
+
+
+def op_cost(op: OpProfile, profile: ModelProfile, marks: OpMarks = OpMarks()) -> OpCost:
+    """The cost of `op` per sample, with what the chain's analyses found of it (`marks`)."""
+    role, saved_bytes, viewed_weight_numel = marks.role, marks.saved_bytes, marks.viewed_weight_numel
     batch = profile.batch_size
     param_bytes = sum(profile.parameters.get(p, 0) for p in op.params) * profile.parameter_bytes_per_element
     param_bytes = min(param_bytes, op.input_bytes)  # buffers read as params are not in `parameters`
@@ -203,13 +222,13 @@ def op_cost(op: OpProfile, profile: ModelProfile, role: str, shares_gather: bool
         measured=measured,
         profile_batch=batch,
         rows=_rows(op) / batch,
-        shares_gather=shares_gather,
-        autocast_fp32=autocast_fp32,
-        autocast_fp32_share=fp32_share,
+        shares_gather=marks.shares_gather,
+        autocast_fp32=marks.autocast_fp32,
+        autocast_fp32_share=marks.fp32_share,
         autocast_weight_numel=cast_numel,
         grouped=grouped,
-        sums_ranks=sums_ranks,
-        gathered_shard_bytes=gathered_shard_bytes / batch,
+        sums_ranks=marks.sums_ranks,
+        gathered_shard_bytes=marks.gathered_shard_bytes / batch,
     )
 
 
@@ -235,10 +254,11 @@ def _op_costs(nodes, by_node: dict[str, OpProfile], profile: ModelProfile, facts
                      if src in by_node and facts.role.get(src, "") in SEQUENCE_ROLES) if role == "interior" else 0.0
         saved = (run_time_saved_bytes(op, by_node, profile.masks_left_to_is_causal) if cost_kind(op) == "attention"
                  else None)
-        yield op_cost(op, profile, role, shares_gather=source in gathered, autocast_fp32=node in fp32,
-                      sums_ranks=node in facts.rank_sums, gathered_shard_bytes=shards, saved_bytes=saved,
-                      viewed_weight_numel=grouped_weight_numel(op, by_node, profile) if is_grouped_matmul(op) else 0.0,
-                      fp32_share=autocast_fp32_share(op, by_node, fp32) if node in fp32 else 1.0)
+        yield op_cost(op, profile, OpMarks(
+            role, shares_gather=source in gathered, autocast_fp32=node in fp32, sums_ranks=node in facts.rank_sums,
+            gathered_shard_bytes=shards, saved_bytes=saved,
+            viewed_weight_numel=grouped_weight_numel(op, by_node, profile) if is_grouped_matmul(op) else 0.0,
+            fp32_share=autocast_fp32_share(op, by_node, fp32) if node in fp32 else 1.0))
         if source is not None:
             gathered.add(source)
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autoplan.hardware.types import AlphaBeta
+
 
 @dataclass(frozen=True)
 class ParameterServerCost:
@@ -42,9 +44,12 @@ class ParameterServerCost:
 
 
 def parameter_server_cost(gradient_bytes: float, parameter_bytes: float, workers: int, servers: int,
-                          server_bandwidth_bytes_per_s: float, worker_bandwidth_bytes_per_s: float,
-                          latency_s: float) -> ParameterServerCost:
-    """The push and pull of one step (module docstring)."""
+                          server_link: AlphaBeta, worker_link: AlphaBeta) -> ParameterServerCost:
+    """The push and pull of one step (module docstring) over each server's and each worker's link, alpha the
+    larger of their latencies."""
+    server_bandwidth_bytes_per_s = server_link.bus_bandwidth_bytes_per_s
+    worker_bandwidth_bytes_per_s = worker_link.bus_bandwidth_bytes_per_s
+    latency_s = max(server_link.latency_s, worker_link.latency_s)
     if workers < 1 or servers < 1:
         raise ValueError(f"a parameter server needs at least one worker and one server, got {workers} and {servers}")
     server_push = workers * gradient_bytes / (servers * server_bandwidth_bytes_per_s)

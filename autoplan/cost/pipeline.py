@@ -33,48 +33,48 @@ SCHEDULES_SUPPORTED = tuple(SCHEDULE_BY_NAME)
 """Every schedule of the plan vocabulary (autoplan.layout.SCHEDULE_TABLE) is priced."""
 
 
-def interleaved_warmup(rank: int, num_ranks: int, virtual: int, num_microbatches: int) -> int:
+def interleaved_warmup(rank: int, pp: int, virtual_stages: int, microbatches: int) -> int:
     """Forward micro-batch-stages a rank runs before its first backward (torch _get_warmup_ops)."""
-    rounds = max(1, num_microbatches // num_ranks)
-    per_round = num_microbatches // rounds
-    return min((virtual - 1) * per_round + 2 * (num_ranks - 1 - rank), num_microbatches * virtual)
+    rounds = max(1, microbatches // pp)
+    per_round = microbatches // rounds
+    return min((virtual_stages - 1) * per_round + 2 * (pp - 1 - rank), microbatches * virtual_stages)
 
 
 @lru_cache(maxsize=None)  # every stage of every priced layout asks (tens of thousands of keys on the largest searches)
-def microbatches_in_flight(schedule: str, num_ranks: int, num_microbatches: int, stage_index: int,
-                           virtual: int = 1) -> int:
+def microbatches_in_flight(schedule: str, pp: int, microbatches: int, stage_index: int,
+                           virtual_stages: int = 1) -> int:
     """Micro-batches whose activations the rank running `stage_index` keeps for that stage at its peak, by the
     schedule's in_flight rule (autoplan.layout.Schedule.in_flight)."""
-    if num_ranks == 1:
+    if pp == 1:
         return 1  # gradient accumulation: each micro-batch's backward runs before the next forward
     if schedule not in SCHEDULE_BY_NAME:
         raise ValueError(f"schedule {schedule!r} is not priced (supported: {SCHEDULES_SUPPORTED})")
     facts = SCHEDULE_BY_NAME[schedule]
     if facts.in_flight == "all":
-        return num_microbatches
+        return microbatches
     if facts.in_flight == "pp_minus_stage":
-        return min(num_microbatches, num_ranks - stage_index)
-    rank = stage_rank(stage_index, num_ranks, facts.placement)
-    local = rank_stages(rank, num_ranks, virtual, facts.placement).index(stage_index)
+        return min(microbatches, pp - stage_index)
+    rank = stage_rank(stage_index, pp, facts.placement)
+    local = rank_stages(rank, pp, virtual_stages, facts.placement).index(stage_index)
     if facts.in_flight == "rounds":
-        rounds = max(1, num_microbatches // num_ranks)
-        per_round = num_microbatches // rounds
-        issued = interleaved_warmup(rank, num_ranks, virtual, num_microbatches) + 1
-        cycles, rest = divmod(issued, per_round * virtual)  # forwards go in rounds of per_round per local stage
-        return min(num_microbatches, cycles * per_round + min(per_round, max(0, rest - local * per_round)))
+        rounds = max(1, microbatches // pp)
+        per_round = microbatches // rounds
+        issued = interleaved_warmup(rank, pp, virtual_stages, microbatches) + 1
+        cycles, rest = divmod(issued, per_round * virtual_stages)  # forwards go in rounds of per_round per local stage
+        return min(microbatches, cycles * per_round + min(per_round, max(0, rest - local * per_round)))
     if facts.in_flight == "simulated":
-        return split_backward_in_flight(schedule, num_ranks, num_microbatches, rank, virtual)[local]
+        return split_backward_in_flight(schedule, pp, microbatches, rank, virtual_stages)[local]
     raise ValueError(f"schedule {schedule!r}: in_flight rule {facts.in_flight!r} is not priced")
 
 
 @lru_cache(maxsize=None)  # one simulated schedule per rank, read by each of its stages (microbatches_in_flight)
-def split_backward_in_flight(schedule: str, num_ranks: int, num_microbatches: int, rank: int,
+def split_backward_in_flight(schedule: str, pp: int, microbatches: int, rank: int,
                              chunks: int) -> tuple[int, ...]:
     """Micro-batches each of the rank's stages (chunk order) holds activations for when the rank holds the most
     (summed over its stages): from a micro-batch's forward to its weight-gradient pass (or whole backward), which
     a zero-bubble schedule runs later than 1F1B would, keeping the activations the matmuls' weight gradients read."""
     alive, peak, best = [0] * chunks, [0] * chunks, -1
-    for kind, chunk, _ in split_backward_order(schedule, num_ranks, num_microbatches, rank, chunks):
+    for kind, chunk, _ in split_backward_order(schedule, pp, microbatches, rank, chunks):
         alive[chunk] += 1 if kind == "F" else -1 if kind in ("B", "W") else 0
         if sum(alive) > best:
             best, peak = sum(alive), list(alive)
@@ -95,32 +95,40 @@ class PipelineTime:
         return self.busy_s + self.bubble_s
 
 
-def pipeline_time(slot_s: float, num_ranks: int, num_microbatches: int, virtual: int = 1) -> PipelineTime:
+def pipeline_time(slot_s: float, pp: int, microbatches: int, virtual_stages: int = 1) -> PipelineTime:
     """(m + (p - 1) / v) x slowest slot."""
-    return PipelineTime(busy_s=num_microbatches * slot_s, bubble_s=(num_ranks - 1) / virtual * slot_s)
+    return PipelineTime(busy_s=microbatches * slot_s, bubble_s=(pp - 1) / virtual_stages * slot_s)
 
 
-def rank_order(schedule: str, num_ranks: int, num_microbatches: int, rank: int,
+def rank_order(schedule: str, pp: int, microbatches: int, rank: int,
                chunks: int = 1) -> list[tuple[str, int, int]]:
-    """The ("F" | "B", chunk, microbatch) operations of one rank in the order its schedule runs them.
+    """The ("F" | "B" | "I" | "W", chunk, microbatch) operations of one rank in the order its schedule runs them
+    (ORDERS; 1F1B for a name outside the table).
 
-    chunk is the rank's local model chunk (0 unless interleaved): global stage = chunk * num_ranks + rank.
+    chunk is the rank's local model chunk (0 unless it holds several stages: autoplan.layout.rank_stages).
     """
-    m, p = num_microbatches, num_ranks
-    if schedule in SCHEDULE_BY_NAME and SCHEDULE_BY_NAME[schedule].split_backward:
-        return split_backward_order(schedule, p, m, rank, chunks)
-    if schedule == "gpipe":
-        forwards = [("F", c, i) for c in range(chunks) for i in range(m)]
-        backwards = [("B", c, i) for c in reversed(range(chunks)) for i in range(m)]
-        return forwards + backwards
-    if schedule == "interleaved" and chunks > 1:
-        return _interleaved_order(p, m, rank, chunks)
-    # 1F1B (PipeDream-Flush): rank r runs p-1-r warm-up forwards, then alternates, then drains.
+    return ORDERS.get(schedule, _one_f_one_b_order)(pp, microbatches, rank, chunks)
+
+
+def _gpipe_order(p: int, m: int, rank: int, chunks: int) -> list[tuple[str, int, int]]:
+    """GPipe: every forward, then every backward."""
+    forwards = [("F", c, i) for c in range(chunks) for i in range(m)]
+    backwards = [("B", c, i) for c in reversed(range(chunks)) for i in range(m)]
+    return forwards + backwards
+
+
+def _one_f_one_b_order(p: int, m: int, rank: int, chunks: int = 1) -> list[tuple[str, int, int]]:
+    """1F1B (PipeDream-Flush): rank r runs p-1-r warm-up forwards, then alternates, then drains (chunk 0)."""
     warmup = min(p - 1 - rank, m)
     order = [("F", 0, i) for i in range(warmup)]
     for i in range(m - warmup):
         order += [("F", 0, warmup + i), ("B", 0, i)]
     return order + [("B", 0, i) for i in range(m - warmup, m)]
+
+
+def _interleaved_or_1f1b_order(p: int, m: int, rank: int, chunks: int) -> list[tuple[str, int, int]]:
+    """ScheduleInterleaved1F1B: with one stage per rank it runs as 1F1B."""
+    return _interleaved_order(p, m, rank, chunks) if chunks > 1 else _one_f_one_b_order(p, m, rank)
 
 
 def _interleaved_order(p: int, m: int, rank: int, chunks: int) -> list[tuple[str, int, int]]:
@@ -136,7 +144,7 @@ def _interleaved_order(p: int, m: int, rank: int, chunks: int) -> list[tuple[str
 
     if m % p:
         # Megatron's grouping needs m to be a multiple of p; otherwise run chunk by chunk (deadlock-free).
-        return rank_order("gpipe", p, m, rank, chunks)
+        return _gpipe_order(p, m, rank, chunks)
     warmup = min((p - rank - 1) * 2 + (chunks - 1) * p, total)
     order = [op("F", k) for k in range(warmup)]
     for i in range(total - warmup):
@@ -214,7 +222,7 @@ def _orders_and_receives(schedule: str, p: int, m: int, chunks: int):
     return orders, receive_posted_after(orders, m, chunks)
 
 
-def simulate(schedule: str, num_ranks: int, num_microbatches: int, stages: Sequence[StageCost]) -> SimulatedPipeline:
+def simulate(schedule: str, pp: int, microbatches: int, stages: Sequence[StageCost]) -> SimulatedPipeline:
     """Run the schedule's operation order on every rank (stage s on rank layout.stage_rank(s, p, placement):
     s % p, or the V of zbv and dualpipev).
 
@@ -227,10 +235,10 @@ def simulate(schedule: str, num_ranks: int, num_microbatches: int, stages: Seque
     Events (an operation starts, an output is ready to send) are taken from a heap in time order, so
     streams are claimed first come, first served.
     """
-    p = max(1, num_ranks)
+    p = max(1, pp)
     if len(stages) % p:
         raise ValueError(f"{len(stages)} stages do not split evenly over {p} pipeline ranks")
-    chunks, m, last = len(stages) // p, num_microbatches, len(stages) - 1
+    chunks, m, last = len(stages) // p, microbatches, len(stages) - 1
     orders, posted = _orders_and_receives(schedule, p, m, chunks)
     placement = placement_of(schedule)
     local = [rank_stages(r, p, chunks, placement) for r in range(p)]
@@ -318,7 +326,7 @@ each): a search prices hundreds of layouts, so longer ones are extrapolated from
 still, priced by `swept_makespan_s` (the same operation orders, vectorized)."""
 
 
-def simulated_step_s(schedule: str, num_ranks: int, num_microbatches: int, stages: Sequence[StageCost]) -> float:
+def simulated_step_s(schedule: str, pp: int, microbatches: int, stages: Sequence[StageCost]) -> float:
     """Makespan of the simulated pipeline.
 
     Within SIMULATED_OPERATIONS_MAX operations, `simulate`. Longer runs: past the warm-up every extra round of p
@@ -326,7 +334,7 @@ def simulated_step_s(schedule: str, num_ranks: int, num_microbatches: int, stage
     and m1 + p micro-batches with m1 = m (mod p), which keeps torch's grouping of interleaved rounds: simulated, or
     for pipelines too deep for that (32-64 stages) every operation of their schedule's order run in
     `swept_makespan_s`, as are deep runs of at most six rounds."""
-    m, p = num_microbatches, max(1, num_ranks)
+    m, p = microbatches, max(1, pp)
     per_microbatch = 2 * len(stages)
     if m * per_microbatch <= SIMULATED_OPERATIONS_MAX:
         return simulate(schedule, p, m, stages).makespan_s
@@ -445,7 +453,7 @@ def _levels(offsets: list[int], producer: list[int], after: list[int], schedule:
     return level[:total]
 
 
-def swept_makespan_s(schedule: str, num_ranks: int, num_microbatches: int, stages: Sequence[StageCost]) -> float:
+def swept_makespan_s(schedule: str, pp: int, microbatches: int, stages: Sequence[StageCost]) -> float:
     """Makespan of every rank running its schedule's operation order (the order `simulate` runs), vectorized.
 
     Each operation ends at max(the rank's previous operation's end, its input's arrival) + its duration; the
@@ -453,10 +461,10 @@ def swept_makespan_s(schedule: str, num_ranks: int, num_microbatches: int, stage
     arrives its boundary's send_s after the later of its production and the receive's posting, as in `simulate`,
     but transfers do not queue for the send and receive streams (`simulate` serves them first come, first served:
     identical without transfers, tests/test_zero_bubble_cost.py bounds the difference with them)."""
-    p = max(1, num_ranks)
+    p = max(1, pp)
     if len(stages) % p:
         raise ValueError(f"{len(stages)} stages do not split evenly over {p} pipeline ranks")
-    deps = _dependencies(schedule, p, num_microbatches, len(stages) // p)
+    deps = _dependencies(schedule, p, microbatches, len(stages) // p)
     table = np.array([[c.forward_s, c.backward_s, c.backward_s - c.weight_s, c.weight_s] for c in stages])
     send = np.array([c.send_s for c in stages] + [0.0])  # [-1]: no transfer
     duration = table[deps.stage, deps.kind]
@@ -472,19 +480,15 @@ def swept_makespan_s(schedule: str, num_ranks: int, num_microbatches: int, stage
     return float(end.max())
 
 
-def split_backward_order(schedule: str, num_ranks: int, num_microbatches: int, rank: int,
+def split_backward_order(schedule: str, pp: int, microbatches: int, rank: int,
                          chunks: int) -> list[tuple[str, int, int]]:
     """The ("F" | "B" | "I" | "W", chunk, microbatch) operations of one rank of a zero-bubble schedule, in
     torch's order (the _calculate_single_rank_operations of its class, ported without torch: the core never
     imports it; tests/test_zero_bubble_cost.py checks them against torch's). "B" is a whole backward, "I" its
     input-gradient pass, "W" its weight-gradient pass. chunk indexes the rank's stages in increasing order
     (autoplan.layout.rank_stages); DualPipeV's overlapped forward + backward pairs run one after the other."""
-    if schedule == "zb-interleaved":
-        return _zero_bubble_interleaved_order(num_ranks, num_microbatches, rank, chunks)
-    if schedule == "zbv":
-        return _zbv_order(num_ranks, num_microbatches, rank)
-    if schedule == "dualpipev":
-        return _dualpipev_order(num_ranks, num_microbatches, rank)
+    if schedule in SCHEDULE_BY_NAME and SCHEDULE_BY_NAME[schedule].split_backward:
+        return ORDERS[schedule](pp, microbatches, rank, chunks)
     raise ValueError(f"schedule {schedule!r} does not split its backward")
 
 
@@ -636,3 +640,15 @@ def _dualpipev_order(p: int, m: int, rank: int) -> list[tuple[str, int, int]]:
     for _ in range(rank + 1):
         weight()
     return order
+
+
+ORDERS = {
+    "gpipe": _gpipe_order,
+    "1f1b": _one_f_one_b_order,
+    "interleaved": _interleaved_or_1f1b_order,
+    "zb-interleaved": _zero_bubble_interleaved_order,
+    "zbv": lambda p, m, rank, chunks: _zbv_order(p, m, rank),
+    "dualpipev": lambda p, m, rank, chunks: _dualpipev_order(p, m, rank),
+}
+"""Schedule name (autoplan.layout.SCHEDULE_TABLE) -> (p, m, rank, chunks) -> the rank's operation order: the one place
+in the cost model that a schedule is written (tests/test_schedule_table.py checks it names every schedule)."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from autoplan.cost.memory import StageMemoryModel
-from autoplan.layout import rank_stages
+from autoplan.layout import rank_stages, stage_rank
 
 MEMORY_TOLERANCE = 1e-9
 """Relative slack on the memory cap that every solver and ChainProblem.fits allow alike (floating-point sums):
@@ -61,7 +61,7 @@ class ChainProblem:
     """memory[s]: the memory model of stage s (len = number of stages = p x v)."""
     memory_cap_bytes: float
     """Usable memory per rank, bytes."""
-    num_ranks: int = 0
+    pp: int = 0
     """Pipeline ranks p (0 means one rank per stage)."""
     modes: tuple[str, ...] = ("none",)
     """Recompute modes the solver may give a module."""
@@ -115,17 +115,21 @@ class ChainProblem:
 
     @property
     def ranks(self) -> int:
-        return self.num_ranks or self.num_stages
+        return self.pp or self.num_stages
 
     @property
-    def virtual(self) -> int:
+    def virtual_stages(self) -> int:
         return self.num_stages // self.ranks
 
     def overhead(self, stage: int) -> float:
         return self.stage_overhead_s[stage] if self.stage_overhead_s else 0.0
 
     def stages_of_rank(self, rank: int) -> list[int]:
-        return rank_stages(rank, self.ranks, self.virtual, self.placement)
+        return rank_stages(rank, self.ranks, self.virtual_stages, self.placement)
+
+    def stage_rank(self, stage: int) -> int:
+        """The rank that runs `stage` (autoplan.layout.stage_rank)."""
+        return stage_rank(stage, self.ranks, self.placement)
 
     def uniform(self, split: Split, mode: str | None = None) -> Assignment:
         return Assignment(split, (mode or self.modes[0],) * self.num_modules)

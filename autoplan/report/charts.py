@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from autoplan.report.schedule import COMMUNICATION, COMPUTE, COMPUTE_KINDS, RECEIVE, ElidedSpan, ScheduleEvent
 from autoplan.report.svg import (ACCENT, INK, MUTED, WARN, Scale, Svg, byte_unit, color, fmt_bytes, fmt_seconds,
@@ -46,6 +47,18 @@ def value_scale(fmt, largest: float, pixels: tuple[float, float]) -> Scale:
 
 
 @dataclass(frozen=True)
+class Axis:
+    """One value axis of a chart: its title and how its values are written."""
+
+    title: str
+    fmt: Callable[[float], str]
+    log: bool = False
+    """A logarithmic scale (line_chart's x: GPU counts)."""
+    zero_based: bool = False
+    """From 0 rather than below the smallest value (line_chart's y)."""
+
+
+@dataclass(frozen=True)
 class BarRow:
     """One horizontal bar made of coloured segments."""
 
@@ -59,15 +72,18 @@ class BarRow:
     """Extra tooltip text."""
 
 
-def stacked_bars(rows: list[BarRow], fmt, axis_title: str, label: str, cap: float | None = None,
-                 cap_label: str = "", color_by_group: bool = False, group_names: dict[int, str] | None = None,
-                 row_height: float = 26) -> str:
-    """Horizontal stacked bars, one per row; optional vertical cap line (e.g. GPU memory)."""
+def stacked_bars(rows: list[BarRow], axis: Axis, label: str, cap: tuple[float, str] | None = None,
+                 group_names: dict[int, str] | None = None, row_height: float = 26) -> str:
+    """Horizontal stacked bars, one per row; optional vertical cap line (value, label: e.g. GPU memory). With
+    `group_names` the bars are coloured by their row's group (named so in the legend), else by segment."""
+    fmt, axis_title = axis.fmt, axis.title
+    cap, cap_label = cap if cap is not None else (None, "")
+    color_by_group = group_names is not None
     names = list(dict.fromkeys(name for row in rows for name, _ in row.segments))
     left, right = label_margin([row.label for row in rows]), WIDTH - 70
     if color_by_group:
         groups = sorted({r.group for r in rows}, key=lambda g: (g < 0, g))
-        entries = [((group_names or {}).get(g, f"stage {g}"), group_color(g)) for g in groups]
+        entries = [(group_names.get(g, f"stage {g}"), group_color(g)) for g in groups]
     else:
         entries = [(name.replace("_", " "), color(i)) for i, name in enumerate(names)]
     top = 26 + legend_height(entries, right - left)
@@ -216,11 +232,12 @@ def scatter(points: list[Point], cap: float, label: str) -> str:
     return chart.render()
 
 
-def line_chart(series: list[tuple[str, str, list[tuple[float, float]]]], x_title: str, y_title: str, fmt_x,
-               fmt_y, label: str, dashed: tuple[str, ...] = (), halo: tuple[str, ...] = (),
-               zero_based: bool = False, x_log: bool = False) -> str:
+def line_chart(series: list[tuple[str, str, list[tuple[float, float]]]], x_axis: Axis, y_axis: Axis, label: str,
+               dashed: tuple[str, ...] = (), halo: tuple[str, ...] = ()) -> str:
     """Lines with dots; series are (name, colour, [(x, y), ...]). Up to 12 distinct x values become the
     x ticks (steps, GPU counts); `halo` series are drawn wide and pale under the others."""
+    x_title, fmt_x, x_log = x_axis.title, x_axis.fmt, x_axis.log
+    y_title, fmt_y, zero_based = y_axis.title, y_axis.fmt, y_axis.zero_based
     left, right, top, bottom = 80, WIDTH - 30, 40, 310
     chart = Svg(WIDTH, bottom + 50, label)
     xs = sorted({px for _, _, pts in series for px, _ in pts}) or [0.0, 1.0]

@@ -154,7 +154,7 @@ def summary_section(plan) -> str:
     if breakdown:
         row = charts.BarRow("one step", tuple(breakdown))
         html += '<p class="lead">Where the step time goes (hover for values).</p>' + charts.stacked_bars(
-            [row], fmt_seconds, "seconds per optimizer step", "step time breakdown", row_height=34)
+            [row], charts.Axis("seconds per optimizer step", fmt_seconds), "step time breakdown", row_height=34)
     return html
 
 
@@ -184,8 +184,8 @@ def memory_section(plan) -> str:
     if not rows:
         return ""
     cap = plan.cluster.memory_per_gpu_bytes
-    chart = charts.stacked_bars(rows, fmt_bytes, "bytes per GPU", "memory per stage", cap=cap,
-                                cap_label=f"usable memory per GPU {fmt_bytes(cap)}")
+    chart = charts.stacked_bars(rows, charts.Axis("bytes per GPU", fmt_bytes), "memory per stage",
+                                cap=(cap, f"usable memory per GPU {fmt_bytes(cap)}"))
     without = plan.predicted.activations_without_sequence_parallel_bytes
     saving = ""
     if without is not None:
@@ -215,9 +215,10 @@ def modules_section(result) -> str:
             for t in times]
     names = {i: f"stage {i} · {fmt_seconds(t)} predicted" for i, t in stage_time.items()}
     names[-1] = "outside the stages"
-    chart = charts.stacked_bars(rows, fmt_seconds, f"forward + backward seconds per micro-batch of {b} "
-                                f"(profiled on {profile.device})", "time per module", color_by_group=True,
-                                group_names=names, row_height=22 if len(rows) < 40 else 14)
+    axis = charts.Axis(f"forward + backward seconds per micro-batch of {b} (profiled on {profile.device})",
+                       fmt_seconds)
+    chart = charts.stacked_bars(rows, axis, "time per module", group_names=names,
+                                row_height=22 if len(rows) < 40 else 14)
     return ('<h2>Time per module, with stage boundaries</h2><p class="lead">Profiled time of each module of the '
             "model's chain, coloured by the pipeline stage it runs on (dashed lines are stage boundaries): darker is "
             "forward, lighter backward. Ops outside every module (residual adds, the loss) count with the "
@@ -453,9 +454,9 @@ def scaling_section(points: list[tuple]) -> str:
     series = [("predicted", ACCENT, [(float(g), r) for g, r in rated])]
     if len(rated) > 1:
         series.append(("linear from fewest GPUs", "#9fb3c8", [(float(g), r) for g, r in ideal_scaling(rated)]))
-    chart = charts.line_chart(series, "GPUs", "samples per second", lambda v: f"{v:g}", fmt_number,
-                              "scaling curve", dashed=("linear from fewest GPUs",), zero_based=True,
-                              x_log=True) if rated else ""
+    chart = charts.line_chart(series, charts.Axis("GPUs", lambda v: f"{v:g}", log=True),
+                              charts.Axis("samples per second", fmt_number, zero_based=True), "scaling curve",
+                              dashed=("linear from fewest GPUs",)) if rated else ""
     bounded = sum(1 for _, r, _, note in rows if r is not None and note)
     lead = ("Predicted throughput of the best layout when planning the same model for other GPU counts with the "
             "same batch per GPU. Each point is a layout search at that count; away from the planned count it keeps "
@@ -502,8 +503,8 @@ def verify_section(verify: Any) -> str:
     if reference or losses:
         html += charts.line_chart(
             [("single process (reference)", "#a0cbe8", reference), ("generated program", "#1f4e79", losses)],
-            "optimizer step", "loss", lambda v: f"{v:g}", lambda v: f"{v:.4g}", "loss parity",
-            dashed=("generated program",), halo=("single process (reference)",))
+            charts.Axis("optimizer step", lambda v: f"{v:g}"), charts.Axis("loss", lambda v: f"{v:.4g}"),
+            "loss parity", dashed=("generated program",), halo=("single process (reference)",))
     return html + verify_view.comparison_html(verify) + "</section>"
 
 
@@ -524,8 +525,9 @@ def _gpu_measurement_section(verify: dict) -> str:
     if isinstance(error, str) and error:
         html += f"<details><summary>The run failed</summary><pre>{esc(error)}</pre></details>"
     if losses:
-        html += charts.line_chart([("generated program on GPU", "#1f4e79", losses)], "optimizer step", "loss",
-                                  lambda v: f"{v:g}", lambda v: f"{v:.4g}", "loss")
+        html += charts.line_chart([("generated program on GPU", "#1f4e79", losses)],
+                                  charts.Axis("optimizer step", lambda v: f"{v:g}"),
+                                  charts.Axis("loss", lambda v: f"{v:.4g}"), "loss")
     return html + verify_view.comparison_html(verify) + "</section>"
 
 

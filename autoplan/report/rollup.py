@@ -33,7 +33,7 @@ class ModuleTime:
     """Ops in no module's module (residual adds, root-level ops) charged to this module."""
 
 
-def module_times(profile: ModelProfile, stages: tuple[Stage, ...], microbatch_size: int) -> list[ModuleTime]:
+def module_times(profile: ModelProfile, stages: tuple[Stage, ...], microbatch: int) -> list[ModuleTime]:
     """Roll the profile's ops up to the stage modules, as the module chain charges them
     (autoplan.chain.modules): an op belongs to the innermost stage module in its module_stack; glue ops
     in none go to the module of the nearest preceding op that has one (or the first module).
@@ -45,7 +45,7 @@ def module_times(profile: ModelProfile, stages: tuple[Stage, ...], microbatch_si
             owner.setdefault(module, len(modules))
             modules.append((module, stage.index))
     totals = [[0.0, 0.0, 0, 0] for _ in modules] or [[0.0, 0.0, 0, 0]]
-    scale = microbatch_size / max(1, profile.batch_size)
+    scale = microbatch / max(1, profile.batch_size)
     previous = 0
     for op in profile.ops:
         module = next((owner[m] for m in reversed((op.module,) + op.module_stack) if m in owner), None)

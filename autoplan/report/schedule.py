@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from operator import itemgetter
 
 from autoplan.cost.pipeline import StageCost, simulate
-from autoplan.layout import SCHEDULE_BY_NAME, stage_rank
+from autoplan.layout import stage_rank
 from autoplan.plan import Plan
 
 FORWARD_SHARE = 1 / 3
@@ -121,7 +121,7 @@ def _blocks(plan: Plan) -> list[Block]:
         ranks = len(stages)
     m = max(1, par.microbatches)
     run = simulate(par.schedule, ranks, m, stage_costs(plan, stages))
-    placement = SCHEDULE_BY_NAME[par.schedule].placement
+    placement = par.placement
     compute, communication, receive = LANES.index(COMPUTE), LANES.index(COMMUNICATION), LANES.index(RECEIVE)
     index = [st.index for st in stages]
     blocks: list[Block] = []

@@ -70,7 +70,7 @@ def _solve(problem: ChainProblem, modes: tuple[str, ...], objective: str) -> DpR
     n, p = problem.num_modules, problem.num_stages
     if p > n:
         return None
-    assert problem.virtual == 1 or objective == "memory", "the DP is exact for one stage per rank"
+    assert problem.virtual_stages == 1 or objective == "memory", "the DP is exact for one stage per rank"
     times = [problem.module_time_s[modes[u]][u] for u in range(n)]
     cap = problem.memory_limit_bytes
     best = [[math.inf] * (n + 1) for _ in range(p)]

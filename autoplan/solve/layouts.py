@@ -89,13 +89,14 @@ def families(pins: Layout, scope: Scope, rejected: list[str] | None = None) -> l
                 if pins.dp not in (None, dp):
                     continue
                 for ep in expert_parallel_options(pins, scope, expert_folded_ranks(dp, cp, tp)):
-                    out += _sharded_families(pins, scope, tp, cp, ep, pp, dp, rejected)
+                    out += _sharded_families(pins, scope, Layout(dp=dp, tp=tp, cp=cp, ep=ep, pp=pp), rejected)
     return out
 
 
-def _sharded_families(pins: Layout, scope: Scope, tp: int, cp: int, ep: int, pp: int, dp: int,
-                      rejected: list[str] | None) -> list[Parallelism]:
-    """The families of these degrees: each sharding (and CPU offload) the pins and the rules allow."""
+def _sharded_families(pins: Layout, scope: Scope, degrees: Layout, rejected: list[str] | None) -> list[Parallelism]:
+    """The families of the degrees (dp, tp, cp, ep, pp) of `degrees`: each sharding (and CPU offload) the pins and
+    the rules allow."""
+    dp, tp, cp, ep, pp = degrees.dp, degrees.tp, degrees.cp, degrees.ep, degrees.pp
     per_node, features = scope.gpus_per_node or scope.num_gpus, scope.features or frozenset()
     out = []
     for shard, reshard in _sharding_options(pins, dp, features, cp):
@@ -103,7 +104,7 @@ def _sharded_families(pins: Layout, scope: Scope, tp: int, cp: int, ep: int, pp:
             continue
         if ep > 1 and expert_folded_ranks(shard, cp, tp) % ep and pins.ep is None:  # folded over dp_shard x cp x tp
             continue
-        sp = sequence_parallel(pins, tp, scope)
+        sp = sp_of(pins, tp, scope)
         for offload in _offload_options(pins, shard * cp, reshard, scope):
             family = Parallelism(tp=tp, pp=pp, dp_replicate=dp // shard, dp_shard=shard, reshard=reshard, sp=sp,
                                  offload=offload, loss_parallel=tp == 1 or not scope.loss_parallel_problem, cp=cp,
@@ -155,7 +156,7 @@ def expert_parallel_options(pins: Layout, scope: Scope, ranks: int) -> list[int]
     return [e for e in divisors(math.gcd(*experts)) if ranks % e == 0]
 
 
-def sequence_parallel(pins: Layout, tp: int, scope: Scope) -> bool:
+def sp_of(pins: Layout, tp: int, scope: Scope) -> bool:
     """sp of a family: the pin, else on whenever tp > 1 and the program can run it on this model."""
     if tp == 1:
         return False
@@ -241,9 +242,9 @@ def variants(family: Parallelism, pins: Layout, scope: Scope, rejected: list[str
     modes = [r for r in modes if not problems(Layout(recompute=r), scope)]  # e.g. BatchNorm: none only
     base = Layout(dp=family.dp, tp=family.tp, pp=pp, cp=family.cp)
     out = []
-    for schedule, virtual in schedules:
+    for schedule, virtual_stages in schedules:
         for microbatch in sizes:
-            shape = replace(base, schedule=schedule, virtual_stages=virtual, microbatch=microbatch,
+            shape = replace(base, schedule=schedule, virtual_stages=virtual_stages, microbatch=microbatch,
                             microbatches=per_rank // microbatch if per_rank % microbatch == 0 else None)
             if shape.microbatches is None:
                 continue
@@ -252,7 +253,7 @@ def variants(family: Parallelism, pins: Layout, scope: Scope, rejected: list[str
                 if rejected is not None:
                     rejected += broken
                 continue
-            out += [Variant(schedule, virtual, microbatch, shape.microbatches, mode) for mode in modes
+            out += [Variant(schedule, virtual_stages, microbatch, shape.microbatches, mode) for mode in modes
                     if mode == "none" or not schedule_problems(replace(shape, recompute=mode), scope)]
     return out
 

@@ -97,8 +97,7 @@ def parameter_server_layout(ctx: Context, best: Candidate) -> ParameterServerLay
     link = cluster.link_for(workers).alpha_beta("p2p")
     gradient_bytes = numel * calibration.GRADIENT_REDUCE_BYTES
     parameter_bytes = numel * ctx.dtype_bytes
-    sync = parameter_server_cost(gradient_bytes, parameter_bytes, workers, servers, link.bus_bandwidth_bytes_per_s,
-                                 link.bus_bandwidth_bytes_per_s, link.latency_s)
+    sync = parameter_server_cost(gradient_bytes, parameter_bytes, workers, servers, link, link)
     update = host_optimizer_step_time(numel / servers, cluster.hardware.host, 1, 0,
                                       ctx.training.optimizer_implementation)
     group = ctx.group(workers, 1)  # DDP's data-parallel group over every GPU

@@ -3,16 +3,18 @@ partial layout.Layout (None: the search chooses)."""
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 from autoplan.errors import UserError
-from autoplan.layout import Layout, Scope, problems
+from autoplan.layout import VOCABULARY, Layout, Scope, problems
 
 
-PIN_KEYS = ("dp", "tp", "sp", "cp", "ep", "pp", "zero", "schedule", "microbatch", "recompute", "offload", "compile")
-"""What --pin may fix: these short names of a Layout (layout.VOCABULARY); the rest is left to the search."""
+PIN_KEYS = tuple(term.short for term in VOCABULARY if term.pin)
+"""What --pin may fix: the short names of a Layout that VOCABULARY marks as pins; the rest is left to the search."""
 
 
-_WORDS = ("schedule", "recompute", "sp", "offload", "compile")
-"""Pin keys whose values are words; the others are integers."""
+_WORDS = tuple(f.name for f in fields(Layout) if f.name in PIN_KEYS and f.type.startswith("str"))
+"""Pin keys whose values are words (Layout's str fields); the others are integers."""
 
 
 def parse_pins(text: str) -> Layout:

@@ -28,10 +28,10 @@ from autoplan.chain.modules import ModuleChain
 from autoplan.cost.context import Context, expert_shard_degree, gib
 from autoplan.cost.evaluate import (Candidate, build_problem, evaluate, host_oom_reason, memory_lower_bound,
                                     oom_reason, with_memory_without_cp_ep)
-from autoplan.cost.memory import model_state_bytes, zero_of
+from autoplan.cost.memory import model_state_bytes
 from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster
-from autoplan.layout import RECOMPUTE, SCHEDULE_BY_NAME, SUPPORTED, Layout, Scope, problems
+from autoplan.layout import RECOMPUTE, SCHEDULE_BY_NAME, SUPPORTED, Layout, Scope, problems, zero_of
 from autoplan.plan import Parallelism, SolverInfo, Training
 from autoplan.profile_data import ModelProfile
 from autoplan.solve import layouts
@@ -70,18 +70,31 @@ class SearchResult:
     """The same model under a parameter server, priced to say why it lost (solve/parameter_server.py)."""
 
 
+@dataclass(frozen=True)
+class SearchOptions:
+    """How a search prices and solves (search's options; the layout it must keep is the pins)."""
+
+    features: frozenset[str] | None = None
+    """What the layouts may use (layout.SUPPORTED by default: what the program runs; ALL_FEATURES to price others)."""
+    solver: str = "highs"
+    """The MILP solver of the chosen layout's stage split (solve/ilp_backend.py)."""
+    time_limit_s: float | None = None
+    """The MILP's time limit (ILP_TIME_LIMIT_S by default)."""
+    float8_linears: str | None = None
+    """A float8 recipe (cost/float8.py FLOAT8_RECIPES) to price the Linears with, priced only."""
+    ring_traced: bool = False
+    """Context parallelism's ring priced as traced into torch.compile graphs (Context.ring_traced), priced only."""
+
+
 def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: Layout = Layout(),
-           solver: str = "highs", time_limit_s: float | None = None,
-           features: frozenset[str] | None = None, float8_linears: str | None = None,
-           ring_traced: bool = False) -> SearchResult:
-    """`float8_linears`: a float8 recipe (cost/float8.py FLOAT8_RECIPES) to price the Linears with, priced only;
-    `ring_traced`: context parallelism's ring priced as traced into torch.compile graphs (Context.ring_traced), priced
-    only."""
+           options: SearchOptions = SearchOptions()) -> SearchResult:
+    """The best layout of `profile` on `cluster` that keeps `pins`, and every other one tried (SearchResult)."""
     started = time.perf_counter()
+    solver, time_limit_s = options.solver, options.time_limit_s
     resolve_solver(solver)
-    features = SUPPORTED if features is None else frozenset(features)
+    features = SUPPORTED if options.features is None else frozenset(options.features)
     ctx = Context(profile, cluster, training, features, compiled=layouts.compiled(pins, cluster, features),
-                  float8_linears=float8_linears, ring_traced=ring_traced)
+                  float8_linears=options.float8_linears, ring_traced=options.ring_traced)
     scope = layouts.scope_of(ctx)
     layouts.check_pins(pins, scope)
     explored = explore(ctx, pins)
@@ -320,7 +333,7 @@ def family_memory_bound(ctx: Context, fam: Parallelism) -> float:
         return 0.0
     numel = ctx.total_numel(fam.tp, fam.ep)
     experts = sum(ctx.module_expert_numel(fam.ep))
-    zero = zero_of(fam.fsdp_shard, fam.reshard)
+    zero = fam.zero
     expert_shard = expert_shard_degree(fam.fsdp_shard, fam.ep, fam.tp)
     states = sum(model_state_bytes(numel - experts, ctx.dtype, zero, fam.fsdp_shard).values()) + \
         sum(model_state_bytes(experts, ctx.dtype, zero, expert_shard).values())
@@ -402,7 +415,7 @@ def refine_with_ilp(ctx: Context, candidate: Candidate, pinned: bool, solver: st
     start = candidate.assignment
     if problem.num_stages == 1 and len(problem.modes) == 1:
         return candidate, SolverInfo(name=resolve_solver(solver), status="optimal", time_s=0.0, candidates_evaluated=1)
-    if problem.virtual == 1 and len(problem.modes) == 1:  # the exact DP: a tighter bound and a better start
+    if problem.virtual_stages == 1 and len(problem.modes) == 1:  # the exact DP: a tighter bound and a better start
         exact = solve_dp(problem)
         if exact is not None and exact.value < problem.bottleneck(start) * (1 - 1e-9):
             start = exact.assignment

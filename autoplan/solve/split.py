@@ -18,7 +18,6 @@ from functools import cached_property
 from itertools import accumulate
 
 from autoplan.cost.problem import Assignment, ChainProblem, Split
-from autoplan.layout import stage_rank
 
 BISECTION_TOLERANCE = 1e-3
 """Relative width at which the bisection on the bottleneck stops (the reported bottleneck is the
@@ -139,14 +138,14 @@ class _Tables:
         """(rank, how many of that rank's stages come after it) of each stage."""
         out = []
         for s in range(self.p.num_stages):
-            rank = stage_rank(s, self.p.ranks, self.p.placement)
+            rank = self.p.stage_rank(s)
             out.append((rank, sum(1 for t in self.p.stages_of_rank(rank) if t > s)))
         return out
 
     @cached_property
     def even_stage_bytes(self) -> float:
         """Linear bytes of an average stage in its leanest modes (the room a future stage needs)."""
-        if self.p.virtual == 1:
+        if self.p.virtual_stages == 1:
             return 0.0
         total = 0.0
         for s in range(self.p.num_stages):
@@ -221,14 +220,14 @@ def _pack(tables: _Tables, stage_time: float, cap: float, mode: str | None) -> l
         end = start + 1 if s < stages - 1 else last  # the last stage must end at n: shorter ends cannot pack
         while end <= last:
             run_end = min(tables.runs[tables.run_of[end - 1]][1], last)
-            fits = _fits(tables, s, start, run_end, mode, room, stage_time, largest[rank])
+            fits = _within(tables.evaluate(s, start, run_end, mode, room, largest[rank]), stage_time)
             if fits is not None:
                 best, end = (run_end, fits), run_end + 1
                 continue
             lo, hi = end, run_end - 1  # the run's modules are identical: binary search how many fit
             while lo <= hi:
                 mid = (lo + hi) // 2
-                fits = _fits(tables, s, start, mid, mode, room, stage_time, largest[rank])
+                fits = _within(tables.evaluate(s, start, mid, mode, room, largest[rank]), stage_time)
                 if fits is not None:
                     best, lo = (mid, fits), mid + 1
                 else:
@@ -246,9 +245,8 @@ def _pack(tables: _Tables, stage_time: float, cap: float, mode: str | None) -> l
     return out if start == n else None
 
 
-def _fits(tables: _Tables, s: int, a: int, b: int, mode: str | None, cap: float, limit: float,
-          prior_max: tuple[float, ...]):
-    found = tables.evaluate(s, a, b, mode, cap, prior_max)
+def _within(found, limit: float):
+    """The counts of a stage _Tables.evaluate found fitting in memory, if its time is within `limit` (else None)."""
     if found is None or found[0] > limit * (1 + 1e-12):
         return None
     return found[1]
@@ -274,7 +272,7 @@ def greedy_split(problem: ChainProblem, mode: str | None = None, cutoff: float |
     """The best assignment the packing finds: every module in `mode`, or (None) each module's mode chosen
     among problem.modes; None when nothing fits (or there are more stages than modules). With `cutoff`
     (a rank time per micro-batch), raises Slower when no packing within it exists."""
-    n, stages, v = problem.num_modules, problem.num_stages, problem.virtual
+    n, stages, v = problem.num_modules, problem.num_stages, problem.virtual_stages
     if stages > n:
         return None
     cap = problem.memory_limit_bytes
