@@ -8,7 +8,7 @@ from chain_fixtures import LAUNCH_S, cluster, gpt_profile, make_gpu
 from autoplan.cost.context import TableKey
 from autoplan.cost import comm
 from autoplan.cost.compute import LOSS_KERNELS, TableSetting, mfu, module_table
-from autoplan.cost.context import Context
+from autoplan.cost.context import Context, Pricing
 from autoplan.cost.dtypes import peak_flops
 from autoplan.cost.evaluate import build_problem, evaluate
 from autoplan.cost.memory import model_state_bytes
@@ -154,7 +154,7 @@ def test_sequence_parallel_layer_gathers_and_reduce_scatters_instead_of_all_redu
     # gather again the inputs they kept as shards
     assert table.tp_backward_s[2] == pytest.approx(2 * pair + 2 * comm.all_gather_s(nbytes, 4, link))
     assert table.forward_s[2] < plain.forward_s[2]  # the norms, adds and dropouts run on sequence shards
-    compiled = Context(profile, cluster(8), Training(8, "bf16"), SUPPORTED | {"tp_fused_split"}, compiled=True)
+    compiled = Context(profile, cluster(8), Training(8, "bf16"), SUPPORTED | {"tp_fused_split"}, Pricing(compiled=True))
     assert compiled.table(TableKey(4, 2, sp=True)).tp_backward_s[2] == pytest.approx(2 * pair)  # compiled: kept whole
 
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from chain_fixtures import cluster, gpt_profile
 
-from autoplan.cost.context import Context
+from autoplan.cost.context import Context, Pricing
 from autoplan.cost.evaluate import build_problem, memory_lower_bound
 from autoplan.layout import ALL_FEATURES, SUPPORTED, Layout
 from autoplan.plan import Training
@@ -32,7 +32,7 @@ def test_the_remembered_memory_bound_is_the_problems_own_for_every_variant():
     profile = gpt_profile(n_layer=6, n_embd=256, vocab=1024, seq=128, batch=2, n_head=8)
     checked = pipelined = 0
     for features in (SUPPORTED, ALL_FEATURES):
-        ctx = Context(profile, cluster(16), Training(global_batch_size=32, dtype="bf16"), features, compiled=True)
+        ctx = Context(profile, cluster(16), Training(global_batch_size=32, dtype="bf16"), features, Pricing(compiled=True))
         for run, par, modes in _variants(ctx):
             assert memory_lower_bound(run, par, modes) == build_problem(run, par, modes).memory_lower_bound(), \
                 par.text()
@@ -45,7 +45,7 @@ def test_the_bound_never_prunes_a_split_that_fits():
     """A cap just under a layout's packed split: the bound must stay at or under every split the packing finds,
     whatever the cap, so that the search prunes by it only layouts no split of which fits."""
     profile = gpt_profile(n_layer=8, n_embd=512, vocab=2048, seq=256, batch=2, n_head=8)
-    ctx = Context(profile, cluster(8), Training(global_batch_size=16, dtype="bf16"), SUPPORTED, compiled=True)
+    ctx = Context(profile, cluster(8), Training(global_batch_size=16, dtype="bf16"), SUPPORTED, Pricing(compiled=True))
     seen = 0
     for run, par, modes in _variants(ctx):
         problem = build_problem(run, par, modes)

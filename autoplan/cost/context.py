@@ -117,22 +117,35 @@ class TableKey:
         return TableKey(layout.tp, layout.microbatch, layout.sp_enabled, layout.loss_parallel, layout.cp, layout.ep)
 
 
+@dataclass(frozen=True)
+class Pricing:
+    """How a Context prices what runs beside the layout: the program's compile setting, and the settings of published
+    runs that are priced only (never a plan's program)."""
+
+    compiled: bool = False
+    """Modules run under torch.compile (plan.json compile.enable): priced per op class (compute.py)."""
+    float8_linears: str | None = None
+    """The float8 recipe the Linears are priced with (cost/float8.py FLOAT8_RECIPES), None for the training dtype:
+    priced only."""
+    ring_traced: bool = False
+    """Context parallelism's ring priced as traced into torch.compile graphs (cost/context_parallel.py, every exchange
+    exposed) even where the modules are priced eager (`compiled` off): a published run's compiled blocks on a layout
+    whose compile autoplan's program refuses. Priced only; with `compiled` the ring is priced traced anyway (the
+    program's compiled modules trace it)."""
+
+
 class Context:
     """A profile prepared for pricing layouts on a cluster; module tables cached per TableKey."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, training: Training, features: frozenset[str],
-                 compiled: bool = False, float8_linears: str | None = None, ring_traced: bool = False) -> None:
+                 pricing: Pricing = Pricing()) -> None:
         self.profile, self.cluster, self.training, self.features = profile, cluster, training, features
-        self.compiled = compiled
+        self.compiled = pricing.compiled
         """Modules run under torch.compile (plan.json compile.enable): priced per op class (compute.py)."""
-        self.float8_linears = float8_linears
-        """The float8 recipe the Linears are priced with (cost/float8.py FLOAT8_RECIPES), None for the training dtype:
-        priced only, never a plan's program."""
-        self.ring_traced = ring_traced
-        """Context parallelism's ring priced as traced into torch.compile graphs (cost/context_parallel.py, every
-        exchange exposed) even where the modules are priced eager (`compiled` off): a published run's compiled blocks
-        on a layout whose compile autoplan's program refuses. Priced only, never a plan's program; with `compiled` the
-        ring is priced traced anyway (the program's compiled modules trace it)."""
+        self.float8_linears = pricing.float8_linears
+        """Pricing.float8_linears."""
+        self.ring_traced = pricing.ring_traced
+        """Pricing.ring_traced."""
         self.chain = build_chain(profile)
         self.facts = tensor_parallel_facts(profile, vocab_parallel="tp_vocab_parallel" in features,
                                            fused_split="tp_fused_split" in features)
@@ -436,9 +449,9 @@ class Context:
 
     def memory_inputs(self, layout: Parallelism | TableKey, autocast: bool = False) -> MemoryInputs:
         """What a layout's memory model reads of the modules (module table, parameters, cuts) at `layout`."""
-        key = (TableKey.of(layout), autocast)
+        key = (TableKey.of(layout), self.compiled, autocast)  # the table's saved activations depend on compile
         if key not in self._inputs:
-            self._inputs[key] = self._memory_inputs(*key)
+            self._inputs[key] = self._memory_inputs(key[0], autocast)
         return self._inputs[key]
 
     def _memory_inputs(self, k: TableKey, autocast: bool) -> MemoryInputs:

@@ -122,9 +122,10 @@ def memory_lower_bound(ctx: Context, par: Parallelism, modes: tuple[str, ...]) -
 
 
 @lru_cache(maxsize=None)
-def fewest_in_flight(schedule: str, pp: int, microbatches: int, virtual: int) -> int:
+def fewest_in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> int:
     """The fewest micro-batches any stage of the schedule keeps (microbatches_in_flight over its stages)."""
-    return min(microbatches_in_flight(schedule, pp, microbatches, s, virtual) for s in range(pp * virtual))
+    return min(microbatches_in_flight(schedule, pp, microbatches, s, virtual_stages)
+               for s in range(pp * virtual_stages))
 
 
 def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: Assignment, fits: bool,

@@ -198,14 +198,14 @@ class _Counts:
     def point(self, count: int) -> ScalingPoint:
         from dataclasses import replace
 
-        from autoplan.cost.context import Context
+        from autoplan.cost.context import Context, Pricing
         from autoplan.layout import SUPPORTED
 
         cluster, training = self.cluster, self.training
         per_node = min(cluster.gpus_per_node, count)
         if per_node not in self.contexts:
             self.contexts[per_node] = Context(self.profile, replace(cluster, gpus_per_node=per_node), training,
-                                              SUPPORTED, compiled=self.compiled)
+                                              SUPPORTED, Pricing(compiled=self.compiled))
         batch = max(1, training.global_batch_size * count // cluster.num_gpus)
         ctx = self.contexts[per_node].at(replace(cluster, num_gpus=count, gpus_per_node=per_node),
                                          replace(training, global_batch_size=batch))

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from autoplan.chain.modules import ModuleChain
-from autoplan.cost.context import Context, expert_shard_degree, gib
+from autoplan.cost.context import Context, Pricing, expert_shard_degree, gib
 from autoplan.cost.evaluate import (Candidate, build_problem, evaluate, host_oom_reason, memory_lower_bound,
                                     oom_reason, with_memory_without_cp_ep)
 from autoplan.cost.memory import model_state_bytes
@@ -93,8 +93,8 @@ def search(profile: ModelProfile, cluster: Cluster, training: Training, pins: La
     solver, time_limit_s = options.solver, options.time_limit_s
     resolve_solver(solver)
     features = SUPPORTED if options.features is None else frozenset(options.features)
-    ctx = Context(profile, cluster, training, features, compiled=layouts.compiled(pins, cluster, features),
-                  float8_linears=options.float8_linears, ring_traced=options.ring_traced)
+    pricing = Pricing(layouts.compiled(pins, cluster, features), options.float8_linears, options.ring_traced)
+    ctx = Context(profile, cluster, training, features, pricing)
     scope = layouts.scope_of(ctx)
     layouts.check_pins(pins, scope)
     explored = explore(ctx, pins)
