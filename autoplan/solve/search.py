@@ -31,7 +31,8 @@ from autoplan.cost.evaluate import (Candidate, build_problem, evaluate, host_oom
 from autoplan.cost.memory import model_state_bytes
 from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster
-from autoplan.layout import RECOMPUTE, SCHEDULE_BY_NAME, SUPPORTED, Layout, Scope, problems, zero_of
+from autoplan.layout import (RECOMPUTE, SCHEDULE_BY_NAME, SUPPORTED, Layout, Scope, compile_problems, problems,
+                             zero_of)
 from autoplan.plan import Parallelism, SolverInfo, Training
 from autoplan.profile_data import ModelProfile
 from autoplan.solve import layouts
@@ -276,10 +277,10 @@ def runnable(ctx: Context, par: Parallelism, pins: Layout, scope: Scope) -> Cont
     pinned) and a layout rule refuses `par` compiled (compile=on with recompute over tensor-parallel shards in the
     ring, say), so that every layout is priced as the program would run it. `scope` is the search's
     (layouts.scope_of(ctx)); `par` comes from layouts.families and layouts.variants, which emit only layouts the
-    rules accept uncompiled, so the compiled rules are the only ones left to check."""
+    rules accept uncompiled, so the compiled rules are the only ones left to check (layout.compile_problems)."""
     if not ctx.compiled or pins.compile is not None:
         return ctx
-    if problems(replace(par.layout(), compile="on"), scope):
+    if compile_problems(replace(par.layout(), compile="on"), scope):
         return ctx.compiled_as(False)
     return ctx
 
