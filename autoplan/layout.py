@@ -627,6 +627,15 @@ def schedule_problems(layout: Layout, scope: Scope) -> list[str]:
     return _schedule(layout, scope) + _batch_norm_microbatches(layout, scope)
 
 
+def compile_problems(layout: Layout, scope: Scope) -> list[str]:
+    """The rules that read compile alone (COMPILE_RULES): all that compiling a layout problems() accepts uncompiled
+    can break, in problems()'s order. The search's check of each variant compiled (solve/search.py runnable)."""
+    found: list[str] = []
+    for rule in COMPILE_RULES:
+        found += rule(layout, scope)
+    return found
+
+
 def _values(layout: Layout, scope: Scope) -> list[str]:
     out = [f"{name}={value} must be at least 1" for name, value in
            (("dp", layout.dp), ("dp_replicate", layout.dp_replicate), ("dp_shard", layout.dp_shard),
@@ -1046,3 +1055,7 @@ RULES = (_values, _features, _sequence_parallel, _context_parallel, _expert_para
          _degrees, _sharding_rules, _offload, _batch, _schedule, _batch_norm_microbatches, _batch_norm_pipeline,
          _batch_norm_recompute, _stages)
 """Every rule, in the order their messages read best."""
+COMPILE_RULES = (_features, _compiled_experts_in_stages, _compiled_experts_over_tensor_parallel,
+                 _compiled_recompute_over_tensor_parallel, _schedule)
+"""The rules that read layout.compile (compile=on among the values is always valid): a layout the other rules accept
+uncompiled, they accept compiled too (tests/test_layout_rules.py checks that no other rule reads it)."""

@@ -106,3 +106,30 @@ def test_each_unsupported_pair_refuses_its_two_parts_together_with_its_reason(pa
     assert not [p for p in problems(both, Scope(features=ALL_FEATURES)) if pair.reason in p]
     for alone in (pair.first, pair.second):
         assert not [p for p in problems(Layout(dp_shard=4, **PART_VALUES[alone]), without) if pair.reason in p]
+
+
+def test_only_the_compile_rules_read_compile():
+    """layout.compile_problems (what search.runnable checks of each variant compiled) holds every rule that reads
+    compile: on a grid of layouts every other rule says the same compiled as uncompiled, while the compile rules
+    refuse some compiled layouts the rules accept uncompiled (so a shortcut skipping them would be wrong)."""
+    import itertools
+
+    from autoplan.layout import COMPILE_RULES, RULES, SUPPORTED, compile_problems
+
+    scopes = [Scope(num_gpus=16, gpus_per_node=8, global_batch=32, num_modules=8, features=features, num_experts=(4,))
+              for features in (SUPPORTED, ALL_FEATURES)]
+    refused_compiled = 0
+    for tp, pp, cp, ep, schedule, recompute, sp in itertools.product(
+            (1, 2), (1, 2), (1, 2), (1, 2), ("1f1b", "zb-interleaved"), ("none", "selective", "full"), ("on", "off")):
+        for scope in scopes:
+            layout = Layout(dp_shard=4, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, schedule=schedule, recompute=recompute,
+                            microbatch=1)
+            on = Layout(**{**layout.__dict__, "compile": "on"})
+            for rule in RULES:
+                if rule not in COMPILE_RULES:
+                    assert rule(on, scope) == rule(layout, scope), (rule.__name__, on)
+            if not problems(layout, scope) and problems(on, scope):
+                refused_compiled += 1
+                assert compile_problems(on, scope)
+            assert bool(compile_problems(on, scope)) == bool(problems(on, scope)) or problems(layout, scope)
+    assert refused_compiled

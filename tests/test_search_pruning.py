@@ -69,3 +69,28 @@ def test_a_cap_at_the_bound_keeps_the_layout_searchable():
     at_bound = search(profile, replace(cluster(8), memory_per_gpu_bytes=first.best.predicted.peak_memory_bytes),
                       training, pins)
     assert at_bound.best.fits
+
+
+
+def test_the_remembered_time_bound_is_time_lower_bound_for_every_variant():
+    """search._time_bounds remembers the module tables' slot per micro-batch size (and recompute mode when pinned):
+    every variant's bound is time_lower_bound's own, computed afresh; and variants of one family that differ in their
+    micro-batch size (or, pinned, only in their recompute) have different slots, so the memo must not share them."""
+    from autoplan.solve.search import _slot, _time_bounds, time_lower_bound
+
+    profile = gpt_profile(n_layer=6, n_embd=256, vocab=1024, seq=128, batch=2, n_head=8)
+    for pinned in (False, True):
+        ctx = Context(profile, cluster(16), Training(global_batch_size=32, dtype="bf16"), ALL_FEATURES,
+                      Pricing(compiled=True))
+        bound = _time_bounds(ctx, pinned)
+        scope = layouts.scope_of(ctx)
+        by_size = by_mode = 0
+        for fam in layouts.families(Layout(), scope):
+            found = layouts.variants(fam, Layout(), scope)
+            for var in found:
+                assert bound(fam, var) == time_lower_bound(ctx, fam, var, pinned), (fam.text(), var)
+            by_size += len({_slot(ctx, fam, var, pinned) for var in found if var.recompute == "none"}) > 1
+            same_size = [var for var in found if var.microbatch == found[0].microbatch]
+            by_mode += len({_slot(ctx, fam, var, pinned) for var in same_size}) > 1
+        assert by_size
+        assert bool(by_mode) == pinned  # unpinned, the bound prices every mode at recompute=none

@@ -31,7 +31,8 @@ from autoplan.cost.evaluate import (Candidate, build_problem, evaluate, host_oom
 from autoplan.cost.memory import model_state_bytes
 from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster
-from autoplan.layout import RECOMPUTE, SCHEDULE_BY_NAME, SUPPORTED, Layout, Scope, problems, zero_of
+from autoplan.layout import (RECOMPUTE, SCHEDULE_BY_NAME, SUPPORTED, Layout, Scope, compile_problems, problems,
+                             zero_of)
 from autoplan.plan import Parallelism, SolverInfo, Training
 from autoplan.profile_data import ModelProfile
 from autoplan.solve import layouts
@@ -276,10 +277,10 @@ def runnable(ctx: Context, par: Parallelism, pins: Layout, scope: Scope) -> Cont
     pinned) and a layout rule refuses `par` compiled (compile=on with recompute over tensor-parallel shards in the
     ring, say), so that every layout is priced as the program would run it. `scope` is the search's
     (layouts.scope_of(ctx)); `par` comes from layouts.families and layouts.variants, which emit only layouts the
-    rules accept uncompiled, so the compiled rules are the only ones left to check."""
+    rules accept uncompiled, so the compiled rules are the only ones left to check (layout.compile_problems)."""
     if not ctx.compiled or pins.compile is not None:
         return ctx
-    if problems(replace(par.layout(), compile="on"), scope):
+    if compile_problems(replace(par.layout(), compile="on"), scope):
         return ctx.compiled_as(False)
     return ctx
 
@@ -342,26 +343,40 @@ def family_memory_bound(ctx: Context, fam: Parallelism) -> float:
     return states / fam.pp
 
 
-def time_lower_bound(ctx: Context, fam: Parallelism, var: layouts.Variant, pinned: bool) -> float:
+def time_lower_bound(ctx: Context, fam: Parallelism, var: layouts.Variant, pinned: bool,
+                     slot: float | None = None) -> float:
     """(m + (p - 1) / v) x the slowest rank's slot if the fastest module times balanced perfectly; m slots for a
-    zero-bubble schedule (its weight-gradient passes may fill the whole bubble)."""
-    table = ctx.table(replace(fam, microbatch=var.microbatch))
-    mode = "none" if not pinned else var.recompute
-    slot = table.total_s[mode] / fam.pp
+    zero-bubble schedule (its weight-gradient passes may fill the whole bubble). `slot`: _slot's, when known."""
+    if slot is None:
+        slot = _slot(ctx, fam, var, pinned)
     bubble = 0.0 if SCHEDULE_BY_NAME[var.schedule].split_backward else (fam.pp - 1) / var.virtual_stages
     return (var.microbatches + bubble) * slot
+
+
+def _slot(ctx: Context, fam: Parallelism, var: layouts.Variant, pinned: bool) -> float:
+    """A rank's time per micro-batch if the fastest module times of `fam` at `var`'s micro-batch size balanced
+    perfectly over its pp ranks: read of the variant are its micro-batch size and (pinned) its recompute mode."""
+    table = ctx.table(replace(fam, microbatch=var.microbatch))
+    mode = "none" if not pinned else var.recompute
+    return table.total_s[mode] / fam.pp
 
 
 def _time_bounds(ctx: Context, pinned: bool) -> Callable[[Parallelism, layouts.Variant], float]:
     """time_lower_bound, remembered per what it reads of the family (tp, sp, cp, ep, pp) and the variant: the
     families that differ only in how data parallelism shards (replicate x shard, resharding, offload) share it,
-    and a big mixture of experts enumerates hundreds of thousands of variants."""
+    and a big mixture of experts enumerates hundreds of thousands of variants. The slot (the module tables' part)
+    is remembered per micro-batch size and recompute mode: the variants of a size differ only in the schedule's
+    arithmetic."""
     known: dict[tuple, float] = {}
+    slots: dict[tuple, float] = {}
 
     def bound(fam: Parallelism, var: layouts.Variant) -> float:
         key = (fam.tp, fam.sp, fam.cp, fam.ep, fam.pp, var)
         if key not in known:
-            known[key] = time_lower_bound(ctx, fam, var, pinned)
+            at = (fam.tp, fam.sp, fam.cp, fam.ep, fam.pp, var.microbatch, var.recompute if pinned else "none")
+            if at not in slots:
+                slots[at] = _slot(ctx, fam, var, pinned)
+            known[key] = time_lower_bound(ctx, fam, var, pinned, slots[at])
         return known[key]
 
     return bound
