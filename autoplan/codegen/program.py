@@ -158,10 +158,10 @@ def _layout(plan: Plan) -> str:
     dp = p.dp
     parts = []
     facts = SCHEDULE_BY_NAME.get(p.schedule)
-    if dp > 1 and not p.sharded and p.pp > 1 and facts is not None and facts.split_backward:
+    if dp > 1 and not p.fsdp_enabled and p.pp > 1 and facts is not None and facts.split_backward:
         parts.append(f"{dp}-way data parallel (each stage averages its gradients over the replicas after its last "
                      f"weight-gradient pass; no DDP)")
-    elif dp > 1 and not p.sharded:
+    elif dp > 1 and not p.fsdp_enabled:
         parts.append(f"{dp}-way data parallel (DDP)")
     elif dp > 1:
         hybrid = " (HSDP)" if p.dp_replicate > 1 else ""
