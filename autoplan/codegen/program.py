@@ -178,9 +178,9 @@ def _layout(plan: Plan) -> str:
         parts.append(f"{p.ep}-way expert parallel (the experts split over groups of "
                      f"{p.ep} of the dp_shard x cp x tp ranks, all-to-all token dispatch)")
     if p.pp > 1:
-        virtual = (f", {p.virtual_stages} stages per rank"
-                   if p.virtual_stages > 1 else "")
-        parts.append(f"{p.pp}-rank pipeline ({p.schedule}{virtual})")
+        per_rank = (f", {p.virtual_stages} stages per rank"
+                    if p.virtual_stages > 1 else "")
+        parts.append(f"{p.pp}-rank pipeline ({p.schedule}{per_rank})")
     if p.recompute != "none":
         parts.append(f"{p.recompute} activation checkpointing")
     if p.offload:

@@ -12,7 +12,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-RUNTIME_API = 12
+RUNTIME_API = 13
 """Bump it (and RUNTIME_API in codegen/templates/train.py) with any change to what a train.py calls that a
 train.py generated before would call wrongly, or that one generated now would not find in an autoplan before:
 a name added, removed or renamed, a signature, a meaning. A train.py reaches autoplan through autoplan.runtime
@@ -57,7 +57,10 @@ parallelize_experts(module, parallelism, device_type, dtype, tp_mesh), expert_me
 shard_data_parallel(module, mesh, config, chain_modules, dtype, experts), AccumulationStep(module, parallelism,
 loss_fn, dtype, context_parallel), PipelineStep(parts, split, runtime.RankSetup(...) (new), loss_fn,
 context_parallel), tensor_parallel(..., sp=) (was sequence_parallel=); runtime.local_stages left
-(Parallelism.rank_stages)."""
+(Parallelism.rank_stages). 13: one name per concept in the runtime too: RankLayout's degrees are dp, pp, tp and cp
+(were dp_size, pp_size, tp_size, cp_size; train.py reads rank.dp), TrainingData(source, global_batch, seed, dp_rank,
+dp) (was dp_size=); StepMetrics takes the device and verbose (StepMetrics(..., peak_flops_per_gpu, device,
+verbose=)) and StepMetrics.record(step, loss, seconds, lr=, grad_norm=) no longer does."""
 
 MISMATCH_EXIT_CODE = 2
 """What a program exits with on a mismatch: 2, the exit code of autoplan's own user errors (the user fixes
