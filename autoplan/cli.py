@@ -192,12 +192,13 @@ def cmd_profile(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from autoplan.verify import GRADIENT_TOLERANCE, PARITY_TOLERANCE, verify
+    from autoplan.verify import GRADIENT_TOLERANCE, PARITY_TOLERANCE, VerifySettings, verify
 
     try:
         with _progress(args):
-            result = verify(args.dir, nproc=args.nproc, steps=args.steps, timeout_s=args.timeout,
-                            measure=args.measure, model_file=args.model_file, device=args.device)
+            result = verify(args.dir, VerifySettings(nproc=args.nproc, steps=args.steps, timeout_s=args.timeout,
+                                                     measure=args.measure, model_file=args.model_file,
+                                                     device=args.device))
     finally:  # a failed run's verify.json (passed false, the error) goes into the report too
         _add_verification(Path(args.dir))
     if result.device == "cuda":

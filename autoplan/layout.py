@@ -313,15 +313,6 @@ class Layout:
     loss_parallel: str | None = None
     """"on" or "off" (LOSS_PARALLEL); only matters when tp > 1 (not a pin: the search reads it off the loss_fn)."""
 
-    @property
-    def data_parallel(self) -> int | None:
-        """dp, or dp_replicate x dp_shard when both are known."""
-        if self.dp is not None:
-            return self.dp
-        if self.dp_replicate is not None and self.dp_shard is not None:
-            return self.dp_replicate * self.dp_shard
-        return None
-
     def text(self) -> str:
         """"dp=2,tp=4,..." with the chosen fields, in this class's order."""
         return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if getattr(self, f.name) is not None)
@@ -391,14 +382,14 @@ class Parallelism:
         return self.dp_shard * self.cp
 
     @property
-    def sharded(self) -> bool:
+    def fsdp_enabled(self) -> bool:
         """Parameters, gradients and optimizer state are sharded (FSDP2, fsdp_shard > 1); else replicated (DDP)."""
         return self.fsdp_shard > 1
 
     @property
     def reshards_after_forward(self) -> bool:
         """FSDP2 shards the model states and frees the gathered parameters after forward (ZeRO-3)."""
-        return self.sharded and self.reshard
+        return self.fsdp_enabled and self.reshard
 
     @property
     def zero(self) -> int:
@@ -510,7 +501,7 @@ class Parallelism:
         if self.ep > 1:
             text += f" ep={self.ep}"
         text += f" pp={self.pp}"
-        if self.sharded:
+        if self.fsdp_enabled:
             text += f" dp_shard={self.dp_shard} reshard={RESHARD[0] if self.reshard else RESHARD[1]}"
         if self.offload:
             text += " offload=cpu"
@@ -701,7 +692,7 @@ def _expert_parallel_features(layout: Layout, have: frozenset[str]) -> list[str]
         return []
     out = []
     cp, tp = _or_one(layout.cp), _or_one(layout.tp)
-    dp = layout.data_parallel
+    dp = _dp_of(layout)
     whole = not _positive(dp) or expert_folded_ranks(dp, cp, tp) % ep == 0  # else _expert_parallel says why
     if _positive(layout.dp_shard) and expert_folded_ranks(layout.dp_shard, cp, tp) % ep and whole and \
             "ep_ddp" not in have:
@@ -757,7 +748,7 @@ def _expert_parallel(layout: Layout, scope: Scope) -> list[str]:
         if experts % ep:
             out.append(f"ep={ep} does not divide the {experts} experts of an expert layer "
                        f"({experts} % {ep} = {experts % ep})")
-    dp, cp, tp = layout.data_parallel, _or_one(layout.cp), _or_one(layout.tp)
+    dp, cp, tp = _dp_of(layout), _or_one(layout.cp), _or_one(layout.tp)
     if _positive(dp) and expert_folded_ranks(dp, cp, tp) % ep:
         ranks = expert_folded_ranks(dp, cp, tp)
         out.append(f"ep={ep} does not divide dp={dp} x cp={cp} x tp={tp} = {ranks} ({ranks} % {ep} = {ranks % ep}; "
@@ -851,6 +842,15 @@ def fsdp_wraps(dp_replicate: int, dp_shard: int, cp: int, tp: int) -> bool:
     return dp_replicate * shard > 1 and (shard > 1 or tp > 1)
 
 
+def _dp_of(layout: Layout) -> int | None:
+    """layout.dp, or dp_replicate x dp_shard when both are known (None when neither is)."""
+    if layout.dp is not None:
+        return layout.dp
+    if layout.dp_replicate is not None and layout.dp_shard is not None:
+        return layout.dp_replicate * layout.dp_shard
+    return None
+
+
 def zero_of(shard: int, reshard: bool) -> int:
     """The ZeRO stage (the paper's notation, the zero pin's values) whose memory a data-parallel sharding over `shard`
     ranks has: 0 unsharded (DDP), 2 FSDP2 keeping gathered parameters to backward (gradients and optimizer state
@@ -879,7 +879,7 @@ def _degrees(layout: Layout, scope: Scope) -> list[str]:
     out, gpus = [], scope.num_gpus
     if gpus is None:
         return out
-    tp, pp, dp = layout.tp, layout.pp, layout.data_parallel
+    tp, pp, dp = layout.tp, layout.pp, _dp_of(layout)
     if _positive(tp):
         if gpus % tp:
             out.append(f"tp={tp} does not divide {gpus} GPUs")
@@ -931,7 +931,7 @@ def _sharding_rules(layout: Layout, scope: Scope) -> list[str]:
 
 
 def _batch(layout: Layout, scope: Scope) -> list[str]:
-    out, batch, dp, microbatch = [], scope.global_batch, layout.data_parallel, layout.microbatch
+    out, batch, dp, microbatch = [], scope.global_batch, _dp_of(layout), layout.microbatch
     if batch is None or not _positive(microbatch):
         return out
     if _positive(dp) and batch % dp == 0:
@@ -950,7 +950,7 @@ def _batch(layout: Layout, scope: Scope) -> list[str]:
 def _microbatches(layout: Layout, scope: Scope) -> int | None:
     if _positive(layout.microbatches):
         return layout.microbatches
-    batch, dp, microbatch = scope.global_batch, layout.data_parallel, layout.microbatch
+    batch, dp, microbatch = scope.global_batch, _dp_of(layout), layout.microbatch
     if batch is not None and _positive(dp, microbatch) and batch % (dp * microbatch) == 0:
         return batch // (dp * microbatch)
     return None
@@ -1000,7 +1000,7 @@ def _schedule(layout: Layout, scope: Scope) -> list[str]:
 def _microbatches_text(layout: Layout, scope: Scope) -> str:
     if _positive(layout.microbatches):
         return "microbatches"
-    return f"global batch {scope.global_batch} / dp={layout.data_parallel} / microbatch={layout.microbatch}"
+    return f"global batch {scope.global_batch} / dp={_dp_of(layout)} / microbatch={layout.microbatch}"
 
 
 def _stages(layout: Layout, scope: Scope) -> list[str]:
@@ -1029,7 +1029,7 @@ def _batch_norm_microbatches(layout: Layout, scope: Scope) -> list[str]:
 
 def _batch_norm_pipeline(layout: Layout, scope: Scope) -> list[str]:
     """SyncBatchNorm replaces nn.Module BatchNorms; a pipeline's stages are exported graphs without them."""
-    pp, dp = layout.pp, layout.data_parallel
+    pp, dp = layout.pp, _dp_of(layout)
     if not scope.batch_norm_modules or not _positive(pp, dp) or pp == 1 or dp == 1:
         return []
     return [f"pp={pp} with dp={dp}: {_batch_norm_text(scope.batch_norm_modules)} needs SyncBatchNorm over the "

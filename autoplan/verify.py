@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,38 @@ deberta-v2 against a largest entry of 0.17: relative to itself that noise differ
 Rounding noise stays below ~1e-7 of the largest entry, 1e-4 of the floor; a factor-2 error is still caught
 on every parameter whose gradient exceeds 2e-6 of the largest."""
 STDERR_TAIL_LINES = 25
+
+
+@dataclass(frozen=True)
+class VerifySettings:
+    """How verify runs a generated program (`autoplan verify`'s options)."""
+
+    nproc: int | None = None
+    """Processes (None: the plan's world size; it must be)."""
+    steps: int = 3
+    """Optimizer steps each run makes."""
+    timeout_s: float = 300
+    """Wall-clock limit of the runs, after which they are killed with their ranks."""
+    measure: bool = False
+    """Also measure step time and peak memory beside the prediction."""
+    model_file: str = "copy"
+    """Which model file train.py runs (MODEL_FILES)."""
+    device: str = "cpu"
+    """Where the program runs (DEVICES): "cpu" checks parity, "cuda" measures only."""
+
+
+@dataclass(frozen=True)
+class Runs:
+    """What the two runs of a parity check gave (empty losses and `error` when a run failed)."""
+
+    reference_losses: list[float]
+    losses: list[float]
+    measured: dict[str, Any] = field(default_factory=dict)
+    """With measure: verify.json's measured fields (_measured)."""
+    error: str = ""
+    dropout: str = ""
+    """How dropout was handled (dropout_handling)."""
+    gradients: GradientCheck | None = None
 
 
 @dataclass(frozen=True)
@@ -113,14 +145,15 @@ MODEL_FILES = ("copy", "planned")
 files (model_code/, the default), or the file the plan was made from (plan.json model.path), in place."""
 
 
-def verify(out_dir: Path | str, nproc: int | None = None, steps: int = 3, timeout_s: float = 300,
-           measure: bool = False, model_file: str = "copy", device: str = "cpu") -> VerifyResult:
+def verify(out_dir: Path | str, settings: VerifySettings = VerifySettings()) -> VerifyResult:
     """Loss and gradient parity of DIR/train.py on CPU processes against the single-device run (with `measure`,
     step time and peak memory beside the prediction), written to out_dir/verify.json; with device="cuda" (and
     `measure`), the program trains on this machine's GPUs instead and only the measurement is recorded
     (measure_on_gpus). When a run fails, verify.json records the failure (passed false, "error") before the
     UserError saying why is raised."""
     out_dir = Path(out_dir)
+    nproc, steps, timeout_s, measure, model_file, device = (settings.nproc, settings.steps, settings.timeout_s,
+                                                            settings.measure, settings.model_file, settings.device)
     if device not in DEVICES:
         raise UserError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
     if device == "cuda":
@@ -139,11 +172,12 @@ def verify(out_dir: Path | str, nproc: int | None = None, steps: int = 3, timeou
     if not (out_dir / "train.py").is_file():
         raise UserError(f"{out_dir} has no train.py: run `autoplan MODEL.py --out {out_dir}` first")
     _check_model_file(model_file, plan, out_dir)
+    settings = replace(settings, nproc=nproc)
     try:
         check_program_plan(out_dir, plan)
-        return _verify_runs(out_dir, plan, nproc, steps, timeout_s, measure, model_file)
+        return _verify_runs(out_dir, plan, settings)
     except UserError as e:
-        _compare(out_dir, nproc, steps, [], [], {}, error=str(e), model_file=model_file)
+        _compare(out_dir, settings, Runs([], [], error=str(e)))
         raise
 
 
@@ -177,8 +211,8 @@ def _check_model_file(model_file: str, plan: Plan, out_dir: Path) -> None:
                             f"plan again to run the planned file")
 
 
-def _verify_runs(out_dir: Path, plan: Plan, nproc: int, steps: int, timeout_s: float, measure: bool,
-                 model_file: str) -> VerifyResult:
+def _verify_runs(out_dir: Path, plan: Plan, settings: VerifySettings) -> VerifyResult:
+    nproc, steps, measure, model_file = settings.nproc, settings.steps, settings.measure, settings.model_file
     with tempfile.TemporaryDirectory(prefix="autoplan-verify-") as tmp:
         ref_out, dist_out, metrics_out, dropout_out, ref_grads, dist_grads = (
             Path(tmp) / n for n in ("reference.json", "losses.json", "metrics.json", "dropout.json",
@@ -196,15 +230,15 @@ def _verify_runs(out_dir: Path, plan: Plan, nproc: int, steps: int, timeout_s: f
                 _Run(f"distributed run ({nproc} processes)", distributed, out_dir, Path(tmp),
                      verify_environment(dist_grads))]
         # measuring: one run at a time so the timing is not disturbed; else both at once
-        _run_all(runs, timeout_s, sequential=measure)
+        _run_all(runs, settings.timeout_s, sequential=measure)
         reference_losses = _read_losses(ref_out, runs[0], steps)
         losses = _read_losses(dist_out, runs[1], steps)
         metrics = json.loads(metrics_out.read_text()) if measure else {}
         dropout = dropout_handling(dropout_out)
         gradients = compare_gradients(ref_grads, dist_grads, nproc)
 
-    return _compare(out_dir, nproc, steps, reference_losses, losses, _measured(plan, metrics) if measure else {},
-                    dropout=dropout, gradients=gradients, model_file=model_file)
+    return _compare(out_dir, settings, Runs(reference_losses, losses, _measured(plan, metrics) if measure else {},
+                                            dropout=dropout, gradients=gradients))
 
 
 DEVICES = ("cpu", "cuda")
@@ -246,7 +280,7 @@ def measure_on_gpus(out_dir: Path, nproc: int | None = None, steps: int = 10, ti
     check_program_plan(out_dir, plan)
     # each rank's share of the host's cores (rank 0 builds the model on the CPU: one thread is slow for that)
     threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}
-    run = train_and_measure(out_dir, plan, "cuda", world, steps, timeout_s, env=threads)
+    run = train_and_measure(out_dir, plan, VerifySettings(world, steps, timeout_s, device="cuda"), env=threads)
     losses, measured = list(run.losses), run.measured
     finite = all(math.isfinite(x) for x in losses)
     report = {"device": "cuda", "nproc": world, "steps": steps, "losses": losses, "passed": finite,
@@ -272,29 +306,33 @@ class MeasuredRun:
     """What the run printed on stderr (torch's logs, e.g. TORCH_LOGS=recompiles)."""
 
 
-def train_and_measure(out_dir: Path, plan: Plan, device: str, nproc: int, steps: int, timeout_s: float,
-                      extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> MeasuredRun:
-    """Run DIR/train.py on `nproc` processes on `device` (torchrun) for `steps` steps with --metrics-out and
-    `extra_args` (e.g. --no-compile), as it trains (dropout kept), and measure it against `plan`."""
+def train_and_measure(out_dir: Path, plan: Plan, settings: VerifySettings, extra_args: tuple[str, ...] = (),
+                      env: dict[str, str] | None = None) -> MeasuredRun:
+    """Run DIR/train.py on settings.nproc processes on settings.device (torchrun) for settings.steps steps with
+    --metrics-out and `extra_args` (e.g. --no-compile), as it trains (dropout kept), and measure it against
+    `plan`."""
+    steps = settings.steps
     with tempfile.TemporaryDirectory(prefix="autoplan-measure-") as tmp:
         losses_out, metrics_out = Path(tmp) / "losses.json", Path(tmp) / "metrics.json"
-        run = run_train_py(out_dir, device, nproc, ("--steps", str(steps), "--losses-out", str(losses_out),
-                                                    "--metrics-out", str(metrics_out), *extra_args), timeout_s, env,
-                           Path(tmp))
+        run = run_train_py(out_dir, settings, ("--steps", str(steps), "--losses-out", str(losses_out),
+                                               "--metrics-out", str(metrics_out), *extra_args), env, Path(tmp))
         losses = _read_losses(losses_out, run, steps)
         metrics = json.loads(metrics_out.read_text())
         stderr = run.stderr_path.read_text(errors="replace")
-    return MeasuredRun(tuple(losses), _measured(plan, metrics, device=device), tuple(metrics["steps"]), stderr)
+    return MeasuredRun(tuple(losses), _measured(plan, metrics, device=settings.device), tuple(metrics["steps"]),
+                       stderr)
 
 
-def run_train_py(out_dir: Path, device: str, nproc: int, args: tuple[str, ...], timeout_s: float,
-                 env: dict[str, str] | None, tmp: Path) -> _Run:
-    """Run DIR/train.py --device `device` `args` on `nproc` processes (torchrun) in a session of its own, its
-    stderr kept under `tmp`; killed with its ranks after `timeout_s` (a UserError then, or when it fails)."""
+def run_train_py(out_dir: Path, settings: VerifySettings, args: tuple[str, ...], env: dict[str, str] | None,
+                 tmp: Path) -> _Run:
+    """Run DIR/train.py --device settings.device `args` on settings.nproc processes (torchrun) in a session of its
+    own, its stderr kept under `tmp`; killed with its ranks after settings.timeout_s (a UserError then, or when it
+    fails)."""
+    device, nproc = settings.device, settings.nproc
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                "train.py", "--device", device, *args]
     run = _Run(f"{device} run ({nproc} process{'es' if nproc != 1 else ''})", command, out_dir, tmp, env)
-    _run_all([run], timeout_s, sequential=True)
+    _run_all([run], settings.timeout_s, sequential=True)
     return run
 
 
@@ -326,10 +364,12 @@ def dropout_handling(path: Path) -> str:
     return f"disabled in both runs ({calls:g} dropout call{'s' if calls != 1 else ''} per step); training keeps it"
 
 
-def _compare(out_dir: Path, nproc: int, steps: int, reference_losses: list[float], losses: list[float],
-             measured: dict[str, Any], error: str = "", dropout: str = "",
-             gradients: GradientCheck | None = None, model_file: str = "copy") -> VerifyResult:
-    """The parity verdict (losses, and the gradients when checked), also written to out_dir/verify.json."""
+def _compare(out_dir: Path, settings: VerifySettings, runs: Runs) -> VerifyResult:
+    """The parity verdict of `runs` (losses, and the gradients when checked) on settings.nproc processes, also
+    written to out_dir/verify.json."""
+    nproc, steps, model_file = settings.nproc, settings.steps, settings.model_file
+    reference_losses, losses, measured, error, dropout, gradients = (runs.reference_losses, runs.losses, runs.measured,
+                                                                     runs.error, runs.dropout, runs.gradients)
     diffs = [abs(a - b) for a, b in zip(reference_losses, losses)]
     max_diff = math.inf if error or any(math.isnan(d) for d in diffs) else max(diffs)
     passed = max_diff <= PARITY_TOLERANCE and (gradients is None or gradients.passed)

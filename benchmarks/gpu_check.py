@@ -177,14 +177,14 @@ def cmd_train(args) -> None:
     import os
 
     from autoplan.plan import load_plan
-    from autoplan.verify import train_and_measure
+    from autoplan.verify import VerifySettings, train_and_measure
 
     folder = args.results / "plans" / args.plan
     plan = load_plan(folder / "plan.json")
     traces = args.results / "traces" / args.run
     extra = (("--no-compile",) if args.no_compile else ()) + (("--profile", str(traces)) if args.profile else ())
     env = {"TORCH_LOGS": "recompiles", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1)))}
-    run = train_and_measure(folder, plan, args.device, 1, args.steps, args.timeout, extra, env)
+    run = train_and_measure(folder, plan, VerifySettings(1, args.steps, args.timeout, device=args.device), extra, env)
     m = run.measured
     recompiles = len(RECOMPILES.findall(run.stderr))
     compiled = plan.compile.enable and not args.no_compile
@@ -325,7 +325,7 @@ def cmd_checkpoint(args) -> None:
 
     from autoplan.api import PlanOptions, plan_model
     from autoplan.runtime.harness.hooks import verify_environment
-    from autoplan.verify import run_train_py
+    from autoplan.verify import VerifySettings, run_train_py
 
     gpu = profile_name(args.device)
     folder = args.results / "plans" / "checkpoint"
@@ -335,8 +335,8 @@ def cmd_checkpoint(args) -> None:
     def losses(name: str, *extra: str) -> list[float]:
         out = folder / f"losses_{name}.json"
         with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-            run_train_py(folder, args.device, 1, (*extra, "--losses-out", str(out)), args.timeout,
-                         verify_environment(None), Path(tmp))  # dropout off, as under autoplan verify
+            run_train_py(folder, VerifySettings(1, timeout_s=args.timeout, device=args.device),
+                         (*extra, "--losses-out", str(out)), verify_environment(None), Path(tmp))  # dropout off, as under autoplan verify
         return json.loads(out.read_text())
 
     straight = losses("straight", "--steps", "4")

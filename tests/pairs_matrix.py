@@ -16,7 +16,7 @@ from typing import Any, Callable
 from autoplan.chain.attention import NO_SDPA_PROBLEM
 from autoplan.codegen import write_program
 from autoplan.layout import (COMPILE, OFFLOAD, RECOMPUTE, RESHARD, SCHEDULE_BY_NAME, SCHEDULES, SEQUENCE_PARALLEL, SUPPORTED,
-                             ZERO_STAGES, Layout, Scope, problems)
+                             Layout, Scope, problems)
 from autoplan.plan import OPTIMIZER_IMPLEMENTATIONS, Compile, Plan
 from helpers.all_pairs import Case, Covering, Factor, covering_array
 from test_expert_parallel_program import ATTENTION_TP_PLAN, CHAIN as MIXTRAL_CHAIN, SOURCES as MOE_SOURCES
@@ -260,7 +260,7 @@ def runs_as(plan: Plan) -> dict[str, Any]:
                                                            par.dp_shard]
     tp = par.tp
     pipeline = "pp=1" if par.pp == 1 else par.schedule
-    return {"data": data, "reshard": par.layout().reshard if par.sharded else None, "tp": tp,
+    return {"data": data, "reshard": par.layout().reshard if par.fsdp_enabled else None, "tp": tp,
             "sp": ("on" if par.sp else "off") if tp > 1 else None,
             "loss_parallel": par.layout().loss_parallel if tp > 1 and "lm_head" in
             plan.tensor_parallel_plan else None, "cp": par.cp, "ep": par.ep,

@@ -323,7 +323,7 @@ def test_resnet_dp2_matches_the_reference_losses_and_running_statistics(tmp_path
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from autoplan.verify import verify
+    from autoplan.verify import VerifySettings, verify
 
     out, steps = tmp_path / "plan", 3
     subprocess.run([sys.executable, "-m", "autoplan.cli", str(RESNET), "--gpus", "2", "--gpu", "cpu",
@@ -331,7 +331,7 @@ def test_resnet_dp2_matches_the_reference_losses_and_running_statistics(tmp_path
     plan = json.loads((out / "plan.json").read_text())
     assert plan["parallelism"]["data_parallel_replicate_degree"] == 2
     assert plan["parallelism"]["pipeline_parallel_num_microbatches"] == 1 and len(plan["batch_norm_modules"]) == 15
-    result = verify(out, steps=steps)
+    result = verify(out, VerifySettings(steps=steps))
     assert result.passed, result
 
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py",

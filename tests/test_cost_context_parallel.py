@@ -124,7 +124,7 @@ def test_cp2_peak_memory_is_priced_within_15_percent_of_the_measured(tmp_path):
     from pathlib import Path
 
     from autoplan.api import PlanOptions, plan_model
-    from autoplan.verify import verify
+    from autoplan.verify import VerifySettings, verify
 
     examples = Path(__file__).resolve().parents[1] / "examples"
     model = tmp_path / "long_gpt.py"
@@ -139,7 +139,7 @@ def example_batch(batch_size):
 """)
     out = tmp_path / "out"
     plan_model(str(model), 2, "cpu", PlanOptions(global_batch=2, pin="cp=2,dp=1,microbatch=1,recompute=none", out=out))
-    result = verify(out, steps=2, timeout_s=240, measure=True)
+    result = verify(out, VerifySettings(steps=2, timeout_s=240, measure=True))
     assert result.passed
     report = json.loads((out / "verify.json").read_text())
     measured, predicted = report["measured_peak_memory_bytes"], report["predicted_peak_memory_bytes"]

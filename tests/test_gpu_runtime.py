@@ -94,16 +94,16 @@ def test_each_steps_peak_is_its_own_on_cuda():
     from autoplan.runtime.components.metrics import StepMetrics
 
     device = torch.device("cuda", torch.cuda.current_device())
-    metrics = StepMetrics(global_batch=1, world_size=1)
+    metrics = StepMetrics(global_batch=1, world_size=1, device=device)
     big = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
     del big
     # a one-rank process group for the max over ranks
     store = dist.HashStore()
     dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=device)
     try:
-        first = metrics.record(0, 1.0, 0.1, device, verbose=False)
+        first = metrics.record(0, 1.0, 0.1)
         small = torch.empty(2**20, dtype=torch.uint8, device=device)
-        second = metrics.record(1, 1.0, 0.1, device, verbose=False)
+        second = metrics.record(1, 1.0, 0.1)
         del small
     finally:
         dist.destroy_process_group()

@@ -18,12 +18,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_layouts_doc_lists_the_vocabulary():
-    """docs/layouts.md's table has a row per concept with its plan.json name, and the README links to it."""
+    """docs/layouts.md's table has a row per concept with its plan.json name, in VOCABULARY's order (rows for
+    top-level plan.json fields beside them, tensor_parallel_plan say, may sit between), and the README links to it."""
     table = (ROOT / "docs" / "layouts.md").read_text()
     for term in VOCABULARY:
         assert f"| `{term.short}` |" in table, f"docs/layouts.md's table lacks {term.short}"
         if term.plan_field:
             assert f"`{term.plan_field}`" in table, f"docs/layouts.md's table lacks {term.plan_field}"
+    rows = [line.split("`")[1] for line in table.splitlines() if line.startswith("| `")]
+    short = [term.short for term in VOCABULARY]
+    assert [name for name in rows if name in short] == short, "docs/layouts.md's rows are not in VOCABULARY's order"
     assert "(docs/layouts.md)" in (ROOT / "README.md").read_text()
 
 

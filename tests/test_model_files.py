@@ -268,7 +268,7 @@ def test_verify_model_file_planned_needs_the_planned_file(tmp_path):
     from test_codegen import make_plan
 
     from autoplan.plan import ModelRef
-    from autoplan.verify import verify
+    from autoplan.verify import VerifySettings, verify
 
     out = tmp_path / "out"
     out.mkdir()
@@ -278,5 +278,5 @@ def test_verify_model_file_planned_needs_the_planned_file(tmp_path):
     (out / "train.py").write_text("# --model-file\n")
     with pytest.raises(UserError, match=r"--model-file planned runs .*gone\.py, the file this plan was made from, "
                                         r"which is not there now"):
-        verify(out, model_file="planned")
+        verify(out, VerifySettings(model_file="planned"))
     assert not (out / "verify.json").exists()  # bad input, not a failed run

@@ -11,7 +11,7 @@ import itertools
 import pytest
 
 import pairs_matrix as pm
-from autoplan.layout import SUPPORTED
+from autoplan.layout import SUPPORTED, ZERO_STAGES
 from helpers.all_pairs import Factor, all_cases, covering_array, pairs_of
 from helpers.verify_many import verify_many
 from test_layouts import check_parity
@@ -38,7 +38,7 @@ def test_every_factor_value_is_the_vocabularys():
     assert values["sp"] == set(pm.SEQUENCE_PARALLEL) and values["offload"] == set(pm.OFFLOAD)
     assert values["compile"] == set(pm.COMPILE) and values["optimizer"] == set(pm.OPTIMIZER_IMPLEMENTATIONS)
     assert {s for s in values["pipeline"] if s != "pp=1"} == set(pm.SCHEDULES)
-    assert set(pm.ZERO) == set(pm.ZERO_STAGES)  # every zero stage is a (data, reshard) of the matrix
+    assert set(pm.ZERO) == set(ZERO_STAGES)  # every zero stage is a (data, reshard) of the matrix
     for zero, (data, reshard) in pm.ZERO.items():
         assert data in values["data"] and reshard in values["reshard"] | {None}
 

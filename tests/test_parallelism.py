@@ -70,9 +70,9 @@ def test_layout_is_the_partial_twin():
 def test_derived_facts():
     par = Parallelism(dp_replicate=2, dp_shard=2, cp=2, tp=4, pp=3, ep=4)
     assert (par.dp, par.fsdp_shard, par.world_size) == (4, 4, 96)
-    assert par.sharded and not par.reshards_after_forward and par.tp_enabled and par.ep_enabled
+    assert par.fsdp_enabled and not par.reshards_after_forward and par.tp_enabled and par.ep_enabled
     assert par.world_size_arithmetic() == "pp 3 x dp_replicate 2 x dp_shard 2 x cp 2 x tp 4 = 96 processes"
-    assert Parallelism(cp=2).sharded and not Parallelism(dp_replicate=8).sharded
+    assert Parallelism(cp=2).fsdp_enabled and not Parallelism(dp_replicate=8).fsdp_enabled
     for name in ("interleaved", "zbv"):
         v = 2
         par = Parallelism(pp=4, schedule=name, virtual_stages=v)

@@ -324,7 +324,7 @@ def test_one_process_trains_the_model_it_was_given(one_process):
     original = copy.deepcopy(model)
     inputs, targets = source.example_batch(4)
     parallel = autoplan.parallelize(model, make_plan(), device="cpu")
-    assert isinstance(parallel, autoplan.Parallelized) and parallel.rank.dp_size == 1
+    assert isinstance(parallel, autoplan.Parallelized) and parallel.rank.dp == 1
     assert all(p.device.type == "cpu" for p in parallel.parameters())
     assert torch.equal(parallel.model(inputs), original(inputs))
     assert parallel.model is model  # parallelized in place (here: nothing to wrap in one process)

@@ -48,7 +48,7 @@ def test_pinned_layout_is_planned_as_asked_and_trains_with_parity(verified, mode
     assert par.pp == int(asked.get("pp", 1))
     if "zero" in asked:  # the pin's shorthand for what runs: dp_shard and reshard
         zero = int(asked["zero"])
-        assert par.sharded == (zero > 0) and par.reshards_after_forward == (zero == 3)
+        assert par.fsdp_enabled == (zero > 0) and par.reshards_after_forward == (zero == 3)
     if "schedule" in asked:
         assert par.schedule == asked["schedule"]
     if "recompute" in asked:

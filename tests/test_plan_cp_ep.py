@@ -55,11 +55,11 @@ def test_cp_pins_plan_with_a_pipeline_and_with_tp():
     training = Training(global_batch_size=8, dtype="bf16")
     pinned = search(profile, cluster(8), training, parse_pins("cp=2")).best
     par = pinned.parallelism
-    assert par.cp == 2 and par.sharded and par.world_size == 8
+    assert par.cp == 2 and par.fsdp_enabled and par.world_size == 8
     assert par.pp == par.tp == 1
     staged = search(profile, cluster(8), training, parse_pins("cp=2,pp=2")).best.parallelism
     assert (staged.cp, staged.pp, staged.world_size) == (2, 2, 8)
-    assert staged.sharded  # FSDP2 over dp_shard x cp inside each stage
+    assert staged.fsdp_enabled  # FSDP2 over dp_shard x cp inside each stage
     with_tp = search(profile, cluster(8), training, parse_pins("cp=2,tp=2")).best.parallelism  # runs since cp_tp
     assert (with_tp.cp, with_tp.tp, with_tp.world_size) == (2, 2, 8)
     three = search(profile, cluster(8), training, parse_pins("cp=2,pp=2,tp=2")).best.parallelism  # all three run
@@ -212,8 +212,8 @@ def test_plan_json_without_the_new_keys_loads_and_cp_multiplies_the_world_size()
     par = Parallelism(dp_shard=2, cp=4, tp=2,
                       ep=8)
     assert par.world_size == 2 * 4 * 2  # ep borrows from dp x cp
-    assert par.fsdp_shard == 8 and par.sharded
-    assert Parallelism(cp=2).sharded  # FSDP over the cp ranks, as torchtitan
+    assert par.fsdp_shard == 8 and par.fsdp_enabled
+    assert Parallelism(cp=2).fsdp_enabled  # FSDP over the cp ranks, as torchtitan
 
 
 def test_sharded_table_divides_by_cp_and_waits_for_the_busiest_expert_rank():

@@ -78,8 +78,8 @@ def loader_source(batch_size_argument: bool):
 
 def test_make_dataloader_shards_like_a_distributed_sampler_across_epochs():
     source = loader_source(batch_size_argument=True)
-    ranks = [TrainingData(source, global_batch=6, seed=0, dp_rank=r, dp_size=2) for r in range(2)]
-    reference = TrainingData(source, global_batch=6, seed=0, dp_rank=0, dp_size=2)
+    ranks = [TrainingData(source, global_batch=6, seed=0, dp_rank=r, dp=2) for r in range(2)]
+    reference = TrainingData(source, global_batch=6, seed=0, dp_rank=0, dp=2)
     seen = []
     for step in range(4):  # 6 samples per rank per epoch, 3 per step: steps 2 and 3 are epoch 1
         parts = [data.batch(step) for data in ranks]
@@ -93,7 +93,7 @@ def test_make_dataloader_shards_like_a_distributed_sampler_across_epochs():
 
 
 def test_make_dataloader_batch_size_must_match_the_plan():
-    data = TrainingData(loader_source(batch_size_argument=False), global_batch=8, seed=0, dp_rank=0, dp_size=2)
+    data = TrainingData(loader_source(batch_size_argument=False), global_batch=8, seed=0, dp_rank=0, dp=2)
     with pytest.raises(UserError, match=r"gave 3 samples per batch, .* global batch 8 / 2 data-parallel ranks = 4"):
         data.batch(0)
 
@@ -103,7 +103,7 @@ def test_synthetic_data_is_the_global_batch_sliced():
         return torch.randn(n, 2), torch.randn(n)
 
     source = SimpleNamespace(module=SimpleNamespace(), example_batch=example_batch)
-    inputs, _ = TrainingData(source, global_batch=8, seed=1, dp_rank=1, dp_size=4).batch(3)
+    inputs, _ = TrainingData(source, global_batch=8, seed=1, dp_rank=1, dp=4).batch(3)
     assert torch.equal(inputs, step_batch(example_batch, 8, 1, 3)[0][2:4])
 
 

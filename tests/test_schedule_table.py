@@ -96,6 +96,6 @@ def test_the_search_tries_virtual_stages_from_the_row(row_edited):
 def test_the_program_finds_its_last_stage_by_the_placement(placement, virtual, last_rank):
     from autoplan.runtime.distributed.mesh import RankLayout
 
-    ranks = [RankLayout(rank=r, pp_rank=r, dp_rank=0, dp_size=1, pp_size=4, placement=placement,
+    ranks = [RankLayout(rank=r, pp_rank=r, dp_rank=0, dp=1, pp=4, placement=placement,
                         virtual_stages=virtual) for r in range(4)]
     assert [r.pp_rank for r in ranks if r.is_last_stage] == [last_rank]

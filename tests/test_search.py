@@ -12,7 +12,7 @@ from autoplan.chain.modules import build_chain
 from autoplan.cost.evaluate import build_problem
 from autoplan.errors import Infeasible, UserError
 from autoplan.layout import SUPPORTED, Layout
-from autoplan.plan import Training
+from autoplan.plan import Parallelism, Training
 from autoplan.solve.pins import parse_pins
 from autoplan.solve import search as search_module
 from autoplan.solve.ilp import IlpResult
@@ -83,9 +83,9 @@ def test_memory_below_the_replicated_model_state_forces_sharding_or_a_pipeline()
     cap_gib = 0.75 * replicated / GIB
     result = search(gpt2_small(), capped(8, cap_gib), TRAINING)
     par = result.best.parallelism
-    assert par.sharded or par.pp > 1 or par.tp > 1
+    assert par.fsdp_enabled or par.pp > 1 or par.tp > 1
     assert result.best.predicted.peak_memory_bytes <= cap_gib * GIB
-    ddp = [c for c in result.candidates if not c.parallelism.sharded and c.parallelism.world_size == 8
+    ddp = [c for c in result.candidates if not c.parallelism.fsdp_enabled and c.parallelism.world_size == 8
            and c.parallelism.dp == 8]
     assert ddp and all(not c.fits and c.reason.startswith("OOM by") for c in ddp)
 
@@ -130,7 +130,7 @@ def test_interleaved_pins_give_p_times_v_stages_on_ranks_in_turn():
 def test_the_switch_list_turns_features_off():
     without = SUPPORTED - {"zero2", "tp", "interleaved"}
     result = search(gpt2_small(), capped(8, 0.9), TRAINING, options=SearchOptions(features=without))
-    assert all(not (c.parallelism.sharded and not c.parallelism.reshards_after_forward)
+    assert all(not (c.parallelism.fsdp_enabled and not c.parallelism.reshards_after_forward)
                and c.parallelism.tp == 1
                and c.parallelism.schedule != "interleaved" for c in result.candidates)
     with pytest.raises(UserError, match="zero=2 is not supported yet"):
@@ -269,3 +269,22 @@ def test_a_milp_without_a_split_is_reported_as_what_it_said_not_as_a_time_limit(
                                            "planned is the best found, its slowest rank's time within 2.0% of the optimum's")
     assert "its 2.5 s time limit" in solver_warning(timed, 2.5)
     assert solver_warning(replace(result.solver, status="optimal", gap=0.0), None) == ""
+
+
+def test_ties_rank_a_layout_sharded_over_context_parallel_ranks_by_its_zero_stage():
+    """_simplicity ranks sharding by Parallelism.zero (over fsdp_shard = dp_shard x cp): with cp=2 and dp_shard=1
+    the model states are FSDP-sharded, so keeping the gathered parameters (ZeRO-2) is simpler than resharding
+    after forward (ZeRO-3), and HSDP over dp_replicate counts as HSDP."""
+    from types import SimpleNamespace
+
+    from autoplan.cost.evaluate import Candidate
+    from autoplan.solve.search import _simplicity
+
+    def candidate(reshard: bool) -> Candidate:
+        par = Parallelism(dp_replicate=2, cp=2, reshard=reshard)
+        return Candidate(par, (), SimpleNamespace(step_time_s=1.0), True, "")
+
+    kept, resharded = candidate(False), candidate(True)
+    assert (kept.parallelism.zero, resharded.parallelism.zero) == (2, 3)
+    assert _simplicity(kept) < _simplicity(resharded)
+    assert _simplicity(kept)[6] is True  # HSDP: replicated over dp_replicate, sharded over dp_shard x cp

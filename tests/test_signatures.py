@@ -1,10 +1,9 @@
 """No function of autoplan/ takes more than six parameters: a longer list takes a config object (PlanOptions,
-SearchOptions, MemoryLayout, TableSetting, the layout itself) instead, as the developers' guide asks.
+SearchOptions, MemoryLayout, TableSetting, VerifySettings, the layout itself) instead, as the developers' guide asks.
 
-Counted: the named parameters (positional and keyword-only) of every def, self and cls left out; *args and **kwargs
-are passed through, not listed, and are not counted. autoplan/runtime/ and autoplan/codegen/ are left out for now:
-their long lists (the runtime's ParallelConfig and its helpers) are issue 29's other lane this session, and join the
-test when that lands. ALLOWED is the rest that keep a long list, each with why."""
+Counted: the named parameters (positional and keyword-only) of every def of the whole package (the runtime, codegen,
+verify.py, profile, capture, calibrate, ... included), self and cls left out; *args and **kwargs are passed through,
+not listed, and are not counted. ALLOWED is the rest that keep a long list, each with why."""
 
 from __future__ import annotations
 
@@ -13,30 +12,31 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "autoplan"
 MOST = 6
-NOT_YET = ("runtime", "codegen")
-"""Folders of autoplan/ not checked yet (issue 29's runtime and codegen lane)."""
 
 ALLOWED = {
-    "__init__.py:parallelize": "the public call of a user's own loop, keyword-only options beside the model, the plan "
-                               "and the mesh; it mirrors runtime/apply_plan.parallelize (not checked yet)",
-    "profile/model_profile.py:_Timer.__call__": "one op's replay facts, called per op; profile/ is the planning-time "
-                                                "lane's (issue 28) this session",
-    "verify.py:verify": "the verify harness's run settings; they become one config with issue 29's move of the "
-                        "harness next to the runtime (the other lane)",
-    "verify.py:_verify_runs": "as verify.py:verify",
-    "verify.py:train_and_measure": "as verify.py:verify",
-    "verify.py:run_train_py": "as verify.py:verify",
-    "verify.py:_compare": "as verify.py:verify",
+    "__init__.py:parallelize": "the public call of a user's own loop: the model, the plan and the mesh, then "
+                               "keyword-only options with defaults (as torch's fully_shard); it forwards to "
+                               "runtime/apply_plan.parallelize",
+    "runtime/apply_plan.py:parallelize": "as __init__.py:parallelize, whose arguments it takes",
+    "profile/model_profile.py:_Timer.__call__": "one op's replay facts from its one caller, once per op on the "
+                                                "profiling hot path (an object per op would cost planning time)",
+    "runtime/distributed/batchnorm.py:synchronized_batch_norm": "torch.nn.functional.batch_norm's arguments "
+                                                                "(training mode) and the process group",
+    "runtime/distributed/batchnorm.py:DataParallelBatchNorm.__init__": "torch.nn.BatchNorm's constructor (it "
+                                                                       "subclasses it) and the process group",
+    "runtime/distributed/tensor_parallel.py:_register_cpu_attention_sharding._forward": "the schema of "
+        "aten._scaled_dot_product_flash_attention_for_cpu, which register_sharding calls it with",
+    "runtime/distributed/tensor_parallel.py:_register_cpu_attention_sharding._backward": "the schema of "
+        "aten._scaled_dot_product_flash_attention_for_cpu_backward, which register_sharding calls it with",
 }
 
 
 def _long_signatures() -> dict[str, int]:
-    """"path:Class.function" -> its parameter count, for every def of autoplan/ (NOT_YET aside) over MOST."""
+    """"path:Class.function" -> its parameter count, for every def of autoplan/ over MOST."""
     found = {}
     for path in sorted(ROOT.rglob("*.py")):
         relative = path.relative_to(ROOT)
-        if relative.parts[0] not in NOT_YET:
-            found.update({f"{relative.as_posix()}:{name}": n for name, n in _long_in(ast.parse(path.read_text()))})
+        found.update({f"{relative.as_posix()}:{name}": n for name, n in _long_in(ast.parse(path.read_text()))})
     return found
 
 

@@ -20,7 +20,7 @@ from autoplan.errors import UserError
 from autoplan.plan import Prediction, SolverInfo
 from autoplan.runtime.distributed.config import ParallelConfig
 from autoplan.runtime.startup import launch_problem, plan_mismatch
-from autoplan.verify import verify
+from autoplan.verify import VerifySettings, verify
 from helpers.plans import pinned_plan
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -103,7 +103,7 @@ def test_verify_fails_a_train_py_of_another_plan_before_running_it(tmp_path):
     with pytest.raises(UserError, match=r"train.py was not generated from .*plan.json \(train.py's PLAN_FINGERPRINT "
                                         rf"{dp2_plan().fingerprint()}, plan.json's {tp2_plan().fingerprint()}; "
                                         r"plan.json is for pp 1 x dp_replicate 1 x dp_shard 1 x cp 1 x tp 2 = 2"):
-        verify(out, steps=1, timeout_s=1)
+        verify(out, VerifySettings(steps=1, timeout_s=1))
     recorded = json.loads((out / "verify.json").read_text())
     assert recorded["passed"] is False and "not generated from" in recorded["error"]
 
@@ -114,7 +114,7 @@ def test_verify_nproc_arithmetic_includes_cp(tmp_path):
     (out / "plan.json").write_text(cp2_plan().to_json())
     with pytest.raises(UserError, match=r"^--nproc 4 does not match the plan: pp 1 x dp_replicate 1 x dp_shard 1 x "
                                         r"cp 2 x tp 1 = 2 processes$"):
-        verify(out, nproc=4)
+        verify(out, VerifySettings(nproc=4))
 
 
 def run_train_py(out: Path, args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -17,8 +17,8 @@ from autoplan.codegen import write_program
 from autoplan.errors import UserError
 from autoplan.plan import Plan
 from autoplan.cli import main
-from autoplan.verify import (GRADIENT_FLOOR, GRADIENT_TOLERANCE, ROOT_CAUSE_CHARS, _Run, compare_gradients, root_cause,
-                             verify)
+from autoplan.verify import (GRADIENT_FLOOR, GRADIENT_TOLERANCE, ROOT_CAUSE_CHARS, VerifySettings, _Run,
+                             compare_gradients, root_cause, verify)
 from helpers.plans import pinned_plan
 from helpers.verify_many import verify_many
 from test_layouts import SKIP_NET, TINY_GPT
@@ -61,7 +61,7 @@ def test_loss_parity_with_the_single_device_reference(tmp_path, case):
     model_text, model_file, plan_args = CASES[case]
     out = write_out(tmp_path, model_text, plan_args, model_file)
     measure = case.startswith("mlp")  # one case also measures step time and memory
-    result = verify(out, steps=2, timeout_s=240, measure=measure)
+    result = verify(out, VerifySettings(steps=2, timeout_s=240, measure=measure))
     assert result.passed, (result.reference_losses, result.losses)
     assert result.parity_max_abs_diff <= 1e-4
     report = json.loads((out / "verify.json").read_text())
@@ -78,7 +78,7 @@ def test_nproc_other_than_the_plan_is_rejected_with_the_arithmetic(tmp_path):
                                                              microbatches=2,
                                                              microbatch=2)))
     with pytest.raises(UserError, match=r"--nproc 2 .* pp 2 x dp_replicate 2 x dp_shard 1 x cp 1 x tp 1 = 4 processes"):
-        verify(out, nproc=2)
+        verify(out, VerifySettings(nproc=2))
 
 
 def fake_program(tmp_path: Path, body: str) -> Path:
@@ -104,7 +104,7 @@ def test_a_hung_run_is_killed_with_its_whole_process_group(tmp_path):
     """)
     # the reference imports autoplan.runtime (torch) before the stand-in: seconds on a loaded machine
     with pytest.raises(UserError, match=r"reference run did not finish within 30 s(.|\n)*waiting forever"):
-        verify(out, timeout_s=30)
+        verify(out, VerifySettings(timeout_s=30))
     pids = [int(p.name.split(".")[1]) for p in tmp_path.glob("pid.*")]
     assert len(pids) >= 2  # the reference and at least one rank had started
     deadline = time.monotonic() + 5  # SIGKILL is delivered asynchronously to the group's members
@@ -131,7 +131,7 @@ def test_a_failing_rank_is_reported_with_its_traceback(tmp_path):
             json.dump([1.0, 0.5], open(out, "w"))
     """)
     with pytest.raises(UserError, match=r"distributed run \(2 processes\) failed(.|\n)*stage 1 blew up"):
-        verify(out, steps=2)
+        verify(out, VerifySettings(steps=2))
     report = json.loads((out / "verify.json").read_text())  # a failed run is recorded too
     assert report["passed"] is False and report["losses"] == [] and "stage 1 blew up" in report["error"]
 
@@ -142,7 +142,7 @@ def test_diverging_losses_fail_and_are_written_down(tmp_path):
         if reference or rank == 0:
             json.dump([1.0, 0.5] if reference else [1.0, 0.4], open(out, "w"))
     """)
-    result = verify(out, steps=2)
+    result = verify(out, VerifySettings(steps=2))
     assert not result.passed and result.parity_max_abs_diff == pytest.approx(0.1)
     report = json.loads((out / "verify.json").read_text())
     assert report["passed"] is False and report["losses"] == [1.0, 0.4]
@@ -327,7 +327,7 @@ def test_a_failing_pipeline_stage_shows_its_root_cause_first(tmp_path):
     assert main([str(MODELS / "failing_stage.py"), "--gpus", "2", "--gpu", "cpu", "--global-batch", "4",
                  "--pin", "pp=2", "--out", str(out), "--quiet"]) == 0
     with pytest.raises(UserError) as failure:
-        verify(out, steps=2, timeout_s=240)
+        verify(out, VerifySettings(steps=2, timeout_s=240))
     message = str(failure.value).splitlines()
     assert message[0] == "the distributed run (2 processes) failed (exit code 1):"
     assert message[1].startswith("first exception: ValueError: rank-only failure: values out of range in the "

@@ -12,7 +12,7 @@ from autoplan.api import PlanOptions, plan_model
 from autoplan.cli import gpu_measurement_text, main
 from autoplan.errors import UserError
 from autoplan.report.html import verify_section
-from autoplan.verify import GPU_PARITY_NOTE, VerifyResult, _measured, verify
+from autoplan.verify import GPU_PARITY_NOTE, VerifyResult, VerifySettings, _measured, verify
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_GPT = ROOT / "tests" / "models" / "tiny_gpt.py"
@@ -28,12 +28,12 @@ def gpu_plan(tmp_path_factory) -> Path:
 
 def test_cuda_verify_needs_measure_and_gpus(gpu_plan, capsys):
     with pytest.raises(UserError, match="--device cuda measures the program .* add --measure"):
-        verify(gpu_plan, device="cuda")
+        verify(gpu_plan, VerifySettings(device="cuda"))
     import torch
 
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="sees none on this machine"):
-            verify(gpu_plan, device="cuda", measure=True)
+            verify(gpu_plan, VerifySettings(device="cuda", measure=True))
         assert main(["verify", str(gpu_plan), "--device", "cuda", "--measure"]) == 2
         err = capsys.readouterr().err
         assert "sees none" in err and err.count("\n") == 1, err
@@ -97,7 +97,7 @@ def test_a_one_gpu_plan_trains_on_this_gpu_beside_its_prediction(tmp_path):
     gpu = "h200-sxm-141gb" if "h200" in name else "h100-sxm5-80gb"
     out = tmp_path / "plan"
     plan_model(str(TINY_GPT), 1, gpu, PlanOptions(out=out))
-    result = verify(out, steps=6, device="cuda", measure=True)
+    result = verify(out, VerifySettings(steps=6, device="cuda", measure=True))
     report = json.loads((out / "verify.json").read_text())
     assert result.passed and report["device"] == "cuda" and len(report["losses"]) == 6
     assert report["measured_step_time_s"] > 0 and 0 < report["measured_peak_memory_bytes"]

@@ -12,7 +12,7 @@ import torch
 from autoplan.errors import UserError
 from autoplan.runtime import VerifyHook, verify_hook
 from autoplan.runtime.harness.hooks import VERIFY_ENV, VerifyChecks, verify_environment
-from autoplan.verify import verify
+from autoplan.verify import VerifySettings, verify
 from test_dropout import CALLS_PER_FORWARD, model_and_input
 from test_verify import CASES, write_out
 
@@ -92,6 +92,6 @@ def test_verify_catches_a_gradient_scaled_after_clipping_by_the_factor(tmp_path)
     assert len(clip) == 1
     lines[clip[0] + 1:clip[0] + 1] = ["            for p in parallel.parameters():\n", "                p.grad.mul_(1.5)\n"]
     train_py.write_text("".join(lines))
-    result = verify(out, steps=2, timeout_s=300)
+    result = verify(out, VerifySettings(steps=2, timeout_s=300))
     assert not result.passed and not result.gradients.problem, result
     assert result.gradient_max_rel_diff == pytest.approx(0.5, rel=1e-3)  # (1.5 g - g) / g on every parameter

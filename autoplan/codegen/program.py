@@ -158,10 +158,10 @@ def _layout(plan: Plan) -> str:
     dp = p.dp
     parts = []
     facts = SCHEDULE_BY_NAME.get(p.schedule)
-    if dp > 1 and not p.sharded and p.pp > 1 and facts is not None and facts.split_backward:
+    if dp > 1 and not p.fsdp_enabled and p.pp > 1 and facts is not None and facts.split_backward:
         parts.append(f"{dp}-way data parallel (each stage averages its gradients over the replicas after its last "
                      f"weight-gradient pass; no DDP)")
-    elif dp > 1 and not p.sharded:
+    elif dp > 1 and not p.fsdp_enabled:
         parts.append(f"{dp}-way data parallel (DDP)")
     elif dp > 1:
         hybrid = " (HSDP)" if p.dp_replicate > 1 else ""
@@ -178,9 +178,9 @@ def _layout(plan: Plan) -> str:
         parts.append(f"{p.ep}-way expert parallel (the experts split over groups of "
                      f"{p.ep} of the dp_shard x cp x tp ranks, all-to-all token dispatch)")
     if p.pp > 1:
-        virtual = (f", {p.virtual_stages} stages per rank"
-                   if p.virtual_stages > 1 else "")
-        parts.append(f"{p.pp}-rank pipeline ({p.schedule}{virtual})")
+        per_rank = (f", {p.virtual_stages} stages per rank"
+                    if p.virtual_stages > 1 else "")
+        parts.append(f"{p.pp}-rank pipeline ({p.schedule}{per_rank})")
     if p.recompute != "none":
         parts.append(f"{p.recompute} activation checkpointing")
     if p.offload:

@@ -171,10 +171,10 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
         held = {p for u in modules for p in chain.modules[u].parameters}
         expert_bytes = [e * element for e in expert_numels]
         share = StageShare(module_bytes=[(x - e) * element for x, e in zip(numels, expert_numels)],
-                           expert_bytes=expert_bytes if par.sharded else [], tensors=len(held), forward_s=forward,
+                           expert_bytes=expert_bytes if par.fsdp_enabled else [], tensors=len(held), forward_s=forward,
                            backward_s=backward + recompute)
         dpc = _data_parallel(ctx, par, groups, share)
-        if any(expert_numels) and not par.sharded:  # beside DDP: the experts' gradients, over their replicas
+        if any(expert_numels) and not par.fsdp_enabled:  # beside DDP: the experts' gradients, over their replicas
             dpc = _sum(dpc, comm.ddp_comm(sum(expert_bytes) * calibration.GRADIENT_REDUCE_BYTES / ctx.dtype_bytes,
                                           groups.expert_replicate, share.backward_s * ctx.cluster.gpu.comm_overlap))
         expert = min(forward + backward, sum(expert_compute[u] for u in modules)) if expert_compute else 0.0
@@ -204,7 +204,7 @@ def evaluate(ctx: Context, par: Parallelism, problem: ChainProblem, assignment: 
         updated = (sum(numels) - sum(expert_numels)) / par.fsdp_shard + sum(expert_numels) / expert_shard
         # FSDP2 parameters are DTensors (also over tensor-parallel replicas: runtime/distributed/parallel.py); without
         # it, only the tensor-parallel Linears' weights and biases are
-        if par.sharded or (tp > 1 and par.dp > 1):
+        if par.fsdp_enabled or (tp > 1 and par.dp > 1):
             dtensors = len(held)
         elif tp > 1:
             dtensors = sum(1 for p in held if p.rpartition(".")[0] in ctx.facts.plan)
@@ -370,11 +370,11 @@ class StageShare:
 
 def _data_parallel(ctx: Context, par: Parallelism, groups: Groups, share: StageShare) -> comm.DataParallelComm:
     """Data-parallel communication of one rank of a stage whose modules hold share.module_bytes of parameters
-    (training dtype), FSDP-sharded over groups.shard (when par.sharded) and replicated over groups.replicate, and
+    (training dtype), FSDP-sharded over groups.shard (when par.fsdp_enabled) and replicated over groups.replicate, and
     under FSDP share.expert_bytes of experts, sharded over groups.expert_shard and replicated over
     groups.expert_replicate (comm.FsdpStage), behind one micro-batch's forward and backward compute."""
     module_bytes, expert_bytes = share.module_bytes, share.expert_bytes
-    sharded, shard, replicate = par.sharded, groups.shard, groups.replicate
+    sharded, shard, replicate = par.fsdp_enabled, groups.shard, groups.replicate
     gradient_ratio = calibration.GRADIENT_REDUCE_BYTES / ctx.dtype_bytes
     gpu = ctx.cluster.gpu
     # what compute can hide; FSDP2 on a CPU device has no side streams: its all-gathers and

@@ -78,11 +78,11 @@ def describe_layout(par: Parallelism | dict[str, Any]) -> str:
     parts = []
     dp = par.dp
     if dp > 1:
-        if par.sharded and par.dp_replicate > 1:
+        if par.fsdp_enabled and par.dp_replicate > 1:
             parts.append(f"HSDP {par.dp_replicate}×{par.dp_shard}")
         elif par.reshards_after_forward:
             parts.append(f"FSDP {dp}")
-        elif par.sharded:
+        elif par.fsdp_enabled:
             parts.append(f"FSDP {dp} (no reshard)")
         else:
             parts.append(f"DP {dp}")

@@ -71,8 +71,8 @@ class Parallelized:
     mesh: DeviceMesh
     """The device mesh, dims ("pp", "dp_replicate", "dp_shard", "cp", "tp")."""
     rank: RankLayout
-    """Where this process sits: rank, pp_rank, dp_rank and dp_size (which slice of the global batch it
-    trains on), cp_rank and cp_size (which share of each sequence), tp_rank; is_first_stage, is_last_stage."""
+    """Where this process sits: rank, pp_rank, dp_rank and dp (which slice of the global batch it
+    trains on), cp_rank and cp (which share of each sequence), tp_rank; is_first_stage, is_last_stage."""
     experts: ExpertParallel
     """The experts split over expert-parallel groups cut from dp_shard x cp x tp and FSDP2-sharded over the ranks
     holding the same experts (no modules without expert parallelism); without FSDP2, forward_backward sums their
@@ -89,7 +89,7 @@ class Parallelized:
     def model(self) -> nn.Module:
         """The one parallel module, without a pipeline (for evaluation or saving)."""
         if self.split is not None or len(self.parts) != 1:
-            raise UserError(f"the plan splits the model into a {self.rank.pp_size}-rank pipeline: this rank "
+            raise UserError(f"the plan splits the model into a {self.rank.pp}-rank pipeline: this rank "
                             f"holds stages {sorted(self.parts)}, use .parts")
         return self.parts[0]
 
@@ -104,9 +104,9 @@ class Parallelized:
         return param_groups(self.parameters())
 
     def shard_batch(self, inputs: Any, targets: Any) -> tuple[Any, Any]:
-        """This rank's slice of a global batch: contiguous slice dp_rank of dp_size along dim 0 (the ranks of
+        """This rank's slice of a global batch: contiguous slice dp_rank of dp along dim 0 (the ranks of
         one tensor-parallel group, one context-parallel group or one pipeline train on the same slice)."""
-        inputs_slice, targets_slice = shard((inputs, targets), self.rank.dp_rank, self.rank.dp_size)
+        inputs_slice, targets_slice = shard((inputs, targets), self.rank.dp_rank, self.rank.dp)
         return inputs_slice, targets_slice
 
     def forward_backward(self, inputs: Any, targets: Any) -> torch.Tensor | None:
@@ -122,7 +122,7 @@ class Parallelized:
         """Clip the gradients forward_backward left to a global norm of at most `max_norm` (0: measure only), as
         torch.nn.utils.clip_grad_norm_ does on one device, whatever the layout; returns the norm before clipping
         (runtime/distributed/gradients.py). A collective: call it on every rank, after forward_backward."""
-        pp_group = self.mesh["pp"].get_group() if self.rank.pp_size > 1 else None
+        pp_group = self.mesh["pp"].get_group() if self.rank.pp > 1 else None
         return clip_grad_norm_(self.parameters(), max_norm, pp_group, self.tied.copies_counted_elsewhere)
 
     def global_loss(self, local_loss: torch.Tensor | None) -> float:

@@ -47,7 +47,7 @@ device) lost its `reference` argument. Also in 11: runtime's modules moved into 
 harness/ (the names a train.py reads through autoplan.runtime are unchanged; runtime.materialize and
 runtime.tensor_parallel are the functions, no longer their modules made callable). 12: one layout type: train.py's
 layout constants are autoplan.layout.Parallelism's fields upper case, in their types and order (RESHARD, SP,
-LOSS_PARALLEL and OFFLOAD are True/False, no longer "always"/"never" and "on"/"off"; DP is gone: rank.dp_size, and
+LOSS_PARALLEL and OFFLOAD are True/False, no longer "always"/"never" and "on"/"off"; DP is gone: rank.dp, and
 the reference run reads parallel_config().parallelism.dp), and parallel_config() builds runtime.Parallelism (new)
 and runtime.ParallelConfig(parallelism, stages=, tensor_parallel_plan=, recompute_modules=, batch_norm_modules=,
 compile=, dtype=), whose layout fields (dp_shard=, sequence_parallel=, microbatch_size=, num_microbatches=, reshard=
@@ -57,7 +57,10 @@ parallelize_experts(module, parallelism, device_type, dtype, tp_mesh), expert_me
 shard_data_parallel(module, mesh, config, chain_modules, dtype, experts), AccumulationStep(module, parallelism,
 loss_fn, dtype, context_parallel), PipelineStep(parts, split, runtime.RankSetup(...) (new), loss_fn,
 context_parallel), tensor_parallel(..., sp=) (was sequence_parallel=); runtime.local_stages left
-(Parallelism.rank_stages)."""
+(Parallelism.rank_stages). Also in 12, one name per concept in the runtime too: RankLayout's degrees are dp, pp, tp and cp
+(were dp_size, pp_size, tp_size, cp_size; train.py reads rank.dp), TrainingData(source, global_batch, seed, dp_rank,
+dp) (was dp_size=); StepMetrics takes the device and verbose (StepMetrics(..., peak_flops_per_gpu, device,
+verbose=)) and StepMetrics.record(step, loss, seconds, lr=, grad_norm=) no longer does."""
 
 MISMATCH_EXIT_CODE = 2
 """What a program exits with on a mismatch: 2, the exit code of autoplan's own user errors (the user fixes

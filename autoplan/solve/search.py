@@ -31,8 +31,7 @@ from autoplan.cost.evaluate import (Candidate, build_problem, evaluate, host_oom
 from autoplan.cost.memory import model_state_bytes
 from autoplan.errors import UserError
 from autoplan.hardware.types import Cluster
-from autoplan.layout import (RECOMPUTE, SCHEDULE_BY_NAME, SUPPORTED, Layout, Scope, compile_problems, problems,
-                             zero_of)
+from autoplan.layout import RECOMPUTE, SCHEDULE_BY_NAME, SUPPORTED, Layout, Scope, compile_problems, problems
 from autoplan.plan import Parallelism, SolverInfo, Training
 from autoplan.profile_data import ModelProfile
 from autoplan.solve import layouts
@@ -265,9 +264,9 @@ def choose(fitting: list[Candidate]) -> Candidate:
     SHARDING_MARGIN of a sharded winner is preferred to it."""
     fastest = fitting[0].predicted.step_time_s
     chosen = min((c for c in fitting if c.predicted.step_time_s <= fastest * (1 + TIE_TOLERANCE)), key=_simplicity)
-    if not chosen.parallelism.sharded:
+    if not chosen.parallelism.fsdp_enabled:
         return chosen
-    close = [c for c in fitting if not c.parallelism.sharded
+    close = [c for c in fitting if not c.parallelism.fsdp_enabled
              and c.predicted.step_time_s <= chosen.predicted.step_time_s * (1 + SHARDING_MARGIN)]
     return min(close, key=_simplicity) if close else chosen
 
@@ -477,8 +476,7 @@ def _simplicity(c: Candidate) -> tuple:
     recompute = RECOMPUTE.index(par.recompute)
     return (par.offload, par.pp, par.tp,
             par.cp, par.ep,
-            zero_of(par.dp_shard, par.reshards_after_forward),
-            par.dp_shard > 1 and par.dp_replicate > 1, schedule,
+            par.zero, par.fsdp_shard > 1 and par.dp_replicate > 1, schedule,
             par.virtual_stages, recompute, _partial_recompute(c),
             c.predicted.step_time_s, -par.microbatch, par.dp)
 
@@ -491,7 +489,7 @@ def _partial_recompute(c: Candidate) -> int:
 
 def _losing_reason(c: Candidate, best: Candidate) -> str:
     percent = (c.predicted.step_time_s - best.predicted.step_time_s) / best.predicted.step_time_s * 100
-    if percent < 0 and c.parallelism.sharded and not best.parallelism.sharded:
+    if percent < 0 and c.parallelism.fsdp_enabled and not best.parallelism.fsdp_enabled:
         return (f"{-percent:.1f}% faster, but shards the model states: DDP is kept within "
                 f"{SHARDING_MARGIN:.0%} (FSDP hooks and bookkeeping are not priced)")
     if abs(percent) <= TIE_TOLERANCE * 100:  # a faster one in the tie lost to the simpler best

@@ -18,8 +18,8 @@ from autoplan.codegen.program import MODEL_COPY_DIR
 from autoplan.errors import UserError
 from autoplan.plan import Plan
 from autoplan.runtime.harness.hooks import verify_environment
-from autoplan.verify import (VerifyResult, _compare, _load_plan, _measured, _Run, _run_all, compare_gradients,
-                             run_args)
+from autoplan.verify import (Runs, VerifyResult, VerifySettings, _compare, _load_plan, _measured, _Run, _run_all,
+                             compare_gradients, run_args)
 
 BATCH_SCRIPT = Path(__file__).with_name("batch.py")
 """The batch runner, launched by path (tests/ is not a package on the children's sys.path)."""
@@ -169,7 +169,8 @@ def verify_many(out_dirs: list[Path | str], steps: int = 3, timeout_s: float = 6
                                                              _gradients_dir(losses_path), world)
             metrics = Path(tmp) / f"metrics{i}.json"
             measured = _measured(plan, json.loads(metrics.read_text())) if measure and not error else {}
-            results.append(_compare(out_dir, world, steps, reference, losses, measured, error, gradients=gradients))
+            results.append(_compare(out_dir, VerifySettings(world, steps),
+                                    Runs(reference, losses, measured, error, gradients=gradients)))
         return VerifyBatch(results, errors[offset:])
 
 

@@ -193,13 +193,13 @@ def main(argv=None) -> list[float]:
     rank, parts = parallel.rank, parallel.parts
     optimizer = runtime.adamw(parallel.parameters(), args.lr, OPTIMIZER_IMPLEMENTATION, args.weight_decay, args.betas)
 
-    data = runtime.TrainingData(model_source, GLOBAL_BATCH, SEED, rank.dp_rank, rank.dp_size)
+    data = runtime.TrainingData(model_source, GLOBAL_BATCH, SEED, rank.dp_rank, rank.dp)
     # keyed by the model's own names (any plan resumes any other's), with each rank's generators and data position
     checkpoints = runtime.Checkpointer(args.checkpoint_dir, parallel, optimizer, keep=args.keep_checkpoints, data=data)
     first_step = checkpoints.load(args.steps) if args.resume else 0  # says what it resumed from, or that it found none
     stop = runtime.SaveAndStop(device)  # SIGUSR1 (SLURM, before the time limit): save at the next step and stop
     metrics = runtime.StepMetrics(GLOBAL_BATCH, dist.get_world_size(), TOKENS_PER_SAMPLE, MODEL_FLOPS_PER_STEP,
-                                  PEAK_FLOPS_PER_GPU)
+                                  PEAK_FLOPS_PER_GPU, device, verbose=rank.rank == 0)
     # --metrics-out: the last step also records the peak of live tensor memory (slower: not timed)
     memory = runtime.PeakLiveMemory(device)
     losses = []
@@ -221,8 +221,7 @@ def main(argv=None) -> list[float]:
                 group["lr"] = lr
             optimizer.step()
         losses.append(runtime.global_mean_loss(local_loss, rank, device))  # mean over the global batch
-        entry = metrics.record(step, losses[-1], time.perf_counter() - start, device, verbose=rank.rank == 0,
-                               lr=lr, grad_norm=grad_norm)
+        entry = metrics.record(step, losses[-1], time.perf_counter() - start, lr=lr, grad_norm=grad_norm)
         board.add_step(entry)  # --tensorboard: measured beside predicted, rank 0 only
         losses_file.append(losses[-1])
         steps_file.append(entry)

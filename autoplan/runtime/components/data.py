@@ -42,11 +42,11 @@ class TrainingData:
     step is the ranks' batches in rank order, which is what the single-device reference trains on.
     """
 
-    def __init__(self, source: Any, global_batch: int, seed: int, dp_rank: int, dp_size: int) -> None:
-        if global_batch % dp_size:
-            raise UserError(f"global batch {global_batch} does not split into {dp_size} data-parallel ranks")
+    def __init__(self, source: Any, global_batch: int, seed: int, dp_rank: int, dp: int) -> None:
+        if global_batch % dp:
+            raise UserError(f"global batch {global_batch} does not split into {dp} data-parallel ranks")
         self.source, self.global_batch, self.seed = source, global_batch, seed
-        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.dp_rank, self.dp = dp_rank, dp
         self.make_dataloader = getattr(source.module, "make_dataloader", None) if source is not None else None
         self._loaders: dict[int, _LoaderCursor] = {}
 
@@ -54,14 +54,14 @@ class TrainingData:
         """This rank's (inputs, targets) of step `step`."""
         if self.make_dataloader is None:
             whole = step_batch(self.source.example_batch, self.global_batch, self.seed, step)
-            return shard(whole, self.dp_rank, self.dp_size)
+            return shard(whole, self.dp_rank, self.dp)
         return self._loader_batch(self.dp_rank, step)
 
     def global_batch_of(self, step: int) -> tuple[Any, Any]:
         """The whole global batch of step `step` (the single-device reference trains on it)."""
         if self.make_dataloader is None:
             return step_batch(self.source.example_batch, self.global_batch, self.seed, step)
-        parts = [self._loader_batch(rank, step) for rank in range(self.dp_size)]
+        parts = [self._loader_batch(rank, step) for rank in range(self.dp)]
         return pytree.tree_map(lambda *ts: torch.cat(ts) if isinstance(ts[0], torch.Tensor) else ts[0], *parts)
 
     def position(self) -> dict[str, Any]:
@@ -69,7 +69,7 @@ class TrainingData:
         loader's own state_dict() where it has one (torchdata's StatefulDataLoader) and the epoch; without, nothing
         beyond the steps done (a step's batch is drawn from its seed)."""
         cursor = self._loaders.get(self.dp_rank)
-        return {"dp_rank": self.dp_rank, "dp_size": self.dp_size,
+        return {"dp_rank": self.dp_rank, "dp": self.dp,
                 "loader": cursor.position() if cursor is not None else None}
 
     def restore(self, position: dict[str, Any] | None, steps_done: int) -> None:
@@ -95,10 +95,10 @@ class TrainingData:
         batch = self._cursor(rank).get(step)
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise UserError("make_dataloader's batches must be (inputs, targets)")
-        got, want = batch_size_of(batch), self.global_batch // self.dp_size
+        got, want = batch_size_of(batch), self.global_batch // self.dp
         if got != want:
             raise UserError(f"make_dataloader gave {got} samples per batch, the plan needs global batch "
-                            f"{self.global_batch} / {self.dp_size} data-parallel ranks = {want}")
+                            f"{self.global_batch} / {self.dp} data-parallel ranks = {want}")
         return batch[0], batch[1]
 
     def _make_loader(self, rank: int) -> Any:
@@ -106,9 +106,9 @@ class TrainingData:
 
         kwargs = {}
         if "batch_size" in inspect.signature(self.make_dataloader).parameters:
-            kwargs["batch_size"] = self.global_batch // self.dp_size
+            kwargs["batch_size"] = self.global_batch // self.dp
         torch.manual_seed(self.seed + DATA_SEED_OFFSET)
-        return self.make_dataloader(rank, self.dp_size, **kwargs)
+        return self.make_dataloader(rank, self.dp, **kwargs)
 
 
 class _LoaderCursor:

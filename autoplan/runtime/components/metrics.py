@@ -30,21 +30,25 @@ class StepMetrics:
     """Forward+backward FLOPs of one step at the global batch, without recomputation (plan.json)."""
     peak_flops_per_gpu: float | None = None
     """Dense peak FLOP/s of one GPU of the planned kind in the planned dtype (None: MFU not logged)."""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """The device this rank trains on (its peak memory is read there)."""
+    verbose: bool = False
+    """Print each step's line (rank 0 does)."""
     history: list[dict] = field(default_factory=list)
     """One record per step: step, loss, seconds, samples_per_s, tokens_per_s, mfu, peak_memory_bytes (and on CUDA
     peak_reserved_bytes, the allocator's reserved peak)."""
 
-    def record(self, step: int, loss: float, seconds: float, device: torch.device, verbose: bool,
-               lr: float | None = None, grad_norm: float | None = None) -> dict:
+    def record(self, step: int, loss: float, seconds: float, lr: float | None = None,
+               grad_norm: float | None = None) -> dict:
         """Log a step (peak memory is the largest over ranks: a collective, so every rank calls it). On CUDA
         each step's peak is its own: the allocator's peak is reset after reading it (parallelize resets it
         after building the model), so a step's number holds neither the materialization nor an earlier step's
         compilation; the first step's holds its own compilation."""
         entry = {"step": step, "loss": loss, "seconds": seconds, "samples_per_s": self.global_batch / seconds,
-                 "peak_memory_bytes": int(max_over_ranks(peak_memory_bytes(device), device))}
-        if device.type == "cuda":  # what the caching allocator holds from the device, beside what tensors use
-            entry["peak_reserved_bytes"] = int(max_over_ranks(torch.cuda.max_memory_reserved(device), device))
-            torch.cuda.reset_peak_memory_stats(device)
+                 "peak_memory_bytes": int(max_over_ranks(peak_memory_bytes(self.device), self.device))}
+        if self.device.type == "cuda":  # what the caching allocator holds from the device, beside what tensors use
+            entry["peak_reserved_bytes"] = int(max_over_ranks(torch.cuda.max_memory_reserved(self.device), self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
         text = f"step {step} | loss {loss:.6f}"
         if lr is not None:
             entry["lr"] = lr
@@ -61,10 +65,10 @@ class StepMetrics:
             text += f" | MFU {entry['mfu'] * 100:.1f}%"
         # on a CPU the per-step number is the resident set (libraries included); verify --measure
         # measures the live tensor memory of a step separately (PeakLiveMemory)
-        what = "peak memory" if device.type == "cuda" else "peak RSS"
+        what = "peak memory" if self.device.type == "cuda" else "peak RSS"
         text += f" | {what} {entry['peak_memory_bytes'] / 2**30:.2f} GiB"
         self.history.append(entry)
-        if verbose:
+        if self.verbose:
             print(text, flush=True)
         return entry
 

@@ -37,17 +37,17 @@ class RankLayout:
     dp_rank: int
     """Index among the data-parallel ranks (which slice of the global batch it trains on; the ranks of a
     context-parallel group share it)."""
-    dp_size: int
+    dp: int
     """Data-parallel ranks (replicate x shard)."""
-    pp_size: int
+    pp: int
     """Pipeline ranks."""
     tp_rank: int = 0
     """Index in the tensor-parallel group (all of its ranks see the same batch)."""
-    tp_size: int = 1
+    tp: int = 1
     """Tensor-parallel ranks."""
     cp_rank: int = 0
     """Index in the context-parallel group (which share of each sequence its blocks compute)."""
-    cp_size: int = 1
+    cp: int = 1
     """Context-parallel ranks (they train the same samples)."""
     placement: str = "loop"
     """The schedule's stage placement (autoplan.layout.Schedule.placement): with "v" pipeline rank 0 runs the
@@ -61,7 +61,7 @@ class RankLayout:
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == stage_rank(self.pp_size * self.virtual_stages - 1, self.pp_size, self.placement)
+        return self.pp_rank == stage_rank(self.pp * self.virtual_stages - 1, self.pp, self.placement)
 
 
 @dataclass(frozen=True)
@@ -135,8 +135,8 @@ def rank_layout(mesh: DeviceMesh, parallelism: Parallelism) -> RankLayout:
     pp, dp_replicate, dp_shard, cp, tp = mesh.shape
     pp_rank, replicate_rank, shard_rank, cp_rank, tp_rank = mesh.get_coordinate()
     return RankLayout(rank=dist.get_rank(), pp_rank=pp_rank, dp_rank=replicate_rank * dp_shard + shard_rank,
-                      dp_size=dp_replicate * dp_shard, pp_size=pp, tp_rank=tp_rank, tp_size=tp, cp_rank=cp_rank,
-                      cp_size=cp, placement=parallelism.placement,
+                      dp=dp_replicate * dp_shard, pp=pp, tp_rank=tp_rank, tp=tp, cp_rank=cp_rank,
+                      cp=cp, placement=parallelism.placement,
                       virtual_stages=parallelism.virtual_stages)
 
 
@@ -147,4 +147,4 @@ def global_mean_loss(local_loss: torch.Tensor | None, layout: RankLayout, device
     counts = local_loss is not None and layout.tp_rank == 0
     total = local_loss.detach().reshape(()).float().to(device) if counts else torch.zeros((), device=device)
     dist.all_reduce(total)
-    return total.item() / (layout.dp_size * layout.cp_size)
+    return total.item() / (layout.dp * layout.cp)

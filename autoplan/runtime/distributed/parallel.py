@@ -152,7 +152,7 @@ class TiedGradients:
             return
         elsewhere: set[int] = set()
         ranks = mesh.mesh  # (pp, dp_replicate, dp_shard, cp, tp) -> global rank
-        me, pp = dist.get_rank(), layout.pp_size
+        me, pp = dist.get_rank(), layout.pp
         states = {s: named_state(module) for s, module in parts.items()}
         for tied in split.tied:
             pp_ranks = sorted({stage_rank(s, pp, layout.placement) for s in tied.stages})

@@ -184,10 +184,10 @@ class SplitBackwardStage(PipelineStage):
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False):
         self.reduced = False
         gather_parameters(self.data_parallel)
-        for fsdp in fsdp_modules(self.data_parallel)[:1]:
-            fsdp.set_is_last_backward(False)
-            fsdp.set_reshard_after_backward(False)
-            fsdp.set_requires_gradient_sync(False)
+        for module in fsdp_modules(self.data_parallel)[:1]:
+            module.set_is_last_backward(False)
+            module.set_reshard_after_backward(False)
+            module.set_requires_gradient_sync(False)
         return self._backward(backward_type, bwd_kwargs)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:

@@ -55,7 +55,7 @@ def train_reference(program: ModuleType, model_source: Any, device: torch.device
     model = model_source.build_model().to(device)
     optimizer = adamw(model.parameters(), args.lr, program.OPTIMIZER_IMPLEMENTATION, args.weight_decay, args.betas)
     dp = program.parallel_config().parallelism.dp  # the order the data-parallel ranks read the global batch in
-    data = TrainingData(model_source, program.GLOBAL_BATCH, program.SEED, dp_rank=0, dp_size=dp)
+    data = TrainingData(model_source, program.GLOBAL_BATCH, program.SEED, dp_rank=0, dp=dp)
     losses = []
     for step in range(args.steps):
         inputs, targets = to_device(data.global_batch_of(step), device)
