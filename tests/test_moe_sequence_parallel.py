@@ -256,7 +256,7 @@ def main(argv):
             if name.endswith("mlp.experts"):
                 module.register_forward_pre_hook(lambda m, args: seen.append([type(args[0]).__name__,
                                                                               args[0].shape[0]]))
-    data = train.runtime.TrainingData(source, train.GLOBAL_BATCH, train.SEED, parallel.rank.dp_rank, train.DP)
+    data = train.runtime.TrainingData(source, train.GLOBAL_BATCH, train.SEED, parallel.rank.dp_rank, parallel.rank.dp)
     inputs, targets = data.batch(0)
     parallel.forward_backward(inputs, targets)
     gathered = [None] * dist.get_world_size()
