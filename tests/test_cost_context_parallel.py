@@ -121,22 +121,11 @@ def test_cp2_peak_memory_is_priced_within_15_percent_of_the_measured(tmp_path):
     q, k, v and its gathered K,V and fp32 gradient buffers are a fifth of the peak): `autoplan verify --measure`'s
     measured peak against the plan's (main priced it 22.6% low without them; 8.2% low with them)."""
     import json
-    from pathlib import Path
 
     from autoplan.api import PlanOptions, plan_model
     from autoplan.verify import VerifySettings, verify
 
-    examples = Path(__file__).resolve().parents[1] / "examples"
-    model = tmp_path / "long_gpt.py"
-    model.write_text(f"""import sys, torch
-sys.path.insert(0, {str(examples)!r})
-from gpt import GPT, loss_fn
-def build_model():
-    return GPT(256, 4096, 2, 2, 64)
-def example_batch(batch_size):
-    idx = torch.randint(0, 256, (batch_size, 4097))
-    return idx[:, :-1], idx[:, 1:]
-""")
+    model = _long_gpt(tmp_path)
     out = tmp_path / "out"
     plan_model(str(model), 2, "cpu", PlanOptions(global_batch=2, pin="cp=2,dp=1,microbatch=1,recompute=none", out=out))
     result = verify(out, VerifySettings(steps=2, timeout_s=240, measure=True))
@@ -153,22 +142,10 @@ def test_a_traced_ring_is_priced_only_and_shows_its_exchanges(tmp_path):
     (2 layers x the whole sequence's K,V: 2 x 4096 x 64 features x 2 bytes each; none under full recompute, whose
     backward gathers them again), as compile=on's own ring is priced
     (its compiled modules trace it); no output folder is written with it."""
-    from pathlib import Path
-
     import autoplan
     from autoplan.errors import UserError
 
-    examples = Path(__file__).resolve().parents[1] / "examples"
-    model = tmp_path / "long_gpt.py"
-    model.write_text(f"""import sys, torch
-sys.path.insert(0, {str(examples)!r})
-from gpt import GPT, loss_fn
-def build_model():
-    return GPT(256, 4096, 2, 2, 64)
-def example_batch(batch_size):
-    idx = torch.randint(0, 256, (batch_size, 4097))
-    return idx[:, :-1], idx[:, 1:]
-""")
+    model = _long_gpt(tmp_path)
     pins = "cp=2,dp=1,microbatch=1,recompute=none,compile=off"
     eager = autoplan.estimate(str(model), 2, pins, "h100-sxm5-80gb", global_batch=2).predicted
     traced = autoplan.estimate(str(model), 2, pins, "h100-sxm5-80gb", global_batch=2, ring_traced=True).predicted
@@ -186,3 +163,21 @@ def example_batch(batch_size):
     with pytest.raises(UserError, match="priced only"):
         autoplan.plan(str(model), 2, "h100-sxm5-80gb", pin=pins, ring_traced=True, out=str(tmp_path / "unused"))
     assert not (tmp_path / "unused").exists()
+
+
+def _long_gpt(tmp_path):
+    """A model file of examples/gpt.py's GPT, 2 layers of 64 features at 4096 tokens (long beside its features)."""
+    from pathlib import Path
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    model = tmp_path / "long_gpt.py"
+    model.write_text(f"""import sys, torch
+sys.path.insert(0, {str(examples)!r})
+from gpt import GPT, loss_fn
+def build_model():
+    return GPT(256, 4096, 2, 2, 64)
+def example_batch(batch_size):
+    idx = torch.randint(0, 256, (batch_size, 4097))
+    return idx[:, :-1], idx[:, 1:]
+""")
+    return model
